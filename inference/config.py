@@ -1,0 +1,163 @@
+"""Configuration: frozen dataclasses built once at the edge and passed down.
+
+ModelConfig is read from a Hugging Face config.json (transformers 4.x and 5.x layouts both);
+EngineConfig says how the engine runs. Values found at run time (KV blocks, graph batch sizes,
+sleep state) live in state objects, never here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from inference.core import InvalidRequestError
+
+# HF `architectures` entry -> our family name
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MistralForCausalLM": "mistral",
+}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    kind: str = "default"  # "default" or "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    sliding_window: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    dtype: str = "bfloat16"  # the checkpoint's torch_dtype
+    hidden_act: str = "silu"
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise InvalidRequestError("model", f"{path} not found: a model directory needs config.json")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError("model", f"{path} is not valid JSON: {e}") from e
+        return cls.from_hf_dict(data)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        archs = d.get("architectures") or []
+        family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+        if family is None:
+            family = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}.get(
+                d.get("model_type", ""))
+        if family is None:
+            raise InvalidRequestError(
+                "config.architectures",
+                f"unsupported model {archs or d.get('model_type')!r}; supported: {sorted(ARCHITECTURES)}")
+        num_heads = d["num_attention_heads"]
+        head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        sliding = d.get("sliding_window")
+        if family == "qwen2" and not d.get("use_sliding_window", False):
+            sliding = None
+        if family == "qwen3" and not d.get("use_sliding_window", False):
+            sliding = None
+        return cls(
+            family=family,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_layers=d["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=d.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope=_rope_from_hf(d),
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2" or bool(d.get("attention_bias", False)),
+            qk_norm=family == "qwen3",
+            sliding_window=sliding,
+            eos_token_ids=eos_ids,
+            bos_token_id=d.get("bos_token_id"),
+            dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),
+            hidden_act=d.get("hidden_act", "silu"),
+        )
+
+
+def _rope_from_hf(d: dict[str, Any]) -> RopeConfig:
+    # transformers 5 writes `rope_parameters` (theta inside); 4.x writes rope_theta + rope_scaling.
+    params = dict(d.get("rope_parameters") or {})
+    scaling = dict(d.get("rope_scaling") or {})
+    params = {**scaling, **params}
+    theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind not in ("default", "llama3"):
+        raise InvalidRequestError("config.rope_scaling", f"rope type {kind!r} is not supported")
+    if kind == "default":
+        return RopeConfig(theta=float(theta))
+    return RopeConfig(
+        theta=float(theta),
+        kind="llama3",
+        factor=float(params["factor"]),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # Exactly one sizing rule applies: an explicit byte budget, else a fraction of free device memory
+    # (on CPU, kv_cache_bytes defaults to 256 MiB when neither is given).
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.85
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None  # None: the model directory
+    dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"  # "auto": cuda when available
+    tp_size: int = 1
+    seed: int = 0
+    enforce_eager: bool = False
+    attention_backend: str = "auto"  # "reference" or a fast backend name; "auto" picks per device
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    draft_model: str | None = None
+    num_speculative_tokens: int = 4

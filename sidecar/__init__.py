@@ -1,0 +1,1 @@
+"""Sidecar: the process around the inference worker (CLI, HTTP control plane, client)."""
