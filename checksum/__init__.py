@@ -1,0 +1,59 @@
+"""Checksums of model weights: tensor digests, per-rank manifests, comparison reports.
+
+A leaf package: it imports torch, xxhash and the standard library only (never inference/,
+sidecar/ or trainer_hooks/). The digest and manifest formats are specified in docs/checksums.md.
+"""
+
+from __future__ import annotations
+
+from checksum.compare import KINDS, Mismatch, Report, audit, compare, compare_each, compare_ranks
+from checksum.digest import (
+    ALGORITHM,
+    DEFAULT_CHUNK_BYTES,
+    Digester,
+    TensorRecord,
+    digest_tensor,
+    digest_tensors,
+    dtype_name,
+)
+from checksum.errors import ChecksumError, ChecksumMismatch, ManifestError
+from checksum.manifest import (
+    FORMAT_VERSION,
+    Manifest,
+    load_manifests,
+    manifest_from_tensors,
+    manifests_to_json,
+    parse_rank_key,
+    rank_key,
+    save_manifests,
+)
+from checksum.tensor_bytes import flat_bytes
+
+__all__ = [
+    "ALGORITHM",
+    "DEFAULT_CHUNK_BYTES",
+    "FORMAT_VERSION",
+    "KINDS",
+    "ChecksumError",
+    "ChecksumMismatch",
+    "Digester",
+    "Manifest",
+    "ManifestError",
+    "Mismatch",
+    "Report",
+    "TensorRecord",
+    "audit",
+    "compare",
+    "compare_each",
+    "compare_ranks",
+    "digest_tensor",
+    "digest_tensors",
+    "dtype_name",
+    "flat_bytes",
+    "load_manifests",
+    "manifest_from_tensors",
+    "manifests_to_json",
+    "parse_rank_key",
+    "rank_key",
+    "save_manifests",
+]

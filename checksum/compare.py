@@ -1,0 +1,213 @@
+"""Comparing manifests: one rank, several ranks, and the report that names the first mismatch.
+
+Canonical order of mismatches (so "the first mismatch" is well defined and stable): by rank
+(dp, pp, tp numerically), then model (target before draft), then rank- and manifest-level problems,
+then tensor name, then kind in KINDS order. A tensor's digest does not cover its dtype or shape, so
+dtype and shape are compared on their own: same bytes under another shape is still a mismatch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from checksum.digest import TensorRecord
+from checksum.errors import ChecksumMismatch, ManifestError
+from checksum.manifest import MODELS, Manifest, parse_rank_key
+
+# Rank-level, then manifest-level, then per-tensor kinds; the order is part of the canonical order.
+KINDS = (
+    "missing_rank", "extra_rank", "model", "weight_version", "missing", "extra", "dtype", "shape", "digest",
+)
+_TENSOR_KINDS = frozenset(("missing", "extra", "dtype", "shape", "digest"))
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One difference. `tensor` is "" for rank- and manifest-level kinds; "-" means absent."""
+
+    kind: str
+    rank: str
+    model: str
+    tensor: str
+    expected: str
+    actual: str
+
+    def __post_init__(self) -> None:
+        assert self.kind in KINDS, f"unknown mismatch kind {self.kind!r}"
+
+    def describe(self) -> str:
+        where = f"rank {self.rank} ({self.model})"
+        subject = f"tensor {self.tensor!r}" if self.tensor else "manifest"
+        if self.kind == "missing":
+            return f"{subject} missing on {where} (expected {self.expected})"
+        if self.kind == "extra":
+            return f"unexpected {subject} on {where} ({self.actual})"
+        if self.kind == "missing_rank":
+            return f"no manifest for {where} (expected {self.expected})"
+        if self.kind == "extra_rank":
+            return f"unexpected manifest for {where} ({self.actual})"
+        return f"{self.kind} of {subject} on {where}: expected {self.expected}, got {self.actual}"
+
+    def sort_key(self) -> tuple[object, ...]:
+        model = MODELS.index(self.model) if self.model in MODELS else len(MODELS)
+        level = self.kind in _TENSOR_KINDS  # rank- and manifest-level problems first
+        return (_rank_order(self.rank), model, level, self.tensor, KINDS.index(self.kind))
+
+
+@dataclass(frozen=True)
+class Report:
+    """The outcome of an audit. `mismatches` is in canonical order; `ok` iff there are none."""
+
+    mismatches: tuple[Mismatch, ...]
+    ranks: tuple[str, ...]  # every rank key looked at, in canonical order
+    tensors_checked: int  # expected tensors compared, over all ranks
+
+    @classmethod
+    def build(cls, mismatches: Iterable[Mismatch], ranks: Iterable[str], tensors_checked: int) -> Report:
+        return cls(tuple(sorted(mismatches, key=Mismatch.sort_key)),
+                   tuple(sorted(set(ranks), key=_rank_order)), tensors_checked)
+
+    @classmethod
+    def merge(cls, reports: Iterable[Report]) -> Report:
+        reports = list(reports)
+        return cls.build((m for r in reports for m in r.mismatches), (k for r in reports for k in r.ranks),
+                         sum(r.tensors_checked for r in reports))
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+    @property
+    def first(self) -> Mismatch | None:
+        return self.mismatches[0] if self.mismatches else None
+
+    @property
+    def first_tensor(self) -> Mismatch | None:
+        """The first mismatch that names a tensor (skips rank- and manifest-level ones)."""
+        return next((m for m in self.mismatches if m.tensor), None)
+
+    def summary(self) -> str:
+        """One line: the verdict; on failure the first mismatch, and the first tensor if that differs."""
+        ranks = f"{len(self.ranks)} rank{'s' if len(self.ranks) != 1 else ''}"
+        if self.ok:
+            return f"OK: {self.tensors_checked} tensors on {ranks} match"
+        assert self.first is not None
+        text = f"checksum mismatch: {self.first.describe()}"
+        tensor = self.first_tensor
+        if tensor is not None and tensor is not self.first:
+            text += f"; first tensor: {tensor.describe()}"
+        bad_ranks = len({m.rank for m in self.mismatches})
+        return text + f" [{len(self.mismatches)} mismatches on {bad_ranks} of {ranks}]"
+
+    def table(self, max_rows: int | None = None) -> str:
+        """An aligned plain-text table of the mismatches (at most `max_rows`), then the summary."""
+        if self.ok:
+            return self.summary() + "\n"
+        shown = self.mismatches if max_rows is None else self.mismatches[:max_rows]
+        header = ("RANK", "MODEL", "KIND", "TENSOR", "EXPECTED", "ACTUAL")
+        rows = [header] + [(m.rank, m.model, m.kind, m.tensor or "-", m.expected, m.actual) for m in shown]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
+        lines = ["  ".join([*(c.ljust(w) for c, w in zip(row, widths)), row[-1]]) for row in rows]
+        if len(shown) < len(self.mismatches):
+            lines.append(f"... and {len(self.mismatches) - len(shown)} more")
+        lines.append(self.summary())
+        return "\n".join(lines) + "\n"
+
+    def check(self) -> None:
+        """Raise ChecksumMismatch (its message names the first mismatch) unless the report is ok."""
+        if not self.ok:
+            raise ChecksumMismatch(self)
+
+
+def compare(expected: Manifest, actual: Manifest) -> Report:
+    """Compare one rank's manifest with what was expected; mismatches name `actual.rank`."""
+    rank, model = actual.rank, expected.model
+    found: list[Mismatch] = []
+    if expected.model != actual.model:
+        found.append(Mismatch("model", rank, model, "", expected.model, actual.model))
+    if expected.weight_version != actual.weight_version:
+        found.append(Mismatch("weight_version", rank, model, "",
+                              str(expected.weight_version), str(actual.weight_version)))
+    want, have = expected.by_name(), actual.by_name()
+    for name in sorted(want.keys() | have.keys()):
+        e, a = want.get(name), have.get(name)
+        if a is None:
+            assert e is not None
+            found.append(Mismatch("missing", rank, model, name, _describe(e), "-"))
+        elif e is None:
+            found.append(Mismatch("extra", rank, model, name, "-", _describe(a)))
+        else:
+            found.extend(_compare_records(rank, model, e, a))
+    return Report.build(found, [rank], len(want))
+
+
+def compare_each(expected: Manifest, actuals: Sequence[Manifest]) -> Report:
+    """One expected manifest (the sender's full tensors) against every rank that received it."""
+    _index(actuals, "actual")
+    return Report.merge(compare(expected, a) for a in actuals)
+
+
+def compare_ranks(expected: Sequence[Manifest], actuals: Sequence[Manifest]) -> Report:
+    """Per-rank expectations: manifests are matched by (model, rank key); unmatched ones are reported."""
+    want, have = _index(expected, "expected"), _index(actuals, "actual")
+    reports, found = [], []
+    for key in sorted(want.keys() | have.keys(), key=lambda k: (_rank_order(k[1]), k[0])):
+        model, rank = key
+        e, a = want.get(key), have.get(key)
+        if a is None:
+            assert e is not None
+            found.append(Mismatch("missing_rank", rank, model, "", f"{len(e.records)} tensors", "-"))
+        elif e is None:
+            found.append(Mismatch("extra_rank", rank, model, "", "-", f"{len(a.records)} tensors"))
+        else:
+            reports.append(compare(e, a))
+    ranks = [k[1] for k in want.keys() | have.keys()]
+    return Report.merge([*reports, Report.build(found, ranks, 0)])
+
+
+def audit(expected: Sequence[Manifest], actuals: Sequence[Manifest]) -> Report:
+    """The `sidecar audit` rule: one expected manifest applies to every actual rank (the sender's
+    digests); several expected manifests are matched to the actual ones by (model, rank key)."""
+    if not expected:
+        raise ValueError("audit needs at least one expected manifest")
+    if len(expected) == 1:
+        return compare_each(expected[0], actuals)
+    return compare_ranks(expected, actuals)
+
+
+def _compare_records(rank: str, model: str, e: TensorRecord, a: TensorRecord) -> list[Mismatch]:
+    out = []
+    if e.dtype != a.dtype:
+        out.append(Mismatch("dtype", rank, model, e.name, e.dtype, a.dtype))
+    if e.shape != a.shape:
+        out.append(Mismatch("shape", rank, model, e.name, _shape(e.shape), _shape(a.shape)))
+    if e.digest != a.digest:
+        out.append(Mismatch("digest", rank, model, e.name, e.digest, a.digest))
+    return out
+
+
+def _index(manifests: Sequence[Manifest], side: str) -> dict[tuple[str, str], Manifest]:
+    by_key: dict[tuple[str, str], Manifest] = {}
+    for i, m in enumerate(manifests):
+        key = (m.model, m.rank)
+        if key in by_key:
+            raise ManifestError(side, f"manifests[{i}].rank", f"second {side} manifest for rank {m.rank} "
+                                f"({m.model})")
+        by_key[key] = m
+    return by_key
+
+
+def _rank_order(rank: str) -> tuple[int, ...]:
+    try:
+        return parse_rank_key(rank)
+    except ValueError:
+        return (1 << 62,)  # not a rank key (cannot happen for validated manifests): sort last
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join(map(str, shape)) + "]"
+
+
+def _describe(record: TensorRecord) -> str:
+    return f"{record.dtype}{_shape(record.shape)}"

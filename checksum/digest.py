@@ -1,0 +1,209 @@
+"""Tensor digests: the definition, the record, and the fast many-tensor path.
+
+Definition (docs/checksums.md): a tensor's digest is the lowercase hex of xxh3-128 over the tensor's
+bytes in contiguous row-major order, in the machine's byte order (little-endian everywhere torch
+runs). dtype and shape are not hashed; the record carries them, and the comparison checks them.
+Because xxh3's streaming `update()` equals the one-shot hash of the concatenation, the digest does
+not depend on how the bytes are split into chunks, nor on threads, nor on the device.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Literal
+
+import torch
+import xxhash
+
+from checksum.staging import CudaStaging, HostStaging, Job, Staging, run_jobs
+
+ALGORITHM = "xxh3_128"
+DEFAULT_CHUNK_BYTES = 16 << 20  # big enough for full D2H bandwidth, small enough to pipeline
+DEFAULT_MAX_QUEUED_COPIES = 6
+MAX_DEFAULT_THREADS = 16
+
+NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """What a manifest says about one tensor. `dtype` is torch's name without "torch."."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    digest: str
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """"bfloat16" for torch.bfloat16: the spelling manifests use."""
+    return str(dtype).removeprefix("torch.")
+
+
+def digest_tensor(tensor: torch.Tensor) -> str:
+    """The digest of one tensor (CPU or CUDA). For many tensors, `digest_tensors` is much faster."""
+    return digest_tensors([("tensor", tensor)])[0].digest
+
+
+def digest_tensors(
+    named_tensors: NamedTensors,
+    *,
+    threads: int | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    num_buffers: int | None = None,
+) -> list[TensorRecord]:
+    """Records for every (name, tensor), in input order. Reuses a cached `Digester` per settings."""
+    return _shared_digester(threads, chunk_bytes, num_buffers).digest(named_tensors)
+
+
+@lru_cache(maxsize=4)
+def _shared_digester(threads: int | None, chunk_bytes: int, num_buffers: int | None) -> Digester:
+    return Digester(threads, chunk_bytes=chunk_bytes, num_buffers=num_buffers)
+
+
+def default_threads() -> int:
+    """Up to 16 threads, never more than the cores this process may run on."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_DEFAULT_THREADS, cores))
+
+
+class Digester:
+    """Digests many tensors with a persistent thread pool and reusable pinned staging buffers.
+
+    CPU tensors are hashed in place (contiguous ones are never copied), one thread per tensor,
+    largest first. CUDA tensors stream through `num_buffers` pinned host buffers of `chunk_bytes`,
+    filled by a dedicated copy stream; see checksum/staging.py for the ordering invariants.
+    `staging="always"` also streams CPU tensors through (host) buffers: it runs the device pipeline
+    on machines without a GPU (tests) at the cost of one extra memcpy.
+
+    One digest runs at a time per Digester (calls from several threads are serialized). Pinned
+    buffers are allocated on the first CUDA digest and kept until `close()`.
+    """
+
+    def __init__(
+        self,
+        threads: int | None = None,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        num_buffers: int | None = None,
+        max_queued_copies: int = DEFAULT_MAX_QUEUED_COPIES,
+        staging: Literal["device", "always"] = "device",
+    ) -> None:
+        self.threads = default_threads() if threads is None else threads
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+        if max_queued_copies < 1:
+            raise ValueError(f"max_queued_copies must be >= 1, got {max_queued_copies}")
+        if staging not in ("device", "always"):
+            raise ValueError(f"staging must be 'device' or 'always', got {staging!r}")
+        # A buffer per hashing thread, one per queued copy, and slack so the copier rarely waits.
+        self.num_buffers = num_buffers if num_buffers is not None else self.threads + max_queued_copies + 2
+        if self.num_buffers < 1:
+            raise ValueError(f"num_buffers must be >= 1, got {num_buffers}")
+        self.chunk_bytes = chunk_bytes
+        self.max_queued_copies = max_queued_copies
+        self.staging_mode = staging
+        self._pool: ThreadPoolExecutor | None = None
+        self._cuda: CudaStaging | None = None
+        self._host: HostStaging | None = None
+        self._lock = threading.Lock()
+
+    def digest(self, named_tensors: NamedTensors) -> list[TensorRecord]:
+        """Records in input order, whatever order the hashes finish in. Names need not be unique."""
+        items = _named_items(named_tensors)
+        records: list[TensorRecord | None] = [None] * len(items)
+        groups: dict[str, list[Job]] = {}
+        for index, (name, tensor) in enumerate(items):
+            prepared = _check_tensor(name, tensor)
+            nbytes = prepared.numel() * prepared.element_size()
+            if nbytes == 0:  # empty tensors skip the pipeline: nothing to copy or hash
+                records[index] = _record(name, prepared, xxhash.xxh3_128().hexdigest())
+                continue
+            key = self._group_key(prepared)
+            groups.setdefault(key, []).append(Job(index, prepared, nbytes, staged=key != "inplace"))
+        with self._lock:
+            for key, jobs in groups.items():
+                run_jobs(jobs, self._staging_for(key), self._executor(), self.threads,
+                         self.chunk_bytes, self.max_queued_copies)
+                for job in jobs:
+                    assert job.digest is not None, "run_jobs returned without digesting every job"
+                    records[job.index] = _record(items[job.index][0], job.tensor, job.digest)
+        assert all(r is not None for r in records)
+        return records  # type: ignore[return-value]
+
+    def close(self) -> None:
+        """Stop the threads and drop the staging buffers; the Digester can be used again after."""
+        with self._lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            self._pool, self._cuda, self._host = None, None, None
+
+    def __enter__(self) -> Digester:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _group_key(self, tensor: torch.Tensor) -> str:
+        if tensor.device.type == "cpu":
+            return "host" if self.staging_mode == "always" else "inplace"
+        if tensor.device.type == "cuda":
+            return str(tensor.device)
+        raise TypeError(f"cannot digest tensors on device {tensor.device} (only cpu and cuda)")
+
+    def _staging_for(self, key: str) -> tuple[Staging, torch.device | None] | None:
+        if key == "inplace":
+            return None
+        if key == "host":
+            if self._host is None:
+                self._host = HostStaging(self.chunk_bytes, self.num_buffers)
+            return self._host, None
+        if self._cuda is None:
+            self._cuda = CudaStaging(self.chunk_bytes, self.num_buffers)
+        return self._cuda, torch.device(key)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="checksum-digest")
+        return self._pool
+
+
+def _named_items(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
+    pairs = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    items = []
+    for pair in pairs:
+        try:
+            name, tensor = pair
+        except (TypeError, ValueError):
+            raise TypeError(f"expected (name, tensor) pairs, got {type(pair).__name__}") from None
+        if not isinstance(name, str):
+            raise TypeError(f"tensor names must be str, got {type(name).__name__} ({name!r})")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+        items.append((name, tensor))
+    return items
+
+
+def _check_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """Refuse what has no well-defined dense bytes; return a detached tensor."""
+    if tensor.layout != torch.strided:
+        raise TypeError(f"tensor {name!r}: cannot digest layout {tensor.layout} (only dense tensors)")
+    if tensor.is_quantized:
+        raise TypeError(f"tensor {name!r}: cannot digest quantized tensors")
+    if tensor.device.type == "meta":
+        raise TypeError(f"tensor {name!r}: a meta tensor has no bytes to digest")
+    return tensor.detach()
+
+
+def _record(name: str, tensor: torch.Tensor, digest: str) -> TensorRecord:
+    return TensorRecord(name, dtype_name(tensor.dtype), tuple(int(s) for s in tensor.shape), digest)

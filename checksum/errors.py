@@ -1,0 +1,40 @@
+"""Errors of the checksum package.
+
+`checksum` is a leaf (it cannot import `inference.core.SidecarError`), so it has its own base,
+`ChecksumError`. Both concrete errors are also `ValueError`s: a bad manifest and a mismatching
+audit are both "the data is wrong", and callers that only know the standard library can catch them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from checksum.compare import Report
+
+
+class ChecksumError(Exception):
+    """Base of every error the checksum package raises on purpose."""
+
+
+class ManifestError(ChecksumError, ValueError):
+    """A manifest (file, JSON text or dict) is malformed.
+
+    `source` names where it came from (a path, or "<dict>"), `field` the offending field as a
+    dotted path such as "tensors[3].shape"; both appear in the message.
+    """
+
+    def __init__(self, source: str, field_name: str, message: str) -> None:
+        super().__init__(f"{source}: {field_name}: {message}")
+        self.source = source
+        self.field = field_name
+        self.message = message
+
+
+class ChecksumMismatch(ChecksumError, ValueError):
+    """An audit found a difference; `report` holds every mismatch, the message names the first one."""
+
+    def __init__(self, report: Report) -> None:
+        assert not report.ok, "ChecksumMismatch needs a failing report"
+        super().__init__(report.summary())
+        self.report = report

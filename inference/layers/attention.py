@@ -1,0 +1,147 @@
+"""Paged attention: the backend interface, a plain-torch reference backend, and the layer that
+holds one layer's KV cache views.
+
+Cache layout (per layer): k_cache, v_cache [num_blocks, block_size, num_kv_heads_local, head_dim].
+Token slot s lives at block s // block_size, offset s % block_size. A backend first writes the new
+tokens' k/v at meta.slot_mapping, then lets each sequence's queries attend over its first
+context_lens[i] cached tokens; query j of sequence i sits at position context_lens[i] -
+query_lens[i] + j (causal). See inference/batch.py for AttentionMetadata.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from inference.batch import AttentionMetadata
+from inference.core import InvalidRequestError, StateError
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                sliding_window: int | None) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] (Hq % Hkv == 0) -> [T, Hq, D] in q's dtype."""
+        ...
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write each token's k/v at its slot (in place; the caches are views bound by the runner)."""
+    num_blocks, block_size, heads, dim = k_cache.shape
+    k_cache.view(num_blocks * block_size, heads, dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(num_blocks * block_size, heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+class ReferenceAttention:
+    """Readable and slow: one gather + dense masked attention per sequence, all math in fp32.
+
+    Works on CPU and GPU; reads the host copies of query/context lengths, so it is not meant for
+    CUDA graphs. Serves as the oracle the fast backends are tested against.
+    """
+
+    name = "reference"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                sliding_window: int | None) -> torch.Tensor:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        start = 0
+        for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens, meta.context_lens_host)):
+            assert 0 < q_len <= ctx_len, (i, q_len, ctx_len)
+            keys, values = _gather_context(k_cache, v_cache, meta.block_tables[i], ctx_len)
+            out[start:start + q_len] = _dense_attention(
+                q[start:start + q_len], keys, values, scale, sliding_window).to(q.dtype)
+            start += q_len
+        assert start == q.shape[0], (start, q.shape)
+        return out
+
+
+def _gather_context(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                    ctx_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ctx_len cached k/v of one sequence, in order: [ctx_len, Hkv, D] each."""
+    num_blocks, block_size, heads, dim = k_cache.shape
+    n_blocks = -(-ctx_len // block_size)
+    blocks = block_table[:n_blocks].long()
+    offsets = torch.arange(block_size, device=blocks.device)
+    slots = (blocks[:, None] * block_size + offsets).reshape(-1)[:ctx_len]
+    flat_k = k_cache.view(num_blocks * block_size, heads, dim)
+    flat_v = v_cache.view(num_blocks * block_size, heads, dim)
+    return flat_k[slots], flat_v[slots]
+
+
+def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     sliding_window: int | None) -> torch.Tensor:
+    """q [Tq, Hq, D] are the LAST Tq of the Tk positions of k/v [Tk, Hkv, D]; returns fp32 [Tq, Hq, D]."""
+    tq, hq, _ = q.shape
+    tk, hkv, _ = k.shape
+    assert hq % hkv == 0, (hq, hkv)
+    group = hq // hkv
+    # GQA: query head h reads kv head h // group (HF's repeat_kv order).
+    k32 = k.float().repeat_interleave(group, dim=1)
+    v32 = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k32) * scale
+    q_pos = torch.arange(tk - tq, tk, device=q.device)[:, None]
+    k_pos = torch.arange(tk, device=q.device)[None, :]
+    allowed = k_pos <= q_pos
+    if sliding_window is not None:
+        # HF semantics: a query sees itself and the sliding_window - 1 keys before it.
+        allowed &= k_pos > q_pos - sliding_window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v32)
+
+
+_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"reference": ReferenceAttention}
+
+
+def register_attention_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:
+    """Make a backend selectable by name (fast backends register themselves on import)."""
+    _BACKENDS[name] = factory
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    if name not in _BACKENDS:
+        raise InvalidRequestError(
+            "attention_backend", f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}")
+    return _BACKENDS[name]()
+
+
+class Attention(nn.Module):
+    """One layer's attention over the paged KV cache; holds no parameters.
+
+    k_cache / v_cache are plain attributes (not buffers): the runner owns that memory and binds
+    views of it with bind_kv_cache; they never appear in state_dict() or named_buffers().
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.backend = backend
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def bind_kv_cache(self, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None) -> None:
+        if k_cache is not None:
+            assert v_cache is not None and k_cache.shape == v_cache.shape, "k and v caches differ"
+            assert k_cache.shape[2:] == (self.num_kv_heads, self.head_dim), tuple(k_cache.shape)
+        self.k_cache, self.v_cache = k_cache, v_cache
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        if self.k_cache is None or self.v_cache is None:
+            raise StateError("no KV cache is bound: call model.bind_kv_cache(...) before forward")
+        assert self.k_cache.shape[1] == meta.block_size, (self.k_cache.shape, meta.block_size)
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
+                                    self.sliding_window)

@@ -1,0 +1,147 @@
+"""Tensor-parallel linear layers with loaders that take FULL (unsharded) Hugging Face tensors.
+
+Every parameter carries `weight_loader(param, full_hf_tensor, shard_id=None)`, which copies this
+rank's slice of the full tensor into the right rows/columns of the (possibly fused) parameter.
+Layouts (out_features is dim 0, as in nn.Linear):
+- ColumnParallelLinear: rank r holds rows [r*n/tp, (r+1)*n/tp) of the weight and bias.
+- MergedColumnParallelLinear: the concatenation, per rank, of each part's row shard
+  (gate_up: [gate_r; up_r]); shard_id is the part index 0, 1, ...
+- QKVParallelLinear: [q heads of rank r; k heads of rank r; v heads of rank r]; shard_id "q"/"k"/"v".
+- RowParallelLinear: rank r holds columns [r*n/tp, (r+1)*n/tp); outputs are summed over ranks
+  (all_reduce) and the bias is added once, after the sum.
+Parameters are created with torch.empty: the loader (or the weight receiver) fills them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inference.core import InvalidRequestError
+from inference.parallel import TPInfo
+
+ShardId = str | int | None
+WeightLoader = Callable[[nn.Parameter, torch.Tensor, ShardId], None]
+
+
+def new_param(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str,
+              loader: WeightLoader) -> nn.Parameter:
+    """An uninitialized, non-trainable parameter with its weight_loader attached."""
+    param = nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
+
+
+def replicated_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+    """Every rank holds the whole tensor (norms, unsharded layers)."""
+    assert shard_id is None, shard_id
+    assert param.shape == loaded.shape, (tuple(param.shape), tuple(loaded.shape))
+    param.data.copy_(loaded)
+
+
+def tp_divide(n: int, tp: TPInfo, what: str) -> int:
+    """n // tp.size, or a clear InvalidRequestError naming what does not divide."""
+    if n % tp.size:
+        raise InvalidRequestError(
+            "tp_size", f"{what} = {n} does not divide by tensor-parallel size {tp.size}")
+    return n // tp.size
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split by output rows; the output stays sharded (no communication)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPInfo,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.tp = tp
+        self.in_features = in_features
+        self.out_features_local = tp_divide(out_features, tp, "output features")
+        self.weight = new_param((self.out_features_local, in_features), dtype, device, self.weight_loader)
+        self.bias = (new_param((self.out_features_local,), dtype, device, self.weight_loader)
+                     if bias else None)
+
+    def _row_shard(self, loaded: torch.Tensor, n_local: int) -> torch.Tensor:
+        return loaded.narrow(0, self.tp.rank * n_local, n_local)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        assert shard_id is None, shard_id
+        assert loaded.shape[0] == self.out_features_local * self.tp.size, tuple(loaded.shape)
+        param.data.copy_(self._row_shard(loaded, self.out_features_local))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs fused in one matmul (gate_up: output_sizes = [I, I])."""
+
+    def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool, tp: TPInfo,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        self.output_sizes = list(output_sizes)
+        super().__init__(in_features, sum(self.output_sizes), bias, tp, dtype, device)
+        self.local_sizes = [tp_divide(n, tp, "fused output part") for n in self.output_sizes]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        assert isinstance(shard_id, int) and 0 <= shard_id < len(self.output_sizes), shard_id
+        assert loaded.shape[0] == self.output_sizes[shard_id], (shard_id, tuple(loaded.shape))
+        n_local = self.local_sizes[shard_id]
+        offset = sum(self.local_sizes[:shard_id])
+        param.data.narrow(0, offset, n_local).copy_(self._row_shard(loaded, n_local))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q, k, v projections, split by heads. Both head counts must divide by the TP size."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 tp: TPInfo, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.head_dim = head_dim
+        self.num_heads_local = tp_divide(num_heads, tp, "num_attention_heads")
+        self.num_kv_heads_local = tp_divide(num_kv_heads, tp, "num_key_value_heads")
+        out = (num_heads + 2 * num_kv_heads) * head_dim
+        super().__init__(hidden_size, out, bias, tp, dtype, device)
+        self.q_size_local = self.num_heads_local * head_dim
+        self.kv_size_local = self.num_kv_heads_local * head_dim
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        assert shard_id in ("q", "k", "v"), shard_id
+        n_local = self.q_size_local if shard_id == "q" else self.kv_size_local
+        offset = {"q": 0, "k": self.q_size_local, "v": self.q_size_local + self.kv_size_local}[shard_id]
+        assert loaded.shape[0] == n_local * self.tp.size, (shard_id, tuple(loaded.shape))
+        param.data.narrow(0, offset, n_local).copy_(self._row_shard(loaded, n_local))
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[T, (Hq + 2 Hkv) * D] -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] (local heads)."""
+        q, k, v = qkv.split([self.q_size_local, self.kv_size_local, self.kv_size_local], dim=-1)
+        t = qkv.shape[0]
+        return (q.reshape(t, self.num_heads_local, self.head_dim),
+                k.reshape(t, self.num_kv_heads_local, self.head_dim),
+                v.reshape(t, self.num_kv_heads_local, self.head_dim))
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum_r x_r W_r^T + b, with x sharded on its last dim; all_reduce makes y whole on every rank."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPInfo,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.tp = tp
+        self.in_features_local = tp_divide(in_features, tp, "input features")
+        self.out_features = out_features
+        self.weight = new_param((out_features, self.in_features_local), dtype, device, self.weight_loader)
+        # The bias is replicated and added after the reduction, so it counts once.
+        self.bias = new_param((out_features,), dtype, device, replicated_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        assert shard_id is None, shard_id
+        n = self.in_features_local
+        assert loaded.shape[1] == n * self.tp.size, tuple(loaded.shape)
+        param.data.copy_(loaded.narrow(1, self.tp.rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias

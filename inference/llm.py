@@ -1,0 +1,218 @@
+"""The engine: requests in, outputs out. Validation, scheduling, detokenization and stop strings.
+
+`LLM` drives one Worker. With tensor parallelism every rank runs its own LLM over the same requests
+in lockstep (SPMD): scheduling is deterministic, logits are gathered to every rank and the sampling
+generators share a seed, so all ranks produce the same tokens; the driver feeds every rank the same
+calls.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from inference.block_manager import BlockManager
+from inference.config import CacheConfig, EngineConfig, SchedulerConfig
+from inference.core import (
+    CompletionOutput,
+    FinishReason,
+    InvalidRequestError,
+    RequestOutput,
+    SamplingParams,
+    StateError,
+)
+from inference.parallel import TPInfo
+from inference.scheduler import Scheduler
+from inference.sequence import Sequence
+from inference.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
+from inference.worker import Worker
+
+Prompt = str | Seq[int]
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    seqs: list[Sequence]
+    weight_version: int
+    arrival: float
+    detoks: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
+    texts: dict[int, str] = field(default_factory=dict)  # text so far per sample (stop strings)
+
+
+def build_engine_config(model: str, **overrides: Any) -> EngineConfig:
+    """EngineConfig from flat keyword overrides (cache and scheduler fields go to their sections)."""
+    cache_keys = CacheConfig.__dataclass_fields__.keys()
+    sched_keys = SchedulerConfig.__dataclass_fields__.keys()
+    cache = {k: overrides.pop(k) for k in list(overrides) if k in cache_keys}
+    sched = {k: overrides.pop(k) for k in list(overrides) if k in sched_keys}
+    unknown = set(overrides) - set(EngineConfig.__dataclass_fields__)
+    if unknown:
+        raise InvalidRequestError(sorted(unknown)[0], "unknown engine option")
+    return EngineConfig(model=model, cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched), **overrides)
+
+
+class LLM:
+    """`LLM(model_dir).generate(prompts, SamplingParams(...))`; model_dir None is the embedded tiny model."""
+
+    def __init__(self, model: str | Path | None = None, *, config: EngineConfig | None = None,
+                 tp: TPInfo | None = None, **overrides: Any) -> None:
+        if config is None:
+            if model is None:
+                from inference.tiny import default_model_dir
+                model = default_model_dir()
+            config = build_engine_config(str(model), **overrides)
+        self.config = config
+        self.worker = Worker(config, tp)
+        self.worker.init_device()
+        self.worker.load_model()
+        mc = self.worker.model_config
+        assert mc is not None and self.worker.runner is not None
+        self.model_config = mc
+        kv_bytes = self.worker.determine_available_memory()
+        num_blocks = kv_bytes // self.worker.runner.kv_bytes_per_block(config.cache.block_size)
+        self.worker.initialize_kv_cache(num_blocks)
+        self.worker.warm_up()
+        self.tokenizer = Tokenizer.from_dir(config.tokenizer or config.model)
+        self.max_model_len = min(config.scheduler.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)
+        eos = mc.eos_token_ids or (self.tokenizer.eos_token_ids if self.tokenizer else ())
+        self.eos_token_ids = tuple(eos)
+        self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, self.eos_token_ids)
+        self.weight_version = 0
+        self._requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Validate and queue one prompt. Raises InvalidRequestError naming the field; queues nothing then."""
+        params = params or SamplingParams()
+        params.validate(self.model_config.vocab_size)
+        text, ids = self._tokenize(prompt)
+        self._check_prompt(ids, params)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+        seqs = Sequence.group(request_id, ids, params)
+        req = _Request(request_id, text, list(ids), seqs, self.weight_version, time.monotonic())
+        if params.stop and self.tokenizer is not None:
+            req.detoks = {s.index: IncrementalDetokenizer(self.tokenizer, ids) for s in seqs}
+            req.texts = {s.index: "" for s in seqs}
+        self._requests[request_id] = req
+        for s in seqs:
+            self.scheduler.add(s)
+        return request_id
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("prompt", "this model has no tokenizer.json: send token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, Seq) or isinstance(prompt, bytes):
+            raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
+        return None, list(prompt)
+
+    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        for i, t in enumerate(ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise InvalidRequestError("prompt", f"token {i} = {t!r} is outside the vocabulary [0, {vocab})")
+        self.scheduler.validate(len(ids), params)
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+        self._requests.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    # ---- stepping -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; return the requests that finished in it."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            if self.scheduler.has_unfinished():
+                raise StateError("scheduler made no progress with requests pending (KV cache too small?)")
+            return []
+        results = self.worker.execute_model(batch)
+        self.scheduler.commit(batch, results)
+        self._apply_stop_strings(batch.seqs, results)
+        return self._collect_finished()
+
+    def _apply_stop_strings(self, seqs: list[Sequence], results: list) -> None:
+        for seq, res in zip(seqs, results):
+            if res is None:
+                continue
+            req = self._requests.get(seq.request_id)
+            if req is None or not req.detoks:
+                continue
+            delta = req.detoks[seq.index].add(seq.token_ids[-1:])
+            text = req.texts[seq.index] + delta
+            req.texts[seq.index] = text
+            if seq.is_finished:
+                continue
+            hit = find_stop(text, seq.params.stop)
+            if hit is not None:
+                index, stop = hit
+                req.texts[seq.index] = text[:index]
+                self.scheduler.finish(seq, FinishReason.STOP, stop)
+
+    def _collect_finished(self) -> list[RequestOutput]:
+        done = [r for r in self._requests.values() if all(s.is_finished for s in r.seqs)]
+        for r in done:
+            del self._requests[r.request_id]
+        return [self._output(r) for r in done]
+
+    def _output(self, req: _Request) -> RequestOutput:
+        outs = []
+        for s in req.seqs:
+            text = None
+            if self.tokenizer is not None:
+                text = req.texts[s.index] if s.params.stop else self.tokenizer.decode(s.completion_token_ids)
+            outs.append(CompletionOutput(
+                index=s.index, token_ids=list(s.completion_token_ids), logprobs=list(s.logprobs),
+                finish_reason=s.finish_reason, text=text,
+                top_logprobs=list(s.top_logprobs) if s.top_logprobs is not None else None,
+                stop_reason=s.stop_reason))
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=req.prompt_ids, outputs=outs,
+            weight_version=req.weight_version, prompt=req.prompt,
+            num_cached_tokens=sum(s.num_cached_tokens for s in req.seqs),
+            metrics={"latency_s": time.monotonic() - req.arrival})
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; outputs in prompt order. Nothing is queued if any input is bad."""
+        if isinstance(prompts, str) or (isinstance(prompts, Seq) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if isinstance(sampling_params, Seq):
+            if len(sampling_params) != len(prompts):
+                raise InvalidRequestError("sampling_params", f"{len(sampling_params)} given for {len(prompts)} prompts")
+            params_list = list(sampling_params)
+        else:
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        self._validate_all(prompts, params_list)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        results: dict[str, RequestOutput] = {}
+        while any(i not in results for i in ids):
+            for out in self.step():
+                results[out.request_id] = out
+        return [results[i] for i in ids]
+
+    def _validate_all(self, prompts: list, params_list: list[SamplingParams]) -> None:
+        for i, (p, sp) in enumerate(zip(prompts, params_list)):
+            try:
+                sp.validate(self.model_config.vocab_size)
+                self._check_prompt(self._tokenize(p)[1], sp)
+            except InvalidRequestError as e:
+                raise InvalidRequestError(e.field.replace("prompt", f"prompts[{i}]", 1)
+                                          if e.field == "prompt" else f"{e.field} (prompt {i})", e.message) from None

@@ -1,0 +1,477 @@
+"""Sleep and wake: tagged arenas of device memory that can be released and restored in place.
+
+An `Arena` is one region of memory; model parameters and the KV cache are views into it, so releasing
+the arena frees them all at once and restoring it makes every view valid again without touching the
+module. Three tags exist: "weights" (target model), "draft_weights" (draft model) and "kv_cache".
+
+Levels (what `MemoryManager.sleep` does to each awake arena):
+- level 1: weights arenas are copied to a host mirror (allocated once, reused), then released;
+- level 2: weights arenas are released without a copy (the next weight sync refills them);
+- the KV cache is released without a copy at both levels.
+Module buffers (rotary tables and the like) never live in an arena, so they survive every level.
+
+Invariants:
+- An arena is AWAKE (memory present), ASLEEP_MIRRORED (released, bytes held by the host mirror) or
+  ASLEEP_EMPTY (released, bytes lost). `contents_valid` is False from a drop until `mark_loaded`.
+- Views keep their identity across a cycle. On CUDA they also keep their address (the virtual
+  range is reserved once; see inference/memory_cuda.py), so captured CUDA graphs stay valid.
+- Nothing may read or write an asleep arena: on CUDA that is an illegal address, on CPU a read
+  of freed memory. The worker checks `MemoryManager.check_ready()` before running the model.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from inference.core import InvalidRequestError, SidecarError, StateError
+
+WEIGHT_TAGS = ("weights", "draft_weights")
+KV_TAG = "kv_cache"
+ARENA_TAGS = (*WEIGHT_TAGS, KV_TAG)
+# What `wake_up(tags)` accepts: "weights" wakes the target and the draft together.
+WAKE_GROUPS: dict[str, tuple[str, ...]] = {"weights": WEIGHT_TAGS, KV_TAG: (KV_TAG,)}
+DEFAULT_ALIGN = 256  # bytes; every view starts on this boundary (vectorised kernels want it)
+DEFAULT_CHUNK_BYTES = 1 << 30  # map, copy and mirror in 1 GiB chunks
+POISON_BYTE = 0xFF  # all-ones bytes read as NaN in every float dtype
+
+
+class ArenaFullError(SidecarError, MemoryError):
+    """An allocation does not fit in the arena (the arena was sized too small)."""
+
+
+class DeviceMemoryError(SidecarError, MemoryError):
+    """Not enough free device memory to map an arena; the failed attempt left nothing mapped."""
+
+    def __init__(self, message: str, tag: str, needed_bytes: int, free_bytes: int | None) -> None:
+        super().__init__(message)
+        self.tag = tag
+        self.needed_bytes = needed_bytes
+        self.free_bytes = free_bytes
+
+
+class WakeError(DeviceMemoryError):
+    """A wake could not map memory (e.g. the trainer still holds it). The arena stays asleep and
+    keeps its mirror, so the same wake can be retried once memory is free."""
+
+
+class ArenaState(str, enum.Enum):
+    AWAKE = "awake"
+    ASLEEP_MIRRORED = "asleep_mirrored"  # level 1: the host mirror holds the bytes
+    ASLEEP_EMPTY = "asleep_empty"  # level 2 or KV cache: the bytes are gone
+    CLOSED = "closed"
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def gib(n: int | None) -> str:
+    return "unknown" if n is None else f"{n / (1 << 30):.2f} GiB"
+
+
+class Arena:
+    """One tagged region of memory with a bump allocator; tensors are views of `base` (uint8).
+
+    Subclasses provide `_release(copy_out)` and `_acquire(copy_in)`; this class owns the state
+    machine, the chunked host mirror and the views. `chunks` (offset, size) cover `base` exactly.
+    """
+
+    def __init__(self, tag: str, base: torch.Tensor, chunks: Sequence[tuple[int, int]]) -> None:
+        assert base.dtype == torch.uint8 and base.dim() == 1
+        assert sum(size for _, size in chunks) == base.numel()
+        self.tag = tag
+        self.base = base
+        self.chunks = list(chunks)
+        self.state = ArenaState.AWAKE
+        self.contents_valid = False
+        self._used = 0
+        self._mirror: list[torch.Tensor] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.base.numel()
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def device(self) -> torch.device:
+        return self.base.device
+
+    @property
+    def has_host_mirror(self) -> bool:
+        return self._mirror is not None
+
+    def alloc(
+        self, shape: Sequence[int] | int, dtype: torch.dtype, align: int = DEFAULT_ALIGN
+    ) -> torch.Tensor:
+        """Bump-allocate a contiguous tensor; its bytes are whatever the arena holds."""
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        nbytes = math.prod(shape) * dtype.itemsize
+        offset = round_up(self._used, max(align, dtype.itemsize))
+        if offset + nbytes > self.nbytes:
+            raise ArenaFullError(
+                f"arena {self.tag!r}: {nbytes} bytes for {shape} {dtype} do not fit "
+                f"({self.nbytes - offset} of {self.nbytes} bytes left)"
+            )
+        self._used = offset + nbytes
+        return self.view(offset, dtype, shape)
+
+    def view(self, offset: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+        """A tensor of `shape` and `dtype` over the arena's bytes starting at `offset`."""
+        self._require(ArenaState.AWAKE, "view")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if offset % dtype.itemsize or offset < 0 or offset + nbytes > self.nbytes:
+            raise ArenaFullError(f"arena {self.tag!r}: bad view at {offset} of {nbytes} bytes ({dtype})")
+        return self.base[offset : offset + nbytes].view(dtype).view(tuple(shape))
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """True if `tensor`'s memory lies inside this (awake) arena."""
+        if self.state != ArenaState.AWAKE or tensor.device != self.device or tensor.is_meta:
+            return False
+        start = self.base.data_ptr()
+        return start <= tensor.data_ptr() < start + self.nbytes
+
+    def prepare_host_mirror(self) -> None:
+        """Allocate the (pinned on CUDA) host mirror now; allocating 15 GB pinned takes seconds."""
+        if self._mirror is None:
+            pin = self.device.type == "cuda"
+            self._mirror = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _, size in self.chunks]
+
+    def release_host_mirror(self) -> None:
+        """Give the host mirror back; refused while it holds the only copy of the bytes."""
+        if self.state == ArenaState.ASLEEP_MIRRORED:
+            raise StateError(f"arena {self.tag!r}: the host mirror holds the only copy of the weights")
+        self._mirror = None
+
+    def sleep(self, keep: bool) -> int:
+        """Release the memory; with `keep` (and valid contents) copy the bytes to the host mirror
+        first. Returns the bytes released."""
+        self._require(ArenaState.AWAKE, "sleep")
+        mirrored = keep and self.contents_valid
+        if mirrored:
+            self.prepare_host_mirror()
+        self._release(copy_out=mirrored)
+        self.state = ArenaState.ASLEEP_MIRRORED if mirrored else ArenaState.ASLEEP_EMPTY
+        self.contents_valid = mirrored
+        return self.nbytes
+
+    def wake(self) -> int:
+        """Map memory again (same views) and restore the mirror if there is one; returns bytes.
+        On failure the arena stays asleep in its previous state."""
+        if self.state == ArenaState.AWAKE or self.state == ArenaState.CLOSED:
+            raise StateError(f"arena {self.tag!r}: cannot wake, it is {self.state.value}")
+        self._acquire(copy_in=self.state == ArenaState.ASLEEP_MIRRORED)
+        self.state = ArenaState.AWAKE
+        return self.nbytes
+
+    def close(self) -> None:
+        """Free everything; every view into the arena becomes invalid."""
+        if self.state != ArenaState.CLOSED:
+            if self.state == ArenaState.AWAKE:
+                self._release(copy_out=False)
+            self._close_backing()
+            self._mirror = None
+            self.state = ArenaState.CLOSED
+            self.contents_valid = False
+
+    def _require(self, state: ArenaState, action: str) -> None:
+        if self.state != state:
+            raise StateError(f"arena {self.tag!r}: cannot {action} while {self.state.value}")
+
+    def _release(self, copy_out: bool) -> None:
+        raise NotImplementedError
+
+    def _acquire(self, copy_in: bool) -> None:
+        raise NotImplementedError
+
+    def _close_backing(self) -> None:
+        """Called once, after `_release` if the arena was awake."""
+
+
+class CpuArena(Arena):
+    """Plain host memory. Release resizes the storage to 0 bytes (views stay valid objects and see
+    the new memory after the resize back; the address may change). A wake without a mirror fills
+    the arena with POISON_BYTE so stale data is never silently reused."""
+
+    def __init__(self, tag: str, nbytes: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        nbytes = round_up(max(nbytes, 1), DEFAULT_ALIGN)
+        chunk = round_up(min(chunk_bytes, nbytes), DEFAULT_ALIGN)
+        chunks = [(off, min(chunk, nbytes - off)) for off in range(0, nbytes, chunk)]
+        super().__init__(tag, torch.empty(nbytes, dtype=torch.uint8), chunks)
+
+    def _release(self, copy_out: bool) -> None:
+        if copy_out:
+            assert self._mirror is not None
+            for (off, size), host in zip(self.chunks, self._mirror):
+                host.copy_(self.base[off : off + size])
+        self.base.untyped_storage().resize_(0)
+
+    def _acquire(self, copy_in: bool) -> None:
+        self.base.untyped_storage().resize_(self.nbytes)
+        if copy_in:
+            assert self._mirror is not None
+            for (off, size), host in zip(self.chunks, self._mirror):
+                self.base[off : off + size].copy_(host)
+        else:
+            self.base.fill_(POISON_BYTE)
+
+
+def module_parameters(module: nn.Module, exclude: Iterable[Arena] = ()) -> list[tuple[str, nn.Parameter]]:
+    """The module's parameters, each Parameter object once (tied weights share one entry), minus
+    those already living in an arena of `exclude` (e.g. a draft sharing the target's lm_head)."""
+    exclude = list(exclude)
+    return [
+        (name, p)
+        for name, p in module.named_parameters(remove_duplicate=True)
+        if not any(arena.owns(p) for arena in exclude)
+    ]
+
+
+def parameters_nbytes(params: Iterable[nn.Parameter], align: int = DEFAULT_ALIGN) -> int:
+    """Arena bytes needed to hold `params` with `alloc`'s alignment."""
+    total = 0
+    for p in params:
+        total = round_up(total, max(align, p.dtype.itemsize)) + p.numel() * p.element_size()
+    return total
+
+
+def adopt_parameters(
+    module: nn.Module, arena: Arena, exclude: Iterable[Arena] = (), align: int = DEFAULT_ALIGN
+) -> dict[str, int]:
+    """Move every parameter of `module` into `arena`: copy its data (meta tensors have none) and
+    point the Parameter at the arena view, so the Parameter objects and the module are unchanged.
+    Buffers are left where they are. Returns {parameter name: byte offset in the arena}."""
+    offsets: dict[str, int] = {}
+    for name, param in module_parameters(module, exclude):
+        view = arena.alloc(param.shape, param.dtype, align)
+        if param.is_meta:
+            # `.data =` refuses meta -> real; swapping the tensor bodies keeps the Parameter object.
+            torch.utils.swap_tensors(param, nn.Parameter(view, requires_grad=param.requires_grad))
+        else:
+            view.copy_(param.data)
+            param.data = view
+        offsets[name] = view.data_ptr() - arena.base.data_ptr()
+    return offsets
+
+
+@dataclass
+class TransitionStats:
+    """What one sleep or wake did. `bytes_by_tag` counts bytes released (sleep) or mapped (wake);
+    `skipped_tags` were already in the requested state. Device figures are cudaMemGetInfo."""
+
+    op: str  # "sleep" or "wake"
+    level: int | None
+    seconds: float = 0.0
+    bytes_by_tag: dict[str, int] = field(default_factory=dict)
+    seconds_by_tag: dict[str, float] = field(default_factory=dict)
+    skipped_tags: list[str] = field(default_factory=list)
+    device_free_before: int | None = None
+    device_free_after: int | None = None
+    device_total: int | None = None
+
+    @property
+    def freed_bytes(self) -> int | None:
+        """Device bytes freed (negative for a wake); None off CUDA."""
+        if self.device_free_before is None or self.device_free_after is None:
+            return None
+        return self.device_free_after - self.device_free_before
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "freed_bytes": self.freed_bytes}
+
+
+class MemoryManager:
+    """Owns the arenas of one worker by tag and moves them through sleep and wake.
+
+    Rules: `sleep(level)` puts every awake arena to sleep and is an error when none is awake.
+    `wake_up(tags)` is an error when nothing is asleep; within it, arenas that are already awake are
+    skipped (listed in `skipped_tags`), so `wake_up(["weights"])` then `wake_up()` wakes the rest and a
+    failed wake can simply be retried. Transitions are serialised by a lock; the caller must have
+    stopped all work that touches the arenas before calling `sleep`.
+    """
+
+    def __init__(self, device: torch.device | str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.type not in ("cpu", "cuda"):
+            raise InvalidRequestError("device", f"arenas live on 'cpu' or 'cuda', got {device}")
+        self.device = device
+        self.chunk_bytes = chunk_bytes
+        self._arenas: dict[str, Arena] = {}
+        self._lock = threading.RLock()
+
+    # ---- building -------------------------------------------------------------------------
+    def create_arena(self, tag: str, nbytes: int) -> Arena:
+        """Allocate (and map) a new awake arena of at least `nbytes`."""
+        _check_tags([tag], ARENA_TAGS, "tag")
+        with self._lock:
+            if tag in self._arenas:
+                raise StateError(f"arena {tag!r} already exists")
+            if self.device.type == "cuda":
+                from inference.memory_cuda import CudaArena  # the driver bindings load only here
+
+                arena: Arena = CudaArena(tag, nbytes, self.device, self.chunk_bytes)
+            else:
+                arena = CpuArena(tag, nbytes, self.chunk_bytes)
+            self._arenas[tag] = arena
+            return arena
+
+    def adopt_module(self, tag: str, module: nn.Module) -> Arena:
+        """Create the arena `tag` sized for `module`'s parameters and adopt them into it. Parameters
+        already in another arena are shared, not copied. `contents_valid` is True unless some
+        parameter was on the meta device (then the loader calls `mark_loaded` after loading)."""
+        with self._lock:
+            others = [a for t, a in self._arenas.items() if t != tag]
+            params = module_parameters(module, others)
+            any_meta = any(p.is_meta for _, p in params)  # meta tensors carry no data to copy
+            arena = self.create_arena(tag, parameters_nbytes(p for _, p in params))
+            adopt_parameters(module, arena, others)
+            arena.contents_valid = not any_meta
+            return arena
+
+    # ---- queries --------------------------------------------------------------------------
+    @property
+    def tags(self) -> list[str]:
+        return list(self._arenas)
+
+    def arena(self, tag: str) -> Arena:
+        if tag not in self._arenas:
+            raise InvalidRequestError("tag", f"no arena {tag!r}; arenas: {self.tags}")
+        return self._arenas[tag]
+
+    def state(self, tag: str) -> ArenaState:
+        return self.arena(tag).state
+
+    def contents_valid(self, tag: str) -> bool:
+        return self.arena(tag).contents_valid
+
+    @property
+    def is_sleeping(self) -> bool:
+        """True while any arena is asleep (a partly woken worker is still sleeping)."""
+        return any(a.state != ArenaState.AWAKE for a in self._arenas.values())
+
+    def states(self) -> dict[str, dict[str, object]]:
+        return {
+            t: {"state": a.state.value, "contents_valid": a.contents_valid} for t, a in self._arenas.items()
+        }
+
+    def check_ready(self, tags: Iterable[str] | None = None) -> None:
+        """Raise StateError unless the arenas (default: all) are awake and their contents valid."""
+        for tag in self._arenas if tags is None else tags:
+            arena = self.arena(tag)
+            if arena.state != ArenaState.AWAKE:
+                raise StateError(f"arena {tag!r} is {arena.state.value}; call wake_up first")
+            if not arena.contents_valid and tag != KV_TAG:
+                raise StateError(
+                    f"arena {tag!r} is awake but holds no valid weights (released at sleep level 2 "
+                    "or a weight update did not finish); sync the weights first"
+                )
+
+    # ---- loading flags ----------------------------------------------------------------------
+    def mark_loaded(self, tag: str) -> None:
+        """Declare the awake arena's contents valid (after a weight sync or a load)."""
+        arena = self.arena(tag)
+        arena._require(ArenaState.AWAKE, "mark loaded")
+        arena.contents_valid = True
+
+    def mark_not_loaded(self, tag: str) -> None:
+        """Declare the contents invalid (a weight update started or failed half-way)."""
+        self.arena(tag).contents_valid = False
+
+    def prepare_host_mirrors(self) -> None:
+        """Allocate the weights arenas' host mirrors ahead of the first level-1 sleep."""
+        for tag in WEIGHT_TAGS:
+            if tag in self._arenas:
+                self._arenas[tag].prepare_host_mirror()
+
+    # ---- transitions ----------------------------------------------------------------------
+    def sleep(self, level: int) -> TransitionStats:
+        """Release every awake arena: level 1 mirrors the weights to the host, level 2 drops them;
+        the KV cache is always dropped. KV first, weights last (as SGLang orders it)."""
+        if isinstance(level, bool) or level not in (1, 2):
+            raise InvalidRequestError("level", f"sleep level must be 1 or 2, got {level!r}")
+        with self._lock:
+            awake = [t for t in (KV_TAG, *reversed(WEIGHT_TAGS)) if self._awake(t)]
+            if not awake:
+                raise StateError(
+                    "sleep: already asleep (no arena is awake)"
+                    if self._arenas
+                    else "sleep: there are no arenas to release"
+                )
+            stats, start = self._begin("sleep", level)
+            stats.skipped_tags = [t for t in self._arenas if t not in awake]
+            for tag in awake:
+                t0 = time.perf_counter()
+                stats.bytes_by_tag[tag] = self._arenas[tag].sleep(keep=level == 1 and tag != KV_TAG)
+                stats.seconds_by_tag[tag] = time.perf_counter() - t0
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # hand the caching allocator's free blocks back too
+            return self._end(stats, start)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> TransitionStats:
+        """Map the arenas of `tags` ("weights" = target and draft, "kv_cache"; None = all) again.
+        Raises WakeError if device memory is short; arenas woken before the failure stay awake."""
+        if isinstance(tags, str):
+            raise InvalidRequestError("tags", f"must be a list of tags, got the string {tags!r}")
+        if tags is not None:
+            if not tags:
+                raise InvalidRequestError("tags", "empty list; pass None to wake everything")
+            _check_tags(tags, tuple(WAKE_GROUPS), "tags")
+        with self._lock:
+            if not self.is_sleeping:
+                raise StateError("wake_up: nothing is asleep")
+            wanted = [t for g in (tags if tags is not None else WAKE_GROUPS) for t in WAKE_GROUPS[g]]
+            targets = [t for t in ARENA_TAGS if t in wanted and t in self._arenas]
+            stats, start = self._begin("wake", None)
+            for tag in targets:
+                if self._awake(tag):
+                    stats.skipped_tags.append(tag)
+                    continue
+                t0 = time.perf_counter()
+                stats.bytes_by_tag[tag] = self._arenas[tag].wake()
+                stats.seconds_by_tag[tag] = time.perf_counter() - t0
+            return self._end(stats, start)
+
+    def close(self) -> None:
+        """Free every arena (views become invalid); the manager is empty afterwards."""
+        with self._lock:
+            for arena in self._arenas.values():
+                arena.close()
+            self._arenas.clear()
+
+    # ---- helpers --------------------------------------------------------------------------
+    def _awake(self, tag: str) -> bool:
+        return tag in self._arenas and self._arenas[tag].state == ArenaState.AWAKE
+
+    def _device_free(self) -> tuple[int | None, int | None]:
+        if self.device.type != "cuda":
+            return None, None
+        free, total = torch.cuda.mem_get_info(self.device)
+        return free, total
+
+    def _begin(self, op: str, level: int | None) -> tuple[TransitionStats, float]:
+        stats = TransitionStats(op=op, level=level)
+        stats.device_free_before, stats.device_total = self._device_free()
+        return stats, time.perf_counter()
+
+    def _end(self, stats: TransitionStats, t0: float) -> TransitionStats:
+        stats.seconds = time.perf_counter() - t0
+        stats.device_free_after, _ = self._device_free()
+        return stats
+
+
+def _check_tags(tags: Iterable[str], known: tuple[str, ...], field_name: str) -> None:
+    for tag in tags:
+        if tag not in known:
+            raise InvalidRequestError(field_name, f"unknown tag {tag!r}; known tags: {list(known)}")

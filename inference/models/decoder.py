@@ -1,0 +1,178 @@
+"""One generic decoder-only transformer (Llama, Qwen2, Qwen3, Mistral), parametrized by ModelConfig.
+
+Family differences are flags: qkv_bias (Qwen2, or Llama/Qwen3 `attention_bias`, which also biases
+o_proj), qk_norm (Qwen3: RMSNorm per head on q and k before rotary), tie_word_embeddings (the LM
+head shares the embedding's Parameter), sliding_window (Mistral), rope (llama3 scaling).
+
+Model math only: TPInfo comes in, no process group is created here. Parameter names are the HF
+names with q/k/v fused into qkv_proj and gate/up into gate_up_proj (see inference/naming.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from inference.batch import AttentionMetadata
+from inference.config import ModelConfig
+from inference.layers.activation import get_activation
+from inference.layers.attention import Attention, AttentionBackend
+from inference.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from inference.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from inference.layers.norm import RMSNorm
+from inference.layers.rotary import RotaryEmbedding
+from inference.naming import o_proj_has_bias
+from inference.parallel import TPInfo
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What the runner needs to size and bind the KV cache of this rank."""
+
+    num_layers: int
+    num_kv_heads: int  # local to this rank
+    head_dim: int
+
+    def shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """The shape bind_kv_cache expects: [2 (k, v), layers, blocks, block_size, kv_heads, head_dim]."""
+        return (2, self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem
+
+
+@dataclass(frozen=True)
+class _Build:
+    """Everything a submodule needs to build itself (kept together to keep signatures short)."""
+
+    config: ModelConfig
+    tp: TPInfo
+    dtype: torch.dtype
+    device: torch.device | str
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, b: _Build, backend: AttentionBackend) -> None:
+        super().__init__()
+        c, tp = b.config, b.tp
+        self.qkv_proj = QKVParallelLinear(c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads,
+                                          c.qkv_bias, tp, b.dtype, b.device)
+        self.o_proj = RowParallelLinear(c.num_heads * c.head_dim, c.hidden_size, o_proj_has_bias(c),
+                                        tp, b.dtype, b.device)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, b.dtype, b.device)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, b.dtype, b.device)
+        self.qk_norm = c.qk_norm
+        self.attn = Attention(self.qkv_proj.num_heads_local, self.qkv_proj.num_kv_heads_local,
+                              c.head_dim, c.head_dim ** -0.5, c.sliding_window, backend)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+        out = self.attn(q, k, v, meta)
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, b: _Build) -> None:
+        super().__init__()
+        c = b.config
+        self.gate_up_proj = MergedColumnParallelLinear(
+            c.hidden_size, [c.intermediate_size] * 2, False, b.tp, b.dtype, b.device)
+        self.down_proj = RowParallelLinear(c.intermediate_size, c.hidden_size, False, b.tp, b.dtype, b.device)
+        self.act_fn = get_activation(c.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, b: _Build, backend: AttentionBackend) -> None:
+        super().__init__()
+        c = b.config
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, b.dtype, b.device)
+        self.self_attn = DecoderAttention(b, backend)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, b.dtype, b.device)
+        self.mlp = DecoderMLP(b)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        # Pre-norm residual blocks with plain adds in the model dtype, as HF does.
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, b: _Build, backend: AttentionBackend) -> None:
+        super().__init__()
+        c = b.config
+        self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, b.tp, b.dtype, b.device)
+        self.layers = nn.ModuleList(DecoderLayer(b, backend) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, b.dtype, b.device)
+        self.rotary_emb = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope, b.device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb.cos_sin(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, meta)
+        return self.norm(x)
+
+
+class DecoderForCausalLM(nn.Module):
+    """The model the runner drives.
+
+    forward(input_ids [T], positions [T], meta) -> hidden [T, hidden] over the flattened varlen batch;
+    compute_logits(hidden [N, hidden]) -> [N, vocab_size] (full vocab on every rank).
+    Parameters are uninitialized until load_weights (or a weight sync) fills them.
+    """
+
+    def __init__(self, config: ModelConfig, tp: TPInfo, dtype: torch.dtype, device: torch.device | str,
+                 backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.tp = tp
+        b = _Build(config, tp, dtype, device)
+        # `model` is registered before `lm_head` so that a tied weight is named model.embed_tokens.weight.
+        self.model = DecoderModel(b, backend)
+        tied = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype, device, tied_to=tied)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        assert input_ids.shape == positions.shape and input_ids.dim() == 1, (input_ids.shape, positions.shape)
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        attn = self.attention_layers()[0]
+        return KVCacheSpec(len(self.model.layers), attn.num_kv_heads, attn.head_dim)
+
+    def bind_kv_cache(self, kv: torch.Tensor) -> None:
+        """Give layer i the views kv[0, i] (keys) and kv[1, i] (values); no copies are made."""
+        spec = self.kv_cache_spec()
+        assert kv.dim() == 6 and kv.shape == spec.shape(kv.shape[2], kv.shape[3]), (
+            f"KV cache shape {tuple(kv.shape)} does not fit {spec}")
+        for i, attn in enumerate(self.attention_layers()):
+            attn.bind_kv_cache(kv[0, i], kv[1, i])
+
+    def unbind_kv_cache(self) -> None:
+        """Drop every view of the KV cache (before its memory is freed, e.g. on sleep)."""
+        for attn in self.attention_layers():
+            attn.bind_kv_cache(None, None)
+
+    def set_attention_backend(self, backend: AttentionBackend) -> None:
+        for attn in self.attention_layers():
+            attn.backend = backend

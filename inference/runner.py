@@ -1,0 +1,115 @@
+"""The model runner: a scheduled batch -> tensors -> model -> sampled tokens.
+
+It owns the model, the KV cache tensor and the sampling generator of one rank. It knows nothing
+about requests beyond the Sequence fields it reads (tokens, computed count, block table, params).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from inference.batch import AttentionMetadata
+from inference.config import ModelConfig
+from inference.parallel import TPInfo
+from inference.sampler import SamplingBatch, sample
+from inference.scheduler import ScheduledBatch
+
+SampleResult = tuple[int, float, "dict[int, float] | None"]
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: list[int]  # index into batch.seqs of each sampled row
+    last_token_index: torch.Tensor  # [len(sample_rows)] flattened index of each row's last token
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, tp: TPInfo,
+                 device: torch.device, dtype: torch.dtype, seed: int = 0) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.tp = tp
+        self.device = device
+        self.dtype = dtype
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        self.kv_cache: torch.Tensor | None = None
+        self.block_size = 0
+
+    # ---- KV cache -------------------------------------------------------------------------
+    def kv_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return self.model.kv_cache_spec().shape(num_blocks, block_size)
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return self.model.kv_cache_spec().bytes_per_block(block_size, self.dtype)
+
+    def bind_kv_cache(self, kv: torch.Tensor, block_size: int) -> None:
+        """Bind a [2, layers, blocks, block_size, kv_heads, head_dim] tensor (it may live in an arena)."""
+        assert kv.dtype == self.dtype, (kv.dtype, self.dtype)
+        self.kv_cache = kv
+        self.block_size = block_size
+        self.model.bind_kv_cache(kv)
+
+    # ---- one step -------------------------------------------------------------------------
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        context_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        last_index: list[int] = []
+        bs = self.block_size
+        for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start = seq.num_computed_tokens
+            end = start + n
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            context_lens.append(end)
+            tables.append(table)
+            if end == seq.num_tokens:
+                sample_rows.append(row)
+                last_index.append(len(ids) - 1)
+        meta = AttentionMetadata.build(batch.num_new_tokens, context_lens, slots, tables, bs, self.device)
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True),
+            positions=torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True),
+            meta=meta,
+            sample_rows=sample_rows,
+            last_token_index=torch.tensor(last_index, dtype=torch.int64).to(self.device, non_blocking=True),
+        )
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[SampleResult | None]:
+        """Run one step; returns per scheduled sequence its sampled result, or None (mid-prefill)."""
+        assert self.kv_cache is not None, "bind_kv_cache first"
+        inp = self.prepare(batch)
+        hidden = self.model(inp.input_ids, inp.positions, inp.meta)
+        results: list[SampleResult | None] = [None] * len(batch.seqs)
+        if not inp.sample_rows:
+            return results
+        logits = self.model.compute_logits(hidden.index_select(0, inp.last_token_index))
+        seqs = [batch.seqs[r] for r in inp.sample_rows]
+        sb = SamplingBatch.build([s.params for s in seqs], [s.seed for s in seqs],
+                                 [s.num_generated for s in seqs], self.model_config.vocab_size, self.device)
+        out = sample(logits, sb, self.generator)
+        tokens = out.token_ids.tolist()  # the step's one host sync
+        logprobs = out.logprobs.tolist()
+        tops = _top_dicts(out.top_ids, out.top_logprobs, [s.params.logprobs for s in seqs])
+        for i, row in enumerate(inp.sample_rows):
+            results[row] = (tokens[i], logprobs[i], tops[i])
+        return results
+
+
+def _top_dicts(ids: torch.Tensor | None, lps: torch.Tensor | None, wanted: list[int]) -> list:
+    if ids is None or lps is None:
+        return [None] * len(wanted)
+    ids_l, lps_l = ids.tolist(), lps.tolist()
+    return [dict(zip(ids_l[i][:k], lps_l[i][:k])) if k else None for i, k in enumerate(wanted)]

@@ -1,0 +1,303 @@
+"""Continuous batching: which sequences compute how many tokens in the next step. Pure Python.
+
+One step mixes decodes and prefill chunks under a token budget (max_num_batched_tokens) and a
+sequence cap (max_num_seqs), in this order:
+1. running decodes (1 token each), oldest arrival first;
+2. running prefills in progress (chunked prefill keeps priority over new admissions);
+3. waiting sequences FCFS, each with as much of its prompt as the budget leaves (the rest follows in
+   later steps). Admission stops at the first sequence that does not fit, so a large prompt is never
+   starved by smaller ones behind it.
+
+When a running sequence cannot get a block, the latest-arrived running sequence not yet scheduled
+this step (possibly itself) is preempted by recompute: its blocks are freed, num_computed_tokens goes
+to 0 and it goes to the FRONT of the waiting queue, keeping its generated tokens and logprobs. A step
+that preempted admits nothing (it would only thrash). Samples 1..n-1 of a request wait until sample 0's
+prompt is computed, so they hit its full prompt blocks in the prefix cache instead of recomputing them.
+
+Invariants: every live sequence is in exactly one of `waiting` and `running`; waiting sequences hold
+no blocks; `running` is sorted by arrival; scheduling is deterministic (every TP rank runs the same
+scheduler over the same calls and must choose the same batch).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from inference.block_manager import BlockManager
+from inference.config import SchedulerConfig
+from inference.core import FinishReason, InvalidRequestError, SamplingParams
+from inference.sequence import Sequence, SequenceStatus
+
+# (token id, logprob, top logprobs or None) for a sequence that sampled, None for one that did not
+Sampled = tuple[int, float, dict[int, float] | None]
+
+
+@dataclass
+class ScheduledBatch:
+    """One step: seqs[i] computes tokens [c, c + num_new_tokens[i]) where c = its num_computed_tokens
+    at schedule time. sample[i] is True when that chunk reaches the end of its tokens, i.e. the step
+    produces its next token. Computed at construction, before commit() advances the sequences."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    sample: list[bool] = field(init=False)
+
+    def __post_init__(self) -> None:
+        assert len(self.seqs) == len(self.num_new_tokens)
+        assert all(n > 0 for n in self.num_new_tokens)
+        self.sample = [
+            s.num_computed_tokens + n == s.num_tokens for s, n in zip(self.seqs, self.num_new_tokens)]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqs)
+
+
+@dataclass
+class _Plan:
+    """The step being built; entries can be dropped again when their sequence is preempted."""
+
+    budget: int
+    entries: dict[int, tuple[Sequence, int]] = field(default_factory=dict)  # seq_id -> (seq, tokens)
+    preempted: bool = False
+
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        assert 0 < num_tokens <= self.budget and seq.seq_id not in self.entries
+        self.entries[seq.seq_id] = (seq, num_tokens)
+        self.budget -= num_tokens
+
+    def batch(self) -> ScheduledBatch:
+        return ScheduledBatch([s for s, _ in self.entries.values()], [n for _, n in self.entries.values()])
+
+
+def _arrival(seq: Sequence) -> int:
+    return seq.arrival
+
+
+class Scheduler:
+    """Owns the waiting queue and the running set; the block manager owns the blocks."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        if config.max_num_seqs < 1:
+            raise InvalidRequestError("scheduler.max_num_seqs", f"must be >= 1, got {config.max_num_seqs}")
+        if config.max_num_batched_tokens < 1:
+            raise InvalidRequestError(
+                "scheduler.max_num_batched_tokens", f"must be >= 1, got {config.max_num_batched_tokens}")
+        if max_model_len < 2:
+            raise InvalidRequestError("max_model_len", f"must be >= 2, got {max_model_len}")
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._requests: dict[str, list[Sequence]] = {}  # live sequences by request id
+        self.preempted = 0  # sequences preempted for lack of blocks, since construction
+
+    # ---- queue state ----------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- requests in ----------------------------------------------------------------------------
+    def validate(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Raise InvalidRequestError unless such a sequence can run to completion alone in the cache.
+
+        A completion of L tokens in all needs KV for L - 1 of them (the last one is never fed back).
+        """
+        if num_prompt_tokens < 1:
+            raise InvalidRequestError("prompt", "must contain at least one token")
+        if num_prompt_tokens >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"has {num_prompt_tokens} tokens; max_model_len is {self.max_model_len}, "
+                "which leaves no room for a completion")
+        bm = self.block_manager
+        capacity = bm.num_blocks * bm.block_size
+        if not bm.can_ever_fit(num_prompt_tokens):
+            raise InvalidRequestError(
+                "prompt", f"has {num_prompt_tokens} tokens; the KV cache holds {capacity} tokens in all")
+        final_len = min(num_prompt_tokens + params.max_tokens, self.max_model_len)
+        if not bm.can_ever_fit(final_len - 1):
+            raise InvalidRequestError(
+                "sampling_params.max_tokens",
+                f"{params.max_tokens} new tokens after a {num_prompt_tokens}-token prompt exceed the KV "
+                f"cache ({capacity} tokens); at most {capacity + 1 - num_prompt_tokens} fit")
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (validated here too; the engine should validate before creating it)."""
+        self.validate(seq.num_prompt_tokens, seq.params)
+        assert seq.status is SequenceStatus.WAITING and not seq.block_table, f"{seq} is not new"
+        self.waiting.append(seq)
+        self._requests.setdefault(seq.request_id, []).append(seq)
+
+    # ---- one step -------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        """Choose the next step's work and reserve its blocks. An empty batch means nothing can run."""
+        plan = _Plan(self.config.max_num_batched_tokens)
+        self._schedule_running(plan, decodes=True)
+        self._schedule_running(plan, decodes=False)
+        if not plan.preempted:
+            self._admit(plan)
+        return plan.batch()
+
+    def commit(self, batch: ScheduledBatch, sampled: list[Sampled | None]) -> list[Sequence]:
+        """Apply a finished step: advance computed tokens, register full blocks in the prefix cache,
+        append sampled tokens and apply the token-level stop rules. Return the sequences that finished.
+
+        sampled[i] is given exactly when batch.sample[i]. Sequences finished or aborted since
+        schedule() are skipped (their blocks are already free).
+        """
+        assert len(sampled) == len(batch.seqs), (len(sampled), len(batch.seqs))
+        finished: list[Sequence] = []
+        for seq, n, do_sample, out in zip(batch.seqs, batch.num_new_tokens, batch.sample, sampled):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            seq.num_computed_tokens += n
+            assert seq.num_computed_tokens <= seq.num_tokens, f"{seq} computed past its tokens"
+            self.block_manager.commit(seq)
+            assert (out is not None) == do_sample, f"{seq}: sampled output given iff the step samples it"
+            if out is None:
+                continue
+            token_id, logprob, top = out
+            seq.append(token_id, logprob, top)
+            reason, stop_reason = self._stop_rule(seq, token_id)
+            if reason is not None:
+                self._finish(seq, reason, stop_reason)
+                finished.append(seq)
+        return finished
+
+    # ---- requests out ---------------------------------------------------------------------------
+    def finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        """Finish a live sequence from outside (a stop string found by the detokenizer, ...)."""
+        assert not seq.is_finished, f"{seq} is already finished"
+        self._finish(seq, reason, stop_reason)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finish every live sequence of the request with ABORT; return them (empty if none)."""
+        seqs = list(self._requests.get(request_id, ()))
+        for seq in seqs:
+            self._finish(seq, FinishReason.ABORT, None)
+        return seqs
+
+    def preempt_all(self) -> int:
+        """Send every running sequence back to waiting (recompute), e.g. before the KV cache is dropped
+        on sleep. Not counted in `preempted`. Returns how many were running."""
+        count = len(self.running)
+        while self.running:
+            self._preempt(self.running[-1])
+        return count
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _schedule_running(self, plan: _Plan, decodes: bool) -> None:
+        """Schedule running decodes (remaining == 1) or running prefills (remaining > 1)."""
+        for seq in list(self.running):
+            if plan.budget == 0:
+                return
+            if seq.status is not SequenceStatus.RUNNING or seq.seq_id in plan.entries:
+                continue  # preempted earlier in this loop
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            assert remaining >= 1, f"{seq} has nothing to compute"
+            if (remaining == 1) != decodes:
+                continue
+            n = self._reserve(seq, min(remaining, plan.budget), plan)
+            if n:
+                plan.add(seq, n)
+
+    def _reserve(self, seq: Sequence, want: int, plan: _Plan) -> int:
+        """Get blocks for up to `want` new tokens of a running seq (fewer if that is all that fits),
+        preempting latest arrivals while none fit. Returns 0 if seq itself was preempted."""
+        while True:
+            fit = min(want, self.block_manager.num_appendable_tokens(seq))
+            if fit > 0:
+                self.block_manager.append(seq, fit)
+                return fit
+            victim = next(s for s in reversed(self.running) if s.seq_id not in plan.entries)
+            self._preempt(victim)
+            self.preempted += 1
+            plan.preempted = True
+            if victim is seq:
+                return 0
+
+    def _admit(self, plan: _Plan) -> None:
+        """Admit waiting sequences FCFS; samples whose leader's prompt is not computed yet are skipped
+        (they keep their place)."""
+        bm = self.block_manager
+        skipped: list[Sequence] = []
+        while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if self._waits_for_leader(seq):
+                skipped.append(self.waiting.popleft())
+                continue
+            hit = bm.match_prefix(seq)
+            hit_tokens = len(hit) * bm.block_size
+            n = min(seq.num_tokens - hit_tokens, plan.budget)
+            if not bm.can_allocate(hit, hit_tokens + n):
+                break
+            self.waiting.popleft()
+            bm.allocate_prefix(seq, hit)
+            bm.append(seq, n)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=_arrival)
+            plan.add(seq, n)
+        self.waiting.extendleft(reversed(skipped))
+
+    def _waits_for_leader(self, seq: Sequence) -> bool:
+        leader = seq.leader
+        if leader is None or leader.is_finished or not self.block_manager.enable_prefix_caching:
+            return False
+        if (leader.num_prompt_tokens - 1) // self.block_manager.block_size == 0:
+            return False  # no full prompt block to share
+        return leader.num_computed_tokens < leader.num_prompt_tokens
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def _stop_rule(self, seq: Sequence, token_id: int) -> tuple[FinishReason | None, int | None]:
+        params = seq.params
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return FinishReason.STOP, None
+        if token_id in params.stop_token_ids:
+            return FinishReason.STOP, token_id
+        if seq.num_generated >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        live = self._requests[seq.request_id]
+        live.remove(seq)
+        if not live:
+            del self._requests[seq.request_id]

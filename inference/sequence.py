@@ -1,0 +1,125 @@
+"""One sampled completion in flight: its tokens, its KV blocks and where it stands.
+
+Pure Python (no torch): the scheduler, the block manager and their CPU tests use it.
+
+Invariants the scheduler and the block manager keep:
+- token_ids is the prompt followed by the generated tokens; it only grows.
+- num_computed_tokens <= num_tokens, and the KV of tokens [0, num_computed_tokens) is in the blocks
+  of block_table (len(block_table) * block_size >= num_computed_tokens).
+- A WAITING sequence holds no blocks and has num_computed_tokens == 0; a preempted one keeps its
+  generated tokens and logprobs and recomputes their KV when it is admitted again.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+import xxhash
+
+from inference.core import FinishReason, SamplingParams
+
+# One counter for ids and arrival order: creation order is FCFS order, and every TP rank that creates
+# the same requests in the same order gets the same ids (the SPMD engine relies on that).
+_next_id = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request seeded with `seed`: stable across processes and runs.
+
+    Python's hash() is salted per process, so xxh3 over a text encoding (any int size) is used instead.
+    The result fits a signed 64-bit integer (what torch.Generator.manual_seed accepts).
+    """
+    return xxhash.xxh3_64_intdigest(f"{seed}:{index}".encode()) & ((1 << 63) - 1)
+
+
+class Sequence:
+    """One sample of one request. Sample i > 0 of n > 1 should have `leader` = sample 0 (set it at
+    construction or right after, before the scheduler sees it; group() does it).
+
+    Fields owned by the block manager: block_table, num_computed_tokens (reset on free),
+    block_hashes (chained content hashes of the full blocks of token_ids, a memo that stays valid
+    because token_ids only grows) and cache_keys (the prefix-cache entries its committed full blocks
+    match, cleared on free).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        leader: Sequence | None = None,
+    ) -> None:
+        assert prompt_token_ids, "a sequence needs at least one prompt token"
+        assert leader is None or index > 0, "sample 0 has no leader"
+        self.seq_id = next(_next_id)
+        self.arrival = self.seq_id
+        self.request_id = request_id
+        self.index = index
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.params = params
+        self.seed: int | None = None if params.seed is None else derive_seed(params.seed, index)
+        self.leader = leader
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.block_hashes: list[int] = []
+        self.cache_keys: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[dict[int, float]] | None = [] if params.logprobs > 0 else None
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None
+
+    @classmethod
+    def group(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[Sequence]:
+        """The params.n samples of one request, sample 0 first; the others lead back to it."""
+        first = cls(request_id, 0, prompt_token_ids, params)
+        return [first] + [cls(request_id, i, prompt_token_ids, params, first) for i in range(1, params.n)]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None = None) -> None:
+        """Add one sampled token. top_logprobs is given exactly when params.logprobs > 0."""
+        assert not self.is_finished, f"sequence {self.seq_id} is finished"
+        assert (top_logprobs is not None) == (self.top_logprobs is not None), (
+            f"top_logprobs must be given iff params.logprobs > 0 (got {top_logprobs!r})")
+        self.token_ids.append(int(token_id))
+        self.logprobs.append(float(logprob))
+        if self.top_logprobs is not None:
+            assert top_logprobs is not None
+            self.top_logprobs.append(top_logprobs)
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, request={self.request_id!r}, index={self.index}, "
+                f"status={self.status.name}, tokens={self.num_tokens}, computed={self.num_computed_tokens})")

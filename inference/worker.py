@@ -1,0 +1,168 @@
+"""One rank of the inference worker, with the seed's lifecycle.
+
+init_device -> load_model -> determine_available_memory -> initialize_kv_cache -> warm_up ->
+execute_model* -> shutdown. Sleep/wake and weight-update sessions join this class in their issues;
+their state rules follow the seed (vLLM's GPU worker).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from checksum import digest_tensors
+from inference.config import EngineConfig, ModelConfig
+from inference.core import StateError
+from inference.loader import load_weights
+from inference.models import build_model
+from inference.parallel import TPInfo
+from inference.runner import ModelRunner, SampleResult
+from inference.scheduler import ScheduledBatch
+
+log = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 128 << 20
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device, model_config: ModelConfig | None = None) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name == "model" and model_config is not None:
+        name = model_config.dtype
+    dtype = getattr(torch, name.replace("torch.", ""), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype: unknown dtype {name!r}")
+    return dtype
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, tp: TPInfo | None = None, dp_rank: int = 0, pp_rank: int = 0) -> None:
+        self.config = config
+        self.tp = tp or TPInfo()
+        self.dp_rank = dp_rank
+        self.pp_rank = pp_rank
+        self.device: torch.device | None = None
+        self.dtype: torch.dtype | None = None
+        self.model_config: ModelConfig | None = None
+        self.runner: ModelRunner | None = None
+        self.num_blocks = 0
+        # "target" and, with config.draft_model, "draft": the models a weight sync can address
+        self.models: dict[str, torch.nn.Module] = {}
+        self.model_configs: dict[str, ModelConfig] = {}
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def init_device(self) -> None:
+        self.device = resolve_device(self.config.device)
+        if self.device.type == "cuda":
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            self.device = torch.device("cuda", index)
+            torch.cuda.set_device(self.device)
+        torch.manual_seed(self.config.seed)
+
+    def load_model(self) -> None:
+        assert self.device is not None, "init_device first"
+        self.model_config = ModelConfig.from_dir(self.config.model)
+        self.dtype = resolve_dtype(self.config.dtype, self.device, self.model_config)
+        model = self._load("target", self.config.model)
+        if self.config.draft_model:
+            self._load("draft", self.config.draft_model)
+        self.runner = ModelRunner(model, self.model_config, self.tp, self.device, self.dtype, self.config.seed)
+        log.info("rank %s loaded %s (%s, %s)", self.rank_key, self.config.model, self.dtype, self.device)
+
+    def _load(self, which: str, model_dir: str) -> torch.nn.Module:
+        assert self.dtype is not None and self.device is not None
+        config = ModelConfig.from_dir(model_dir)
+        model = build_model(config, self.tp, self.dtype, self.device)
+        load_weights(model, Path(model_dir))
+        self.models[which] = model
+        self.model_configs[which] = config
+        return model
+
+    def determine_available_memory(self) -> int:
+        """Bytes this rank may give to the KV cache."""
+        cache = self.config.cache
+        if cache.kv_cache_bytes is not None:
+            return cache.kv_cache_bytes
+        if self.device is None or self.device.type != "cuda":
+            return CPU_DEFAULT_KV_BYTES
+        return self._profile_kv_budget(cache.gpu_memory_utilization)
+
+    def _profile_kv_budget(self, utilization: float) -> int:
+        """total * utilization minus what is in use now and the peak of a full-budget forward."""
+        assert self.runner is not None
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info(self.device)
+        allocated = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_run()
+        peak_extra = torch.cuda.max_memory_allocated(self.device) - allocated
+        budget = int(total * utilization) - (total - free) - peak_extra
+        if budget <= 0:
+            raise StateError(f"gpu_memory_utilization={utilization} leaves no room for the KV cache "
+                             f"(free {free / 2**30:.1f} GiB of {total / 2**30:.1f} GiB)")
+        return budget
+
+    def _profile_run(self) -> None:
+        """A forward over max_num_batched_tokens tokens with a throwaway cache, for the activation peak."""
+        from inference.scheduler import ScheduledBatch
+        from inference.sequence import Sequence
+
+        assert self.runner is not None
+        bs = self.config.cache.block_size
+        n = self.config.scheduler.max_num_batched_tokens
+        blocks = -(-n // bs)
+        kv = torch.empty(self.runner.kv_shape(blocks, bs), dtype=self.dtype, device=self.device)
+        self.runner.bind_kv_cache(kv, bs)
+        from inference.core import SamplingParams
+        seq = Sequence("profile", 0, [0] * n, SamplingParams(temperature=0.0))
+        seq.block_table = list(range(blocks))
+        self.runner.execute(ScheduledBatch([seq], [n]))
+        del kv
+        self.runner.kv_cache = None
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        assert self.runner is not None and self.dtype is not None
+        if num_blocks < 1:
+            raise StateError("the KV cache budget holds no block: raise kv_cache_bytes or gpu_memory_utilization")
+        bs = self.config.cache.block_size
+        kv = torch.zeros(self.runner.kv_shape(num_blocks, bs), dtype=self.dtype, device=self.device)
+        self.runner.bind_kv_cache(kv, bs)
+        self.num_blocks = num_blocks
+
+    def warm_up(self) -> None:
+        """CUDA graphs are captured here (engine-speed issue); the eager path needs nothing."""
+
+    def execute_model(self, batch: ScheduledBatch) -> list[SampleResult | None]:
+        assert self.runner is not None, "load_model first"
+        return self.runner.execute(batch)
+
+    def check_health(self) -> None:
+        if self.runner is None:
+            raise StateError(f"rank {self.rank_key}: model not loaded")
+
+    def shutdown(self) -> None:
+        self.runner = None
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ---- checksums ------------------------------------------------------------------------
+    @property
+    def rank_key(self) -> str:
+        return f"dp{self.dp_rank}:pp{self.pp_rank}:tp{self.tp.rank}"
+
+    def compute_weight_checksums(self, which: str = "target") -> dict[str, str]:
+        """Digests of the parameters this rank holds (its shards, engine names), keyed rank:name."""
+        if which not in self.models:
+            raise StateError(f"rank {self.rank_key}: no {which} model loaded")
+        records = digest_tensors(list(self.models[which].named_parameters()))
+        return {f"{self.rank_key}:{r.name}": r.digest for r in records}

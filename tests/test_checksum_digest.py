@@ -1,0 +1,225 @@
+"""Tensor digests: the definition (xxh3-128 of the contiguous bytes), and the many-tensor path
+giving the same answer whatever the layout, chunking, threads or device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+import checksum.staging
+from checksum import Digester, TensorRecord, digest_tensor, digest_tensors
+
+DTYPES = [
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+    torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64,
+]
+
+
+def xxh(data: bytes) -> str:
+    return xxhash.xxh3_128(data).hexdigest()
+
+
+def storage_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's bytes read element by element from its untyped storage (slow, but independent)."""
+    c = t.contiguous()
+    start = c.storage_offset() * c.element_size()
+    raw = c.untyped_storage().tolist()
+    return bytes(raw[start : start + c.numel() * c.element_size()])
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_floating_point or dtype.is_complex:
+        return (torch.randn(shape, generator=g) * 3).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=g).to(dtype)
+
+
+def test_float32_digest_is_xxh3_128_of_numpy_bytes() -> None:
+    t = random_tensor((17, 33), torch.float32)
+    assert digest_tensor(t) == xxh(t.numpy().tobytes())
+
+
+def test_bfloat16_digest_is_xxh3_128_of_raw_bytes() -> None:
+    t = random_tensor((5, 7, 3), torch.bfloat16)
+    assert digest_tensor(t) == xxh(storage_bytes(t))
+    # bf16 is the top half of the float32 with the same value: a third route to the same bytes.
+    top_halves = (t.float().numpy().view(np.uint32) >> 16).astype("<u2").tobytes()
+    assert digest_tensor(t) == xxh(top_halves)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_dtype_hashes_its_bytes(dtype: torch.dtype) -> None:
+    t = random_tensor((3, 11), dtype, seed=1)
+    [record] = digest_tensors({"w": t})
+    assert record == TensorRecord("w", str(dtype).removeprefix("torch."), (3, 11), xxh(storage_bytes(t)))
+
+
+@pytest.mark.parametrize("tensor", [torch.tensor(2.5, dtype=torch.bfloat16), torch.empty(0, 4)],
+                         ids=["0-dim", "empty"])
+def test_zero_dim_and_empty_tensors(tensor: torch.Tensor) -> None:
+    [record] = digest_tensors([("t", tensor)])
+    assert record.shape == tuple(tensor.shape)
+    assert record.digest == xxh(storage_bytes(tensor))
+
+
+def test_non_contiguous_views_hash_like_their_contiguous_copy() -> None:
+    base = random_tensor((12, 20), torch.bfloat16)
+    views = {
+        "transposed": base.t(),
+        "column_slice": base[:, 3:17],
+        "strided": base[::3, ::2],
+        "offset_rows": base[5:9],
+        "expanded": base[0].expand(4, 20),
+        "permuted": base.reshape(3, 4, 20).permute(2, 0, 1),
+    }
+    for name, record in zip(views, digest_tensors(views)):
+        assert record.name == name
+        assert record.digest == xxh(storage_bytes(views[name].contiguous())), name
+
+
+def test_conjugate_view_hashes_its_visible_values() -> None:
+    z = random_tensor((4, 4), torch.complex64)
+    assert digest_tensor(z.conj()) == digest_tensor(z.conj().resolve_conj())
+    assert digest_tensor(z.conj()) != digest_tensor(z)
+
+
+def mixed_tensors(device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Sizes from 0 bytes to many chunks, strided views made on `device`, not sorted by size."""
+    tensors = {
+        "small": random_tensor((3,), torch.float32, 1),
+        "big": random_tensor((64, 50), torch.bfloat16, 2),
+        "scalar": torch.tensor(7, dtype=torch.int64),
+        "empty": torch.empty(0, dtype=torch.float16),
+        "mask": random_tensor((333,), torch.bool, 3),
+        "fp8": random_tensor((40, 9), torch.float8_e4m3fn, 4),
+        "strided": random_tensor((30, 30), torch.float32, 5),
+        "medium": random_tensor((100, 7), torch.int32, 6),
+    }
+    tensors = {n: t.to(device) for n, t in tensors.items()}
+    tensors["strided"] = tensors["strided"][::2, 1::3]
+    return tensors
+
+
+@pytest.mark.parametrize("staging", ["device", "always"])
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("chunk_bytes", [1, 100, 4096, 1 << 20])
+def test_digests_do_not_depend_on_threads_chunks_or_staging(
+    staging: str, threads: int, chunk_bytes: int
+) -> None:
+    tensors = mixed_tensors()
+    expected = [TensorRecord(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), xxh(storage_bytes(t)))
+                for n, t in tensors.items()]
+    digester = Digester(threads, chunk_bytes=chunk_bytes, staging=staging,  # type: ignore[arg-type]
+                        num_buffers=2 if chunk_bytes == 1 else None, max_queued_copies=2)
+    assert digester.digest(tensors) == expected
+    assert digester.digest(list(tensors.items())) == expected  # reused buffers, same answer
+    digester.close()
+
+
+def test_one_flipped_byte_changes_the_digest() -> None:
+    t = random_tensor((256, 64), torch.bfloat16)
+    before = digest_tensor(t)
+    t.view(torch.uint8).view(-1)[12345] ^= 0x01
+    assert digest_tensor(t) != before
+
+
+def test_same_bytes_other_dtype_or_shape_same_digest_different_record() -> None:
+    """The digest covers bytes only; the record's dtype and shape are what tell these apart."""
+    t = random_tensor((8, 6), torch.bfloat16)
+    [a, b, c] = digest_tensors([("w", t), ("w", t.view(torch.int16)), ("w", t.reshape(6, 8))])
+    assert a.digest == b.digest == c.digest
+    assert (a.dtype, b.dtype) == ("bfloat16", "int16")
+    assert (a.shape, c.shape) == ((8, 6), (6, 8))
+    assert len({a, b, c}) == 3
+
+
+def test_parameters_that_require_grad_are_digested() -> None:
+    layer = torch.nn.Linear(5, 3)
+    records = digest_tensors(layer.named_parameters())
+    assert [r.name for r in records] == ["weight", "bias"]
+    assert records[0].digest == xxh(layer.weight.detach().numpy().tobytes())
+
+
+def test_bad_inputs_name_the_tensor() -> None:
+    with pytest.raises(TypeError, match="'w'"):
+        digest_tensors({"w": [1, 2, 3]})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match="'sparse'"):
+        digest_tensors({"sparse": torch.eye(3).to_sparse()})
+    with pytest.raises(TypeError, match="'m'"):
+        digest_tensors({"m": torch.empty(3, device="meta")})
+
+
+def test_a_failing_copy_raises_and_the_digester_still_works(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error in the staging pipeline surfaces in the caller (no hang), and the next run is clean."""
+    tensors = mixed_tensors()
+    digester = Digester(3, chunk_bytes=64, num_buffers=3, max_queued_copies=2, staging="always")
+    real_copy = checksum.staging.HostStaging.copy
+    calls = {"n": 0}
+
+    def failing_copy(self: checksum.staging.HostStaging, buf: int, src: torch.Tensor) -> None:
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise RuntimeError("simulated copy failure")
+        real_copy(self, buf, src)
+
+    monkeypatch.setattr(checksum.staging.HostStaging, "copy", failing_copy)
+    with pytest.raises(RuntimeError, match="simulated copy failure"):
+        digester.digest(tensors)
+    monkeypatch.setattr(checksum.staging.HostStaging, "copy", real_copy)
+    assert digester.digest(tensors) == Digester(1).digest(tensors)
+
+
+def test_digester_rejects_bad_settings() -> None:
+    for kwargs in ({"threads": 0}, {"chunk_bytes": 0}, {"num_buffers": 0}, {"staging": "sometimes"}):
+        with pytest.raises(ValueError):
+            Digester(**kwargs)  # type: ignore[arg-type]
+
+
+# -- CUDA: the pinned-buffer streaming path must agree with the CPU definition ------------------
+
+
+def cuda_mix(device: str) -> dict[str, torch.Tensor]:
+    tensors = mixed_tensors(device)
+    tensors["embedding"] = random_tensor((3000, 700), torch.bfloat16, 7).to(device)  # ~4 MB: many chunks
+    tensors["transposed_big"] = random_tensor((700, 900), torch.float32, 8).to(device).t()
+    tensors["fp8_e5m2_rows"] = random_tensor((123, 45), torch.float8_e5m2, 9).to(device)[1::2]
+    return tensors
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("threads", "chunk_bytes", "num_buffers"),
+                         [(1, 4096, 1), (4, 65536, 3), (16, 1 << 20, None), (8, None, None)])
+def test_cuda_digests_equal_cpu_digests(
+    threads: int, chunk_bytes: int | None, num_buffers: int | None
+) -> None:
+    expected = Digester(1).digest(cuda_mix("cpu"))
+    gpu = cuda_mix("cuda")
+    assert not gpu["transposed_big"].is_contiguous() and gpu["embedding"].nbytes > 4 * 65536
+    kwargs = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
+    with Digester(threads, num_buffers=num_buffers, **kwargs) as digester:
+        for _ in range(2):  # the second run reuses the pinned buffers, streams and events
+            assert digester.digest(gpu) == expected
+
+
+@pytest.mark.cuda
+def test_cuda_sees_writes_made_on_the_current_stream() -> None:
+    """The copy stream waits for the caller's stream: a digest right after a kernel sees its result."""
+    t = torch.zeros(1 << 22, device="cuda", dtype=torch.bfloat16)
+    before = digest_tensors({"t": t})[0].digest
+    t.add_(1)  # queued on the current stream, not synchronized
+    after = digest_tensors({"t": t})[0].digest
+    assert before != after
+    assert after == Digester(1).digest({"t": t.cpu()})[0].digest
+
+
+@pytest.mark.cuda
+def test_cuda_and_cpu_tensors_in_one_call_keep_input_order() -> None:
+    expected = Digester(1).digest(cuda_mix("cpu"))
+    gpu = cuda_mix("cuda")
+    mixed = {n: t if i % 2 else cuda_mix("cpu")[n] for i, (n, t) in enumerate(gpu.items())}
+    assert digest_tensors(mixed) == expected
