@@ -98,7 +98,8 @@ class Report:
         if tensor is not None and tensor is not self.first:
             text += f"; first tensor: {tensor.describe()}"
         bad_ranks = len({m.rank for m in self.mismatches})
-        return text + f" [{len(self.mismatches)} mismatches on {bad_ranks} of {ranks}]"
+        count = f"{len(self.mismatches)} mismatch{'es' if len(self.mismatches) != 1 else ''}"
+        return text + f" [{count} on {bad_ranks} of {ranks}]"
 
     def table(self, max_rows: int | None = None) -> str:
         """An aligned plain-text table of the mismatches (at most `max_rows`), then the summary."""

@@ -129,7 +129,7 @@ class Digester:
             if nbytes == 0:  # empty tensors skip the pipeline: nothing to copy or hash
                 records[index] = _record(name, prepared, xxhash.xxh3_128().hexdigest())
                 continue
-            key = self._group_key(prepared)
+            key = self._group_key(name, prepared)
             groups.setdefault(key, []).append(Job(index, prepared, nbytes, staged=key != "inplace"))
         with self._lock:
             for key, jobs in groups.items():
@@ -154,12 +154,12 @@ class Digester:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _group_key(self, tensor: torch.Tensor) -> str:
+    def _group_key(self, name: str, tensor: torch.Tensor) -> str:
         if tensor.device.type == "cpu":
             return "host" if self.staging_mode == "always" else "inplace"
         if tensor.device.type == "cuda":
             return str(tensor.device)
-        raise TypeError(f"cannot digest tensors on device {tensor.device} (only cpu and cuda)")
+        raise TypeError(f"tensor {name!r}: cannot digest tensors on {tensor.device} (only cpu and cuda)")
 
     def _staging_for(self, key: str) -> tuple[Staging, torch.device | None] | None:
         if key == "inplace":

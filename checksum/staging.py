@@ -20,6 +20,7 @@ Invariants:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import threading
 from collections import deque
 from collections.abc import Iterator
@@ -32,7 +33,7 @@ import xxhash
 
 from checksum.tensor_bytes import flat_bytes, host_view
 
-MAX_AHEAD = 3  # per tensor: one chunk being hashed, two arriving
+MAX_AHEAD = 4  # per tensor: one chunk being hashed, up to three arriving
 
 
 class Staging(Protocol):
@@ -158,16 +159,17 @@ def run_jobs(
     """
     assert jobs and all(j.nbytes > 0 and j.staged == (staging is not None) for j in jobs)
     run = _Run(jobs, staging[0] if staging else None, chunk_bytes, max_queued)
-    futures = [pool.submit(run.hasher) for _ in range(min(threads, len(jobs)))]
-    try:
-        if staging is not None:
-            with staging[0].session(staging[1]):
+    # The session outlives the hashers: they still wait on copies after the last one is issued.
+    with staging[0].session(staging[1]) if staging is not None else contextlib.nullcontext():
+        futures = [pool.submit(run.hasher) for _ in range(min(threads, len(jobs)))]
+        try:
+            if staging is not None:
                 run.copy_all()
-    except BaseException as exc:
-        run.fail(exc)
-        raise
-    finally:
-        concurrent.futures.wait(futures)
+        except BaseException as exc:
+            run.fail(exc)
+            raise
+        finally:
+            concurrent.futures.wait(futures)
     if run.error is not None:
         raise run.error
 

@@ -130,11 +130,18 @@ class CompletionOutput:
     text: str | None = None
     top_logprobs: list[dict[int, float]] | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # [(first token index, weight version), ...]: one entry unless the request was held across a sync
+    weight_version_spans: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
 class RequestOutput:
-    """The result of one prompt: its completions and the weight version that produced them."""
+    """The result of one prompt: its completions and the weight version that produced them.
+
+    `weight_version` is the oldest version that produced any of its tokens; a request held across a
+    weight sync (sleep with in_flight="hold") has several spans in its completions'
+    `weight_version_spans`.
+    """
 
     request_id: str
     prompt_token_ids: list[int]

@@ -25,10 +25,11 @@ from inference.core import (
     SamplingParams,
     StateError,
 )
+from inference.memory import TransitionStats
 from inference.parallel import TPInfo
 from inference.scheduler import Scheduler
 from inference.sequence import Sequence
-from inference.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
+from inference.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_search_start
 from inference.worker import Worker
 
 Prompt = str | Seq[int]
@@ -40,10 +41,8 @@ class _Request:
     prompt: str | None
     prompt_ids: list[int]
     seqs: list[Sequence]
-    weight_version: int
     arrival: float
-    detoks: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
-    texts: dict[int, str] = field(default_factory=dict)  # text so far per sample (stop strings)
+    detoks: dict[int, IncrementalDetokenizer] = field(default_factory=dict)  # stop-string detection
 
 
 def build_engine_config(model: str, **overrides: Any) -> EngineConfig:
@@ -89,12 +88,19 @@ class LLM:
         self.weight_version = 0
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
+        self._finished_while_draining: list[RequestOutput] = []
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Validate and queue one prompt. Raises InvalidRequestError naming the field; queues nothing then."""
+                    request_id: str | None = None, *, wait: bool = True) -> str:
+        """Validate and queue one prompt. Raises InvalidRequestError naming the field; queues nothing then.
+
+        While the engine is asleep (or its weights await a sync) the request waits in the queue;
+        with wait=False it is refused with a StateError instead.
+        """
         params = params or SamplingParams()
+        if not wait:
+            self.check_ready()
         params.validate(self.model_config.vocab_size)
         text, ids = self._tokenize(prompt)
         self._check_prompt(ids, params)
@@ -102,10 +108,9 @@ class LLM:
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
         seqs = Sequence.group(request_id, ids, params)
-        req = _Request(request_id, text, list(ids), seqs, self.weight_version, time.monotonic())
+        req = _Request(request_id, text, list(ids), seqs, time.monotonic())
         if params.stop and self.tokenizer is not None:
             req.detoks = {s.index: IncrementalDetokenizer(self.tokenizer, ids) for s in seqs}
-            req.texts = {s.index: "" for s in seqs}
         self._requests[request_id] = req
         for s in seqs:
             self.scheduler.add(s)
@@ -136,34 +141,39 @@ class LLM:
 
     # ---- stepping -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; return the requests that finished in it."""
+        """Run one scheduler step; return the requests that finished in it. Asleep: nothing runs."""
+        if not self.worker.is_ready():
+            return []
         batch = self.scheduler.schedule()
         if batch.is_empty:
             if self.scheduler.has_unfinished():
                 raise StateError("scheduler made no progress with requests pending (KV cache too small?)")
             return []
         results = self.worker.execute_model(batch)
+        self._record_versions(batch.seqs, results)
         self.scheduler.commit(batch, results)
         self._apply_stop_strings(batch.seqs, results)
         return self._collect_finished()
 
-    def _apply_stop_strings(self, seqs: list[Sequence], results: list) -> None:
+    def _record_versions(self, seqs: list[Sequence], results: list) -> None:
         for seq, res in zip(seqs, results):
-            if res is None:
+            if res is not None and (not seq.version_spans or seq.version_spans[-1][1] != self.weight_version):
+                seq.version_spans.append((seq.num_generated, self.weight_version))
+
+    def _apply_stop_strings(self, seqs: list[Sequence], results: list) -> None:
+        """Finish sequences whose new text completes a stop string (detection only; see _output)."""
+        for seq, res in zip(seqs, results):
+            if res is None or seq.is_finished:
                 continue
             req = self._requests.get(seq.request_id)
             if req is None or not req.detoks:
                 continue
-            delta = req.detoks[seq.index].add(seq.token_ids[-1:])
-            text = req.texts[seq.index] + delta
-            req.texts[seq.index] = text
-            if seq.is_finished:
-                continue
-            hit = find_stop(text, seq.params.stop)
+            detok = req.detoks[seq.index]
+            delta = detok.add(seq.token_ids[-1:])
+            start = stop_search_start(len(detok.text), len(delta), seq.params.stop)
+            hit = find_stop(detok.text, seq.params.stop, start)
             if hit is not None:
-                index, stop = hit
-                req.texts[seq.index] = text[:index]
-                self.scheduler.finish(seq, FinishReason.STOP, stop)
+                self.scheduler.finish(seq, FinishReason.STOP, hit[1])
 
     def _collect_finished(self) -> list[RequestOutput]:
         done = [r for r in self._requests.values() if all(s.is_finished for s in r.seqs)]
@@ -176,15 +186,18 @@ class LLM:
         for s in req.seqs:
             text = None
             if self.tokenizer is not None:
-                text = req.texts[s.index] if s.params.stop else self.tokenizer.decode(s.completion_token_ids)
+                text = self.tokenizer.decode(s.completion_token_ids)
+                if isinstance(s.stop_reason, str) and s.stop_reason in text:
+                    text = text[:text.index(s.stop_reason)]  # the stop string is not part of the output
             outs.append(CompletionOutput(
                 index=s.index, token_ids=list(s.completion_token_ids), logprobs=list(s.logprobs),
                 finish_reason=s.finish_reason, text=text,
                 top_logprobs=list(s.top_logprobs) if s.top_logprobs is not None else None,
-                stop_reason=s.stop_reason))
+                stop_reason=s.stop_reason, weight_version_spans=list(s.version_spans)))
+        versions = [v for s in req.seqs for _, v in s.version_spans]
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_ids, outputs=outs,
-            weight_version=req.weight_version, prompt=req.prompt,
+            weight_version=min(versions, default=self.weight_version), prompt=req.prompt,
             num_cached_tokens=sum(s.num_cached_tokens for s in req.seqs),
             metrics={"latency_s": time.monotonic() - req.arrival})
 
@@ -201,6 +214,7 @@ class LLM:
         else:
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         self._validate_all(prompts, params_list)
+        self.check_ready()  # a synchronous call cannot wait for a wake-up that only the caller can do
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
         results: dict[str, RequestOutput] = {}
         while any(i not in results for i in ids):
@@ -216,3 +230,40 @@ class LLM:
             except InvalidRequestError as e:
                 raise InvalidRequestError(e.field.replace("prompt", f"prompts[{i}]", 1)
                                           if e.field == "prompt" else f"{e.field} (prompt {i})", e.message) from None
+
+    # ---- sleep and wake -------------------------------------------------------------------
+    def check_ready(self) -> None:
+        """Raise StateError saying why no step can run (asleep, or weights awaiting a sync)."""
+        assert self.worker.memory is not None
+        self.worker.memory.check_ready()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.worker.memory is not None and self.worker.memory.is_sleeping
+
+    def sleep(self, level: int = 1, in_flight: str = "finish") -> TransitionStats:
+        """Give the device memory back. in_flight="finish" first runs every queued request to the end;
+        "hold" keeps them (their KV is recomputed after wake_up). No request is dropped either way.
+        The KV cache and the prefix cache are dropped at every level.
+        """
+        if in_flight not in ("finish", "hold"):
+            raise InvalidRequestError("in_flight", f"must be 'finish' or 'hold', got {in_flight!r}")
+        if level not in (1, 2) or isinstance(level, bool):
+            raise InvalidRequestError("level", f"sleep level must be 1 or 2, got {level!r}")
+        if self.is_sleeping:
+            raise StateError("sleep: already asleep; call wake_up first")
+        while in_flight == "finish" and self.has_unfinished():
+            self._finished_while_draining.extend(self.step())
+        self.scheduler.preempt_all()
+        self.block_manager.reset_prefix_cache()
+        return self.worker.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> TransitionStats:
+        """Map "weights" and/or "kv_cache" back (None: all). Generation resumes once all is awake and
+        the weights are valid (after a level-2 sleep: after the next weight sync)."""
+        return self.worker.wake_up(tags)
+
+    def take_finished(self) -> list[RequestOutput]:
+        """Outputs of requests that finished while sleep() drained the queue."""
+        out, self._finished_while_draining = self._finished_while_draining, []
+        return out

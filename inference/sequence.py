@@ -78,6 +78,8 @@ class Sequence:
         self.top_logprobs: list[dict[int, float]] | None = [] if params.logprobs > 0 else None
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
+        # (index of the first completion token, weight version) for each run of tokens of one version
+        self.version_spans: list[tuple[int, int]] = []
 
     @classmethod
     def group(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[Sequence]:

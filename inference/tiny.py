@@ -178,20 +178,27 @@ def train_tokenizer(*, add_bos: bool = False) -> Tokenizer:
     return tok
 
 
-def make_tiny_model(out_dir: str | Path, family: str = "qwen2", *, overwrite: bool = False,
-                    **settings: Any) -> Path:
-    """Write a complete tiny HF model directory for `family`; returns its path.
+def make_tiny_model(
+    out_dir: str | Path, family: str = "qwen2", *, seed: int = 0, vocab_size: int | None = None,
+    hidden_size: int = DEFAULT_TINY.hidden_size, num_layers: int = DEFAULT_TINY.num_layers,
+    num_heads: int = DEFAULT_TINY.num_heads, num_kv_heads: int = DEFAULT_TINY.num_kv_heads,
+    intermediate_size: int = DEFAULT_TINY.intermediate_size, head_dim: int | None = None,
+    max_position_embeddings: int = DEFAULT_TINY.max_position_embeddings, dtype: str = "float32",
+    tie_word_embeddings: bool | None = None, rope_theta: float = DEFAULT_TINY.rope_theta,
+    rope_scaling: dict[str, Any] | None = None, overwrite: bool = False,
+) -> Path:
+    """Write a complete tiny HF model directory for `family`; returns its absolute path.
 
-    `settings` are TinyModelSpec fields (seed, vocab_size, hidden_size, num_layers, num_heads,
-    num_kv_heads, intermediate_size, head_dim, max_position_embeddings, dtype,
-    tie_word_embeddings, rope_theta, rope_scaling). An existing non-empty out_dir is an error
+    Settings mean what TinyModelSpec says. An existing non-empty out_dir is an error
     (FileExistsError) unless overwrite=True, and even then only if it holds nothing but the files
-    this function writes.
+    this function writes. Bad settings raise InvalidRequestError naming the field.
     """
-    unknown = set(settings) - {f.name for f in dataclasses.fields(TinyModelSpec)}
-    if unknown:
-        raise TypeError(f"make_tiny_model() got unknown settings {sorted(unknown)}")
-    return write_model_dir(TinyModelSpec(family=family, **settings), out_dir, overwrite=overwrite)
+    spec = TinyModelSpec(
+        family=family, seed=seed, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
+        num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
+        head_dim=head_dim, max_position_embeddings=max_position_embeddings, dtype=dtype,
+        tie_word_embeddings=tie_word_embeddings, rope_theta=rope_theta, rope_scaling=rope_scaling)
+    return write_model_dir(spec, out_dir, overwrite=overwrite)
 
 
 def write_model_dir(spec: TinyModelSpec, out_dir: str | Path, *, overwrite: bool = False) -> Path:

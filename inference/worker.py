@@ -16,6 +16,7 @@ from checksum import digest_tensors
 from inference.config import EngineConfig, ModelConfig
 from inference.core import StateError
 from inference.loader import load_weights
+from inference.memory import KV_TAG, MemoryManager, TransitionStats
 from inference.models import build_model
 from inference.parallel import TPInfo
 from inference.runner import ModelRunner, SampleResult
@@ -24,6 +25,7 @@ from inference.scheduler import ScheduledBatch
 log = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 128 << 20
+ARENA_OF = {"target": "weights", "draft": "draft_weights"}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -57,6 +59,7 @@ class Worker:
         # "target" and, with config.draft_model, "draft": the models a weight sync can address
         self.models: dict[str, torch.nn.Module] = {}
         self.model_configs: dict[str, ModelConfig] = {}
+        self.memory: MemoryManager | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------
     def init_device(self) -> None:
@@ -71,6 +74,7 @@ class Worker:
         assert self.device is not None, "init_device first"
         self.model_config = ModelConfig.from_dir(self.config.model)
         self.dtype = resolve_dtype(self.config.dtype, self.device, self.model_config)
+        self.memory = MemoryManager(self.device)
         model = self._load("target", self.config.model)
         if self.config.draft_model:
             self._load("draft", self.config.draft_model)
@@ -81,7 +85,12 @@ class Worker:
         assert self.dtype is not None and self.device is not None
         config = ModelConfig.from_dir(model_dir)
         model = build_model(config, self.tp, self.dtype, self.device)
+        # Parameters become views into a tagged arena first, so the loader writes straight into it.
+        assert self.memory is not None
+        tag = ARENA_OF[which]
+        self.memory.adopt_module(tag, model)
         load_weights(model, Path(model_dir))
+        self.memory.mark_loaded(tag)
         self.models[which] = model
         self.model_configs[which] = config
         return model
@@ -134,17 +143,43 @@ class Worker:
         assert self.runner is not None and self.dtype is not None
         if num_blocks < 1:
             raise StateError("the KV cache budget holds no block: raise kv_cache_bytes or gpu_memory_utilization")
+        assert self.memory is not None
         bs = self.config.cache.block_size
-        kv = torch.zeros(self.runner.kv_shape(num_blocks, bs), dtype=self.dtype, device=self.device)
-        self.runner.bind_kv_cache(kv, bs)
+        arena = self.memory.create_arena(KV_TAG, num_blocks * self.runner.kv_bytes_per_block(bs))
+        self.runner.bind_kv_cache(arena.alloc(self.runner.kv_shape(num_blocks, bs), self.dtype), bs)
         self.num_blocks = num_blocks
 
     def warm_up(self) -> None:
         """CUDA graphs are captured here (engine-speed issue); the eager path needs nothing."""
 
     def execute_model(self, batch: ScheduledBatch) -> list[SampleResult | None]:
-        assert self.runner is not None, "load_model first"
+        assert self.runner is not None and self.memory is not None, "load_model first"
+        self.memory.check_ready()  # never touch a released arena: that is an illegal address on CUDA
         return self.runner.execute(batch)
+
+    # ---- sleep and wake -------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> TransitionStats:
+        """Release the KV cache and the weights (level 1 keeps a host copy, level 2 does not).
+
+        The caller has stopped every step that could touch the arenas (LLM.sleep does).
+        """
+        assert self.memory is not None, "load_model first"
+        return self.memory.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> TransitionStats:
+        """Map "weights" (target and draft) and/or "kv_cache" again at the same addresses."""
+        assert self.memory is not None, "load_model first"
+        return self.memory.wake_up(tags)
+
+    def is_ready(self) -> bool:
+        """Awake everywhere and holding valid weights: a step may run."""
+        if self.memory is None:
+            return False
+        try:
+            self.memory.check_ready()
+        except StateError:
+            return False
+        return True
 
     def check_health(self) -> None:
         if self.runner is None:
@@ -152,6 +187,10 @@ class Worker:
 
     def shutdown(self) -> None:
         self.runner = None
+        self.models.clear()
+        if self.memory is not None:
+            self.memory.close()
+            self.memory = None
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -3,6 +3,14 @@ giving the same answer whatever the layout, chunking, threads or device."""
 
 from __future__ import annotations
 
+import contextlib
+import queue
+import random
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +18,7 @@ import xxhash
 
 import checksum.staging
 from checksum import Digester, TensorRecord, digest_tensor, digest_tensors
+from checksum.staging import Job, run_jobs
 
 DTYPES = [
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
@@ -172,6 +181,67 @@ def test_a_failing_copy_raises_and_the_digester_still_works(monkeypatch: pytest.
         digester.digest(tensors)
     monkeypatch.setattr(checksum.staging.HostStaging, "copy", real_copy)
     assert digester.digest(tensors) == Digester(1).digest(tensors)
+
+
+class AsyncHostStaging:
+    """Like a CUDA copy stream: copies land later, in issue order, on another thread. A pipeline that
+    read a buffer before its copy landed, or refilled it while it was being hashed, would hash wrong
+    bytes here."""
+
+    def __init__(self, chunk_bytes: int, num_buffers: int) -> None:
+        self.num_buffers = num_buffers
+        self._buffers = [torch.empty(chunk_bytes, dtype=torch.uint8) for _ in range(num_buffers)]
+        self._landed = [threading.Event() for _ in range(num_buffers)]
+        self._queue: queue.Queue[tuple[int, torch.Tensor] | None] = queue.Queue()
+        self._rng = random.Random(0)
+        self._open = False
+
+    @contextlib.contextmanager
+    def session(self, device: torch.device | None) -> Iterator[None]:
+        engine = threading.Thread(target=self._engine)
+        engine.start()
+        self._open = True
+        try:
+            yield
+        finally:
+            self._queue.put(None)
+            engine.join()
+            self._open = False  # like CudaStaging: events and stream belong to the session
+
+    def _engine(self) -> None:
+        while (item := self._queue.get()) is not None:
+            buf, src = item
+            time.sleep(self._rng.random() * 1e-4)
+            self._buffers[buf][: src.numel()].copy_(src)
+            self._landed[buf].set()
+
+    def copy(self, buf: int, src: torch.Tensor) -> None:
+        assert self._open, "copy() outside the session"
+        self._buffers[buf].fill_(0xAB)  # garbage until the copy lands
+        self._landed[buf].clear()
+        self._queue.put((buf, src))
+
+    def wait(self, buf: int) -> None:
+        time.sleep(self._rng.random() * 5e-4)  # a slow hasher: the copier may finish issuing first
+        assert self._open, "wait() after the session ended"
+        self._landed[buf].wait()
+
+    def view(self, buf: int, nbytes: int) -> memoryview:
+        assert self._open, "view() after the session ended"
+        return memoryview(self._buffers[buf].numpy())[:nbytes]
+
+
+@pytest.mark.parametrize(("threads", "chunk_bytes", "num_buffers", "max_queued"),
+                         [(1, 64, 1, 1), (3, 100, 4, 2), (4, 997, 9, 6)])
+def test_pipeline_with_asynchronous_copies(threads: int, chunk_bytes: int, num_buffers: int,
+                                           max_queued: int) -> None:
+    tensors = [*mixed_tensors().items(), ("long", random_tensor((5000,), torch.int16, 11))]
+    expected = Digester(1).digest(tensors)
+    jobs = [Job(i, t, t.numel() * t.element_size(), staged=True)
+            for i, (_, t) in enumerate(tensors) if t.numel()]
+    with ThreadPoolExecutor(threads) as pool:
+        run_jobs(jobs, (AsyncHostStaging(chunk_bytes, num_buffers), None), pool, threads, chunk_bytes, max_queued)
+    assert {j.index: j.digest for j in jobs} == {i: r.digest for i, r in enumerate(expected) if tensors[i][1].numel()}
 
 
 def test_digester_rejects_bad_settings() -> None:

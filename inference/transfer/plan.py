@@ -4,11 +4,20 @@ Nothing but bytes travels per bucket: sender and receivers compute the same plan
 sent at start and the bucket size agreed at init. Tensors are laid out in manifest order, each start
 aligned to ALIGN bytes; a tensor that does not fit in the space left starts a new bucket; a tensor
 larger than a bucket is split over consecutive buckets at element boundaries, never dropped.
+
+Invariants (tests/test_transfer_plan.py): every byte of every tensor lands in exactly one segment;
+segments of one bucket never overlap and fit in `bucket_bytes`; whole tensors start on an ALIGN
+boundary (so a bucket slice can be viewed as the tensor's dtype without a copy); the plan depends on
+nothing but (specs, bucket_bytes). `plan_fingerprint` condenses what both ends must agree on into
+one integer that they compare before the first byte moves.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +25,8 @@ import torch
 from inference.core import InvalidRequestError
 
 ALIGN = 256
+DEFAULT_BUCKET_BYTES = 512 << 20
+FINGERPRINT_BITS = 62  # fits an int64 with room to negate (see groups.TransferGroup.agree)
 
 _DTYPES = {
     name: getattr(torch, name)
@@ -123,3 +134,37 @@ def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[Bucket]:
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def specs_from_manifest(manifest: object, where: str = "manifest") -> tuple[int | None, list[TensorSpec]]:
+    """(version or None, specs in send order) from what WeightSender.manifest() returns.
+
+    Accepts the dict {"version": v, "tensors": [...]} or a bare list of tensor dicts / TensorSpecs.
+    """
+    version = None
+    tensors = manifest
+    if isinstance(manifest, dict):
+        unknown = sorted(set(manifest) - {"version", "tensors"})
+        if unknown:
+            raise InvalidRequestError(f"{where}.{unknown[0]}", "unknown field (known: version, tensors)")
+        if "tensors" not in manifest:
+            raise InvalidRequestError(f"{where}.tensors", "missing field")
+        version, tensors = manifest.get("version"), manifest["tensors"]
+        if version is not None and (not isinstance(version, int) or isinstance(version, bool) or version < 0):
+            raise InvalidRequestError(f"{where}.version", f"must be an integer >= 0, got {version!r}")
+    if not isinstance(tensors, (list, tuple)):
+        raise InvalidRequestError(f"{where}.tensors", f"must be a list, got {type(tensors).__name__}")
+    specs = [t if isinstance(t, TensorSpec) else TensorSpec.from_dict(t, f"{where}.tensors[{i}]")
+             for i, t in enumerate(tensors)]
+    return version, specs
+
+
+def plan_fingerprint(version: int, specs: Sequence[TensorSpec], bucket_bytes: int, backend: str) -> int:
+    """A non-zero integer < 2**FINGERPRINT_BITS that differs whenever the plan or version would.
+
+    Not a checksum of weights (those are the checksum package's job): it only guards the wire
+    against two ends that derived different plans, which would otherwise hang or corrupt.
+    """
+    text = json.dumps([version, bucket_bytes, backend, [[s.name, s.dtype, list(s.shape)] for s in specs]])
+    value = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+    return (value & ((1 << FINGERPRINT_BITS) - 1)) or 1
