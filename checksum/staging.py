@@ -184,7 +184,6 @@ class _Run:
         self.lock = threading.Lock()
         self.copier_cv = threading.Condition(self.lock)
         self.lane_cv = {id(j): threading.Condition(self.lock) for j in jobs}
-        self.jobs = jobs
         # Longest first: the makespan is bounded below by the biggest tensor's sequential hash.
         self.pending = deque(sorted(jobs, key=lambda j: -j.nbytes))
         self.active: list[Job] = []

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.helpers_models import CASES, make_hf_checkpoint, random_prompts
 
 from inference.core import FinishReason, InvalidRequestError, SamplingParams
 from inference.llm import LLM
+from tests.helpers_models import CASES, make_hf_checkpoint, random_prompts
 
 GREEDY32 = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 LENGTHS = [3, 17, 9, 30]

@@ -10,6 +10,7 @@ query_lens[i] + j (causal). See inference/batch.py for AttentionMetadata.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from typing import Protocol
 
@@ -32,10 +33,15 @@ class AttentionBackend(Protocol):
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Write each token's k/v at its slot (in place; the caches are views bound by the runner)."""
+    """Write each token's k/v at its slot (in place; the caches are views bound by the runner).
+
+    A negative slot (a padded row of a CUDA-graph batch) is skipped; the filter syncs with the host,
+    which the reference backend may do."""
     num_blocks, block_size, heads, dim = k_cache.shape
-    k_cache.view(num_blocks * block_size, heads, dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(num_blocks * block_size, heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    keep = slot_mapping >= 0
+    slots, k, v = slot_mapping[keep], k[keep], v[keep]
+    k_cache.view(num_blocks * block_size, heads, dim).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(num_blocks * block_size, heads, dim).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
 class ReferenceAttention:
@@ -98,7 +104,17 @@ def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return torch.einsum("hqk,khd->qhd", probs, v32)
 
 
-_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"reference": ReferenceAttention}
+def _triton_backend() -> AttentionBackend:
+    """Imported on first use, so that importing this module never needs triton."""
+    if importlib.util.find_spec("triton") is None:
+        raise InvalidRequestError("attention_backend", "the 'triton' backend needs the triton package")
+    from inference.layers.triton_attention import TritonAttention
+
+    return TritonAttention()
+
+
+_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"reference": ReferenceAttention,
+                                                        "triton": _triton_backend}
 
 
 def register_attention_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:

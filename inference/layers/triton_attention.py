@@ -42,15 +42,27 @@ def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
                      NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                      HEAD_DIM_PAD: tl.constexpr, PAGE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
     h = tl.arange(0, HEADS_PAD)
     d = tl.arange(0, HEAD_DIM_PAD)
+    # The slot is loaded once per head row: a scalar term in a load mask trips Triton's interpreter.
+    slot = tl.load(slot_ptr + t + h * 0).to(tl.int64)[:, None]
     mask = (h[:, None] < NUM_HEADS) & (d[None, :] < HEAD_DIM) & (slot >= 0)
     dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + h[:, None] * stride_ch + d[None, :]
     kk = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask, other=0.0)
     tl.store(kc_ptr + dst, kk.to(kc_ptr.dtype.element_ty), mask=mask)
     vv = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask, other=0.0)
     tl.store(vc_ptr + dst, vv.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b with fp32 accumulation. UPCAST (interpreter only): Triton's CPU interpreter gets bf16
+    tl.dot wrong, so operands go to fp32 there; compiled kernels never set it."""
+    if UPCAST:
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        c = tl.dot(a, b, input_precision=PRECISION)
+    return c
 
 
 @triton.jit
@@ -61,7 +73,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -115,7 +127,7 @@ def _paged_attention_kernel(
         kv_off = page * stride_cb + (k_pos % PAGE) * stride_cs + kvh * stride_ch
         # Masked loads return 0, never stale cache bytes (which may hold NaN) that p = 0 would not hide.
         k_t = tl.load(kc_ptr + kv_off[None, :] + d[:, None], mask=k_valid[None, :] & d_valid[:, None], other=0.0)
-        s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
+        s = _dot(q, k_t, DOT_PRECISION, DOT_UPCAST) * qk_scale
         allowed = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
         if HAS_WINDOW:
             allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
@@ -127,7 +139,7 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(vc_ptr + kv_off[:, None] + d[None, :], mask=k_valid[:, None] & d_valid[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
 
     if NUM_SPLITS == 1:
@@ -278,6 +290,7 @@ class TritonAttention:
             BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_B=1 if meta.is_decode else _pow2_at_least(num_seqs),
             NUM_SPLITS=splits, IS_DECODE=meta.is_decode, HAS_WINDOW=sliding_window is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            DOT_UPCAST=_INTERPRET and q.dtype == torch.bfloat16,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages)
         if splits > 1:
             _combine_splits_kernel[(num_tokens, num_heads)](

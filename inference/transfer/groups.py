@@ -1,0 +1,257 @@
+"""The trainer <-> sidecar group: its own TCPStore, gloo control plane, gloo or NCCL data plane.
+
+Never the default process group, never torch.distributed's global state: the backend objects are
+built directly on a PrefixStore keyed by a fresh session id, so a re-init after a crash never meets
+the keys of a stale group. Rank 0 is the sender (and the store's master); receivers are 1..N.
+
+Every operation has a timeout. Any failure (timeout, peer gone, the two ends disagreeing) raises
+TransferError and marks the group broken: every later call fails at once, and the caller must build
+a new group (a new init_info with a new session id). Control traffic (plan agreement, status, the
+ipc layout) always runs over gloo on the CPU; bulk bytes go over `data`, which is the same gloo
+group for "gloo" and "ipc" (ipc moves bytes through CUDA IPC, not the group) and NCCL for "nccl".
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from inference.core import InvalidRequestError, SidecarError
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("gloo", "nccl", "ipc")
+_KEY_PREFIX = "sidecar-transfer"
+_POLL_S = 2e-4  # NCCL completion polling interval: small next to any bucket's transfer time
+
+
+class TransferError(SidecarError, RuntimeError):
+    """The wire failed: a timeout, a peer that died, or two ends that disagree on the plan.
+
+    The group that raised it is broken; a new init_weight_transfer_engine (new session) is needed.
+    """
+
+
+@dataclass(frozen=True)
+class InitInfo:
+    """What a receiver needs to join the sender's group (JSON-able; the sidecar forwards it).
+
+    `ranks` optionally maps a rank key ("dp0:pp0:tp1") to its group rank; without it a receiver's
+    rank is 1 + dp_rank * tp_size + tp_rank.
+    """
+
+    backend: str
+    master_host: str
+    master_port: int
+    world_size: int
+    bucket_bytes: int
+    timeout_s: float
+    session_id: str
+    ranks: dict[str, int] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: object) -> InitInfo:
+        if isinstance(d, InitInfo):
+            return d
+        if not isinstance(d, dict):
+            raise InvalidRequestError("init_info", f"must be an object, got {type(d).__name__}")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise InvalidRequestError(f"init_info.{unknown[0]}", f"unknown field (known: {sorted(known)})")
+        missing = sorted(known - {"ranks"} - set(d))
+        if missing:
+            raise InvalidRequestError(f"init_info.{missing[0]}", "missing field")
+        info = cls(**d)
+        info.validate()
+        return info
+
+    def validate(self) -> None:
+        def bad(name: str, msg: str) -> InvalidRequestError:
+            return InvalidRequestError(f"init_info.{name}", msg)
+
+        if self.backend not in BACKENDS:
+            raise bad("backend", f"must be one of {list(BACKENDS)}, got {self.backend!r}")
+        if not isinstance(self.master_port, int) or not 0 < self.master_port < 65536:
+            raise bad("master_port", f"must be a TCP port, got {self.master_port!r}")
+        if not isinstance(self.world_size, int) or self.world_size < 2:
+            raise bad("world_size", f"must be an integer >= 2 (sender + receivers), got {self.world_size!r}")
+        if not isinstance(self.bucket_bytes, int) or self.bucket_bytes <= 0:
+            raise bad("bucket_bytes", f"must be a positive integer, got {self.bucket_bytes!r}")
+        if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise bad("timeout_s", f"must be a positive number, got {self.timeout_s!r}")
+        if not isinstance(self.session_id, str) or not self.session_id:
+            raise bad("session_id", "must be a non-empty string")
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(seconds=float(self.timeout_s))
+
+    def receiver_rank(self, rank_key: str, dp_rank: int, tp_rank: int, tp_size: int) -> int:
+        rank = self.ranks.get(rank_key) if self.ranks else 1 + dp_rank * tp_size + tp_rank
+        if not isinstance(rank, int) or not 1 <= rank < self.world_size:
+            raise InvalidRequestError(
+                "init_info.ranks", f"rank {rank_key} maps to group rank {rank!r}, outside 1..{self.world_size - 1}")
+        return rank
+
+
+def new_session_id() -> str:
+    return uuid.uuid4().hex
+
+
+def master_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """The sender's store server; port 0 picks a free port (read it back from `.port`)."""
+    return dist.TCPStore(host, port, world_size, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+class TransferGroup:
+    """One session's process groups. Construction blocks until every rank has joined (or times out)."""
+
+    def __init__(self, info: InitInfo, rank: int, device: torch.device, store: dist.Store | None = None) -> None:
+        self.info = info
+        self.rank = rank
+        self.device = device
+        self.timeout = info.timeout
+        self.broken: str | None = None
+        self._data: Any = None
+        try:
+            if store is None:
+                store = dist.TCPStore(info.master_host, info.master_port, info.world_size, False, self.timeout)
+            session = dist.PrefixStore(f"{_KEY_PREFIX}/{info.session_id}/", store)
+            self._store = store
+            self._control = dist.ProcessGroupGloo(
+                dist.PrefixStore("control/", session), rank, info.world_size, self.timeout)
+            if info.backend == "nccl":
+                self._data = _nccl_group(dist.PrefixStore("data/", session), rank, info.world_size, info, device)
+        except Exception as e:
+            self.broken = str(e)
+            raise TransferError(f"group rank {rank} could not join session {info.session_id} at "
+                                f"{info.master_host}:{info.master_port}: {e}") from e
+        if self._data is not None:  # NCCL communicators start lazily: fail here, not mid-sync
+            self.wait(self.broadcast(torch.zeros(1, dtype=torch.uint8, device=device)), "NCCL warm-up")
+
+    @property
+    def is_nccl(self) -> bool:
+        return self._data is not None
+
+    # ---- data plane ---------------------------------------------------------------------------
+    def broadcast(self, tensor: torch.Tensor) -> Any:
+        """Start broadcasting `tensor` (contiguous) from rank 0; returns the work to `wait` on."""
+        self._check()
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, self.timeout
+        try:
+            if self.is_nccl:
+                with torch.cuda.device(self.device):
+                    return self._data.broadcast([tensor], opts)
+            return self._control.broadcast([tensor], opts)
+        except Exception as e:
+            raise self._fail("broadcast", e) from e
+
+    def wait(self, work: Any, what: str) -> None:
+        """Block until `work` is done; TransferError after the timeout or if a peer failed."""
+        self._check()
+        try:
+            if self.is_nccl:
+                self._poll(work, what)
+            else:
+                work.wait(self.timeout)
+        except TransferError:
+            raise
+        except Exception as e:
+            raise self._fail(what, e) from e
+
+    def _poll(self, work: Any, what: str) -> None:
+        # NCCL's wait() only orders streams unless blocking wait is on; poll so the timeout holds.
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise self._fail(what, TimeoutError(f"no progress in {self.timeout.total_seconds():.1f} s"))
+            time.sleep(_POLL_S)
+        work.wait()  # completed: raises the work's error, if any
+
+    # ---- control plane (gloo, CPU, synchronous) -------------------------------------------------
+    def all_max(self, values: list[int], what: str) -> list[int]:
+        """Element-wise max over all ranks (statuses: 0 ok, non-zero failed)."""
+        self._check()
+        t = torch.tensor(values, dtype=torch.int64)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp, opts.timeout = dist.ReduceOp.MAX, self.timeout
+        try:
+            self._control.allreduce([t], opts).wait(self.timeout)
+        except Exception as e:
+            raise self._fail(what, e) from e
+        return t.tolist()
+
+    def agree(self, fingerprint: int) -> bool:
+        """True on every rank iff every rank passed the same fingerprint (0 <= fingerprint < 2**62).
+
+        max(f) and max(-f) equal one rank's (f, -f) only when min(f) == max(f) == f, so every rank
+        reaches the same verdict from the one all-reduce.
+        """
+        got = self.all_max([fingerprint, -fingerprint], "plan agreement")
+        return got == [fingerprint, -fingerprint]
+
+    def broadcast_bytes(self, payload: bytes | None) -> bytes:
+        """Rank 0's payload on every rank (receivers pass None)."""
+        assert (payload is not None) == (self.rank == 0)
+        size = self.all_max([len(payload) if payload is not None else 0], "control message size")[0]
+        buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload
+               else torch.empty(size, dtype=torch.uint8))
+        if size:
+            opts = dist.BroadcastOptions()
+            opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, self.timeout
+            self._check()
+            try:
+                self._control.broadcast([buf], opts).wait(self.timeout)
+            except Exception as e:
+                raise self._fail("control message", e) from e
+        return bytes(buf.numpy()) if payload is None else payload
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Drop the groups; NCCL communicators are aborted so no kernel waits on a dead peer."""
+        self._abort_data()
+        self._data = self._control = None
+        self.broken = self.broken or "closed"
+
+    def _abort_data(self) -> None:
+        if self._data is None:
+            return
+        try:
+            self._data.abort()
+        except Exception as e:  # an already-failed communicator may refuse; the group is dropped anyway
+            log.warning("aborting the NCCL group of session %s failed: %s", self.info.session_id, e)
+
+    def _check(self) -> None:
+        if self.broken is not None:
+            raise TransferError(f"group rank {self.rank} of session {self.info.session_id} is broken "
+                                f"({self.broken}); call init_weight_transfer_engine again")
+
+    def _fail(self, what: str, e: BaseException) -> TransferError:
+        self.broken = f"{what}: {e}"
+        self._abort_data()  # a timed-out NCCL kernel would spin forever: abort the communicator
+        return TransferError(f"{what} failed on group rank {self.rank} (session {self.info.session_id}, "
+                             f"timeout {self.timeout.total_seconds():g} s): {e}")
+
+
+def _nccl_group(store: dist.Store, rank: int, world: int, info: InitInfo, device: torch.device) -> Any:
+    if not hasattr(dist, "ProcessGroupNCCL"):
+        raise TransferError("backend 'nccl' needs a CUDA build of torch")
+    if device.type != "cuda":
+        raise InvalidRequestError("init_info.backend", f"'nccl' needs a CUDA device, this rank has {device}")
+    opts = dist.ProcessGroupNCCL.Options()
+    # Our own polling deadline fires first and aborts; the watchdog's timeout is only a backstop.
+    opts._timeout = timedelta(seconds=2 * float(info.timeout_s) + 30)
+    with torch.cuda.device(device):
+        return dist.ProcessGroupNCCL(store, rank, world, opts)

@@ -1,0 +1,159 @@
+"""CUDA IPC for the `ipc` backend: a storage is exported once, opened once, reused every sync.
+
+Decision ("direct" mode): when every tensor the trainer sends is a contiguous CUDA tensor on the
+sender's device, the receivers copy straight from the trainer's own (IPC-mapped) storages into
+their parameters: one device copy of the bytes, no packing, a handful of kernel launches
+(`copy_pairs`: one `_foreach_copy_` per dtype for the many small tensors, a plain copy for each
+large one). Otherwise ("packed" mode) the sender packs the plan's buckets into two shared bucket
+buffers (double buffering) that receivers unpack. Either way the sender's send() returns only
+after every receiver acknowledged it finished reading, because the trainer's next step will
+overwrite those tensors.
+
+Handles: the exporter keys storages by their device address and keeps a reference to each (so an
+address cannot be reused while a receiver may still hold its mapping); a storage gets an integer
+id and its handle travels once. Each sync's layout lists the live ids; storages not used by a sync
+are dropped by both ends after it. Handles are plain JSON (no pickle on the wire); the GPU is named
+by UUID, since the two processes may number devices differently.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+from inference.transfer.buckets import as_tensor
+from inference.transfer.plan import TensorSpec
+
+LARGE_COPY_BYTES = 32 << 20  # above this a tensor gets its own copy_ (a memcpy at full bandwidth)
+
+
+def device_uuid(device: torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def local_device_index(uuid: str) -> int:
+    for i in range(torch.cuda.device_count()):
+        if device_uuid(torch.device("cuda", i)) == uuid:
+            return i
+    raise RuntimeError(f"GPU {uuid} is not visible to this process: the ipc backend needs the sender's "
+                       "GPU (use nccl between distinct GPUs)")
+
+
+def _b64(b: bytes | None) -> str | None:
+    return None if b is None else base64.b64encode(b).decode()
+
+
+def _unb64(s: str | None) -> bytes | None:
+    return None if s is None else base64.b64decode(s)
+
+
+def export_storage(storage: torch.UntypedStorage) -> dict[str, Any]:
+    """A JSON-able handle to the whole storage (its allocation, offset and ref counter)."""
+    flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
+    _, args = reduce_tensor(flat)
+    (_cls, _size, _stride, _offset, _scls, _dtype, device, handle, size_bytes, offset_bytes, _rg,
+     ref_handle, ref_offset, event_handle, event_sync) = args
+    return {"uuid": device_uuid(torch.device("cuda", device)), "handle": _b64(handle), "size": size_bytes,
+            "offset": offset_bytes, "ref_handle": _b64(ref_handle), "ref_offset": ref_offset,
+            "event_handle": _b64(event_handle), "event_sync": event_sync}
+
+
+def import_storage(h: dict[str, Any]) -> torch.Tensor:
+    """Open an exported storage in this process: a 1-D uint8 tensor over all of it."""
+    return rebuild_cuda_tensor(
+        torch.Tensor, torch.Size([h["size"]]), (1,), 0, torch.storage.TypedStorage, torch.uint8,
+        local_device_index(h["uuid"]), _unb64(h["handle"]), h["size"], h["offset"], False,
+        _unb64(h["ref_handle"]), h["ref_offset"], _unb64(h["event_handle"]), h["event_sync"])
+
+
+class IpcExporter:
+    """Sender side: ids and handles for storages, exported once each (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._by_ptr: dict[int, tuple[int, torch.UntypedStorage]] = {}
+        self._next_id = 0
+        self._live: set[int] = set()
+        self.exported_total = 0  # handles ever exported (tests check reuse with it)
+
+    def layout(self, tensors: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor] = ()) -> dict[str, Any]:
+        """This sync's layout: new handles, live ids, (id, byte offset) per tensor, buffer ids."""
+        new: dict[str, dict[str, Any]] = {}
+        live: set[int] = set()
+
+        def ref(t: torch.Tensor) -> int:
+            storage = t.untyped_storage()
+            entry = self._by_ptr.get(storage.data_ptr())
+            if entry is None or entry[1].nbytes() != storage.nbytes():
+                entry = (self._next_id, storage)
+                self._next_id += 1
+                self._by_ptr[storage.data_ptr()] = entry
+                new[str(entry[0])] = export_storage(storage)
+                self.exported_total += 1
+            live.add(entry[0])
+            return entry[0]
+
+        placed = [[ref(t), t.storage_offset() * t.element_size()] for t in tensors]
+        buffer_ids = [ref(b) for b in buffers]
+        self._live = live
+        return {"new": new, "live": sorted(live), "tensors": placed, "buffers": buffer_ids}
+
+    def retire(self) -> None:
+        """After a sync was acknowledged: forget storages it did not use (receivers dropped them)."""
+        self._by_ptr = {p: e for p, e in self._by_ptr.items() if e[0] in self._live}
+
+
+class IpcImporter:
+    """Receiver side: storages opened once by id, views built per layout (cached while unchanged)."""
+
+    def __init__(self) -> None:
+        self._storages: dict[int, torch.Tensor] = {}
+        self._views_key: tuple[Any, ...] | None = None
+        self._views: list[torch.Tensor] = []
+        self.opened_total = 0  # handles ever opened (tests check reuse with it)
+
+    def apply(self, layout: dict[str, Any]) -> None:
+        live = set(layout["live"])
+        for sid in [s for s in self._storages if s not in live]:
+            del self._storages[sid]  # the sender stopped using it: release the mapping
+        for sid, handle in layout["new"].items():
+            self._storages[int(sid)] = import_storage(handle)
+            self.opened_total += 1
+        missing = live - set(self._storages)
+        if missing:
+            raise RuntimeError(f"ipc layout refers to storages {sorted(missing)} that were never exported "
+                               "to this rank")
+
+    def storage(self, sid: int) -> torch.Tensor:
+        return self._storages[sid]
+
+    def views(self, layout: dict[str, Any], specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
+        """The sender's tensors, in manifest order, as views of the opened storages."""
+        key = (id(specs), tuple(map(tuple, layout["tensors"])), tuple(layout["live"]))
+        if key != self._views_key or layout["new"]:
+            self._views = [as_tensor(self._storages[sid][off:off + spec.nbytes], spec)
+                           for (sid, off), spec in zip(layout["tensors"], specs, strict=True)]
+            self._views_key = key
+        return self._views
+
+    def close(self) -> None:
+        self._storages.clear()
+        self._views, self._views_key = [], None
+
+
+def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """dst.copy_(src) for every pair (same shapes and dtypes), in as few launches as possible."""
+    small: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for dst, src in pairs:
+        assert dst.shape == src.shape and dst.dtype == src.dtype, (dst.shape, src.shape, dst.dtype, src.dtype)
+        if dst.numel() * dst.element_size() >= LARGE_COPY_BYTES:
+            dst.copy_(src)
+        else:
+            dsts, srcs = small.setdefault(dst.dtype, ([], []))
+            dsts.append(dst)
+            srcs.append(src)
+    for dsts, srcs in small.values():
+        torch._foreach_copy_(dsts, srcs)

@@ -1,0 +1,180 @@
+"""The receiving end of the weight wire: one rank's membership in the group, and the receive loops.
+
+Protocol of one sync (every rank walks it in the same order, so no collective can pair with the
+wrong one): (1) `agree` on the plan fingerprint (version, manifest, bucket size, backend): if any
+rank derived a different plan, all stop before a byte moves; (2) the bytes; (3) a status all-reduce
+in which every receiver reports whether it unpacked everything: the sender's send() returns only
+after it, so an ipc sender never overwrites memory a receiver still reads, and a receiver's failure
+is reported to the trainer instead of passing silently.
+
+- gloo / nccl: the plan's buckets are broadcast into two alternating receive buffers; bucket k+1 is
+  in flight while bucket k is unpacked. A rank whose unpack fails keeps receiving (and discarding)
+  until the end, so the others are not left hanging, then reports the failure at (3).
+- ipc: a layout message (handles, offsets; see ipc.py) is broadcast over the control group. In
+  "direct" mode the receivers copy straight from the sender's tensors, then (3). In "packed" mode
+  the sender fills two shared buckets: before bucket j the ranks all-reduce a status that means
+  "bucket j is packed" (sender) and "bucket j-1 is unpacked" (receivers), so packing j+1 overlaps
+  unpacking j and a failure anywhere stops everyone at the same step.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from inference.transfer.buckets import Unpacker
+from inference.transfer.groups import InitInfo, TransferError, TransferGroup
+from inference.transfer.ipc import IpcImporter, copy_pairs
+from inference.transfer.plan import Bucket, TensorSpec, plan_buckets, plan_fingerprint
+
+
+class Sink(Protocol):
+    """Where received tensors go (inference.transfer.target.UpdateTarget)."""
+
+    def direct_destination(self, index: int) -> torch.Tensor | None: ...
+
+    def mark_direct(self, indices: Sequence[int]) -> None: ...
+
+    def put(self, items: Sequence[tuple[int, torch.Tensor]]) -> None: ...
+
+
+class WeightReceiver:
+    """One receiver rank of one transfer session. Joining blocks until every rank has joined."""
+
+    def __init__(self, info: InitInfo, rank: int, device: torch.device, rank_key: str) -> None:
+        if info.backend == "ipc" and device.type != "cuda":
+            raise TransferError(f"rank {rank_key}: the ipc backend needs a CUDA device, this rank has {device}")
+        self.info = info
+        self.rank_key = rank_key
+        self.device = device
+        # Bytes arrive on the CPU for gloo, on this rank's GPU for nccl.
+        self.buffer_device = device if info.backend == "nccl" else torch.device("cpu")
+        self.group = TransferGroup(info, rank, self.buffer_device if info.backend == "nccl" else device)
+        self.ipc = IpcImporter() if info.backend == "ipc" else None
+        self._buffers: list[torch.Tensor] = []
+
+    @property
+    def broken(self) -> str | None:
+        return self.group.broken
+
+    def close(self) -> None:
+        if self.ipc is not None:
+            self.ipc.close()
+        self.group.close()
+        self._buffers = []
+
+    def receive(self, version: int, specs: Sequence[TensorSpec], sink: Sink) -> None:
+        """Receive one whole sync into `sink`. Raises TransferError (group broken) or the sink's error."""
+        fingerprint = plan_fingerprint(version, specs, self.info.bucket_bytes, self.info.backend)
+        if not self.group.agree(fingerprint):
+            raise TransferError(f"rank {self.rank_key}: the sender's plan (version, manifest or bucket size) "
+                                f"differs from this rank's for version {version}; nothing was written")
+        plan = plan_buckets(list(specs), self.info.bucket_bytes)
+        if self.info.backend == "ipc":
+            self._receive_ipc(plan, specs, sink)
+        else:
+            self._receive_broadcast(plan, specs, sink)
+
+    # ---- gloo / nccl ----------------------------------------------------------------------------
+    def _receive_broadcast(self, plan: Sequence[Bucket], specs: Sequence[TensorSpec], sink: Sink) -> None:
+        bufs = self._receive_buffers(max((b.nbytes for b in plan), default=0))
+        unpacker = Unpacker(specs, self.buffer_device)
+        failure: BaseException | None = None
+        works: dict[int, Any] = {}
+        if plan:
+            works[0] = self.group.broadcast(bufs[0][:plan[0].nbytes])
+        for k, bucket in enumerate(plan):
+            self.group.wait(works.pop(k), f"bucket {k} of {len(plan)}")
+            if k + 1 < len(plan):  # its buffer held bucket k-1, unpacked already (same stream on CUDA)
+                works[k + 1] = self.group.broadcast(bufs[(k + 1) % 2][:plan[k + 1].nbytes])
+            if failure is None:
+                try:
+                    sink.put(unpacker.tensors(bucket, bufs[k % 2]))
+                except Exception as e:  # keep draining so the sender and other ranks are not left hanging
+                    failure = e
+        if failure is None and unpacker.incomplete:
+            failure = RuntimeError(f"rank {self.rank_key}: tensors left incomplete: {unpacker.incomplete[:3]}")
+        self._finish(failure)
+
+    def _receive_buffers(self, nbytes: int) -> list[torch.Tensor]:
+        if not self._buffers or self._buffers[0].numel() < nbytes:
+            self._buffers = []  # free the old pair before allocating the larger one
+            pin = self.buffer_device.type == "cpu" and self.device.type == "cuda"
+            self._buffers = [torch.empty(nbytes, dtype=torch.uint8, device=self.buffer_device, pin_memory=pin)
+                             for _ in range(2)]
+        return self._buffers
+
+    # ---- ipc ----------------------------------------------------------------------------------
+    def _receive_ipc(self, plan: Sequence[Bucket], specs: Sequence[TensorSpec], sink: Sink) -> None:
+        assert self.ipc is not None
+        layout = json.loads(self.group.broadcast_bytes(None))
+        failure: BaseException | None = None
+        try:
+            self.ipc.apply(layout)
+        except Exception as e:
+            failure = e
+        if layout["mode"] == "direct":
+            if failure is None:
+                failure = self._guard(lambda: self._copy_direct(layout, specs, sink))
+            self._finish(failure)
+        else:
+            self._receive_packed(plan, specs, sink, layout, failure)
+
+    def _copy_direct(self, layout: dict[str, Any], specs: Sequence[TensorSpec], sink: Sink) -> None:
+        assert self.ipc is not None
+        sources = self.ipc.views(layout, specs)
+        pairs, direct, rest = [], [], []
+        for i, src in enumerate(sources):
+            dst = sink.direct_destination(i)
+            if dst is not None and dst.device == src.device:
+                pairs.append((dst, src))
+                direct.append(i)
+            else:
+                rest.append((i, src))
+        with torch.no_grad():
+            copy_pairs(pairs)
+        sink.mark_direct(direct)
+        sink.put(rest)  # TP shards, casts, skipped names: loaded and digested while the memory is ours
+        torch.cuda.synchronize(self.device)  # every read of the sender's memory is done before the ack
+
+    def _receive_packed(self, plan: Sequence[Bucket], specs: Sequence[TensorSpec], sink: Sink,
+                        layout: dict[str, Any], failure: BaseException | None) -> None:
+        assert self.ipc is not None
+        bufs = [self.ipc.storage(sid) for sid in layout["buffers"]] if failure is None else []
+        unpacker = Unpacker(specs, self.device)
+
+        def unpack(j: int) -> None:
+            sink.put(unpacker.tensors(plan[j], bufs[j % 2]))
+            torch.cuda.synchronize(self.device)  # done reading bucket j before reporting it
+
+        for j in range(len(plan) + 1):
+            status = self.group.all_max([int(failure is not None)], f"ipc bucket step {j}")[0]
+            if status:
+                break
+            if j < len(plan):
+                failure = self._guard(lambda j=j: unpack(j))
+        if failure is not None:
+            raise failure
+        if status:
+            raise TransferError(f"rank {self.rank_key}: another rank of the group failed during the ipc "
+                                "transfer; this update is abandoned")
+
+    # ---- shared -------------------------------------------------------------------------------
+    @staticmethod
+    def _guard(fn: Any) -> BaseException | None:
+        try:
+            fn()
+        except Exception as e:  # reported through the status all-reduce, then re-raised by _finish
+            return e
+        return None
+
+    def _finish(self, failure: BaseException | None) -> None:
+        status = self.group.all_max([int(failure is not None)], "end-of-sync status")[0]
+        if failure is not None:
+            raise failure
+        if status:
+            raise TransferError(f"rank {self.rank_key}: another rank of the group failed to receive this "
+                                "update; it is abandoned")

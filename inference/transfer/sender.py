@@ -1,0 +1,252 @@
+"""The trainer's end of the weight wire: `WeightSender`. Imports no engine module (torch, checksum,
+inference.core and the light inference.transfer modules only), so any trainer process can use it.
+
+Lifecycle: `init_info()` (starts the store; a JSON-able dict for the sidecar's
+init_weight_transfer_engine), `connect()` (blocks until every receiver joined; run it while the
+sidecar joins), then per sync: `manifest(named_tensors, version)` (for the sidecar's start),
+`send(named_tensors)` (concurrently with the sidecar's update_weights; returns the sender's digests
+for its finish), and at the end `close()`. After any TransferError the group is broken: call
+init_info() again (a new session id) and connect() again; the store server is reused.
+
+Double buffering: gloo and nccl pack bucket k+1 while bucket k is on the wire (two buffers; on CUDA
+packing runs on its own stream, and NCCL orders each broadcast after its pack). The ipc backend is
+described in inference/transfer/ipc.py ("direct" mode decision). The sender's digests are computed
+on a side thread while the bytes move (xxhash releases the GIL; CUDA tensors stream through the
+checksum package's pinned buffers on its own copy stream).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from checksum import TensorRecord, digest_tensors
+from inference.core import InvalidRequestError, StateError
+from inference.transfer.buckets import Packer
+from inference.transfer.groups import (
+    BACKENDS,
+    InitInfo,
+    TransferError,
+    TransferGroup,
+    master_store,
+    new_session_id,
+)
+from inference.transfer.ipc import IpcExporter
+from inference.transfer.plan import (
+    DEFAULT_BUCKET_BYTES,
+    Bucket,
+    TensorSpec,
+    plan_buckets,
+    plan_fingerprint,
+)
+
+NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+IPC_MODES = ("auto", "direct", "packed")
+
+
+class WeightSender:
+    """Rank 0 of a transfer group: owns the store, plans and sends every sync (see module docstring)."""
+
+    def __init__(self, backend: str = "gloo", *, num_receivers: int = 1, master_host: str = "127.0.0.1",
+                 master_port: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 120.0,
+                 device: torch.device | str | None = None, ipc_mode: str = "auto") -> None:
+        if backend not in BACKENDS:
+            raise InvalidRequestError("backend", f"must be one of {list(BACKENDS)}, got {backend!r}")
+        if ipc_mode not in IPC_MODES:
+            raise InvalidRequestError("ipc_mode", f"must be one of {list(IPC_MODES)}, got {ipc_mode!r}")
+        plan_buckets([], bucket_bytes)  # validates bucket_bytes
+        self.backend, self.num_receivers, self.bucket_bytes = backend, num_receivers, bucket_bytes
+        self.timeout_s, self.ipc_mode = timeout_s, ipc_mode
+        self._host, self._port = master_host, master_port
+        default = "cuda" if backend in ("nccl", "ipc") else "cpu"
+        self.device = torch.device(device if device is not None else default)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._store: Any = None
+        self._info: InitInfo | None = None
+        self._group: TransferGroup | None = None
+        self._pending: tuple[int, list[TensorSpec]] | None = None  # (version, specs) of manifest()
+        self._buffers: list[torch.Tensor] = []
+        self._pack_stream: Any = None
+        self._ipc = IpcExporter() if backend == "ipc" else None
+        self._digest_pool = ThreadPoolExecutor(1, thread_name_prefix="sender-digest")
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def init_info(self) -> dict[str, Any]:
+        """The dict the sidecar's init_weight_transfer_engine takes. A fresh session id unless the
+        current session is connected and healthy."""
+        if self._store is None:
+            self._store = master_store(self._host, self._port, self.num_receivers + 1, self.timeout_s)
+        healthy = self._group is not None and self._group.broken is None
+        if self._info is None or not healthy:
+            self._info = InitInfo(self.backend, self._host, self._store.port, self.num_receivers + 1,
+                                  self.bucket_bytes, float(self.timeout_s), new_session_id())
+        return self._info.to_dict()
+
+    def connect(self) -> None:
+        """Join the group as rank 0; blocks until every receiver joined (TransferError on timeout)."""
+        if self._info is None or (self._group is not None and self._group.broken is None):
+            self.init_info()
+        assert self._info is not None
+        if self._group is not None:
+            self._group.close()
+        if self._ipc is not None:
+            self._ipc = IpcExporter()  # a new session: receivers open every handle afresh
+        info, self._info = self._info, None  # a failed connect burns the session id
+        self._group = TransferGroup(info, 0, self.device, store=self._store)
+        self._info = info
+
+    def close(self) -> None:
+        if self._group is not None:
+            self._group.close()
+        self._group, self._info, self._store, self._buffers = None, None, None, []
+        self._digest_pool.shutdown(wait=True)
+
+    @property
+    def connected(self) -> bool:
+        return self._group is not None and self._group.broken is None
+
+    # ---- one sync -----------------------------------------------------------------------------
+    def manifest(self, named_tensors: NamedTensors, version: int) -> dict[str, Any]:
+        """What the sidecar's start_weight_update takes: {"version", "tensors": [spec dicts in send order]}."""
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise InvalidRequestError("version", f"must be an integer >= 0, got {version!r}")
+        specs = [TensorSpec.of(name, t) for name, t in _items(named_tensors)]
+        self._pending = (version, specs)
+        return {"version": version, "tensors": [s.to_dict() for s in specs]}
+
+    def send(self, named_tensors: NamedTensors, *, digest: bool = True) -> list[TensorRecord]:
+        """Move every byte to every receiver; returns the digests of the full tensors sent, in order
+        (empty when digest=False). Returns only after every receiver reported success."""
+        group = self._require_group()
+        if self._pending is None:
+            raise StateError("send() before manifest(): the receivers need the manifest to start")
+        version, specs = self._pending
+        items = _items(named_tensors)
+        problem = _mismatch(specs, items)
+        fingerprint = plan_fingerprint(version, specs, self.bucket_bytes, self.backend)
+        if not group.agree(0 if problem else fingerprint):  # 0 never matches: receivers stop cleanly
+            raise problem or TransferError(
+                "the receivers' plan differs from the sender's (a different manifest, version or bucket "
+                "size was started on the sidecar); nothing was written")
+        tensors = [t.detach() for _, t in items]
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the trainer's writes have landed
+        digests: Future[list[TensorRecord]] | None = (
+            self._digest_pool.submit(digest_tensors, list(zip([s.name for s in specs], tensors)))
+            if digest else None)
+        plan = plan_buckets(specs, self.bucket_bytes)
+        try:
+            if self.backend == "ipc":
+                self._send_ipc(group, plan, tensors)
+            else:
+                self._send_broadcast(group, plan, tensors)
+        finally:
+            records = digests.result() if digests is not None else []
+        self._pending = None
+        return records
+
+    def _require_group(self) -> TransferGroup:
+        if self._group is None:
+            raise StateError("connect() first")
+        if self._group.broken is not None:
+            raise TransferError(f"the transfer group is broken ({self._group.broken}); call init_info() and "
+                                "connect() again, and give the new init_info to the sidecar")
+        return self._group
+
+    # ---- gloo / nccl ----------------------------------------------------------------------------
+    def _send_broadcast(self, group: TransferGroup, plan: Sequence[Bucket], tensors: list[torch.Tensor]) -> None:
+        on_gpu = self.backend == "nccl"
+        bufs = self._bucket_buffers(max((b.nbytes for b in plan), default=0),
+                                    self.device if on_gpu else torch.device("cpu"))
+        packer = Packer(tensors, plan)
+        stream = self._stream() if on_gpu or any(t.is_cuda for t in tensors) else None
+        works: list[Any] = [None, None]
+        for k, bucket in enumerate(plan):
+            slot = k % 2
+            if works[slot] is not None:
+                group.wait(works[slot], f"bucket {k - 2} of {len(plan)}")  # its buffer is free again
+            buf = bufs[slot][:bucket.nbytes]
+            if stream is None:
+                packer.pack(bucket, buf)
+                works[slot] = group.broadcast(buf)
+                continue
+            with torch.cuda.stream(stream):
+                packer.pack(bucket, buf, non_blocking=True)
+                if not on_gpu:
+                    stream.synchronize()  # gloo reads the host buffer from its own threads
+                works[slot] = group.broadcast(buf)  # NCCL orders it after the pack on this stream
+        for k, work in enumerate(works):
+            if work is not None:
+                group.wait(work, f"final bucket (slot {k})")
+        if group.all_max([0], "end-of-sync status")[0]:
+            raise TransferError("a receiver failed to unpack the update (see the sidecar's error for the "
+                                "rank and tensor); the model there is marked torn")
+
+    def _bucket_buffers(self, nbytes: int, device: torch.device) -> list[torch.Tensor]:
+        if not self._buffers or self._buffers[0].numel() < nbytes or self._buffers[0].device != device:
+            self._buffers = []
+            pin = device.type == "cpu" and torch.cuda.is_available()
+            self._buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
+                             for _ in range(2)]
+        return self._buffers
+
+    def _stream(self) -> Any:
+        if self._pack_stream is None:
+            self._pack_stream = torch.cuda.Stream(self.device)
+        self._pack_stream.wait_stream(torch.cuda.current_stream(self.device))
+        return self._pack_stream
+
+    # ---- ipc ----------------------------------------------------------------------------------
+    def _send_ipc(self, group: TransferGroup, plan: Sequence[Bucket], tensors: list[torch.Tensor]) -> None:
+        assert self._ipc is not None
+        eligible = all(t.is_cuda and t.device == self.device and t.is_contiguous() and t.numel() for t in tensors)
+        if self.ipc_mode == "direct" and not eligible:
+            raise InvalidRequestError("ipc_mode", "direct needs contiguous, non-empty CUDA tensors on "
+                                      f"{self.device}; use 'auto' to fall back to packing")
+        direct = eligible and self.ipc_mode != "packed"
+        bufs = [] if direct else self._bucket_buffers(self.bucket_bytes, self.device)
+        layout = self._ipc.layout(tensors if direct else [], bufs)
+        layout["mode"] = "direct" if direct else "packed"
+        group.broadcast_bytes(json.dumps(layout).encode())
+        if direct:
+            failed = group.all_max([0], "end-of-sync status")[0]
+        else:
+            failed = self._send_packed(group, plan, tensors, bufs)
+        self._ipc.retire()
+        if failed:
+            raise TransferError("a receiver failed during the ipc transfer (see the sidecar's error for the "
+                                "rank and tensor); the model there is marked torn")
+
+    def _send_packed(self, group: TransferGroup, plan: Sequence[Bucket], tensors: list[torch.Tensor],
+                     bufs: list[torch.Tensor]) -> int:
+        """Step j: bucket j is packed (ours) and bucket j-1 is unpacked (theirs); see receiver.py."""
+        packer = Packer(tensors, plan)
+        stream = self._stream()
+        for j in range(len(plan) + 1):
+            if j < len(plan):  # its buffer held bucket j-2, which every receiver confirmed at step j-1
+                with torch.cuda.stream(stream):
+                    packer.pack(plan[j], bufs[j % 2], non_blocking=True)
+                stream.synchronize()
+            if group.all_max([0], f"ipc bucket step {j}")[0]:
+                return 1
+        return 0
+
+
+def _items(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
+    pairs = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    return [(name, t) for name, t in pairs]
+
+
+def _mismatch(specs: list[TensorSpec], items: list[tuple[str, torch.Tensor]]) -> InvalidRequestError | None:
+    """send() must get exactly the tensors manifest() described, in the same order."""
+    if len(items) != len(specs):
+        return InvalidRequestError("named_tensors", f"{len(items)} tensors given, the manifest has {len(specs)}")
+    for spec, (name, t) in zip(specs, items):
+        if TensorSpec.of(name, t) != spec:
+            return InvalidRequestError(name, f"differs from the manifest: {TensorSpec.of(name, t)} vs {spec}")
+    return None

@@ -1,0 +1,185 @@
+"""The receiving model of one update session: manifest validation, unpacking, received digests.
+
+`validate_manifest` checks the WHOLE manifest against the model before any byte moves: unknown
+names, wrong shapes, wrong dtypes (unless casting is allowed), duplicates, missing tensors. A tied
+`lm_head.weight` sent alongside the embedding is accepted but never loaded (it IS the embedding);
+the audit requires its digest to equal the embedding's. Rotary tables are accepted and ignored.
+
+`UpdateTarget` is the receiver's sink: it loads each completed tensor through the naming module
+and the parameters' weight_loaders (TP slicing, fused qkv/gate_up, casts), and keeps the digests
+of what arrived (full tensors, trainer names).
+
+Decision (one hashing pass at TP=1): when this rank holds a tensor whole, in the sent dtype (TP=1,
+no cast), its received digest is computed after the sync from the held parameter region it was
+written to (the q rows of qkv_proj ARE the received q_proj tensor). That digest covers the wire,
+the unpack and the placement at once, and costs no hashing while bytes are in flight. Every other
+tensor (TP shards, casts, skipped names) is digested from the received bytes before its buffer is
+reused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from checksum import Manifest, Mismatch, Report, TensorRecord, digest_tensors
+from inference.config import ModelConfig
+from inference.core import InvalidRequestError
+from inference.loader import load_hf_tensor
+from inference.naming import ShardId, expected_hf_tensors, hf_to_param, is_skipped, param_to_hf
+from inference.transfer.plan import TensorSpec, dtype_name
+
+EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+Fault = tuple[str, str]  # ("flip", tensor name): test-only, flips one byte of that tensor on arrival
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one manifest tensor goes. param None: accepted but not loaded (tied lm_head, rotary)."""
+
+    spec: TensorSpec
+    param: str | None
+    shard_id: ShardId
+    held: torch.Tensor | None  # the exact parameter region it fills (TP=1, same dtype), else None
+
+
+def validate_manifest(specs: Sequence[TensorSpec], model: nn.Module, config: ModelConfig, *, which: str,
+                      rank: str, tp_size: int, allow_cast: bool) -> list[Route]:
+    """Routes for every spec, or InvalidRequestError naming the first bad tensor and this rank."""
+    params = dict(model.named_parameters())
+    expected = expected_hf_tensors(config)
+    seen: set[str] = set()
+    routes = []
+    for spec in specs:
+        if spec.name in seen:
+            raise InvalidRequestError(spec.name, f"rank {rank}: sent twice in the {which} manifest")
+        seen.add(spec.name)
+        routes.append(_route(spec, params, config, expected, which=which, rank=rank, tp_size=tp_size,
+                             allow_cast=allow_cast))
+    missing = [name for name in expected if name not in seen]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise InvalidRequestError(missing[0], f"rank {rank}: {len(missing)} tensor(s) of the {which} model "
+                                  f"missing from the manifest: {shown}; nothing was written")
+    by_name = {s.name: s for s in specs}
+    if LM_HEAD in by_name and is_skipped(LM_HEAD, config) and by_name[LM_HEAD].dtype != by_name[EMBED].dtype:
+        raise InvalidRequestError(LM_HEAD, f"rank {rank}: the {which} model ties lm_head to the embedding, "
+                                  f"but lm_head is {by_name[LM_HEAD].dtype} and the embedding "
+                                  f"{by_name[EMBED].dtype}; nothing was written")
+    return routes
+
+
+def _route(spec: TensorSpec, params: dict[str, nn.Parameter], config: ModelConfig,
+           expected: dict[str, tuple[int, ...]], *, which: str, rank: str, tp_size: int,
+           allow_cast: bool) -> Route:
+    def bad(msg: str) -> InvalidRequestError:
+        return InvalidRequestError(spec.name, f"rank {rank}: {msg}; nothing was written")
+
+    if is_skipped(spec.name, config):
+        if spec.name == LM_HEAD and spec.shape != expected[EMBED]:
+            raise bad(f"tied lm_head has shape {list(spec.shape)}, the embedding {list(expected[EMBED])}")
+        return Route(spec, None, None, None)
+    if spec.name not in expected:
+        raise bad(f"unknown tensor for the {which} model ({config.family})")
+    if spec.shape != expected[spec.name]:
+        raise bad(f"shape {list(spec.shape)} does not match the {which} model's {list(expected[spec.name])}")
+    param_name, shard_id = hf_to_param(spec.name)
+    if param_name not in params:
+        raise bad(f"maps to {param_name}, which the {which} model does not have")
+    param = params[param_name]
+    held_dtype = dtype_name(param.dtype)
+    if spec.dtype != held_dtype and not allow_cast:
+        raise bad(f"dtype {spec.dtype} differs from the {which} model's {held_dtype} "
+                  "(start with allow_cast=True to convert)")
+    held = None
+    if tp_size == 1 and spec.dtype == held_dtype:
+        held = _held_region(param, param_name, shard_id, spec.shape, expected)
+    return Route(spec, param_name, shard_id, held)
+
+
+def _held_region(param: nn.Parameter, param_name: str, shard_id: ShardId, shape: tuple[int, ...],
+                 expected: dict[str, tuple[int, ...]]) -> torch.Tensor | None:
+    """At TP=1 a fused parameter is its parts stacked along dim 0, in naming order; None if not so."""
+    data = param.detach()
+    if shard_id is None:
+        return data if tuple(data.shape) == shape and data.is_contiguous() else None
+    parts = param_to_hf(param_name)
+    rows = [expected[hf][0] for hf, _ in parts]
+    if sum(rows) != data.shape[0] or not data.is_contiguous():
+        return None
+    index = [sid for _, sid in parts].index(shard_id)
+    region = data.narrow(0, sum(rows[:index]), rows[index])
+    return region if tuple(region.shape) == shape else None
+
+
+class UpdateTarget:
+    """The sink one session's bytes flow into (see the module docstring)."""
+
+    def __init__(self, which: str, model: nn.Module, config: ModelConfig, routes: Sequence[Route], rank: str,
+                 fault: Fault | None = None) -> None:
+        self.which, self.config, self.routes, self.rank = which, config, routes, rank
+        self._params = dict(model.named_parameters())
+        self._fault = fault
+        self._records: dict[str, TensorRecord] = {}  # digested from received bytes
+        self._written: set[int] = set()
+
+    def direct_destination(self, index: int) -> torch.Tensor | None:
+        """The region a direct copy may write tensor `index` into, or None to go through `put`."""
+        route = self.routes[index]
+        return None if self._faulted(route.spec.name) else route.held
+
+    def mark_direct(self, indices: Sequence[int]) -> None:
+        """Record tensors written by a direct copy (their digests come from the held regions)."""
+        self._written.update(indices)
+
+    def put(self, items: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """Load completed tensors; digests of anything not held whole are taken before returning."""
+        to_digest = []
+        with torch.no_grad():
+            for index, tensor in items:
+                route = self.routes[index]
+                assert index not in self._written, f"{route.spec.name} received twice"
+                if self._faulted(route.spec.name):
+                    tensor = _flipped(tensor)
+                if route.param is not None:
+                    load_hf_tensor(self._params, self.config, route.spec.name, tensor)
+                if route.held is None or self._faulted(route.spec.name):
+                    to_digest.append((route.spec.name, tensor))
+                self._written.add(index)
+        for record in digest_tensors(to_digest):
+            self._records[record.name] = record
+
+    def received_manifest(self, version: int) -> Manifest:
+        """Digests of every tensor received (trainer names). Raises if any tensor never arrived."""
+        unwritten = [r.spec.name for i, r in enumerate(self.routes) if i not in self._written]
+        if unwritten:
+            raise RuntimeError(f"rank {self.rank}: {len(unwritten)} tensor(s) of the session never arrived, "
+                               f"first {unwritten[0]}")
+        held = [(r.spec.name, r.held) for r in self.routes if r.spec.name not in self._records]
+        assert all(t is not None for _, t in held)
+        records = {**self._records, **{r.name: r for r in digest_tensors(held)}}
+        return Manifest(self.which, version, self.rank, tuple(records[r.spec.name] for r in self.routes))
+
+    def tied_report(self, received: Manifest) -> Report:
+        """A tied lm_head that was sent must carry the embedding's bytes (it is the same tensor)."""
+        got = received.by_name()
+        mismatches = []
+        if LM_HEAD in got and EMBED in got and is_skipped(LM_HEAD, self.config) \
+                and got[LM_HEAD].digest != got[EMBED].digest:
+            mismatches.append(Mismatch("digest", self.rank, self.which, LM_HEAD, got[EMBED].digest,
+                                       got[LM_HEAD].digest))
+        return Report.build(mismatches, [self.rank], 0)
+
+    def _faulted(self, name: str) -> bool:
+        return self._fault is not None and self._fault[1] == name
+
+
+def _flipped(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy with one bit of its first byte flipped (the received buffer itself is left alone)."""
+    out = tensor.clone()
+    if out.numel():
+        out.view(-1).view(torch.uint8)[:1].bitwise_xor_(1)
+    return out
