@@ -7,8 +7,8 @@ sidecar/ or trainer_hooks/). The digest and manifest formats are specified in do
 from __future__ import annotations
 
 from checksum.compare import KINDS, Mismatch, Report, audit, compare, compare_each, compare_ranks
+from checksum.definition import ALGORITHM, SEGMENT_BYTES, digest_bytes
 from checksum.digest import (
-    ALGORITHM,
     DEFAULT_CHUNK_BYTES,
     Digester,
     TensorRecord,
@@ -34,6 +34,7 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "FORMAT_VERSION",
     "KINDS",
+    "SEGMENT_BYTES",
     "ChecksumError",
     "ChecksumMismatch",
     "Digester",
@@ -46,6 +47,7 @@ __all__ = [
     "compare",
     "compare_each",
     "compare_ranks",
+    "digest_bytes",
     "digest_tensor",
     "digest_tensors",
     "dtype_name",

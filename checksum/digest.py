@@ -1,10 +1,12 @@
-"""Tensor digests: the definition, the record, and the fast many-tensor path.
+"""Tensor digests: the record, and the fast many-tensor path.
 
-Definition (docs/checksums.md): a tensor's digest is the lowercase hex of xxh3-128 over the tensor's
-bytes in contiguous row-major order, in the machine's byte order (little-endian everywhere torch
-runs). dtype and shape are not hashed; the record carries them, and the comparison checks them.
-Because xxh3's streaming `update()` equals the one-shot hash of the concatenation, the digest does
-not depend on how the bytes are split into chunks, nor on threads, nor on the device.
+Definition (docs/checksums.md, checksum/definition.py): the bytes are the tensor's contiguous
+row-major bytes in the machine's byte order (little-endian everywhere torch runs). Up to 64 MiB the
+digest is the lowercase hex of xxh3-128 over them; a larger tensor is cut into 64 MiB segments and
+its digest is xxh3-128 over the concatenated 16-byte digests of its segments. dtype and shape are
+not hashed; the record carries them, and the comparison checks them. Segments are independent and
+each is one streaming hasher, so the digest depends neither on chunking, nor on threads, nor on
+the device, and one large tensor is hashed by many threads at once.
 """
 
 from __future__ import annotations
@@ -18,12 +20,11 @@ from functools import lru_cache
 from typing import Literal
 
 import torch
-import xxhash
 
+from checksum.definition import SEGMENT_BYTES, digest_bytes
 from checksum.staging import CudaStaging, HostStaging, Job, Staging, run_jobs
 
-ALGORITHM = "xxh3_128"
-DEFAULT_CHUNK_BYTES = 16 << 20  # big enough for full D2H bandwidth, small enough to pipeline
+DEFAULT_CHUNK_BYTES = 16 << 20  # big enough for full D2H bandwidth, small enough to pipeline; divides a segment
 DEFAULT_MAX_QUEUED_COPIES = 6
 MAX_DEFAULT_THREADS = 16
 
@@ -78,9 +79,12 @@ def default_threads() -> int:
 class Digester:
     """Digests many tensors with a persistent thread pool and reusable pinned staging buffers.
 
-    CPU tensors are hashed in place (contiguous ones are never copied), one thread per tensor,
-    largest first. CUDA tensors stream through `num_buffers` pinned host buffers of `chunk_bytes`,
-    filled by a dedicated copy stream; see checksum/staging.py for the ordering invariants.
+    Work is split into 64 MiB segments (the digest's own segments), so many threads share a large
+    tensor; largest tensors go first. CPU tensors are hashed in place (contiguous ones are never
+    copied). CUDA tensors stream through `num_buffers` pinned host buffers of `chunk_bytes`, filled
+    by a dedicated copy stream; see checksum/staging.py for the ordering invariants. A chunk never
+    crosses a segment boundary, and `chunk_bytes` above the segment size is lowered to it (a bigger
+    buffer could never fill); a size dividing 64 MiB avoids a short last chunk per segment.
     `staging="always"` also streams CPU tensors through (host) buffers: it runs the device pipeline
     on machines without a GPU (tests) at the cost of one extra memcpy.
 
@@ -110,7 +114,7 @@ class Digester:
         self.num_buffers = num_buffers if num_buffers is not None else self.threads + max_queued_copies + 2
         if self.num_buffers < 1:
             raise ValueError(f"num_buffers must be >= 1, got {num_buffers}")
-        self.chunk_bytes = chunk_bytes
+        self.chunk_bytes = min(chunk_bytes, SEGMENT_BYTES)
         self.max_queued_copies = max_queued_copies
         self.staging_mode = staging
         self._pool: ThreadPoolExecutor | None = None
@@ -127,7 +131,7 @@ class Digester:
             prepared = _check_tensor(name, tensor)
             nbytes = prepared.numel() * prepared.element_size()
             if nbytes == 0:  # empty tensors skip the pipeline: nothing to copy or hash
-                records[index] = _record(name, prepared, xxhash.xxh3_128().hexdigest())
+                records[index] = _record(name, prepared, digest_bytes(b""))
                 continue
             key = self._group_key(name, prepared)
             groups.setdefault(key, []).append(Job(index, prepared, nbytes, staged=key != "inplace"))

@@ -17,11 +17,12 @@ from typing import Any
 
 import torch
 
-from checksum.digest import ALGORITHM, Digester, NamedTensors, TensorRecord, digest_tensors, dtype_name
+from checksum.definition import ALGORITHM, RETIRED_ALGORITHMS
+from checksum.digest import Digester, NamedTensors, TensorRecord, digest_tensors, dtype_name
 from checksum.errors import ManifestError
 
 FORMAT = "sidecar-checksum-manifest"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # the JSON layout's version; what the digests mean is `algorithm`'s business
 MODELS = ("target", "draft")
 _RANK_RE = re.compile(r"dp(\d+):pp(\d+):tp(\d+)")
 _DIGEST_RE = re.compile(r"[0-9a-f]{32}")
@@ -192,6 +193,9 @@ def _check_header(source: str, format_version: object, algorithm: object, model:
     if format_version != FORMAT_VERSION:
         raise ManifestError(source, "format_version", f"unsupported version {format_version} "
                             f"(this reader knows {FORMAT_VERSION})")
+    if isinstance(algorithm, str) and algorithm in RETIRED_ALGORITHMS:
+        raise ManifestError(source, "algorithm", f"{algorithm!r} is no longer supported: it is "
+                            f"{RETIRED_ALGORITHMS[algorithm]} (this reader writes and reads {ALGORITHM!r})")
     if algorithm != ALGORITHM:
         raise ManifestError(source, "algorithm", f"unknown algorithm {algorithm!r} "
                             f"(supported: {ALGORITHM!r})")

@@ -1,20 +1,26 @@
 """The many-tensor hashing pipeline: in-place host hashing, and device streaming through staging buffers.
 
+Work items are segments (checksum/definition.py): a tensor of n bytes is ceil(n / 64 MiB) items,
+each hashed by one thread with its own streaming xxh3 hasher, so many threads share one embedding.
+A tensor's digest is combined from its segments' digests when its last segment finishes.
+
 Roles in one run:
-- pool threads ("hashers") claim tensors largest first and hash one tensor at a time with that
-  tensor's own streaming xxh3 hasher. Host tensors are hashed in place. A staged tensor's chunks
+- pool threads ("hashers") claim segments, largest tensors first (a tensor's segments in order),
+  and hash one segment at a time. Host segments are hashed in place. A staged segment's chunks
   arrive in its lane (a FIFO) and are hashed in byte order.
 - the calling thread is the copier: it picks the next chunk, takes a free buffer, issues the copy
   (on CUDA: on a dedicated copy stream, then records the buffer's event) and only then appends
-  (buffer, size) to the tensor's lane.
+  (buffer, size) to the segment's lane.
 Invariants:
+- a chunk lies inside one segment (chunks are cut from each segment's start), so neither the chunk
+  size nor the thread count changes a digest;
 - a hasher reads a buffer only after waiting on that buffer's copy (its event);
 - a buffer goes back to the free list only after its hash finished, so it is never refilled early;
-- a tensor's chunks are issued and hashed in byte order, so chunking never changes a digest;
+- a segment's chunks are issued and hashed in byte order;
 - at most `max_queued` copies are outstanding on the copy stream, so who gets the next buffer is
-  decided late and goes to the claimed tensor with the most bytes left: a 1 GB embedding, whose
-  hash is sequential, starts first and is never starved by the many small tensors around it;
-- at most MAX_AHEAD chunks per tensor are issued and not yet hashed, so no tensor hoards buffers.
+  decided late and goes to the claimed segment with the most bytes left to issue: claimed
+  segments progress together and none is starved by the many small tensors around it;
+- at most MAX_AHEAD chunks per segment are issued and not yet hashed, so no segment hoards buffers.
 """
 
 from __future__ import annotations
@@ -26,14 +32,15 @@ from collections import deque
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 import xxhash
 
+from checksum.definition import combine, segment_spans
 from checksum.tensor_bytes import flat_bytes, host_view
 
-MAX_AHEAD = 4  # per tensor: one chunk being hashed, up to three arriving
+MAX_AHEAD = 4  # per segment: one chunk being hashed, up to three arriving
 
 
 class Staging(Protocol):
@@ -132,17 +139,39 @@ class CudaStaging:
 
 @dataclass(eq=False)
 class Job:
-    """One tensor to digest. `index` is its position in the caller's input; `digest` the result."""
+    """One tensor to digest. `index` is its position in the caller's input; `digest` the result.
+
+    The fields after `digest` belong to the run that digests the job.
+    """
 
     index: int
     tensor: torch.Tensor
     nbytes: int
     staged: bool
     digest: str | None = None
-    flat: torch.Tensor | None = None  # contiguous uint8 bytes, made when its first chunk is copied
-    issued: int = 0  # bytes whose copy has been issued
+    # Contiguous uint8 bytes, made once by whoever first needs them and dropped when the last
+    # segment is hashed (for a strided tensor that is a full copy, so it must not outlive the job).
+    flat: torch.Tensor | None = None
+    flat_lock: threading.Lock = field(default_factory=threading.Lock)  # in-place: hashers race to make `flat`
+    segment_digests: list[bytes | None] = field(default_factory=list)
+    segments_left: int = 0
+
+
+@dataclass(eq=False)
+class _Segment:
+    """One work item: bytes [start, end) of `job`. `issued` is the next byte whose copy is not issued."""
+
+    job: Job
+    number: int
+    start: int
+    end: int
+    lane: threading.Condition  # shares the run's lock; notified when `ready` grows or the run fails
+    issued: int = 0
     outstanding: int = 0  # chunks issued and not yet hashed
     ready: deque[tuple[int, int]] = field(default_factory=deque)  # (buffer, size), copy issued
+
+    def __post_init__(self) -> None:
+        self.issued = self.start
 
 
 def run_jobs(
@@ -155,13 +184,15 @@ def run_jobs(
 ) -> None:
     """Digest every job (all staged on one device, or all hashed in place); sets `job.digest`.
 
-    Returns after every hasher has stopped; re-raises the first error of any thread.
+    Staged chunks hold at most `chunk_bytes` (the staging buffers' size) and never cross a segment
+    boundary. Returns after every hasher has stopped; re-raises the first error of any thread.
     """
     assert jobs and all(j.nbytes > 0 and j.staged == (staging is not None) for j in jobs)
+    assert chunk_bytes >= 1 and max_queued >= 1
     run = _Run(jobs, staging[0] if staging else None, chunk_bytes, max_queued)
     # The session outlives the hashers: they still wait on copies after the last one is issued.
     with staging[0].session(staging[1]) if staging is not None else contextlib.nullcontext():
-        futures = [pool.submit(run.hasher) for _ in range(min(threads, len(jobs)))]
+        futures = [pool.submit(run.hasher) for _ in range(min(threads, len(run.pending)))]
         try:
             if staging is not None:
                 run.copy_all()
@@ -183,10 +214,15 @@ class _Run:
         self.max_queued = max_queued
         self.lock = threading.Lock()
         self.copier_cv = threading.Condition(self.lock)
-        self.lane_cv = {id(j): threading.Condition(self.lock) for j in jobs}
-        # Longest first: the makespan is bounded below by the biggest tensor's sequential hash.
-        self.pending = deque(sorted(jobs, key=lambda j: -j.nbytes))
-        self.active: list[Job] = []
+        # Largest tensors first: their segments are most of the work; small tensors fill the tail.
+        self.pending: deque[_Segment] = deque()
+        for job in sorted(jobs, key=lambda j: -j.nbytes):
+            spans = segment_spans(job.nbytes)
+            job.segment_digests, job.segments_left, job.flat = [None] * len(spans), len(spans), None
+            self.pending.extend(_Segment(job, k, start, end, threading.Condition(self.lock))
+                                for k, (start, end) in enumerate(spans))
+        self.all_segments = tuple(self.pending)
+        self.active: list[_Segment] = []  # claimed staged segments not yet fully hashed
         self.free = list(range(staging.num_buffers)) if staging is not None else []
         self.error: BaseException | None = None
 
@@ -196,68 +232,81 @@ class _Run:
             if self.error is None:
                 self.error = exc
             self.copier_cv.notify_all()
-            for cv in self.lane_cv.values():
-                cv.notify_all()
+            for segment in self.all_segments:
+                segment.lane.notify_all()
 
     # -- hashers (pool threads) --------------------------------------------------------------
 
     def hasher(self) -> None:
         try:
-            while (job := self._claim()) is not None:
-                digest = self._hash_staged(job) if job.staged else self._hash_in_place(job)
+            while (segment := self._claim()) is not None:
+                digest = self._hash_staged(segment) if segment.job.staged else self._hash_in_place(segment)
                 if digest is None:  # the run failed elsewhere
                     return
-                job.digest = digest
+                self._finish(segment, digest)
         except BaseException as exc:
             self.fail(exc)
 
-    def _claim(self) -> Job | None:
+    def _claim(self) -> _Segment | None:
         with self.lock:
             if self.error is not None or not self.pending:
                 return None
-            job = self.pending.popleft()
-            if job.staged:
-                self.active.append(job)
+            segment = self.pending.popleft()
+            if segment.job.staged:
+                self.active.append(segment)
                 self.copier_cv.notify()
-            return job
+            return segment
 
-    def _hash_in_place(self, job: Job) -> str | None:
-        view = host_view(flat_bytes(job.tensor))
-        hasher = xxhash.xxh3_128()
-        for start in range(0, job.nbytes, self.chunk_bytes):
-            if self.error is not None:  # a racy read is fine: it only stops a doomed run sooner
-                return None
-            hasher.update(view[start : start + self.chunk_bytes])
-        return hasher.hexdigest()
+    def _finish(self, segment: _Segment, digest: bytes) -> None:
+        """Store a segment's digest; the thread that stores a job's last one combines them."""
+        job = segment.job
+        with self.lock:
+            assert job.segment_digests[segment.number] is None, "segment hashed twice"
+            job.segment_digests[segment.number] = digest
+            job.segments_left -= 1
+            last = job.segments_left == 0
+            if last:
+                job.flat = None  # every copy from it has landed and every segment is hashed
+        if last:
+            assert all(d is not None for d in job.segment_digests)
+            job.digest = combine(cast(list[bytes], job.segment_digests))
 
-    def _hash_staged(self, job: Job) -> str | None:
+    def _hash_in_place(self, segment: _Segment) -> bytes | None:
+        if self.error is not None:  # a racy read is fine: it only stops a doomed run sooner
+            return None
+        job = segment.job
+        with job.flat_lock:  # one contiguous copy per strided tensor, whichever segment comes first
+            if job.flat is None:
+                job.flat = flat_bytes(job.tensor)
+            flat = job.flat
+        return xxhash.xxh3_128(host_view(flat)[segment.start : segment.end]).digest()
+
+    def _hash_staged(self, segment: _Segment) -> bytes | None:
         assert self.staging is not None
         hasher = xxhash.xxh3_128()
-        hashed = 0
-        cv = self.lane_cv[id(job)]
-        while hashed < job.nbytes:
+        hashed, size_total = 0, segment.end - segment.start
+        while hashed < size_total:
             with self.lock:
-                while not job.ready and self.error is None:
-                    cv.wait()
+                while not segment.ready and self.error is None:
+                    segment.lane.wait()
                 if self.error is not None:
                     return None
-                buf, size = job.ready.popleft()
+                buf, size = segment.ready.popleft()
             self.staging.wait(buf)
             hasher.update(self.staging.view(buf, size))
             hashed += size
             with self.lock:
                 self.free.append(buf)  # only now may the copier refill it
-                job.outstanding -= 1
-                if hashed == job.nbytes:
-                    self.active.remove(job)
-                    job.flat = None  # every copy from it has landed; free a strided tensor's copy
+                segment.outstanding -= 1
+                if hashed == size_total:
+                    self.active.remove(segment)
                 self.copier_cv.notify()
-        return hasher.hexdigest()
+        return hasher.digest()
 
     # -- copier (the calling thread) ---------------------------------------------------------
 
     def copy_all(self) -> None:
-        """Issue every chunk of every job; returns when all are issued (or the run failed)."""
+        """Issue every chunk of every segment; returns when all are issued (or the run failed)."""
         assert self.staging is not None
         queued: deque[tuple[int, int]] = deque()  # (seq, buffer) of issued copies, in stream order
         last_seq = [0] * self.staging.num_buffers
@@ -269,46 +318,47 @@ class _Run:
             picked = self._next_chunk()
             if picked is None:
                 return
-            job, buf, start, size = picked
+            segment, buf, start, size = picked
             # buf's previous copy has landed (it was hashed since), and copies land in stream order,
             # so every entry up to it is done; dropping them also keeps `queued` free of stale events.
             while queued and queued[0][0] <= last_seq[buf]:
                 queued.popleft()
-            if job.flat is None:
+            job = segment.job
+            if job.flat is None:  # only this thread makes a staged job's bytes; hashers only drop them
                 job.flat = flat_bytes(job.tensor)
             self.staging.copy(buf, job.flat[start : start + size])
             seq += 1
             last_seq[buf] = seq
             queued.append((seq, buf))
             with self.lock:
-                job.ready.append((buf, size))  # after the copy is issued: its event is the real one
-                self.lane_cv[id(job)].notify()
+                segment.ready.append((buf, size))  # after the copy is issued: its event is the real one
+                segment.lane.notify()
 
-    def _next_chunk(self) -> tuple[Job, int, int, int] | None:
-        """Reserve (job, buffer, start, size) for the next copy, or None when all is issued."""
+    def _next_chunk(self) -> tuple[_Segment, int, int, int] | None:
+        """Reserve (segment, buffer, start, size) for the next copy, or None when all is issued."""
         with self.lock:
             while True:
                 if self.error is not None:
                     return None
-                job = self._most_behind()
-                if job is not None and self.free:
+                segment = self._most_behind()
+                if segment is not None and self.free:
                     break
-                if job is None and not self.pending and all(j.issued == j.nbytes for j in self.active):
+                if segment is None and not self.pending and all(s.issued == s.end for s in self.active):
                     return None
                 self.copier_cv.wait()
             buf = self.free.pop()  # most recently freed: likeliest still in cache and TLB
-            start = job.issued
-            size = min(self.chunk_bytes, job.nbytes - start)
-            job.issued += size
-            job.outstanding += 1
-            return job, buf, start, size
+            start = segment.issued
+            size = min(self.chunk_bytes, segment.end - start)  # never past the segment's end
+            segment.issued += size
+            segment.outstanding += 1
+            return segment, buf, start, size
 
-    def _most_behind(self) -> Job | None:
-        """The claimed job with the most bytes left to issue that may take another buffer."""
-        best: Job | None = None
-        for job in self.active:
-            if job.issued == job.nbytes or job.outstanding >= MAX_AHEAD:
+    def _most_behind(self) -> _Segment | None:
+        """The claimed segment with the most bytes left to issue that may take another buffer."""
+        best: _Segment | None = None
+        for segment in self.active:
+            if segment.issued == segment.end or segment.outstanding >= MAX_AHEAD:
                 continue
-            if best is None or job.nbytes - job.issued > best.nbytes - best.issued:
-                best = job
+            if best is None or segment.end - segment.issued > best.end - best.issued:
+                best = segment
         return best

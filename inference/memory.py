@@ -39,7 +39,10 @@ ARENA_TAGS = (*WEIGHT_TAGS, KV_TAG)
 # What `wake_up(tags)` accepts: "weights" wakes the target and the draft together.
 WAKE_GROUPS: dict[str, tuple[str, ...]] = {"weights": WEIGHT_TAGS, KV_TAG: (KV_TAG,)}
 DEFAULT_ALIGN = 256  # bytes; every view starts on this boundary (vectorised kernels want it)
-DEFAULT_CHUNK_BYTES = 1 << 30  # map, copy and mirror in 1 GiB chunks
+DEFAULT_CHUNK_BYTES = 1 << 30  # copy and mirror in 1 GiB chunks (level 1 pipelines them)
+# Physical allocation size on CUDA; None maps each arena as one allocation, so a level-2 wake is one
+# cuMemCreate + cuMemMap + cuMemSetAccess per arena (as torch_memory_saver does per tensor).
+DEFAULT_ALLOC_BYTES: int | None = None
 POISON_BYTE = 0xFF  # all-ones bytes read as NaN in every float dtype
 
 
@@ -75,6 +78,12 @@ def round_up(n: int, multiple: int) -> int:
 
 def gib(n: int | None) -> str:
     return "unknown" if n is None else f"{n / (1 << 30):.2f} GiB"
+
+
+def split_chunks(nbytes: int, chunk: int) -> list[tuple[int, int]]:
+    """(offset, size) pieces of at most `chunk` bytes that cover [0, nbytes) in order."""
+    assert nbytes > 0 and chunk > 0
+    return [(off, min(chunk, nbytes - off)) for off in range(0, nbytes, chunk)]
 
 
 class Arena:
@@ -205,8 +214,7 @@ class CpuArena(Arena):
 
     def __init__(self, tag: str, nbytes: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         nbytes = round_up(max(nbytes, 1), DEFAULT_ALIGN)
-        chunk = round_up(min(chunk_bytes, nbytes), DEFAULT_ALIGN)
-        chunks = [(off, min(chunk, nbytes - off)) for off in range(0, nbytes, chunk)]
+        chunks = split_chunks(nbytes, round_up(min(chunk_bytes, nbytes), DEFAULT_ALIGN))
         super().__init__(tag, torch.empty(nbytes, dtype=torch.uint8), chunks)
 
     def _release(self, copy_out: bool) -> None:
@@ -267,7 +275,8 @@ def adopt_parameters(
 @dataclass
 class TransitionStats:
     """What one sleep or wake did. `bytes_by_tag` counts bytes released (sleep) or mapped (wake);
-    `skipped_tags` were already in the requested state. Device figures are cudaMemGetInfo."""
+    `skipped_tags` were already in the requested state. Device figures are cudaMemGetInfo, queried
+    before and after the transition; `seconds` covers the transition only, not those queries."""
 
     op: str  # "sleep" or "wake"
     level: int | None
@@ -300,7 +309,18 @@ class MemoryManager:
     stopped all work that touches the arenas before calling `sleep`.
     """
 
-    def __init__(self, device: torch.device | str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    def __init__(
+        self,
+        device: torch.device | str,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        alloc_bytes: int | None = DEFAULT_ALLOC_BYTES,
+    ) -> None:
+        """`chunk_bytes`: copy and host-mirror granularity. `alloc_bytes` (CUDA): size of each
+        physical allocation backing an arena; None backs each arena with a single allocation."""
+        if chunk_bytes < 1:
+            raise InvalidRequestError("chunk_bytes", f"must be >= 1, got {chunk_bytes}")
+        if alloc_bytes is not None and alloc_bytes < 1:
+            raise InvalidRequestError("alloc_bytes", f"must be >= 1 or None, got {alloc_bytes}")
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -308,6 +328,7 @@ class MemoryManager:
             raise InvalidRequestError("device", f"arenas live on 'cpu' or 'cuda', got {device}")
         self.device = device
         self.chunk_bytes = chunk_bytes
+        self.alloc_bytes = alloc_bytes
         self._arenas: dict[str, Arena] = {}
         self._lock = threading.RLock()
 
@@ -321,7 +342,7 @@ class MemoryManager:
             if self.device.type == "cuda":
                 from inference.memory_cuda import CudaArena  # the driver bindings load only here
 
-                arena: Arena = CudaArena(tag, nbytes, self.device, self.chunk_bytes)
+                arena: Arena = CudaArena(tag, nbytes, self.device, self.chunk_bytes, self.alloc_bytes)
             else:
                 arena = CpuArena(tag, nbytes, self.chunk_bytes)
             self._arenas[tag] = arena

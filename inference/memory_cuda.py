@@ -1,34 +1,42 @@
 """CUDA arenas on the driver's virtual memory management API, through NVIDIA's cuda-bindings.
 
 `VmmRange` reserves a virtual address range once (cuMemAddressReserve) and maps physical memory into
-it in chunks (cuMemCreate + cuMemMap + cuMemSetAccess); releasing unmaps and frees the physical
-memory (cuMemUnmap + cuMemRelease) but keeps the reservation, so the next map lands at the same
-address. `CudaArena` wraps the range as one uint8 torch tensor without a copy; parameter and KV
-views into it therefore keep their data_ptr across sleep and wake, and captured CUDA graphs stay
-valid.
+it (cuMemCreate + cuMemMap per physical allocation, then one cuMemSetAccess for the whole range);
+releasing unmaps and frees the physical memory (cuMemUnmap + cuMemRelease) but keeps the
+reservation, so the next map lands at the same address. By default an arena is one physical
+allocation, so a level-2 wake costs three driver calls per arena. `CudaArena` wraps the range as
+one uint8 torch tensor without a copy; parameter and KV views into it therefore keep their data_ptr
+across sleep and wake, and captured CUDA graphs stay valid.
 
 Invariants:
-- A chunk is either mapped with read/write access and owns a handle, or unmapped with no handle.
+- An allocation is either mapped (its memory readable and writable once map_all returns) and owns a
+  handle, or unmapped with no handle.
 - A map attempt that fails (out of memory or otherwise) unmaps and releases whatever it mapped, so
   a failed wake leaves the arena exactly as asleep as before; it may be retried.
 - Every driver call's CUresult is checked; failures raise VmmError naming the call.
 - The reservation is freed only by `close()`.
+- A level-2 wake neither synchronizes nor empties torch's cache (only a retry after an
+  out-of-memory does); a sleep synchronizes once, since queued kernels may still use the memory.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 
 from inference.core import SidecarError
 from inference.memory import (
+    DEFAULT_ALIGN,
+    DEFAULT_ALLOC_BYTES,
     DEFAULT_CHUNK_BYTES,
     Arena,
     DeviceMemoryError,
     WakeError,
     gib,
     round_up,
+    split_chunks,
 )
 
 
@@ -57,13 +65,24 @@ def load_driver() -> Any:
 
 class VmmRange:
     """A reserved device address range of `nbytes` (rounded up to the allocation granularity),
-    mapped and unmapped chunk by chunk. Call from a thread where `device_index` is current."""
+    backed by physical allocations of `alloc_bytes` (None: one allocation for the whole range).
+    Call from a thread where `device_index` is current.
+
+    Driver calls per transition with n allocations: map_all is n x (cuMemCreate + cuMemMap) and one
+    cuMemSetAccess over the whole range (the driver accepts any fully mapped range of whole
+    mappings); unmap_all is one cuMemUnmap over the whole range (as NVIDIA's vectorAddMMAP sample
+    does) and n x cuMemRelease. Should a driver refuse an unmap spanning several mappings
+    (CUDA_ERROR_INVALID_VALUE), the range falls back to one cuMemUnmap per allocation for good.
+    Mapped allocations always form one prefix run: map_all maps in order and rolls back fully;
+    unmap_below releases from the front.
+    """
 
     def __init__(
-        self, nbytes: int, device_index: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES, driver: Any = None
+        self, nbytes: int, device_index: int, alloc_bytes: int | None = DEFAULT_ALLOC_BYTES, driver: Any = None
     ) -> None:
         self._drv = driver if driver is not None else load_driver()
         self.device_index = device_index
+        self.trace: list[tuple[str, float]] | None = None  # benchmarks set a list: (call, seconds)
         self._call("cuInit", 0)
         self._retained = 0  # primary-context references this object took (released in close)
         self.ensure_context()
@@ -72,26 +91,29 @@ class VmmRange:
         self._prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         self._prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         self._prop.location.id = device_index
-        self._access = drv.CUmemAccessDesc()
-        self._access.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        self._access.location.id = device_index
-        self._access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        access = drv.CUmemAccessDesc()
+        access.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = device_index
+        access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self._access = [access]  # built once: every cuMemSetAccess passes the same descriptor list
         flag = drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
         self.granularity = int(self._call("cuMemGetAllocationGranularity", self._prop, flag))
         self.nbytes = round_up(max(nbytes, 1), self.granularity)
-        chunk = round_up(min(chunk_bytes, self.nbytes), self.granularity)
-        self.chunks = [(off, min(chunk, self.nbytes - off)) for off in range(0, self.nbytes, chunk)]
+        size = self.nbytes if alloc_bytes is None else round_up(min(max(alloc_bytes, 1), self.nbytes), self.granularity)
+        self.allocs = split_chunks(self.nbytes, size)
         self.ptr = int(self._call("cuMemAddressReserve", self.nbytes, 0, 0, 0))
-        self._handles: list[Any] = [None] * len(self.chunks)
+        self._addrs = [drv.CUdeviceptr(self.ptr + off) for off, _ in self.allocs]
+        self._handles: list[Any] = [None] * len(self.allocs)
+        self.span_unmap = True  # one cuMemUnmap may cover several mappings (cleared if refused)
         self.closed = False
 
     @property
-    def mapped_chunks(self) -> int:
+    def mapped_allocs(self) -> int:
         return sum(h is not None for h in self._handles)
 
     @property
     def mapped_bytes(self) -> int:
-        return sum(size for (_, size), h in zip(self.chunks, self._handles) if h is not None)
+        return sum(size for (_, size), h in zip(self.allocs, self._handles) if h is not None)
 
     def is_out_of_memory(self, err: VmmError) -> bool:
         return err.code == int(self._drv.CUresult.CUDA_ERROR_OUT_OF_MEMORY)
@@ -104,53 +126,61 @@ class VmmRange:
             self._call("cuCtxSetCurrent", self._call("cuDevicePrimaryCtxRetain", dev))
             self._retained += 1
 
-    def map_chunk(self, i: int) -> None:
-        """Create physical memory for chunk i and map it read/write; undo everything on failure."""
-        assert not self.closed and self._handles[i] is None, f"chunk {i} is already mapped"
-        off, size = self.chunks[i]
-        addr = self._drv.CUdeviceptr(self.ptr + off)
-        handle = self._call("cuMemCreate", size, self._prop, 0)
-        try:
-            self._call("cuMemMap", addr, size, 0, handle, 0)
-            try:
-                self._call("cuMemSetAccess", addr, size, [self._access], 1)
-            except VmmError:
-                self._call("cuMemUnmap", addr, size)
-                raise
-        except VmmError:
-            self._call("cuMemRelease", handle)
-            raise
-        self._handles[i] = handle
-
-    def unmap_chunk(self, i: int) -> None:
-        """Unmap chunk i and free its physical memory; a no-op for an unmapped chunk."""
-        handle = self._handles[i]
-        if handle is None:
-            return
-        off, size = self.chunks[i]
-        self._call("cuMemUnmap", self._drv.CUdeviceptr(self.ptr + off), size)
-        self._handles[i] = None
-        self._call("cuMemRelease", handle)
-
     def map_all(self) -> None:
-        """Map every chunk; on failure unmap what this call mapped and re-raise."""
+        """Create and map every allocation, then grant read/write access to the whole range in one
+        call. On any failure unmap and release what this call mapped, and re-raise."""
+        assert not self.closed and self.mapped_allocs == 0, "map_all on a (partly) mapped range"
         try:
-            for i in range(len(self.chunks)):
-                self.map_chunk(i)
+            for i, (_, size) in enumerate(self.allocs):
+                handle = self._call("cuMemCreate", size, self._prop, 0)
+                try:
+                    self._call("cuMemMap", self._addrs[i], size, 0, handle, 0)
+                except BaseException:
+                    self._call("cuMemRelease", handle)
+                    raise
+                self._handles[i] = handle
+            self._call("cuMemSetAccess", self._addrs[0], self.nbytes, self._access, 1)
         except BaseException:
             self.unmap_all()
             raise
 
     def unmap_all(self) -> None:
-        for i in range(len(self.chunks)):
-            self.unmap_chunk(i)
+        """Unmap everything mapped and free its physical memory; a no-op when nothing is mapped."""
+        self.unmap_below(self.nbytes)
+
+    def unmap_below(self, end: int) -> None:
+        """Unmap and release every mapped allocation that lies wholly below byte offset `end`
+        (level 1 frees each allocation as soon as the copies covering it are done)."""
+        mapped = zip(self.allocs, self._handles)
+        run = [i for i, ((off, size), h) in enumerate(mapped) if h is not None and off + size <= end]
+        if not run:
+            return
+        assert run == list(range(run[0], run[-1] + 1)), f"mapped allocations {run} are not one run"
+        self._unmap_run(run[0], run[-1] + 1)
+        for i in run:
+            handle, self._handles[i] = self._handles[i], None
+            self._call("cuMemRelease", handle)
+
+    def _unmap_run(self, first: int, last: int) -> None:
+        """cuMemUnmap allocations [first, last): one call for the run where the driver allows it."""
+        if last - first > 1 and self.span_unmap:
+            start, end = self.allocs[first][0], sum(self.allocs[last - 1])
+            try:
+                self._call("cuMemUnmap", self._addrs[first], end - start)
+                return
+            except VmmError as err:
+                if err.code != int(self._drv.CUresult.CUDA_ERROR_INVALID_VALUE):
+                    raise
+                self.span_unmap = False  # the driver wants one unmap per mapping: use that from now on
+        for i in range(first, last):
+            self._call("cuMemUnmap", self._addrs[i], self.allocs[i][1])
 
     def close(self) -> None:
         """Unmap everything and free the address reservation; the range is unusable afterwards."""
         if self.closed:
             return
         self.unmap_all()
-        self._call("cuMemAddressFree", self._drv.CUdeviceptr(self.ptr), self.nbytes)
+        self._call("cuMemAddressFree", self._addrs[0], self.nbytes)
         for _ in range(self._retained):
             self._call("cuDevicePrimaryCtxRelease", self._call("cuDeviceGet", self.device_index))
         self._retained = 0
@@ -158,9 +188,15 @@ class VmmRange:
 
     def _call(self, name: str, *args: Any) -> Any:
         """Call driver function `name`, raise VmmError unless CUDA_SUCCESS, return its outputs."""
-        result = getattr(self._drv, name)(*args)
+        fn = getattr(self._drv, name)
+        if self.trace is None:
+            result = fn(*args)
+        else:
+            t0 = time.perf_counter()
+            result = fn(*args)
+            self.trace.append((name, time.perf_counter() - t0))
         err, *outs = result if isinstance(result, tuple) else (result,)
-        if int(err) != int(self._drv.CUresult.CUDA_SUCCESS):
+        if int(err) != 0:  # CUDA_SUCCESS is 0 in every CUresult
             raise VmmError(name, int(err), _error_name(self._drv, err))
         if not outs:
             return None
@@ -189,9 +225,10 @@ class _DeviceBuffer:
 
 
 class CudaArena(Arena):
-    """An arena in a VmmRange. Level-1 sleep copies chunk by chunk to a pinned mirror on its own
-    stream and unmaps each chunk as soon as its copy is done; wake maps chunk by chunk and queues
-    each chunk's host-to-device copy right after mapping it, so mapping overlaps copying."""
+    """An arena in a VmmRange. `chunks` (copy and mirror pieces of `chunk_bytes`) are independent of
+    the range's physical allocations (`alloc_bytes`). Level-1 sleep copies chunk by chunk to the
+    pinned mirror on its own stream and frees each allocation once the copies covering it are done;
+    level-1 wake maps everything first, then queues every chunk's host-to-device copy."""
 
     def __init__(
         self,
@@ -199,12 +236,13 @@ class CudaArena(Arena):
         nbytes: int,
         device: torch.device,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        alloc_bytes: int | None = DEFAULT_ALLOC_BYTES,
         driver: Any = None,
     ) -> None:
         assert device.type == "cuda" and device.index is not None
         with torch.cuda.device(device):
             torch.cuda.init()
-            vmm = VmmRange(nbytes, device.index, chunk_bytes, driver)
+            vmm = VmmRange(nbytes, device.index, alloc_bytes, driver)
             try:
                 try:
                     vmm.map_all()
@@ -219,7 +257,7 @@ class CudaArena(Arena):
                 vmm.close()
                 raise
         self._vmm = vmm
-        super().__init__(tag, base, vmm.chunks)
+        super().__init__(tag, base, split_chunks(vmm.nbytes, round_up(min(chunk_bytes, vmm.nbytes), DEFAULT_ALIGN)))
 
     @property
     def vmm(self) -> VmmRange:
@@ -237,35 +275,40 @@ class CudaArena(Arena):
             with torch.cuda.stream(self._stream):
                 for (off, size), host in zip(self.chunks, self._mirror):
                     host.copy_(self.base[off : off + size], non_blocking=True)
-                    events.append(self._stream.record_event())
-            for i, event in enumerate(events):
+                    events.append((off + size, self._stream.record_event()))
+            for end, event in events:
                 event.synchronize()
-                self._vmm.unmap_chunk(i)
+                self._vmm.unmap_below(end)
+            assert self._vmm.mapped_allocs == 0
 
     def _acquire(self, copy_in: bool) -> None:
         with torch.cuda.device(self.device):
             self._vmm.ensure_context()
-            for attempt in (1, 2):
-                try:
-                    self._map_and_copy(copy_in)
-                    return
-                except VmmError as err:
-                    if not self._vmm.is_out_of_memory(err):
-                        raise
-                    if attempt == 2:
-                        raise _memory_error(WakeError, "wake", self.tag, self.nbytes, self.device) from err
-                # Our own caching allocator may hold free blocks (e.g. left by a weight sync).
-                torch.cuda.empty_cache()
+            self._map_or_raise()
+            if copy_in:
+                self._restore()
 
-    def _map_and_copy(self, copy_in: bool) -> None:
-        """Map every chunk, queueing its restore copy right away; roll back on any failure."""
+    def _map_or_raise(self) -> None:
+        """Map the range; on out-of-memory empty torch's cache once and retry, then raise WakeError."""
+        for attempt in (1, 2):
+            try:
+                self._vmm.map_all()
+                return
+            except VmmError as err:
+                if not self._vmm.is_out_of_memory(err):
+                    raise
+                if attempt == 2:
+                    raise _memory_error(WakeError, "wake", self.tag, self.nbytes, self.device) from err
+            # Our own caching allocator may hold free blocks (e.g. left by a weight sync).
+            torch.cuda.empty_cache()
+
+    def _restore(self) -> None:
+        """Copy the host mirror back into the (mapped) arena; on failure unmap again and re-raise."""
+        assert self._mirror is not None
         try:
-            for i, (off, size) in enumerate(self.chunks):
-                self._vmm.map_chunk(i)
-                if copy_in:
-                    assert self._mirror is not None
-                    with torch.cuda.stream(self._stream):
-                        self.base[off : off + size].copy_(self._mirror[i], non_blocking=True)
+            with torch.cuda.stream(self._stream):
+                for (off, size), host in zip(self.chunks, self._mirror):
+                    self.base[off : off + size].copy_(host, non_blocking=True)
             self._stream.synchronize()
         except BaseException:
             self._stream.synchronize()  # queued copies must finish before their memory goes away

@@ -21,6 +21,7 @@ from inference.models import build_model
 from inference.parallel import TPInfo
 from inference.runner import ModelRunner, SampleResult
 from inference.scheduler import ScheduledBatch
+from inference.weight_update import WeightUpdateMixin
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ def resolve_dtype(name: str, device: torch.device, model_config: ModelConfig | N
     return dtype
 
 
-class Worker:
+class Worker(WeightUpdateMixin):
     def __init__(self, config: EngineConfig, tp: TPInfo | None = None, dp_rank: int = 0, pp_rank: int = 0) -> None:
         self.config = config
         self.tp = tp or TPInfo()
@@ -59,6 +60,7 @@ class Worker:
         # "target" and, with config.draft_model, "draft": the models a weight sync can address
         self.models: dict[str, torch.nn.Module] = {}
         self.model_configs: dict[str, ModelConfig] = {}
+        self._init_weight_update_state()  # weight-update sessions: inference/weight_update.py
         self.memory: MemoryManager | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -120,20 +122,29 @@ class Worker:
         return budget
 
     def _profile_run(self) -> None:
-        """A forward over max_num_batched_tokens tokens with a throwaway cache, for the activation peak."""
-        from inference.scheduler import ScheduledBatch
+        """A forward over max_num_batched_tokens tokens with a throwaway cache, for the activation peak.
+
+        The tokens are split into sequences no longer than the model's positions allow.
+        """
+        from inference.core import SamplingParams
         from inference.sequence import Sequence
 
-        assert self.runner is not None
+        assert self.runner is not None and self.model_config is not None
         bs = self.config.cache.block_size
-        n = self.config.scheduler.max_num_batched_tokens
-        blocks = -(-n // bs)
+        total = self.config.scheduler.max_num_batched_tokens
+        longest = min(total, self.config.scheduler.max_model_len or self.model_config.max_position_embeddings,
+                      self.model_config.max_position_embeddings)
+        lengths = [min(longest, total - start) for start in range(0, total, longest)]
+        blocks = sum(-(-n // bs) for n in lengths)
         kv = torch.empty(self.runner.kv_shape(blocks, bs), dtype=self.dtype, device=self.device)
         self.runner.bind_kv_cache(kv, bs)
-        from inference.core import SamplingParams
-        seq = Sequence("profile", 0, [0] * n, SamplingParams(temperature=0.0))
-        seq.block_table = list(range(blocks))
-        self.runner.execute(ScheduledBatch([seq], [n]))
+        seqs, next_block = [], 0
+        for n in lengths:
+            seq = Sequence("profile", 0, [0] * n, SamplingParams(temperature=0.0))
+            seq.block_table = list(range(next_block, next_block + -(-n // bs)))
+            next_block += len(seq.block_table)
+            seqs.append(seq)
+        self.runner.execute(ScheduledBatch(seqs, lengths))
         del kv
         self.runner.kv_cache = None
         torch.cuda.synchronize()

@@ -1,5 +1,5 @@
-"""Tensor digests: the definition (xxh3-128 of the contiguous bytes), and the many-tensor path
-giving the same answer whatever the layout, chunking, threads or device."""
+"""Tensor digests: the definition (xxh3-128 of the contiguous bytes, per 64 MiB segment above 64 MiB),
+and the many-tensor path giving the same answer whatever the layout, chunking, threads or device."""
 
 from __future__ import annotations
 
@@ -16,9 +16,14 @@ import pytest
 import torch
 import xxhash
 
+import checksum.definition
 import checksum.staging
-from checksum import Digester, TensorRecord, digest_tensor, digest_tensors
+from checksum import Digester, TensorRecord, digest_bytes, digest_tensor, digest_tensors
 from checksum.staging import Job, run_jobs
+
+MIB = 1 << 20
+SEGMENT = 64 * MIB  # the documented segment size, written out here rather than imported
+SMALL_SEGMENT = 1000  # tests that shrink the segment (module constant) to reach boundaries cheaply
 
 DTYPES = [
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
@@ -26,8 +31,20 @@ DTYPES = [
 ]
 
 
-def xxh(data: bytes) -> str:
-    return xxhash.xxh3_128(data).hexdigest()
+def xxh(data: bytes, segment: int = SEGMENT) -> str:
+    """The documented rule, from scratch: one xxh3-128 up to a segment, else a hash of segment hashes."""
+    if len(data) <= segment:
+        return xxhash.xxh3_128(data).hexdigest()
+    parts = [xxhash.xxh3_128(data[i : i + segment]).digest() for i in range(0, len(data), segment)]
+    return xxhash.xxh3_128(b"".join(parts)).hexdigest()
+
+
+@pytest.fixture
+def small_segments(monkeypatch: pytest.MonkeyPatch) -> int:
+    """Shrink the definition's segment so small tensors have many segments (production stays 64 MiB)."""
+    assert checksum.definition.SEGMENT_BYTES == SEGMENT
+    monkeypatch.setattr(checksum.definition, "SEGMENT_BYTES", SMALL_SEGMENT)
+    return SMALL_SEGMENT
 
 
 def storage_bytes(t: torch.Tensor) -> bytes:

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from inference.core import InvalidRequestError
+from inference.layers.fused import silu_and_mul
 
 
 class SiluAndMul(nn.Module):
     """[..., 2 * I] laid out as [gate; up] -> silu(gate) * up, shape [..., I]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul(x)
 
 
 def get_activation(name: str) -> nn.Module:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from inference.layers.fused import add_rms_norm
 from inference.layers.linear import new_param, replicated_loader
 
 
@@ -21,6 +22,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The order of casts follows HF exactly so that bf16 outputs match bit for bit.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return add_rms_norm(x, None, self.weight, self.eps)[0]
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) in one fused pass: the pre-norm residual step."""
+        return add_rms_norm(x, residual, self.weight, self.eps)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from inference.config import RopeConfig
+from inference.layers.fused import rotary, rotary_torch, use_triton
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -37,11 +38,6 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     """Holds `cos_sin_cache` [max_positions, head_dim] fp32: [cos(p * f) | sin(p * f)], f = inv_freq."""
 
@@ -57,12 +53,24 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
         self.register_buffer("cos_sin_cache", cache.to(device), persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, 1, head_dim] in `dtype`, ready to broadcast over heads."""
-        cos, sin = self.cos_sin_cache[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
-        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """The rotation at `positions` [T], shared by every layer of one forward."""
+        return Rope(positions, self.cos_sin_cache, dtype)
 
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_dim] rotated at the positions cos/sin were taken for."""
-        return x * cos + rotate_half(x) * sin
+
+class Rope:
+    """Applies the rotation to [T, heads, head_dim] tensors: the fused kernel where Triton runs,
+    else eager torch with cos/sin gathered once per forward."""
+
+    def __init__(self, positions: torch.Tensor, cache: torch.Tensor, dtype: torch.dtype) -> None:
+        self.positions = positions
+        self.cache = cache
+        self.fused = use_triton(cache)
+        if not self.fused:
+            cos, sin = cache[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
+            self.cos, self.sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return rotary(x, self.positions, self.cache)
+        return rotary_torch(x, self.cos, self.sin)

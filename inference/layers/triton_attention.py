@@ -179,11 +179,26 @@ class TritonAttentionTiles:
 
     prefill_block_m: int = 64  # rows (tokens x group heads) of one prefill tile
     prefill_block_n: int = 64
+    # fp32 runs exact (ieee) FMA dots, not tensor cores; big fp32 tiles spill registers on sm_90.
+    fp32_prefill_block_m: int = 16
+    fp32_prefill_block_n: int = 32
     decode_block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
     max_splits: int = 32
     num_splits: int | None = None
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Grid axis 0 and tile shape of one attention launch (axis 1: kv heads, axis 2: splits)."""
+
+    grid0: int  # decode: sequences; prefill: T // block_q + sequences (spare tiles exit at once)
+    group_pad: int  # query heads of one kv head, padded to a power of two
+    block_q: int  # query tokens per tile; a tile has block_q * group_pad rows
+    block_n: int  # keys per KV tile
+    splits: int  # KV splits per (sequence, kv head); > 1 only in decode
+    block_b: int  # power of two >= number of sequences (prefill's on-device tile -> sequence search)
 
 
 def _pow2_at_least(n: int, floor: int = 1) -> int:
@@ -252,47 +267,53 @@ class TritonAttention:
         self._launch(q, k_cache, v_cache, out, meta, scale, sliding_window)
         return out
 
-    def _launch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-                meta: AttentionMetadata, scale: float, sliding_window: int | None) -> None:
-        num_tokens, num_heads, dim = q.shape
+    def plan(self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> LaunchPlan:
+        """The launch shape; in decode it depends only on static shapes (CUDA-graph safe)."""
+        num_tokens, num_heads, _ = q.shape
         num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
         group = num_heads // num_kv_heads
         num_seqs = meta.cu_query_lens.shape[0] - 1
         tiles = self.tiles
-        assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
-        assert meta.block_tables.shape[0] == num_seqs and meta.block_tables.stride(1) == 1
         if meta.is_decode:
             assert num_seqs == num_tokens, (num_seqs, num_tokens)
-            group_pad = _pow2_at_least(group, 16)  # a decode tile is one token: pad rows for tl.dot
-            block_q, block_n = 1, tiles.decode_block_n
-            device_sms = _num_sms(q.device.index or 0) if q.is_cuda else 4
-            splits = decode_num_splits(num_seqs, num_kv_heads, meta.block_tables.shape[1], page, tiles,
-                                       device_sms)
-            grid0 = num_seqs
-        else:
-            group_pad = _pow2_at_least(group)
-            block_q, block_n = max(1, tiles.prefill_block_m // group_pad), tiles.prefill_block_n
-            splits, grid0 = 1, num_tokens // block_q + num_seqs
+            sms = _num_sms(q.device.index or 0) if q.is_cuda else 4
+            splits = decode_num_splits(num_seqs, num_kv_heads, meta.block_tables.shape[1], page, tiles, sms)
+            # A decode tile is one token: its group's heads are padded to 16 rows for tl.dot.
+            return LaunchPlan(num_seqs, _pow2_at_least(group, 16), 1, tiles.decode_block_n, splits, 1)
+        fp32 = q.dtype == torch.float32
+        block_m = tiles.fp32_prefill_block_m if fp32 else tiles.prefill_block_m
+        block_n = tiles.fp32_prefill_block_n if fp32 else tiles.prefill_block_n
+        group_pad = _pow2_at_least(group)
+        block_q = max(1, block_m // group_pad)
+        return LaunchPlan(num_tokens // block_q + num_seqs, group_pad, block_q, block_n, 1,
+                          _pow2_at_least(num_seqs))
+
+    def _launch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                meta: AttentionMetadata, scale: float, sliding_window: int | None) -> None:
+        num_tokens, num_heads, dim = q.shape
+        assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+        assert meta.block_tables.shape[0] == meta.cu_query_lens.shape[0] - 1 and meta.block_tables.stride(1) == 1
+        plan = self.plan(q, k_cache, meta)
         dim_pad = _pow2_at_least(dim, 16)
-        if splits > 1:
-            part_m = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=q.device)
+        if plan.splits > 1:
+            part_m = torch.empty((num_tokens, num_heads, plan.splits), dtype=torch.float32, device=q.device)
             part_l = torch.empty_like(part_m)
-            part_acc = torch.empty((num_tokens, num_heads, splits, dim_pad), dtype=torch.float32, device=q.device)
+            part_acc = torch.empty((*part_m.shape, dim_pad), dtype=torch.float32, device=q.device)
         else:
             part_m = part_l = part_acc = out  # unused by the kernel when NUM_SPLITS == 1
-        _paged_attention_kernel[(grid0, num_kv_heads, splits)](
+        _paged_attention_kernel[(plan.grid0, k_cache.shape[2], plan.splits)](
             q, k_cache, v_cache, out, part_m, part_l, part_acc,
-            meta.cu_query_lens, meta.context_lens, meta.block_tables, num_seqs, scale * LOG2E,
-            sliding_window if sliding_window is not None else 0,
+            meta.cu_query_lens, meta.context_lens, meta.block_tables, meta.cu_query_lens.shape[0] - 1,
+            scale * LOG2E, sliding_window if sliding_window is not None else 0,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
-            GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad, PAGE=page,
-            BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_B=1 if meta.is_decode else _pow2_at_least(num_seqs),
-            NUM_SPLITS=splits, IS_DECODE=meta.is_decode, HAS_WINDOW=sliding_window is not None,
+            GROUP=num_heads // k_cache.shape[2], GROUP_PAD=plan.group_pad, HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad,
+            PAGE=k_cache.shape[1], BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, BLOCK_B=plan.block_b,
+            NUM_SPLITS=plan.splits, IS_DECODE=meta.is_decode, HAS_WINDOW=sliding_window is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             DOT_UPCAST=_INTERPRET and q.dtype == torch.bfloat16,
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-        if splits > 1:
+            num_warps=self.tiles.num_warps, num_stages=self.tiles.num_stages)
+        if plan.splits > 1:
             _combine_splits_kernel[(num_tokens, num_heads)](
                 part_m, part_l, part_acc, out, out.stride(0), out.stride(1),
-                NUM_SPLITS=splits, HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad, num_warps=tiles.num_warps)
+                NUM_SPLITS=plan.splits, HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad, num_warps=self.tiles.num_warps)

@@ -22,7 +22,7 @@ from inference.layers.attention import Attention, AttentionBackend
 from inference.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from inference.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from inference.layers.norm import RMSNorm
-from inference.layers.rotary import RotaryEmbedding
+from inference.layers.rotary import Rope, RotaryEmbedding
 from inference.naming import o_proj_has_bias
 from inference.parallel import TPInfo
 
@@ -69,12 +69,11 @@ class DecoderAttention(nn.Module):
         self.attn = Attention(self.qkv_proj.num_heads_local, self.qkv_proj.num_kv_heads_local,
                               c.head_dim, c.head_dim ** -0.5, c.sliding_window, backend)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+        q, k = rope.apply(q), rope.apply(k)
         out = self.attn(q, k, v, meta)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
@@ -101,11 +100,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, b.dtype, b.device)
         self.mlp = DecoderMLP(b)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        # Pre-norm residual blocks with plain adds in the model dtype, as HF does.
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm residual block: returns (this block's MLP output, the residual stream before it).
+
+        The residual adds are in the model dtype, as HF does, fused with the following norm.
+        """
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, rope, meta)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -120,10 +127,11 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb.cos_sin(positions, x.dtype)
+        rope = self.rotary_emb.prepare(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, meta)
+        return self.norm.add_forward(x, residual)[0]
 
 
 class DecoderForCausalLM(nn.Module):

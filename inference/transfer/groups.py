@@ -4,9 +4,10 @@ Never the default process group, never torch.distributed's global state: the bac
 built directly on a PrefixStore keyed by a fresh session id, so a re-init after a crash never meets
 the keys of a stale group. Rank 0 is the sender (and the store's master); receivers are 1..N.
 
-Every operation has a timeout. Any failure (timeout, peer gone, the two ends disagreeing) raises
-TransferError and marks the group broken: every later call fails at once, and the caller must build
-a new group (a new init_info with a new session id). Control traffic (plan agreement, status, the
+Every operation has a timeout. A failed collective (timeout, peer gone) raises TransferError and
+marks the group broken: every later call fails at once, and the caller must build a new group (a
+new init_info with a new session id). Two ends that merely disagree on a plan (`agree` -> False)
+leave the group healthy. Control traffic (plan agreement, status, the
 ipc layout) always runs over gloo on the CPU; bulk bytes go over `data`, which is the same gloo
 group for "gloo" and "ipc" (ipc moves bytes through CUDA IPC, not the group) and NCCL for "nccl".
 """
@@ -33,9 +34,10 @@ _POLL_S = 2e-4  # NCCL completion polling interval: small next to any bucket's t
 
 
 class TransferError(SidecarError, RuntimeError):
-    """The wire failed: a timeout, a peer that died, or two ends that disagree on the plan.
+    """The wire failed (a timeout, a peer that died) or the two ends disagree on the plan.
 
-    The group that raised it is broken; a new init_weight_transfer_engine (new session) is needed.
+    After a failed collective the group is broken (`TransferGroup.broken`) and a new
+    init_weight_transfer_engine (new session) is needed; after a disagreement it is still usable.
     """
 
 
@@ -117,9 +119,11 @@ def master_store(host: str, port: int, world_size: int, timeout_s: float) -> dis
 class TransferGroup:
     """One session's process groups. Construction blocks until every rank has joined (or times out)."""
 
-    def __init__(self, info: InitInfo, rank: int, device: torch.device, store: dist.Store | None = None) -> None:
+    def __init__(self, info: InitInfo, rank: int, device: torch.device, store: dist.Store | None = None,
+                 label: str | None = None) -> None:
         self.info = info
         self.rank = rank
+        self.label = f"{label} (group rank {rank})" if label else f"group rank {rank}"
         self.device = device
         self.timeout = info.timeout
         self.broken: str | None = None
@@ -135,7 +139,7 @@ class TransferGroup:
                 self._data = _nccl_group(dist.PrefixStore("data/", session), rank, info.world_size, info, device)
         except Exception as e:
             self.broken = str(e)
-            raise TransferError(f"group rank {rank} could not join session {info.session_id} at "
+            raise TransferError(f"{self.label} could not join session {info.session_id} at "
                                 f"{info.master_host}:{info.master_port}: {e}") from e
         if self._data is not None:  # NCCL communicators start lazily: fail here, not mid-sync
             self.wait(self.broadcast(torch.zeros(1, dtype=torch.uint8, device=device)), "NCCL warm-up")
@@ -235,13 +239,13 @@ class TransferGroup:
 
     def _check(self) -> None:
         if self.broken is not None:
-            raise TransferError(f"group rank {self.rank} of session {self.info.session_id} is broken "
+            raise TransferError(f"{self.label}: the group of session {self.info.session_id} is broken "
                                 f"({self.broken}); call init_weight_transfer_engine again")
 
     def _fail(self, what: str, e: BaseException) -> TransferError:
         self.broken = f"{what}: {e}"
         self._abort_data()  # a timed-out NCCL kernel would spin forever: abort the communicator
-        return TransferError(f"{what} failed on group rank {self.rank} (session {self.info.session_id}, "
+        return TransferError(f"{what} failed on {self.label} (session {self.info.session_id}, "
                              f"timeout {self.timeout.total_seconds():g} s): {e}")
 
 

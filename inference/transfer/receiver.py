@@ -20,7 +20,7 @@ is reported to the trainer instead of passing silently.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -52,8 +52,9 @@ class WeightReceiver:
         self.device = device
         # Bytes arrive on the CPU for gloo, on this rank's GPU for nccl.
         self.buffer_device = device if info.backend == "nccl" else torch.device("cpu")
-        self.group = TransferGroup(info, rank, self.buffer_device if info.backend == "nccl" else device)
+        self.group = TransferGroup(info, rank, device, label=f"rank {rank_key}")
         self.ipc = IpcImporter() if info.backend == "ipc" else None
+        self.last_mode: str | None = None  # "broadcast", or ipc's "direct" / "packed": for metrics and tests
         self._buffers: list[torch.Tensor] = []
 
     @property
@@ -66,16 +67,23 @@ class WeightReceiver:
         self.group.close()
         self._buffers = []
 
-    def receive(self, version: int, specs: Sequence[TensorSpec], sink: Sink) -> None:
-        """Receive one whole sync into `sink`. Raises TransferError (group broken) or the sink's error."""
+    def receive(self, version: int, specs: Sequence[TensorSpec], sink: Sink,
+                on_agreed: Callable[[], None] | None = None) -> None:
+        """Receive one whole sync into `sink`. Raises TransferError (group broken) or the sink's error.
+
+        `on_agreed` runs once both ends agreed on the plan, just before the first byte may be written.
+        """
         fingerprint = plan_fingerprint(version, specs, self.info.bucket_bytes, self.info.backend)
         if not self.group.agree(fingerprint):
             raise TransferError(f"rank {self.rank_key}: the sender's plan (version, manifest or bucket size) "
                                 f"differs from this rank's for version {version}; nothing was written")
         plan = plan_buckets(list(specs), self.info.bucket_bytes)
+        if on_agreed is not None:
+            on_agreed()
         if self.info.backend == "ipc":
             self._receive_ipc(plan, specs, sink)
         else:
+            self.last_mode = "broadcast"
             self._receive_broadcast(plan, specs, sink)
 
     # ---- gloo / nccl ----------------------------------------------------------------------------
@@ -111,6 +119,7 @@ class WeightReceiver:
     def _receive_ipc(self, plan: Sequence[Bucket], specs: Sequence[TensorSpec], sink: Sink) -> None:
         assert self.ipc is not None
         layout = json.loads(self.group.broadcast_bytes(None))
+        self.last_mode = layout["mode"]
         failure: BaseException | None = None
         try:
             self.ipc.apply(layout)

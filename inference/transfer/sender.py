@@ -97,7 +97,7 @@ class WeightSender:
         if self._ipc is not None:
             self._ipc = IpcExporter()  # a new session: receivers open every handle afresh
         info, self._info = self._info, None  # a failed connect burns the session id
-        self._group = TransferGroup(info, 0, self.device, store=self._store)
+        self._group = TransferGroup(info, 0, self.device, store=self._store, label="sender")
         self._info = info
 
     def close(self) -> None:

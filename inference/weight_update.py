@@ -1,0 +1,316 @@
+"""Weight-update sessions for the Worker (`WeightUpdateMixin`), with the seed's state rules.
+
+Per sync: init_weight_transfer_engine(init_info) once (again after any wire failure), then
+start_weight_update(version, manifest) or start_draft_weight_update(...) -> update_weights() ->
+finish_weight_update(sender_digests). Rules:
+- start validates the whole manifest against the model before any byte moves (InvalidRequestError
+  naming the tensor and this rank); a failed start changes nothing.
+- A second start while a session is open, and update/finish without start, are StateErrors.
+- Any failure after start ends the session. The model is torn from the moment its first byte may be
+  overwritten until an audit passes: a failed or abandoned update leaves it torn, and a torn model
+  is not servable (`is_servable`). The version advances only when the audit passes.
+- A TransferError breaks the group: the next start asks for a new init_weight_transfer_engine.
+Sleep integration: `_check_weights_writable(which)` is the hook where the worker refuses an update
+while the weights are asleep at the wrong level (no-op here).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from checksum import ChecksumMismatch, Manifest, ManifestError, Report, TensorRecord, compare, digest_tensors
+from inference.config import ModelConfig
+from inference.core import InvalidRequestError, StateError
+from inference.parallel import TPInfo
+from inference.transfer.groups import InitInfo, TransferError
+from inference.transfer.plan import TensorSpec, specs_from_manifest
+from inference.transfer.receiver import WeightReceiver
+from inference.transfer.target import Fault, Route, UpdateTarget, validate_manifest
+
+log = logging.getLogger(__name__)
+
+FAULT_ENV = "SIDECAR_WEIGHT_FAULT"  # test-only: "flip:<tensor name>" flips a byte of that tensor on arrival
+
+
+@dataclass
+class ModelWeightState:
+    version: int = 0
+    torn: bool = False
+    torn_reason: str | None = None
+    loaded: bool = True  # False after reset_weights until a sync passes its audit
+
+
+@dataclass
+class _Session:
+    which: str
+    version: int
+    specs: list[TensorSpec]
+    target: UpdateTarget
+    bytes_moved: bool = False
+    received: bool = False
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    """A passed audit: the received digests (trainer names) and, if asked, the held ones (engine names)."""
+
+    model: str
+    version: int
+    rank: str
+    report: Report
+    received: Manifest
+    held: Manifest | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "version": self.version, "rank": self.rank, "ok": self.report.ok,
+                "summary": self.report.summary(), "received": self.received.to_dict(),
+                "held": self.held.to_dict() if self.held is not None else None}
+
+
+@dataclass
+class _RouteCache:
+    key: tuple[Any, ...] | None = None
+    specs: list[TensorSpec] = field(default_factory=list)
+    routes: list[Route] = field(default_factory=list)
+
+
+class WeightUpdateMixin:
+    """Mixed into inference.worker.Worker (which provides the attributes below)."""
+
+    models: dict[str, nn.Module]
+    model_configs: dict[str, ModelConfig]
+    device: torch.device | None
+    tp: TPInfo
+    dp_rank: int
+    rank_key: str  # a property of Worker: "dp{i}:pp{j}:tp{k}"
+
+    def _init_weight_update_state(self) -> None:
+        self._wt_receiver: WeightReceiver | None = None
+        self._wt_session: _Session | None = None
+        self._wt_states: dict[str, ModelWeightState] = {}
+        self._wt_routes: dict[str, _RouteCache] = {}
+        spec = os.environ.get(FAULT_ENV)
+        self.weight_transfer_fault: Fault | None = tuple(spec.split(":", 1)) if spec else None  # type: ignore[assignment]
+
+    # ---- state --------------------------------------------------------------------------------
+    def _wt_state(self, which: str) -> ModelWeightState:
+        return self._wt_states.setdefault(which, ModelWeightState())
+
+    @property
+    def weight_versions(self) -> dict[str, int]:
+        return {w: self._wt_state(w).version for w in self.models}
+
+    @property
+    def torn(self) -> dict[str, bool]:
+        return {w: self._wt_state(w).torn for w in self.models}
+
+    @property
+    def weights_loaded(self) -> dict[str, bool]:
+        return {w: self._wt_state(w).loaded for w in self.models}
+
+    def is_servable(self, which: str = "target") -> bool:
+        """Loaded, not torn, and no update session writing into it."""
+        state = self._wt_state(which)
+        session = self._wt_session
+        return (which in self.models and state.loaded and not state.torn
+                and (session is None or session.which != which))
+
+    def weight_state(self, which: str = "target") -> dict[str, Any]:
+        state = self._wt_state(which)
+        session = self._wt_session
+        return {"model": which, "version": state.version, "torn": state.torn, "torn_reason": state.torn_reason,
+                "loaded": state.loaded, "servable": self.is_servable(which),
+                "session_open": session is not None and session.which == which}
+
+    def supports_draft_weight_updates(self) -> bool:
+        return "draft" in self.models
+
+    def _check_weights_writable(self, which: str) -> None:
+        """Hook: raise StateError when `which` cannot be written now (asleep at the wrong level)."""
+
+    # ---- the group ----------------------------------------------------------------------------
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Join the sender's group (blocks until every rank joined). Replaces any previous group; an
+        open session on the old group is abandoned (its model stays torn if bytes had moved)."""
+        info = InitInfo.from_dict(init_info)
+        if self.device is None:
+            raise StateError(f"rank {self.rank_key}: init_device before init_weight_transfer_engine")
+        rank = info.receiver_rank(self.rank_key, self.dp_rank, self.tp.rank, self.tp.size)
+        if self._wt_session is not None:
+            self._end_session(f"abandoned by a new init_weight_transfer_engine ({info.session_id})")
+        self.close_weight_transfer_engine()
+        self._wt_receiver = WeightReceiver(info, rank, self.device, self.rank_key)
+        log.info("rank %s joined weight transfer session %s as group rank %d (%s)", self.rank_key,
+                 info.session_id, rank, info.backend)
+
+    def close_weight_transfer_engine(self) -> None:
+        if self._wt_receiver is not None:
+            self._wt_receiver.close()
+            self._wt_receiver = None
+
+    # ---- a session ----------------------------------------------------------------------------
+    def start_weight_update(self, version: int, manifest: Any, *, allow_cast: bool = False) -> None:
+        self._start("target", version, manifest, allow_cast)
+
+    def start_draft_weight_update(self, version: int, manifest: Any, *, allow_cast: bool = False) -> None:
+        if not self.supports_draft_weight_updates():
+            raise InvalidRequestError("draft", f"rank {self.rank_key}: no draft model is loaded, so a draft "
+                                      "weight update has nothing to write; nothing was written")
+        self._start("draft", version, manifest, allow_cast)
+
+    def _start(self, which: str, version: int, manifest: Any, allow_cast: bool) -> None:
+        if self._wt_session is not None:
+            raise StateError(f"rank {self.rank_key}: a {self._wt_session.which} weight update (version "
+                             f"{self._wt_session.version}) is open; finish it first")
+        if self._wt_receiver is None or self._wt_receiver.broken is not None:
+            why = "was never initialized" if self._wt_receiver is None else f"is broken ({self._wt_receiver.broken})"
+            raise StateError(f"rank {self.rank_key}: the weight transfer group {why}; call "
+                             "init_weight_transfer_engine first")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise InvalidRequestError("version", f"must be an integer >= 0, got {version!r}")
+        if which not in self.models:
+            raise StateError(f"rank {self.rank_key}: no {which} model loaded")
+        manifest_version, specs = specs_from_manifest(manifest)
+        if manifest_version is not None and manifest_version != version:
+            raise InvalidRequestError("manifest.version", f"is {manifest_version}, but the update is for version "
+                                      f"{version}")
+        self._check_weights_writable(which)
+        specs, routes = self._routes(which, specs, allow_cast)
+        fault = self.weight_transfer_fault
+        if fault is not None and fault[0] != "flip":
+            raise InvalidRequestError("weight_transfer_fault", f"unknown fault kind {fault[0]!r} (only 'flip')")
+        target = UpdateTarget(which, self.models[which], self.model_configs[which], routes, self.rank_key, fault)
+        self._wt_session = _Session(which, version, specs, target)
+
+    def _routes(self, which: str, specs: list[TensorSpec], allow_cast: bool) -> tuple[list[TensorSpec], list[Route]]:
+        """validate_manifest, cached while the manifest and the parameters' storage stay the same."""
+        model = self.models[which]
+        key = (tuple(specs), allow_cast, id(model), tuple(p.data_ptr() for p in model.parameters()))
+        cache = self._wt_routes.setdefault(which, _RouteCache())
+        if cache.key != key:
+            routes = validate_manifest(specs, model, self.model_configs[which], which=which, rank=self.rank_key,
+                                       tp_size=self.tp.size, allow_cast=allow_cast)
+            cache.key, cache.specs, cache.routes = key, specs, routes
+        return cache.specs, cache.routes
+
+    def update_weights(self, update_info: Any = None) -> None:
+        """Receive every bucket of the open session. `update_info`: None or {} (or a list indexed by
+        dp_rank * tp_size + tp_rank, one entry per rank, for multi-rank drivers)."""
+        session = self._require_session("update_weights")
+        try:
+            if isinstance(update_info, list):
+                update_info = update_info[self.dp_rank * self.tp.size + self.tp.rank]
+            if update_info not in (None, {}):
+                raise InvalidRequestError("update_info", f"must be empty: one call receives the whole plan, "
+                                          f"got {update_info!r}")
+            if session.received:
+                raise StateError(f"rank {self.rank_key}: update_weights called twice in one session")
+            self._check_weights_writable(session.which)
+            assert self._wt_receiver is not None
+            self._wt_receiver.receive(session.version, session.specs, session.target,
+                                      on_agreed=lambda: self._begin_writes(session))
+            session.received = True
+        except BaseException as e:
+            self._end_session(f"update to version {session.version} failed: {e}")
+            raise
+
+    def finish_weight_update(self, sender_digests: Any, *, held_manifest: bool = True) -> UpdateResult:
+        """Audit what this rank received against the sender's digests; on success the version goes live.
+
+        Raises ChecksumMismatch (naming the first tensor and this rank) on a mismatch, a missing or an
+        extra tensor; the model is then torn. `held_manifest` adds the digests of the parameters this
+        rank holds (engine names), for comparing replicas across dp ranks.
+        """
+        session = self._require_session("finish_weight_update")
+        try:
+            if not session.received:
+                raise StateError(f"rank {self.rank_key}: finish_weight_update before update_weights completed")
+            expected = _expected_manifest(sender_digests, session.which, session.version, self.rank_key)
+            received = session.target.received_manifest(session.version)
+            report = Report.merge([compare(expected, received), session.target.tied_report(received)])
+            if not report.ok:
+                raise ChecksumMismatch(report)
+            held = self._held_manifest(session.which, session.version) if held_manifest else None
+        except BaseException as e:
+            self._end_session(f"audit of version {session.version} failed: {e}")
+            raise
+        state = self._wt_state(session.which)
+        state.version, state.torn, state.torn_reason, state.loaded = session.version, False, None, True
+        self._wt_session = None
+        return UpdateResult(session.which, session.version, self.rank_key, report, received, held)
+
+    def abort_weight_update(self, reason: str = "aborted by the caller") -> None:
+        """End the open session (if any); its model stays torn if any byte may have been written."""
+        if self._wt_session is not None:
+            self._end_session(reason)
+
+    def reset_weights(self, which: str | None = None) -> None:
+        """Zero the weights of `which` (default: every model); not servable until a sync passes."""
+        if self._wt_session is not None:
+            raise StateError(f"rank {self.rank_key}: cannot reset weights while an update session is open")
+        for name in [which] if which is not None else list(self.models):
+            if name not in self.models:
+                raise StateError(f"rank {self.rank_key}: no {name} model loaded")
+            with torch.no_grad():
+                for p in self.models[name].parameters():
+                    p.zero_()
+            self._wt_state(name).loaded = False
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _require_session(self, what: str) -> _Session:
+        if self._wt_session is None:
+            raise StateError(f"rank {self.rank_key}: {what} without a matching start_weight_update")
+        return self._wt_session
+
+    def _begin_writes(self, session: _Session) -> None:
+        """Both ends agreed on the plan: from here on the model's bytes may change."""
+        session.bytes_moved = True
+        self._mark_torn(session.which, f"update to version {session.version} in progress")
+
+    def _mark_torn(self, which: str, reason: str) -> None:
+        state = self._wt_state(which)
+        state.torn, state.torn_reason = True, reason
+
+    def _end_session(self, reason: str) -> None:
+        session = self._wt_session
+        assert session is not None
+        self._wt_session = None
+        if session.bytes_moved:
+            self._mark_torn(session.which, reason)
+            log.error("rank %s: %s model torn: %s", self.rank_key, session.which, reason)
+
+    def _held_manifest(self, which: str, version: int) -> Manifest:
+        records = digest_tensors(list(self.models[which].named_parameters()))
+        return Manifest(which, version, self.rank_key, tuple(records))
+
+
+def _expected_manifest(sender_digests: Any, which: str, version: int, rank: str) -> Manifest:
+    """The sender's digests (a Manifest, TensorRecords, or their dicts) as this rank's expectation."""
+    if isinstance(sender_digests, Manifest):
+        records = list(sender_digests.records)
+    else:
+        items = sender_digests.get("tensors") if isinstance(sender_digests, dict) else sender_digests
+        if not isinstance(items, (list, tuple)):
+            raise InvalidRequestError("sender_digests", f"must be a list of records, got {type(items).__name__}")
+        records = []
+        for i, r in enumerate(items):
+            if isinstance(r, TensorRecord):
+                records.append(r)
+                continue
+            try:
+                records.append(TensorRecord(r["name"], r["dtype"], tuple(r["shape"]), r["digest"]))
+            except (KeyError, TypeError) as e:
+                raise InvalidRequestError(f"sender_digests[{i}]", f"needs name, dtype, shape, digest: {e}") from None
+    try:
+        return Manifest(which, version, rank, tuple(records))
+    except ManifestError as e:
+        raise InvalidRequestError("sender_digests", str(e)) from e
+
+
+__all__ = ["FAULT_ENV", "ModelWeightState", "TransferError", "UpdateResult", "WeightUpdateMixin"]

@@ -1,0 +1,334 @@
+"""The driver thread: the only user of the rank pool's channels; it turns HTTP calls into SPMD commands.
+
+HTTP handlers never touch the ranks. They `submit` prompts or `call` a method and await a Future.
+The driver thread batches every newly arrived request group and abort into one "step" command
+(broadcast to every rank; each adds them and runs one llm.step()), resolves the futures of the
+requests rank 0 reports finished, and runs control calls (sleep, wake, weight updates, checksums)
+between steps, gathering every rank's reply. When there is nothing to do it blocks on a condition
+variable (no busy loop); while asleep, paused or torn, held requests cost nothing.
+
+Failure rule: a dead or hung rank breaks the pool for good (the SPMD ranks cannot continue without
+it). Every pending and later call then fails at once with a RankError of kind "unavailable" naming
+the rank; /health turns 503. Restarting the sidecar is the recovery.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from inference.core import RequestOutput, SamplingParams, SidecarError
+from sidecar.ranks import ErrorInfo, RankFailure, RankPool, Reply
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.5  # how often an idle driver checks that its ranks are alive
+TOKENS_WINDOW_S = 10.0  # tokens/s is measured over this trailing window
+
+
+class RankError(SidecarError):
+    """A call failed on the ranks (or the ranks are gone). `info` is the first failing rank's error;
+    `errors` every rank's, in rank order."""
+
+    def __init__(self, info: ErrorInfo, errors: list[ErrorInfo] | None = None) -> None:
+        where = f"rank {info.rank}: " if info.rank and info.rank not in info.message else ""
+        super().__init__(f"{where}{info.message}")
+        self.info = info
+        self.errors = errors or [info]
+
+
+def unavailable(message: str) -> RankError:
+    return RankError(ErrorInfo("RankFailure", message, "unavailable"))
+
+
+@dataclass
+class _Group:
+    """The prompts of one HTTP call; its future gets the outputs in prompt order."""
+
+    group_id: str
+    requests: list[tuple[str, Any, SamplingParams]]
+    wait: bool
+    future: Future
+    outputs: dict[str, RequestOutput] = field(default_factory=dict)
+    sent: bool = False
+
+
+@dataclass
+class _Control:
+    method: str
+    args: tuple
+    kwargs: dict[str, Any]
+    timeout: float
+    future: Future
+
+
+class Driver:
+    """Owns the RankPool from its own thread. Thread-safe entry points: submit, abort, call, pause,
+    resume, snapshot, healthy; stop() ends the thread (the pool is closed by its owner)."""
+
+    def __init__(self, pool: RankPool, *, step_timeout_s: float, rpc_timeout_s: float,
+                 max_queued: int = 65536) -> None:
+        self.pool = pool
+        self.step_timeout_s = step_timeout_s
+        self.rpc_timeout_s = rpc_timeout_s
+        self.max_queued = max_queued
+        self._cv = threading.Condition()
+        self._new: list[_Group] = []
+        self._aborts: list[str] = []
+        self._controls: deque[_Control] = deque()
+        self._groups: dict[str, _Group] = {}  # group_id -> group, from submit until resolved
+        self._owner: dict[str, str] = {}  # request_id -> group_id
+        self._ids = itertools.count()
+        self._paused = False
+        self._stopping = False
+        self._failure: str | None = None
+        self._engine_unfinished = 0
+        self._engine_ready = True
+        self.busy: str | None = None  # the control call running now
+        self.statuses: list[dict[str, Any]] = [{} for _ in range(pool.size)]
+        self.tokens_total = 0
+        self._token_events: deque[tuple[float, int]] = deque()
+        self._thread = threading.Thread(target=self._loop, name="sidecar-driver", daemon=True)
+
+    # ---- entry points (any thread) ------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stopping = True
+            self._fail_all_locked(unavailable("the sidecar is shutting down"))
+            self._cv.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def submit(self, requests: list[tuple[Any, SamplingParams]], wait: bool = True) -> Future:
+        """Queue one group of prompts; the future resolves to their RequestOutputs in order, or to a
+        RankError (a rejected prompt names its index; the whole group is then refused)."""
+        fut: Future = Future()
+        with self._cv:
+            if self._refuse_locked(fut):
+                return fut
+            if self.queue_depth() + len(requests) > self.max_queued:
+                fut.set_exception(RankError(ErrorInfo("QueueFull", f"{self.queue_depth()} prompts are queued; "
+                                                      f"the limit is {self.max_queued}", "busy")))
+                return fut
+            gid = f"g{next(self._ids)}"
+            reqs = [(f"{gid}-{i}", prompt, params) for i, (prompt, params) in enumerate(requests)]
+            group = _Group(gid, reqs, wait, fut)
+            self._groups[gid] = group
+            self._owner.update((rid, gid) for rid, _, _ in reqs)
+            self._new.append(group)
+            self._cv.notify_all()
+        return fut
+
+    def abort(self, future: Future) -> None:
+        """Cancel the group behind `future` (its caller went away)."""
+        with self._cv:
+            group = next((g for g in self._groups.values() if g.future is future), None)
+            if group is None:
+                return
+            self._drop_locked(group)
+            if group.sent:
+                self._aborts.extend(rid for rid, _, _ in group.requests)
+            else:
+                self._new.remove(group)
+            future.cancel()
+            self._cv.notify_all()
+
+    def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Future:
+        """Run `method(*args, **kwargs)` on every rank between two steps; the future resolves to the
+        list of per-rank results (rank order), or a RankError."""
+        fut: Future = Future()
+        with self._cv:
+            if self._refuse_locked(fut):
+                return fut
+            self._controls.append(_Control(method, args, kwargs, timeout or self.rpc_timeout_s, fut))
+            self._cv.notify_all()
+        return fut
+
+    def pause(self) -> None:
+        with self._cv:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def failure(self) -> str | None:
+        """Why the ranks cannot serve (None while healthy); checks the processes right now."""
+        if self._failure is None and not self._stopping:
+            dead = self.pool.dead_rank()
+            if dead is not None:
+                with self._cv:
+                    self._fail_locked(f"rank {dead[0]} process exited (exit code {dead[1]})")
+        return self._failure
+
+    def queue_depth(self) -> int:
+        """Prompts accepted and not yet answered (waiting in the driver or in the engine)."""
+        with self._cv:
+            return sum(len(g.requests) - len(g.outputs) for g in self._groups.values())
+
+    def tokens_per_second(self) -> float:
+        now = time.monotonic()
+        with self._cv:
+            while self._token_events and self._token_events[0][0] < now - TOKENS_WINDOW_S:
+                self._token_events.popleft()
+            return sum(n for _, n in self._token_events) / TOKENS_WINDOW_S
+
+    # ---- the thread -----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            work = self._next_work()
+            if work is None:
+                return
+            try:
+                if isinstance(work, _Control):
+                    self._run_control(work)
+                else:
+                    self._run_step(*work)
+            except RankFailure as e:
+                with self._cv:
+                    self._fail_locked(str(e))
+            except Exception as e:  # a bug of ours: fail what was in flight, keep the thread alive
+                log.exception("driver: unexpected error")
+                with self._cv:
+                    self._fail_all_locked(RankError(ErrorInfo(type(e).__name__, str(e), "internal")))
+
+    def _next_work(self) -> _Control | tuple[list[_Group], list[str], bool] | None:
+        with self._cv:
+            while True:
+                if self._stopping:
+                    return None
+                if self._failure is None:
+                    if self._controls:
+                        return self._controls.popleft()
+                    run = not self._paused and self._engine_ready
+                    if self._new or self._aborts or (run and self._engine_unfinished):
+                        groups, aborts = self._new, self._aborts
+                        self._new, self._aborts = [], []
+                        for g in groups:
+                            g.sent = True
+                        return groups, aborts, run
+                self._cv.wait(IDLE_POLL_S)
+                if self._failure is None and not self._stopping:
+                    dead = self.pool.dead_rank()
+                    if dead is not None:
+                        self._fail_locked(f"rank {dead[0]} process exited (exit code {dead[1]})")
+
+    def _run_step(self, groups: list[_Group], aborts: list[str], run: bool) -> None:
+        cmd = {"aborts": aborts, "run": run,
+               "groups": [(g.group_id, g.requests, g.wait) for g in groups]}
+        replies = self.pool.broadcast("step", cmd, self.step_timeout_s, "a generation step")
+        failed = _first_error(replies)
+        with self._cv:
+            self._absorb_status(replies)
+            if failed is not None:  # the ranks dropped every request: fail them all
+                self._fail_all_locked(RankError(failed, [r.error for r in replies if r.error]), only_sent=True)
+                return
+            value = replies[0].value
+            for gid, err in value["rejected"].items():
+                group = self._groups.get(gid)
+                if group is not None:
+                    self._drop_locked(group)
+                    group.future.set_exception(RankError(err))
+            self._resolve_locked(value["finished"])
+
+    def _run_control(self, ctl: _Control) -> None:
+        if not ctl.future.set_running_or_notify_cancel():
+            return
+        self.busy = ctl.method
+        try:
+            replies = self.pool.broadcast("call", (ctl.method, ctl.args, ctl.kwargs), ctl.timeout, ctl.method)
+        except RankFailure as e:
+            ctl.future.set_exception(unavailable(str(e)))
+            raise
+        finally:
+            self.busy = None
+        with self._cv:
+            self._absorb_status(replies)
+            if replies[0].ok:
+                self._resolve_locked(replies[0].value["finished"])
+        failed = _first_error(replies)
+        if failed is not None:
+            ctl.future.set_exception(RankError(failed, [r.error for r in replies if r.error]))
+        else:
+            ctl.future.set_result([r.value["result"] for r in replies])
+
+    # ---- bookkeeping (caller holds the lock) ----------------------------------------------------
+    def _absorb_status(self, replies: list[Reply]) -> None:
+        for i, r in enumerate(replies):
+            if r.status:
+                self.statuses[i] = r.status
+        head = replies[0].status
+        if head:
+            self._engine_unfinished = int(head.get("unfinished", 0))
+            self._engine_ready = bool(head.get("ready", True))
+
+    def _resolve_locked(self, finished: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for out in finished:
+            tokens = sum(len(c.token_ids) for c in out.outputs)
+            self.tokens_total += tokens
+            self._token_events.append((now, tokens))
+            gid = self._owner.pop(out.request_id, None)
+            group = self._groups.get(gid) if gid is not None else None
+            if group is None:
+                continue  # aborted meanwhile
+            group.outputs[out.request_id] = out
+            if len(group.outputs) == len(group.requests):
+                self._drop_locked(group)
+                if not group.future.done():
+                    group.future.set_result([group.outputs[rid] for rid, _, _ in group.requests])
+
+    def _drop_locked(self, group: _Group) -> None:
+        self._groups.pop(group.group_id, None)
+        for rid, _, _ in group.requests:
+            self._owner.pop(rid, None)
+
+    def _refuse_locked(self, fut: Future) -> bool:
+        if self._stopping:
+            fut.set_exception(unavailable("the sidecar is shutting down"))
+        elif self._failure is not None:
+            fut.set_exception(unavailable(self._failure))
+        else:
+            return False
+        return True
+
+    def _fail_locked(self, message: str) -> None:
+        if self._failure is None:
+            log.error("ranks unavailable: %s", message)
+            self._failure = message
+        self._fail_all_locked(unavailable(message))
+
+    def _fail_all_locked(self, error: RankError, only_sent: bool = False) -> None:
+        """Fail every pending group and control call (only_sent: just the groups the ranks held)."""
+        for group in list(self._groups.values()):
+            if only_sent and not group.sent:
+                continue
+            self._drop_locked(group)
+            if not group.future.done():
+                group.future.set_exception(error)
+        if not only_sent:
+            self._new = []
+            while self._controls:
+                ctl = self._controls.popleft()
+                if not ctl.future.done():
+                    ctl.future.set_exception(error)
+        self._cv.notify_all()
+
+
+def _first_error(replies: list[Reply]) -> ErrorInfo | None:
+    return next((r.error for r in replies if not r.ok), None)

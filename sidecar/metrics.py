@@ -1,0 +1,77 @@
+"""Prometheus metrics of one sidecar, on a registry of its own (never the process-global one).
+
+Timings (sync, sleep, wake) are observed by the HTTP layer around each call; generation figures
+(tokens, tokens/s, queue depth, health) are read from the driver at scrape time, so they cost
+nothing between scrapes. prometheus-client is imported here only (the `server` extra).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class GenerationSource(Protocol):
+    """What the scrape reads (the Driver provides it)."""
+
+    tokens_total: int
+
+    def tokens_per_second(self) -> float: ...
+
+    def queue_depth(self) -> int: ...
+
+    @property
+    def failure(self) -> str | None: ...
+
+    @property
+    def paused(self) -> bool: ...
+
+
+class Metrics:
+    def __init__(self, source: GenerationSource) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.sync_seconds = Histogram("sidecar_weight_sync_seconds", "Seconds of one weight-sync phase",
+                                      ["model", "phase"], registry=r, buckets=_SECONDS)
+        self.sync_bytes = Counter("sidecar_weight_sync_bytes", "Bytes of weights received by successful syncs",
+                                  ["model"], registry=r)
+        self.syncs = Counter("sidecar_weight_syncs", "Weight syncs by result", ["model", "result"], registry=r)
+        self.sleep_seconds = Histogram("sidecar_sleep_seconds", "Seconds of one sleep", ["level"],
+                                       registry=r, buckets=_SECONDS)
+        self.wake_seconds = Histogram("sidecar_wake_seconds", "Seconds of one wake-up", registry=r,
+                                      buckets=_SECONDS)
+        self.audit_failures = Counter("sidecar_audit_failures", "Audits (and sync finishes) that found a mismatch",
+                                      registry=r)
+        self.http_errors = Counter("sidecar_http_errors", "Error responses by status", ["status"], registry=r)
+        r.register(_GenerationCollector(source))
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _GenerationCollector(Collector):
+    def __init__(self, source: GenerationSource) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.source
+        yield CounterMetricFamily("sidecar_generated_tokens", "Tokens generated (finished requests)",
+                                  value=s.tokens_total)
+        yield _gauge("sidecar_generation_tokens_per_second", "Generated tokens per second over the last 10 s",
+                     s.tokens_per_second())
+        yield _gauge("sidecar_queue_depth", "Prompts accepted and not yet answered", s.queue_depth())
+        yield _gauge("sidecar_healthy", "1 while every rank process is alive and answering", s.failure is None)
+        yield _gauge("sidecar_paused", "1 while generation is paused", s.paused)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # collected fresh at every scrape
+
+
+def _gauge(name: str, doc: str, value: Any) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=float(value))

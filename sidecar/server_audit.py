@@ -1,0 +1,95 @@
+"""GET /checksums and POST /audit: every rank's manifest, compared across ranks and with expectations.
+
+Two sources per rank (docs/checksums.md): "held" digests the parameters the rank holds now (its
+shards, engine names); "received" is what the last finished sync delivered (full tensors, trainer
+names). Replica rule: received manifests must be identical on every rank (each rank received the
+same full tensors); held manifests must be identical across ranks that hold the same shard (the
+same pp and tp index, different dp). `expected` adds the sidecar-audit rule (checksum.audit): one
+expected manifest (or a list of the sender's records) applies to every rank, several are matched by
+rank key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import Any, Literal
+
+from fastapi import APIRouter
+
+from checksum import Manifest, ManifestError, Report, TensorRecord, audit, compare_each, parse_rank_key
+from sidecar.api_models import AuditRequest
+from sidecar.server import ApiError, ServerState
+from sidecar.server_control import call
+
+MAX_MISMATCH_ROWS = 1000
+
+
+def add_audit_routes(router: APIRouter, state: ServerState) -> None:
+    @router.get("/checksums", summary="Every rank's manifest of the target or draft model")
+    async def checksums(model: Literal["target", "draft"] = "target",
+                        source: Literal["held", "received"] = "held") -> dict[str, Any]:
+        return {"model": model, "source": source, "manifests": await rank_manifests(state, model, source)}
+
+    @router.post("/audit", summary="Compare ranks (replicas) and, optionally, expected digests")
+    async def audit_endpoint(body: AuditRequest) -> dict[str, Any]:
+        dicts = await rank_manifests(state, body.model, body.source)
+        actual = [Manifest.from_dict(d, f"rank {i}") for i, d in enumerate(dicts)]
+        report = audit_manifests(actual, body.expected, body.source)
+        if not report.ok:
+            state.metrics.audit_failures.inc()
+        return report_dict(report, body.model, body.source)
+
+
+async def rank_manifests(state: ServerState, model: str, source: str) -> list[dict[str, Any]]:
+    method = "rank.manifest" if source == "held" else "rank.received_manifest"
+    return await call(state, method, model)
+
+
+def audit_manifests(actual: list[Manifest], expected: Any, source: str) -> Report:
+    reports = [replica_report(actual, source)]
+    if expected is not None:
+        reports.append(audit(parse_expected(expected, actual[0]), actual))
+    return Report.merge(reports)
+
+
+def replica_report(actual: list[Manifest], source: str) -> Report:
+    if source == "received":
+        return compare_each(actual[0], actual)
+    groups: dict[tuple[int, int], list[Manifest]] = defaultdict(list)
+    for m in actual:
+        _, pp, tp = parse_rank_key(m.rank)
+        groups[(pp, tp)].append(m)
+    return Report.merge(compare_each(g[0], g) for g in groups.values())
+
+
+def parse_expected(expected: Any, reference: Manifest) -> list[Manifest]:
+    """Manifest dict(s), or the sender's records (name, dtype, shape, digest) -> expected manifests."""
+    try:
+        if isinstance(expected, dict) and "format" in expected:
+            return [Manifest.from_dict(expected, "expected")]
+        items = expected.get("tensors") if isinstance(expected, dict) else expected
+        if isinstance(items, list) and items and all(isinstance(x, dict) and "format" in x for x in items):
+            return [Manifest.from_dict(x, f"expected[{i}]") for i, x in enumerate(items)]
+        if not isinstance(items, list):
+            raise ApiError(400, "InvalidRequestError", "must be a manifest, a list of manifests, or a list of "
+                           "records {name, dtype, shape, digest}", "expected")
+        records = []
+        for i, r in enumerate(items):
+            if not isinstance(r, dict) or not {"name", "dtype", "shape", "digest"} <= set(r):
+                raise ApiError(400, "InvalidRequestError", "a record needs name, dtype, shape and digest",
+                               f"expected[{i}]")
+            shape = tuple(r["shape"]) if isinstance(r["shape"], list) else r["shape"]
+            records.append(TensorRecord(r["name"], r["dtype"], shape, r["digest"]))
+        return [Manifest(reference.model, reference.weight_version, reference.rank, tuple(records))]
+    except ManifestError as e:
+        raise ApiError(400, "ManifestError", str(e), "expected") from None
+
+
+def report_dict(report: Report, model: str, source: str) -> dict[str, Any]:
+    return {
+        "ok": report.ok, "model": model, "source": source, "summary": report.summary(),
+        "table": report.table(max_rows=50), "ranks": list(report.ranks), "tensors_checked": report.tensors_checked,
+        "mismatch_count": len(report.mismatches),
+        "mismatches": [dataclasses.asdict(m) for m in report.mismatches[:MAX_MISMATCH_ROWS]],
+    }

@@ -1,0 +1,179 @@
+"""Control endpoints: state, sleep/wake, pause/resume, weight syncs, checksums and audits.
+
+Each control call runs on every rank between two generation steps (sidecar/driver.py) and answers
+with every rank's result. The weight endpoints call the worker's weight-update API by name
+(inference/weight_update.py): init_weight_transfer_engine, start_weight_update /
+start_draft_weight_update, update_weights, finish_weight_update.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter
+
+from sidecar.api_models import (
+    AuditRequest,
+    SleepRequest,
+    WakeRequest,
+    WeightsFinishRequest,
+    WeightsInitRequest,
+    WeightsStartRequest,
+    WeightsUpdateRequest,
+)
+from sidecar.server import ApiError, ServerState, await_future
+
+# bytes per element of the dtypes a manifest may name (the wire's sizes; for the sync-bytes metric)
+_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+             "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+
+
+async def call(state: ServerState, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    """`method` on every rank; the per-rank results in rank order (or an ApiError)."""
+    return await await_future(None, state.driver.call(method, *args, **kwargs), state.driver)
+
+
+def state_dict(state: ServerState) -> dict[str, Any]:
+    d = state.driver
+    statuses = d.statuses
+    head = statuses[0] if statuses else {}
+    plan = state.plans[0]
+    alive = [p is not None for p in state.driver.pool.pids]
+    dead = d.pool.dead_rank()
+    ranks = []
+    for i, (st, pl) in enumerate(zip(statuses, state.plans)):
+        ranks.append({
+            "rank": pl["rank"], "pid": pl["pid"], "alive": alive[i] and (dead is None or dead[0] != i),
+            "device": pl["device"], "ready": st.get("ready"), "sleeping": st.get("sleeping"),
+            "tags": {t: a["state"] for t, a in st.get("arenas", {}).items()},
+            "weight_versions": st.get("weight_versions", {}), "torn": st.get("torn", {}),
+            "weights_bytes": pl["weights_bytes"], "kv_blocks": pl["kv_blocks"], "kv_bytes": pl["kv_bytes"]})
+    return {
+        "healthy": d.failure is None, "failure": d.failure, "paused": d.paused, "busy": d.busy,
+        "sleeping": head.get("sleeping"), "ready": head.get("ready"),
+        "tags": {t: a["state"] for t, a in head.get("arenas", {}).items()},
+        "weight_versions": head.get("weight_versions", {}),
+        "torn": {m: any(st.get("torn", {}).get(m, False) for st in statuses) for m in plan["models"]},
+        "queue_depth": d.queue_depth(), "engine_unfinished": head.get("unfinished", 0),
+        "tp": len(state.plans), "ranks": ranks,
+        "model": {k: plan[k] for k in ("model", "draft_model", "models", "dtype", "vocab_size", "max_model_len",
+                                       "block_size")},
+        "transfer": {"backend": state.config.transfer, "bucket_bytes": state.config.bucket_bytes,
+                     "num_receivers": len(state.plans)},
+        "uptime_s": time.time() - state.started,
+    }
+
+
+def _manifest_bytes(manifest: Any) -> int:
+    tensors = manifest.get("tensors", []) if isinstance(manifest, dict) else manifest
+    total = 0
+    for t in tensors if isinstance(tensors, list) else []:
+        if isinstance(t, dict) and isinstance(t.get("shape"), list):
+            n = 1
+            for dim in t["shape"]:
+                n *= dim if isinstance(dim, int) else 0
+            total += n * _ITEMSIZE.get(str(t.get("dtype")), 0)
+    return total
+
+
+def add_control_routes(router: APIRouter, state: ServerState) -> None:
+    _add_lifecycle_routes(router, state)
+    _add_weight_routes(router, state)
+    from sidecar.server_audit import add_audit_routes
+
+    add_audit_routes(router, state)
+
+
+def _add_lifecycle_routes(router: APIRouter, state: ServerState) -> None:
+    @router.get("/state", summary="Sleep state per tag, weight versions, torn flags, ranks, queue depth")
+    async def get_state() -> dict[str, Any]:
+        return state_dict(state)
+
+    @router.post("/sleep", summary="Release device memory (level 1 keeps a host copy of the weights)")
+    async def sleep(body: SleepRequest) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        ranks = await call(state, "sleep", body.level, body.in_flight)
+        state.metrics.sleep_seconds.labels(str(body.level)).observe(time.perf_counter() - t0)
+        return {"ranks": ranks, "state": state_dict(state)}
+
+    @router.post("/wake_up", summary="Map memory back: tags 'weights' and/or 'kv_cache' (null: all)")
+    async def wake_up(body: WakeRequest | None = None) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        ranks = await call(state, "wake_up", body.tags if body is not None else None)
+        state.metrics.wake_seconds.observe(time.perf_counter() - t0)
+        return {"ranks": ranks, "state": state_dict(state)}
+
+    @router.post("/pause", summary="Stop scheduling generation steps; requests wait")
+    async def pause() -> dict[str, Any]:
+        state.driver.pause()
+        return {"paused": True}
+
+    @router.post("/resume", summary="Resume generation steps")
+    async def resume() -> dict[str, Any]:
+        state.driver.resume()
+        return {"paused": False}
+
+
+def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
+    @router.post("/weights/init", summary="Join the trainer's transfer group (run while the sender connects)")
+    async def weights_init(body: WeightsInitRequest) -> dict[str, Any]:
+        backend = body.init_info.get("backend")
+        if state.config.transfer is not None and backend != state.config.transfer:
+            raise ApiError(400, "InvalidRequestError", f"this sidecar was launched with --transfer "
+                           f"{state.config.transfer}, the sender uses {backend!r}", "init_info.backend")
+        ranks = await call(state, "init_weight_transfer_engine", body.init_info)
+        return {"ranks": ranks}
+
+    @router.post("/weights/start", summary="Open an update session: validate the whole manifest first")
+    async def weights_start(body: WeightsStartRequest) -> dict[str, Any]:
+        method = "start_weight_update" if body.model == "target" else "start_draft_weight_update"
+        t0 = time.perf_counter()
+        await call(state, method, body.version, body.manifest, allow_cast=body.allow_cast)
+        state.metrics.sync_seconds.labels(body.model, "start").observe(time.perf_counter() - t0)
+        state.sync_started[body.model] = (t0, _manifest_bytes(body.manifest))
+        return {"model": body.model, "version": body.version, "started": True}
+
+    @router.post("/weights/update", summary="Receive every bucket (blocks while the sender sends)")
+    async def weights_update(body: WeightsUpdateRequest | None = None) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        try:
+            await call(state, "update_weights", body.update_info if body is not None else None)
+        except ApiError:
+            _failed(state)
+            raise
+        state.metrics.sync_seconds.labels(_open_model(state), "update").observe(time.perf_counter() - t0)
+        return {"received": True}
+
+    @router.post("/weights/finish", summary="Audit received digests against the sender's; make the version live")
+    async def weights_finish(body: WeightsFinishRequest) -> dict[str, Any]:
+        model = _open_model(state)
+        t0 = time.perf_counter()
+        try:
+            results = await call(state, "finish_weight_update", body.digests)
+        except ApiError as e:
+            if e.type == "ChecksumMismatch":
+                state.metrics.audit_failures.inc()
+            _failed(state)
+            raise
+        now = time.perf_counter()
+        state.metrics.sync_seconds.labels(model, "finish").observe(now - t0)
+        started, nbytes = state.sync_started.pop(model, (t0, 0))
+        state.metrics.sync_seconds.labels(model, "total").observe(now - started)
+        state.metrics.sync_bytes.labels(model).inc(nbytes)
+        state.metrics.syncs.labels(model, "ok").inc()
+        first = results[0] if results and isinstance(results[0], dict) else {}
+        return {"model": first.get("model", model), "version": first.get("version"),
+                "ok": all(isinstance(r, dict) and r.get("ok", True) for r in results),
+                "ranks": [{"rank": r.get("rank"), "ok": r.get("ok"), "summary": r.get("summary")}
+                          for r in results if isinstance(r, dict)]}
+
+
+def _open_model(state: ServerState) -> str:
+    return next(iter(state.sync_started), "target")
+
+
+def _failed(state: ServerState) -> None:
+    model = _open_model(state)
+    state.sync_started.pop(model, None)
+    state.metrics.syncs.labels(model, "failed").inc()

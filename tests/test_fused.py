@@ -1,0 +1,73 @@
+"""The fused Triton kernels equal their eager twins (Triton's interpreter on CPU, the GPU under `cuda`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from inference.layers import fused
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """fp32: equal up to exp/rsqrt ulps. bf16: within one bf16 ulp on the GPU; Triton's CPU interpreter
+    truncates where the GPU rounds to nearest even, and the truncations compound to a few ulps."""
+    if got.dtype == torch.bfloat16:
+        atol, rtol = (1e-3, 2 ** -7) if got.is_cuda else (0.02, 0.03)
+        torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=rtol)
+    else:
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(autouse=True)
+def _force(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fused, "FORCE_ON_CPU", True)
+
+
+def _rand(*shape: int, dtype: torch.dtype, device: str, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 96, 896])
+def test_add_rms_norm_matches_eager(device: str, dtype: torch.dtype, hidden: int) -> None:
+    x, r = _rand(7, hidden, dtype=dtype, device=device), _rand(7, hidden, dtype=dtype, device=device, seed=1)
+    w = _rand(hidden, dtype=dtype, device=device, seed=2)
+    assert fused.use_triton(x)
+    out, res = fused.add_rms_norm(x, r, w, 1e-6)
+    ref_out, ref_res = fused.add_rms_norm_torch(x, r, w, 1e-6)
+    close(res, ref_res)
+    close(out, ref_out)
+    out1, same = fused.add_rms_norm(x, None, w, 1e-6)
+    assert torch.equal(same, x)
+    close(out1, fused.add_rms_norm_torch(x, None, w, 1e-6)[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_eager(device: str, dtype: torch.dtype) -> None:
+    x = _rand(5, 2 * 300, dtype=dtype, device=device)
+    close(fused.silu_and_mul(x), fused.silu_and_mul_torch(x))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "head_dim"), [(4, 16), (14, 64), (3, 128)])
+def test_rotary_matches_eager_on_strided_views(device: str, dtype: torch.dtype, heads: int, head_dim: int) -> None:
+    from inference.config import RopeConfig
+    from inference.layers.rotary import RotaryEmbedding
+
+    rot = RotaryEmbedding(head_dim, 64, RopeConfig(theta=10000.0), device)
+    qkv = _rand(6, (heads + 2) * head_dim, dtype=dtype, device=device)
+    q = qkv[:, : heads * head_dim].view(6, heads, head_dim)  # a strided view, as after the qkv split
+    positions = torch.tensor([0, 5, 9, 63, 1, 2], device=device)
+    cos, sin = rot.cos_sin_cache[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
+    expected = fused.rotary_torch(q, torch.cat((cos, cos), -1), torch.cat((sin, sin), -1))
+    got = fused.rotary(q, positions, rot.cos_sin_cache)
+    close(got, expected)

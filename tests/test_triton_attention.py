@@ -1,0 +1,286 @@
+"""The "triton" attention backend equals ReferenceAttention over the paged KV cache.
+
+Without a GPU the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set below before triton
+is imported) on small shapes; with one, the same tests run compiled, and the `cuda` tests add realistic
+model shapes (bf16 and fp32) and a CUDA-graph capture + replay of decode. Caches start as NaN, so any
+read of a slot outside a sequence's context shows up as a NaN in the output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import os
+import random
+from types import ModuleType
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from inference.batch import AttentionMetadata
+from inference.core import InvalidRequestError, StateError
+from inference.layers.attention import ReferenceAttention, get_attention_backend, store_kv
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def ta() -> ModuleType:
+    pytest.importorskip("triton")
+    return importlib.import_module("inference.layers.triton_attention")
+
+
+@dataclasses.dataclass
+class Batch:
+    meta: AttentionMetadata
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+
+def make_batch(query_lens: list[int], context_lens: list[int], heads: int, kv_heads: int, head_dim: int,
+               block_size: int, dtype: torch.dtype, seed: int = 0, pad_rows: int = 0,
+               table_width: int | None = None, num_blocks: int | None = None, device: str = DEVICE) -> Batch:
+    """A varlen step over shuffled (non-contiguous) blocks. The first context - query_len tokens of each
+    sequence are already cached; every other cache slot holds NaN. `pad_rows` CUDA-graph padding rows
+    (query 1, context 0, slot -1, table of zeros) are appended."""
+    gen = torch.Generator(device).manual_seed(seed)
+    rng = random.Random(seed)
+    needed = [-(-c // block_size) for c in context_lens]
+    num_blocks = num_blocks or sum(needed) + 3
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(n)] for n in needed]
+    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
+    v_cache = k_cache.clone()
+    slots: list[int] = []
+    cached: list[int] = []
+    for q_len, ctx, table in zip(query_lens, context_lens, tables):
+        positions = [table[p // block_size] * block_size + p % block_size for p in range(ctx)]
+        cached += positions[:ctx - q_len]
+        slots += positions[ctx - q_len:]
+    for cache in (k_cache, v_cache):
+        values = torch.randn(len(cached), kv_heads, head_dim, generator=gen, device=device).to(dtype)
+        cache.view(-1, kv_heads, head_dim)[torch.tensor(cached, dtype=torch.long, device=device)] = values
+    query_lens, context_lens = query_lens + [1] * pad_rows, context_lens + [0] * pad_rows
+    tables, slots = tables + [[]] * pad_rows, slots + [-1] * pad_rows
+    if table_width is not None:
+        tables = [t + [0] * (table_width - len(t)) for t in tables]
+    meta = AttentionMetadata.build(query_lens, context_lens, slots, tables, block_size, device)
+    num_tokens = sum(query_lens)
+    # q, k, v are strided views of one fused tensor, as QKVParallelLinear.split hands them over.
+    qkv = torch.randn(num_tokens, heads + 2 * kv_heads, head_dim, generator=gen, device=device).to(dtype)
+    q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+    return Batch(meta, q, k, v, k_cache, v_cache)
+
+
+def run(backend: object, b: Batch, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One forward on copies of the caches: (output, k_cache after, v_cache after)."""
+    kc, vc = b.k_cache.clone(), b.v_cache.clone()
+    out = backend.forward(b.q, b.k, b.v, kc, vc, b.meta, b.q.shape[-1] ** -0.5, window)
+    return out, kc, vc
+
+
+def tolerance(dtype: torch.dtype) -> dict[str, float]:
+    # bf16/fp16: both round the output to the dtype (rtol: a bf16 ulp is 2**-8 relative), and the kernel
+    # rounds probabilities to it before P @ V as flash attention does (atol: cancelling terms near 0).
+    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 5e-3, "rtol": 2e-2}
+
+
+def assert_matches_reference(got: object, b: Batch, window: int | None = None, real_rows: int | None = None,
+                             ref_batch: Batch | None = None) -> torch.Tensor:
+    """Output rows and cache contents equal the reference's (caches exactly, NaN slots included)."""
+    out, kc, vc = run(got, b, window)
+    want, want_kc, want_vc = run(ReferenceAttention(), ref_batch or b, window)
+    rows = real_rows if real_rows is not None else out.shape[0]
+    torch.testing.assert_close(out[:rows].float(), want.float(), **tolerance(b.q.dtype))
+    torch.testing.assert_close(kc, want_kc, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(vc, want_vc, atol=0, rtol=0, equal_nan=True)
+    return out
+
+
+SMALL_TILES = {"prefill_block_m": 16, "prefill_block_n": 16, "decode_block_n": 16,
+               "fp32_prefill_block_m": 16, "fp32_prefill_block_n": 16}
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (7, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_batch_matches_reference(ta: ModuleType, heads: int, kv_heads: int, dtype: torch.dtype) -> None:
+    """Chunked prefill over cached context, a fresh prompt and decodes in one step; GQA ratios 1, 2, 7."""
+    b = make_batch([9, 20, 1, 1], [30, 20, 45, 3], heads, kv_heads, 32, 8, dtype, seed=heads)
+    backend = ta.TritonAttention(ta.TritonAttentionTiles(**SMALL_TILES))
+    assert_matches_reference(backend, b)
+
+
+@pytest.mark.parametrize(("head_dim", "block_size", "default_tiles"), [(16, 16, True), (24, 8, False)])
+def test_prefill_head_dims_and_default_tiles(ta: ModuleType, head_dim: int, block_size: int,
+                                             default_tiles: bool) -> None:
+    """A head_dim that is not a power of two (padded to 32) and the default (large) tiles."""
+    b = make_batch([37, 5, 1], [40, 5, 70], 6, 2, head_dim, block_size, torch.float32, seed=3)
+    tiles = ta.TritonAttentionTiles() if default_tiles else ta.TritonAttentionTiles(**SMALL_TILES)
+    assert_matches_reference(ta.TritonAttention(tiles), b)
+
+
+@pytest.mark.parametrize("splits", [None, 1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_matches_reference(ta: ModuleType, splits: int | None, dtype: torch.dtype) -> None:
+    """Pure decode, with and without split-KV (None: the heuristic, which splits on the CPU's 4 "SMs")."""
+    b = make_batch([1, 1, 1], [1, 38, 64], 8, 2, 32, 8, dtype, seed=5)
+    assert b.meta.is_decode
+    tiles = ta.TritonAttentionTiles(**{**SMALL_TILES, "num_splits": splits})
+    assert_matches_reference(ta.TritonAttention(tiles), b)
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_sliding_window(ta: ModuleType, decode: bool) -> None:
+    """A query at position p sees keys in (p - window, p]; windows cut through blocks and KV tiles."""
+    query_lens = [1, 1, 1] if decode else [13, 1, 30]
+    b = make_batch(query_lens, [50, 7, 41], 4, 2, 16, 8, torch.float32, seed=7)
+    tiles = ta.TritonAttentionTiles(**{**SMALL_TILES, "num_splits": 2})
+    for window in (1, 5, 20, 100):
+        assert_matches_reference(ta.TritonAttention(tiles), b, window)
+
+
+def test_padded_rows_are_ignored(ta: ModuleType) -> None:
+    """CUDA-graph padding rows (slot -1, context 0) write nothing, read nothing and come out zero."""
+    real = make_batch([1, 1], [17, 33], 4, 2, 16, 8, torch.float32, seed=9)
+    padded = make_batch([1, 1], [17, 33], 4, 2, 16, 8, torch.float32, seed=9, pad_rows=3, table_width=8)
+    # The real rows carry the same data in both batches (q/k/v are views of one fused tensor).
+    padded.q[:2], padded.k[:2], padded.v[:2] = real.q, real.k, real.v
+    padded.k_cache, padded.v_cache = real.k_cache.clone(), real.v_cache.clone()
+    for splits in (1, 2):
+        backend = ta.TritonAttention(ta.TritonAttentionTiles(**{**SMALL_TILES, "num_splits": splits}))
+        out = assert_matches_reference(backend, padded, real_rows=2, ref_batch=real)
+        assert torch.equal(out[2:], torch.zeros_like(out[2:]))
+
+
+def test_store_skips_negative_slots(ta: ModuleType) -> None:
+    kc = torch.zeros(4, 8, 2, 16, device=DEVICE)
+    vc = torch.zeros_like(kc)
+    k, v = torch.randn(3, 2, 16, device=DEVICE), torch.randn(3, 2, 16, device=DEVICE)
+    slots = torch.tensor([5, -1, 30], device=DEVICE)
+    ta.store_kv_triton(k, v, kc, vc, slots)
+    flat_k, flat_v = kc.view(-1, 2, 16), vc.view(-1, 2, 16)
+    assert torch.equal(flat_k[5], k[0]) and torch.equal(flat_v[30], v[2])
+    assert int((flat_k.abs().sum(dim=(1, 2)) > 0).sum()) == 2  # nothing else was written
+
+
+def test_reference_store_skips_negative_slots() -> None:
+    kc = torch.zeros(4, 8, 2, 16)
+    vc = torch.zeros_like(kc)
+    k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    store_kv(k, v, kc, vc, torch.tensor([5, -1, 30]))
+    flat_k, flat_v = kc.view(-1, 2, 16), vc.view(-1, 2, 16)
+    assert torch.equal(flat_k[5], k[0]) and torch.equal(flat_v[30], v[2])
+    assert int((flat_k.abs().sum(dim=(1, 2)) > 0).sum()) == 2
+
+
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [4, 1, 9]])
+def test_reads_only_device_metadata(ta: ModuleType, query_lens: list[int]) -> None:
+    """The host copies of the lengths may be stale (as in a replayed CUDA graph): results do not change."""
+    b = make_batch(query_lens, [20, 9, 30], 4, 2, 16, 8, torch.float32, seed=11)
+    stale = dataclasses.replace(b.meta, query_lens=[], context_lens_host=[], max_query_len=0, max_context_len=0)
+    backend = ta.TritonAttention(ta.TritonAttentionTiles(**SMALL_TILES))
+    want, _, _ = run(backend, b)
+    got, _, _ = run(backend, dataclasses.replace(b, meta=stale))
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_decode_num_splits_depends_on_static_shapes(ta: ModuleType) -> None:
+    tiles = ta.TritonAttentionTiles()
+    one = ta.decode_num_splits(1, 2, 128, 16, tiles, num_sms=132)  # batch 1, 2048-token tables
+    assert one > 1 and one & (one - 1) == 0 and one <= tiles.max_splits
+    assert ta.decode_num_splits(128, 4, 128, 16, tiles, num_sms=132) == 1  # enough programs already
+    assert ta.decode_num_splits(1, 2, 2, 16, tiles, num_sms=132) == 1  # one KV tile: nothing to split
+
+
+def test_registry_selects_triton(ta: ModuleType) -> None:
+    backend = get_attention_backend("triton")
+    assert backend.name == "triton" and isinstance(backend, ta.TritonAttention)
+
+
+def test_registry_without_triton_names_the_missing_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    with pytest.raises(InvalidRequestError, match="triton"):
+        get_attention_backend("triton")
+
+
+def test_cpu_tensors_need_the_interpreter(ta: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ta, "_INTERPRET", False)
+    b = make_batch([1], [3], 2, 1, 16, 8, torch.float32, device="cpu")
+    with pytest.raises(StateError, match="CUDA"):
+        run(ta.TritonAttention(), b)
+
+
+# ---- CUDA: realistic shapes, compiled kernels, graph capture -------------------------------------------
+
+MODEL_SHAPES = [(14, 2, 64), (28, 4, 128), (16, 16, 128)]  # Qwen2-0.5B, Qwen2-7B, GQA ratio 1
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("batch", [1, 32, 128])
+@pytest.mark.parametrize("shape", MODEL_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_decode_matches_reference(ta: ModuleType, batch: int, shape: tuple[int, int, int],
+                                       dtype: torch.dtype) -> None:
+    rng = random.Random(batch)
+    contexts = [2048] + [rng.randint(1, 2048) for _ in range(batch - 1)]
+    b = make_batch([1] * batch, contexts, *shape, 16, dtype, seed=batch)
+    assert_matches_reference(ta.TritonAttention(), b)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("window", [None, 300])
+@pytest.mark.parametrize("shape", MODEL_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_mixed_batch_matches_reference(ta: ModuleType, window: int | None, shape: tuple[int, int, int],
+                                            dtype: torch.dtype) -> None:
+    """A chunk after a prefix-cache hit, a fresh prompt, a short prompt and 29 decodes."""
+    rng = random.Random(1)
+    query_lens = [512, 700, 3] + [1] * 29
+    contexts = [2000, 700, 3] + [rng.randint(1, 2048) for _ in range(29)]
+    b = make_batch(query_lens, contexts, *shape, 16, dtype, seed=2)
+    assert_matches_reference(ta.TritonAttention(), b, window)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_graph_replay_equals_eager(ta: ModuleType, dtype: torch.dtype) -> None:
+    """Decode captured once (8 rows, 2 of them padding, split-KV) and replayed with new q/k/v, contexts,
+    block tables and slots gives the eager result; the host copies in the captured meta stay stale."""
+    backend = ta.TritonAttention()
+    shape, width, num_blocks = (14, 2, 64), 128, 6 * 128 + 8
+    steps = [make_batch([1] * 6, contexts, *shape, 16, dtype, seed=seed, pad_rows=2, table_width=width,
+                        num_blocks=num_blocks)
+             for seed, contexts in [(1, [5, 2048, 100, 17, 1, 999]), (2, [1500, 3, 64, 2047, 256, 700])]]
+    static = steps[0]
+    assert backend.plan(static.q, static.k_cache, static.meta).splits > 1
+    kc, vc = static.k_cache.clone(), static.v_cache.clone()
+    scale = shape[2] ** -0.5
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile the kernels before capture
+        backend.forward(static.q, static.k, static.v, kc.clone(), vc.clone(), static.meta, scale, None)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(static.q, static.k, static.v, kc, vc, static.meta, scale, None)
+    for step in steps:
+        for dst, src in [(static.q, step.q), (static.k, step.k), (static.v, step.v), (kc, step.k_cache),
+                         (vc, step.v_cache), (static.meta.context_lens, step.meta.context_lens),
+                         (static.meta.slot_mapping, step.meta.slot_mapping),
+                         (static.meta.block_tables, step.meta.block_tables)]:
+            dst.copy_(src)
+        graph.replay()
+        want, want_kc, want_vc = run(backend, step)
+        torch.testing.assert_close(out, want, atol=0, rtol=0)
+        torch.testing.assert_close(kc, want_kc, atol=0, rtol=0, equal_nan=True)
+        torch.testing.assert_close(vc, want_vc, atol=0, rtol=0, equal_nan=True)
+        assert torch.equal(out[6:], torch.zeros_like(out[6:]))

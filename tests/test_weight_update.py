@@ -1,0 +1,421 @@
+"""Weight updates over gloo on the CPU: a sender holding HF-named weights syncs into a receiver Worker.
+
+After a sync the receiver's parameters must equal what the loader makes of the same weights; bad
+manifests are refused before a byte changes; a flipped byte fails the audit naming tensor and rank;
+a dead sender leaves the worker alive with its model torn, and a new init + sync recovers it.
+In-process tests run the sender on a thread (it never touches torch.distributed's global state);
+the TP=2 and dead-sender tests use real processes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import save_file
+
+from checksum import ChecksumMismatch, digest_tensors
+from inference.config import EngineConfig, ModelConfig
+from inference.core import InvalidRequestError, StateError
+from inference.loader import iter_hf_tensors, load_weights
+from inference.models import build_model
+from inference.parallel import TPInfo
+from inference.tiny import make_tiny_model
+from inference.transfer.groups import TransferError
+from inference.transfer.sender import WeightSender
+from inference.weight_update import UpdateResult
+from inference.worker import Worker
+
+DIMS = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96)
+BUCKET = 16 << 10  # the 128 KiB embedding spans 8 buckets
+RANK = "dp0:pp0:tp0"
+Q1 = "model.layers.1.self_attn.q_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("wu")
+    return {"target": make_tiny_model(root / "target", "qwen2", **DIMS),  # tied, qkv bias
+            "draft": make_tiny_model(root / "draft", "llama", seed=1, **DIMS)}  # untied
+
+
+def perturbed(model_dir: Path, seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors plus seeded noise: what a trainer holds after an optimizer step."""
+    gen = torch.Generator().manual_seed(seed)
+    return {n: (t + 0.01 * torch.randn(t.shape, generator=gen)).to(dtype) for n, t in iter_hf_tensors(model_dir)}
+
+
+def loader_digests(model_dir: Path, state: dict[str, torch.Tensor], out: Path, tp: TPInfo | None = None,
+                   rank: str = RANK) -> dict[str, str]:
+    """What the loader makes of `state` (saved as a checkpoint), as compute_weight_checksums keys."""
+    if not out.exists():
+        shutil.copytree(model_dir, out)
+        save_file({n: t.contiguous() for n, t in state.items()}, str(out / "model.safetensors"))
+    model = build_model(ModelConfig.from_dir(out), tp or TPInfo(), torch.float32, "cpu")
+    load_weights(model, out)
+    return {f"{rank}:{r.name}": r.digest for r in digest_tensors(list(model.named_parameters()))}
+
+
+def make_worker(dirs: dict[str, Path], draft: bool = True) -> Worker:
+    worker = Worker(EngineConfig(model=str(dirs["target"]), draft_model=str(dirs["draft"]) if draft else None,
+                                 device="cpu", dtype="float32"))
+    worker.init_device()
+    worker.load_model()
+    return worker
+
+
+class Link:
+    """A sender on this process, connected to `worker` (the sender's calls run on a thread)."""
+
+    def __init__(self, worker: Worker, bucket_bytes: int = BUCKET, timeout_s: float = 20.0) -> None:
+        self.worker = worker
+        self.sender = WeightSender("gloo", bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+        info = self.sender.init_info()
+        with ThreadPoolExecutor(1) as pool:
+            connecting = pool.submit(self.sender.connect)
+            worker.init_weight_transfer_engine(info)
+            connecting.result(timeout=30)
+
+    def sync(self, state: dict[str, torch.Tensor], version: int, which: str = "target",
+             allow_cast: bool = False, sent: dict[str, torch.Tensor] | None = None) -> UpdateResult:
+        manifest = self.sender.manifest(state, version)
+        start = self.worker.start_weight_update if which == "target" else self.worker.start_draft_weight_update
+        start(version, manifest, allow_cast=allow_cast)
+        digests = self.transfer(sent if sent is not None else state)
+        return self.worker.finish_weight_update(digests)
+
+    def transfer(self, state: dict[str, torch.Tensor]) -> Any:
+        """send() beside update_weights(); the receiver's error wins, then the sender's."""
+        with ThreadPoolExecutor(1) as pool:
+            sending = pool.submit(self.sender.send, state)
+            try:
+                self.worker.update_weights()
+            finally:
+                sender_error = sending.exception(timeout=60)
+        if sender_error is not None:
+            raise sender_error
+        return sending.result()
+
+
+def held(worker: Worker, which: str = "target") -> dict[str, str]:
+    return worker.compute_weight_checksums(which)
+
+
+def test_sync_makes_the_target_what_the_loader_makes_and_leaves_the_draft(dirs: dict[str, Path],
+                                                                         tmp_path: Path) -> None:
+    worker = make_worker(dirs)
+    draft_before = held(worker, "draft")
+    link = Link(worker)
+    for version, seed in ((1, 10), (2, 11)):  # the second sync reuses the group and the buffers
+        state = perturbed(dirs["target"], seed)
+        result = link.sync(state, version)
+        assert result.report.ok and result.version == version and result.rank == RANK
+        assert held(worker) == loader_digests(dirs["target"], state, tmp_path / f"ref{version}")
+        assert {f"{RANK}:{r.name}": r.digest for r in result.held.records} == held(worker)
+        assert [r.name for r in result.received.records] == sorted(state)
+    assert worker.weight_versions == {"target": 2, "draft": 0}
+    assert worker.is_servable("target") and worker.is_servable("draft")
+    assert held(worker, "draft") == draft_before
+
+
+def test_draft_only_update_leaves_the_target_untouched(dirs: dict[str, Path], tmp_path: Path) -> None:
+    worker = make_worker(dirs)
+    target_before = held(worker)
+    assert worker.supports_draft_weight_updates()
+    state = perturbed(dirs["draft"], 20)
+    Link(worker).sync(state, 7, which="draft")
+    assert held(worker, "draft") == loader_digests(dirs["draft"], state, tmp_path / "ref")
+    assert held(worker) == target_before
+    assert worker.weight_versions == {"target": 0, "draft": 7}
+
+
+def test_draft_update_without_a_draft_model_is_refused(dirs: dict[str, Path]) -> None:
+    worker = make_worker(dirs, draft=False)
+    link = Link(worker)
+    assert not worker.supports_draft_weight_updates()
+    with pytest.raises(InvalidRequestError, match=f"rank {RANK}: no draft model"):
+        worker.start_draft_weight_update(1, link.sender.manifest(perturbed(dirs["draft"], 1), 1))
+
+
+def _unknown(m: list[dict]) -> str:
+    m.append({"name": "model.layers.0.mlp.extra.weight", "dtype": "float32", "shape": [4]})
+    return m[-1]["name"]
+
+
+def _shape(m: list[dict]) -> str:
+    t = next(t for t in m if t["name"] == Q1)
+    t["shape"] = [t["shape"][0] + 1, t["shape"][1]]
+    return Q1
+
+
+def _dtype(m: list[dict]) -> str:
+    m[3]["dtype"] = "bfloat16"
+    return m[3]["name"]
+
+
+def _missing(m: list[dict]) -> str:
+    return m.pop(5)["name"]
+
+
+def _duplicate(m: list[dict]) -> str:
+    m.append(dict(m[2]))
+    return m[2]["name"]
+
+
+@pytest.mark.parametrize("corrupt", [_unknown, _shape, _dtype, _missing, _duplicate])
+def test_bad_manifest_is_refused_before_anything_changes(dirs: dict[str, Path], corrupt: Any) -> None:
+    worker = make_worker(dirs)
+    link = Link(worker)
+    before = held(worker)
+    state = perturbed(dirs["target"], 30)
+    tensors = link.sender.manifest(state, 1)["tensors"]
+    name = corrupt(tensors)
+    with pytest.raises(InvalidRequestError) as err:
+        worker.start_weight_update(1, {"version": 1, "tensors": tensors})
+    assert err.value.field == name and f"rank {RANK}" in str(err.value)
+    assert held(worker) == before
+    assert worker.is_servable("target") and not worker.torn["target"]
+    assert link.sync(state, 1).report.ok  # no session was left open; the group still works
+
+
+def test_cast_only_when_allowed(dirs: dict[str, Path], tmp_path: Path) -> None:
+    worker = make_worker(dirs)
+    link = Link(worker)
+    state = perturbed(dirs["target"], 40, torch.float16)
+    with pytest.raises(InvalidRequestError, match="allow_cast"):
+        worker.start_weight_update(1, link.sender.manifest(state, 1))
+    result = link.sync(state, 1, allow_cast=True)
+    assert result.report.ok and {r.dtype for r in result.received.records} == {"float16"}
+    assert held(worker) == loader_digests(dirs["target"], state, tmp_path / "ref")
+
+
+def test_tied_lm_head_is_accepted_skipped_and_must_equal_the_embedding(dirs: dict[str, Path]) -> None:
+    worker = make_worker(dirs)
+    link = Link(worker)
+    state = perturbed(dirs["target"], 50)
+    embed = state["model.embed_tokens.weight"]
+    assert link.sync({**state, "lm_head.weight": embed.clone()}, 1).report.ok
+    liar = {**state, "lm_head.weight": embed + 1.0}
+    with pytest.raises(ChecksumMismatch, match=f"'lm_head.weight' on rank {RANK}"):
+        link.sync(liar, 2)
+    params = dict(worker.models["target"].named_parameters())
+    assert torch.equal(params["model.embed_tokens.weight"], embed), "lm_head overwrote the embedding"
+    assert worker.torn["target"] and worker.weight_versions["target"] == 1
+
+
+@pytest.mark.parametrize("name", [Q1, "model.embed_tokens.weight"])  # fused; split over buckets
+def test_flipped_byte_fails_the_audit_naming_tensor_and_rank(dirs: dict[str, Path], name: str) -> None:
+    worker = make_worker(dirs)
+    link = Link(worker)
+    worker.weight_transfer_fault = ("flip", name)
+    with pytest.raises(ChecksumMismatch) as err:
+        link.sync(perturbed(dirs["target"], 60), 1)
+    first = err.value.report.first_tensor
+    assert (first.kind, first.tensor, first.rank) == ("digest", name, RANK)
+    assert name in str(err.value) and RANK in str(err.value)
+    assert worker.torn["target"] and not worker.is_servable("target") and worker.weight_versions["target"] == 0
+    worker.weight_transfer_fault = None
+    assert link.sync(perturbed(dirs["target"], 61), 2).report.ok
+    assert worker.is_servable("target") and worker.weight_versions["target"] == 2
+
+
+def test_session_state_rules(dirs: dict[str, Path]) -> None:
+    worker = make_worker(dirs)
+    state = perturbed(dirs["target"], 70)
+    with pytest.raises(StateError, match="init_weight_transfer_engine"):
+        worker.start_weight_update(1, [])
+    link = Link(worker)
+    manifest = link.sender.manifest(state, 1)
+    with pytest.raises(StateError, match="without a matching start"):
+        worker.update_weights()
+    with pytest.raises(StateError, match="without a matching start"):
+        worker.finish_weight_update([])
+    worker.start_weight_update(1, manifest)
+    with pytest.raises(StateError, match="is open"):
+        worker.start_draft_weight_update(1, manifest)
+    with pytest.raises(StateError, match="session is open"):
+        worker.reset_weights()
+    assert not worker.is_servable("target") and worker.is_servable("draft")
+    digests = link.transfer(state)  # the first session is intact and completes
+    with pytest.raises(StateError, match="twice"):
+        worker.update_weights()
+    assert worker.torn["target"], "a session that failed after writing leaves the model torn"
+    with pytest.raises(StateError, match="without a matching start"):
+        worker.finish_weight_update(digests)
+    worker.start_weight_update(2, link.sender.manifest(state, 2))
+    with pytest.raises(StateError, match="before update_weights"):
+        worker.finish_weight_update(digests)
+    assert link.sync(state, 3).report.ok and worker.is_servable("target")
+
+
+def test_disagreeing_ends_stop_before_writing_and_the_group_survives(dirs: dict[str, Path]) -> None:
+    worker = make_worker(dirs)
+    link = Link(worker)
+    state = perturbed(dirs["target"], 80)
+    before = held(worker)
+    worker.start_weight_update(5, link.sender.manifest(state, 5))
+    link.sender.manifest(state, 6)  # the trainer moved on to another version
+    with pytest.raises(TransferError, match="plan"):
+        link.transfer(state)
+    link.sender.manifest(state, 6)
+    worker.start_weight_update(6, link.sender.manifest(state, 6))
+    with pytest.raises((TransferError, InvalidRequestError)):  # send() got other tensors than announced
+        link.transfer({n: t.double() for n, t in state.items()})
+    assert held(worker) == before and not worker.torn["target"]
+    assert link.sync(state, 6).report.ok
+
+
+def test_reset_weights_then_sync(dirs: dict[str, Path]) -> None:
+    worker = make_worker(dirs)
+    link = Link(worker)
+    worker.reset_weights("target")
+    assert not worker.is_servable("target") and not worker.weights_loaded["target"]
+    assert all(p.count_nonzero() == 0 for p in worker.models["target"].parameters())
+    link.sync(perturbed(dirs["target"], 90), 1)
+    assert worker.is_servable("target") and worker.weights_loaded["target"]
+
+
+def test_sender_imports_no_engine_module() -> None:
+    code = ("import sys, inference.transfer.sender\n"
+            "bad = [m for m in sys.modules if m.split('.')[:2] in (['inference', 'models'], ['inference', 'llm'],"
+            " ['inference', 'worker'], ['inference', 'loader'], ['inference', 'naming'], ['inference', 'runner'])]\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
+
+
+# ---- real processes ------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dying_sender(out: Any, model_dir: str, how: str) -> None:
+    """Connects, sends two buckets of a sync, then dies (exit) or hangs (stall) like a broken trainer."""
+    sender = WeightSender("gloo", bucket_bytes=BUCKET, timeout_s=3.0)
+    out.put(sender.init_info())
+    sender.connect()
+    state = perturbed(Path(model_dir), 100)
+    out.put(sender.manifest(state, 1))
+    group = sender._group
+    real, calls = group.broadcast, [0]
+
+    def broadcast(t: torch.Tensor) -> Any:
+        calls[0] += 1
+        if calls[0] == 3:
+            if how == "stall":
+                time.sleep(120)  # alive but silent: only the receiver's timeout can end its wait
+            os._exit(17)
+        return real(t)
+
+    group.broadcast = broadcast
+    sender.send(state)
+
+
+@pytest.mark.parametrize("how", ["exit", "stall"])
+def test_dead_sender_tears_the_model_and_a_new_init_recovers(dirs: dict[str, Path], tmp_path: Path,
+                                                             how: str) -> None:
+    worker = make_worker(dirs)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_dying_sender, args=(out, str(dirs["target"]), how))
+    proc.start()
+    try:
+        worker.init_weight_transfer_engine(out.get(timeout=60))
+        worker.start_weight_update(1, out.get(timeout=60))
+        with pytest.raises(TransferError, match=rf"bucket \d+ of \d+ failed on rank {RANK}"):
+            worker.update_weights()
+    finally:
+        if how == "stall":
+            proc.kill()
+        proc.join(timeout=30)
+    assert proc.exitcode == (17 if how == "exit" else -9)
+    worker.check_health()  # alive
+    assert worker.torn["target"] and not worker.is_servable("target")
+    assert "failed" in worker.weight_state("target")["torn_reason"]
+    with pytest.raises(StateError, match="broken"):
+        worker.start_weight_update(1, [])
+    state = perturbed(dirs["target"], 101)
+    assert Link(worker).sync(state, 1).report.ok
+    assert worker.is_servable("target")
+    assert held(worker) == loader_digests(dirs["target"], state, tmp_path / "ref")
+
+
+def _tp_receiver(rank: int, port: int, info: dict, model_dir: str, inbox: Any, out: Any) -> None:
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=timedelta(seconds=60))
+        tp = TPInfo(rank=rank, size=2, group=dist.new_group([0, 1]))
+        worker = Worker(EngineConfig(model=model_dir, device="cpu", dtype="float32", tp_size=2), tp=tp)
+        worker.init_device()
+        worker.load_model()
+        worker.init_weight_transfer_engine(info)
+        for version, fault in ((1, None), (2, ("flip", Q1) if rank == 1 else None)):
+            worker.weight_transfer_fault = fault
+            worker.start_weight_update(version, inbox.get(timeout=60))
+            worker.update_weights()
+            try:
+                result = worker.finish_weight_update(inbox.get(timeout=60))
+                out.put((rank, version, "ok", result.report.ok, worker.compute_weight_checksums()))
+            except ChecksumMismatch as e:
+                out.put((rank, version, "mismatch", str(e), e.report.first_tensor.tensor))
+    except Exception:
+        out.put((rank, 0, "error", traceback.format_exc(), None))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_tp2_receivers_each_hold_their_shard_and_a_flip_names_its_rank(dirs: dict[str, Path],
+                                                                       tmp_path: Path) -> None:
+    sender = WeightSender("gloo", num_receivers=2, bucket_bytes=BUCKET, timeout_s=60)
+    info = sender.init_info()
+    ctx = mp.get_context("spawn")
+    inboxes, out = [ctx.Queue(), ctx.Queue()], ctx.Queue()
+    port = _free_port()  # for the receivers' own TP group
+    procs = [ctx.Process(target=_tp_receiver, args=(r, port, info, str(dirs["target"]), inboxes[r], out))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        sender.connect()
+        results = {}
+        for version, seed in ((1, 110), (2, 111)):
+            state = perturbed(dirs["target"], seed)
+            for inbox in inboxes:
+                inbox.put(sender.manifest(state, version))
+            digests = sender.send(state)
+            for inbox in inboxes:
+                inbox.put(digests)
+            for _ in range(2):
+                rank, v, kind, *rest = out.get(timeout=60)
+                assert kind != "error", rest[0]
+                results[rank, v] = (kind, *rest)
+            if version == 1:
+                v1_state = state
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+        sender.close()
+    for r in range(2):
+        kind, ok, digests = results[r, 1]
+        assert kind == "ok" and ok
+        ref = loader_digests(dirs["target"], v1_state, tmp_path / "ref", TPInfo(r, 2, group=object()),
+                             rank=f"dp0:pp0:tp{r}")
+        assert digests == ref, f"rank {r} holds other bytes than the loader's shard"
+    assert results[0, 2][0] == "ok"
+    kind, message, tensor = results[1, 2]
+    assert kind == "mismatch" and tensor == Q1 and "dp0:pp0:tp1" in message
