@@ -348,7 +348,7 @@ class _Run:
                 self.copier_cv.wait()
             buf = self.free.pop()  # most recently freed: likeliest still in cache and TLB
             start = segment.issued
-            size = min(self.chunk_bytes, segment.end - start)  # never past the segment's end
+            size = min(self.chunk_bytes, segment.job.nbytes - start)
             segment.issued += size
             segment.outstanding += 1
             return segment, buf, start, size

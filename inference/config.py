@@ -157,6 +157,7 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False
     attention_backend: str = "auto"  # "reference" or a fast backend name; "auto" picks per device
+    load_format: str = "auto"  # "auto": safetensors from the model dir; "dummy": random (benchmarks)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     draft_model: str | None = None

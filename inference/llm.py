@@ -79,8 +79,7 @@ class LLM:
         self.worker.initialize_kv_cache(num_blocks)
         self.worker.warm_up()
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or config.model)
-        self.max_model_len = min(config.scheduler.max_model_len or mc.max_position_embeddings,
-                                 mc.max_position_embeddings)
+        self.max_model_len = self.worker.max_model_len
         eos = mc.eos_token_ids or (self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.eos_token_ids = tuple(eos)
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)

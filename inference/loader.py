@@ -9,7 +9,7 @@ and its parameter's weight_loader, which takes the FULL tensor and keeps this ra
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -107,15 +107,31 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
 
     Every parameter is covered exactly: each (parameter, shard_id) pair is written once.
     """
+    validate_checkpoint(model.config, hf_tensor_shapes(model_dir))
+    load_named_tensors(model, iter_hf_tensors(model_dir))
+
+
+def load_named_tensors(model: nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Fill every parameter from (HF name, full tensor) pairs already validated for this config."""
     config: ModelConfig = model.config
-    validate_checkpoint(config, hf_tensor_shapes(model_dir))
     params = dict(model.named_parameters())
     written: set[tuple[str, ShardId]] = set()
-    for hf_name, tensor in iter_hf_tensors(model_dir):
+    for hf_name, tensor in named:
         key = load_hf_tensor(params, config, hf_name, tensor)
         if key is not None:
             written.add(key)
     check_covered(params, written)
+
+
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights (normal, std 0.02; norms 1) for benchmarks that need no checkpoint."""
+    g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
 
 
 def check_covered(params: dict[str, nn.Parameter], written: set[tuple[str, ShardId]]) -> None:

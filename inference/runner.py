@@ -12,6 +12,7 @@ import torch
 
 from inference.batch import AttentionMetadata
 from inference.config import ModelConfig
+from inference.cuda_graphs import CUDAGraphRunner
 from inference.parallel import TPInfo
 from inference.sampler import SamplingBatch, sample
 from inference.scheduler import ScheduledBatch
@@ -40,6 +41,7 @@ class ModelRunner:
         self.generator.manual_seed(seed)
         self.kv_cache: torch.Tensor | None = None
         self.block_size = 0
+        self.graphs: CUDAGraphRunner | None = None  # set by capture_graphs
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -90,22 +92,52 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> list[SampleResult | None]:
         """Run one step; returns per scheduled sequence its sampled result, or None (mid-prefill)."""
         assert self.kv_cache is not None, "bind_kv_cache first"
-        inp = self.prepare(batch)
-        hidden = self.model(inp.input_ids, inp.positions, inp.meta)
-        results: list[SampleResult | None] = [None] * len(batch.seqs)
-        if not inp.sample_rows:
-            return results
-        logits = self.model.compute_logits(hidden.index_select(0, inp.last_token_index))
-        seqs = [batch.seqs[r] for r in inp.sample_rows]
+        hidden = self._graph_decode(batch) if self.graphs is not None else None
+        if hidden is not None:
+            sample_rows = list(range(len(batch.seqs)))
+        else:
+            inp = self.prepare(batch)
+            sample_rows = inp.sample_rows
+            if not sample_rows:
+                self.model(inp.input_ids, inp.positions, inp.meta)
+                return [None] * len(batch.seqs)
+            hidden = self.model(inp.input_ids, inp.positions, inp.meta).index_select(0, inp.last_token_index)
+        logits = self.model.compute_logits(hidden)
+        seqs = [batch.seqs[r] for r in sample_rows]
         sb = SamplingBatch.build([s.params for s in seqs], [s.seed for s in seqs],
                                  [s.num_generated for s in seqs], self.model_config.vocab_size, self.device)
         out = sample(logits, sb, self.generator)
-        tokens = out.token_ids.tolist()  # the step's one host sync
-        logprobs = out.logprobs.tolist()
+        # the step's one host sync: tokens and their logprobs together (float64 holds the ids exactly)
+        tokens, logprobs = torch.stack((out.token_ids.double(), out.logprobs.double())).tolist()
         tops = _top_dicts(out.top_ids, out.top_logprobs, [s.params.logprobs for s in seqs])
-        for i, row in enumerate(inp.sample_rows):
-            results[row] = (tokens[i], logprobs[i], tops[i])
+        results: list[SampleResult | None] = [None] * len(batch.seqs)
+        for i, row in enumerate(sample_rows):
+            results[row] = (int(tokens[i]), logprobs[i], tops[i])
         return results
+
+    # ---- CUDA graphs ----------------------------------------------------------------------
+    def capture_graphs(self, max_batch: int, max_model_len: int) -> None:
+        max_blocks = -(-max_model_len // self.block_size)
+        self.graphs = CUDAGraphRunner(self.model, max_batch, max_blocks, self.block_size, self.device)
+        self.graphs.capture()
+
+    def _graph_decode(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        """Hidden states of a decode-only step replayed from a graph, or None when no graph fits."""
+        assert self.graphs is not None
+        seqs = batch.seqs
+        if any(n != 1 for n in batch.num_new_tokens) or any(s.num_computed_tokens + 1 != s.num_tokens for s in seqs):
+            return None
+        width = max(len(s.block_table) for s in seqs)
+        if not self.graphs.can_use(len(seqs), width):
+            return None
+        bs = self.block_size
+        pos = [s.num_computed_tokens for s in seqs]
+        rows = torch.tensor([[s.token_ids[-1] for s in seqs], pos,
+                             [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos)],
+                             [p + 1 for p in pos]], dtype=torch.int64).to(self.device, non_blocking=True)
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
+                              dtype=torch.int32).to(self.device, non_blocking=True)
+        return self.graphs.replay(rows[0], rows[1], rows[2], rows[3].to(torch.int32), tables)
 
 
 def _top_dicts(ids: torch.Tensor | None, lps: torch.Tensor | None, wanted: list[int]) -> list:

@@ -27,11 +27,12 @@ def position_seed(seed: int, position: int) -> int:
 class SamplingBatch:
     """Per-row sampling settings of one step, built by the runner. Host flags skip unused work."""
 
-    temperatures: torch.Tensor  # [B] float32; 0 marks a greedy row
-    top_ks: torch.Tensor  # [B] int64; vocab size where disabled
-    top_ps: torch.Tensor  # [B] float32
-    min_ps: torch.Tensor  # [B] float32
-    processed_logprobs: torch.Tensor  # [B] bool: report logprobs of the processed distribution
+    # per-row tensors, None when every row is greedy
+    temperatures: torch.Tensor | None  # [B] float32; 0 marks a greedy row
+    top_ks: torch.Tensor | None  # [B] int64; vocab size where disabled
+    top_ps: torch.Tensor | None  # [B] float32
+    min_ps: torch.Tensor | None  # [B] float32
+    processed_logprobs: torch.Tensor | None  # [B] bool: report logprobs of the processed distribution
     row_seeds: list[int | None]  # per-row generator seed (position_seed) or None
     all_greedy: bool
     any_top_k: bool
@@ -52,8 +53,11 @@ class SamplingBatch:
         row_seeds = [None if s is None or p.greedy else position_seed(s, pos)
                      for p, s, pos in zip(params, seeds, positions)]
 
-        def t(x: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
+        all_greedy = all(x == 0.0 for x in temps)
+
+        def t(x: list, dtype: torch.dtype) -> torch.Tensor | None:
+            # an all-greedy step (the common RL-eval case) needs no per-row tensors at all
+            return None if all_greedy else torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
 
         return cls(
             temperatures=t(temps, torch.float32),
@@ -62,7 +66,7 @@ class SamplingBatch:
             min_ps=t(min_ps, torch.float32),
             processed_logprobs=t(processed, torch.bool),
             row_seeds=row_seeds,
-            all_greedy=all(x == 0.0 for x in temps),
+            all_greedy=all_greedy,
             any_top_k=any(k < vocab_size for k in top_ks),
             any_top_p=any(p < 1.0 for p in top_ps),
             any_min_p=any(m > 0.0 for m in min_ps),

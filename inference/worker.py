@@ -7,6 +7,7 @@ their state rules follow the seed (vLLM's GPU worker).
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from pathlib import Path
 
@@ -15,7 +16,8 @@ import torch
 from checksum import digest_tensors
 from inference.config import EngineConfig, ModelConfig
 from inference.core import StateError
-from inference.loader import load_weights
+from inference.layers.attention import get_attention_backend
+from inference.loader import init_dummy_weights, load_weights
 from inference.memory import KV_TAG, MemoryManager, TransitionStats
 from inference.models import build_model
 from inference.parallel import TPInfo
@@ -46,6 +48,15 @@ def resolve_dtype(name: str, device: torch.device, model_config: ModelConfig | N
     return dtype
 
 
+def _nccl_group(tp: TPInfo) -> bool:
+    try:
+        import torch.distributed as dist
+
+        return dist.get_backend(tp.group) == "nccl"
+    except (RuntimeError, ValueError):
+        return False
+
+
 class Worker(WeightUpdateMixin):
     def __init__(self, config: EngineConfig, tp: TPInfo | None = None, dp_rank: int = 0, pp_rank: int = 0) -> None:
         self.config = config
@@ -62,6 +73,8 @@ class Worker(WeightUpdateMixin):
         self.model_configs: dict[str, ModelConfig] = {}
         self._init_weight_update_state()  # weight-update sessions: inference/weight_update.py
         self.memory: MemoryManager | None = None
+        self.max_model_len = 0
+        self.attention_backend = "reference"
 
     # ---- lifecycle ------------------------------------------------------------------------
     def init_device(self) -> None:
@@ -76,6 +89,10 @@ class Worker(WeightUpdateMixin):
         assert self.device is not None, "init_device first"
         self.model_config = ModelConfig.from_dir(self.config.model)
         self.dtype = resolve_dtype(self.config.dtype, self.device, self.model_config)
+        mc = self.model_config
+        self.max_model_len = min(self.config.scheduler.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)
+        self.attention_backend = self._pick_attention_backend()
         self.memory = MemoryManager(self.device)
         model = self._load("target", self.config.model)
         if self.config.draft_model:
@@ -83,15 +100,25 @@ class Worker(WeightUpdateMixin):
         self.runner = ModelRunner(model, self.model_config, self.tp, self.device, self.dtype, self.config.seed)
         log.info("rank %s loaded %s (%s, %s)", self.rank_key, self.config.model, self.dtype, self.device)
 
+    def _pick_attention_backend(self) -> str:
+        name = self.config.attention_backend
+        if name != "auto":
+            return name
+        assert self.device is not None
+        return "triton" if self.device.type == "cuda" and importlib.util.find_spec("triton") else "reference"
+
     def _load(self, which: str, model_dir: str) -> torch.nn.Module:
         assert self.dtype is not None and self.device is not None
         config = ModelConfig.from_dir(model_dir)
-        model = build_model(config, self.tp, self.dtype, self.device)
+        model = build_model(config, self.tp, self.dtype, self.device, get_attention_backend(self.attention_backend))
         # Parameters become views into a tagged arena first, so the loader writes straight into it.
         assert self.memory is not None
         tag = ARENA_OF[which]
         self.memory.adopt_module(tag, model)
-        load_weights(model, Path(model_dir))
+        if self.config.load_format == "dummy":
+            init_dummy_weights(model, self.config.seed)
+        else:
+            load_weights(model, Path(model_dir))
         self.memory.mark_loaded(tag)
         self.models[which] = model
         self.model_configs[which] = config
@@ -161,7 +188,14 @@ class Worker(WeightUpdateMixin):
         self.num_blocks = num_blocks
 
     def warm_up(self) -> None:
-        """CUDA graphs are captured here (engine-speed issue); the eager path needs nothing."""
+        """Capture the decode CUDA graphs (unless enforce_eager, on CPU, or with an attention backend
+        that reads host values). The eager path needs nothing."""
+        assert self.runner is not None and self.device is not None
+        if self.config.enforce_eager or self.device.type != "cuda" or self.attention_backend == "reference":
+            return
+        if self.tp.size > 1 and self.device.type == "cuda" and not _nccl_group(self.tp):
+            return  # a graph can only hold NCCL collectives
+        self.runner.capture_graphs(min(self.config.scheduler.max_num_seqs, 512), self.max_model_len)
 
     def execute_model(self, batch: ScheduledBatch) -> list[SampleResult | None]:
         assert self.runner is not None and self.memory is not None, "load_model first"

@@ -1,10 +1,15 @@
 """Benchmark sleep and wake of the memory arenas against the pinned-copy ceiling and torch_memory_saver.
 
-Prints one JSON line per sleep level. Level 1 (weights mirrored to pinned host memory) is compared with
-bytes / pinned copy bandwidth measured in the same run and with torch_memory_saver's pause/resume with
-CPU backup; level 2 (weights dropped) with the 20 ms target and torch_memory_saver without backup.
+Prints one JSON line per (scope, level). Scope "weights" releases the weights arena alone, exactly the
+bytes torch_memory_saver is given, and is the headline comparison: level 1 against the pinned copy
+ceiling and the peer with CPU backup, level 2 against the 20 ms target and the peer without backup
+("accepted" holds both). Scope "worker" adds the KV arena (weights + KV, what a worker releases) and
+is reported on its own, without peer ratios. `*_s` figures are wall-clock medians of the whole call;
+`*_core_s` exclude the cudaMemGetInfo queries the stats make. --verbose adds each transition's driver
+calls (count and seconds) and the cost of the host-side calls around them.
 
     python scripts/bench_sleep.py                        # Qwen2.5-7B bf16 shape (15.2 GB) on cuda
+    python scripts/bench_sleep.py --alloc-mib 1024       # 1 GiB physical allocations instead of one
     python scripts/bench_sleep.py --device cpu --gb 0.01 # smoke test
 """
 
@@ -18,13 +23,14 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from inference.memory import Arena, MemoryManager, round_up
+from inference.memory import KV_TAG, Arena, MemoryManager, round_up
 
 # Qwen2.5-7B: untied embeddings, qkv biases.
 QWEN25_7B = {"hidden": 3584, "intermediate": 18944, "layers": 28, "heads": 28, "kv_heads": 4, "vocab": 152064}
@@ -81,52 +87,124 @@ def copy_bandwidth(arena: Arena, sample_bytes: int) -> tuple[float, float]:
 
 
 def build(args: argparse.Namespace, device: torch.device) -> tuple[MemoryManager, float]:
-    """A manager with a filled weights arena of the model shape and an empty KV arena; returns it
-    with the seconds spent allocating the pinned host mirror up front."""
-    shapes = qwen_shapes(args.gb)
+    """A manager holding one filled weights arena of the model shape; returns it with the seconds
+    spent allocating the pinned host mirror up front."""
     nbytes = 0
-    for s in shapes:
+    for s in qwen_shapes(args.gb):
         nbytes = round_up(nbytes, 256) + 2 * math.prod(s)
-    mgr = MemoryManager(device, chunk_bytes=args.chunk_mib << 20)
+    alloc_bytes = (args.alloc_mib << 20) if args.alloc_mib > 0 else None
+    mgr = MemoryManager(device, chunk_bytes=args.chunk_mib << 20, alloc_bytes=alloc_bytes)
     weights = mgr.create_arena("weights", nbytes)
-    for s in shapes:
+    for s in qwen_shapes(args.gb):
         weights.alloc(s, torch.bfloat16).normal_()
     mgr.mark_loaded("weights")
-    kv_gb = args.kv_gb if args.kv_gb is not None else (2.0 if args.gb is None else args.gb / 8)
-    mgr.create_arena("kv_cache", max(1, int(kv_gb * 1e9))).base.zero_()
     t0 = time.perf_counter()
     mgr.prepare_host_mirrors()
     return mgr, time.perf_counter() - t0
 
 
-def run_level(mgr: MemoryManager, level: int, repeats: int) -> dict:
-    """Sleep/wake cycles at `level`; wall seconds of each call, device bytes freed by each sleep."""
+def add_kv(mgr: MemoryManager, args: argparse.Namespace) -> None:
+    kv_gb = args.kv_gb if args.kv_gb is not None else (2.0 if args.gb is None else args.gb / 8)
+    mgr.create_arena(KV_TAG, max(1, int(kv_gb * 1e9))).base.zero_()
+
+
+# ---- our transitions ------------------------------------------------------------------------
+def start_traces(mgr: MemoryManager) -> list[list[tuple[str, float]]]:
+    """Give every CUDA arena's VMM range a fresh driver-call trace; returns the lists."""
+    traces = []
+    for tag in mgr.tags:
+        vmm = getattr(mgr.arena(tag), "vmm", None)
+        if vmm is not None:
+            vmm.trace = []
+            traces.append(vmm.trace)
+    return traces
+
+
+def summarise(traces: list[list[tuple[str, float]]]) -> dict[str, tuple[int, float]]:
+    out: dict[str, tuple[int, float]] = {}
+    for trace in traces:
+        for name, seconds in trace:
+            count, total = out.get(name, (0, 0.0))
+            out[name] = (count + 1, total + seconds)
+    return out
+
+
+def timed(mgr: MemoryManager, op: Callable[[], object], verbose: bool) -> tuple[float, object, dict]:
+    """Wall seconds of `op()`, its result and (verbose) its driver calls by name."""
+    traces = start_traces(mgr) if verbose else []
+    t0 = time.perf_counter()
+    result = op()
+    wall = time.perf_counter() - t0
+    calls = summarise(traces)
+    for tag in mgr.tags:  # tracing stays off outside the measured call
+        if hasattr(mgr.arena(tag), "vmm"):
+            mgr.arena(tag).vmm.trace = None
+    return wall, result, calls
+
+
+def run_level(mgr: MemoryManager, level: int, repeats: int, verbose: bool) -> dict:
+    """Sleep/wake cycles at `level`: wall and in-call seconds, device bytes freed by each sleep."""
     weights = mgr.arena("weights")
     digest = fingerprint(weights)
-    sleeps, wakes, freed, verified = [], [], [], True
+    res: dict = {k: [] for k in ("sleep_s", "wake_s", "sleep_core_s", "wake_core_s", "freed")}
+    calls: dict[str, list[dict]] = {"sleep": [], "wake": []}
+    verified = True
     for _ in range(repeats):
         sync(mgr.device)
-        t0 = time.perf_counter()
-        stats = mgr.sleep(level)
-        sleeps.append(time.perf_counter() - t0)
-        freed.append(stats.freed_bytes)
-        t0 = time.perf_counter()
-        mgr.wake_up()
-        wakes.append(time.perf_counter() - t0)
+        wall, stats, sleep_calls = timed(mgr, lambda: mgr.sleep(level), verbose)
+        res["sleep_s"].append(wall)
+        res["sleep_core_s"].append(stats.seconds)  # type: ignore[attr-defined]
+        res["freed"].append(stats.freed_bytes)  # type: ignore[attr-defined]
+        wall, stats, wake_calls = timed(mgr, mgr.wake_up, verbose)
+        res["wake_s"].append(wall)
+        res["wake_core_s"].append(stats.seconds)  # type: ignore[attr-defined]
+        calls["sleep"].append(sleep_calls)
+        calls["wake"].append(wake_calls)
         if level == 1:
             verified = verified and fingerprint(weights) == digest
         mgr.mark_loaded("weights")  # stands in for the weight sync that follows a level-2 wake
-    return {
-        "sleep_s": statistics.median(sleeps),
-        "wake_s": statistics.median(wakes),
-        "sleep_s_all": sleeps,
-        "wake_s_all": wakes,
-        "freed_bytes": None if freed[0] is None else int(statistics.median(freed)),
-        "verified": verified if level == 1 else None,
+    out = {k: statistics.median(v) for k, v in res.items() if k != "freed"}
+    out |= {"sleep_s_all": res["sleep_s"], "wake_s_all": res["wake_s"]}
+    out["freed_bytes"] = None if res["freed"][0] is None else int(statistics.median(res["freed"]))
+    out["verified"] = verified if level == 1 else None
+    if verbose:
+        out["breakdown"] = {op: breakdown(per_cycle, out[f"{op}_s"]) for op, per_cycle in calls.items()}
+    return out
+
+
+def breakdown(per_cycle: list[dict[str, tuple[int, float]]], wall_s: float) -> dict:
+    """Per driver call: calls per transition and median seconds; plus what lies outside them."""
+    names = sorted({n for cycle in per_cycle for n in cycle})
+    rows = {
+        n: {"calls": per_cycle[-1].get(n, (0, 0))[0], "s": statistics.median(c.get(n, (0, 0))[1] for c in per_cycle)}
+        for n in names
     }
+    driver_s = statistics.median(sum(s for _, s in c.values()) for c in per_cycle)
+    return {"driver_calls": rows, "driver_s": driver_s, "outside_driver_s": wall_s - driver_s}
 
 
-def bench_peer(nbytes: int, device: torch.device) -> dict[bool, dict]:
+def host_costs(device: torch.device, n: int = 20) -> dict[str, float]:
+    """Median seconds of the host-side calls a transition makes around its driver calls."""
+    if device.type != "cuda":
+        return {}
+    calls = {
+        "mem_get_info_s": lambda: torch.cuda.mem_get_info(device),
+        "synchronize_idle_s": lambda: torch.cuda.synchronize(device),
+        "empty_cache_s": torch.cuda.empty_cache,
+    }
+    out = {}
+    for name, fn in calls.items():
+        samples = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+        out[name] = statistics.median(samples)
+    return out
+
+
+# ---- the peer -------------------------------------------------------------------------------
+def bench_peer(nbytes: int, device: torch.device, repeats: dict[bool, int]) -> dict[bool, dict]:
     """torch_memory_saver pausing and resuming the same bytes, with and without CPU backup."""
     if device.type != "cuda":
         return {b: {"peer_note": "skipped: torch_memory_saver needs CUDA"} for b in (True, False)}
@@ -142,100 +220,134 @@ def bench_peer(nbytes: int, device: torch.device) -> dict[bool, dict]:
         note += ", hook_mode=torch"
     except Exception as e:
         note += f", hook_mode not set ({e!r})"
-    return {backup: _peer_cycle(tms, nbytes, device, backup, note) for backup in (True, False)}
+    return {backup: _peer_cycles(tms, nbytes, device, backup, note, repeats[backup]) for backup in (True, False)}
 
 
-def _peer_cycle(tms: object, nbytes: int, device: torch.device, backup: bool, note: str) -> dict:
+def _peer_cycles(tms: object, nbytes: int, device: torch.device, backup: bool, note: str, repeats: int) -> dict:
     tag = "bench_backup" if backup else "bench_nobackup"
     try:
         with tms.region(tag=tag, enable_cpu_backup=backup):  # type: ignore[attr-defined]
             t = torch.empty(nbytes, dtype=torch.uint8, device=device)
         t.fill_(7)
-        sync(device)
-        free0 = torch.cuda.mem_get_info(device)[0]
-        t0 = time.perf_counter()
-        tms.pause(tag)  # type: ignore[attr-defined]
-        sync(device)
-        pause_s = time.perf_counter() - t0
-        freed = torch.cuda.mem_get_info(device)[0] - free0
-        t0 = time.perf_counter()
-        tms.resume(tag)  # type: ignore[attr-defined]
-        sync(device)
-        resume_s = time.perf_counter() - t0
+        pauses, resumes, freed = [], [], []
+        for _ in range(repeats):
+            sync(device)
+            free0 = torch.cuda.mem_get_info(device)[0]
+            t0 = time.perf_counter()
+            tms.pause(tag)  # type: ignore[attr-defined]
+            sync(device)
+            pauses.append(time.perf_counter() - t0)
+            freed.append(torch.cuda.mem_get_info(device)[0] - free0)
+            t0 = time.perf_counter()
+            tms.resume(tag)  # type: ignore[attr-defined]
+            sync(device)
+            resumes.append(time.perf_counter() - t0)
         kept = bool((t[:: max(1, nbytes // 4096)] == 7).all()) if backup else None
         del t
         return {
-            "peer_pause_s": pause_s,
-            "peer_resume_s": resume_s,
-            "peer_freed_bytes": freed,
+            "peer_pause_s": statistics.median(pauses),
+            "peer_resume_s": statistics.median(resumes),
+            "peer_pause_s_all": pauses,
+            "peer_resume_s_all": resumes,
+            "peer_freed_bytes": int(statistics.median(freed)),
             "peer_verified": kept,
-            "peer_note": f"{note}, cpu_backup={backup}",
+            "peer_note": f"{note}, cpu_backup={backup}, bytes={nbytes}",
         }
     except Exception as e:  # a broken peer must not hide our own figures
         return {"peer_note": f"{note}, cpu_backup={backup}: failed with {e!r}"}
 
 
-def main() -> None:
+# ---- report ---------------------------------------------------------------------------------
+def level_row(scope: str, level: int, res: dict, nbytes: int, d2h: float, h2d: float, peer: dict) -> dict:
+    """The judged figures of one (scope, level): ratios to the ceiling or target, and to the peer on
+    the weights scope, where both release the same bytes."""
+    row = {"bench": "sleep", "scope": scope, "level": level}
+    row |= {k: res[k] for k in ("sleep_s", "wake_s", "sleep_core_s", "wake_core_s", "freed_bytes")}
+    if level == 1:
+        ceil_sleep, ceil_wake = nbytes / d2h, nbytes / h2d  # only the weights are copied
+        row |= {
+            "ceiling_sleep_s": ceil_sleep,
+            "ceiling_wake_s": ceil_wake,
+            "ratio_sleep": res["sleep_s"] / ceil_sleep,
+            "ratio_wake": res["wake_s"] / ceil_wake,
+            "ratio_of": "pinned copy ceiling",
+        }
+    else:
+        row |= {
+            "target_s": LEVEL2_TARGET_S,
+            "meets_target": res["sleep_s"] <= LEVEL2_TARGET_S and res["wake_s"] <= LEVEL2_TARGET_S,
+        }
+    if scope != "weights":
+        return row | {"peer_note": "compared with the peer on the weights scope only"}
+    row |= peer
+    if "peer_pause_s" in row:
+        row["ratio_vs_peer_sleep"] = res["sleep_s"] / row["peer_pause_s"]
+        row["ratio_vs_peer_wake"] = res["wake_s"] / row["peer_resume_s"]
+        if level == 2:
+            row["no_slower_than_peer"] = row["ratio_vs_peer_sleep"] <= 1 and row["ratio_vs_peer_wake"] <= 1
+            row["accepted"] = row["meets_target"] and row["no_slower_than_peer"]
+    return row
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--gb", type=float, default=None, help="weights size (default: Qwen2.5-7B, 15.2 GB)")
     parser.add_argument("--kv-gb", type=float, default=None, help="KV arena size (default 2 GB, or gb/8)")
-    parser.add_argument("--chunk-mib", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--chunk-mib", type=int, default=1024, help="copy and host-mirror chunk")
+    parser.add_argument("--alloc-mib", type=int, default=0, help="physical allocation size; 0: one per arena")
+    parser.add_argument("--repeats", type=int, default=3, help="level-1 cycles (and peer-with-backup cycles)")
+    parser.add_argument("--repeats-l2", type=int, default=10, help="level-2 cycles (and peer-without-backup)")
     parser.add_argument("--bw-sample-gb", type=float, default=4.0, help="bytes copied to measure bandwidth")
     parser.add_argument("--skip-peer", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--verbose", action="store_true", help="per driver call breakdown (adds ~1 us a call)")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu {platform.machine()}"
 
     mgr, mirror_s = build(args, device)
-    nbytes, kv_bytes = mgr.arena("weights").nbytes, mgr.arena("kv_cache").nbytes
-    d2h, h2d = copy_bandwidth(mgr.arena("weights"), int(args.bw_sample_gb * 1e9))
-    levels = {level: run_level(mgr, level, args.repeats) for level in (1, 2)}
+    weights = mgr.arena("weights")
+    nbytes = weights.nbytes
+    d2h, h2d = copy_bandwidth(weights, int(args.bw_sample_gb * 1e9))
+    repeats = {1: args.repeats, 2: args.repeats_l2}
+    results = {"weights": {lv: run_level(mgr, lv, repeats[lv], args.verbose) for lv in (1, 2)}}
+    add_kv(mgr, args)
+    results["worker"] = {lv: run_level(mgr, lv, repeats[lv], args.verbose) for lv in (1, 2)}
+    arenas = {t: mgr.arena(t).nbytes for t in mgr.tags}
+    allocs = {t: len(mgr.arena(t).vmm.allocs) for t in mgr.tags if hasattr(mgr.arena(t), "vmm")}
+    span_unmap = getattr(getattr(weights, "vmm", None), "span_unmap", None)
     mgr.close()
     peer = {True: {"peer_note": "skipped"}, False: {"peer_note": "skipped"}}
     if not args.skip_peer:
-        peer = bench_peer(nbytes, device)
+        peer = bench_peer(nbytes, device, {True: args.repeats, False: args.repeats_l2})
 
-    for level, res in levels.items():
-        row = {"bench": "sleep", "level": level, "bytes": nbytes, "kv_bytes": kv_bytes}
-        row |= {k: res[k] for k in ("sleep_s", "wake_s", "freed_bytes")}
-        if level == 1:
-            ceil_sleep, ceil_wake = nbytes / d2h, nbytes / h2d
-            row |= {
-                "ceiling_s": max(ceil_sleep, ceil_wake),
-                "ceiling_sleep_s": ceil_sleep,
-                "ceiling_wake_s": ceil_wake,
-                "ratio_sleep": res["sleep_s"] / ceil_sleep,
-                "ratio_wake": res["wake_s"] / ceil_wake,
-                "ratio_of": "pinned copy ceiling",
-            }
-        else:
-            row |= {
-                "ceiling_s": None,
-                "target_s": LEVEL2_TARGET_S,
-                "ratio_sleep": res["sleep_s"] / LEVEL2_TARGET_S,
-                "ratio_wake": res["wake_s"] / LEVEL2_TARGET_S,
-                "ratio_of": "20 ms target",
-            }
-        row |= peer[level == 1]
-        if "peer_pause_s" in row:
-            row["ratio_vs_peer_sleep"] = res["sleep_s"] / row["peer_pause_s"]
-            row["ratio_vs_peer_wake"] = res["wake_s"] / row["peer_resume_s"]
-        row |= {
-            "pinned_d2h_GBps": d2h / 1e9,
-            "pinned_h2d_GBps": h2d / 1e9,
-            "mirror_prep_s": mirror_s,
-            "verified": res["verified"],
-            "repeats": args.repeats,
-            "sleep_s_all": res["sleep_s_all"],
-            "wake_s_all": res["wake_s_all"],
-            "chunk_bytes": args.chunk_mib << 20,
-            "device": name,
-        }
-        print(json.dumps(row), flush=True)
+    common = {
+        "pinned_d2h_GBps": d2h / 1e9,
+        "pinned_h2d_GBps": h2d / 1e9,
+        "mirror_prep_s": mirror_s,
+        "chunk_bytes": args.chunk_mib << 20,
+        "alloc_bytes": (args.alloc_mib << 20) or None,
+        "allocs_per_arena": allocs,
+        "span_unmap": span_unmap,
+        "device": name,
+    }
+    for scope, levels in results.items():
+        scope_arenas = {t: b for t, b in arenas.items() if scope == "worker" or t == "weights"}
+        for level, res in levels.items():
+            row = level_row(scope, level, res, nbytes, d2h, h2d, peer[level == 1])
+            row |= {"bytes": sum(scope_arenas.values()), "arenas": scope_arenas, "verified": res["verified"]}
+            row |= {"repeats": repeats[level], "sleep_s_all": res["sleep_s_all"], "wake_s_all": res["wake_s_all"]}
+            if args.verbose:
+                row["breakdown"] = res["breakdown"]
+            print(json.dumps(row | common), flush=True)
+    if args.verbose:
+        print(json.dumps({"bench": "sleep_host_costs", **host_costs(device), "device": name}), flush=True)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ COMMANDS = {
     "audit": ("sidecar.audit_cli", "compare checksum manifests (expected vs actual)"),
     "generate": ("sidecar.generate_cli", "generate with the in-process engine (default: the embedded tiny model)"),
     "make-model": ("sidecar.make_model_cli", "write a tiny random model directory (the embedded default)"),
+    "launch": ("sidecar.launch_cli", "serve a model over HTTP: rank processes, control plane, metrics"),
+    "status": ("sidecar.status_cli", "print a running sidecar's state as a table"),
 }
 
 

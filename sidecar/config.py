@@ -70,7 +70,8 @@ class LaunchConfig:
         if self.transfer is not None:
             _check_choice(self, "transfer", TRANSFERS)
         if not _number(self.gpu_memory_utilization) or not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise InvalidRequestError("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
+            raise InvalidRequestError("gpu_memory_utilization",
+                                      f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
         for name in ("startup_timeout_s", "rpc_timeout_s", "step_timeout_s"):
             value = getattr(self, name)
             if not _number(value) or value <= 0:

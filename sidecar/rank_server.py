@@ -129,6 +129,7 @@ class RankServer:
         self.conn = conn
         self.rank = rank
         self.request_ids: set[str] = set()
+        self.received: dict[str, Any] = {}  # model -> Manifest of what its last finished sync delivered
 
     # ---- the loop ---------------------------------------------------------------------------
     def serve(self) -> None:
@@ -161,6 +162,9 @@ class RankServer:
         if op == "call":
             method, args, kwargs = payload
             result = self._resolve(method)(*args, **kwargs)
+            received = getattr(result, "received", None)  # a finished sync's UpdateResult
+            if method.endswith("finish_weight_update") and received is not None:
+                self.received[result.model] = received
             return {"result": to_plain(result), "finished": self._take_finished()}
         raise InvalidRequestError("op", f"unknown rank command {op!r}")
 
@@ -246,6 +250,12 @@ class RankServer:
         version = getattr(worker, "weight_versions", {}).get(which, self.llm.weight_version)
         params = list(worker.models[which].named_parameters())
         return manifest_from_tensors(params, model=which, weight_version=version, rank=self.rank_key).to_dict()
+
+    def op_received_manifest(self, which: str = "target") -> dict[str, Any]:
+        """The received digests (full tensors, trainer names) of the last finished sync of `which`."""
+        if which not in self.received:
+            raise StateError(f"rank {self.rank_key}: no sync of the {which} model has finished on this rank")
+        return self.received[which].to_dict()
 
     def plan(self) -> dict[str, Any]:
         """This rank's device memory plan and model facts (reported once, at startup)."""

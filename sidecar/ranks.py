@@ -13,6 +13,7 @@ pool that broke that rule (a timeout, a dead rank) is `broken` for good and refu
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -29,6 +30,7 @@ from sidecar.config import LaunchConfig
 log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 10.0  # a rank told to stop gets this long before it is terminated, then killed
+BROKEN_JOIN_TIMEOUT_S = 2.0
 
 
 class RankFailure(SidecarError):
@@ -131,13 +133,17 @@ class RankPool:
         return self.plans
 
     def close(self, timeout: float = JOIN_TIMEOUT_S) -> None:
-        """Stop every rank: ask politely, join with a timeout, then terminate, then kill. Idempotent."""
+        """Stop every rank: ask politely, join with a timeout, then terminate, then kill. Idempotent.
+
+        A broken pool gets a short grace period: its live ranks may be stuck in a collective with
+        the dead one and would only time out.
+        """
+        if self.broken is not None:
+            timeout = min(timeout, BROKEN_JOIN_TIMEOUT_S)
         for conn, proc in zip(self._conns, self._procs):
-            if proc.is_alive() and self.broken is None:
-                try:
+            if proc.is_alive():
+                with contextlib.suppress(OSError):  # it died meanwhile; reaped below
                     conn.send(("stop", None))
-                except OSError:
-                    pass  # it died meanwhile; reaped below
         deadline = time.monotonic() + timeout
         for proc in self._procs:
             proc.join(max(0.0, deadline - time.monotonic()))

@@ -14,7 +14,6 @@ from typing import Any
 from fastapi import APIRouter
 
 from sidecar.api_models import (
-    AuditRequest,
     SleepRequest,
     WakeRequest,
     WeightsFinishRequest,

@@ -123,8 +123,12 @@ def mixed_tensors(device: str = "cpu") -> dict[str, torch.Tensor]:
         "empty": torch.empty(0, dtype=torch.float16),
         "mask": random_tensor((333,), torch.bool, 3),
         "fp8": random_tensor((40, 9), torch.float8_e4m3fn, 4),
-        "strided": random_tensor((30, 30), torch.float32, 5),
+        "strided": random_tensor((60, 30), torch.float32, 5),  # 1200 bytes once strided
         "medium": random_tensor((100, 7), torch.int32, 6),
+        # Just below, at and just above SMALL_SEGMENT bytes (tests that shrink the segment).
+        "below": random_tensor((SMALL_SEGMENT - 1,), torch.uint8, 12),
+        "at": random_tensor((SMALL_SEGMENT // 4,), torch.float32, 13),
+        "above": random_tensor((SMALL_SEGMENT + 1,), torch.int8, 14),
     }
     tensors = {n: t.to(device) for n, t in tensors.items()}
     tensors["strided"] = tensors["strided"][::2, 1::3]
@@ -133,18 +137,68 @@ def mixed_tensors(device: str = "cpu") -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("staging", ["device", "always"])
 @pytest.mark.parametrize("threads", [1, 3])
-@pytest.mark.parametrize("chunk_bytes", [1, 100, 4096, 1 << 20])
+@pytest.mark.parametrize("chunk_bytes", [1, 100, 300, SMALL_SEGMENT, 4096])  # 300 does not divide a segment
 def test_digests_do_not_depend_on_threads_chunks_or_staging(
-    staging: str, threads: int, chunk_bytes: int
+    staging: str, threads: int, chunk_bytes: int, small_segments: int
 ) -> None:
     tensors = mixed_tensors()
-    expected = [TensorRecord(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), xxh(storage_bytes(t)))
-                for n, t in tensors.items()]
+    assert tensors["big"].nbytes > 6 * small_segments and tensors["strided"].nbytes > small_segments
+    expected = [TensorRecord(n, str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                             xxh(storage_bytes(t), small_segments)) for n, t in tensors.items()]
     digester = Digester(threads, chunk_bytes=chunk_bytes, staging=staging,  # type: ignore[arg-type]
                         num_buffers=2 if chunk_bytes == 1 else None, max_queued_copies=2)
     assert digester.digest(tensors) == expected
     assert digester.digest(list(tensors.items())) == expected  # reused buffers, same answer
     digester.close()
+
+
+def test_segments_are_hashed_in_order_and_each_byte_counts(small_segments: int) -> None:
+    a = random_tensor((small_segments,), torch.uint8, 20)
+    b = random_tensor((small_segments,), torch.uint8, 21)
+    tail = random_tensor((7,), torch.uint8, 22)
+    ab, ba = digest_tensor(torch.cat([a, b, tail])), digest_tensor(torch.cat([b, a, tail]))
+    assert ab == xxh(a.numpy().tobytes() + b.numpy().tobytes() + tail.numpy().tobytes(), small_segments)
+    assert ab != ba
+    for position in (0, small_segments + 3, 2 * small_segments + 6):  # first, middle, last segment
+        flipped = torch.cat([a, b, tail])
+        flipped[position] ^= 0x10
+        assert digest_tensor(flipped) != ab, position
+
+
+# -- the real 64 MiB segment, on CPU (shrinking it in the tests above could hide a wrong constant) --
+
+
+@pytest.fixture(scope="module")
+def random_bytes() -> torch.Tensor:
+    """Two segments and three bytes of random uint8; tests take prefixes (contiguous views)."""
+    return torch.randint(0, 256, (2 * SEGMENT + 3,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+
+
+@pytest.mark.parametrize("nbytes", [SEGMENT - 1, SEGMENT, SEGMENT + 1, 65 * MIB, 2 * SEGMENT + 3],
+                         ids=["below", "at", "above", "65MiB", "2seg+3"])
+def test_real_segment_boundaries(random_bytes: torch.Tensor, nbytes: int) -> None:
+    t = random_bytes[:nbytes]
+    data = t.numpy().tobytes()
+    got = digest_tensor(t)
+    assert got == xxh(data)
+    # One stream up to a segment, a hash of segment hashes above: the two rules really differ there.
+    assert (got == xxhash.xxh3_128(data).hexdigest()) == (nbytes <= SEGMENT)
+    assert digest_bytes(data) == got
+
+
+@pytest.mark.parametrize(("staging", "threads", "chunk_bytes"),
+                         [("device", 1, 16 * MIB), ("device", 3, 16 * MIB), ("always", 2, 16 * MIB),
+                          ("always", 3, 24 * MIB), ("always", 2, 256 * MIB)])
+def test_real_multi_segment_tensor_same_for_any_threads_or_chunks(
+    random_bytes: torch.Tensor, staging: str, threads: int, chunk_bytes: int
+) -> None:
+    weight = random_bytes[: SEGMENT + 4 * MIB].view(torch.bfloat16).reshape(-1, 1024)  # 68 MiB
+    tensors = {"weight": weight, "transposed": weight.t(), "bias": weight[0]}
+    expected = [xxh(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()) for t in tensors.values()]
+    with Digester(threads, chunk_bytes=chunk_bytes, num_buffers=4,
+                  staging=staging) as digester:  # type: ignore[arg-type]
+        assert digester.chunk_bytes == min(chunk_bytes, SEGMENT)  # a chunk never spans two segments
+        assert [r.digest for r in digester.digest(tensors)] == expected
 
 
 def test_one_flipped_byte_changes_the_digest() -> None:
@@ -249,9 +303,9 @@ class AsyncHostStaging:
 
 
 @pytest.mark.parametrize(("threads", "chunk_bytes", "num_buffers", "max_queued"),
-                         [(1, 64, 1, 1), (3, 100, 4, 2), (4, 997, 9, 6)])
+                         [(1, 64, 1, 1), (3, 100, 4, 2), (4, 997, 9, 6), (3, SMALL_SEGMENT, 5, 3)])
 def test_pipeline_with_asynchronous_copies(threads: int, chunk_bytes: int, num_buffers: int,
-                                           max_queued: int) -> None:
+                                           max_queued: int, small_segments: int) -> None:
     tensors = [*mixed_tensors().items(), ("long", random_tensor((5000,), torch.int16, 11))]
     expected = Digester(1).digest(tensors)
     jobs = [Job(i, t, t.numel() * t.element_size(), staged=True)
@@ -310,3 +364,38 @@ def test_cuda_and_cpu_tensors_in_one_call_keep_input_order() -> None:
     gpu = cuda_mix("cuda")
     mixed = {n: t if i % 2 else cuda_mix("cpu")[n] for i, (n, t) in enumerate(gpu.items())}
     assert digest_tensors(mixed) == expected
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("chunk_bytes", [100, 300, SMALL_SEGMENT, 4096])
+def test_cuda_segments_with_any_chunk_size(chunk_bytes: int, small_segments: int) -> None:
+    """Many segments per tensor on the device: chunks are cut per segment, whatever their size."""
+    def tensors(device: str) -> dict[str, torch.Tensor]:
+        out = mixed_tensors(device)
+        out["rows"] = random_tensor((90, 70), torch.bfloat16, 15).to(device)[::2]  # strided, many segments
+        return out
+
+    cpu = tensors("cpu")
+    expected = [TensorRecord(n, str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                             xxh(storage_bytes(t), small_segments)) for n, t in cpu.items()]
+    with Digester(4, chunk_bytes=chunk_bytes, num_buffers=5) as digester:
+        assert digester.digest(tensors("cuda")) == expected
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("threads", "chunk_bytes"), [(1, 16 * MIB), (16, 16 * MIB), (8, 24 * MIB), (4, MIB)])
+def test_cuda_real_segments_equal_the_documented_rule(threads: int, chunk_bytes: int) -> None:
+    g = torch.Generator(device="cuda").manual_seed(3)
+    embedding = torch.empty(40000, 1792, dtype=torch.bfloat16, device="cuda").normal_(generator=g)  # 2+ segments
+    tensors = {
+        "embedding": embedding,
+        "below": embedding.reshape(-1)[: SEGMENT // 2 - 1],
+        "at": embedding.reshape(-1)[: SEGMENT // 2],
+        "above": embedding.reshape(-1)[1 : SEGMENT // 2 + 2],  # odd offset: not aligned to a segment
+        "transposed": embedding[:, :1000].t(),  # strided and bigger than a segment
+    }
+    assert embedding.nbytes > 2 * SEGMENT and tensors["transposed"].nbytes > SEGMENT
+    expected = [xxh(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()) for t in tensors.values()]
+    with Digester(threads, chunk_bytes=chunk_bytes) as digester:
+        for _ in range(2):
+            assert [r.digest for r in digester.digest(tensors)] == expected

@@ -221,7 +221,9 @@ def _struct(**fields: object) -> SimpleNamespace:
 
 
 class FakeDriver:
-    """Just enough of cuda.bindings.driver: physical memory is a byte budget, mappings a dict."""
+    """Just enough of cuda.bindings.driver: physical memory is a byte budget, mappings are address
+    ranges. Like the driver, cuMemSetAccess and cuMemUnmap accept a range only if it is tiled exactly
+    by whole mappings; with `span_unmap=False` an unmap must cover exactly one mapping."""
 
     CUresult = FakeResult
     CUmemAllocationType = SimpleNamespace(CU_MEM_ALLOCATION_TYPE_PINNED=1)
@@ -232,11 +234,14 @@ class FakeDriver:
     GRAN = 2 << 20
     BASE = 1 << 40
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, span_unmap: bool = True) -> None:
         self.free = capacity
+        self.span_unmap = span_unmap
         self.handles: dict[int, int] = {}  # handle -> size
-        self.mapped: dict[int, int] = {}  # address -> handle
+        self.mapped: dict[int, tuple[int, int]] = {}  # start address -> (size, handle)
+        self.accessible: set[int] = set()  # mapping starts granted read/write access
         self.reserved: dict[int, int] = {}
+        self.calls: list[str] = []  # every cu* call made, in order
         self.fail: dict[str, list] = {}  # call name -> [successes left, error to return then]
         self._next_handle = 100
 
@@ -250,6 +255,7 @@ class FakeDriver:
         impl = object.__getattribute__(self, "_" + name)
 
         def call(*args: object) -> tuple:
+            self.calls.append(name)
             if name in self.fail:
                 self.fail[name][0] -= 1
                 if self.fail[name][0] < 0:
@@ -257,6 +263,14 @@ class FakeDriver:
             return impl(*args)
 
         return call
+
+    def tiling(self, ptr: int, size: int) -> list[int] | None:
+        """Starts of the mappings that tile [ptr, ptr + size) exactly, or None."""
+        starts, at = [], ptr
+        while at < ptr + size and at in self.mapped:
+            starts.append(at)
+            at += self.mapped[at][0]
+        return starts if at == ptr + size else None
 
     def _cuInit(self, flags: int) -> tuple:
         return (FakeResult.CUDA_SUCCESS,)
@@ -289,56 +303,130 @@ class FakeDriver:
         return (FakeResult.CUDA_SUCCESS, handle)
 
     def _cuMemRelease(self, handle: int) -> tuple:
+        assert all(h != handle for _, h in self.mapped.values()), "released a handle that is still mapped"
         self.free += self.handles.pop(handle)
         return (FakeResult.CUDA_SUCCESS,)
 
     def _cuMemMap(self, ptr: int, size: int, offset: int, handle: int, flags: int) -> tuple:
-        assert ptr not in self.mapped and self.handles[handle] == size
+        assert self.handles[handle] == size and offset == 0
         assert ptr >= self.BASE and ptr + size <= self.BASE + self.reserved[self.BASE]
-        self.mapped[ptr] = handle
+        assert all(ptr + size <= s or s + n <= ptr for s, (n, _) in self.mapped.items()), "overlapping map"
+        self.mapped[ptr] = (size, handle)
         return (FakeResult.CUDA_SUCCESS,)
 
     def _cuMemSetAccess(self, ptr: int, size: int, descs: list, count: int) -> tuple:
-        assert ptr in self.mapped and descs[0].flags == 3 and count == 1
+        starts = self.tiling(ptr, size)
+        if starts is None or count != 1 or descs[0].flags != 3:
+            return (FakeResult.CUDA_ERROR_INVALID_VALUE,)
+        self.accessible.update(starts)
         return (FakeResult.CUDA_SUCCESS,)
 
     def _cuMemUnmap(self, ptr: int, size: int) -> tuple:
-        del self.mapped[ptr]
+        starts = self.tiling(ptr, size)
+        if starts is None or (len(starts) > 1 and not self.span_unmap):
+            return (FakeResult.CUDA_ERROR_INVALID_VALUE,)
+        for start in starts:
+            del self.mapped[start]
+            self.accessible.discard(start)
         return (FakeResult.CUDA_SUCCESS,)
 
 
+def fake_range(capacity: int, nbytes: int, alloc_bytes: int | None, span_unmap: bool = True) -> tuple:
+    from inference.memory_cuda import VmmRange
+
+    drv = FakeDriver(capacity, span_unmap)
+    vmm = VmmRange(nbytes, 0, alloc_bytes, driver=drv)
+    drv.calls.clear()
+    return drv, vmm
+
+
+def test_vmm_whole_arena_is_one_allocation_at_a_stable_address() -> None:
+    g = FakeDriver.GRAN
+    drv, vmm = fake_range(8 * g, 5 * g + 1, None)
+    assert vmm.nbytes == 6 * g and vmm.allocs == [(0, 6 * g)]
+    for _ in range(2):
+        vmm.map_all()
+        assert drv.calls == ["cuMemCreate", "cuMemMap", "cuMemSetAccess"]  # a level-2 wake
+        assert list(drv.mapped) == [vmm.ptr] and drv.accessible == {vmm.ptr} and drv.free == 2 * g
+        drv.calls.clear()
+        vmm.unmap_all()
+        assert drv.calls == ["cuMemUnmap", "cuMemRelease"]  # a level-2 sleep
+        assert not drv.mapped and drv.free == 8 * g
+        drv.calls.clear()
+    vmm.close()
+    assert not drv.reserved
+
+
 def test_vmm_partial_map_failure_rolls_back_and_can_retry() -> None:
-    from inference.memory_cuda import VmmError, VmmRange
+    from inference.memory_cuda import VmmError
 
     g = FakeDriver.GRAN
-    drv = FakeDriver(capacity=3 * g)
-    vmm = VmmRange(5 * g + 1, 0, chunk_bytes=2 * g, driver=drv)
-    assert vmm.nbytes == 6 * g and [s for _, s in vmm.chunks] == [2 * g] * 3
+    drv, vmm = fake_range(3 * g, 5 * g + 1, 2 * g)
+    assert vmm.nbytes == 6 * g and [s for _, s in vmm.allocs] == [2 * g] * 3
     with pytest.raises(VmmError, match="cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY") as err:
-        vmm.map_all()  # the first chunk fits, the second does not
+        vmm.map_all()  # the first allocation fits, the second does not
     assert vmm.is_out_of_memory(err.value)
-    assert drv.free == 3 * g and not drv.mapped and not drv.handles and vmm.mapped_chunks == 0
+    assert drv.free == 3 * g and not drv.mapped and not drv.handles and vmm.mapped_allocs == 0
     assert drv.reserved == {vmm.ptr: 6 * g}  # the address range is kept for the retry
     drv.free = 8 * g  # the trainer let go of its memory
+    drv.calls.clear()
     vmm.map_all()
-    assert vmm.mapped_bytes == 6 * g and sorted(drv.mapped) == [vmm.ptr + off for off, _ in vmm.chunks]
+    assert vmm.mapped_bytes == 6 * g and sorted(drv.mapped) == [vmm.ptr + off for off, _ in vmm.allocs]
+    assert drv.calls.count("cuMemSetAccess") == 1 and drv.accessible == set(drv.mapped)  # one call for all
+    drv.calls.clear()
     vmm.unmap_all()
+    assert drv.calls == ["cuMemUnmap"] + ["cuMemRelease"] * 3
     assert drv.free == 8 * g and not drv.mapped
     vmm.close()
     assert not drv.reserved
 
 
-def test_vmm_failed_driver_call_names_the_call_and_leaks_nothing() -> None:
-    from inference.memory_cuda import VmmError, VmmRange
+@pytest.mark.parametrize(("call", "successes"), [("cuMemMap", 2), ("cuMemSetAccess", 0)])
+def test_vmm_failed_driver_call_names_the_call_and_leaks_nothing(call: str, successes: int) -> None:
+    from inference.memory_cuda import VmmError
 
-    drv = FakeDriver(capacity=1 << 30)
-    vmm = VmmRange(4 * FakeDriver.GRAN, 0, chunk_bytes=FakeDriver.GRAN, driver=drv)
-    drv.fail["cuMemSetAccess"] = [2, FakeResult.CUDA_ERROR_INVALID_VALUE]  # the third chunk fails
-    with pytest.raises(VmmError, match="cuMemSetAccess failed: CUDA_ERROR_INVALID_VALUE") as err:
+    g = FakeDriver.GRAN
+    drv, vmm = fake_range(1 << 30, 4 * g, g)
+    drv.fail[call] = [successes, FakeResult.CUDA_ERROR_INVALID_VALUE]
+    with pytest.raises(VmmError, match=f"{call} failed: CUDA_ERROR_INVALID_VALUE") as err:
         vmm.map_all()
     assert not vmm.is_out_of_memory(err.value)
-    assert not drv.mapped and not drv.handles and vmm.mapped_chunks == 0
+    assert not drv.mapped and not drv.handles and vmm.mapped_allocs == 0 and drv.free == 1 << 30
+    vmm.map_all()  # nothing half-done stands in the way of the next attempt
+    assert vmm.mapped_bytes == 4 * g
     vmm.close()
+
+
+def test_vmm_falls_back_to_one_unmap_per_allocation_when_the_driver_refuses_a_span() -> None:
+    g = FakeDriver.GRAN
+    drv, vmm = fake_range(1 << 30, 3 * g, g, span_unmap=False)
+    vmm.map_all()
+    vmm.unmap_all()
+    assert not drv.mapped and not drv.handles and drv.free == 1 << 30 and not vmm.span_unmap
+    vmm.map_all()
+    drv.calls.clear()
+    vmm.unmap_all()  # the refused span is not tried again
+    assert drv.calls == ["cuMemUnmap"] * 3 + ["cuMemRelease"] * 3
+    vmm.close()
+
+
+def test_vmm_unmap_below_frees_only_allocations_wholly_below_the_offset() -> None:
+    g = FakeDriver.GRAN
+    drv, vmm = fake_range(6 * g, 6 * g, 2 * g)
+    vmm.map_all()
+    vmm.unmap_below(3 * g)  # what a level-1 sleep does once the first 3g bytes are copied out
+    assert vmm.mapped_allocs == 2 and sorted(drv.mapped) == [vmm.ptr + 2 * g, vmm.ptr + 4 * g]
+    assert drv.free == 2 * g
+    vmm.unmap_below(6 * g)
+    assert vmm.mapped_allocs == 0 and not drv.mapped and drv.free == 6 * g
+    vmm.close()
+
+
+def test_manager_rejects_bad_sizes() -> None:
+    for kwargs, name in (({"chunk_bytes": 0}, "chunk_bytes"), ({"alloc_bytes": 0}, "alloc_bytes")):
+        with pytest.raises(InvalidRequestError, match="must be >= 1") as err:
+            MemoryManager("cpu", **kwargs)
+        assert err.value.field == name
 
 
 # ---- CUDA -----------------------------------------------------------------------------------
@@ -395,23 +483,32 @@ def test_cuda_graph_replays_after_wake_without_recapture() -> None:
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("level", [1, 2])
-def test_cuda_sleep_frees_the_arena(level: int) -> None:
-    mgr = MemoryManager("cuda", chunk_bytes=256 << 20)
+@pytest.mark.parametrize("alloc_bytes", [None, 256 << 20])
+def test_cuda_sleep_frees_the_arena(level: int, alloc_bytes: int | None) -> None:
+    mgr = MemoryManager("cuda", chunk_bytes=96 << 20, alloc_bytes=alloc_bytes)  # copies straddle allocations
     arena = mgr.create_arena("weights", 1 << 30)
-    arena.base.fill_(3)
+    assert len(arena.vmm.allocs) == (1 if alloc_bytes is None else 4)
+    arena.base.copy_(torch.randint(0, 256, (arena.nbytes,), dtype=torch.uint8, device="cuda"))
+    expected, ptr = arena.base.clone(), arena.base.data_ptr()
     mgr.mark_loaded("weights")
-    stats = mgr.sleep(level)
-    assert stats.freed_bytes is not None and stats.freed_bytes >= 0.95 * arena.nbytes
-    stats = mgr.wake_up()
-    assert stats.freed_bytes is not None and -stats.freed_bytes >= 0.95 * arena.nbytes
-    if level == 1:
-        assert bool((arena.base == 3).all())
+    for _ in range(2):
+        stats = mgr.sleep(level)
+        assert stats.freed_bytes is not None and stats.freed_bytes >= 0.95 * arena.nbytes
+        assert arena.vmm.mapped_allocs == 0
+        stats = mgr.wake_up()
+        assert stats.freed_bytes is not None and -stats.freed_bytes >= 0.95 * arena.nbytes
+        assert arena.base.data_ptr() == ptr
+        if level == 1:
+            assert torch.equal(arena.base, expected)
+        arena.base.copy_(expected)  # a level-2 wake is followed by a weight sync
+        mgr.mark_loaded("weights")
     mgr.close()
 
 
 @pytest.mark.cuda
 def test_cuda_wake_oom_fails_cleanly_and_succeeds_after_the_hog_is_freed() -> None:
-    mgr = MemoryManager("cuda", chunk_bytes=256 << 20)
+    # Four allocations, so the failure lands after some of them were mapped and must be rolled back.
+    mgr = MemoryManager("cuda", chunk_bytes=256 << 20, alloc_bytes=256 << 20)
     arena = mgr.create_arena("weights", 1 << 30)
     arena.base.copy_(torch.randint(0, 256, (arena.nbytes,), dtype=torch.uint8, device="cuda"))
     expected = arena.base.clone()
@@ -424,7 +521,7 @@ def test_cuda_wake_oom_fails_cleanly_and_succeeds_after_the_hog_is_freed() -> No
     with pytest.raises(WakeError, match=f"needs 1.00 GiB \\({arena.nbytes} bytes\\)") as err:
         mgr.wake_up()
     assert err.value.needed_bytes == arena.nbytes and err.value.free_bytes < arena.nbytes
-    assert arena.state == ArenaState.ASLEEP_MIRRORED and arena.vmm.mapped_chunks == 0
+    assert arena.state == ArenaState.ASLEEP_MIRRORED and arena.vmm.mapped_allocs == 0
     assert abs(torch.cuda.mem_get_info()[0] - free_before) < (64 << 20)  # no partial mapping leaked
     del hog
     torch.cuda.empty_cache()

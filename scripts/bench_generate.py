@@ -1,0 +1,153 @@
+"""Generation throughput: our engine against Hugging Face transformers on the same weights and prompts.
+
+One JSON line per case (shape, batch): our tokens/s, transformers `generate` with a static cache
+(torch.compile), plain `generate`, `generate_batch` where present, the ratios, and our decode step time
+against the weight-bytes roofline (weight bytes over the device-to-device bandwidth measured here).
+Greedy, ignore_eos, random bf16 weights (the HF model's own random init, copied into ours).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from inference.core import SamplingParams
+from inference.llm import LLM
+from inference.loader import load_named_tensors
+
+SHAPES = {
+    "qwen2-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                       intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
+}
+
+
+def hf_model(shape: str, max_len: int) -> torch.nn.Module:
+    import transformers
+
+    cfg = transformers.Qwen2Config(**SHAPES[shape], max_position_embeddings=max_len, rms_norm_eps=1e-6)
+    cfg.rope_parameters = {"rope_type": "default", "rope_theta": 1000000.0}
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def our_llm(hf: torch.nn.Module, max_batch: int, max_len: int, enforce_eager: bool) -> LLM:
+    d = Path(tempfile.mkdtemp(prefix="bench-gen-"))
+    hf.config.save_pretrained(d)  # config.json only: the weights come from the HF model itself
+    llm = LLM(d, device="cuda", dtype="bfloat16", load_format="dummy", max_num_seqs=max_batch,
+              max_model_len=max_len, enforce_eager=enforce_eager, gpu_memory_utilization=0.6)
+    load_named_tensors(llm.worker.models["target"], hf.state_dict().items())
+    return llm
+
+
+def timed(fn, repeats: int = 1) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def ours(llm: LLM, prompts: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+    outs: list = []
+    seconds = timed(lambda: outs.append(llm.generate(prompts, params)), repeats=2)
+    return seconds, [o.outputs[0].token_ids for o in outs[-1]]
+
+
+def decode_step_ms(llm: LLM, batch: int) -> float:
+    """GPU time of one graph-replayed decode step (the forward up to the final norm)."""
+    graphs = llm.worker.runner.graphs
+    if graphs is None:
+        return float("nan")
+    bs = next(b for b in graphs.sizes if b >= batch)
+    for _ in range(3):
+        graphs.graphs[bs].replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(50):
+        graphs.graphs[bs].replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 50
+
+
+def hf_generate(model: torch.nn.Module, prompts: list[list[int]], new: int, static: bool) -> float:
+    ids = torch.tensor(prompts, device="cuda")
+    kw = dict(max_new_tokens=new, do_sample=False, attention_mask=torch.ones_like(ids))
+    if static:
+        kw["cache_implementation"] = "static"
+        for _ in range(2):  # compile and warm up
+            model.generate(ids, **kw)
+    return timed(lambda: model.generate(ids, **kw))
+
+
+def hf_generate_batch(model: torch.nn.Module, prompts: list[list[int]], new: int) -> float | None:
+    if not hasattr(model, "generate_batch"):
+        return None
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return timed(lambda: model.generate_batch(inputs=prompts, generation_config=cfg))
+
+
+def device_copy_gbps() -> float:
+    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    seconds = timed(lambda: y.copy_(x), repeats=5)
+    return 2 * x.numel() / seconds / 1e9  # bytes read + written
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="qwen2-0.5b", choices=sorted(SHAPES))
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 128])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--peers", nargs="*", default=["static", "plain", "batch"], help="transformers modes to run")
+    ap.add_argument("--enforce-eager", action="store_true")
+    args = ap.parse_args()
+    max_len = args.prompt_len + args.new_tokens + 16
+    hf = hf_model(args.shape, max(max_len, 512))
+    llm = our_llm(hf, max(args.batch), max_len, args.enforce_eager)
+    weight_bytes = sum(p.numel() * p.element_size() for p in llm.worker.models["target"].parameters())
+    bw = device_copy_gbps()
+    g = torch.Generator().manual_seed(0)
+    for batch in args.batch:
+        prompts = torch.randint(0, SHAPES[args.shape]["vocab_size"], (batch, args.prompt_len), generator=g).tolist()
+        seconds, tokens = ours(llm, prompts, args.new_tokens)
+        total = batch * args.new_tokens
+        row = {"bench": "generate", "shape": args.shape, "batch": batch, "prompt_len": args.prompt_len,
+               "new_tokens": args.new_tokens, "ours_tok_s": round(total / seconds, 1)}
+        step_ms = decode_step_ms(llm, batch)
+        roofline_ms = weight_bytes / (bw * 1e9) * 1e3  # weights read once per step at the HBM bandwidth
+        row.update(decode_step_ms=round(step_ms, 4), roofline_ms=round(roofline_ms, 4),
+                   step_over_roofline=round(step_ms / roofline_ms, 2), hbm_gbps=round(bw, 1))
+        for peer in args.peers:
+            if peer == "batch":
+                s = hf_generate_batch(hf, prompts, args.new_tokens)
+            else:
+                s = hf_generate(hf, prompts, args.new_tokens, static=peer == "static")
+            if s is not None:
+                row[f"hf_{peer}_tok_s"] = round(total / s, 1)
+                row[f"ratio_vs_{peer}"] = round(s / seconds, 2)
+        row["device"] = torch.cuda.get_device_name()
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,300 @@
+"""Benchmark one weight sync: ours, the raw ceiling, and two peer styles, measured in the same run.
+
+Two processes: this one is the receiver (a real DecoderForCausalLM built with build_model, TP=1,
+bf16, behind the WeightUpdateMixin), a spawned child is the trainer (WeightSender holding HF-named
+bf16 tensors). Timed on the receiver, after a warm-up, median of --iters:
+- sync_ms: start_weight_update + update_weights (returns after the final ack; no digests);
+- sync_audit_ms: the same with the sender's digests and finish_weight_update's audit (which must pass);
+- ceiling_ms: ipc: one device copy of the same bytes; gloo/nccl: a plain bucket-by-bucket broadcast;
+- peer_per_param_ms: one CUDA IPC handle per parameter opened every sync (OpenRLHF/TRL style), or
+  one broadcast per parameter for gloo/nccl; both load tensor by tensor;
+- peer_bucket_ms: one reused 2 GiB bucket (IPC or broadcast), packed and unpacked tensor by tensor,
+  without overlap (verl style).
+Prints one JSON line per (shape, backend). Smoke test: --shape tiny --backend gloo --device cpu.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from inference.config import ModelConfig
+from inference.loader import load_hf_tensor
+from inference.models import build_model
+from inference.naming import expected_hf_tensors
+from inference.parallel import TPInfo
+from inference.tiny import TinyModelSpec, hf_config
+from inference.transfer.groups import TransferGroup
+from inference.transfer.sender import WeightSender
+from inference.weight_update import WeightUpdateMixin
+
+SHAPES = {
+    "tiny": dict(family="qwen2", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                 intermediate_size=384, vocab_size=4096, tie_word_embeddings=True),
+    "qwen2-0.5b": dict(family="qwen2", hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
+                       head_dim=64, intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(family="qwen2", hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4,
+                       head_dim=128, intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
+}
+PEER_BUCKET_BYTES = 2 << 30
+
+
+def model_config(shape: str) -> ModelConfig:
+    return ModelConfig.from_hf_dict(hf_config(TinyModelSpec(dtype="bfloat16", **SHAPES[shape])))
+
+
+def trainer_tensors(config: ModelConfig, device: torch.device) -> dict[str, torch.Tensor]:
+    gen_device = device if device.type == "cuda" else "cpu"
+    return {name: torch.empty(shape, dtype=torch.bfloat16, device=gen_device).normal_(std=0.02)
+            for name, shape in expected_hf_tensors(config).items()}
+
+
+class BenchReceiver(WeightUpdateMixin):
+    """The worker's weight-update half around one model (no KV cache, no runner)."""
+
+    rank_key = "dp0:pp0:tp0"
+
+    def __init__(self, config: ModelConfig, device: torch.device) -> None:
+        self.models = {"target": build_model(config, TPInfo(), torch.bfloat16, device)}
+        self.model_configs = {"target": config}
+        self.device, self.tp, self.dp_rank = device, TPInfo(), 0
+        self._init_weight_update_state()
+
+
+def sync_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---- the trainer (child process) ---------------------------------------------------------------
+def trainer(args: argparse.Namespace, to_parent: Any, from_parent: Any) -> None:
+    device = torch.device(args.sender_device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    config = model_config(args.shape)
+    named = trainer_tensors(config, device)
+    sender = WeightSender(args.backend, bucket_bytes=args.bucket_mb << 20, timeout_s=300, device=device)
+    to_parent.put(sender.init_info())
+    sender.connect()
+    group = sender._group  # the peers below reuse our group's control and data planes
+    for digest in [False] * (args.iters + 1) + [True] * (args.iters + 1):
+        sender.manifest(named, 1)
+        to_parent.put("ready")
+        records = sender.send(named, digest=digest)
+        if digest:
+            to_parent.put([r.__dict__ for r in records])
+    for peer in (ceiling_send, per_param_send, bucket_send):
+        for _ in range(args.iters + 1):
+            group.all_max([0], "barrier")
+            peer(args, group, named, device)
+    from_parent.get()
+    sender.close()
+
+
+def ceiling_send(args: argparse.Namespace, group: TransferGroup, named: dict, device: torch.device) -> None:
+    if args.backend == "ipc":
+        return  # the receiver measures its own device copy
+    total = sum(t.numel() * t.element_size() for t in named.values())
+    buf = _scratch(min(args.bucket_mb << 20, total), device if args.backend == "nccl" else torch.device("cpu"))
+    for off in range(0, total, buf.numel()):
+        group.wait(group.broadcast(buf[:min(buf.numel(), total - off)]), "ceiling")
+
+
+def per_param_send(args: argparse.Namespace, group: TransferGroup, named: dict, device: torch.device) -> None:
+    if args.backend == "ipc":
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        group.broadcast_bytes(pickle.dumps([reduce_tensor(t)[1] for t in named.values()]))
+    else:
+        for t in named.values():
+            src = t if args.backend == "nccl" else t.cpu()
+            group.wait(group.broadcast(src.contiguous().view(-1).view(torch.uint8)), "per-param")
+    group.all_max([0], "ack")
+
+
+def bucket_send(args: argparse.Namespace, group: TransferGroup, named: dict, device: torch.device) -> None:
+    total = sum(t.numel() * t.element_size() for t in named.values())
+    bucket_device = device if args.backend in ("ipc", "nccl") else torch.device("cpu")
+    buf = _scratch(min(PEER_BUCKET_BYTES, total), bucket_device)
+    if args.backend == "ipc" and not getattr(bucket_send, "shared", False):
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        group.broadcast_bytes(pickle.dumps(reduce_tensor(buf)[1]))
+        bucket_send.shared = True  # type: ignore[attr-defined]
+    entries: list[tuple[str, int]] = []
+    used = 0
+    for name, t in [*named.items(), ("", None)]:
+        nbytes = 0 if t is None else t.numel() * t.element_size()
+        if t is None or used + nbytes > buf.numel():
+            sync_device(bucket_device)
+            group.broadcast_bytes(json.dumps(entries).encode())
+            if args.backend != "ipc":
+                group.wait(group.broadcast(buf[:used]), "peer bucket")
+            group.all_max([0], "peer bucket ack")
+            entries, used = [], 0
+        if t is not None:
+            buf[used:used + nbytes].copy_(t.contiguous().view(-1).view(torch.uint8))
+            entries.append((name, used))
+            used += nbytes
+    group.broadcast_bytes(json.dumps([]).encode())
+
+
+_SCRATCH: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _scratch(nbytes: int, device: torch.device) -> torch.Tensor:
+    key = (nbytes, str(device))
+    if key not in _SCRATCH:
+        _SCRATCH[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return _SCRATCH[key]
+
+
+# ---- the receiver (this process) ---------------------------------------------------------------
+def timed(fn: Callable[[], Any], iters: int, device: torch.device) -> float:
+    """Median milliseconds of fn over iters runs, after one warm-up run."""
+    times = []
+    for i in range(iters + 1):
+        sync_device(device)
+        t0 = time.perf_counter()
+        fn()
+        sync_device(device)
+        if i:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device(args.device)
+    ctx = mp.get_context("spawn")
+    from_child, to_child = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=trainer, args=(args, from_child, to_child))
+    child.start()
+    config = model_config(args.shape)
+    receiver = BenchReceiver(config, device)
+    receiver.init_weight_transfer_engine(from_child.get(timeout=600))
+    manifest = {"version": 1, "tensors": [{"name": n, "dtype": "bfloat16", "shape": list(s)}
+                                          for n, s in expected_hf_tensors(config).items()]}
+    total = sum(torch.Size(t["shape"]).numel() * 2 for t in manifest["tensors"])
+
+    def one_sync(audit: bool) -> None:
+        from_child.get(timeout=600)  # the trainer is about to wait inside send()
+        time.sleep(0.05)
+        t0 = time.perf_counter()
+        receiver.start_weight_update(1, manifest)
+        receiver.update_weights()
+        if audit:
+            assert receiver.finish_weight_update(from_child.get(timeout=600), held_manifest=False).report.ok
+        else:
+            receiver.abort_weight_update("benchmark iteration without digests")
+        sync_device(device)
+        one_sync.times.append((time.perf_counter() - t0) * 1e3)  # type: ignore[attr-defined]
+
+    results = {}
+    for audit in (False, True):
+        one_sync.times = []  # type: ignore[attr-defined]
+        for _ in range(args.iters + 1):
+            one_sync(audit)
+        results[audit] = statistics.median(one_sync.times[1:])  # type: ignore[attr-defined]
+    group = receiver._wt_receiver.group  # peers reuse our group, as the trainer does
+    params = dict(receiver.models["target"].named_parameters())
+    peers = {}
+    for name, peer in (("ceiling", ceiling_recv), ("per_param", per_param_recv), ("bucket", bucket_recv)):
+        def once(peer: Callable = peer) -> None:
+            group.all_max([0], "barrier")
+            peer(args, group, config, params, manifest, total, device)
+        peers[name] = timed(once, args.iters, device)
+    to_child.put("done")
+    child.join(timeout=600)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"bench": "sync", "shape": args.shape, "backend": args.backend, "bytes": total,
+            "sync_ms": round(results[False], 3), "sync_audit_ms": round(results[True], 3),
+            "gbps": round(total / results[False] / 1e6, 2), "ceiling_ms": round(peers["ceiling"], 3),
+            "ratio_to_ceiling": round(results[False] / peers["ceiling"], 3),
+            "peer_per_param_ms": round(peers["per_param"], 3), "peer_bucket_ms": round(peers["bucket"], 3),
+            "speedup_vs_bucket": round(peers["bucket"] / results[False], 2), "device": device_name}
+
+
+def ceiling_recv(args: argparse.Namespace, group: TransferGroup, config: ModelConfig, params: dict,
+                 manifest: dict, total: int, device: torch.device) -> None:
+    if args.backend == "ipc":
+        src, dst = _scratch(total, device), _scratch(total + 1, device)[:total]
+        dst.copy_(src)
+        return
+    buf = _scratch(min(args.bucket_mb << 20, total), device if args.backend == "nccl" else torch.device("cpu"))
+    for off in range(0, total, buf.numel()):
+        group.wait(group.broadcast(buf[:min(buf.numel(), total - off)]), "ceiling")
+
+
+def per_param_recv(args: argparse.Namespace, group: TransferGroup, config: ModelConfig, params: dict,
+                   manifest: dict, total: int, device: torch.device) -> None:
+    specs = manifest["tensors"]
+    if args.backend == "ipc":
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        handles = pickle.loads(group.broadcast_bytes(None))
+        for spec, h in zip(specs, handles):
+            load_hf_tensor(params, config, spec["name"], rebuild_cuda_tensor(*h))
+        sync_device(device)
+        del handles
+    else:
+        recv_device = device if args.backend == "nccl" else torch.device("cpu")
+        for spec in specs:
+            t = torch.empty(spec["shape"], dtype=torch.bfloat16, device=recv_device)
+            group.wait(group.broadcast(t.view(-1).view(torch.uint8)), "per-param")
+            load_hf_tensor(params, config, spec["name"], t)
+    group.all_max([0], "ack")
+
+
+def bucket_recv(args: argparse.Namespace, group: TransferGroup, config: ModelConfig, params: dict,
+                manifest: dict, total: int, device: torch.device) -> None:
+    shapes = {t["name"]: t["shape"] for t in manifest["tensors"]}
+    if args.backend == "ipc":
+        if not hasattr(bucket_recv, "buf"):
+            from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+            bucket_recv.buf = rebuild_cuda_tensor(*pickle.loads(group.broadcast_bytes(None)))  # type: ignore[attr-defined]
+        buf = bucket_recv.buf  # type: ignore[attr-defined]
+    else:
+        buf = _scratch(min(PEER_BUCKET_BYTES, total), device if args.backend == "nccl" else torch.device("cpu"))
+    while entries := json.loads(group.broadcast_bytes(None)):
+        used = max(off + torch.Size(shapes[n]).numel() * 2 for n, off in entries)
+        if args.backend != "ipc":
+            group.wait(group.broadcast(buf[:used]), "peer bucket")
+        for name, off in entries:
+            n = torch.Size(shapes[name]).numel() * 2
+            load_hf_tensor(params, config, name, buf[off:off + n].view(torch.bfloat16).view(shapes[name]))
+        sync_device(device)
+        group.all_max([0], "peer bucket ack")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=[*SHAPES, "all"], default="all")
+    parser.add_argument("--backend", choices=["ipc", "gloo", "nccl"], default="ipc")
+    parser.add_argument("--device", default="cuda", help="the receiver's device (the sender's for ipc/gloo)")
+    parser.add_argument("--sender-device", default=None, help="default: --device; nccl needs another GPU")
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--bucket-mb", type=int, default=512)
+    args = parser.parse_args()
+    if args.sender_device is None:
+        args.sender_device = "cuda:1" if args.backend == "nccl" else args.device
+    for shape in SHAPES if args.shape == "all" else [args.shape]:
+        if args.shape == "all" and shape == "tiny":
+            continue
+        print(json.dumps(run(argparse.Namespace(**{**vars(args), "shape": shape}))), flush=True)
+
+
+if __name__ == "__main__":
+    main()
