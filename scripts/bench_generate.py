@@ -86,14 +86,19 @@ def decode_step_ms(llm: LLM, batch: int) -> float:
     return start.elapsed_time(end) / 50
 
 
-def hf_generate(model: torch.nn.Module, prompts: list[list[int]], new: int, static: bool) -> float:
+def hf_generate(model: torch.nn.Module, prompts: list[list[int]], new: int, static: bool,
+                ours: list[list[int]]) -> tuple[float, float]:
+    """Seconds, and the fraction of prompts whose first 8 greedy tokens equal ours (bf16 drifts later)."""
     ids = torch.tensor(prompts, device="cuda")
     kw = dict(max_new_tokens=new, do_sample=False, attention_mask=torch.ones_like(ids))
     if static:
         kw["cache_implementation"] = "static"
         for _ in range(2):  # compile and warm up
             model.generate(ids, **kw)
-    return timed(lambda: model.generate(ids, **kw))
+    out: list = []
+    seconds = timed(lambda: out.append(model.generate(ids, **kw)))
+    theirs = out[-1][:, ids.shape[1]:].tolist()
+    return seconds, sum(a[:8] == b[:8] for a, b in zip(theirs, ours)) / len(ours)
 
 
 def hf_generate_batch(model: torch.nn.Module, prompts: list[list[int]], new: int) -> float | None:
@@ -141,7 +146,8 @@ def main() -> None:
             if peer == "batch":
                 s = hf_generate_batch(hf, prompts, args.new_tokens)
             else:
-                s = hf_generate(hf, prompts, args.new_tokens, static=peer == "static")
+                s, match = hf_generate(hf, prompts, args.new_tokens, peer == "static", tokens)
+                row[f"hf_{peer}_greedy_prefix_match"] = round(match, 3)
             if s is not None:
                 row[f"hf_{peer}_tok_s"] = round(total / s, 1)
                 row[f"ratio_vs_{peer}"] = round(s / seconds, 2)
