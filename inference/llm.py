@@ -141,7 +141,7 @@ class LLM:
     # ---- stepping -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; return the requests that finished in it. Asleep: nothing runs."""
-        if not self.worker.is_ready():
+        if not self._can_step():
             return []
         batch = self.scheduler.schedule()
         if batch.is_empty:
@@ -235,6 +235,16 @@ class LLM:
         """Raise StateError saying why no step can run (asleep, or weights awaiting a sync)."""
         assert self.worker.memory is not None
         self.worker.memory.check_ready()
+        for which in self.worker.models:
+            if not self.worker.is_servable(which):
+                state = self.worker.weight_state(which)
+                why = state["torn_reason"] or ("an update session is open" if state["session_open"]
+                                               else "its weights were reset")
+                raise StateError(f"the {which} model is not servable ({why}); sync its weights first")
+
+    def _can_step(self) -> bool:
+        """Awake, weights valid, and no model torn or being written: a step may run."""
+        return self.worker.is_ready() and all(self.worker.is_servable(w) for w in self.worker.models)
 
     @property
     def is_sleeping(self) -> bool:
@@ -251,7 +261,8 @@ class LLM:
             raise InvalidRequestError("level", f"sleep level must be 1 or 2, got {level!r}")
         if self.is_sleeping:
             raise StateError("sleep: already asleep; call wake_up first")
-        while in_flight == "finish" and self.has_unfinished():
+        # Requests that cannot run now (weights torn or awaiting a sync) are held, not waited for.
+        while in_flight == "finish" and self.has_unfinished() and self._can_step():
             self._finished_while_draining.extend(self.step())
         self.scheduler.preempt_all()
         self.block_manager.reset_prefix_cache()
@@ -266,3 +277,24 @@ class LLM:
         """Outputs of requests that finished while sleep() drained the queue."""
         out, self._finished_while_draining = self._finished_while_draining, []
         return out
+
+    # ---- weight updates (the sessions live on the worker: inference/weight_update.py) --------
+    def start_weight_update(self, version: int, manifest: Any, *, allow_cast: bool = False) -> None:
+        self.worker.start_weight_update(version, manifest, allow_cast=allow_cast)
+
+    def start_draft_weight_update(self, version: int, manifest: Any, *, allow_cast: bool = False) -> None:
+        self.worker.start_draft_weight_update(version, manifest, allow_cast=allow_cast)
+
+    def update_weights(self, update_info: Any = None) -> None:
+        self.worker.update_weights(update_info)
+
+    def finish_weight_update(self, sender_digests: Any, **kwargs: Any) -> Any:
+        """Audit the update; on success the version goes live. A target update becomes the engine's
+        weight_version; any update drops the prefix cache and recomputes running sequences (their
+        KV came from the old weights). A mismatch raises (the model stays torn, nothing changes here)."""
+        result = self.worker.finish_weight_update(sender_digests, **kwargs)
+        if result.model == "target":
+            self.weight_version = result.version
+        self.scheduler.preempt_all()
+        self.block_manager.reset_prefix_cache()
+        return result

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import pickle
 import statistics
 import sys
@@ -78,11 +80,19 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def setup_device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda":
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    else:  # two processes on the CPU: OpenMP threads spinning in one would starve the other's gloo threads
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    return device
+
+
 # ---- the trainer (child process) ---------------------------------------------------------------
 def trainer(args: argparse.Namespace, to_parent: Any, from_parent: Any) -> None:
-    device = torch.device(args.sender_device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = setup_device(args.sender_device)
     config = model_config(args.shape)
     named = trainer_tensors(config, device)
     sender = WeightSender(args.backend, bucket_bytes=args.bucket_mb << 20, timeout_s=300, device=device)
@@ -176,7 +186,9 @@ def timed(fn: Callable[[], Any], iters: int, device: torch.device) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    device = torch.device(args.device)
+    device = setup_device(args.device)
+    # The no-digest iterations are aborted on purpose (their model is "torn"); keep stderr quiet.
+    logging.getLogger("inference.weight_update").setLevel(logging.CRITICAL)
     ctx = mp.get_context("spawn")
     from_child, to_child = ctx.Queue(), ctx.Queue()
     child = ctx.Process(target=trainer, args=(args, from_child, to_child))

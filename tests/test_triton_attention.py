@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import os
 import random
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -24,6 +25,7 @@ if not torch.cuda.is_available():
 from inference.batch import AttentionMetadata
 from inference.core import InvalidRequestError, StateError
 from inference.layers.attention import ReferenceAttention, get_attention_backend, store_kv
+from tests.helpers_models import ToyPager, hf_logits, load_ours, make_hf_checkpoint, our_logits, random_prompts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -217,6 +219,27 @@ def test_cpu_tensors_need_the_interpreter(ta: ModuleType, monkeypatch: pytest.Mo
     b = make_batch([1], [3], 2, 1, 16, 8, torch.float32, device="cpu")
     with pytest.raises(StateError, match="CUDA"):
         run(ta.TritonAttention(), b)
+
+
+@pytest.mark.parametrize("case", ["qwen2", "mistral"])
+def test_model_with_triton_backend_matches_transformers(ta: ModuleType, case: str, tmp_path: Path) -> None:
+    """A tiny model (GQA; Mistral: sliding window 4) through prefill and two decode steps, fp32, CPU."""
+    if not ta._INTERPRET:
+        pytest.skip("the tiny-model helpers run on the CPU, where the kernels need the interpreter")
+    hf = make_hf_checkpoint(case, tmp_path)
+    model = load_ours(tmp_path)
+    model.set_attention_backend(get_attention_backend("triton"))
+    prompts = random_prompts([5, 11, 1, 8], model.config.vocab_size)
+    pager = ToyPager(num_blocks=48, block_size=4)
+    got = our_logits(model, pager, dict(enumerate(prompts)))
+    for i, prompt in enumerate(prompts):
+        torch.testing.assert_close(got[i], hf_logits(hf, prompt), atol=1e-4, rtol=0)
+    for step in range(2):
+        nxt = random_prompts([1] * len(prompts), model.config.vocab_size, seed=10 + step)
+        got = our_logits(model, pager, dict(enumerate(nxt)))
+        for i in range(len(prompts)):
+            prompts[i] = prompts[i] + nxt[i]
+            torch.testing.assert_close(got[i][-1], hf_logits(hf, prompts[i])[-1], atol=1e-4, rtol=0)
 
 
 # ---- CUDA: realistic shapes, compiled kernels, graph capture -------------------------------------------

@@ -278,6 +278,25 @@ def test_disagreeing_ends_stop_before_writing_and_the_group_survives(dirs: dict[
     assert link.sync(state, 6).report.ok
 
 
+def test_new_init_replaces_the_old_group_and_abandons_its_session(dirs: dict[str, Path]) -> None:
+    worker = make_worker(dirs)
+    old = Link(worker, timeout_s=3.0)
+    state = perturbed(dirs["target"], 85)
+    assert old.sync(state, 1).report.ok
+    worker.start_weight_update(2, old.sender.manifest(state, 2))
+    new = Link(worker)  # e.g. the trainer restarted: its old group must not linger
+    assert worker.is_servable("target"), "no byte moved in the abandoned session: not torn"
+    with pytest.raises(TransferError):
+        old.sender.send(state)  # nobody listens on the old group any more
+    assert new.sync(state, 2).report.ok and worker.weight_versions["target"] == 2
+    new.sender.init_info()
+    with ThreadPoolExecutor(1) as pool:  # the same sender re-inits the same worker: a fresh session
+        connecting = pool.submit(new.sender.connect)
+        worker.init_weight_transfer_engine(new.sender.init_info())
+        connecting.result(timeout=30)
+    assert new.sync(state, 3).report.ok
+
+
 def test_reset_weights_then_sync(dirs: dict[str, Path]) -> None:
     worker = make_worker(dirs)
     link = Link(worker)

@@ -188,6 +188,12 @@ class TritonAttentionTiles:
     max_splits: int = 32
     num_splits: int | None = None
 
+    def __post_init__(self) -> None:
+        blocks = (self.prefill_block_m, self.prefill_block_n, self.fp32_prefill_block_m,
+                  self.fp32_prefill_block_n, self.decode_block_n)
+        assert all(b >= 16 and b & (b - 1) == 0 for b in blocks), blocks
+        assert self.num_splits is None or (self.num_splits >= 1 and self.num_splits & (self.num_splits - 1) == 0)
+
 
 @dataclass(frozen=True)
 class LaunchPlan:

@@ -14,6 +14,7 @@ one integer that they compare before the first byte moves.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -97,8 +98,16 @@ class Bucket:
     segments: tuple[Segment, ...]
 
 
-def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[Bucket]:
-    """Deterministic layout of `specs` into buckets of at most bucket_bytes."""
+def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[Bucket]:
+    """Deterministic layout of `specs` into buckets of at most bucket_bytes.
+
+    Cached on (specs, bucket_bytes): an RL loop sends the same manifest every step.
+    """
+    return list(_plan(tuple(specs), bucket_bytes))
+
+
+@functools.lru_cache(maxsize=8)
+def _plan(specs: tuple[TensorSpec, ...], bucket_bytes: int) -> tuple[Bucket, ...]:
     if bucket_bytes < ALIGN or bucket_bytes % ALIGN:
         raise InvalidRequestError("bucket_bytes", f"must be a positive multiple of {ALIGN}, got {bucket_bytes}")
     buckets: list[Bucket] = []
@@ -129,7 +138,7 @@ def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[Bucket]:
             current.append(Segment(i, off, 0, n))
             used = n  # the last piece's bucket stays open for the tensors that follow
     close()
-    return buckets
+    return tuple(buckets)
 
 
 def _align(n: int) -> int:
@@ -165,6 +174,13 @@ def plan_fingerprint(version: int, specs: Sequence[TensorSpec], bucket_bytes: in
     Not a checksum of weights (those are the checksum package's job): it only guards the wire
     against two ends that derived different plans, which would otherwise hang or corrupt.
     """
-    text = json.dumps([version, bucket_bytes, backend, [[s.name, s.dtype, list(s.shape)] for s in specs]])
-    value = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+    h = hashlib.blake2b(_layout_digest(tuple(specs), bucket_bytes, backend), digest_size=8)
+    h.update(str(version).encode())
+    value = int.from_bytes(h.digest(), "little")
     return (value & ((1 << FINGERPRINT_BITS) - 1)) or 1
+
+
+@functools.lru_cache(maxsize=8)
+def _layout_digest(specs: tuple[TensorSpec, ...], bucket_bytes: int, backend: str) -> bytes:
+    text = json.dumps([bucket_bytes, backend, [[s.name, s.dtype, list(s.shape)] for s in specs]])
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()

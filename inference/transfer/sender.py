@@ -6,7 +6,8 @@ init_weight_transfer_engine), `connect()` (blocks until every receiver joined; r
 sidecar joins), then per sync: `manifest(named_tensors, version)` (for the sidecar's start),
 `send(named_tensors)` (concurrently with the sidecar's update_weights; returns the sender's digests
 for its finish), and at the end `close()`. After any TransferError the group is broken: call
-init_info() again (a new session id) and connect() again; the store server is reused.
+init_info() again (a new session id), give it to the sidecar, and connect() again; the store server
+is reused.
 
 Double buffering: gloo and nccl pack bucket k+1 while bucket k is on the wire (two buffers; on CUDA
 packing runs on its own stream, and NCCL orders each broadcast after its pack). The ipc backend is
@@ -67,7 +68,7 @@ class WeightSender:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._store: Any = None
-        self._info: InitInfo | None = None
+        self._next_info: InitInfo | None = None  # handed out by init_info(), consumed by connect()
         self._group: TransferGroup | None = None
         self._pending: tuple[int, list[TensorSpec]] | None = None  # (version, specs) of manifest()
         self._buffers: list[torch.Tensor] = []
@@ -77,33 +78,38 @@ class WeightSender:
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def init_info(self) -> dict[str, Any]:
-        """The dict the sidecar's init_weight_transfer_engine takes. A fresh session id unless the
-        current session is connected and healthy."""
+        """The dict the sidecar's init_weight_transfer_engine takes, for the next connect().
+
+        Each connect() consumes one: a re-init (after a failure, or to replace a healthy group) gets a
+        fresh session id, so it never meets the store keys of an earlier group.
+        """
         if self._store is None:
             self._store = master_store(self._host, self._port, self.num_receivers + 1, self.timeout_s)
-        healthy = self._group is not None and self._group.broken is None
-        if self._info is None or not healthy:
-            self._info = InitInfo(self.backend, self._host, self._store.port, self.num_receivers + 1,
-                                  self.bucket_bytes, float(self.timeout_s), new_session_id())
-        return self._info.to_dict()
+        if self._next_info is None:
+            self._next_info = InitInfo(self.backend, self._host, self._store.port, self.num_receivers + 1,
+                                       self.bucket_bytes, float(self.timeout_s), new_session_id())
+        return self._next_info.to_dict()
 
     def connect(self) -> None:
-        """Join the group as rank 0; blocks until every receiver joined (TransferError on timeout)."""
-        if self._info is None or (self._group is not None and self._group.broken is None):
-            self.init_info()
-        assert self._info is not None
+        """Join the group as rank 0; blocks until every receiver joined (TransferError on timeout).
+
+        Replaces the current group, if any. A failed connect burns its session id too.
+        """
+        if self._next_info is None:
+            raise StateError("call init_info() and give it to the sidecar's init_weight_transfer_engine "
+                             "before connect()")
+        info, self._next_info = self._next_info, None
         if self._group is not None:
             self._group.close()
+            self._group = None
         if self._ipc is not None:
             self._ipc = IpcExporter()  # a new session: receivers open every handle afresh
-        info, self._info = self._info, None  # a failed connect burns the session id
         self._group = TransferGroup(info, 0, self.device, store=self._store, label="sender")
-        self._info = info
 
     def close(self) -> None:
         if self._group is not None:
             self._group.close()
-        self._group, self._info, self._store, self._buffers = None, None, None, []
+        self._group, self._next_info, self._store, self._buffers = None, None, None, []
         self._digest_pool.shutdown(wait=True)
 
     @property

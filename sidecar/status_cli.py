@@ -1,0 +1,73 @@
+"""`sidecar status URL`: a running sidecar's state as a table.
+
+Exit status: 0 healthy, 1 reachable but unhealthy (a rank is dead or hung), 2 unreachable or an
+error response (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from inference.core import SidecarError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("url", metavar="URL", help="the sidecar's address, e.g. http://127.0.0.1:8000")
+    p.add_argument("--api-key", default=None, help="default: $SIDECAR_API_KEY")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds per request (default 10)")
+    p.add_argument("--json", action="store_true", help="print the raw /state JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    from sidecar.client import SidecarClient
+
+    key = args.api_key or os.environ.get("SIDECAR_API_KEY")
+    try:
+        with SidecarClient(args.url, api_key=key, timeout=args.timeout, retries=1) as client:
+            state = client.state()
+    except SidecarError as e:
+        print(f"sidecar status: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(state, indent=2, sort_keys=True) if args.json else format_state(args.url, state))
+    return 0 if state.get("healthy") else 1
+
+
+def format_state(url: str, s: dict[str, Any]) -> str:
+    health = "healthy" if s.get("healthy") else f"UNHEALTHY ({s.get('failure')})"
+    activity = "asleep" if s.get("sleeping") else "awake"
+    if s.get("paused"):
+        activity += ", paused"
+    if s.get("busy"):
+        activity += f", running {s['busy']}"
+    model = s.get("model", {})
+    versions = ", ".join(f"{m} v{v}{' TORN' if s.get('torn', {}).get(m) else ''}"
+                         for m, v in s.get("weight_versions", {}).items())
+    lines = [
+        f"sidecar {url}: {health}, {activity}",
+        f"model      {model.get('model')} ({model.get('dtype')}, vocab {model.get('vocab_size')}, "
+        f"max_model_len {model.get('max_model_len')})" + (f", draft {model['draft_model']}"
+                                                          if model.get("draft_model") else ""),
+        f"weights    {versions or '-'}",
+        "memory     " + ", ".join(f"{t}: {st}" for t, st in s.get("tags", {}).items()),
+        f"queue      {s.get('queue_depth', 0)} prompt(s) waiting or running; tp {s.get('tp')}",
+        "",
+    ]
+    tags = sorted({t for r in s.get("ranks", []) for t in r.get("tags", {})})
+    header = ["RANK", "PID", "ALIVE", "DEVICE", "READY", *tags, "VERSIONS", "KV BLOCKS"]
+    rows = [header]
+    for r in s.get("ranks", []):
+        rows.append([str(r.get("rank")), str(r.get("pid")), _yes(r.get("alive")), str(r.get("device")),
+                     _yes(r.get("ready")), *(r.get("tags", {}).get(t, "-") for t in tags),
+                     ",".join(f"{m}={v}" for m, v in r.get("weight_versions", {}).items()) or "-",
+                     str(r.get("kv_blocks"))])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join(lines)
+
+
+def _yes(value: Any) -> str:
+    return "-" if value is None else ("yes" if value else "no")
