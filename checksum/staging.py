@@ -295,6 +295,7 @@ class _Run:
             self.staging.wait(buf)
             hasher.update(self.staging.view(buf, size))
             hashed += size
+            assert hashed <= size_total, "a chunk crossed the end of its segment"
             with self.lock:
                 self.free.append(buf)  # only now may the copier refill it
                 segment.outstanding -= 1
@@ -348,7 +349,8 @@ class _Run:
                 self.copier_cv.wait()
             buf = self.free.pop()  # most recently freed: likeliest still in cache and TLB
             start = segment.issued
-            size = min(self.chunk_bytes, segment.job.nbytes - start)
+            size = min(self.chunk_bytes, segment.end - start)  # never past the segment's end
+            assert size > 0, "reserved a chunk of a fully issued segment"
             segment.issued += size
             segment.outstanding += 1
             return segment, buf, start, size

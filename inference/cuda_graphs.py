@@ -4,7 +4,7 @@ Decode steps (one new token per sequence) replay a graph captured for the smalle
 holds the batch; the rows beyond the batch are padding: slot -1 (their k/v are not stored), context
 length 0 and block table zeros, so they attend to nothing and touch no real cache entry. Graphs are
 captured largest first into one shared memory pool. The graph covers the model's forward up to the
-final norm; the LM head and the sampler run after it (their cost does not depend on the graph).
+final norm and the LM head, whose logits land in one static buffer; the sampler runs after it.
 
 Inputs live in static buffers that every replay reads; the KV cache and the weights are read at the
 addresses captured, which is why they live in arenas whose addresses survive sleep and wake.
@@ -30,7 +30,7 @@ def batch_ladder(max_batch: int) -> list[int]:
 
 class CUDAGraphRunner:
     def __init__(self, model: torch.nn.Module, max_batch: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, dtype: torch.dtype) -> None:
         self.model = model
         self.block_size = block_size
         self.max_blocks = max_blocks_per_seq
@@ -44,6 +44,7 @@ class CUDAGraphRunner:
         self.context_lens = torch.zeros(n, dtype=i32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=i32, device=device)
         self.cu_query_lens = torch.arange(n + 1, dtype=i32, device=device)
+        self.logits = torch.empty(n, model.config.vocab_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -57,7 +58,8 @@ class CUDAGraphRunner:
             max_context_len=self.max_blocks * self.block_size, is_decode=True)
 
     def _forward(self, bs: int) -> torch.Tensor:
-        return self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
+        hidden = self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
+        return self.model.compute_logits(hidden, out=self.logits[:bs])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -84,7 +86,7 @@ class CUDAGraphRunner:
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                context_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-        """Hidden states [n, hidden] of one decode step of n sequences (inputs on the device or pinned)."""
+        """Logits [n, vocab] of one decode step of n sequences (inputs on the device or pinned)."""
         n = input_ids.shape[0]
         bs = next(b for b in self.sizes if b >= n)
         self.input_ids[:n].copy_(input_ids, non_blocking=True)

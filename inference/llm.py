@@ -25,12 +25,12 @@ from inference.core import (
     SamplingParams,
     StateError,
 )
-from inference.memory import TransitionStats
+from inference.memory import ArenaState, TransitionStats
 from inference.parallel import TPInfo
 from inference.scheduler import Scheduler
 from inference.sequence import Sequence
 from inference.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_search_start
-from inference.worker import Worker
+from inference.worker import ARENA_OF, Worker
 
 Prompt = str | Seq[int]
 
@@ -280,10 +280,20 @@ class LLM:
 
     # ---- weight updates (the sessions live on the worker: inference/weight_update.py) --------
     def start_weight_update(self, version: int, manifest: Any, *, allow_cast: bool = False) -> None:
+        self._check_awake("target")
         self.worker.start_weight_update(version, manifest, allow_cast=allow_cast)
 
     def start_draft_weight_update(self, version: int, manifest: Any, *, allow_cast: bool = False) -> None:
+        self._check_awake("draft")
         self.worker.start_draft_weight_update(version, manifest, allow_cast=allow_cast)
+
+    def _check_awake(self, which: str) -> None:
+        """Writing into released weights is an illegal address on CUDA: refuse before any byte moves."""
+        tag = ARENA_OF[which]
+        memory = self.worker.memory
+        if memory is not None and tag in memory.tags and memory.state(tag) is not ArenaState.AWAKE:
+            raise StateError(f"the {which} weights are {memory.state(tag).value}: call wake_up(['weights']) "
+                             "before a weight update")
 
     def update_weights(self, update_info: Any = None) -> None:
         self.worker.update_weights(update_info)
@@ -293,6 +303,9 @@ class LLM:
         weight_version; any update drops the prefix cache and recomputes running sequences (their
         KV came from the old weights). A mismatch raises (the model stays torn, nothing changes here)."""
         result = self.worker.finish_weight_update(sender_digests, **kwargs)
+        memory, tag = self.worker.memory, ARENA_OF[result.model]
+        if memory is not None and memory.state(tag) is ArenaState.AWAKE:
+            memory.mark_loaded(tag)  # audited: the contents are valid again (e.g. after a level-2 sleep)
         if result.model == "target":
             self.weight_version = result.version
         self.scheduler.preempt_all()

@@ -92,8 +92,8 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> list[SampleResult | None]:
         """Run one step; returns per scheduled sequence its sampled result, or None (mid-prefill)."""
         assert self.kv_cache is not None, "bind_kv_cache first"
-        hidden = self._graph_decode(batch) if self.graphs is not None else None
-        if hidden is not None:
+        logits = self._graph_decode(batch) if self.graphs is not None else None
+        if logits is not None:
             sample_rows = list(range(len(batch.seqs)))
         else:
             inp = self.prepare(batch)
@@ -102,7 +102,7 @@ class ModelRunner:
                 self.model(inp.input_ids, inp.positions, inp.meta)
                 return [None] * len(batch.seqs)
             hidden = self.model(inp.input_ids, inp.positions, inp.meta).index_select(0, inp.last_token_index)
-        logits = self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(hidden)
         seqs = [batch.seqs[r] for r in sample_rows]
         sb = SamplingBatch.build([s.params for s in seqs], [s.seed for s in seqs],
                                  [s.num_generated for s in seqs], self.model_config.vocab_size, self.device)
@@ -118,11 +118,11 @@ class ModelRunner:
     # ---- CUDA graphs ----------------------------------------------------------------------
     def capture_graphs(self, max_batch: int, max_model_len: int) -> None:
         max_blocks = -(-max_model_len // self.block_size)
-        self.graphs = CUDAGraphRunner(self.model, max_batch, max_blocks, self.block_size, self.device)
+        self.graphs = CUDAGraphRunner(self.model, max_batch, max_blocks, self.block_size, self.device, self.dtype)
         self.graphs.capture()
 
     def _graph_decode(self, batch: ScheduledBatch) -> torch.Tensor | None:
-        """Hidden states of a decode-only step replayed from a graph, or None when no graph fits."""
+        """Logits of a decode-only step replayed from a graph, or None when no graph fits."""
         assert self.graphs is not None
         seqs = batch.seqs
         if any(n != 1 for n in batch.num_new_tokens) or any(s.num_computed_tokens + 1 != s.num_tokens for s in seqs):

@@ -10,8 +10,11 @@ finish_weight_update(sender_digests). Rules:
   overwritten until an audit passes: a failed or abandoned update leaves it torn, and a torn model
   is not servable (`is_servable`). The version advances only when the audit passes.
 - A TransferError breaks the group: the next start asks for a new init_weight_transfer_engine.
-Sleep integration: `_check_weights_writable(which)` is the hook where the worker refuses an update
-while the weights are asleep at the wrong level (no-op here).
+Sleep integration (when the host has a `memory: MemoryManager`, as Worker does): an update needs its
+weights arena awake (asleep at level 1 or 2 -> StateError: wake_up(["weights"]) first; a level-2
+wake leaves the arena awake but empty, which is exactly what a sync refills). The arena's
+contents are marked invalid when the first byte may be written and valid again when the audit
+passes, so `Worker.is_ready()` agrees with `is_servable()`.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from torch import nn
 from checksum import ChecksumMismatch, Manifest, ManifestError, Report, TensorRecord, compare, digest_tensors
 from inference.config import ModelConfig
 from inference.core import InvalidRequestError, StateError
+from inference.memory import ArenaState
 from inference.parallel import TPInfo
 from inference.transfer.groups import InitInfo, TransferError
 from inference.transfer.plan import TensorSpec, specs_from_manifest
@@ -35,6 +39,7 @@ from inference.transfer.target import Fault, Route, UpdateTarget, validate_manif
 
 log = logging.getLogger(__name__)
 
+WEIGHT_ARENAS = {"target": "weights", "draft": "draft_weights"}  # the tags inference.worker gives them
 FAULT_ENV = "SIDECAR_WEIGHT_FAULT"  # test-only: "flip:<tensor name>" flips a byte of that tensor on arrival
 
 
@@ -131,8 +136,23 @@ class WeightUpdateMixin:
     def supports_draft_weight_updates(self) -> bool:
         return "draft" in self.models
 
+    def _weights_arena(self, which: str) -> tuple[Any, str] | None:
+        memory = getattr(self, "memory", None)
+        tag = WEIGHT_ARENAS.get(which)
+        return (memory, tag) if memory is not None and tag in memory.tags else None
+
     def _check_weights_writable(self, which: str) -> None:
-        """Hook: raise StateError when `which` cannot be written now (asleep at the wrong level)."""
+        """StateError when the weights of `which` are asleep: writing a released arena is an illegal
+        address on CUDA (a level-2 wake makes it writable again, empty)."""
+        arena = self._weights_arena(which)
+        if arena is not None and arena[0].state(arena[1]) != ArenaState.AWAKE:
+            raise StateError(f"rank {self.rank_key}: the {which} weights are asleep "
+                             f"({arena[0].state(arena[1]).value}); wake_up(['weights']) before a weight update")
+
+    def _set_arena_valid(self, which: str, valid: bool) -> None:
+        arena = self._weights_arena(which)
+        if arena is not None:
+            (arena[0].mark_loaded if valid else arena[0].mark_not_loaded)(arena[1])
 
     # ---- the group ----------------------------------------------------------------------------
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
@@ -242,6 +262,7 @@ class WeightUpdateMixin:
             raise
         state = self._wt_state(session.which)
         state.version, state.torn, state.torn_reason, state.loaded = session.version, False, None, True
+        self._set_arena_valid(session.which, True)
         self._wt_session = None
         return UpdateResult(session.which, session.version, self.rank_key, report, received, held)
 
@@ -272,6 +293,7 @@ class WeightUpdateMixin:
         """Both ends agreed on the plan: from here on the model's bytes may change."""
         session.bytes_moved = True
         self._mark_torn(session.which, f"update to version {session.version} in progress")
+        self._set_arena_valid(session.which, False)
 
     def _mark_torn(self, which: str, reason: str) -> None:
         state = self._wt_state(which)

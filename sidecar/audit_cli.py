@@ -1,39 +1,59 @@
 """`sidecar audit EXPECTED.json ACTUAL.json [MORE.json ...]`: compare checksum manifests.
+`sidecar audit --url URL [--model target|draft] [--source held|received] [EXPECTED.json]`: the same
+against a running sidecar.
 
 The first file holds what was expected, every further file what a rank holds. Any file may hold
 one manifest or a JSON list of them (one per rank). One expected manifest applies to every actual
 rank (the trainer's digests of what it sent); several are matched to the actual ones by (model,
-rank key), and ranks found on only one side are reported. Exit status: 0 all match, 1 mismatch,
-2 bad input (a one-line error on stderr).
+rank key), and ranks found on only one side are reported. With --url, every rank's manifest is
+fetched (GET /checksums) and the ranks are compared with each other (sidecar/audit_rules.py: the
+replica rule); EXPECTED.json is then optional. Exit status: 0 all match, 1 mismatch, 2 bad input
+or an unreachable sidecar (a one-line error on stderr).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from checksum import Manifest, ManifestError, audit, load_manifests
+from checksum import Manifest, ManifestError, Report, audit, load_manifests
+from inference.core import SidecarError
 
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("expected", metavar="EXPECTED.json",
-                        help="the expected manifest(s), e.g. the trainer's digests of what it sent")
+    parser.add_argument("expected", metavar="EXPECTED.json", nargs="?",
+                        help="the expected manifest(s), e.g. the trainer's digests of what it sent "
+                             "(optional with --url)")
     # nargs="*" rather than "+": a later `--url URL` (fetch the actual manifests from a running
     # sidecar) will be another source of actual manifests; see _actual_manifests.
     parser.add_argument("actual", metavar="ACTUAL.json", nargs="*",
                         help="one or more actual manifests (a file may hold a JSON list, one per rank)")
     parser.add_argument("--max-rows", type=int, default=50, metavar="N",
                         help="print at most N mismatch rows (0: all; default 50)")
+    parser.add_argument("--url", default=None, help="fetch every rank's manifest from a running sidecar")
+    parser.add_argument("--model", choices=("target", "draft"), default="target", help="with --url (default target)")
+    parser.add_argument("--source", choices=("held", "received"), default="held",
+                        help="with --url: the weights held now, or what the last sync delivered (default held)")
+    parser.add_argument("--api-key", default=None, help="with --url (default: $SIDECAR_API_KEY)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="with --url: seconds per request")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        expected = load_manifests(args.expected)
+        if args.expected is None and args.url is None:
+            raise ManifestError("<command line>", "EXPECTED.json", "give the expected manifest file (or --url)")
+        expected = load_manifests(args.expected) if args.expected is not None else None
         actual = _actual_manifests(args)
-        report = audit(expected, actual)
-    except ManifestError as exc:
+        reports = [audit(expected, actual)] if expected is not None else []
+        if args.url is not None:
+            from sidecar.audit_rules import replica_report
+
+            reports.append(replica_report(actual, args.source))
+        report = Report.merge(reports)
+    except (ManifestError, SidecarError) as exc:
         print(f"sidecar audit: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     sys.stdout.write(report.table(max_rows=args.max_rows if args.max_rows > 0 else None))
@@ -41,7 +61,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _actual_manifests(args: argparse.Namespace) -> list[Manifest]:
-    """Every actual manifest, in command-line order (files now; a sidecar URL later)."""
-    if not args.actual:
+    """Every actual manifest, in command-line order: the files, then the sidecar's ranks (--url)."""
+    if not args.actual and args.url is None:
         raise ManifestError("<command line>", "ACTUAL.json", "give at least one actual manifest file")
-    return [m for path in args.actual for m in load_manifests(path)]
+    found = [m for path in args.actual for m in load_manifests(path)]
+    if args.url is not None:
+        found += _fetch(args)
+    return found
+
+
+def _fetch(args: argparse.Namespace) -> list[Manifest]:
+    from sidecar.client import SidecarClient
+
+    key = args.api_key or os.environ.get("SIDECAR_API_KEY")
+    with SidecarClient(args.url, api_key=key, timeout=args.timeout, retries=1) as client:
+        dicts = client.checksums(args.model, args.source)
+    return [Manifest.from_dict(d, f"{args.url} rank {i}") for i, d in enumerate(dicts)]

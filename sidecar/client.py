@@ -105,11 +105,12 @@ def error_from_response(resp: httpx.Response) -> SidecarHTTPError:
 
 class SidecarClient:
     def __init__(self, url: str, api_key: str | None = None, timeout: float = 30.0, *,
-                 long_timeout: float = 900.0, retries: int = 3, backoff_s: float = 0.25) -> None:
+                 long_timeout: float = 900.0, retries: int = 3, backoff_s: float = 0.25,
+                 transport: httpx.BaseTransport | None = None) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.url = url.rstrip("/")
         self.timeout, self.long_timeout, self.retries, self.backoff_s = timeout, long_timeout, retries, backoff_s
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport)
 
     def close(self) -> None:
         self._http.close()

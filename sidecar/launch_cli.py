@@ -158,7 +158,8 @@ def resolve_device(cfg: LaunchConfig) -> str:
 
 
 def describe_plan(plan: dict[str, Any]) -> str:
-    weights = ", ".join(f"{tag} {_mib(n)}" for tag, n in plan["weights_bytes"].items())
+    names = {"weights": "target", "draft_weights": "draft"}
+    weights = ", ".join(f"{names.get(tag, tag)} {_mib(n)}" for tag, n in plan["weights_bytes"].items())
     return (f"rank {plan['rank']} (pid {plan['pid']}) on {plan['device']} {plan['dtype']}: weights {weights}; "
             f"KV cache {plan['kv_blocks']} blocks x {plan['block_size']} tokens = {_mib(plan['kv_bytes'])}; "
             f"max_model_len {plan['max_model_len']}")

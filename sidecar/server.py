@@ -145,12 +145,13 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0] if e.errors() else {"loc": ("body",), "msg": "invalid request", "type": ""}
-        loc = [str(p) for p in first.get("loc", ())]
-        if first.get("type") == "json_invalid":
-            return respond(400, "MalformedJSON", f"the body is not valid JSON: {first.get('msg')}", "body")
-        name = ".".join(loc[1:]) if len(loc) > 1 else (loc[0] if loc else "body")
-        return respond(422, "ValidationError", f"{name}: {first.get('msg')}", name)
+        errors = list(e.errors()) or [{"loc": ("body",), "msg": "invalid request", "type": ""}]
+        if any(err.get("type") == "json_invalid" for err in errors):
+            return respond(400, "MalformedJSON", f"the body is not valid JSON: {errors[0].get('msg')}", "body")
+        # A union reports one error per member: the deepest location is the most specific one.
+        best = max(errors, key=lambda err: len(field_path(err.get("loc", ()))))
+        name = field_path(best.get("loc", ())) or "body"
+        return respond(422, "ValidationError", f"{name}: {best.get('msg')}", name)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -161,6 +162,20 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
     async def _bug(_: Request, e: Exception) -> JSONResponse:
         log.exception("unhandled error")
         return respond(500, type(e).__name__, str(e) or type(e).__name__)
+
+
+def field_path(loc: Any) -> str:
+    """pydantic's loc -> "sampling_params[0].temperature": drops "body" and union member tags
+    (type names such as "str", "list[int]", "SamplingParamsModel"; our fields are snake_case)."""
+    out = ""
+    for part in list(loc)[1:] if loc and loc[0] == "body" else list(loc):
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" in part or part[:1].isupper() or part in ("str", "int", "float", "bool", "list", "dict"):
+            continue
+        else:
+            out += f".{part}" if out else part
+    return out
 
 
 def _add_open_routes(router: APIRouter, state: ServerState) -> None:
@@ -193,9 +208,15 @@ async def await_future(request: Request | None, fut: Future, driver: Driver) -> 
             raise ApiError(499, "ClientClosedRequest", "the client went away; its requests were aborted")
 
 
-def check_params(params: SamplingParams, vocab_size: int, prefix: str) -> None:
+def check_params(params: SamplingParams, state: ServerState, prefix: str) -> None:
+    """Validate before queueing. max_tokens beyond max_model_len can never be produced: refused as
+    absurd here (the engine itself would cap it at max_model_len)."""
     try:
-        params.validate(vocab_size)
+        params.validate(state.vocab_size)
+        limit = int(state.plans[0]["max_model_len"])
+        if params.max_tokens > limit:
+            raise InvalidRequestError("sampling_params.max_tokens",
+                                      f"{params.max_tokens} exceeds max_model_len ({limit})")
     except InvalidRequestError as e:
         name = e.field.removeprefix("sampling_params.")
         raise ApiError(400, type(e).__name__, e.message, f"{prefix}.{name}" if prefix else name) from None
@@ -235,7 +256,7 @@ def _add_generation_routes(router: APIRouter, state: ServerState) -> None:
         params = []
         for i, m in enumerate(models):
             p = m.to_params()
-            check_params(p, state.vocab_size, f"sampling_params[{i}]" if per_prompt else "sampling_params")
+            check_params(p, state, f"sampling_params[{i}]" if per_prompt else "sampling_params")
             params.append(p)
         outs = await run_group(request, state, list(body.prompts), params, body.wait,
                                ("prompts", "sampling_params", per_prompt))
@@ -246,7 +267,7 @@ def _add_generation_routes(router: APIRouter, state: ServerState) -> None:
         if body.stream:
             raise ApiError(400, "InvalidRequestError", "streaming is not supported", "stream")
         params = body.to_params()
-        check_params(params, state.vocab_size, "")
+        check_params(params, state, "")
         prompts = body.prompts()
         if not prompts:
             raise ApiError(400, "InvalidRequestError", "must not be empty", "prompt")

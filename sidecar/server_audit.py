@@ -2,9 +2,7 @@
 
 Two sources per rank (docs/checksums.md): "held" digests the parameters the rank holds now (its
 shards, engine names); "received" is what the last finished sync delivered (full tensors, trainer
-names). Replica rule: received manifests must be identical on every rank (each rank received the
-same full tensors); held manifests must be identical across ranks that hold the same shard (the
-same pp and tp index, different dp). `expected` adds the sidecar-audit rule (checksum.audit): one
+names). The replica rule is sidecar/audit_rules.py. `expected` adds the sidecar-audit rule (checksum.audit): one
 expected manifest (or a list of the sender's records) applies to every rank, several are matched by
 rank key.
 """
@@ -12,13 +10,13 @@ rank key.
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
 from typing import Any, Literal
 
 from fastapi import APIRouter
 
-from checksum import Manifest, ManifestError, Report, TensorRecord, audit, compare_each, parse_rank_key
+from checksum import Manifest, ManifestError, Report, TensorRecord, audit
 from sidecar.api_models import AuditRequest
+from sidecar.audit_rules import replica_report
 from sidecar.server import ApiError, ServerState
 from sidecar.server_control import call
 
@@ -51,16 +49,6 @@ def audit_manifests(actual: list[Manifest], expected: Any, source: str) -> Repor
     if expected is not None:
         reports.append(audit(parse_expected(expected, actual[0]), actual))
     return Report.merge(reports)
-
-
-def replica_report(actual: list[Manifest], source: str) -> Report:
-    if source == "received":
-        return compare_each(actual[0], actual)
-    groups: dict[tuple[int, int], list[Manifest]] = defaultdict(list)
-    for m in actual:
-        _, pp, tp = parse_rank_key(m.rank)
-        groups[(pp, tp)].append(m)
-    return Report.merge(compare_each(g[0], g) for g in groups.values())
 
 
 def parse_expected(expected: Any, reference: Manifest) -> list[Manifest]:

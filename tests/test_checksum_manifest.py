@@ -71,7 +71,7 @@ def test_manifest_from_state_dict_is_sorted_and_carries_dtype_and_shape() -> Non
     emb = m.by_name()["model.embed_tokens.weight"]
     assert (emb.dtype, emb.shape) == ("bfloat16", (32, 8))
     assert (m.algorithm, m.model, m.weight_version, m.rank, m.format_version) == (
-        "xxh3_128", "target", 3, "dp0:pp0:tp0", 1)
+        "xxh3_128_seg64m", "target", 3, "dp0:pp0:tp0", 1)
     # A module's state dict works too, and the order of the input does not matter.
     reversed_input = dict(reversed(list(state_dict().items())))
     assert manifest(reversed_input) == m
@@ -118,6 +118,7 @@ MALFORMED = {
     "bool weight_version": (lambda d: set_path(d, ("weight_version",), True), "weight_version"),
     "negative weight_version": (lambda d: set_path(d, ("weight_version",), -1), "weight_version"),
     "unknown algorithm": (lambda d: set_path(d, ("algorithm",), "sha256"), "algorithm"),
+    "retired algorithm": (lambda d: set_path(d, ("algorithm",), "xxh3_128"), "algorithm"),
     "unknown model": (lambda d: set_path(d, ("model",), "critic"), "model"),
     "bad rank": (lambda d: set_path(d, ("rank",), "tp0"), "rank"),
     "future format_version": (lambda d: set_path(d, ("format_version",), 2), "format_version"),
@@ -152,6 +153,21 @@ def test_malformed_manifest_names_file_and_field(case: str, tmp_path: Path) -> N
     assert isinstance(info.value, ValueError)
     assert info.value.field == field
     assert str(path) in str(info.value) and field in str(info.value)
+
+
+def test_manifest_of_the_retired_whole_stream_digest_is_refused_with_a_reason(tmp_path: Path) -> None:
+    """Before per-segment hashing, "xxh3_128" digests of tensors over 64 MiB meant something else:
+    such a file must never be compared, and the error says what to do."""
+    data = valid_dict()
+    data["algorithm"] = "xxh3_128"
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match="no longer supported") as info:
+        load_manifests(path)
+    assert info.value.field == "algorithm"
+    assert "'xxh3_128_seg64m'" in str(info.value) and "Regenerate" in str(info.value)
+    with pytest.raises(ManifestError, match="algorithm"):
+        Manifest("target", 3, "dp0:pp0:tp0", (), algorithm="xxh3_128")
 
 
 @pytest.mark.parametrize(("text", "field"), [('{"format": ', "<json>"), ("[1, 2", "<json>"), ("42", "<root>"),

@@ -289,12 +289,28 @@ def test_new_init_replaces_the_old_group_and_abandons_its_session(dirs: dict[str
     with pytest.raises(TransferError):
         old.sender.send(state)  # nobody listens on the old group any more
     assert new.sync(state, 2).report.ok and worker.weight_versions["target"] == 2
-    new.sender.init_info()
+    info = new.sender.init_info()
     with ThreadPoolExecutor(1) as pool:  # the same sender re-inits the same worker: a fresh session
         connecting = pool.submit(new.sender.connect)
-        worker.init_weight_transfer_engine(new.sender.init_info())
+        worker.init_weight_transfer_engine(info)
         connecting.result(timeout=30)
     assert new.sync(state, 3).report.ok
+
+
+def test_update_needs_awake_weights_and_refills_a_level_2_sleep(dirs: dict[str, Path], tmp_path: Path) -> None:
+    worker = make_worker(dirs, draft=False)  # with a draft, both models would need a sync
+    link = Link(worker)
+    state = perturbed(dirs["target"], 87)
+    manifest = link.sender.manifest(state, 1)
+    for level in (1, 2):
+        worker.sleep(level)
+        with pytest.raises(StateError, match="asleep"):
+            worker.start_weight_update(1, manifest)
+        worker.wake_up()
+    assert not worker.is_ready(), "level 2 dropped the weights: nothing to serve until a sync"
+    assert link.sync(state, 1).report.ok
+    assert worker.is_ready() and worker.is_servable("target")
+    assert held(worker) == loader_digests(dirs["target"], state, tmp_path / "ref")
 
 
 def test_reset_weights_then_sync(dirs: dict[str, Path]) -> None:

@@ -86,9 +86,15 @@ class ParallelLMHead(nn.Module):
         else:
             self.weight = new_param((self.shard.size, hidden_size), dtype, device, self.shard.load)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab_size] logits (full vocab, every rank, in the weight's dtype)."""
+    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab_size] logits (full vocab, every rank, in the weight's dtype).
+
+        With `out` ([N, vocab_size]) the logits are written there (straight from the matmul at TP=1),
+        which is how a CUDA graph leaves them in a static buffer.
+        """
+        if out is not None and self.tp.size == 1:
+            return torch.mm(hidden, self.weight.t(), out=out)
         logits = self.tp.all_gather_last_dim(F.linear(hidden, self.weight))
         if self.shard.padded_vocab_size != self.shard.vocab_size:
             logits = logits[..., :self.shard.vocab_size]
-        return logits
+        return logits if out is None else out.copy_(logits)

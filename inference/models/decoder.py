@@ -158,8 +158,8 @@ class DecoderForCausalLM(nn.Module):
         assert input_ids.shape == positions.shape and input_ids.dim() == 1, (input_ids.shape, positions.shape)
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lm_head(hidden, out)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

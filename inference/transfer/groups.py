@@ -131,12 +131,12 @@ class TransferGroup:
         try:
             if store is None:
                 store = dist.TCPStore(info.master_host, info.master_port, info.world_size, False, self.timeout)
-            session = dist.PrefixStore(f"{_KEY_PREFIX}/{info.session_id}/", store)
+            session = dist.PrefixStore(f"{_KEY_PREFIX}/{info.session_id}", store)
             self._store = store
             self._control = dist.ProcessGroupGloo(
-                dist.PrefixStore("control/", session), rank, info.world_size, self.timeout)
+                dist.PrefixStore("control", session), rank, info.world_size, self.timeout)
             if info.backend == "nccl":
-                self._data = _nccl_group(dist.PrefixStore("data/", session), rank, info.world_size, info, device)
+                self._data = _nccl_group(dist.PrefixStore("data", session), rank, info.world_size, info, device)
         except Exception as e:
             self.broken = str(e)
             raise TransferError(f"{self.label} could not join session {info.session_id} at "
