@@ -83,14 +83,17 @@ def bad_inputs(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     data = manifest(weights()).to_dict()
     del data["weight_version"]
     no_version.write_text(json.dumps(data))
+    old_algorithm = tmp_path / "old_algorithm.json"  # written before per-segment digests
+    old_algorithm.write_text(json.dumps({**manifest(weights()).to_dict(), "algorithm": "xxh3_128"}))
     return {
         "missing file": (tmp_path / "absent.json", "cannot read"),
         "malformed JSON": (not_json, "invalid JSON"),
         "missing field": (no_version, "weight_version: missing field"),
+        "retired algorithm": (old_algorithm, "algorithm: 'xxh3_128' is no longer supported"),
     }
 
 
-@pytest.mark.parametrize("case", ["missing file", "malformed JSON", "missing field"])
+@pytest.mark.parametrize("case", ["missing file", "malformed JSON", "missing field", "retired algorithm"])
 @pytest.mark.parametrize("side", ["expected", "actual"])
 def test_bad_input_exits_2_with_one_line(case: str, side: str, files: dict[str, Path], tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:

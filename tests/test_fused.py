@@ -72,3 +72,18 @@ def test_rotary_matches_eager_on_strided_views(device: str, dtype: torch.dtype, 
     expected = fused.rotary_torch(q, torch.cat((cos, cos), -1), torch.cat((sin, sin), -1))
     got = fused.rotary(q, positions, rot.cos_sin_cache)
     close(got, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_qk_in_one_launch_equals_two_rotations(device: str, dtype: torch.dtype) -> None:
+    from inference.config import RopeConfig
+    from inference.layers.rotary import RotaryEmbedding
+
+    rot = RotaryEmbedding(64, 32, RopeConfig(theta=500.0), device)
+    qkv = _rand(5, (14 + 2 + 2) * 64, dtype=dtype, device=device)
+    q, k = qkv[:, :14 * 64].view(5, 14, 64), qkv[:, 14 * 64:16 * 64].view(5, 2, 64)
+    positions = torch.tensor([3, 0, 31, 7, 7], device=device)
+    q2, k2 = fused.rotary_qk(q, k, positions, rot.cos_sin_cache)
+    assert torch.equal(q2, fused.rotary(q, positions, rot.cos_sin_cache))
+    assert torch.equal(k2, fused.rotary(k, positions, rot.cos_sin_cache))

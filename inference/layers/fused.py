@@ -124,10 +124,8 @@ def rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 if triton is not None:
 
     @triton.jit
-    def _rotary_kernel(x_ptr, out_ptr, cs_ptr, pos_ptr, stride_t, stride_h, n_heads,
-                       HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
-        pos = tl.load(pos_ptr + t).to(tl.int64)
+    def _rotate_heads(x_ptr, out_ptr, t, stride_t, stride_h, n_heads, cos, sin,
+                      HALF: tl.constexpr, BLOCK_H: tl.constexpr):
         heads = tl.arange(0, BLOCK_H)
         d = tl.arange(0, HALF)
         hmask = heads[:, None] < n_heads
@@ -135,8 +133,6 @@ if triton is not None:
         x1 = tl.load(x_ptr + base, mask=hmask, other=0.0)
         x2 = tl.load(x_ptr + base + HALF, mask=hmask, other=0.0)
         dt = x1.dtype
-        cos = tl.load(cs_ptr + pos * 2 * HALF + d).to(dt).to(tl.float32)[None, :]
-        sin = tl.load(cs_ptr + pos * 2 * HALF + HALF + d).to(dt).to(tl.float32)[None, :]
         # out = x * cos + rotate_half(x) * sin, rounding each product and the sum like eager torch
         lo = ((x1.to(tl.float32) * cos).to(dt).to(tl.float32) + (-x2.to(tl.float32) * sin).to(dt).to(tl.float32))
         hi = ((x2.to(tl.float32) * cos).to(dt).to(tl.float32) + (x1.to(tl.float32) * sin).to(dt).to(tl.float32))
@@ -144,16 +140,50 @@ if triton is not None:
         tl.store(out_ptr + out, lo.to(dt), mask=hmask)
         tl.store(out_ptr + out + HALF, hi.to(dt), mask=hmask)
 
+    @triton.jit
+    def _rotary_qk_kernel(q_ptr, k_ptr, q_out, k_out, cs_ptr, pos_ptr, q_stride_t, q_stride_h, k_stride_t,
+                          k_stride_h, n_q, n_k, HALF: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+                          HAS_K: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        d = tl.arange(0, HALF)
+        dt = q_ptr.dtype.element_ty
+        cos = tl.load(cs_ptr + pos * 2 * HALF + d).to(dt).to(tl.float32)[None, :]
+        sin = tl.load(cs_ptr + pos * 2 * HALF + HALF + d).to(dt).to(tl.float32)[None, :]
+        _rotate_heads(q_ptr, q_out, t, q_stride_t, q_stride_h, n_q, cos, sin, HALF, BLOCK_Q)
+        if HAS_K:
+            _rotate_heads(k_ptr, k_out, t, k_stride_t, k_stride_h, n_k, cos, sin, HALF, BLOCK_K)
+
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
     """Rotate x [T, H, D] (any strides in T and H, unit stride in D) at `positions` [T]."""
     if not use_triton(x):
         cos, sin = cos_sin_cache[positions].to(x.dtype).unsqueeze(1).chunk(2, dim=-1)
         return rotary_torch(x, torch.cat((cos, cos), -1), torch.cat((sin, sin), -1))
-    t, h, d = x.shape
-    assert x.stride(2) == 1 and d % 2 == 0 and d & (d - 1) == 0, (x.stride(), d)
-    out = torch.empty(t, h, d, dtype=x.dtype, device=x.device)
+    return _rotary_launch(x, None, positions, cos_sin_cache)[0]
+
+
+def rotary_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+              cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, Hq, D] and k [T, Hk, D] in one launch (the decode path's hot spot)."""
+    if not use_triton(q):
+        return rotary(q, positions, cos_sin_cache), rotary(k, positions, cos_sin_cache)
+    q_out, k_out = _rotary_launch(q, k, positions, cos_sin_cache)
+    assert k_out is not None
+    return q_out, k_out
+
+
+def _rotary_launch(q: torch.Tensor, k: torch.Tensor | None, positions: torch.Tensor,
+                   cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    t, hq, d = q.shape
+    assert q.stride(2) == 1 and d % 2 == 0 and d & (d - 1) == 0, (q.stride(), d)
+    q_out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
+    k_out = None if k is None else torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    kk = q if k is None else k
+    assert kk.stride(2) == 1 and kk.dtype == q.dtype
     if t:
-        _rotary_kernel[(t,)](x, out, cos_sin_cache, positions, x.stride(0), x.stride(1), h,
-                             HALF=d // 2, BLOCK_H=triton.next_power_of_2(h))
-    return out
+        _rotary_qk_kernel[(t,)](q, kk, q_out, q_out if k_out is None else k_out, cache, positions,
+                                q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), hq, kk.shape[1],
+                                HALF=d // 2, BLOCK_Q=triton.next_power_of_2(hq),
+                                BLOCK_K=triton.next_power_of_2(kk.shape[1]), HAS_K=k is not None)
+    return q_out, k_out

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from inference.config import RopeConfig
-from inference.layers.fused import rotary, rotary_torch, use_triton
+from inference.layers.fused import rotary, rotary_qk, rotary_torch, use_triton
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -74,3 +74,8 @@ class Rope:
         if self.fused:
             return rotary(x, self.positions, self.cache)
         return rotary_torch(x, self.cos, self.sin)
+
+    def apply_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused:
+            return rotary_qk(q, k, self.positions, self.cache)
+        return rotary_torch(q, self.cos, self.sin), rotary_torch(k, self.cos, self.sin)

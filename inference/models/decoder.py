@@ -73,7 +73,7 @@ class DecoderAttention(nn.Module):
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply(q), rope.apply(k)
+        q, k = rope.apply_qk(q, k)
         out = self.attn(q, k, v, meta)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
