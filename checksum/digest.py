@@ -21,7 +21,8 @@ from typing import Literal
 
 import torch
 
-from checksum.definition import SEGMENT_BYTES, digest_bytes
+from checksum import definition
+from checksum.definition import digest_bytes
 from checksum.staging import CudaStaging, HostStaging, Job, Staging, run_jobs
 
 DEFAULT_CHUNK_BYTES = 16 << 20  # big enough for full D2H bandwidth, small enough to pipeline; divides a segment
@@ -114,7 +115,7 @@ class Digester:
         self.num_buffers = num_buffers if num_buffers is not None else self.threads + max_queued_copies + 2
         if self.num_buffers < 1:
             raise ValueError(f"num_buffers must be >= 1, got {num_buffers}")
-        self.chunk_bytes = min(chunk_bytes, SEGMENT_BYTES)
+        self.chunk_bytes = min(chunk_bytes, definition.SEGMENT_BYTES)
         self.max_queued_copies = max_queued_copies
         self.staging_mode = staging
         self._pool: ThreadPoolExecutor | None = None

@@ -1,12 +1,14 @@
 """Benchmark the checksum audit: digest GB/s of a Qwen2.5-7B-shaped bf16 checkpoint on the device.
 
 Measured in one run, on the same tensors:
-- ours: `Digester.digest` (xxh3-128 streamed through pinned buffers into host threads), after one
-  warm-up run that allocates the pinned buffers;
+- ours: `Digester.digest` (xxh3-128 per 64 MiB segment, segments streamed through pinned buffers
+  into host threads, so many threads share one embedding), after one warm-up run that allocates the
+  pinned buffers;
 - the ceiling: a plain copy of the same bytes into pinned host memory (device-to-host bandwidth);
 - the peer: SHA-256 of each tensor after a full `.cpu()` copy, on one thread (what vLLM does). It
   is slow, so it runs on a prefix of the tensors holding about --peer-gb and is scaled by bytes.
-Our digests of that prefix are checked against xxh3-128 of the `.cpu()` bytes. Prints one JSON line.
+Our digests of that prefix are checked against the documented rule applied to the `.cpu()` bytes
+(plain xxh3-128 up to a segment; above, xxh3-128 of the segments' 16-byte digests). Prints one JSON line.
 
     python scripts/bench_checksum.py                      # ~8 GB on CUDA, 16 threads
     python scripts/bench_checksum.py --device cpu --gb 0.05 --threads 2   # smoke test
@@ -27,7 +29,7 @@ import torch
 import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
-from checksum import DEFAULT_CHUNK_BYTES, Digester
+from checksum import ALGORITHM, DEFAULT_CHUNK_BYTES, SEGMENT_BYTES, Digester
 
 # Qwen2.5-7B: hidden 3584, intermediate 18944, 28 layers, vocab 152064, 4 KV heads of 128, untied lm_head.
 QWEN25_7B = {"hidden": 3584, "intermediate": 18944, "layers": 28, "vocab": 152064, "kv_heads": 4, "head_dim": 128}
@@ -125,6 +127,14 @@ def peer_sha256(tensors: dict[str, torch.Tensor], names: list[str]) -> Callable[
     return run
 
 
+def rule_digest(data: bytes) -> str:
+    """docs/checksums.md's rule, written out: the pipeline's answer must equal it."""
+    if len(data) <= SEGMENT_BYTES:
+        return xxhash.xxh3_128(data).hexdigest()
+    parts = (xxhash.xxh3_128(data[i : i + SEGMENT_BYTES]).digest() for i in range(0, len(data), SEGMENT_BYTES))
+    return xxhash.xxh3_128(b"".join(parts)).hexdigest()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gb", type=float, default=8.0, help="checkpoint size in GB (1e9 bytes)")
@@ -149,14 +159,19 @@ def main(argv: list[str] | None = None) -> int:
     peer = best_seconds(peer_sha256(tensors, names), device, 1)
 
     by_name = {r.name: r.digest for r in records}
-    for name in names:  # our digests must be xxh3-128 of the bytes the peer hashed
-        expected = xxhash.xxh3_128(tensors[name].cpu().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+    for name in names:  # our digests must follow the documented rule over the bytes the peer hashed
+        expected = rule_digest(tensors[name].cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
         if by_name[name] != expected:
             raise SystemExit(f"bench_checksum: digest of {name} is wrong: {by_name[name]} != {expected}")
 
     ours_gbps, d2h_gbps = nbytes / ours / 1e9, nbytes / d2h / 1e9
     peer_gbps = peer_bytes / peer / 1e9
     ceiling = "pinned D2H" if device.type == "cuda" else "host memcpy (no device on --device cpu)"
+    sizes = [t.numel() * t.element_size() for t in tensors.values()]
+    segments = sum(max(1, math.ceil(n / SEGMENT_BYTES)) for n in sizes)
+    rule = (f"digest {ALGORITHM}: xxh3-128 of each {SEGMENT_BYTES >> 20} MiB segment, hashed in parallel, "
+            f"combined by xxh3-128 of the segment digests above {SEGMENT_BYTES >> 20} MiB "
+            f"({segments} segments, largest tensor {max(sizes) / 1e9:.2f} GB)")
     print(json.dumps({
         "bench": "checksum",
         "bytes": nbytes,
@@ -169,8 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "tensors": len(tensors),
         "chunk_bytes": digester.chunk_bytes,
+        "algorithm": ALGORITHM,
+        "segment_bytes": SEGMENT_BYTES,
         "peer_bytes": peer_bytes,
-        "note": f"{layout}; ceiling: {ceiling}; peer measured on {peer_bytes / 1e9:.2f} of "
+        "note": f"{layout}; {rule}; ceiling: {ceiling}; peer measured on {peer_bytes / 1e9:.2f} of "
                 f"{nbytes / 1e9:.2f} GB and scaled by bytes; best of {args.repeats} runs; digests verified",
     }))
     return 0

@@ -83,6 +83,13 @@ def pid_exists(pid: int) -> bool:
     return "\nState:\tZ" not in status
 
 
+def cmdline(pid: int) -> str:
+    try:
+        return f"{pid}: " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except FileNotFoundError:
+        return f"{pid}: gone"
+
+
 def child_pids(pid: int) -> list[int]:
     """Pids whose parent is `pid` (rank processes, multiprocessing's resource tracker)."""
     found = []

@@ -37,7 +37,8 @@ def test_reference_triton_and_graphs_agree(model_dir: Path, dtype: str) -> None:
     eager, _ = run(model_dir, dtype, attention_backend="triton", enforce_eager=True)
     graphs, llm = run(model_dir, dtype, attention_backend="triton")
     assert llm.worker.runner.graphs is not None and llm.worker.runner.graphs.graphs
-    tol = 1e-4 if dtype == "float32" else 5e-2
+    # bf16: the reference path computes attention in fp32 and the kernels in bf16 tensor-core dots
+    tol, tol_ref = (1e-4, 1e-4) if dtype == "float32" else (5e-2, 0.15)
     for a, b, c in zip(ref, eager, graphs):
         if dtype == "float32":
             assert a[0] == b[0] == c[0]
@@ -45,5 +46,5 @@ def test_reference_triton_and_graphs_agree(model_dir: Path, dtype: str) -> None:
             assert a[0][:8] == b[0][:8]
             assert b[0] == c[0]
         n = min(len(a[1]), len(b[1]), 8)
-        torch.testing.assert_close(torch.tensor(a[1][:n]), torch.tensor(b[1][:n]), atol=tol, rtol=0)
+        torch.testing.assert_close(torch.tensor(a[1][:n]), torch.tensor(b[1][:n]), atol=tol_ref, rtol=0)
         torch.testing.assert_close(torch.tensor(b[1]), torch.tensor(c[1]), atol=tol, rtol=0)
