@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 
@@ -20,6 +22,14 @@ def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def host_view(flat: torch.Tensor) -> memoryview:
-    """A zero-copy buffer over a CPU uint8 tensor (kept alive by the memoryview's base)."""
+    """A zero-copy buffer over a CPU uint8 tensor; the caller keeps `flat` alive while it is used.
+
+    Built with ctypes rather than `.numpy()`: numpy marks the storage as not resizable, and the CPU
+    memory arenas release memory by resizing their storage to zero on sleep.
+    """
     assert flat.device.type == "cpu" and flat.dtype == torch.uint8 and flat.dim() == 1
-    return memoryview(flat.numpy())
+    assert flat.is_contiguous()
+    n = flat.numel()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * n).from_address(flat.data_ptr())).cast("B")

@@ -100,8 +100,7 @@ class WeightUpdateMixin:
         self._wt_session: _Session | None = None
         self._wt_states: dict[str, ModelWeightState] = {}
         self._wt_routes: dict[str, _RouteCache] = {}
-        spec = os.environ.get(FAULT_ENV)
-        self.weight_transfer_fault: Fault | None = tuple(spec.split(":", 1)) if spec else None  # type: ignore[assignment]
+        self.weight_transfer_fault: Fault | None = _fault_from_env()
 
     # ---- state --------------------------------------------------------------------------------
     def _wt_state(self, which: str) -> ModelWeightState:
@@ -203,8 +202,8 @@ class WeightUpdateMixin:
         self._check_weights_writable(which)
         specs, routes = self._routes(which, specs, allow_cast)
         fault = self.weight_transfer_fault
-        if fault is not None and fault[0] != "flip":
-            raise InvalidRequestError("weight_transfer_fault", f"unknown fault kind {fault[0]!r} (only 'flip')")
+        if fault is not None and (len(fault) != 2 or fault[0] != "flip"):
+            raise InvalidRequestError("weight_transfer_fault", f"must be ('flip', tensor name), got {fault!r}")
         target = UpdateTarget(which, self.models[which], self.model_configs[which], routes, self.rank_key, fault)
         self._wt_session = _Session(which, version, specs, target)
 
@@ -310,6 +309,15 @@ class WeightUpdateMixin:
     def _held_manifest(self, which: str, version: int) -> Manifest:
         records = digest_tensors(list(self.models[which].named_parameters()))
         return Manifest(which, version, self.rank_key, tuple(records))
+
+
+def _fault_from_env() -> Fault | None:
+    """Test-only fault injection: SIDECAR_WEIGHT_FAULT="flip:<tensor name>"."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return None
+    kind, _, name = spec.partition(":")
+    return (kind, name)
 
 
 def _expected_manifest(sender_digests: Any, which: str, version: int, rank: str) -> Manifest:

@@ -172,10 +172,11 @@ def _scratch(nbytes: int, device: torch.device) -> torch.Tensor:
 
 
 # ---- the receiver (this process) ---------------------------------------------------------------
-def timed(fn: Callable[[], Any], iters: int, device: torch.device) -> float:
-    """Median milliseconds of fn over iters runs, after one warm-up run."""
+def timed(fn: Callable[[], Any], iters: int, device: torch.device, before: Callable[[], Any]) -> float:
+    """Median milliseconds of fn over iters runs, after one warm-up run; `before` runs untimed."""
     times = []
     for i in range(iters + 1):
+        before()
         sync_device(device)
         t0 = time.perf_counter()
         fn()
@@ -224,11 +225,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     peers = {}
     for name, peer in (("ceiling", ceiling_recv), ("per_param", per_param_recv), ("bucket", bucket_recv)):
         def once(peer: Callable = peer) -> None:
-            group.all_max([0], "barrier")
             peer(args, group, config, params, manifest, total, device)
-        peers[name] = timed(once, args.iters, device)
+        peers[name] = timed(once, args.iters, device, before=lambda: group.all_max([0], "barrier"))
     to_child.put("done")
     child.join(timeout=600)
+    _SCRATCH.clear()  # the next shape has its own sizes and its own trainer
+    if hasattr(bucket_recv, "buf"):
+        del bucket_recv.buf
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"bench": "sync", "shape": args.shape, "backend": args.backend, "bytes": total,
             "sync_ms": round(results[False], 3), "sync_audit_ms": round(results[True], 3),

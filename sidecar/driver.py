@@ -243,7 +243,8 @@ class Driver:
                 group = self._groups.get(gid)
                 if group is not None:
                     self._drop_locked(group)
-                    group.future.set_exception(RankError(err))
+                    if not group.future.done():  # an awaiting HTTP task may have been cancelled
+                        group.future.set_exception(RankError(err))
             self._resolve_locked(value["finished"])
 
     def _run_control(self, ctl: _Control) -> None:

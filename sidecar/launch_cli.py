@@ -137,6 +137,13 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def resolve_model(cfg: LaunchConfig) -> str:
+    """The model directory, checked here (config.json readable, family supported) so that a typo
+    fails in a second with exit status 2 instead of after spawning every rank."""
+    from inference.config import ModelConfig
+
+    for path in (cfg.model, cfg.draft_model):
+        if path is not None:
+            ModelConfig.from_dir(path)
     if cfg.model is not None:
         return cfg.model
     from inference.tiny import default_model_dir

@@ -77,8 +77,10 @@ def _build_llm(spec: RankSpec) -> Any:
         engine = dataclasses.replace(engine, device=f"cuda:{spec.rank}")
     tp = None
     if spec.size > 1:
+        device_id = torch.device("cuda", spec.rank) if spec.backend == "nccl" else None  # bind NCCL to our GPU
         dist.init_process_group(spec.backend, init_method=f"tcp://127.0.0.1:{spec.dist_port}", rank=spec.rank,
-                                world_size=spec.size, timeout=timedelta(seconds=spec.dist_timeout_s))
+                                world_size=spec.size, timeout=timedelta(seconds=spec.dist_timeout_s),
+                                device_id=device_id)
         tp = TPInfo(rank=spec.rank, size=spec.size, group=dist.group.WORLD)
     return LLM(config=engine, tp=tp)
 

@@ -164,6 +164,9 @@ class RankPool:
     def pids(self) -> list[int | None]:
         return [p.pid for p in self._procs]
 
+    def alive(self) -> list[bool]:
+        return [p.is_alive() for p in self._procs]
+
     def dead_rank(self) -> tuple[int, int | None] | None:
         """(rank, exit code) of the first rank process that is gone, or None."""
         for rank, proc in enumerate(self._procs):

@@ -165,10 +165,11 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
 
 
 def field_path(loc: Any) -> str:
-    """pydantic's loc -> "sampling_params[0].temperature": drops "body" and union member tags
+    """pydantic's loc -> "sampling_params[0].temperature": drops "body"/"query" and union member tags
     (type names such as "str", "list[int]", "SamplingParamsModel"; our fields are snake_case)."""
     out = ""
-    for part in list(loc)[1:] if loc and loc[0] == "body" else list(loc):
+    parts = list(loc)
+    for part in parts[1:] if parts and parts[0] in ("body", "query", "path", "header") else parts:
         if isinstance(part, int):
             out += f"[{part}]"
         elif "[" in part or part[:1].isupper() or part in ("str", "int", "float", "bool", "list", "dict"):

@@ -38,12 +38,11 @@ def state_dict(state: ServerState) -> dict[str, Any]:
     statuses = d.statuses
     head = statuses[0] if statuses else {}
     plan = state.plans[0]
-    alive = [p is not None for p in state.driver.pool.pids]
-    dead = d.pool.dead_rank()
+    alive = d.pool.alive()
     ranks = []
     for i, (st, pl) in enumerate(zip(statuses, state.plans)):
         ranks.append({
-            "rank": pl["rank"], "pid": pl["pid"], "alive": alive[i] and (dead is None or dead[0] != i),
+            "rank": pl["rank"], "pid": pl["pid"], "alive": alive[i] if i < len(alive) else False,
             "device": pl["device"], "ready": st.get("ready"), "sleeping": st.get("sleeping"),
             "tags": {t: a["state"] for t, a in st.get("arenas", {}).items()},
             "weight_versions": st.get("weight_versions", {}), "torn": st.get("torn", {}),
@@ -90,7 +89,8 @@ def _add_lifecycle_routes(router: APIRouter, state: ServerState) -> None:
         return state_dict(state)
 
     @router.post("/sleep", summary="Release device memory (level 1 keeps a host copy of the weights)")
-    async def sleep(body: SleepRequest) -> dict[str, Any]:
+    async def sleep(body: SleepRequest | None = None) -> dict[str, Any]:
+        body = body or SleepRequest()
         t0 = time.perf_counter()
         ranks = await call(state, "sleep", body.level, body.in_flight)
         state.metrics.sleep_seconds.labels(str(body.level)).observe(time.perf_counter() - t0)

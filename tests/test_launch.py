@@ -113,7 +113,8 @@ def test_killed_rank_makes_health_503_and_calls_fail_fast() -> None:
             assert "rank 0" in e.value.message and time.monotonic() - t0 < 5
             with pytest.raises(SidecarUnavailableError):
                 c.sleep()
-            assert c.state()["healthy"] is False
+            state = c.state()
+            assert state["healthy"] is False and state["ranks"][0]["alive"] is False
     finally:
         code = server.stop(signal.SIGINT)
     assert code == 0, server.log

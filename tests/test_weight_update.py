@@ -232,6 +232,19 @@ def test_flipped_byte_fails_the_audit_naming_tensor_and_rank(dirs: dict[str, Pat
     assert worker.is_servable("target") and worker.weight_versions["target"] == 2
 
 
+def test_audit_fails_on_a_tensor_the_sender_did_not_vouch_for(dirs: dict[str, Path]) -> None:
+    worker = make_worker(dirs)
+    link = Link(worker)
+    state = perturbed(dirs["target"], 65)
+    worker.start_weight_update(1, link.sender.manifest(state, 1))
+    digests = [r for r in link.transfer(state) if r.name != Q1]
+    with pytest.raises(ChecksumMismatch) as err:
+        worker.finish_weight_update(digests)
+    first = err.value.report.first_tensor
+    assert (first.kind, first.tensor, first.rank) == ("extra", Q1, RANK)
+    assert worker.torn["target"] and worker.weight_versions["target"] == 0
+
+
 def test_session_state_rules(dirs: dict[str, Path]) -> None:
     worker = make_worker(dirs)
     state = perturbed(dirs["target"], 70)

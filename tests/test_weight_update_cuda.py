@@ -53,6 +53,7 @@ def _ipc_sender(out: Any, inbox: Any, model_dir: str, mode: str, bucket_bytes: i
         records = sender.send(params)
         out.put(([r.__dict__ for r in records], sender._ipc.exported_total))
         inbox.get(timeout=120)  # the receiver finished its audit
+    inbox.get(timeout=120)  # the receiver released its mappings: our memory may go now
     sender.close()
 
 
@@ -85,6 +86,7 @@ def test_ipc_sync_between_two_processes_on_one_gpu(model_dir: Path, tmp_path: Pa
         assert opened[0] == opened[1], "the second sync opened or exported handles again"
         assert opened[0][0] > 0
         worker.close_weight_transfer_engine()
+        inbox.put("bye")
     finally:
         proc.join(timeout=60)
     assert proc.exitcode == 0

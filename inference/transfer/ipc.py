@@ -14,6 +14,9 @@ address cannot be reused while a receiver may still hold its mapping); a storage
 id and its handle travels once. Each sync's layout lists the live ids; storages not used by a sync
 are dropped by both ends after it. Handles are plain JSON (no pickle on the wire); the GPU is named
 by UUID, since the two processes may number devices differently.
+Cost of reuse: the storages of the last sync stay alive until the next one (the receiver maps them;
+torch's IPC limbo would keep them anyway). A trainer that gathers temporary full tensors per sync
+(FSDP-style) should pass ipc_mode="packed" so only the two shared buckets stay alive.
 """
 
 from __future__ import annotations
