@@ -45,6 +45,9 @@ from inference.weight_update import WeightUpdateMixin
 SHAPES = {
     "tiny": dict(family="qwen2", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
                  intermediate_size=384, vocab_size=4096, tie_word_embeddings=True),
+    # the 0.5B layout (24 layers, 290 tensors) at tiny sizes: what per-tensor overhead costs
+    "layout-0.5b": dict(family="qwen2", hidden_size=64, num_layers=24, num_heads=4, num_kv_heads=2,
+                        intermediate_size=128, vocab_size=1024, tie_word_embeddings=True),
     "qwen2-0.5b": dict(family="qwen2", hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
                        head_dim=64, intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
     "qwen2.5-7b": dict(family="qwen2", hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4,
@@ -306,7 +309,7 @@ def main() -> None:
     if args.sender_device is None:
         args.sender_device = "cuda:1" if args.backend == "nccl" else args.device
     for shape in SHAPES if args.shape == "all" else [args.shape]:
-        if args.shape == "all" and shape == "tiny":
+        if args.shape == "all" and shape in ("tiny", "layout-0.5b"):
             continue
         print(json.dumps(run(argparse.Namespace(**{**vars(args), "shape": shape}))), flush=True)
 

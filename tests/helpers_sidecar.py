@@ -46,7 +46,8 @@ def launch(*args: str, env: dict[str, str] | None = None, timeout: float = START
     """Start `sidecar launch --port 0 --device cpu ...` and wait for its "serving on" line."""
     cmd = [sys.executable, "-m", "sidecar.cli", "launch", "--port", "0", "--device", "cpu",
            "--kv-cache-bytes", str(KV_BYTES), "--log-level", "warning", *args]
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
     log = Path(tempfile.mkstemp(prefix="sidecar-test-", suffix=".log")[1])
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=err, text=True)
