@@ -59,3 +59,21 @@ def test_cuda_tp2_over_nccl_equals_tp1() -> None:
             assert [r["device"] for r in c.state()["ranks"]] == ["cuda:0", "cuda:1"]
     finally:
         assert server.stop() == 0, server.log
+
+
+def test_launch_on_a_qwen2_05b_shape_serves_generation(tmp_path: Path) -> None:
+    from inference.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "q05", family="qwen2", hidden_size=896, num_layers=24, num_heads=14,
+                            num_kv_heads=2, intermediate_size=4864, vocab_size=151936, dtype="bfloat16",
+                            max_position_embeddings=4096)
+    server = launch("--model", str(model), "--device", "cuda", "--kv-cache-bytes", str(2 << 30))
+    try:
+        with SidecarClient(server.url, timeout=300) as c:
+            outs = c.generate([[1, 2, 3, 4, 5]] * 4 + [list(range(10, 300))],
+                              SamplingParams(temperature=1.0, seed=0, max_tokens=32, ignore_eos=True))
+            assert [len(o.outputs[0].token_ids) for o in outs] == [32] * 5
+            assert {o.weight_version for o in outs} == {0}
+            assert c.state()["ranks"][0]["device"] == "cuda:0"
+    finally:
+        assert server.stop() == 0, server.log
