@@ -1,0 +1,270 @@
+"""`WeightSyncHook`: the trainer's side of one RL step (sleep -> train -> sync + audit -> wake -> rollouts).
+
+Every rank of a distributed trainer calls the hook at the same points: weight sources are
+collectives (FSDP2 all-gathers, ZeRO-3 gathers), so all ranks collect together; only the sending
+rank (rank 0 by default) keeps the full tensors and talks to the sidecar. Non-sending ranks never
+touch the client.
+
+Counting: `after_optimizer_step()` is called once per `optimizer.step()` call site. With
+grad_accum_steps=k the hook treats every k-th call as an optimizer step (for loops that call it
+per micro-batch); a sync happens on every sync_every-th optimizer step. The counters are
+deterministic, so every rank syncs at the same call.
+
+Versions: the first sync uses the sidecar's live target version + 1; each passing sync advances
+`version` by one (a retried sync uses a fresh number). The draft, when given, is synced after the
+target under the same version, as model "draft".
+
+Failure rules: an audit mismatch raises AuditError carrying the report table (or, with
+retry_on_mismatch, re-sends once first). A sidecar that cannot be reached or whose ranks died
+raises SidecarGoneError, with the tail of its log when the hook knows the log path. Every client
+call has a timeout (the client's), so nothing hangs forever.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from inference.core import SamplingParams, SidecarError, StateError
+from inference.transfer.sender import WeightSender
+from trainer_hooks.sources import collect_weights
+
+log = logging.getLogger("trainer_hooks")
+LOG_TAIL_LINES = 40
+
+
+class AuditError(SidecarError):
+    """The sidecar does not hold the bytes the trainer sent. `report` is the audit dict, `table` its table."""
+
+    def __init__(self, model: str, version: int, report: dict[str, Any]) -> None:
+        self.model, self.version, self.report = model, version, report
+        self.table = str(report.get("table", ""))
+        super().__init__(f"weight audit failed for model {model!r} version {version}: "
+                         f"{report.get('summary', '')}\n{self.table}")
+
+
+class SidecarGoneError(SidecarError):
+    """The sidecar is unreachable or its ranks died; the message ends with its log's tail when known."""
+
+
+class WeightSyncHook:
+    """See the module docstring. `client` is a sidecar.client.SidecarClient (or anything with its API)."""
+
+    def __init__(self, client: Any, model: Any, draft_model: Any = None, *, sender: WeightSender | str | None = None,
+                 sleep_level: int = 1, sync_every: int = 1, grad_accum_steps: int = 1, audit: bool = True,
+                 retry_on_mismatch: bool = False, rank: int | None = None, is_sender: bool | None = None,
+                 sender_rank: int = 0, allow_cast: bool = False, log_path: str | Path | None = None,
+                 transfer_timeout_s: float = 120.0) -> None:
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level!r}")
+        if sync_every < 1 or grad_accum_steps < 1:
+            raise ValueError(f"sync_every and grad_accum_steps must be >= 1, got {sync_every}, {grad_accum_steps}")
+        self.client, self.model, self.draft_model = client, model, draft_model
+        self.sleep_level, self.sync_every, self.grad_accum_steps = sleep_level, sync_every, grad_accum_steps
+        self.audit, self.retry_on_mismatch, self.allow_cast = audit, retry_on_mismatch, allow_cast
+        self.rank = rank if rank is not None else _dist_rank()
+        self.sender_rank = sender_rank
+        self.is_sender = is_sender if is_sender is not None else self.rank == sender_rank
+        self.log_path = Path(log_path) if log_path is not None else None
+        self.transfer_timeout_s = transfer_timeout_s
+        self._sender: WeightSender | None = sender if isinstance(sender, WeightSender) else None
+        self._backend = sender if isinstance(sender, str) else None
+        self._owns_sender = self._sender is None
+        self.calls = 0            # after_optimizer_step() calls (micro-steps when grad_accum_steps > 1)
+        self.optimizer_steps = 0
+        self.syncs = 0
+        self.version: int | None = None  # the live version this hook last synced (sender rank)
+        self.asleep = False
+        self.weights_fresh = False  # weights woken and refilled since the last sleep
+        self.stats: dict[str, Any] = {}  # the last step's figures (ms), see _timed
+
+    # ---- the RL step --------------------------------------------------------------------------
+    def before_training(self) -> None:
+        """Put the sidecar to sleep (sending rank) so training gets the memory."""
+        self.sleep()
+
+    def sleep(self) -> None:
+        if self.is_sender and not self.asleep:
+            self._timed("sleep_ms", self.client.sleep, self.sleep_level)
+        self.asleep, self.weights_fresh = True, False
+
+    def after_optimizer_step(self) -> dict[str, Any] | None:
+        """Count one call; sync at the boundaries (module docstring). The audit report when synced
+        on the sending rank, else None."""
+        self.calls += 1
+        if self.calls % self.grad_accum_steps:
+            return None
+        self.optimizer_steps += 1
+        if self.optimizer_steps % self.sync_every:
+            return None
+        return self.sync()
+
+    def sync(self) -> dict[str, Any] | None:
+        """Collect (every rank), then on the sending rank: wake weights, send + audit target (and draft)."""
+        t0 = time.perf_counter()
+        target = collect_weights(self.model, keep=self.is_sender)
+        draft = collect_weights(self.draft_model, keep=self.is_sender) if self.draft_model is not None else None
+        self.stats["collect_ms"] = _ms(t0)
+        self.syncs += 1
+        if not self.is_sender:
+            self.weights_fresh = True
+            return None
+        if self.asleep:
+            self._timed("wake_weights_ms", self.client.wake_up, ["weights"])
+        version = self._next_version()
+        t0 = time.perf_counter()
+        report = self._sync_model("target", target, version)
+        if draft is not None:
+            self._sync_model("draft", draft, self.version if self.version is not None else version)
+        self.stats.update(sync_ms=_ms(t0), version=self.version, audit="ok" if report.get("ok") else "mismatch")
+        self.weights_fresh = True
+        return report
+
+    def rollouts(self, prompts: Any, sampling: SamplingParams | Any = None, *, broadcast: bool = False) -> list[Any]:
+        """Wake the KV cache (and the weights if no sync refilled them) and generate on the sending rank.
+
+        broadcast: also hand the outputs to every other rank (torch.distributed, the trainer's group).
+        """
+        outputs: list[Any] = []
+        if self.is_sender:
+            self.wake()
+            outputs = self._timed("generate_ms", self.client.generate, prompts, sampling)
+        if broadcast and torch.distributed.is_available() and torch.distributed.is_initialized():
+            box = [outputs]
+            torch.distributed.broadcast_object_list(box, src=self.sender_rank)
+            outputs = box[0]
+        return outputs
+
+    def wake(self) -> None:
+        """Wake the KV cache, and the weights too when no sync refilled them (level 1 restores them
+        from host memory; level 2 dropped them, so that is a StateError)."""
+        if self.is_sender and self.asleep:
+            if not self.weights_fresh and self.sleep_level == 2:
+                raise StateError("sleep level 2 dropped the sidecar's weights; sync before rollouts")
+            self._timed("wake_kv_ms", self.client.wake_up, ["kv_cache"] if self.weights_fresh else None)
+        self.asleep = False
+
+    @contextlib.contextmanager
+    def training(self) -> Iterator[WeightSyncHook]:
+        """`with hook.training(): ...`: sleep on enter; on a clean exit sync, unless a sync already
+        ran inside the block. On an exception nothing is synced (the sidecar stays asleep)."""
+        self.sleep()
+        before = self.syncs
+        yield self
+        if self.syncs == before:
+            self.sync()
+
+    def close(self) -> None:
+        """Close the sender if the hook made it (the sidecar itself is the caller's)."""
+        if self._owns_sender and self._sender is not None:
+            self._sender.close()
+            self._sender = None
+
+    def __enter__(self) -> WeightSyncHook:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _sync_model(self, model: str, named: list[tuple[str, torch.Tensor]], version: int) -> dict[str, Any]:
+        attempts = 2 if self.retry_on_mismatch else 1
+        for attempt in range(attempts):
+            report = self._send_once(model, named, version)
+            if report.get("ok") or not self.audit:
+                if not report.get("ok"):
+                    log.warning("audit of %s v%d failed (audit=False): %s", model, version, report.get("summary"))
+                self.version = version
+                return report
+            if attempt + 1 < attempts:
+                log.warning("audit of %s v%d failed; sending again:\n%s", model, version, report.get("table"))
+                version += 1
+        raise AuditError(model, version, report)
+
+    def _send_once(self, model: str, named: list[tuple[str, torch.Tensor]], version: int) -> dict[str, Any]:
+        sender = self._get_sender()
+        try:
+            return self._call(self.client.sync_weights, sender, named, version, model=model,
+                              allow_cast=self.allow_cast)
+        except SidecarError as e:
+            if getattr(e, "type", None) == "ChecksumMismatch":  # the per-rank check at finish
+                return {"ok": False, "summary": str(e), "table": getattr(e, "message", str(e))}
+            raise
+
+    def _next_version(self) -> int:
+        if self.version is None:
+            live = self._call(self.client.state).get("weight_versions", {}).get("target")
+            self.version = int(live) if live is not None else 0
+        return self.version + 1
+
+    def _get_sender(self) -> WeightSender:
+        if self._sender is None:
+            transfer = self._call(self.client.state).get("transfer", {})
+            device = _model_device(self.model)
+            backend = self._backend or transfer.get("backend") or ("gloo" if device.type == "cpu" else "nccl")
+            kwargs: dict[str, Any] = {"num_receivers": int(transfer.get("num_receivers", 1)),
+                                      "timeout_s": self.transfer_timeout_s}
+            if transfer.get("bucket_bytes"):
+                kwargs["bucket_bytes"] = int(transfer["bucket_bytes"])
+            if backend in ("nccl", "ipc"):
+                kwargs["device"] = device if device.type == "cuda" else None
+            self._sender = WeightSender(backend, **kwargs)
+        return self._sender
+
+    def _timed(self, key: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        result = self._call(fn, *args, **kwargs)
+        self.stats[key] = _ms(t0)
+        return result
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run a client call; a dead or unreachable sidecar becomes SidecarGoneError with its log tail."""
+        try:
+            return fn(*args, **kwargs)
+        except SidecarError as e:
+            if type(e).__name__ == "SidecarConnectionError" or getattr(e, "status", None) == 503:
+                raise SidecarGoneError(f"{getattr(fn, '__name__', 'call')}: the sidecar is gone: {e}"
+                                       f"{self._log_tail()}") from e
+            raise
+
+    def _log_tail(self) -> str:
+        if self.log_path is None:
+            return ""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        except OSError as e:
+            return f"\n(its log {self.log_path} is unreadable: {e})"
+        return f"\n--- last {len(lines)} lines of {self.log_path} ---\n" + "\n".join(lines)
+
+
+def _dist_rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
+
+
+def _model_device(model: Any) -> torch.device:
+    module = model if isinstance(model, nn.Module) else getattr(model, "module", None)
+    if isinstance(module, nn.Module):
+        for p in module.parameters():
+            return p.device
+    return torch.device("cpu")
+
+
+def _ms(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1000.0, 2)
+
+
+def sampling(**fields: Any) -> SamplingParams:
+    """SamplingParams for rollouts (a convenience re-export so trainers need not import inference)."""
+    return SamplingParams(**fields)
+
+
+__all__: Sequence[str] = ("AuditError", "SidecarGoneError", "WeightSyncHook", "sampling")
