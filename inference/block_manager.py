@@ -145,6 +145,7 @@ class BlockManager:
         seq.cache_keys = [self._claim(block_id) for block_id in hit]
         hit_tokens = len(hit) * self.block_size
         seq.num_computed_tokens = hit_tokens
+        seq.num_draft_computed = hit_tokens  # registered blocks hold valid draft KV too (see commit)
         seq.num_cached_tokens += hit_tokens
         if self.enable_prefix_caching:
             self.stats.queried_blocks += (seq.num_tokens - 1) // self.block_size
@@ -168,15 +169,21 @@ class BlockManager:
         for _ in range(needed):
             seq.block_table.append(self._take_fresh())
 
-    def commit(self, seq: Sequence) -> None:
+    def commit(self, seq: Sequence, num_tokens: int | None = None) -> None:
         """Register the blocks that became full and computed since the last commit.
+
+        Only blocks within the first `num_tokens` tokens (default: num_computed_tokens) count; with
+        speculative decoding the caller passes the prefix whose target AND draft KV are both final,
+        so a prefix hit never serves a block with a hole in the draft's cache.
 
         If an identical entry (same tokens, same parent entry) is already registered in another
         block, this block stays unregistered and the sequence's chain continues from that entry.
         """
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        limit = seq.num_computed_tokens if num_tokens is None else num_tokens
+        assert limit <= seq.num_computed_tokens, f"{seq}: cannot register beyond computed tokens"
+        num_full = limit // self.block_size
         assert num_full <= len(seq.block_table), f"{seq}: computed tokens beyond its blocks"
         hashes = self._hashes(seq, num_full)
         for i in range(len(seq.cache_keys), num_full):
@@ -210,6 +217,7 @@ class BlockManager:
         seq.block_table = []
         seq.cache_keys = []
         seq.num_computed_tokens = 0
+        seq.num_draft_computed = 0
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached entry (call when the weights change: the cached KV is stale).

@@ -29,6 +29,7 @@ from inference.memory import ArenaState, TransitionStats
 from inference.parallel import TPInfo
 from inference.scheduler import Scheduler
 from inference.sequence import Sequence
+from inference.spec_decode import SpecDecodeStats
 from inference.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_search_start
 from inference.worker import ARENA_OF, Worker
 
@@ -75,7 +76,7 @@ class LLM:
         assert mc is not None and self.worker.runner is not None
         self.model_config = mc
         kv_bytes = self.worker.determine_available_memory()
-        num_blocks = kv_bytes // self.worker.runner.kv_bytes_per_block(config.cache.block_size)
+        num_blocks = kv_bytes // self.worker.kv_bytes_per_block(config.cache.block_size)
         self.worker.initialize_kv_cache(num_blocks)
         self.worker.warm_up()
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or config.model)
@@ -83,7 +84,9 @@ class LLM:
         eos = mc.eos_token_ids or (self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.eos_token_ids = tuple(eos)
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, self.eos_token_ids)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, self.eos_token_ids,
+                                   self.worker.num_speculative_tokens)
+        self.spec_stats = SpecDecodeStats()  # draft tokens proposed / accepted (speculative decoding)
         self.weight_version = 0
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
@@ -150,29 +153,44 @@ class LLM:
             return []
         results = self.worker.execute_model(batch)
         self._record_versions(batch.seqs, results)
+        before = [s.num_tokens for s in batch.seqs]
         self.scheduler.commit(batch, results)
-        self._apply_stop_strings(batch.seqs, results)
+        self._count_speculation(batch, results)
+        self._apply_stop_strings(batch.seqs, results, before)
         return self._collect_finished()
+
+    def _count_speculation(self, batch: Any, results: list) -> None:
+        proposed = sum(batch.num_lookahead)
+        if proposed:
+            self.spec_stats.steps += 1
+            self.spec_stats.proposed += proposed
+            self.spec_stats.accepted += sum(len(r) - 1 for r in results if isinstance(r, list))
 
     def _record_versions(self, seqs: list[Sequence], results: list) -> None:
         for seq, res in zip(seqs, results):
             if res is not None and (not seq.version_spans or seq.version_spans[-1][1] != self.weight_version):
                 seq.version_spans.append((seq.num_generated, self.weight_version))
 
-    def _apply_stop_strings(self, seqs: list[Sequence], results: list) -> None:
-        """Finish sequences whose new text completes a stop string (detection only; see _output)."""
-        for seq, res in zip(seqs, results):
+    def _apply_stop_strings(self, seqs: list[Sequence], results: list, before: list[int]) -> None:
+        """Finish sequences whose new text completes a stop string (detection only; see _output).
+
+        A speculative step appends several tokens: they are checked one at a time and the tokens
+        after the one that completes the stop string are dropped."""
+        for seq, res, start_len in zip(seqs, results, before):
             if res is None or seq.is_finished:
                 continue
             req = self._requests.get(seq.request_id)
             if req is None or not req.detoks:
                 continue
             detok = req.detoks[seq.index]
-            delta = detok.add(seq.token_ids[-1:])
-            start = stop_search_start(len(detok.text), len(delta), seq.params.stop)
-            hit = find_stop(detok.text, seq.params.stop, start)
-            if hit is not None:
-                self.scheduler.finish(seq, FinishReason.STOP, hit[1])
+            for end in range(start_len + 1, seq.num_tokens + 1):
+                delta = detok.add(seq.token_ids[end - 1:end])
+                start = stop_search_start(len(detok.text), len(delta), seq.params.stop)
+                hit = find_stop(detok.text, seq.params.stop, start)
+                if hit is not None:
+                    self.scheduler.finish(seq, FinishReason.STOP, hit[1])
+                    seq.truncate(end)
+                    break
 
     def _collect_finished(self) -> list[RequestOutput]:
         done = [r for r in self._requests.values() if all(s.is_finished for s in r.seqs)]
@@ -194,11 +212,15 @@ class LLM:
                 top_logprobs=list(s.top_logprobs) if s.top_logprobs is not None else None,
                 stop_reason=s.stop_reason, weight_version_spans=list(s.version_spans)))
         versions = [v for s in req.seqs for _, v in s.version_spans]
+        metrics = {"latency_s": time.monotonic() - req.arrival}
+        proposed = sum(s.spec_proposed for s in req.seqs)
+        if proposed:
+            metrics["spec_acceptance_rate"] = sum(s.spec_accepted for s in req.seqs) / proposed
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_ids, outputs=outs,
             weight_version=min(versions, default=self.weight_version), prompt=req.prompt,
             num_cached_tokens=sum(s.num_cached_tokens for s in req.seqs),
-            metrics={"latency_s": time.monotonic() - req.arrival})
+            metrics=metrics)
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:

@@ -14,6 +14,11 @@ to 0 and it goes to the FRONT of the waiting queue, keeping its generated tokens
 that preempted admits nothing (it would only thrash). Samples 1..n-1 of a request wait until sample 0's
 prompt is computed, so they hit its full prompt blocks in the prefix cache instead of recomputing them.
 
+Speculative decoding (num_speculative_tokens = k > 0): a running decode also gets a lookahead of up
+to k draft tokens (fewer near max_tokens, max_model_len, the token budget or the free blocks; never a
+preemption for lookahead). Its blocks cover the k + 1 positions the target verifies; the budget is
+charged k + 1 tokens. Its result is a run of 1..k+1 tokens; tokens after a stop are dropped.
+
 Invariants: every live sequence is in exactly one of `waiting` and `running`; waiting sequences hold
 no blocks; `running` is sorted by arrival; scheduling is deterministic (every TP rank runs the same
 scheduler over the same calls and must choose the same batch).
@@ -32,20 +37,27 @@ from inference.sequence import Sequence, SequenceStatus
 
 # (token id, logprob, top logprobs or None) for a sequence that sampled, None for one that did not
 Sampled = tuple[int, float, dict[int, float] | None]
+# a speculative row's accepted run: the accepted draft tokens then the target's own token
+StepResult = Sampled | list[Sampled] | None
 
 
 @dataclass
 class ScheduledBatch:
     """One step: seqs[i] computes tokens [c, c + num_new_tokens[i]) where c = its num_computed_tokens
     at schedule time. sample[i] is True when that chunk reaches the end of its tokens, i.e. the step
-    produces its next token. Computed at construction, before commit() advances the sequences."""
+    produces its next token. Computed at construction, before commit() advances the sequences.
+    num_lookahead[i] > 0 (a decode row only) asks for that many draft tokens verified in this step."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    num_lookahead: list[int] = field(default_factory=list)  # empty: no speculation in this step
     sample: list[bool] = field(init=False)
 
     def __post_init__(self) -> None:
-        assert len(self.seqs) == len(self.num_new_tokens)
+        if not self.num_lookahead:
+            self.num_lookahead = [0] * len(self.seqs)
+        assert len(self.seqs) == len(self.num_new_tokens) == len(self.num_lookahead)
+        assert all(k == 0 or n == 1 for n, k in zip(self.num_new_tokens, self.num_lookahead))
         assert all(n > 0 for n in self.num_new_tokens)
         self.sample = [
             s.num_computed_tokens + n == s.num_tokens for s, n in zip(self.seqs, self.num_new_tokens)]
@@ -68,16 +80,18 @@ class _Plan:
     """The step being built; entries can be dropped again when their sequence is preempted."""
 
     budget: int
-    entries: dict[int, tuple[Sequence, int]] = field(default_factory=dict)  # seq_id -> (seq, tokens)
+    # seq_id -> (seq, tokens, lookahead)
+    entries: dict[int, tuple[Sequence, int, int]] = field(default_factory=dict)
     preempted: bool = False
 
-    def add(self, seq: Sequence, num_tokens: int) -> None:
-        assert 0 < num_tokens <= self.budget and seq.seq_id not in self.entries
-        self.entries[seq.seq_id] = (seq, num_tokens)
-        self.budget -= num_tokens
+    def add(self, seq: Sequence, num_tokens: int, lookahead: int = 0) -> None:
+        assert 0 < num_tokens + lookahead <= self.budget and seq.seq_id not in self.entries
+        self.entries[seq.seq_id] = (seq, num_tokens, lookahead)
+        self.budget -= num_tokens + lookahead
 
     def batch(self) -> ScheduledBatch:
-        return ScheduledBatch([s for s, _ in self.entries.values()], [n for _, n in self.entries.values()])
+        values = self.entries.values()
+        return ScheduledBatch([s for s, _, _ in values], [n for _, n, _ in values], [k for _, _, k in values])
 
 
 def _arrival(seq: Sequence) -> int:
@@ -93,6 +107,7 @@ class Scheduler:
         block_manager: BlockManager,
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
+        num_speculative_tokens: int = 0,
     ) -> None:
         if config.max_num_seqs < 1:
             raise InvalidRequestError("scheduler.max_num_seqs", f"must be >= 1, got {config.max_num_seqs}")
@@ -105,6 +120,8 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        assert num_speculative_tokens >= 0
+        self.num_speculative_tokens = num_speculative_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._requests: dict[str, list[Sequence]] = {}  # live sequences by request id
@@ -163,24 +180,34 @@ class Scheduler:
             self._admit(plan)
         return plan.batch()
 
-    def commit(self, batch: ScheduledBatch, sampled: list[Sampled | None]) -> list[Sequence]:
+    def commit(self, batch: ScheduledBatch, sampled: list[StepResult]) -> list[Sequence]:
         """Apply a finished step: advance computed tokens, register full blocks in the prefix cache,
         append sampled tokens and apply the token-level stop rules. Return the sequences that finished.
 
-        sampled[i] is given exactly when batch.sample[i]. Sequences finished or aborted since
-        schedule() are skipped (their blocks are already free).
+        sampled[i] is given exactly when batch.sample[i]; it is a list (an accepted run) exactly when
+        batch.num_lookahead[i] > 0. Sequences finished or aborted since schedule() are skipped (their
+        blocks are already free).
         """
         assert len(sampled) == len(batch.seqs), (len(sampled), len(batch.seqs))
         finished: list[Sequence] = []
-        for seq, n, do_sample, out in zip(batch.seqs, batch.num_new_tokens, batch.sample, sampled):
+        for seq, n, k, do_sample, out in zip(batch.seqs, batch.num_new_tokens, batch.num_lookahead,
+                                             batch.sample, sampled):
             if seq.status is not SequenceStatus.RUNNING:
+                continue
+            if k:
+                assert isinstance(out, list), f"{seq}: a speculative row returns its accepted run"
+                if self._commit_run(seq, k, out):
+                    finished.append(seq)
                 continue
             seq.num_computed_tokens += n
             assert seq.num_computed_tokens <= seq.num_tokens, f"{seq} computed past its tokens"
+            if self.num_speculative_tokens:
+                seq.num_draft_computed = seq.num_computed_tokens  # the draft mirrored this chunk
             self.block_manager.commit(seq)
             assert (out is not None) == do_sample, f"{seq}: sampled output given iff the step samples it"
             if out is None:
                 continue
+            assert not isinstance(out, list)
             token_id, logprob, top = out
             seq.append(token_id, logprob, top)
             reason, stop_reason = self._stop_rule(seq, token_id)
@@ -188,6 +215,26 @@ class Scheduler:
                 self._finish(seq, reason, stop_reason)
                 finished.append(seq)
         return finished
+
+    def _commit_run(self, seq: Sequence, lookahead: int, run: list[Sampled]) -> bool:
+        """Apply a speculative row: 1 + (accepted draft tokens) tokens, cut at the first stop. Each
+        appended token makes one more position's KV final. The draft wrote positions up to
+        start + lookahead - 1, so a fully accepted run leaves one draft position for the next step
+        to fill; only the prefix final in both caches is registered. Returns True if it finished."""
+        start = seq.num_computed_tokens
+        assert start + 1 == seq.num_tokens and 1 <= len(run) <= lookahead + 1, (seq, len(run), lookahead)
+        seq.spec_proposed += lookahead
+        seq.spec_accepted += len(run) - 1
+        for token_id, logprob, top in run:
+            seq.append(token_id, logprob, top)
+            seq.num_computed_tokens += 1
+            reason, stop_reason = self._stop_rule(seq, token_id)
+            if reason is not None:
+                self._finish(seq, reason, stop_reason)
+                return True
+        seq.num_draft_computed = min(seq.num_computed_tokens, start + lookahead)
+        self.block_manager.commit(seq, seq.num_draft_computed)
+        return False
 
     # ---- requests out ---------------------------------------------------------------------------
     def finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
@@ -222,9 +269,20 @@ class Scheduler:
             assert remaining >= 1, f"{seq} has nothing to compute"
             if (remaining == 1) != decodes:
                 continue
+            if decodes and self.num_speculative_tokens:
+                n = self._reserve(seq, 1 + self._lookahead(seq, plan.budget - 1), plan)
+                if n:
+                    plan.add(seq, 1, n - 1)
+                continue
             n = self._reserve(seq, min(remaining, plan.budget), plan)
             if n:
                 plan.add(seq, n)
+
+    def _lookahead(self, seq: Sequence, room: int) -> int:
+        """Draft tokens worth proposing: the run (lookahead + 1 tokens) must fit max_tokens,
+        max_model_len and the budget left."""
+        left = min(seq.params.max_tokens - seq.num_generated, self.max_model_len - seq.num_tokens)
+        return max(0, min(self.num_speculative_tokens, left - 1, room))
 
     def _reserve(self, seq: Sequence, want: int, plan: _Plan) -> int:
         """Get blocks for up to `want` new tokens of a running seq (fewer if that is all that fits),

@@ -72,6 +72,10 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
+        # speculative decoding: the draft's KV is valid for tokens [0, num_draft_computed) (<= computed)
+        self.num_draft_computed = 0
+        self.spec_proposed = 0  # draft tokens proposed for this sequence
+        self.spec_accepted = 0  # of which the target accepted
         self.block_hashes: list[int] = []
         self.cache_keys: list[int] = []
         self.logprobs: list[float] = []
@@ -121,6 +125,17 @@ class Sequence:
         if self.top_logprobs is not None:
             assert top_logprobs is not None
             self.top_logprobs.append(top_logprobs)
+
+    def truncate(self, num_tokens: int) -> None:
+        """Drop tokens beyond `num_tokens` of a FINISHED sequence (a stop string inside a multi-token
+        speculative run). Live sequences never shrink: block_hashes assumes token_ids only grows."""
+        assert self.is_finished and not self.block_table, f"{self} must be finished to truncate"
+        assert self.num_prompt_tokens <= num_tokens <= self.num_tokens, (num_tokens, self)
+        del self.token_ids[num_tokens:]
+        del self.logprobs[num_tokens - self.num_prompt_tokens:]
+        if self.top_logprobs is not None:
+            del self.top_logprobs[num_tokens - self.num_prompt_tokens:]
+        self.block_hashes.clear()  # a memo of the old tokens; a finished sequence needs none
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, request={self.request_id!r}, index={self.index}, "

@@ -18,11 +18,12 @@ from inference.config import EngineConfig, ModelConfig
 from inference.core import StateError
 from inference.layers.attention import get_attention_backend
 from inference.loader import init_dummy_weights, load_weights
-from inference.memory import KV_TAG, MemoryManager, TransitionStats
+from inference.memory import DEFAULT_ALIGN, KV_TAG, MemoryManager, TransitionStats, round_up
 from inference.models import build_model
 from inference.parallel import TPInfo
-from inference.runner import ModelRunner, SampleResult
-from inference.scheduler import ScheduledBatch
+from inference.runner import ModelRunner
+from inference.scheduler import ScheduledBatch, StepResult
+from inference.spec_decode import SpecDecoder
 from inference.weight_update import WeightUpdateMixin
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class Worker(WeightUpdateMixin):
         self.dtype: torch.dtype | None = None
         self.model_config: ModelConfig | None = None
         self.runner: ModelRunner | None = None
+        self.spec: SpecDecoder | None = None  # with a draft model and num_speculative_tokens > 0
         self.num_blocks = 0
         # "target" and, with config.draft_model, "draft": the models a weight sync can address
         self.models: dict[str, torch.nn.Module] = {}
@@ -98,6 +100,8 @@ class Worker(WeightUpdateMixin):
         if self.config.draft_model:
             self._load("draft", self.config.draft_model)
         self.runner = ModelRunner(model, self.model_config, self.tp, self.device, self.dtype, self.config.seed)
+        if "draft" in self.models and self.config.num_speculative_tokens > 0:
+            self.spec = SpecDecoder(self.runner, self.models["draft"], self.config.num_speculative_tokens)
         log.info("rank %s loaded %s (%s, %s)", self.rank_key, self.config.model, self.dtype, self.device)
 
     def _pick_attention_backend(self) -> str:
@@ -177,14 +181,34 @@ class Worker(WeightUpdateMixin):
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Draft tokens proposed per decode step; 0 when speculative decoding is off."""
+        return self.spec.k if self.spec is not None else 0
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes of one KV block: the target's, plus the draft's when speculating (the draft's cache
+        uses the same block ids, so every block has both)."""
+        assert self.runner is not None and self.dtype is not None
+        total = round_up(self.runner.kv_bytes_per_block(block_size), DEFAULT_ALIGN)
+        if self.spec is not None:
+            total += round_up(self.models["draft"].kv_cache_spec().bytes_per_block(block_size, self.dtype),
+                              DEFAULT_ALIGN)
+        return total
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        """One "kv_cache" arena holds the target's KV tensor and, when speculating, the draft's: both
+        are dropped on sleep and mapped again on wake together."""
         assert self.runner is not None and self.dtype is not None
         if num_blocks < 1:
             raise StateError("the KV cache budget holds no block: raise kv_cache_bytes or gpu_memory_utilization")
         assert self.memory is not None
         bs = self.config.cache.block_size
-        arena = self.memory.create_arena(KV_TAG, num_blocks * self.runner.kv_bytes_per_block(bs))
+        arena = self.memory.create_arena(KV_TAG, num_blocks * self.kv_bytes_per_block(bs))
         self.runner.bind_kv_cache(arena.alloc(self.runner.kv_shape(num_blocks, bs), self.dtype), bs)
+        if self.spec is not None:
+            draft_shape = self.models["draft"].kv_cache_spec().shape(num_blocks, bs)
+            self.spec.bind_draft_kv(arena.alloc(draft_shape, self.dtype), bs)
         self.num_blocks = num_blocks
 
     def warm_up(self) -> None:
@@ -197,9 +221,14 @@ class Worker(WeightUpdateMixin):
             return  # a graph can only hold NCCL collectives
         self.runner.capture_graphs(min(self.config.scheduler.max_num_seqs, 512), self.max_model_len)
 
-    def execute_model(self, batch: ScheduledBatch) -> list[SampleResult | None]:
+    def execute_model(self, batch: ScheduledBatch) -> list[StepResult]:
+        """Per scheduled sequence: its sampled result, None (mid-prefill), or with speculative
+        decoding a list (the accepted run) for rows the scheduler gave a lookahead."""
         assert self.runner is not None and self.memory is not None, "load_model first"
         self.memory.check_ready()  # never touch a released arena: that is an illegal address on CUDA
+        if self.spec is not None:
+            return self.spec.execute(batch)
+        assert not any(batch.num_lookahead), "lookahead scheduled without a draft model"
         return self.runner.execute(batch)
 
     # ---- sleep and wake -------------------------------------------------------------------
@@ -232,6 +261,7 @@ class Worker(WeightUpdateMixin):
 
     def shutdown(self) -> None:
         self.runner = None
+        self.spec = None
         self.models.clear()
         if self.memory is not None:
             self.memory.close()

@@ -1,0 +1,279 @@
+"""Speculative decoding with a draft model: the draft proposes, the target verifies, lossless.
+
+Per step, for the rows the scheduler gave a lookahead k_r > 0 (decodes only):
+1. The draft proposes k_r tokens autoregressively, sampling each from its processed distribution q
+   (the target's temperature / top-k / top-p / min-p rules; greedy rows take the argmax). Its first
+   pass also fills the draft KV the draft lacks (the token after a fully accepted run).
+2. The target runs one varlen forward over the k_r + 1 positions [last token, d_1 .. d_k] and gives p.
+3. Rejection sampling (Leviathan et al. 2023, Chen et al. 2023): d_i is accepted with probability
+   min(1, p(d_i) / q(d_i)); at the first rejection a token is drawn from normalize(max(0, p - q)); if
+   all k_r are accepted a bonus token is drawn from p. Every emitted token is therefore distributed
+   exactly as target-only sampling. Greedy rows use one-hot p and q: accept while d_i == argmax p,
+   then argmax p, so greedy output is identical to target-only decoding.
+Rows without lookahead (prefill chunks, decodes at their last token) run through the target's
+ModelRunner as usual, and the draft mirrors the same chunk so its cache follows the target's.
+
+Invariants: the draft and the target share block ids and tables (one BlockManager); the draft's KV
+lives in a tensor of its own shape, bound once. seq.token_ids never holds a proposal: proposals live
+on the device until the accepted run comes back in the step's one host transfer. Seeded rows draw
+every uniform and noise from generators seeded by (seed, output position, stream), so a seeded
+completion does not depend on the rest of the batch. Reported logprobs are the target's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from inference.batch import AttentionMetadata
+from inference.runner import ModelRunner, SampleResult, _top_dicts
+from inference.sampler import SamplingBatch, _process, position_seed
+from inference.scheduler import ScheduledBatch, StepResult
+from inference.sequence import Sequence
+
+# stream salts of a seeded row's random draws, so the three never share a generator seed
+_DRAFT, _ACCEPT, _RESIDUAL = 1, 2, 3
+_MASK63 = (1 << 63) - 1
+
+
+@dataclass
+class SpecDecodeStats:
+    """Engine counters since construction: draft tokens proposed and accepted by the target."""
+
+    proposed: int = 0
+    accepted: int = 0
+    steps: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+
+def stream_seed(seed: int, position: int, stream: int) -> int:
+    """The generator seed of one random draw of a seeded row (stable across runs and processes)."""
+    return position_seed((seed + stream * 0x632BE59BD9B4E019) & _MASK63, position)
+
+
+class SpecDecoder:
+    """Drives a target ModelRunner and a draft model over one scheduled batch."""
+
+    def __init__(self, runner: ModelRunner, draft: nn.Module, num_speculative_tokens: int) -> None:
+        assert num_speculative_tokens >= 1
+        vocab, draft_vocab = runner.model_config.vocab_size, draft.config.vocab_size
+        if vocab != draft_vocab:
+            raise ValueError(f"draft_model: vocab size {draft_vocab} differs from the target's {vocab}")
+        self.runner = runner
+        self.draft = draft
+        self.k = num_speculative_tokens
+        self.vocab_size = vocab
+        self.block_size = 0
+
+    def bind_draft_kv(self, kv: torch.Tensor, block_size: int) -> None:
+        self.draft.bind_kv_cache(kv)
+        self.block_size = block_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def generator(self) -> torch.Generator:
+        return self.runner.generator  # one generator per rank: TP ranks draw the same values
+
+    # ---- one step -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[StepResult]:
+        """Per row: a SampleResult (plain row that samples), None (mid-prefill), or the accepted run."""
+        assert self.block_size, "bind_draft_kv first"
+        seqs = batch.seqs
+        spec = [i for i, k in enumerate(batch.num_lookahead) if k > 0]
+        plain = [i for i, k in enumerate(batch.num_lookahead) if k == 0]
+        first_logits = self._draft_first_pass(batch, spec)
+        results: list[StepResult] = [None] * len(seqs)
+        if plain:
+            sub = ScheduledBatch([seqs[i] for i in plain], [batch.num_new_tokens[i] for i in plain])
+            for i, res in zip(plain, self.runner.execute(sub)):
+                results[i] = res
+        if spec:
+            runs = self._speculate([seqs[i] for i in spec], [batch.num_lookahead[i] for i in spec], first_logits)
+            for i, run in zip(spec, runs):
+                results[i] = run
+        return results
+
+    def _draft_first_pass(self, batch: ScheduledBatch, spec: list[int]) -> torch.Tensor | None:
+        """One draft forward over every row: each row's chunk runs from what the draft has computed to
+        what the target computes this step (spec rows: through their last token). Returns the draft
+        logits at the last token of each spec row."""
+        ids: list[int] = []
+        starts, lens, tables, last = [], [], [], []
+        spec_set = set(spec)
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start, end = seq.num_draft_computed, seq.num_computed_tokens + n
+            assert start <= seq.num_computed_tokens < end <= seq.num_tokens, (seq, start, end)
+            ids.extend(seq.token_ids[start:end])
+            starts.append(start)
+            lens.append(end - start)
+            tables.append(seq.block_table)
+            if i in spec_set:
+                last.append(len(ids) - 1)
+        hidden = self._forward(self.draft, _to(ids, self.device), starts, lens, tables)
+        if not spec:
+            return None
+        return self.draft.compute_logits(hidden.index_select(0, _to(last, self.device)))
+
+    def _forward(self, model: nn.Module, ids: torch.Tensor, starts: list[int], lens: list[int],
+                 tables: list[list[int]]) -> torch.Tensor:
+        """model over rows of `lens` new tokens at positions starts[r]..; KV written through the tables."""
+        bs = self.block_size
+        positions = [p for s, n in zip(starts, lens) for p in range(s, s + n)]
+        slots = [t[p // bs] * bs + p % bs for s, n, t in zip(starts, lens, tables) for p in range(s, s + n)]
+        meta = AttentionMetadata.build(lens, [s + n for s, n in zip(starts, lens)], slots, tables, bs, self.device)
+        return model(ids, _to(positions, self.device), meta)
+
+    def _speculate(self, seqs: list[Sequence], ks: list[int], logits: torch.Tensor) -> list[list[SampleResult]]:
+        drafts, q = self._propose(seqs, ks, logits)
+        p_logits = self._verify_logits(seqs, ks, drafts)
+        return self._accept(seqs, ks, drafts, q, p_logits)
+
+    def _propose(self, seqs: list[Sequence], ks: list[int],
+                 logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft tokens [R, kmax] and their draft distributions q [R, kmax, V] (zeros where unused)."""
+        rows, kmax = len(seqs), max(ks)
+        drafts = torch.zeros(rows, kmax, dtype=torch.int64, device=self.device)
+        q = torch.zeros(rows, kmax, self.vocab_size, dtype=torch.float32, device=self.device)
+        active = list(range(rows))
+        for j in range(kmax):
+            act_seqs = [seqs[r] for r in active]
+            positions = [s.num_generated + j for s in act_seqs]
+            probs, _, _ = self._probs(logits, act_seqs, positions)
+            noise = self._exponential(probs.shape, act_seqs, positions, _DRAFT)
+            tokens = _race(probs.log(), noise)
+            index = _to(active, self.device)
+            drafts[index, j] = tokens
+            q[index, j] = probs
+            nxt = [i for i, r in enumerate(active) if ks[r] > j + 1]
+            if not nxt:
+                break
+            active = [active[i] for i in nxt]
+            starts = [seqs[r].num_tokens + j for r in active]  # d_{j+1} sits at position P + 1 + j
+            hidden = self._forward(self.draft, tokens.index_select(0, _to(nxt, self.device)), starts,
+                                   [1] * len(active), [seqs[r].block_table for r in active])
+            logits = self.draft.compute_logits(hidden)
+        return drafts, q
+
+    def _verify_logits(self, seqs: list[Sequence], ks: list[int], drafts: torch.Tensor) -> torch.Tensor:
+        """Target logits [R, kmax + 1, V] at positions P..P + k_r (rows padded by repeating their last)."""
+        rows, kmax = drafts.shape
+        pool = torch.cat([_to([s.last_token_id for s in seqs], self.device), drafts.flatten()])
+        index: list[int] = []
+        for r, k in enumerate(ks):
+            index += [r] + [rows + r * kmax + j for j in range(k)]
+        starts = [s.num_computed_tokens for s in seqs]
+        lens = [k + 1 for k in ks]
+        model = self.runner.model
+        hidden = self._forward(model, pool.index_select(0, _to(index, self.device)), starts, lens,
+                               [s.block_table for s in seqs])
+        offsets = [sum(lens[:r]) for r in range(rows)]
+        padded = [offsets[r] + min(j, ks[r]) for r in range(rows) for j in range(kmax + 1)]
+        logits = model.compute_logits(hidden.index_select(0, _to(padded, self.device)))
+        return logits.view(rows, kmax + 1, -1)
+
+    def _accept(self, seqs: list[Sequence], ks: list[int], drafts: torch.Tensor, q_draft: torch.Tensor,
+                p_logits: torch.Tensor) -> list[list[SampleResult]]:
+        """Rejection sampling over every row at once; one host transfer for the accepted runs."""
+        rows, width, vocab = p_logits.shape
+        flat_seqs = [s for s in seqs for _ in range(width)]
+        positions = [s.num_generated + j for s in seqs for j in range(width)]
+        p, x, sb = self._probs(p_logits.reshape(rows * width, vocab), flat_seqs, positions)
+        p = p.view(rows, width, vocab)
+        q = torch.zeros_like(p)
+        q[:, : width - 1] = q_draft  # the bonus position has q = 0: its "residual" is p itself
+        d = torch.zeros(rows, width, dtype=torch.int64, device=self.device)
+        d[:, : width - 1] = drafts
+        p_d = p.gather(-1, d[..., None]).squeeze(-1)
+        q_d = q.gather(-1, d[..., None]).squeeze(-1)
+        u = self._uniform((rows * width,), flat_seqs, positions, _ACCEPT).view(rows, width)
+        cols = torch.arange(width, device=self.device)
+        valid = cols[None, :] < _to(ks, self.device)[:, None]
+        accepted = (u * q_d < p_d) & valid  # u < p/q without dividing; q(d) > 0 for a drawn d
+        num_acc = accepted.long().cumprod(-1).sum(-1)  # leading accepted draft tokens
+        residual = (p - q).clamp_min(0.0)
+        mass = residual.sum(-1, keepdim=True)
+        residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)  # p == q: never rejected
+        noise = self._exponential((rows * width, vocab), flat_seqs, positions, _RESIDUAL)
+        fallback = _race(residual.view(rows * width, vocab).log(), noise).view(rows, width)
+        final = fallback.gather(1, num_acc[:, None])
+        tokens = torch.where(cols[None, :] < num_acc[:, None], d, final)
+        dist = self._report_dist(p_logits.reshape(rows * width, vocab).float(), x, sb)
+        lps = dist.gather(-1, tokens.reshape(-1, 1)).view(rows, width)
+        host = torch.stack((tokens.double(), lps.double(), num_acc[:, None].expand(rows, width).double()))
+        tok_l, lp_l, acc_l = host.tolist()
+        tops = self._tops(dist, tokens, flat_seqs)
+        runs = []
+        for r in range(rows):
+            n = int(acc_l[r][0]) + 1
+            runs.append([(int(tok_l[r][j]), lp_l[r][j], tops[r * width + j]) for j in range(n)])
+        return runs
+
+    # ---- distributions and noise ----------------------------------------------------------
+    def _probs(self, logits: torch.Tensor, seqs: list[Sequence],
+               positions: list[int]) -> tuple[torch.Tensor, torch.Tensor, SamplingBatch]:
+        """The sampling distribution per row (the sampler's processing; one-hot argmax for greedy
+        rows), the processed logits and the SamplingBatch."""
+        logits = logits.float()
+        sb = SamplingBatch.build([s.params for s in seqs], [s.seed for s in seqs], positions,
+                                 self.vocab_size, self.device)
+        x = logits if sb.all_greedy else _process(logits, sb)
+        probs = torch.softmax(x, dim=-1)
+        greedy = [s.params.greedy for s in seqs]
+        if any(greedy):
+            one_hot = torch.nn.functional.one_hot(logits.argmax(-1), self.vocab_size).float()
+            probs = torch.where(_to(greedy, self.device, torch.bool)[:, None], one_hot, probs)
+        return probs, x, sb
+
+    def _report_dist(self, logits: torch.Tensor, processed: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+        """Log-probabilities to report, as the sampler reports them ("raw" or "processed" per row)."""
+        raw = torch.log_softmax(logits, dim=-1)
+        if not sb.any_processed:
+            return raw
+        assert sb.processed_logprobs is not None
+        return torch.where(sb.processed_logprobs[:, None], torch.log_softmax(processed, dim=-1), raw)
+
+    def _tops(self, dist: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> list:
+        wanted = [s.params.logprobs for s in seqs]
+        if not any(wanted):
+            return [None] * len(seqs)
+        top_lp, top_ids = dist.topk(max(wanted), dim=-1)
+        return _top_dicts(top_ids, top_lp, wanted)
+
+    def _exponential(self, shape: tuple[int, ...] | torch.Size, seqs: list[Sequence], positions: list[int],
+                     stream: int) -> torch.Tensor:
+        out = torch.empty(tuple(shape), dtype=torch.float32, device=self.device).exponential_(
+            generator=self.generator)
+        return self._reseed(out, seqs, positions, stream, lambda t, g: t.exponential_(generator=g))
+
+    def _uniform(self, shape: tuple[int, ...], seqs: list[Sequence], positions: list[int],
+                 stream: int) -> torch.Tensor:
+        out = torch.empty(shape, dtype=torch.float32, device=self.device).uniform_(generator=self.generator)
+        return self._reseed(out, seqs, positions, stream, lambda t, g: t.uniform_(generator=g))
+
+    def _reseed(self, out: torch.Tensor, seqs: list[Sequence], positions: list[int], stream: int,
+                fill: object) -> torch.Tensor:
+        """Redraw row i of a seeded, sampled sequence from its own (seed, position, stream) generator."""
+        for i, (seq, pos) in enumerate(zip(seqs, positions)):
+            if seq.seed is not None and not seq.params.greedy:
+                g = torch.Generator(device=self.device)
+                g.manual_seed(stream_seed(seq.seed, pos, stream))
+                fill(out[i : i + 1], g)  # type: ignore[operator]
+        return out
+
+
+def _race(logprobs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """argmax(log p - log E), E ~ Exp(1): an exact draw from p (rows with zeros allowed)."""
+    return (logprobs - noise.log()).argmax(dim=-1)
+
+
+def _to(values: list, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
