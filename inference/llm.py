@@ -25,10 +25,11 @@ from inference.core import (
     SamplingParams,
     StateError,
 )
-from inference.memory import ArenaState, TransitionStats
+from inference.memory import ArenaState
 from inference.parallel import TPInfo
 from inference.scheduler import Scheduler
 from inference.sequence import Sequence
+from inference.sleep import TransitionStats
 from inference.spec_decode import SpecDecodeStats
 from inference.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_search_start
 from inference.worker import ARENA_OF, Worker

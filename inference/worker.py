@@ -18,11 +18,12 @@ from inference.config import EngineConfig, ModelConfig
 from inference.core import StateError
 from inference.layers.attention import get_attention_backend
 from inference.loader import init_dummy_weights, load_weights
-from inference.memory import DEFAULT_ALIGN, KV_TAG, MemoryManager, TransitionStats, round_up
+from inference.memory import DEFAULT_ALIGN, KV_TAG, round_up
 from inference.models import build_model
 from inference.parallel import TPInfo
 from inference.runner import ModelRunner
 from inference.scheduler import ScheduledBatch, StepResult
+from inference.sleep import MemoryManager, TransitionStats
 from inference.spec_decode import SpecDecoder
 from inference.weight_update import WeightUpdateMixin
 

@@ -30,7 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from inference.memory import KV_TAG, Arena, MemoryManager, round_up
+from inference.memory import KV_TAG, Arena, round_up
+from inference.sleep import MemoryManager
 
 # Qwen2.5-7B: untied embeddings, qkv biases.
 QWEN25_7B = {"hidden": 3584, "intermediate": 18944, "layers": 28, "heads": 28, "kv_heads": 4, "vocab": 152064}

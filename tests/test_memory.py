@@ -14,10 +14,10 @@ from inference.core import InvalidRequestError, StateError
 from inference.memory import (
     ArenaFullError,
     ArenaState,
-    MemoryManager,
     WakeError,
     parameters_nbytes,
 )
+from inference.sleep import MemoryManager
 
 
 class TinyLM(nn.Module):
