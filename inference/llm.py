@@ -104,9 +104,17 @@ class LLM:
         params = params or SamplingParams()
         if not wait:
             self.check_ready()
+        text, ids = self._checked(prompt, params)
+        return self._enqueue(text, ids, params, request_id)
+
+    def _checked(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a valid request; InvalidRequestError naming the field otherwise."""
         params.validate(self.model_config.vocab_size)
         text, ids = self._tokenize(prompt)
         self._check_prompt(ids, params)
+        return text, ids
+
+    def _enqueue(self, text: str | None, ids: list[int], params: SamplingParams, request_id: str | None) -> str:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
@@ -235,23 +243,25 @@ class LLM:
             params_list = list(sampling_params)
         else:
             params_list = [sampling_params or SamplingParams()] * len(prompts)
-        self._validate_all(prompts, params_list)
+        checked = self._validate_all(prompts, params_list)
         self.check_ready()  # a synchronous call cannot wait for a wake-up that only the caller can do
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        ids = [self._enqueue(text, tokens, sp, None) for (text, tokens), sp in zip(checked, params_list)]
         results: dict[str, RequestOutput] = {}
         while any(i not in results for i in ids):
             for out in self.step():
                 results[out.request_id] = out
         return [results[i] for i in ids]
 
-    def _validate_all(self, prompts: list, params_list: list[SamplingParams]) -> None:
+    def _validate_all(self, prompts: list, params_list: list[SamplingParams]) -> list[tuple[str | None, list[int]]]:
+        """Every request checked (and tokenized once) before any is queued."""
+        checked = []
         for i, (p, sp) in enumerate(zip(prompts, params_list)):
             try:
-                sp.validate(self.model_config.vocab_size)
-                self._check_prompt(self._tokenize(p)[1], sp)
+                checked.append(self._checked(p, sp))
             except InvalidRequestError as e:
                 raise InvalidRequestError(e.field.replace("prompt", f"prompts[{i}]", 1)
                                           if e.field == "prompt" else f"{e.field} (prompt {i})", e.message) from None
+        return checked
 
     # ---- sleep and wake -------------------------------------------------------------------
     def check_ready(self) -> None:

@@ -109,7 +109,7 @@ class ModelRunner:
         out = sample(logits, sb, self.generator)
         # the step's one host sync: tokens and their logprobs together (float64 holds the ids exactly)
         tokens, logprobs = torch.stack((out.token_ids.double(), out.logprobs.double())).tolist()
-        tops = _top_dicts(out.top_ids, out.top_logprobs, [s.params.logprobs for s in seqs])
+        tops = top_dicts(out.top_ids, out.top_logprobs, [s.params.logprobs for s in seqs])
         results: list[SampleResult | None] = [None] * len(batch.seqs)
         for i, row in enumerate(sample_rows):
             results[row] = (int(tokens[i]), logprobs[i], tops[i])
@@ -140,7 +140,7 @@ class ModelRunner:
         return self.graphs.replay(rows[0], rows[1], rows[2], rows[3].to(torch.int32), tables)
 
 
-def _top_dicts(ids: torch.Tensor | None, lps: torch.Tensor | None, wanted: list[int]) -> list:
+def top_dicts(ids: torch.Tensor | None, lps: torch.Tensor | None, wanted: list[int]) -> list:
     if ids is None or lps is None:
         return [None] * len(wanted)
     ids_l, lps_l = ids.tolist(), lps.tolist()

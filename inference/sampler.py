@@ -91,7 +91,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, generator: torch.Generator |
         tokens = logits.argmax(dim=-1)
         dist = raw_logprobs
     else:
-        processed = _process(logits, sb)
+        processed = process_logits(logits, sb)
         dist_processed = torch.log_softmax(processed, dim=-1)
         sampled = _exponential_race(dist_processed, sb, generator)
         greedy = logits.argmax(dim=-1)
@@ -105,7 +105,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, generator: torch.Generator |
     return SamplerOutput(tokens, token_logprobs, top_ids, top_lp)
 
 
-def _process(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p as -inf masks. Greedy rows pass through unscaled."""
     temps = torch.where(sb.temperatures == 0.0, torch.ones_like(sb.temperatures), sb.temperatures)
     x = logits / temps[:, None]

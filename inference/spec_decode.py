@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from inference.batch import AttentionMetadata
-from inference.runner import ModelRunner, SampleResult, _top_dicts
-from inference.sampler import SamplingBatch, _process, position_seed
+from inference.runner import ModelRunner, SampleResult, top_dicts
+from inference.sampler import SamplingBatch, position_seed, process_logits
 from inference.scheduler import ScheduledBatch, StepResult
 from inference.sequence import Sequence
 
@@ -225,7 +225,7 @@ class SpecDecoder:
         logits = logits.float()
         sb = SamplingBatch.build([s.params for s in seqs], [s.seed for s in seqs], positions,
                                  self.vocab_size, self.device)
-        x = logits if sb.all_greedy else _process(logits, sb)
+        x = logits if sb.all_greedy else process_logits(logits, sb)
         probs = torch.softmax(x, dim=-1)
         greedy = [s.params.greedy for s in seqs]
         if any(greedy):
@@ -246,7 +246,7 @@ class SpecDecoder:
         if not any(wanted):
             return [None] * len(seqs)
         top_lp, top_ids = dist.topk(max(wanted), dim=-1)
-        return _top_dicts(top_ids, top_lp, wanted)
+        return top_dicts(top_ids, top_lp, wanted)
 
     def _exponential(self, shape: tuple[int, ...] | torch.Size, seqs: list[Sequence], positions: list[int],
                      stream: int) -> torch.Tensor:
