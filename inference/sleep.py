@@ -85,6 +85,7 @@ class MemoryManager:
         if device.type not in ("cpu", "cuda"):
             raise InvalidRequestError("device", f"arenas live on 'cpu' or 'cuda', got {device}")
         self.device = device
+        self.measure_device = True  # query cudaMemGetInfo around each transition (~7 us a query)
         self.chunk_bytes = chunk_bytes
         self.alloc_bytes = alloc_bytes
         self._arenas: dict[str, Arena] = {}
@@ -234,7 +235,7 @@ class MemoryManager:
         return tag in self._arenas and self._arenas[tag].state == ArenaState.AWAKE
 
     def _device_free(self) -> tuple[int | None, int | None]:
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or not self.measure_device:
             return None, None
         free, total = torch.cuda.mem_get_info(self.device)
         return free, total

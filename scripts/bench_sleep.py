@@ -4,9 +4,10 @@ Prints one JSON line per (scope, level). Scope "weights" releases the weights ar
 bytes torch_memory_saver is given, and is the headline comparison: level 1 against the pinned copy
 ceiling and the peer with CPU backup, level 2 against the 20 ms target and the peer without backup
 ("accepted" holds both). Scope "worker" adds the KV arena (weights + KV, what a worker releases) and
-is reported on its own, without peer ratios. `*_s` figures are wall-clock medians of the whole call;
-`*_core_s` exclude the cudaMemGetInfo queries the stats make. --verbose adds each transition's driver
-calls (count and seconds) and the cost of the host-side calls around them.
+is reported on its own, without peer ratios. `*_s` figures are wall-clock medians of the whole call, as
+the peer's are; freed bytes come from cudaMemGetInfo around the call, outside the timing (the peer's
+too). Level 2 and the peer without backup alternate cycle by cycle in one process. --verbose adds
+each transition's driver calls (count and seconds) and the cost of the host-side calls around them.
 
     python scripts/bench_sleep.py                        # Qwen2.5-7B bf16 shape (15.2 GB) on cuda
     python scripts/bench_sleep.py --alloc-mib 1024       # 1 GiB physical allocations instead of one
@@ -60,6 +61,10 @@ def _shapes(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: i
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def device_free(device: torch.device) -> int | None:
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
 
 def fingerprint(arena: Arena) -> int:
@@ -143,8 +148,10 @@ def timed(mgr: MemoryManager, op: Callable[[], object], verbose: bool) -> tuple[
     return wall, result, calls
 
 
-def run_level(mgr: MemoryManager, level: int, repeats: int, verbose: bool) -> dict:
-    """Sleep/wake cycles at `level`: wall and in-call seconds, device bytes freed by each sleep."""
+def run_level(mgr: MemoryManager, level: int, repeats: int, verbose: bool,
+              between: Callable[[], None] | None = None) -> dict:
+    """Sleep/wake cycles at `level`: wall and in-call seconds, device bytes freed by each sleep.
+    `between` (the peer's own cycle) runs after each of ours, so both see the same conditions."""
     weights = mgr.arena("weights")
     digest = fingerprint(weights)
     res: dict = {k: [] for k in ("sleep_s", "wake_s", "sleep_core_s", "wake_core_s", "freed")}
@@ -152,10 +159,11 @@ def run_level(mgr: MemoryManager, level: int, repeats: int, verbose: bool) -> di
     verified = True
     for _ in range(repeats):
         sync(mgr.device)
+        free0 = device_free(mgr.device)
         wall, stats, sleep_calls = timed(mgr, lambda: mgr.sleep(level), verbose)
         res["sleep_s"].append(wall)
         res["sleep_core_s"].append(stats.seconds)  # type: ignore[attr-defined]
-        res["freed"].append(stats.freed_bytes)  # type: ignore[attr-defined]
+        res["freed"].append(None if free0 is None else device_free(mgr.device) - free0)
         wall, stats, wake_calls = timed(mgr, mgr.wake_up, verbose)
         res["wake_s"].append(wall)
         res["wake_core_s"].append(stats.seconds)  # type: ignore[attr-defined]
@@ -164,6 +172,8 @@ def run_level(mgr: MemoryManager, level: int, repeats: int, verbose: bool) -> di
         if level == 1:
             verified = verified and fingerprint(weights) == digest
         mgr.mark_loaded("weights")  # stands in for the weight sync that follows a level-2 wake
+        if between is not None:
+            between()
     out = {k: statistics.median(v) for k, v in res.items() if k != "freed"}
     out |= {"sleep_s_all": res["sleep_s"], "wake_s_all": res["wake_s"]}
     out["freed_bytes"] = None if res["freed"][0] is None else int(statistics.median(res["freed"]))
@@ -205,55 +215,72 @@ def host_costs(device: torch.device, n: int = 20) -> dict[str, float]:
 
 
 # ---- the peer -------------------------------------------------------------------------------
-def bench_peer(nbytes: int, device: torch.device, repeats: dict[bool, int]) -> dict[bool, dict]:
-    """torch_memory_saver pausing and resuming the same bytes, with and without CPU backup."""
+def load_peer(device: torch.device) -> tuple[object | None, str]:
+    """torch_memory_saver (hook mode torch) and a note naming its version, or None and why not."""
     if device.type != "cuda":
-        return {b: {"peer_note": "skipped: torch_memory_saver needs CUDA"} for b in (True, False)}
+        return None, "skipped: torch_memory_saver needs CUDA"
     try:
         from torch_memory_saver import torch_memory_saver as tms
 
         version = importlib.metadata.version("torch_memory_saver")
-    except Exception as e:  # the peer is optional: report why it is missing
-        return {b: {"peer_note": f"torch_memory_saver unavailable: {e!r}"} for b in (True, False)}
-    note = f"torch_memory_saver {version}"
-    try:
-        tms.hook_mode = "torch"  # must precede the first region(); preload mode needs LD_PRELOAD
-        note += ", hook_mode=torch"
-    except Exception as e:
-        note += f", hook_mode not set ({e!r})"
-    return {backup: _peer_cycles(tms, nbytes, device, backup, note, repeats[backup]) for backup in (True, False)}
+        if getattr(tms, "_impl", None) is None:
+            tms.hook_mode = "torch"  # must precede the first region(); preload mode needs LD_PRELOAD
+        return tms, f"torch_memory_saver {version}, hook_mode=torch"
+    except Exception as e:  # a missing peer must not hide our own figures
+        return None, f"torch_memory_saver unavailable: {e!r}"
 
 
-def _peer_cycles(tms: object, nbytes: int, device: torch.device, backup: bool, note: str, repeats: int) -> dict:
-    tag = "bench_backup" if backup else "bench_nobackup"
-    try:
-        with tms.region(tag=tag, enable_cpu_backup=backup):  # type: ignore[attr-defined]
-            t = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        t.fill_(7)
-        pauses, resumes, freed = [], [], []
-        for _ in range(repeats):
-            sync(device)
-            free0 = torch.cuda.mem_get_info(device)[0]
-            t0 = time.perf_counter()
-            tms.pause(tag)  # type: ignore[attr-defined]
-            sync(device)
-            pauses.append(time.perf_counter() - t0)
-            freed.append(torch.cuda.mem_get_info(device)[0] - free0)
-            t0 = time.perf_counter()
-            tms.resume(tag)  # type: ignore[attr-defined]
-            sync(device)
-            resumes.append(time.perf_counter() - t0)
-        kept = bool((t[:: max(1, nbytes // 4096)] == 7).all()) if backup else None
-        del t
+class PeerCycles:
+    """torch_memory_saver pausing and resuming `nbytes` in one region, one cycle per call."""
+
+    def __init__(self, tms: object, nbytes: int, device: torch.device, backup: bool, note: str) -> None:
+        self.tms, self.device, self.backup = tms, device, backup
+        self.tag = "bench_backup" if backup else "bench_nobackup"
+        self.note = f"{note}, cpu_backup={backup}, bytes={nbytes}"
+        with tms.region(tag=self.tag, enable_cpu_backup=backup):  # type: ignore[attr-defined]
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.tensor.fill_(7)
+        self.pauses: list[float] = []
+        self.resumes: list[float] = []
+        self.freed: list[int] = []
+
+    def cycle(self) -> None:
+        sync(self.device)
+        free0 = torch.cuda.mem_get_info(self.device)[0]
+        t0 = time.perf_counter()
+        self.tms.pause(self.tag)  # type: ignore[attr-defined]
+        sync(self.device)
+        self.pauses.append(time.perf_counter() - t0)
+        self.freed.append(torch.cuda.mem_get_info(self.device)[0] - free0)
+        t0 = time.perf_counter()
+        self.tms.resume(self.tag)  # type: ignore[attr-defined]
+        sync(self.device)
+        self.resumes.append(time.perf_counter() - t0)
+
+    def result(self) -> dict:
+        n = max(1, self.tensor.numel() // 4096)
+        kept = bool((self.tensor[::n] == 7).all()) if self.backup else None
         return {
-            "peer_pause_s": statistics.median(pauses),
-            "peer_resume_s": statistics.median(resumes),
-            "peer_pause_s_all": pauses,
-            "peer_resume_s_all": resumes,
-            "peer_freed_bytes": int(statistics.median(freed)),
+            "peer_pause_s": statistics.median(self.pauses),
+            "peer_resume_s": statistics.median(self.resumes),
+            "peer_pause_s_all": self.pauses,
+            "peer_resume_s_all": self.resumes,
+            "peer_freed_bytes": int(statistics.median(self.freed)),
             "peer_verified": kept,
-            "peer_note": f"{note}, cpu_backup={backup}, bytes={nbytes}",
+            "peer_note": self.note,
         }
+
+
+def peer_cycles(tms: object, nbytes: int, device: torch.device, backup: bool, note: str,
+                repeats: int) -> dict:
+    """The peer's figures from `repeats` cycles of its own (used for the with-backup comparison)."""
+    try:
+        peer = PeerCycles(tms, nbytes, device, backup, note)
+        for _ in range(repeats):
+            peer.cycle()
+        result = peer.result()
+        del peer
+        return result
     except Exception as e:  # a broken peer must not hide our own figures
         return {"peer_note": f"{note}, cpu_backup={backup}: failed with {e!r}"}
 
@@ -298,7 +325,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--chunk-mib", type=int, default=1024, help="copy and host-mirror chunk")
     parser.add_argument("--alloc-mib", type=int, default=0, help="physical allocation size; 0: one per arena")
     parser.add_argument("--repeats", type=int, default=3, help="level-1 cycles (and peer-with-backup cycles)")
-    parser.add_argument("--repeats-l2", type=int, default=10, help="level-2 cycles (and peer-without-backup)")
+    parser.add_argument("--repeats-l2", type=int, default=30, help="level-2 cycles (and peer-without-backup)")
     parser.add_argument("--bw-sample-gb", type=float, default=4.0, help="bytes copied to measure bandwidth")
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--verbose", action="store_true", help="per driver call breakdown (adds ~1 us a call)")
@@ -313,20 +340,31 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu {platform.machine()}"
 
     mgr, mirror_s = build(args, device)
+    mgr.measure_device = False  # the bench queries free memory itself, outside the timed calls
     weights = mgr.arena("weights")
     nbytes = weights.nbytes
     d2h, h2d = copy_bandwidth(weights, int(args.bw_sample_gb * 1e9))
     repeats = {1: args.repeats, 2: args.repeats_l2}
-    results = {"weights": {lv: run_level(mgr, lv, repeats[lv], args.verbose) for lv in (1, 2)}}
+    tms, note = (None, "skipped") if args.skip_peer else load_peer(device)
+    peer: dict[bool, dict] = {True: {"peer_note": note}, False: {"peer_note": note}}
+    # Level 2 and the peer without backup take turns, cycle by cycle, in the same process: both
+    # release the same bytes under the same conditions (driver state, clocks, other tenants).
+    interleaved = PeerCycles(tms, nbytes, device, False, note) if tms is not None else None
+    results = {"weights": {
+        1: run_level(mgr, 1, repeats[1], args.verbose),
+        2: run_level(mgr, 2, repeats[2], args.verbose, interleaved.cycle if interleaved else None),
+    }}
+    if interleaved is not None:
+        peer[False] = interleaved.result() | {"peer_interleaved": True}
+        del interleaved
     add_kv(mgr, args)
     results["worker"] = {lv: run_level(mgr, lv, repeats[lv], args.verbose) for lv in (1, 2)}
     arenas = {t: mgr.arena(t).nbytes for t in mgr.tags}
     allocs = {t: len(mgr.arena(t).vmm.allocs) for t in mgr.tags if hasattr(mgr.arena(t), "vmm")}
     span_unmap = getattr(getattr(weights, "vmm", None), "span_unmap", None)
     mgr.close()
-    peer = {True: {"peer_note": "skipped"}, False: {"peer_note": "skipped"}}
-    if not args.skip_peer:
-        peer = bench_peer(nbytes, device, {True: args.repeats, False: args.repeats_l2})
+    if tms is not None:
+        peer[True] = peer_cycles(tms, nbytes, device, True, note, args.repeats)
 
     common = {
         "pinned_d2h_GBps": d2h / 1e9,
