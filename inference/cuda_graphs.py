@@ -28,14 +28,26 @@ def batch_ladder(max_batch: int) -> list[int]:
     return sorted({*sizes, max_batch})
 
 
+def extended_ladder(max_batch: int, max_rows: int) -> list[int]:
+    """batch_ladder(max_batch) plus the sizes up to max_rows (speculative decoding's expanded-row
+    batches). Every size of batch_ladder(max_batch) stays, so a plain decode replays the same graph."""
+    return sorted({*batch_ladder(max_batch), *batch_ladder(max(max_rows, max_batch))})
+
+
 class CUDAGraphRunner:
+    """Decode graphs of one model over the KV cache bound to it (the target's, or the draft's).
+
+    `sizes` overrides the ladder (speculative decoding captures extended_ladder); a row of a replay
+    is one token with its own position, slot, context length and block table row.
+    """
+
     def __init__(self, model: torch.nn.Module, max_batch: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, sizes: list[int] | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.max_blocks = max_blocks_per_seq
         self.device = device
-        self.sizes = batch_ladder(max_batch)
+        self.sizes = sorted(set(sizes)) if sizes else batch_ladder(max_batch)
         n = self.sizes[-1]
         i32, i64 = torch.int32, torch.int64
         self.input_ids = torch.zeros(n, dtype=i64, device=device)

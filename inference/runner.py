@@ -116,9 +116,12 @@ class ModelRunner:
         return results
 
     # ---- CUDA graphs ----------------------------------------------------------------------
-    def capture_graphs(self, max_batch: int, max_model_len: int) -> None:
+    def capture_graphs(self, max_batch: int, max_model_len: int, sizes: list[int] | None = None) -> None:
+        """Decode graphs for batch_ladder(max_batch), or for `sizes` (speculative decoding adds the
+        sizes of its expanded-row verify batches; see inference/spec_decode.py)."""
         max_blocks = -(-max_model_len // self.block_size)
-        self.graphs = CUDAGraphRunner(self.model, max_batch, max_blocks, self.block_size, self.device, self.dtype)
+        self.graphs = CUDAGraphRunner(self.model, max_batch, max_blocks, self.block_size, self.device, self.dtype,
+                                      sizes)
         self.graphs.capture()
 
     def _graph_decode(self, batch: ScheduledBatch) -> torch.Tensor | None:

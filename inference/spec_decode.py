@@ -4,14 +4,21 @@ Per step, for the rows the scheduler gave a lookahead k_r > 0 (decodes only):
 1. The draft proposes k_r tokens autoregressively, sampling each from its processed distribution q
    (the target's temperature / top-k / top-p / min-p rules; greedy rows take the argmax). Its first
    pass also fills the draft KV the draft lacks (the token after a fully accepted run).
-2. The target runs one varlen forward over the k_r + 1 positions [last token, d_1 .. d_k] and gives p.
+2. The target computes the k_r + 1 positions [last token, d_1 .. d_k] and gives p.
 3. Rejection sampling (Leviathan et al. 2023, Chen et al. 2023): d_i is accepted with probability
    min(1, p(d_i) / q(d_i)); at the first rejection a token is drawn from normalize(max(0, p - q)); if
    all k_r are accepted a bonus token is drawn from p. Every emitted token is therefore distributed
    exactly as target-only sampling. Greedy rows use one-hot p and q: accept while d_i == argmax p,
-   then argmax p, so greedy output is identical to target-only decoding.
+   then argmax p, so greedy output is identical to target-only decoding. An all-greedy step never
+   forms q: it compares the proposals with the target's argmax.
 Rows without lookahead (prefill chunks, decodes at their last token) run through the target's
 ModelRunner as usual, and the draft mirrors the same chunk so its cache follows the target's.
+
+Graphs: the verify runs as a decode batch of sum(k_r + 1) single-token rows (inference/decode_rows.py),
+which replays the target's decode graphs (captured at extended_ladder sizes) and gives each position
+the attention kernel of a plain decode step. The draft's one-token steps and its catch-up pass replay
+the draft's own decode graphs. The host waits on the device once per step, for the accepted runs
+(plus the target's own transfer when plain rows sample in the same step).
 
 Invariants: the draft and the target share block ids and tables (one BlockManager); the draft's KV
 lives in a tensor of its own shape, bound once. seq.token_ids never holds a proposal: proposals live
@@ -28,6 +35,8 @@ import torch
 from torch import nn
 
 from inference.batch import AttentionMetadata
+from inference.cuda_graphs import CUDAGraphRunner
+from inference.decode_rows import DecodeRows, decode_logits
 from inference.runner import ModelRunner, SampleResult, top_dicts
 from inference.sampler import SamplingBatch, position_seed, process_logits
 from inference.scheduler import ScheduledBatch, StepResult
@@ -36,6 +45,8 @@ from inference.sequence import Sequence
 # stream salts of a seeded row's random draws, so the three never share a generator seed
 _DRAFT, _ACCEPT, _RESIDUAL = 1, 2, 3
 _MASK63 = (1 << 63) - 1
+# expanded-row verify batches up to this many rows replay graphs (when max_num_seqs * (k + 1) exceeds it)
+MAX_GRAPH_ROWS = 512
 
 
 @dataclass
@@ -69,10 +80,23 @@ class SpecDecoder:
         self.k = num_speculative_tokens
         self.vocab_size = vocab
         self.block_size = 0
+        self.graphs: CUDAGraphRunner | None = None  # the draft's decode graphs (capture_graphs)
 
     def bind_draft_kv(self, kv: torch.Tensor, block_size: int) -> None:
         self.draft.bind_kv_cache(kv)
         self.block_size = block_size
+
+    def graph_rows(self, max_batch: int) -> int:
+        """Rows of the largest decode graph speculation wants: a verify of max_batch rows of k + 1."""
+        return min(max_batch * (self.k + 1), max(max_batch, MAX_GRAPH_ROWS))
+
+    def capture_graphs(self, sizes: list[int], max_model_len: int) -> None:
+        """Capture the draft's decode graphs at `sizes` over its bound KV (bind_draft_kv first)."""
+        assert self.block_size, "bind_draft_kv first"
+        max_blocks = -(-max_model_len // self.block_size)
+        self.graphs = CUDAGraphRunner(self.draft, max(sizes), max_blocks, self.block_size, self.device,
+                                      self.runner.dtype, sizes)
+        self.graphs.capture()
 
     @property
     def device(self) -> torch.device:
@@ -107,21 +131,33 @@ class SpecDecoder:
         what the target computes this step (spec rows: through their last token). Returns the draft
         logits at the last token of each spec row."""
         ids: list[int] = []
-        starts, lens, tables, last = [], [], [], []
+        chunks: list[tuple[int, int]] = []
+        last: list[int] = []
         spec_set = set(spec)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start, end = seq.num_draft_computed, seq.num_computed_tokens + n
             assert start <= seq.num_computed_tokens < end <= seq.num_tokens, (seq, start, end)
             ids.extend(seq.token_ids[start:end])
-            starts.append(start)
-            lens.append(end - start)
-            tables.append(seq.block_table)
+            chunks.append((start, end))
             if i in spec_set:
                 last.append(len(ids) - 1)
-        hidden = self._forward(self.draft, _to(ids, self.device), starts, lens, tables)
+        if self._graph_fits(batch.seqs, chunks):
+            rows = DecodeRows(self.block_size)
+            for seq, (start, end) in zip(batch.seqs, chunks):
+                rows.add(seq.block_table, start, end - start)
+            logits = decode_logits(self.draft, self.graphs, _to(ids, self.device), rows, self.device)
+            return logits.index_select(0, _to(last, self.device)) if spec else None
+        hidden = self._forward(self.draft, _to(ids, self.device), [c[0] for c in chunks],
+                               [e - s for s, e in chunks], [seq.block_table for seq in batch.seqs])
         if not spec:
             return None
         return self.draft.compute_logits(hidden.index_select(0, _to(last, self.device)))
+
+    def _graph_fits(self, seqs: list[Sequence], chunks: list[tuple[int, int]]) -> bool:
+        """Whether the draft's pass over these short chunks replays a graph as expanded rows."""
+        if self.graphs is None or max(e - s for s, e in chunks) > self.k + 1:
+            return False
+        return self.graphs.can_use(sum(e - s for s, e in chunks), max(len(s.block_table) for s in seqs))
 
     def _forward(self, model: nn.Module, ids: torch.Tensor, starts: list[int], lens: list[int],
                  tables: list[list[int]]) -> torch.Tensor:
@@ -134,79 +170,84 @@ class SpecDecoder:
 
     def _speculate(self, seqs: list[Sequence], ks: list[int], logits: torch.Tensor) -> list[list[SampleResult]]:
         drafts, q = self._propose(seqs, ks, logits)
-        p_logits = self._verify_logits(seqs, ks, drafts)
+        p_logits = self.verify_logits(seqs, ks, drafts)
         return self._accept(seqs, ks, drafts, q, p_logits)
 
     def _propose(self, seqs: list[Sequence], ks: list[int],
-                 logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft tokens [R, kmax] and their draft distributions q [R, kmax, V] (zeros where unused)."""
+                 logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft tokens [R, kmax] and their draft distributions q [R, kmax, V] (zeros where unused;
+        None when every row is greedy: q is one-hot at the proposal then)."""
         rows, kmax = len(seqs), max(ks)
+        greedy = all(s.params.greedy for s in seqs)
         drafts = torch.zeros(rows, kmax, dtype=torch.int64, device=self.device)
-        q = torch.zeros(rows, kmax, self.vocab_size, dtype=torch.float32, device=self.device)
+        q = None if greedy else torch.zeros(rows, kmax, self.vocab_size, dtype=torch.float32, device=self.device)
         active = list(range(rows))
         for j in range(kmax):
-            act_seqs = [seqs[r] for r in active]
-            positions = [s.num_generated + j for s in act_seqs]
-            probs, _, _ = self._probs(logits, act_seqs, positions)
-            noise = self._exponential(probs.shape, act_seqs, positions, _DRAFT)
-            tokens = _race(probs.log(), noise)
-            index = _to(active, self.device)
-            drafts[index, j] = tokens
-            q[index, j] = probs
+            sel = slice(None) if len(active) == rows else _to(active, self.device)
+            if q is None:
+                tokens = logits.argmax(dim=-1)
+            else:
+                act_seqs = [seqs[r] for r in active]
+                positions = [s.num_generated + j for s in act_seqs]
+                probs, _, _ = self._probs(logits, act_seqs, positions)
+                tokens = _race(probs.log(), self._exponential(probs.shape, act_seqs, positions, _DRAFT))
+                q[sel, j] = probs
+            drafts[sel, j] = tokens
             nxt = [i for i, r in enumerate(active) if ks[r] > j + 1]
             if not nxt:
                 break
-            active = [active[i] for i in nxt]
-            starts = [seqs[r].num_tokens + j for r in active]  # d_{j+1} sits at position P + 1 + j
-            hidden = self._forward(self.draft, tokens.index_select(0, _to(nxt, self.device)), starts,
-                                   [1] * len(active), [seqs[r].block_table for r in active])
-            logits = self.draft.compute_logits(hidden)
+            if len(nxt) < len(active):
+                tokens = tokens.index_select(0, _to(nxt, self.device))
+                active = [active[i] for i in nxt]
+            step = DecodeRows(self.block_size)
+            for r in active:
+                step.add(seqs[r].block_table, seqs[r].num_tokens + j, 1)  # d_{j+1} sits at position P + 1 + j
+            logits = decode_logits(self.draft, self.graphs, tokens, step, self.device)
         return drafts, q
 
-    def _verify_logits(self, seqs: list[Sequence], ks: list[int], drafts: torch.Tensor) -> torch.Tensor:
-        """Target logits [R, kmax + 1, V] at positions P..P + k_r (rows padded by repeating their last)."""
+    def verify_logits(self, seqs: list[Sequence], ks: list[int], drafts: torch.Tensor,
+                      expanded: bool = True) -> torch.Tensor:
+        """Target logits [R, kmax + 1, V] at positions P..P + k_r (rows padded by repeating their last).
+
+        expanded: the positions run as decode rows (graph-replayed when a graph fits); else as one
+        varlen forward (the reference the tests hold the expanded rows to)."""
         rows, kmax = drafts.shape
         pool = torch.cat([_to([s.last_token_id for s in seqs], self.device), drafts.flatten()])
         index: list[int] = []
         for r, k in enumerate(ks):
             index += [r] + [rows + r * kmax + j for j in range(k)]
-        starts = [s.num_computed_tokens for s in seqs]
+        ids = pool.index_select(0, _to(index, self.device))
         lens = [k + 1 for k in ks]
         model = self.runner.model
-        hidden = self._forward(model, pool.index_select(0, _to(index, self.device)), starts, lens,
-                               [s.block_table for s in seqs])
+        if expanded:
+            verify = DecodeRows(self.block_size)
+            for s, n in zip(seqs, lens):
+                verify.add(s.block_table, s.num_computed_tokens, n)
+            logits = decode_logits(model, self.runner.graphs, ids, verify, self.device)
+        else:
+            hidden = self._forward(model, ids, [s.num_computed_tokens for s in seqs], lens,
+                                   [s.block_table for s in seqs])
+            logits = model.compute_logits(hidden)
         offsets = [sum(lens[:r]) for r in range(rows)]
         padded = [offsets[r] + min(j, ks[r]) for r in range(rows) for j in range(kmax + 1)]
-        logits = model.compute_logits(hidden.index_select(0, _to(padded, self.device)))
-        return logits.view(rows, kmax + 1, -1)
+        return logits.index_select(0, _to(padded, self.device)).view(rows, kmax + 1, -1)
 
-    def _accept(self, seqs: list[Sequence], ks: list[int], drafts: torch.Tensor, q_draft: torch.Tensor,
+    def _accept(self, seqs: list[Sequence], ks: list[int], drafts: torch.Tensor, q_draft: torch.Tensor | None,
                 p_logits: torch.Tensor) -> list[list[SampleResult]]:
         """Rejection sampling over every row at once; one host transfer for the accepted runs."""
         rows, width, vocab = p_logits.shape
         flat_seqs = [s for s in seqs for _ in range(width)]
         positions = [s.num_generated + j for s in seqs for j in range(width)]
-        p, x, sb = self._probs(p_logits.reshape(rows * width, vocab), flat_seqs, positions)
-        p = p.view(rows, width, vocab)
-        q = torch.zeros_like(p)
-        q[:, : width - 1] = q_draft  # the bonus position has q = 0: its "residual" is p itself
-        d = torch.zeros(rows, width, dtype=torch.int64, device=self.device)
-        d[:, : width - 1] = drafts
-        p_d = p.gather(-1, d[..., None]).squeeze(-1)
-        q_d = q.gather(-1, d[..., None]).squeeze(-1)
-        u = self._uniform((rows * width,), flat_seqs, positions, _ACCEPT).view(rows, width)
         cols = torch.arange(width, device=self.device)
         valid = cols[None, :] < _to(ks, self.device)[:, None]
-        accepted = (u * q_d < p_d) & valid  # u < p/q without dividing; q(d) > 0 for a drawn d
-        num_acc = accepted.long().cumprod(-1).sum(-1)  # leading accepted draft tokens
-        residual = (p - q).clamp_min(0.0)
-        mass = residual.sum(-1, keepdim=True)
-        residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)  # p == q: never rejected
-        noise = self._exponential((rows * width, vocab), flat_seqs, positions, _RESIDUAL)
-        fallback = _race(residual.view(rows * width, vocab).log(), noise).view(rows, width)
-        final = fallback.gather(1, num_acc[:, None])
-        tokens = torch.where(cols[None, :] < num_acc[:, None], d, final)
-        dist = self._report_dist(p_logits.reshape(rows * width, vocab).float(), x, sb)
+        if q_draft is None:  # every row greedy: accept while the proposal is the target's argmax
+            logits = p_logits.reshape(rows * width, vocab).float()
+            tokens = logits.argmax(dim=-1).view(rows, width)
+            accepted = (drafts == tokens[:, : width - 1]) & valid[:, : width - 1]
+            num_acc = accepted.long().cumprod(-1).sum(-1)
+            dist = torch.log_softmax(logits, dim=-1)  # what the sampler reports for greedy rows
+        else:
+            tokens, num_acc, dist = self._reject(flat_seqs, positions, drafts, q_draft, p_logits, valid)
         lps = dist.gather(-1, tokens.reshape(-1, 1)).view(rows, width)
         host = torch.stack((tokens.double(), lps.double(), num_acc[:, None].expand(rows, width).double()))
         tok_l, lp_l, acc_l = host.tolist()
@@ -216,6 +257,34 @@ class SpecDecoder:
             n = int(acc_l[r][0]) + 1
             runs.append([(int(tok_l[r][j]), lp_l[r][j], tops[r * width + j]) for j in range(n)])
         return runs
+
+    def _reject(self, flat_seqs: list[Sequence], positions: list[int], drafts: torch.Tensor,
+                q_draft: torch.Tensor, p_logits: torch.Tensor,
+                valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tokens [R, W] (accepted proposals, then the residual or bonus draw), the number accepted
+        [R] and the log-probabilities to report [R * W, V]."""
+        rows, width, vocab = p_logits.shape
+        p, x, sb = self._probs(p_logits.reshape(rows * width, vocab), flat_seqs, positions)
+        p = p.view(rows, width, vocab)
+        q = torch.zeros_like(p)
+        q[:, : width - 1] = q_draft  # the bonus position has q = 0: its "residual" is p itself
+        d = torch.zeros(rows, width, dtype=torch.int64, device=self.device)
+        d[:, : width - 1] = drafts
+        p_d = p.gather(-1, d[..., None]).squeeze(-1)
+        q_d = q.gather(-1, d[..., None]).squeeze(-1)
+        u = self._uniform((rows * width,), flat_seqs, positions, _ACCEPT).view(rows, width)
+        accepted = (u * q_d < p_d) & valid  # u < p/q without dividing; q(d) > 0 for a drawn d
+        num_acc = accepted.long().cumprod(-1).sum(-1)  # leading accepted draft tokens
+        residual = (p - q).clamp_min(0.0)
+        mass = residual.sum(-1, keepdim=True)
+        residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)  # p == q: never rejected
+        noise = self._exponential((rows * width, vocab), flat_seqs, positions, _RESIDUAL)
+        fallback = _race(residual.view(rows * width, vocab).log(), noise).view(rows, width)
+        final = fallback.gather(1, num_acc[:, None])
+        cols = torch.arange(width, device=self.device)
+        tokens = torch.where(cols[None, :] < num_acc[:, None], d, final)
+        dist = self._report_dist(p_logits.reshape(rows * width, vocab).float(), x, sb)
+        return tokens, num_acc, dist
 
     # ---- distributions and noise ----------------------------------------------------------
     def _probs(self, logits: torch.Tensor, seqs: list[Sequence],

@@ -16,6 +16,7 @@ import torch
 from checksum import digest_tensors
 from inference.config import EngineConfig, ModelConfig
 from inference.core import StateError
+from inference.cuda_graphs import extended_ladder
 from inference.layers.attention import get_attention_backend
 from inference.loader import init_dummy_weights, load_weights
 from inference.memory import DEFAULT_ALIGN, KV_TAG, round_up
@@ -214,13 +215,20 @@ class Worker(WeightUpdateMixin):
 
     def warm_up(self) -> None:
         """Capture the decode CUDA graphs (unless enforce_eager, on CPU, or with an attention backend
-        that reads host values). The eager path needs nothing."""
+        that reads host values), with a draft also the draft's. The eager path needs nothing."""
         assert self.runner is not None and self.device is not None
         if self.config.enforce_eager or self.device.type != "cuda" or self.attention_backend == "reference":
             return
         if self.tp.size > 1 and self.device.type == "cuda" and not _nccl_group(self.tp):
             return  # a graph can only hold NCCL collectives
-        self.runner.capture_graphs(min(self.config.scheduler.max_num_seqs, 512), self.max_model_len)
+        max_batch = min(self.config.scheduler.max_num_seqs, 512)
+        if self.spec is None:
+            self.runner.capture_graphs(max_batch, self.max_model_len)
+            return
+        # speculation verifies as decode rows (k + 1 per sequence) and steps the draft one token at a time
+        sizes = extended_ladder(max_batch, self.spec.graph_rows(max_batch))
+        self.runner.capture_graphs(max_batch, self.max_model_len, sizes)
+        self.spec.capture_graphs(sizes, self.max_model_len)
 
     def execute_model(self, batch: ScheduledBatch) -> list[StepResult]:
         """Per scheduled sequence: its sampled result, None (mid-prefill), or with speculative

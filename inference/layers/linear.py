@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from inference.core import InvalidRequestError
+from inference.layers.gemv import linear
 from inference.parallel import TPInfo
 
 ShardId = str | int | None
@@ -72,7 +72,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(self._row_shard(loaded, self.out_features_local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -142,6 +142,10 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)
+        return self.reduce(linear(x, self.weight))
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """This rank's bias-free product x_r W_r^T -> the layer's output (sum over ranks, plus bias)."""
+        y = partial if self.tp.size == 1 else self.tp.all_reduce(partial)
         return y if self.bias is None else y + self.bias

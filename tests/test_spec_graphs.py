@@ -1,0 +1,126 @@
+"""Speculative decoding's graph-friendly paths on CPU (fp32): the expanded-row verify computes the
+varlen verify's logits, and the graph path (decode graphs stood in by eager replays of the same static
+buffers, Triton kernels in the interpreter) keeps greedy output identical to target-only decoding."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from inference.core import SamplingParams
+from inference.cuda_graphs import CUDAGraphRunner, batch_ladder, extended_ladder
+from inference.llm import LLM
+from inference.spec_decode import SpecDecoder
+from tests.helpers_models import make_hf_checkpoint, random_prompts
+from tests.test_spec_decode import perturb_checkpoint
+
+VOCAB = 32
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("spec-graphs")
+    target = root / "target"
+    make_hf_checkpoint("qwen2", target, seed=0, vocab_size=VOCAB, initializer_range=0.2)
+    return target, perturb_checkpoint(target, root / "close", 0.02)
+
+
+def engine(target: Path, draft: Path | None = None, k: int = 3, **kw: object) -> LLM:
+    extra = {"draft_model": str(draft), "num_speculative_tokens": k} if draft is not None else {}
+    return LLM(target, device="cpu", dtype="float32", block_size=4, kv_cache_bytes=2 << 20, max_num_seqs=4,
+               **extra, **kw)
+
+
+def test_expanded_row_verify_equals_varlen_verify(pair: tuple[Path, Path],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    target, draft = pair
+    llm = engine(target, draft)
+    seen: list[list[int]] = []
+    verify = SpecDecoder.verify_logits
+
+    def both(self: SpecDecoder, seqs: list, ks: list[int], drafts: torch.Tensor,
+             expanded: bool = True) -> torch.Tensor:
+        varlen = verify(self, seqs, ks, drafts, expanded=False)
+        rows = verify(self, seqs, ks, drafts, expanded=True)  # rewrites the same KV slots
+        torch.testing.assert_close(rows, varlen, rtol=1e-5, atol=1e-5)
+        seen.append(list(ks))
+        return rows
+
+    monkeypatch.setattr(SpecDecoder, "verify_logits", both)
+    prompts = random_prompts([3, 9, 6], VOCAB, seed=1)
+    ref = engine(target).generate(prompts, GREEDY)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert any(len(ks) > 1 for ks in seen)  # several sequences in one verify
+    assert len({k for ks in seen for k in ks}) > 1  # lookaheads shrink near max_tokens
+
+
+class EagerGraphs(CUDAGraphRunner):
+    """CUDAGraphRunner whose "graphs" rerun the captured forward eagerly over the static buffers: the
+    padding, buffer views and ladder choice of the graph path, on CPU."""
+
+    def capture(self) -> None:
+        self.replays: Counter[int] = Counter()
+        for bs in self.sizes:
+            self.outputs[bs] = self.logits[:bs]
+            self.graphs[bs] = _Replay(self, bs)  # type: ignore[assignment]
+
+
+class _Replay:
+    def __init__(self, runner: EagerGraphs, bs: int) -> None:
+        self.runner, self.bs = runner, bs
+
+    def replay(self) -> None:
+        self.runner.replays[self.bs] += 1
+        with torch.inference_mode():
+            self.runner._forward(self.bs)
+
+
+def install_graphs(llm: LLM, max_batch: int) -> tuple[EagerGraphs, EagerGraphs | None]:
+    worker = llm.worker
+    runner = worker.runner
+    assert runner is not None
+    max_blocks = -(-worker.max_model_len // runner.block_size)
+    spec = worker.spec
+    sizes = extended_ladder(max_batch, spec.graph_rows(max_batch)) if spec is not None else None
+    target = EagerGraphs(runner.model, max_batch, max_blocks, runner.block_size, runner.device, runner.dtype, sizes)
+    target.capture()
+    runner.graphs = target
+    if spec is None:
+        return target, None
+    draft = EagerGraphs(spec.draft, max_batch, max_blocks, runner.block_size, runner.device, runner.dtype, sizes)
+    draft.capture()
+    spec.graphs = draft
+    return target, draft
+
+
+def test_graph_path_keeps_greedy_output_identical(pair: tuple[Path, Path]) -> None:
+    target, draft = pair
+    prompts = random_prompts([5, 11], VOCAB, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    base = engine(target, attention_backend="triton", max_model_len=64)
+    base_graphs, _ = install_graphs(base, 2)
+    ref = base.generate(prompts, params)
+    spec = engine(target, draft, 3, attention_backend="triton", max_model_len=64)
+    verify_graphs, draft_graphs = install_graphs(spec, 2)
+    outs = spec.generate(prompts, params)
+    for r, o in zip(ref, outs):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+        torch.testing.assert_close(o.outputs[0].logprobs, r.outputs[0].logprobs, rtol=1e-4, atol=1e-4)
+    assert base_graphs.replays and set(base_graphs.replays) <= {1, 2}
+    assert max(verify_graphs.replays) == 8  # two sequences of 4 verify rows
+    assert draft_graphs is not None and draft_graphs.replays[2] > 0  # both rows' one-token steps
+    assert spec.spec_stats.proposed > 0
+
+
+def test_extended_ladder_keeps_the_decode_sizes_and_covers_the_verify_rows() -> None:
+    for max_batch, rows in ((1, 5), (16, 80), (20, 100), (256, 512)):
+        sizes = extended_ladder(max_batch, rows)
+        assert set(batch_ladder(max_batch)) <= set(sizes) and max(sizes) == rows
+        # a plain decode of n <= max_batch rows picks the graph it picked without speculation
+        for n in range(1, max_batch + 1):
+            assert next(b for b in sizes if b >= n) == next(b for b in batch_ladder(max_batch) if b >= n)
