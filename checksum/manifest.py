@@ -67,7 +67,8 @@ class Manifest:
             _check_record("<manifest>", f"records[{i}]", record)
         records = tuple(sorted(self.records, key=lambda r: r.name))
         object.__setattr__(self, "records", records)
-        _check_unique("<manifest>", [(f"records[{i}]", r.name) for i, r in enumerate(records)])
+        if len({r.name for r in records}) != len(records):
+            _check_unique("<manifest>", [(f"records[{i}]", r.name) for i, r in enumerate(records)])
 
     def by_name(self) -> dict[str, TensorRecord]:
         return {r.name: r for r in self.records}
@@ -228,11 +229,25 @@ def _records_from_json(source: str, tensors: object) -> list[TensorRecord]:
         record = TensorRecord(item["name"], item["dtype"], tuple(shape), item["digest"])
         _check_record(source, where, record)
         records.append(record)
-    _check_unique(source, [(f"tensors[{i}]", r.name) for i, r in enumerate(records)])
+    if len({r.name for r in records}) != len(records):
+        _check_unique(source, [(f"tensors[{i}]", r.name) for i, r in enumerate(records)])
     return records
 
 
+_VALID_DTYPES: set[str] = set()  # dtype names that passed the full check below
+
+
 def _check_record(source: str, where: str, record: TensorRecord) -> None:
+    name, dtype, shape, digest = record.name, record.dtype, record.shape, record.digest
+    if (type(name) is str and name and dtype in _VALID_DTYPES and type(shape) is tuple
+            and all(type(s) is int and s >= 0 for s in shape)
+            and type(digest) is str and _DIGEST_RE.fullmatch(digest) is not None):
+        return  # the common case, decided without building a message
+    _check_record_fully(source, where, record)
+    _VALID_DTYPES.add(dtype)
+
+
+def _check_record_fully(source: str, where: str, record: TensorRecord) -> None:
     if not isinstance(record.name, str) or not record.name:
         raise ManifestError(source, f"{where}.name", f"must be a non-empty string, got {record.name!r}")
     dtype = getattr(torch, record.dtype, None) if isinstance(record.dtype, str) else None

@@ -3,6 +3,10 @@
 Work items are segments (checksum/definition.py): a tensor of n bytes is ceil(n / 64 MiB) items,
 each hashed by one thread with its own streaming xxh3 hasher, so many threads share one embedding.
 A tensor's digest is combined from its segments' digests when its last segment finishes.
+Small tensors (one segment, at most half a chunk) are packed, in input order, into "packs" of at
+most one chunk: a pack is one work item, staged with one gather and one copy, and its tensors are
+hashed back to back from the one buffer. A model's hundreds of norms, biases and projections then
+cost a handful of items, not one copy, event and thread hand-off each.
 
 Roles in one run:
 - pool threads ("hashers") claim segments, largest tensors first (a tensor's segments in order),
@@ -13,7 +17,8 @@ Roles in one run:
   (buffer, size) to the segment's lane.
 Invariants:
 - a chunk lies inside one segment (chunks are cut from each segment's start), so neither the chunk
-  size nor the thread count changes a digest;
+  size nor the thread count changes a digest; a pack is one chunk, and each of its tensors is
+  hashed from its own byte range;
 - a hasher reads a buffer only after waiting on that buffer's copy (its event);
 - a buffer goes back to the free list only after its hash finished, so it is never refilled early;
 - a segment's chunks are issued and hashed in byte order;
@@ -169,6 +174,10 @@ class _Segment:
     issued: int = 0
     outstanding: int = 0  # chunks issued and not yet hashed
     ready: deque[tuple[int, int]] = field(default_factory=deque)  # (buffer, size), copy issued
+    # A pack: whole one-segment jobs (job is parts[0]) laid out back to back in [0, end); staged
+    # packs are gathered into `gathered` by the copier, dropped once hashed.
+    parts: tuple[Job, ...] = ()
+    gathered: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.issued = self.start
@@ -214,13 +223,22 @@ class _Run:
         self.max_queued = max_queued
         self.lock = threading.Lock()
         self.copier_cv = threading.Condition(self.lock)
-        # Largest tensors first: their segments are most of the work; small tensors fill the tail.
-        self.pending: deque[_Segment] = deque()
-        for job in sorted(jobs, key=lambda j: -j.nbytes):
+        # Largest items first: big tensors' segments are most of the work; packs fill the tail.
+        units: list[tuple[int, list[_Segment]]] = []
+        singles, packs = _pack(jobs, chunk_bytes)
+        for job in singles:
             spans = segment_spans(job.nbytes)
             job.segment_digests, job.segments_left, job.flat = [None] * len(spans), len(spans), None
-            self.pending.extend(_Segment(job, k, start, end, threading.Condition(self.lock))
-                                for k, (start, end) in enumerate(spans))
+            units.append((job.nbytes, [_Segment(job, k, start, end, threading.Condition(self.lock))
+                                       for k, (start, end) in enumerate(spans)]))
+        for parts in packs:
+            for job in parts:
+                job.segment_digests, job.segments_left, job.flat = [None], 1, None
+            size = sum(j.nbytes for j in parts)
+            units.append((size, [_Segment(parts[0], 0, 0, size, threading.Condition(self.lock), parts=parts)]))
+        self.pending: deque[_Segment] = deque()
+        for _, segments in sorted(units, key=lambda u: -u[0]):
+            self.pending.extend(segments)
         self.all_segments = tuple(self.pending)
         self.active: list[_Segment] = []  # claimed staged segments not yet fully hashed
         self.free = list(range(staging.num_buffers)) if staging is not None else []
@@ -240,12 +258,47 @@ class _Run:
     def hasher(self) -> None:
         try:
             while (segment := self._claim()) is not None:
+                if segment.parts:
+                    digests = self._hash_pack(segment)
+                    if digests is None:
+                        return
+                    for job, digest in zip(segment.parts, digests):
+                        self._finish(_Segment(job, 0, 0, job.nbytes, segment.lane), digest)
+                    continue
                 digest = self._hash_staged(segment) if segment.job.staged else self._hash_in_place(segment)
                 if digest is None:  # the run failed elsewhere
                     return
                 self._finish(segment, digest)
         except BaseException as exc:
             self.fail(exc)
+
+    def _hash_pack(self, segment: _Segment) -> list[bytes] | None:
+        """Each part's digest: from its byte range of the one staged chunk, or from the tensor in place."""
+        if not segment.job.staged:
+            if self.error is not None:
+                return None
+            return [_hash_host(flat_bytes(job.tensor)) for job in segment.parts]
+        assert self.staging is not None
+        with self.lock:
+            while not segment.ready and self.error is None:
+                segment.lane.wait()
+            if self.error is not None:
+                return None
+            buf, size = segment.ready.popleft()
+        assert size == segment.end, "a pack is staged as one chunk"
+        self.staging.wait(buf)
+        view = self.staging.view(buf, size)
+        digests, offset = [], 0
+        for job in segment.parts:
+            digests.append(xxhash.xxh3_128(view[offset:offset + job.nbytes]).digest())
+            offset += job.nbytes
+        with self.lock:
+            self.free.append(buf)
+            segment.outstanding -= 1
+            segment.gathered = None  # its copy landed and every part is hashed
+            self.active.remove(segment)
+            self.copier_cv.notify()
+        return digests
 
     def _claim(self) -> _Segment | None:
         with self.lock:
@@ -325,9 +378,14 @@ class _Run:
             while queued and queued[0][0] <= last_seq[buf]:
                 queued.popleft()
             job = segment.job
-            if job.flat is None:  # only this thread makes a staged job's bytes; hashers only drop them
-                job.flat = flat_bytes(job.tensor)
-            self.staging.copy(buf, job.flat[start : start + size])
+            if segment.parts:  # one gather on the copy stream, one copy out
+                assert start == 0 and size == segment.end
+                segment.gathered = torch.cat([flat_bytes(j.tensor) for j in segment.parts])
+                self.staging.copy(buf, segment.gathered)
+            else:
+                if job.flat is None:  # only this thread makes a staged job's bytes; hashers only drop them
+                    job.flat = flat_bytes(job.tensor)
+                self.staging.copy(buf, job.flat[start : start + size])
             seq += 1
             last_seq[buf] = seq
             queued.append((seq, buf))
@@ -364,3 +422,28 @@ class _Run:
             if best is None or segment.end - segment.issued > best.end - best.issued:
                 best = segment
         return best
+
+
+def _hash_host(flat: torch.Tensor) -> bytes:
+    """xxh3-128 of a host byte tensor, kept alive (a strided tensor's copy) while it is hashed."""
+    return xxhash.xxh3_128(host_view(flat)).digest()
+
+
+def _pack(jobs: list[Job], chunk_bytes: int) -> tuple[list[Job], list[tuple[Job, ...]]]:
+    """(jobs hashed on their own, packs): jobs of one segment and at most half a chunk are packed in
+    input order (neighbours in a model are often neighbours in memory), each pack at most one chunk.
+    A pack of one job is just that job."""
+    singles: list[Job] = []
+    packs: list[list[Job]] = []
+    used = chunk_bytes  # no open pack
+    for job in jobs:
+        if job.nbytes * 2 > chunk_bytes or len(segment_spans(job.nbytes)) != 1:
+            singles.append(job)
+            continue
+        if used + job.nbytes > chunk_bytes:
+            packs.append([])
+            used = 0
+        packs[-1].append(job)
+        used += job.nbytes
+    singles.extend(p[0] for p in packs if len(p) == 1)
+    return singles, [tuple(p) for p in packs if len(p) > 1]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,9 +33,9 @@ from inference.core import InvalidRequestError, StateError
 from inference.memory import ArenaState
 from inference.parallel import TPInfo
 from inference.transfer.groups import InitInfo, TransferError
-from inference.transfer.plan import TensorSpec, specs_from_manifest
+from inference.transfer.plan import ManifestCache, ParsedManifest
 from inference.transfer.receiver import WeightReceiver
-from inference.transfer.target import Fault, Route, UpdateTarget, validate_manifest
+from inference.transfer.target import Fault, Routing, UpdateTarget, route_manifest
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class ModelWeightState:
 class _Session:
     which: str
     version: int
-    specs: list[TensorSpec]
+    specs: ParsedManifest
     target: UpdateTarget
     bytes_moved: bool = False
     received: bool = False
@@ -80,9 +80,25 @@ class UpdateResult:
 
 @dataclass
 class _RouteCache:
-    key: tuple[Any, ...] | None = None
-    specs: list[TensorSpec] = field(default_factory=list)
-    routes: list[Route] = field(default_factory=list)
+    """The routing of the last manifest started on one model, valid while `slots` still hold: the
+    same model object, each module still holding the same Parameter on the same storage."""
+
+    specs: ParsedManifest
+    allow_cast: bool
+    model: nn.Module
+    config: ModelConfig
+    slots: list[tuple[nn.Module, str, nn.Parameter, int]]
+    routing: Routing
+
+    def matches(self, specs: ParsedManifest, allow_cast: bool, model: nn.Module, config: ModelConfig) -> bool:
+        return (specs is self.specs and allow_cast == self.allow_cast and model is self.model
+                and config is self.config
+                and all(m._parameters.get(n) is p and p.data_ptr() == ptr for m, n, p, ptr in self.slots))
+
+
+def _parameter_slots(model: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter, int]]:
+    return [(module, name, p, p.data_ptr()) for module in model.modules()
+            for name, p in module._parameters.items() if p is not None]
 
 
 class WeightUpdateMixin:
@@ -100,6 +116,8 @@ class WeightUpdateMixin:
         self._wt_session: _Session | None = None
         self._wt_states: dict[str, ModelWeightState] = {}
         self._wt_routes: dict[str, _RouteCache] = {}
+        self._wt_manifests = ManifestCache()  # parsed manifests, reused while the sender's layout repeats
+        self.routings_built = 0  # validate_manifest runs (tests check the route cache with it)
         self.weight_transfer_fault: Fault | None = _fault_from_env()
 
     # ---- state --------------------------------------------------------------------------------
@@ -195,28 +213,30 @@ class WeightUpdateMixin:
             raise InvalidRequestError("version", f"must be an integer >= 0, got {version!r}")
         if which not in self.models:
             raise StateError(f"rank {self.rank_key}: no {which} model loaded")
-        manifest_version, specs = specs_from_manifest(manifest)
+        manifest_version, specs = self._wt_manifests.parse(manifest)
         if manifest_version is not None and manifest_version != version:
             raise InvalidRequestError("manifest.version", f"is {manifest_version}, but the update is for version "
                                       f"{version}")
         self._check_weights_writable(which)
-        specs, routes = self._routes(which, specs, allow_cast)
+        routing = self._routing(which, specs, allow_cast)
         fault = self.weight_transfer_fault
         if fault is not None and (len(fault) != 2 or fault[0] != "flip"):
             raise InvalidRequestError("weight_transfer_fault", f"must be ('flip', tensor name), got {fault!r}")
-        target = UpdateTarget(which, self.models[which], self.model_configs[which], routes, self.rank_key, fault)
+        target = UpdateTarget(which, self.model_configs[which], routing, self.rank_key, fault)
         self._wt_session = _Session(which, version, specs, target)
 
-    def _routes(self, which: str, specs: list[TensorSpec], allow_cast: bool) -> tuple[list[TensorSpec], list[Route]]:
-        """validate_manifest, cached while the manifest and the parameters' storage stay the same."""
-        model = self.models[which]
-        key = (tuple(specs), allow_cast, id(model), tuple(p.data_ptr() for p in model.parameters()))
-        cache = self._wt_routes.setdefault(which, _RouteCache())
-        if cache.key != key:
-            routes = validate_manifest(specs, model, self.model_configs[which], which=which, rank=self.rank_key,
-                                       tp_size=self.tp.size, allow_cast=allow_cast)
-            cache.key, cache.specs, cache.routes = key, specs, routes
-        return cache.specs, cache.routes
+    def _routing(self, which: str, specs: ParsedManifest, allow_cast: bool) -> Routing:
+        """route_manifest (validation included), cached while the manifest and the parameters stay the same."""
+        model, config = self.models[which], self.model_configs[which]
+        cache = self._wt_routes.get(which)
+        if cache is None or not cache.matches(specs, allow_cast, model, config):
+            self._wt_routes.pop(which, None)  # a failed validation leaves no stale routing behind
+            routing = route_manifest(specs, model, config, which=which, rank=self.rank_key, tp_size=self.tp.size,
+                                     allow_cast=allow_cast)
+            self.routings_built += 1
+            cache = _RouteCache(specs, allow_cast, model, config, _parameter_slots(model), routing)
+            self._wt_routes[which] = cache
+        return cache.routing
 
     def update_weights(self, update_info: Any = None) -> None:
         """Receive every bucket of the open session. `update_info`: None or {} (or a list indexed by

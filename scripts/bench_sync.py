@@ -10,12 +10,17 @@ bf16 tensors). Timed on the receiver, after a warm-up, median of --iters:
   one broadcast per parameter for gloo/nccl; both load tensor by tensor;
 - peer_bucket_ms: one reused 2 GiB bucket (IPC or broadcast), packed and unpacked tensor by tensor,
   without overlap (verl style).
-Prints one JSON line per (shape, backend). Smoke test: --shape tiny --backend gloo --device cpu.
+Prints one JSON line per (shape, backend), with the receiver's median per phase (start, update,
+finish) of the audited syncs. Smoke test: --shape tiny --backend gloo --device cpu.
+--profile DIR writes cProfile stats of the timed syncs: DIR/receiver-<shape>.prof (this process)
+and DIR/sender-<shape>.prof (the trainer's manifest() and send() calls); read them with pstats.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import json
 import logging
 import os
@@ -102,12 +107,17 @@ def trainer(args: argparse.Namespace, to_parent: Any, from_parent: Any) -> None:
     to_parent.put(sender.init_info())
     sender.connect()
     group = sender._group  # the peers below reuse our group's control and data planes
+    profiler = cProfile.Profile() if args.profile else None
     for digest in [False] * (args.iters + 1) + [True] * (args.iters + 1):
-        sender.manifest(named, 1)
+        with _profiling(profiler):
+            sender.manifest(named, 1)
         to_parent.put("ready")
-        records = sender.send(named, digest=digest)
+        with _profiling(profiler):
+            records = sender.send(named, digest=digest)
         if digest:
             to_parent.put([r.__dict__ for r in records])
+    if profiler is not None:
+        profiler.dump_stats(Path(args.profile) / f"sender-{args.shape}.prof")
     for peer in (ceiling_send, per_param_send, bucket_send):
         for _ in range(args.iters + 1):
             group.all_max([0], "barrier")
@@ -167,6 +177,18 @@ def bucket_send(args: argparse.Namespace, group: TransferGroup, named: dict, dev
 _SCRATCH: dict[tuple[int, str], torch.Tensor] = {}
 
 
+@contextlib.contextmanager
+def _profiling(profiler: cProfile.Profile | None) -> Any:
+    if profiler is None:
+        yield
+        return
+    profiler.enable()
+    try:
+        yield
+    finally:
+        profiler.disable()
+
+
 def _scratch(nbytes: int, device: torch.device) -> torch.Tensor:
     key = (nbytes, str(device))
     if key not in _SCRATCH:
@@ -204,25 +226,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                           for n, s in expected_hf_tensors(config).items()]}
     total = sum(torch.Size(t["shape"]).numel() * 2 for t in manifest["tensors"])
 
-    def one_sync(audit: bool) -> None:
+    profiler = cProfile.Profile() if args.profile else None
+    phases: dict[str, list[float]] = {"start": [], "update": [], "finish": []}
+
+    def one_sync(audit: bool) -> float:
         from_child.get(timeout=600)  # the trainer is about to wait inside send()
         time.sleep(0.05)
-        t0 = time.perf_counter()
-        receiver.start_weight_update(1, manifest)
-        receiver.update_weights()
+        with _profiling(profiler):
+            t0 = time.perf_counter()
+            receiver.start_weight_update(1, manifest)
+            t1 = time.perf_counter()
+            receiver.update_weights()
+            sync_device(device)
+            t2 = time.perf_counter()
+            if audit:
+                assert receiver.finish_weight_update(from_child.get(timeout=600), held_manifest=False).report.ok
+            else:
+                receiver.abort_weight_update("benchmark iteration without digests")
+            sync_device(device)
+            t3 = time.perf_counter()
         if audit:
-            assert receiver.finish_weight_update(from_child.get(timeout=600), held_manifest=False).report.ok
-        else:
-            receiver.abort_weight_update("benchmark iteration without digests")
-        sync_device(device)
-        one_sync.times.append((time.perf_counter() - t0) * 1e3)  # type: ignore[attr-defined]
+            for phase, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
+                phases[phase].append(dt * 1e3)
+        return (t3 - t0) * 1e3
 
     results = {}
     for audit in (False, True):
-        one_sync.times = []  # type: ignore[attr-defined]
-        for _ in range(args.iters + 1):
-            one_sync(audit)
-        results[audit] = statistics.median(one_sync.times[1:])  # type: ignore[attr-defined]
+        times = [one_sync(audit) for _ in range(args.iters + 1)]
+        results[audit] = statistics.median(times[1:])
+    if profiler is not None:
+        profiler.dump_stats(Path(args.profile) / f"receiver-{args.shape}.prof")
     group = receiver._wt_receiver.group  # peers reuse our group, as the trainer does
     params = dict(receiver.models["target"].named_parameters())
     peers = {}
@@ -241,7 +274,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "gbps": round(total / results[False] / 1e6, 2), "ceiling_ms": round(peers["ceiling"], 3),
             "ratio_to_ceiling": round(results[False] / peers["ceiling"], 3),
             "peer_per_param_ms": round(peers["per_param"], 3), "peer_bucket_ms": round(peers["bucket"], 3),
-            "speedup_vs_bucket": round(peers["bucket"] / results[False], 2), "device": device_name}
+            "speedup_vs_bucket": round(peers["bucket"] / results[False], 2),
+            **{f"audit_{k}_ms": round(statistics.median(v[1:]), 3) for k, v in phases.items()},
+            "device": device_name}
 
 
 def ceiling_recv(args: argparse.Namespace, group: TransferGroup, config: ModelConfig, params: dict,
@@ -305,7 +340,10 @@ def main() -> None:
     parser.add_argument("--sender-device", default=None, help="default: --device; nccl needs another GPU")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--bucket-mb", type=int, default=512)
+    parser.add_argument("--profile", default=None, metavar="DIR", help="write cProfile stats of both ends here")
     args = parser.parse_args()
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
     if args.sender_device is None:
         args.sender_device = "cuda:1" if args.backend == "nccl" else args.device
     for shape in SHAPES if args.shape == "all" else [args.shape]:

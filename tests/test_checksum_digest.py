@@ -254,6 +254,26 @@ def test_a_failing_copy_raises_and_the_digester_still_works(monkeypatch: pytest.
     assert digester.digest(tensors) == Digester(1).digest(tensors)
 
 
+def test_small_tensors_are_staged_in_packs_yet_digested_one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hundreds of small tensors cost a few staged copies, and each keeps its own digest."""
+    tensors = {f"t{i}": random_tensor((i % 7 + 1, 13), torch.float32, i) for i in range(60)}
+    tensors["strided"] = random_tensor((40, 30), torch.float32, 99).t()
+    tensors["large"] = random_tensor((3000,), torch.float32, 98)  # over half a chunk: staged on its own
+    expected = [xxh(storage_bytes(t.contiguous())) for t in tensors.values()]
+    copies: list[int] = []
+    real_copy = checksum.staging.HostStaging.copy
+
+    def counting_copy(self: checksum.staging.HostStaging, buf: int, src: torch.Tensor) -> None:
+        copies.append(src.numel())
+        real_copy(self, buf, src)
+
+    monkeypatch.setattr(checksum.staging.HostStaging, "copy", counting_copy)
+    with Digester(3, chunk_bytes=4096, staging="always") as digester:
+        assert [r.digest for r in digester.digest(tensors)] == expected
+    assert len(copies) <= 10 and sum(copies) == sum(t.numel() * 4 for t in tensors.values())
+    assert [r.digest for r in Digester(2, chunk_bytes=4096).digest(tensors)] == expected  # packed in place
+
+
 class AsyncHostStaging:
     """Like a CUDA copy stream: copies land later, in issue order, on another thread. A pipeline that
     read a buffer before its copy landed, or refilled it while it was being hashed, would hash wrong

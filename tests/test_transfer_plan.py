@@ -10,10 +10,13 @@ import torch
 
 from checksum import flat_bytes
 from inference.core import InvalidRequestError
+from inference.transfer import ipc
 from inference.transfer import plan as plan_module
 from inference.transfer.buckets import Packer, Unpacker
 from inference.transfer.plan import (
     ALIGN,
+    ManifestCache,
+    ParsedManifest,
     TensorSpec,
     dtype_from_name,
     plan_buckets,
@@ -115,6 +118,53 @@ def test_specs_from_manifest_accepts_the_sender_format_and_names_bad_fields() ->
         specs_from_manifest([{"name": "a", "dtype": "float99", "shape": [1]}])
     with pytest.raises(InvalidRequestError, match=r"manifest\.extra"):
         specs_from_manifest({"tensors": [], "extra": 1})
+
+
+def test_manifest_cache_parses_a_layout_once_and_anything_else_afresh() -> None:
+    specs = random_specs(4, n=30)
+    cache = ManifestCache(size=2)
+    first_version, parsed = cache.parse({"version": 1, "tensors": [s.to_dict() for s in specs]})
+    again_version, again = cache.parse({"version": 2, "tensors": [s.to_dict() for s in specs]})  # a fresh, equal dict
+    assert (first_version, again_version) == (1, 2) and again is parsed and list(parsed) == specs
+    assert (cache.parses, cache.hits) == (1, 1)
+    changed = [s.to_dict() for s in specs]
+    changed[3]["shape"] = [*changed[3]["shape"], 2]
+    _, other = cache.parse(changed)
+    assert other is not parsed and other[3].shape == (*specs[3].shape, 2) and cache.parses == 2
+    typed = [s.to_dict() for s in specs]
+    typed[0]["shape"] = [float(d) for d in typed[0]["shape"]] or [1.0]  # equal under ==, refused by parsing
+    for _ in range(2):
+        with pytest.raises(InvalidRequestError, match="shape"):
+            cache.parse(typed)
+    with pytest.raises(InvalidRequestError, match="version"):  # the version is checked on every call
+        cache.parse({"version": -1, "tensors": [s.to_dict() for s in specs]})
+    assert cache.parse([s.to_dict() for s in specs])[1] is parsed  # now the most recently used
+    cache.parse([s.to_dict() for s in specs[:5]])  # a third layout evicts the least recently used
+    assert cache.parse([s.to_dict() for s in specs])[1] is parsed and cache.parse(changed)[1] is not other
+
+
+def test_parsed_manifest_memoizes_the_plan_and_fingerprint_of_its_specs() -> None:
+    specs = random_specs(5)
+    parsed = ParsedManifest(specs)
+    assert parsed.plan(2048) is parsed.plan(2048) and list(parsed.plan(2048)) == plan_buckets(specs, 2048)
+    assert plan_buckets(parsed, 2048) == plan_buckets(specs, 2048)
+    for version, bucket, backend in ((3, 2048, "gloo"), (4, 2048, "gloo"), (3, 4096, "ipc")):
+        assert parsed.fingerprint(version, bucket, backend) == plan_fingerprint(version, specs, bucket, backend)
+    assert parsed.fingerprint(3, 2048, "gloo") != parsed.fingerprint(4, 2048, "gloo")
+
+
+def test_ipc_layout_is_reused_while_the_tensors_stay_put(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ipc, "export_storage", lambda storage: {"size": storage.nbytes()})  # no CUDA here
+    exporter = ipc.IpcExporter()
+    a, b = torch.zeros(10), torch.zeros(20)
+    first = exporter.layout([a, b[5:]])
+    assert exporter.exported_total == 2 and len(first["new"]) == 2 and first["tensors"][1][1] == 5 * 4
+    exporter.retire()
+    assert exporter.layout([a, b[5:]]) == {**first, "new": {}} and exporter.exported_total == 2
+    moved = exporter.layout([torch.zeros(10), b[5:]])  # one tensor on a new storage: exported, placed anew
+    assert exporter.exported_total == 3 and list(moved["new"]) == [str(first["tensors"][1][0] + 1)]
+    assert moved["tensors"][1] == first["tensors"][1] and moved["tensors"][0] != first["tensors"][0]
+    assert exporter.layout([a, b[6:]])["tensors"][1] == [first["tensors"][1][0], 6 * 4]
 
 
 def _random_tensor(spec: TensorSpec, gen: torch.Generator) -> torch.Tensor:

@@ -245,6 +245,36 @@ def test_audit_fails_on_a_tensor_the_sender_did_not_vouch_for(dirs: dict[str, Pa
     assert worker.torn["target"] and worker.weight_versions["target"] == 0
 
 
+def test_a_repeated_manifest_is_parsed_and_routed_once_until_it_or_the_model_changes(
+        dirs: dict[str, Path], tmp_path: Path) -> None:
+    worker = make_worker(dirs, draft=False)
+    link = Link(worker)
+    for version in (1, 2):
+        assert link.sync(perturbed(dirs["target"], 80 + version), version).report.ok
+    assert (worker._wt_manifests.parses, worker._wt_manifests.hits, worker.routings_built) == (1, 1, 1)
+
+    qkv = worker.models["target"].model.layers[0].self_attn.qkv_proj
+    qkv.weight.data = qkv.weight.data.clone()  # new storage: the cached regions point at the old one
+    state = perturbed(dirs["target"], 83)
+    assert link.sync(state, 3).report.ok and worker.routings_built == 2
+    assert held(worker) == loader_digests(dirs["target"], state, tmp_path / "ref3")
+    qkv.bias = torch.nn.Parameter(qkv.bias.detach().clone(), requires_grad=False)  # a new Parameter, same module
+    qkv.bias.weight_loader = qkv.weight.weight_loader
+    state = perturbed(dirs["target"], 84)
+    assert link.sync(state, 4).report.ok and worker.routings_built == 3
+    assert held(worker) == loader_digests(dirs["target"], state, tmp_path / "ref4")
+    assert worker._wt_manifests.parses == 1
+
+    bad = link.sender.manifest(state, 5)
+    bad["tensors"][0]["shape"] = [1, 2]  # a changed manifest is parsed and validated afresh
+    with pytest.raises(InvalidRequestError, match="shape"):
+        worker.start_weight_update(5, bad)
+    with pytest.raises(InvalidRequestError, match="shape"):  # and refused again, never served from a cache
+        worker.start_weight_update(5, bad)
+    assert worker._wt_manifests.parses == 2 and worker.routings_built == 3
+    assert link.sync(state, 5).report.ok and worker._wt_manifests.parses == 2
+
+
 def test_session_state_rules(dirs: dict[str, Path]) -> None:
     worker = make_worker(dirs)
     state = perturbed(dirs["target"], 70)

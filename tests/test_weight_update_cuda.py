@@ -82,6 +82,7 @@ def test_ipc_sync_between_two_processes_on_one_gpu(model_dir: Path, tmp_path: Pa
             ref = loader_digests(model_dir, expected, tmp_path / f"ref{version}")
             assert worker.compute_weight_checksums() == ref, f"version {version}: params differ from the loader's"
             opened.append((worker._wt_receiver.ipc.opened_total, exported))
+            assert worker._wt_receiver.direct_plans_built == (mode == "direct"), "the copy plan was rebuilt"
             inbox.put("next")
         assert opened[0] == opened[1], "the second sync opened or exported handles again"
         assert opened[0][0] > 0

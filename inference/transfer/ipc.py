@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -80,10 +81,23 @@ class IpcExporter:
         self._by_ptr: dict[int, tuple[int, torch.UntypedStorage]] = {}
         self._next_id = 0
         self._live: set[int] = set()
+        self._last: tuple[tuple[list[int], list[int]], list[list[int]], list[int]] | None = None
         self.exported_total = 0  # handles ever exported (tests check reuse with it)
 
     def layout(self, tensors: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor] = ()) -> dict[str, Any]:
-        """This sync's layout: new handles, live ids, (id, byte offset) per tensor, buffer ids."""
+        """This sync's layout: new handles, live ids, (id, byte offset) per tensor, buffer ids.
+
+        The same addresses as the last layout give the same layout without a storage lookup: the
+        storages behind them are still referenced here, so no other allocation can sit at them.
+        """
+        ptrs = ([t.data_ptr() for t in tensors], [b.data_ptr() for b in buffers])
+        if self._last is not None and self._last[0] == ptrs:
+            return {"new": {}, "live": sorted(self._live), "tensors": self._last[1], "buffers": self._last[2]}
+        layout = self._build_layout(tensors, buffers)
+        self._last = (ptrs, layout["tensors"], layout["buffers"])
+        return layout
+
+    def _build_layout(self, tensors: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> dict[str, Any]:
         new: dict[str, dict[str, Any]] = {}
         live: set[int] = set()
 
@@ -115,6 +129,7 @@ class IpcImporter:
     def __init__(self) -> None:
         self._storages: dict[int, torch.Tensor] = {}
         self._views_key: tuple[Any, ...] | None = None
+        self._views_specs: Sequence[TensorSpec] | None = None  # held, not its id: an id can be reused
         self._views: list[torch.Tensor] = []
         self.opened_total = 0  # handles ever opened (tests check reuse with it)
 
@@ -135,28 +150,47 @@ class IpcImporter:
 
     def views(self, layout: dict[str, Any], specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
         """The sender's tensors, in manifest order, as views of the opened storages."""
-        key = (id(specs), tuple(map(tuple, layout["tensors"])), tuple(layout["live"]))
-        if key != self._views_key or layout["new"]:
+        key = (tuple(map(tuple, layout["tensors"])), tuple(layout["live"]))
+        if key != self._views_key or specs is not self._views_specs or layout["new"]:
             self._views = [as_tensor(self._storages[sid][off:off + spec.nbytes], spec)
                            for (sid, off), spec in zip(layout["tensors"], specs, strict=True)]
-            self._views_key = key
+            self._views_key, self._views_specs = key, specs
         return self._views
 
     def close(self) -> None:
         self._storages.clear()
-        self._views, self._views_key = [], None
+        self._views, self._views_key, self._views_specs = [], None, None
+
+
+@dataclass(frozen=True)
+class CopyPlan:
+    """dst.copy_(src) for many pairs in as few launches as possible, checked once, run every sync:
+    one `_foreach_copy_` per dtype for the small tensors, a plain copy for each large one."""
+
+    foreach: tuple[tuple[list[torch.Tensor], list[torch.Tensor]], ...]
+    large: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+
+    @classmethod
+    def build(cls, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> CopyPlan:
+        small: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        large = []
+        for dst, src in pairs:
+            assert dst.shape == src.shape and dst.dtype == src.dtype, (dst.shape, src.shape, dst.dtype, src.dtype)
+            if dst.numel() * dst.element_size() >= LARGE_COPY_BYTES:
+                large.append((dst, src))
+            else:
+                dsts, srcs = small.setdefault(dst.dtype, ([], []))
+                dsts.append(dst)
+                srcs.append(src)
+        return cls(tuple(small.values()), tuple(large))
+
+    def run(self) -> None:
+        for dst, src in self.large:
+            dst.copy_(src)
+        for dsts, srcs in self.foreach:
+            torch._foreach_copy_(dsts, srcs)
 
 
 def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """dst.copy_(src) for every pair (same shapes and dtypes), in as few launches as possible."""
-    small: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-    for dst, src in pairs:
-        assert dst.shape == src.shape and dst.dtype == src.dtype, (dst.shape, src.shape, dst.dtype, src.dtype)
-        if dst.numel() * dst.element_size() >= LARGE_COPY_BYTES:
-            dst.copy_(src)
-        else:
-            dsts, srcs = small.setdefault(dst.dtype, ([], []))
-            dsts.append(dst)
-            srcs.append(src)
-    for dsts, srcs in small.values():
-        torch._foreach_copy_(dsts, srcs)
+    CopyPlan.build(pairs).run()

@@ -5,6 +5,10 @@ sent at start and the bucket size agreed at init. Tensors are laid out in manife
 aligned to ALIGN bytes; a tensor that does not fit in the space left starts a new bucket; a tensor
 larger than a bucket is split over consecutive buckets at element boundaries, never dropped.
 
+`ParsedManifest` holds a validated manifest's specs and memoizes the plan and the fingerprint;
+`ManifestCache` hands the same ParsedManifest out for a manifest whose content was seen before, so
+an RL loop that sends one layout every step parses and validates it once.
+
 Invariants (tests/test_transfer_plan.py): every byte of every tensor lands in exactly one segment;
 segments of one bucket never overlap and fit in `bucket_bytes`; whole tensors start on an ALIGN
 boundary (so a bucket slice can be viewed as the tensor's dtype without a copy); the plan depends on
@@ -18,8 +22,11 @@ import functools
 import hashlib
 import json
 import math
-from collections.abc import Sequence
+import pickle
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 
@@ -54,13 +61,17 @@ class TensorSpec:
     dtype: str
     shape: tuple[int, ...]
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @functools.cached_property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.dtype)
+
+    @functools.cached_property
     def nbytes(self) -> int:
-        return self.numel * dtype_from_name(self.dtype).itemsize
+        return self.numel * self.torch_dtype.itemsize
 
     def to_dict(self) -> dict:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
@@ -103,6 +114,8 @@ def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[Bucket]
 
     Cached on (specs, bucket_bytes): an RL loop sends the same manifest every step.
     """
+    if isinstance(specs, ParsedManifest):
+        return list(specs.plan(bucket_bytes))
     return list(_plan(tuple(specs), bucket_bytes))
 
 
@@ -150,6 +163,12 @@ def specs_from_manifest(manifest: object, where: str = "manifest") -> tuple[int 
 
     Accepts the dict {"version": v, "tensors": [...]} or a bare list of tensor dicts / TensorSpecs.
     """
+    version, tensors = _split_manifest(manifest, where)
+    return version, _parse_tensors(tensors, where)
+
+
+def _split_manifest(manifest: object, where: str) -> tuple[int | None, list | tuple]:
+    """(version or None, the tensors list), with the dict-level fields validated."""
     version = None
     tensors = manifest
     if isinstance(manifest, dict):
@@ -163,9 +182,95 @@ def specs_from_manifest(manifest: object, where: str = "manifest") -> tuple[int 
             raise InvalidRequestError(f"{where}.version", f"must be an integer >= 0, got {version!r}")
     if not isinstance(tensors, (list, tuple)):
         raise InvalidRequestError(f"{where}.tensors", f"must be a list, got {type(tensors).__name__}")
-    specs = [t if isinstance(t, TensorSpec) else TensorSpec.from_dict(t, f"{where}.tensors[{i}]")
-             for i, t in enumerate(tensors)]
-    return version, specs
+    return version, tensors
+
+
+def _parse_tensors(tensors: list | tuple, where: str) -> list[TensorSpec]:
+    return [t if isinstance(t, TensorSpec) else TensorSpec.from_dict(t, f"{where}.tensors[{i}]")
+            for i, t in enumerate(tensors)]
+
+
+class ParsedManifest(Sequence[TensorSpec]):
+    """A manifest's validated specs (in send order) and, memoized, the plan and the layout digest.
+
+    Immutable: a cache may hand the same object to many sessions, so the per-sync cost of the plan
+    and the fingerprint is a dictionary lookup.
+    """
+
+    def __init__(self, specs: Sequence[TensorSpec]) -> None:
+        self.specs: tuple[TensorSpec, ...] = tuple(specs)
+        self._plans: dict[int, tuple[Bucket, ...]] = {}
+        self._digests: dict[tuple[int, str], bytes] = {}
+
+    @overload
+    def __getitem__(self, index: int) -> TensorSpec: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[TensorSpec, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> TensorSpec | tuple[TensorSpec, ...]:
+        return self.specs[index]
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+    def __iter__(self) -> Iterator[TensorSpec]:
+        return iter(self.specs)
+
+    def plan(self, bucket_bytes: int) -> tuple[Bucket, ...]:
+        plan = self._plans.get(bucket_bytes)
+        if plan is None:
+            plan = self._plans[bucket_bytes] = _plan(self.specs, bucket_bytes)
+        return plan
+
+    def fingerprint(self, version: int, bucket_bytes: int, backend: str) -> int:
+        digest = self._digests.get((bucket_bytes, backend))
+        if digest is None:
+            digest = self._digests[(bucket_bytes, backend)] = _layout_digest(self.specs, bucket_bytes, backend)
+        return _fingerprint(digest, version)
+
+
+class ManifestCache:
+    """The last few parsed manifests, keyed by their exact content (see the module docstring).
+
+    The key is the pickled tensors list: computed in C, and type-exact (a shape of 2.0 or True
+    differs from 2), so a manifest parses from the cache only if parsing it afresh would give the
+    same specs; anything else is parsed and validated in full. `parses` and `hits` count both paths.
+    """
+
+    def __init__(self, size: int = 4) -> None:
+        assert size >= 1
+        self.size = size
+        self.parses = 0
+        self.hits = 0
+        self._entries: OrderedDict[bytes, ParsedManifest] = OrderedDict()
+
+    def parse(self, manifest: object, where: str = "manifest") -> tuple[int | None, ParsedManifest]:
+        """(version or None, parsed specs) like specs_from_manifest, served from the cache when it can."""
+        version, tensors = _split_manifest(manifest, where)
+        key = _content_key(tensors)
+        parsed = self._entries.get(key) if key is not None else None
+        if parsed is not None:
+            self._entries.move_to_end(key)  # type: ignore[arg-type]
+            self.hits += 1
+            return version, parsed
+        parsed = ParsedManifest(_parse_tensors(tensors, where))
+        self.parses += 1
+        if key is not None:
+            self._entries[key] = parsed
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+        return version, parsed
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+def _content_key(tensors: list | tuple) -> bytes | None:
+    try:
+        return pickle.dumps(tensors, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # not picklable: parse it every time
+        return None
 
 
 def plan_fingerprint(version: int, specs: Sequence[TensorSpec], bucket_bytes: int, backend: str) -> int:
@@ -174,7 +279,13 @@ def plan_fingerprint(version: int, specs: Sequence[TensorSpec], bucket_bytes: in
     Not a checksum of weights (those are the checksum package's job): it only guards the wire
     against two ends that derived different plans, which would otherwise hang or corrupt.
     """
-    h = hashlib.blake2b(_layout_digest(tuple(specs), bucket_bytes, backend), digest_size=8)
+    if isinstance(specs, ParsedManifest):
+        return specs.fingerprint(version, bucket_bytes, backend)
+    return _fingerprint(_layout_digest(tuple(specs), bucket_bytes, backend), version)
+
+
+def _fingerprint(layout_digest: bytes, version: int) -> int:
+    h = hashlib.blake2b(layout_digest, digest_size=8)
     h.update(str(version).encode())
     value = int.from_bytes(h.digest(), "little")
     return (value & ((1 << FINGERPRINT_BITS) - 1)) or 1

@@ -21,20 +21,24 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from inference.transfer.buckets import Unpacker
 from inference.transfer.groups import InitInfo, TransferError, TransferGroup
-from inference.transfer.ipc import IpcImporter, copy_pairs
-from inference.transfer.plan import Bucket, TensorSpec, plan_buckets, plan_fingerprint
+from inference.transfer.ipc import CopyPlan, IpcImporter
+from inference.transfer.plan import Bucket, ParsedManifest, TensorSpec
 
 
 class Sink(Protocol):
     """Where received tensors go (inference.transfer.target.UpdateTarget)."""
 
-    def direct_destination(self, index: int) -> torch.Tensor | None: ...
+    def direct_destinations(self) -> Sequence[torch.Tensor | None]:
+        """Per manifest index, the region a direct copy may write, or None to go through `put`.
+        The same object while nothing changed, so the receiver can reuse its copy plan."""
+        ...
 
     def mark_direct(self, indices: Sequence[int]) -> None: ...
 
@@ -56,6 +60,8 @@ class WeightReceiver:
         self.ipc = IpcImporter() if info.backend == "ipc" else None
         self.last_mode: str | None = None  # "broadcast", or ipc's "direct" / "packed": for metrics and tests
         self._buffers: list[torch.Tensor] = []
+        self._direct: _DirectRouting | None = None
+        self.direct_plans_built = 0  # tests check that an unchanged layout reuses its plan
 
     @property
     def broken(self) -> str | None:
@@ -65,26 +71,27 @@ class WeightReceiver:
         if self.ipc is not None:
             self.ipc.close()
         self.group.close()
-        self._buffers = []
+        self._buffers, self._direct = [], None
 
-    def receive(self, version: int, specs: Sequence[TensorSpec], sink: Sink,
+    def receive(self, version: int, specs: ParsedManifest | Sequence[TensorSpec], sink: Sink,
                 on_agreed: Callable[[], None] | None = None) -> None:
         """Receive one whole sync into `sink`. Raises TransferError (group broken) or the sink's error.
 
         `on_agreed` runs once both ends agreed on the plan, just before the first byte may be written.
         """
-        fingerprint = plan_fingerprint(version, specs, self.info.bucket_bytes, self.info.backend)
+        parsed = specs if isinstance(specs, ParsedManifest) else ParsedManifest(specs)
+        fingerprint = parsed.fingerprint(version, self.info.bucket_bytes, self.info.backend)
         if not self.group.agree(fingerprint):
             raise TransferError(f"rank {self.rank_key}: the sender's plan (version, manifest or bucket size) "
                                 f"differs from this rank's for version {version}; nothing was written")
-        plan = plan_buckets(list(specs), self.info.bucket_bytes)
+        plan = parsed.plan(self.info.bucket_bytes)
         if on_agreed is not None:
             on_agreed()
         if self.info.backend == "ipc":
-            self._receive_ipc(plan, specs, sink)
+            self._receive_ipc(plan, parsed, sink)
         else:
             self.last_mode = "broadcast"
-            self._receive_broadcast(plan, specs, sink)
+            self._receive_broadcast(plan, parsed, sink)
 
     # ---- gloo / nccl ----------------------------------------------------------------------------
     def _receive_broadcast(self, plan: Sequence[Bucket], specs: Sequence[TensorSpec], sink: Sink) -> None:
@@ -134,20 +141,30 @@ class WeightReceiver:
 
     def _copy_direct(self, layout: dict[str, Any], specs: Sequence[TensorSpec], sink: Sink) -> None:
         assert self.ipc is not None
-        sources = self.ipc.views(layout, specs)
+        routing = self._direct_routing(self.ipc.views(layout, specs), sink.direct_destinations())
+        with torch.no_grad():
+            routing.plan.run()
+        sink.mark_direct(routing.direct)
+        sink.put(routing.rest)  # TP shards, casts, skipped names: loaded and digested while the memory is ours
+        torch.cuda.synchronize(self.device)  # every read of the sender's memory is done before the ack
+
+    def _direct_routing(self, sources: Sequence[torch.Tensor],
+                        destinations: Sequence[torch.Tensor | None]) -> _DirectRouting:
+        """Which sources are copied straight into which regions; rebuilt only when either list changes."""
+        cached = self._direct
+        if cached is not None and cached.sources is sources and cached.destinations is destinations:
+            return cached
+        assert len(sources) == len(destinations), (len(sources), len(destinations))
         pairs, direct, rest = [], [], []
-        for i, src in enumerate(sources):
-            dst = sink.direct_destination(i)
+        for i, (src, dst) in enumerate(zip(sources, destinations)):
             if dst is not None and dst.device == src.device:
                 pairs.append((dst, src))
                 direct.append(i)
             else:
                 rest.append((i, src))
-        with torch.no_grad():
-            copy_pairs(pairs)
-        sink.mark_direct(direct)
-        sink.put(rest)  # TP shards, casts, skipped names: loaded and digested while the memory is ours
-        torch.cuda.synchronize(self.device)  # every read of the sender's memory is done before the ack
+        self._direct = _DirectRouting(sources, destinations, CopyPlan.build(pairs), tuple(direct), tuple(rest))
+        self.direct_plans_built += 1
+        return self._direct
 
     def _receive_packed(self, plan: Sequence[Bucket], specs: Sequence[TensorSpec], sink: Sink,
                         layout: dict[str, Any], failure: BaseException | None) -> None:
@@ -187,3 +204,14 @@ class WeightReceiver:
         if status:
             raise TransferError(f"rank {self.rank_key}: another rank of the group failed to receive this "
                                 "update; it is abandoned")
+
+
+@dataclass(frozen=True)
+class _DirectRouting:
+    """The direct-mode split of one (sources, destinations) pair; holds both so their ids stay valid."""
+
+    sources: Sequence[torch.Tensor]
+    destinations: Sequence[torch.Tensor | None]
+    plan: CopyPlan
+    direct: tuple[int, ...]
+    rest: tuple[tuple[int, torch.Tensor], ...]

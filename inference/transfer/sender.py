@@ -40,9 +40,10 @@ from inference.transfer.ipc import IpcExporter
 from inference.transfer.plan import (
     DEFAULT_BUCKET_BYTES,
     Bucket,
+    ParsedManifest,
     TensorSpec,
+    dtype_name,
     plan_buckets,
-    plan_fingerprint,
 )
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -70,7 +71,9 @@ class WeightSender:
         self._store: Any = None
         self._next_info: InitInfo | None = None  # handed out by init_info(), consumed by connect()
         self._group: TransferGroup | None = None
-        self._pending: tuple[int, list[TensorSpec]] | None = None  # (version, specs) of manifest()
+        self._pending: tuple[int, ParsedManifest] | None = None  # (version, specs) of manifest()
+        self._last_specs: ParsedManifest | None = None  # reused while the layout repeats (memoized plan)
+        self._eligible_key: tuple[ParsedManifest, list[int]] | None = None  # the last ipc direct check that passed
         self._buffers: list[torch.Tensor] = []
         self._pack_stream: Any = None
         self._ipc = IpcExporter() if backend == "ipc" else None
@@ -121,8 +124,10 @@ class WeightSender:
         """What the sidecar's start_weight_update takes: {"version", "tensors": [spec dicts in send order]}."""
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise InvalidRequestError("version", f"must be an integer >= 0, got {version!r}")
-        specs = [TensorSpec.of(name, t) for name, t in _items(named_tensors)]
-        self._pending = (version, specs)
+        specs = tuple(TensorSpec.of(name, t) for name, t in _items(named_tensors))
+        if self._last_specs is None or self._last_specs.specs != specs:
+            self._last_specs = ParsedManifest(specs)
+        self._pending = (version, self._last_specs)
         return {"version": version, "tensors": [s.to_dict() for s in specs]}
 
     def send(self, named_tensors: NamedTensors, *, digest: bool = True) -> list[TensorRecord]:
@@ -134,21 +139,20 @@ class WeightSender:
         version, specs = self._pending
         items = _items(named_tensors)
         problem = _mismatch(specs, items)
-        fingerprint = plan_fingerprint(version, specs, self.bucket_bytes, self.backend)
+        fingerprint = specs.fingerprint(version, self.bucket_bytes, self.backend)
         if not group.agree(0 if problem else fingerprint):  # 0 never matches: receivers stop cleanly
             raise problem or TransferError(
                 "the receivers' plan differs from the sender's (a different manifest, version or bucket "
                 "size was started on the sidecar); nothing was written")
-        tensors = [t.detach() for _, t in items]
+        tensors = [t for _, t in items]  # every reader (packer, exporter, digests) detaches on its own
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the trainer's writes have landed
         digests: Future[list[TensorRecord]] | None = (
-            self._digest_pool.submit(digest_tensors, list(zip([s.name for s in specs], tensors)))
-            if digest else None)
-        plan = plan_buckets(specs, self.bucket_bytes)
+            self._digest_pool.submit(digest_tensors, items) if digest else None)
+        plan = specs.plan(self.bucket_bytes)
         try:
             if self.backend == "ipc":
-                self._send_ipc(group, plan, tensors)
+                self._send_ipc(group, specs, plan, tensors)
             else:
                 self._send_broadcast(group, plan, tensors)
         finally:
@@ -208,9 +212,10 @@ class WeightSender:
         return self._pack_stream
 
     # ---- ipc ----------------------------------------------------------------------------------
-    def _send_ipc(self, group: TransferGroup, plan: Sequence[Bucket], tensors: list[torch.Tensor]) -> None:
+    def _send_ipc(self, group: TransferGroup, specs: ParsedManifest, plan: Sequence[Bucket],
+                  tensors: list[torch.Tensor]) -> None:
         assert self._ipc is not None
-        eligible = all(t.is_cuda and t.device == self.device and t.is_contiguous() and t.numel() for t in tensors)
+        eligible = self._direct_eligible(specs, tensors)
         if self.ipc_mode == "direct" and not eligible:
             raise InvalidRequestError("ipc_mode", "direct needs contiguous, non-empty CUDA tensors on "
                                       f"{self.device}; use 'auto' to fall back to packing")
@@ -227,6 +232,17 @@ class WeightSender:
         if failed:
             raise TransferError("a receiver failed during the ipc transfer (see the sidecar's error for the "
                                 "rank and tensor); the model there is marked torn")
+
+    def _direct_eligible(self, specs: ParsedManifest, tensors: list[torch.Tensor]) -> bool:
+        """Contiguous, non-empty CUDA tensors on our device. Same manifest and same addresses as the
+        last passing check: the device and sizes are those checked then, only contiguity may differ."""
+        ptrs = [t.data_ptr() for t in tensors]
+        if self._eligible_key is not None and self._eligible_key[0] is specs and self._eligible_key[1] == ptrs:
+            return all(t.is_contiguous() for t in tensors)
+        device = self.device
+        eligible = all(t.is_cuda and t.device == device and t.is_contiguous() and t.numel() for t in tensors)
+        self._eligible_key = (specs, ptrs) if eligible else None
+        return eligible
 
     def _send_packed(self, group: TransferGroup, plan: Sequence[Bucket], tensors: list[torch.Tensor],
                      bufs: list[torch.Tensor]) -> int:
@@ -248,11 +264,12 @@ def _items(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
     return [(name, t) for name, t in pairs]
 
 
-def _mismatch(specs: list[TensorSpec], items: list[tuple[str, torch.Tensor]]) -> InvalidRequestError | None:
+def _mismatch(specs: ParsedManifest, items: list[tuple[str, torch.Tensor]]) -> InvalidRequestError | None:
     """send() must get exactly the tensors manifest() described, in the same order."""
     if len(items) != len(specs):
         return InvalidRequestError("named_tensors", f"{len(items)} tensors given, the manifest has {len(specs)}")
     for spec, (name, t) in zip(specs, items):
-        if TensorSpec.of(name, t) != spec:
-            return InvalidRequestError(name, f"differs from the manifest: {TensorSpec.of(name, t)} vs {spec}")
+        if name != spec.name or t.dtype != spec.torch_dtype or t.shape != spec.shape:
+            got = TensorSpec(name, dtype_name(t.dtype), tuple(t.shape))
+            return InvalidRequestError(name, f"differs from the manifest: {got} vs {spec}")
     return None

@@ -30,6 +30,7 @@ from inference.config import ModelConfig
 from inference.core import InvalidRequestError
 from inference.loader import load_hf_tensor
 from inference.naming import ShardId, expected_hf_tensors, hf_to_param, is_skipped, param_to_hf
+from inference.transfer.ipc import copy_pairs
 from inference.transfer.plan import TensorSpec, dtype_name
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -46,10 +47,30 @@ class Route:
     held: torch.Tensor | None  # the exact parameter region it fills (TP=1, same dtype), else None
 
 
-def validate_manifest(specs: Sequence[TensorSpec], model: nn.Module, config: ModelConfig, *, which: str,
-                      rank: str, tp_size: int, allow_cast: bool) -> list[Route]:
-    """Routes for every spec, or InvalidRequestError naming the first bad tensor and this rank."""
+@dataclass(frozen=True)
+class Routing:
+    """A validated manifest's routes and what every session re-uses while the model is unchanged:
+    the parameters by name, and per manifest index the region a direct copy may write (or None)."""
+
+    routes: tuple[Route, ...]
+    params: dict[str, nn.Parameter]
+    destinations: tuple[torch.Tensor | None, ...]
+
+
+def route_manifest(specs: Sequence[TensorSpec], model: nn.Module, config: ModelConfig, *, which: str,
+                   rank: str, tp_size: int, allow_cast: bool) -> Routing:
+    """validate_manifest, packaged for reuse across sessions (see Routing)."""
     params = dict(model.named_parameters())
+    routes = tuple(validate_manifest(specs, model, config, which=which, rank=rank, tp_size=tp_size,
+                                     allow_cast=allow_cast, params=params))
+    return Routing(routes, params, tuple(r.held for r in routes))
+
+
+def validate_manifest(specs: Sequence[TensorSpec], model: nn.Module, config: ModelConfig, *, which: str,
+                      rank: str, tp_size: int, allow_cast: bool,
+                      params: dict[str, nn.Parameter] | None = None) -> list[Route]:
+    """Routes for every spec, or InvalidRequestError naming the first bad tensor and this rank."""
+    params = dict(model.named_parameters()) if params is None else params
     expected = expected_hf_tensors(config)
     seen: set[str] = set()
     routes = []
@@ -118,43 +139,57 @@ def _held_region(param: nn.Parameter, param_name: str, shard_id: ShardId, shape:
 class UpdateTarget:
     """The sink one session's bytes flow into (see the module docstring)."""
 
-    def __init__(self, which: str, model: nn.Module, config: ModelConfig, routes: Sequence[Route], rank: str,
+    def __init__(self, which: str, config: ModelConfig, routing: Routing, rank: str,
                  fault: Fault | None = None) -> None:
-        self.which, self.config, self.routes, self.rank = which, config, routes, rank
-        self._params = dict(model.named_parameters())
+        self.which, self.config, self.routes, self.rank = which, config, routing.routes, rank
+        self._params = routing.params
         self._fault = fault
+        self._destinations = routing.destinations
+        if fault is not None:  # the faulted tensor goes through put(), where its byte is flipped
+            self._destinations = tuple(None if r.spec.name == fault[1] else d
+                                       for r, d in zip(routing.routes, routing.destinations))
         self._records: dict[str, TensorRecord] = {}  # digested from received bytes
         self._written: set[int] = set()
 
-    def direct_destination(self, index: int) -> torch.Tensor | None:
-        """The region a direct copy may write tensor `index` into, or None to go through `put`."""
-        route = self.routes[index]
-        return None if self._faulted(route.spec.name) else route.held
+    def direct_destinations(self) -> Sequence[torch.Tensor | None]:
+        """Per manifest index, the region a direct copy may write, or None to go through `put`."""
+        return self._destinations
 
     def mark_direct(self, indices: Sequence[int]) -> None:
         """Record tensors written by a direct copy (their digests come from the held regions)."""
         self._written.update(indices)
 
     def put(self, items: Sequence[tuple[int, torch.Tensor]]) -> None:
-        """Load completed tensors; digests of anything not held whole are taken before returning."""
-        to_digest = []
+        """Load completed tensors; digests of anything not held whole are taken before returning.
+
+        A tensor with a direct destination is copied straight into it (batched: the region is exactly
+        what its weight_loader would write); the rest go through the loader and are digested here.
+        """
+        same_device, to_digest = [], []
         with torch.no_grad():
             for index, tensor in items:
                 route = self.routes[index]
                 assert index not in self._written, f"{route.spec.name} received twice"
-                if self._faulted(route.spec.name):
-                    tensor = _flipped(tensor)
-                if route.param is not None:
-                    load_hf_tensor(self._params, self.config, route.spec.name, tensor)
-                if route.held is None or self._faulted(route.spec.name):
+                dst = self._destinations[index]
+                if dst is not None and dst.device == tensor.device:
+                    same_device.append((dst, tensor))
+                elif dst is not None:
+                    dst.copy_(tensor)  # host bytes to the device: blocking, so the buffer is free after
+                else:
+                    if self._faulted(route.spec.name):
+                        tensor = _flipped(tensor)
+                    if route.param is not None:
+                        load_hf_tensor(self._params, self.config, route.spec.name, tensor)
                     to_digest.append((route.spec.name, tensor))
                 self._written.add(index)
+            copy_pairs(same_device)
         for record in digest_tensors(to_digest):
             self._records[record.name] = record
 
     def received_manifest(self, version: int) -> Manifest:
         """Digests of every tensor received (trainer names). Raises if any tensor never arrived."""
-        unwritten = [r.spec.name for i, r in enumerate(self.routes) if i not in self._written]
+        unwritten = [] if len(self._written) == len(self.routes) else [
+            r.spec.name for i, r in enumerate(self.routes) if i not in self._written]
         if unwritten:
             raise RuntimeError(f"rank {self.rank}: {len(unwritten)} tensor(s) of the session never arrived, "
                                f"first {unwritten[0]}")
