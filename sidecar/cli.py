@@ -9,7 +9,7 @@ import sys
 # subcommand -> module exposing add_arguments(parser) and run(args) -> int
 COMMANDS = {
     "audit": ("sidecar.audit_cli", "compare checksum manifests (expected vs actual)"),
-    "demo": ("sidecar.demo_cli", "an end-to-end RL demo on the embedded tiny model: train, sync, audit, rollouts"),
+    "demo": ("sidecar.demo_cli", "an end-to-end RL demo (tiny, Qwen2-0.5B shape or a model dir): train, sync, audit"),
     "generate": ("sidecar.generate_cli", "generate with the in-process engine (default: the embedded tiny model)"),
     "make-model": ("sidecar.make_model_cli", "write a tiny random model directory (the embedded default)"),
     "launch": ("sidecar.launch_cli", "serve a model over HTTP: rank processes, control plane, metrics"),

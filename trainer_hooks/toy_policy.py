@@ -121,7 +121,8 @@ class ToyPolicy(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         theta = float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        # On the CPU even when built under a CUDA device context: the same table whatever the device.
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -140,7 +141,8 @@ class ToyPolicy(nn.Module):
         model_dir = Path(model_dir)
         cfg = json.loads((model_dir / "config.json").read_text())
         dtype = _DTYPES.get(str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"), torch.float32)
-        policy = cls(cfg)
+        with torch.device(device):  # parameters are initialised where they will live (0.5B in fp32: fast on a GPU)
+            policy = cls(cfg)
         state = load_file(str(model_dir / "model.safetensors"))
         if cfg.get("tie_word_embeddings", False):
             state.pop("lm_head.weight", None)  # some tied checkpoints carry it; it IS the embedding
