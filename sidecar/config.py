@@ -36,6 +36,7 @@ class LaunchConfig:
     draft_model: str | None = None
     tp: int = 1
     device: str = "auto"
+    devices: str | None = None  # "1,2": rank r on the r-th listed GPU; None: rank r on GPU r
     host: str = "127.0.0.1"
     port: int = 8000  # 0: pick a free port (printed in the "Sidecar serving on" line)
     api_key: str | None = None
@@ -66,6 +67,8 @@ class LaunchConfig:
         if self.kv_cache_bytes is not None:
             _check_int(self, "kv_cache_bytes", 1)
         _check_choice(self, "device", DEVICES)
+        if self.devices is not None:
+            self._check_devices()
         _check_choice(self, "log_level", LOG_LEVELS)
         if self.transfer is not None:
             _check_choice(self, "transfer", TRANSFERS)
@@ -81,6 +84,18 @@ class LaunchConfig:
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise InvalidRequestError("api_key", "must be a non-empty string when given")
 
+    def _check_devices(self) -> None:
+        indices = parse_devices(self.devices)
+        if self.device == "cpu":
+            raise InvalidRequestError("devices", "GPU indices need --device cuda (or auto), not cpu")
+        if len(indices) != self.tp:
+            raise InvalidRequestError("devices", f"lists {len(indices)} GPU(s) for --tp {self.tp}: give one per rank")
+
+    @property
+    def device_indices(self) -> tuple[int, ...] | None:
+        """The GPU of each rank, in rank order, among the GPUs visible to the launcher (None: 0..tp-1)."""
+        return None if self.devices is None else parse_devices(self.devices)
+
     @property
     def bucket_bytes(self) -> int:
         return self.bucket_mb << 20
@@ -95,14 +110,15 @@ class LaunchConfig:
 
 
 FIELD_TYPES: dict[str, type] = {
-    "model": str, "draft_model": str, "tp": int, "device": str, "host": str, "port": int, "api_key": str,
-    "transfer": str, "bucket_mb": int, "max_model_len": int, "gpu_memory_utilization": float,
+    "model": str, "draft_model": str, "tp": int, "device": str, "devices": str, "host": str, "port": int,
+    "api_key": str, "transfer": str, "bucket_mb": int, "max_model_len": int, "gpu_memory_utilization": float,
     "kv_cache_bytes": int, "enforce_eager": bool, "dtype": str, "max_num_seqs": int, "seed": int,
     "log_level": str, "startup_timeout_s": float, "rpc_timeout_s": float, "step_timeout_s": float,
     "max_queued_requests": int,
 }
 assert set(FIELD_TYPES) == {f.name for f in fields(LaunchConfig)}
-_OPTIONAL = frozenset({"model", "draft_model", "api_key", "transfer", "max_model_len", "kv_cache_bytes"})
+_OPTIONAL = frozenset({"model", "draft_model", "api_key", "transfer", "max_model_len", "kv_cache_bytes",
+                       "devices"})
 
 
 def build_config(cli: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
@@ -195,6 +211,19 @@ def _parse_text(name: str, kind: type, text: str, source: str) -> Any:
         return kind(text)
     except ValueError:
         raise InvalidRequestError(f"{source}", f"{name} must be {kind.__name__}, got {text!r}") from None
+
+
+def parse_devices(text: object) -> tuple[int, ...]:
+    """Parse "1, 2" into (1, 2): distinct GPU indices >= 0, comma-separated (InvalidRequestError otherwise)."""
+    if not isinstance(text, str):
+        raise InvalidRequestError("devices", f"must be comma-separated GPU indices like '1,2', got {text!r}")
+    try:
+        indices = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise InvalidRequestError("devices", f"must be comma-separated GPU indices like '1,2', got {text!r}") from None
+    if any(i < 0 for i in indices) or len(set(indices)) != len(indices):
+        raise InvalidRequestError("devices", f"GPU indices must be distinct and >= 0, got {text!r}")
+    return indices
 
 
 def _number(x: object) -> bool:

@@ -14,9 +14,11 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import socket
 import sys
+from collections.abc import MutableMapping, Sequence
 from types import FrameType
 from typing import Any
 
@@ -34,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", help="draft model directory for speculative decoding")
     p.add_argument("--tp", type=int, help="tensor-parallel size: one process per rank (default 1)")
     p.add_argument("--device", choices=DEVICES, help="default auto: cuda when available")
+    p.add_argument("--devices", help="GPU indices, one per rank (e.g. 1,2: rank 0 on GPU 1, rank 1 on GPU 2); "
+                                     "default: rank r on GPU r")
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8000; 0 picks a free one and prints it)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (also SIDECAR_API_KEY)")
@@ -100,6 +104,10 @@ def launch(cfg: LaunchConfig) -> int:
     with _Signals() as signals:
         try:
             sock = bind(cfg.host, cfg.port)
+            visible = place_ranks(cfg, os.environ)
+            if visible is not None:
+                log.info("ranks on GPUs %s: CUDA_VISIBLE_DEVICES=%s (rank r reports cuda:r of these)",
+                         cfg.devices, visible)
             model_dir, device = resolve_model(cfg), resolve_device(cfg)
             log.info("starting %d rank process(es) on %s for %s", cfg.tp, device, model_dir)
             pool = RankPool(cfg, model_dir, device)
@@ -162,6 +170,38 @@ def resolve_device(cfg: LaunchConfig) -> str:
         if count < cfg.tp:
             raise InvalidRequestError("tp", f"--tp {cfg.tp} needs {cfg.tp} GPUs, {count} visible")
     return device
+
+
+def place_ranks(cfg: LaunchConfig, env: MutableMapping[str, str]) -> str | None:
+    """Apply --devices: every rank takes cuda:<rank> of the GPUs it sees, so the listed GPUs become
+    the only visible ones, in rank order (CUDA_VISIBLE_DEVICES, inherited by the spawned ranks).
+    Returns the value set, or None without --devices. Must run before the ranks are spawned."""
+    indices = cfg.device_indices
+    if indices is None:
+        return None
+    current = env.get("CUDA_VISIBLE_DEVICES")
+    count = 0
+    if current is None:
+        import torch
+
+        count = torch.cuda.device_count()
+    value = visible_devices(indices, current, count)
+    env["CUDA_VISIBLE_DEVICES"] = value
+    return value
+
+
+def visible_devices(indices: Sequence[int], current: str | None, count: int) -> str:
+    """The CUDA_VISIBLE_DEVICES value that shows exactly the GPUs `indices`, in that order. Indices
+    count among the GPUs visible now: the entries of `current` when it is set, else `count` GPUs."""
+    if current is not None:
+        entries = [e.strip() for e in current.split(",") if e.strip()]
+    else:
+        entries = [str(i) for i in range(count)]
+    missing = [i for i in indices if i >= len(entries)]
+    if missing:
+        where = f"CUDA_VISIBLE_DEVICES={current!r} shows" if current is not None else "this machine has"
+        raise InvalidRequestError("devices", f"GPU {missing[0]} does not exist: {where} {len(entries)} GPU(s)")
+    return ",".join(entries[i] for i in indices)
 
 
 def describe_plan(plan: dict[str, Any]) -> str:

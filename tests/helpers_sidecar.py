@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -11,8 +12,11 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 KV_BYTES = 4_000_000  # ~160 blocks of the tiny model: room for 64 short requests at once
@@ -114,3 +118,190 @@ def port_is_free(url: str) -> bool:
         except OSError:
             return False
     return True
+
+
+# ---- one trainer, several sidecars (replicas) ------------------------------------------------------
+
+
+@contextlib.contextmanager
+def launched(*arg_lists: Sequence[str]) -> Iterator[list[Sidecar]]:
+    """Start one sidecar per argument list, all at once; on exit stop them all (each must exit 0)."""
+    with ThreadPoolExecutor(len(arg_lists), thread_name_prefix="launch") as pool:
+        starts = [pool.submit(launch, *args) for args in arg_lists]
+    servers = [s.result() for s in starts if s.exception() is None]
+    try:
+        for s in starts:
+            s.result()  # the first failed launch raises here, with every started one recorded above
+        yield servers
+    finally:
+        with ThreadPoolExecutor(len(servers) or 1, thread_name_prefix="stop") as pool:
+            codes = list(pool.map(lambda server: server.stop(), servers))
+        assert codes == [0] * len(servers), "\n".join(s.log for s in servers)
+
+
+def connect_replicas(clients: Sequence[Any], sender: Any) -> None:
+    """Join one WeightSender to several sidecars (SidecarClients). Every sidecar names its ranks
+    dp0:..., so each gets its own `ranks` map: its ranks take the next group ranks, in order."""
+    info = sender.init_info()
+    infos, next_rank = [], 1
+    for c in clients:
+        keys = [r["rank"] for r in c.state()["ranks"]]
+        infos.append({**info, "ranks": {key: next_rank + i for i, key in enumerate(keys)}})
+        next_rank += len(keys)
+    if next_rank != info["world_size"]:
+        raise AssertionError(f"the sender expects {info['world_size'] - 1} receivers, the sidecars have "
+                             f"{next_rank - 1} ranks")
+    with ThreadPoolExecutor(len(clients), thread_name_prefix="replica-init") as pool:
+        joins = [pool.submit(c.init_weights, i) for c, i in zip(clients, infos)]
+        sender.connect()
+        for join in joins:
+            join.result()
+
+
+def sync_replicas(clients: Sequence[Any], sender: Any, named: Mapping[str, Any], version: int) -> list[dict]:
+    """One sync into every sidecar: start everywhere, update everywhere beside sender.send(), finish
+    with the sender's digests; returns each sidecar's audit of what its ranks received."""
+    from sidecar.client import records_json
+
+    manifest = sender.manifest(named, version)
+    for c in clients:
+        c.start_weights(version, manifest)
+    with ThreadPoolExecutor(len(clients), thread_name_prefix="replica-update") as pool:
+        updates = [pool.submit(c.update_weights) for c in clients]
+        records = sender.send(named)
+        for update in updates:
+            update.result()
+    digests = records_json(records)
+    for c in clients:
+        c.finish_weights(digests)
+    return [c.audit(source="received", expected=digests) for c in clients]
+
+
+def digests_by_rank(client: Any, source: str = "held") -> dict[str, dict[str, str]]:
+    """{rank key: {tensor name: digest}} of one sidecar's target model."""
+    return {m["rank"]: {t["name"]: t["digest"] for t in m["tensors"]} for m in client.checksums(source=source)}
+
+
+def loader_digests(model_dir: str | Path, tp_size: int = 1) -> dict[str, dict[str, str]]:
+    """{rank key: {parameter: digest}}: what loading the checkpoint in float32 gives each TP rank, built
+    on the CPU (a rank's shard needs no process group to load)."""
+    import torch
+
+    from checksum import digest_tensors
+    from inference.config import ModelConfig
+    from inference.loader import load_weights
+    from inference.models import build_model
+    from inference.parallel import TPInfo
+
+    config = ModelConfig.from_dir(model_dir)
+    out = {}
+    for rank in range(tp_size):
+        tp = TPInfo(rank=rank, size=tp_size, group=object()) if tp_size > 1 else TPInfo()
+        model = build_model(config, tp, torch.float32, "cpu")
+        load_weights(model, Path(model_dir))
+        out[f"dp0:pp0:tp{rank}"] = {r.name: r.digest for r in digest_tensors(list(model.named_parameters()))}
+    return out
+
+
+# ---- a trainer that dies mid-update ----------------------------------------------------------------
+MID_UPDATE = "mid-update"
+
+
+def dying_sender(out: Any, backend: str, device: str, weights: Mapping[str, Any], bucket_bytes: int,
+                 timeout_s: float) -> None:
+    """Run in a spawned process: put init_info, connect, put the manifest of `weights` (version 1),
+    start send(); at the third bucket put MID_UPDATE and wait to be killed (see kill_when_told)."""
+    import torch
+
+    from inference.transfer.sender import WeightSender
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(torch.device(device))
+    sender = WeightSender(backend, bucket_bytes=bucket_bytes, timeout_s=timeout_s, device=device)
+    out.put(sender.init_info())
+    sender.connect()
+    named = {k: v.to(device) for k, v in weights.items()}
+    out.put(sender.manifest(named, 1))
+    group = sender._group
+    real, calls = group.broadcast, [0]
+
+    def broadcast(t: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 3:  # bucket 0 has landed: the sender waited for it before reusing its buffer
+            out.put(MID_UPDATE)
+            time.sleep(600)
+        return real(t)
+
+    group.broadcast = broadcast
+    sender.send(named)
+
+
+def kill_when_told(out: Any, pid: int, timeout: float = 120.0) -> threading.Thread:
+    """A thread that SIGKILLs `pid` once it reads MID_UPDATE from `out`."""
+
+    def wait_and_kill() -> None:
+        if out.get(timeout=timeout) == MID_UPDATE:
+            os.kill(pid, signal.SIGKILL)
+
+    thread = threading.Thread(target=wait_and_kill, name="kill-mid-update", daemon=True)
+    thread.start()
+    return thread
+
+
+def check_killed_sender_recovers(server: Sidecar, backend: str, device: str, prompts: Sequence[Any],
+                                 params: Any, new: Mapping[str, Any], want: list[list[int]],
+                                 bucket_bytes: int, dead_timeout_s: float) -> None:
+    """A sender process SIGKILLed mid-update: the update call fails with 502, the sidecar and its
+    ranks live on, the model is torn and refuses generation; a new sender's init + sync of `new`
+    (version 2) makes it serve `want` again. Shared by the gloo (CPU) and nccl (GPU) tests."""
+    import multiprocessing as mp
+
+    import pytest
+
+    from inference.tiny import TinyModelSpec, random_weights
+    from inference.transfer.sender import WeightSender
+    from sidecar.client import SidecarClient, SidecarStateError, SidecarTransferError
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    doomed = random_weights(TinyModelSpec(seed=99))
+    proc = ctx.Process(target=dying_sender, args=(out, backend, device, doomed, bucket_bytes, dead_timeout_s),
+                       daemon=True)
+    proc.start()
+    sender = WeightSender(backend, num_receivers=server_ranks(server), bucket_bytes=bucket_bytes, timeout_s=120,
+                          device=device)
+    try:
+        with SidecarClient(server.url, timeout=120) as c:
+            c.init_weights(out.get(timeout=120))
+            c.start_weights(1, out.get(timeout=120))
+            killer = kill_when_told(out, int(proc.pid or 0))
+            with pytest.raises(SidecarTransferError) as failed:
+                c.update_weights()
+            assert failed.value.status == 502
+            killer.join(30)
+            proc.join(30)
+            assert proc.exitcode == -signal.SIGKILL, f"the sender was not killed mid-update ({proc.exitcode})"
+            state = c.state()
+            assert server.proc.poll() is None and state["healthy"], state
+            assert all(r["alive"] for r in state["ranks"]), state
+            assert state["torn"] == {"target": True} and state["weight_versions"] == {"target": 0}
+            with pytest.raises(SidecarStateError, match="weights first"):
+                c.generate(prompts, params, wait=False)
+            c.connect_sender(sender)
+            result = c.sync_weights(sender, {k: v.to(device) for k, v in new.items()}, version=2)
+            assert result["ok"], result["table"]
+            got = c.generate(prompts, params)
+            assert [o.outputs[0].token_ids for o in got] == want and {o.weight_version for o in got} == {2}
+            assert c.state()["torn"] == {"target": False} and server.proc.poll() is None
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+        sender.close()
+
+
+def server_ranks(server: Sidecar) -> int:
+    from sidecar.client import SidecarClient
+
+    with SidecarClient(server.url) as c:
+        return len(c.state()["ranks"])
