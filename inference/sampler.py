@@ -6,13 +6,28 @@ temperature, apply top-k, top-p and min-p, and draw with the exponential race
 draws its noise from a generator seeded by (sequence seed, output position), so its sample does
 not depend on what else runs in the batch, nor on preemption. Reported logprobs come from the raw
 logits ("raw") or from the processed distribution ("processed"), per row.
+
+No [B, V] log_softmax is materialized: per row, one reduction gives the max, the first argmax and
+log(sum(exp(x - max))), and a reported logprob is (x[i] - max) - log_sum (log_softmax's own formula)
+for the few ids reported. On CUDA that reduction is a two-stage Triton kernel that spreads each row
+over many programs (a single 152k-column row is otherwise one CTA's work).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the engine samples with torch ops where Triton is missing
+    triton = None
+
+LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E) if triton is not None else LOG2E
 
 _MIX = 0x9E3779B97F4A7C15
 _MASK63 = (1 << 63) - 1
@@ -85,24 +100,47 @@ class SamplerOutput:
 
 def sample(logits: torch.Tensor, sb: SamplingBatch, generator: torch.Generator | None = None) -> SamplerOutput:
     """Sample one token per row of `logits` [B, V] (any float dtype; computed in fp32)."""
+    raw = row_stats(logits)
+    if sb.all_greedy:
+        tokens = raw.argmax
+        src, stats = logits, raw
+    else:
+        logits32 = logits.float()
+        processed = process_logits(logits32, sb)
+        sampled = _exponential_race(processed, sb, generator)
+        tokens = torch.where(sb.temperatures == 0.0, raw.argmax, sampled)
+        src, stats = logits, raw
+        if sb.any_processed:
+            rows = sb.processed_logprobs
+            src = torch.where(rows[:, None], processed, logits32)
+            stats = raw.where(rows, row_stats(processed))
+    token_logprobs = stats.logprobs(src.gather(-1, tokens[:, None])).squeeze(-1)
+    top_ids = top_lp = None
+    if sb.num_top_logprobs > 0:
+        top_x, top_ids = src.topk(sb.num_top_logprobs, dim=-1)
+        top_lp = stats.logprobs(top_x)
+    return SamplerOutput(tokens, token_logprobs, top_ids, top_lp)
+
+
+def sample_reference(logits: torch.Tensor, sb: SamplingBatch,
+                     generator: torch.Generator | None = None) -> SamplerOutput:
+    """The definition `sample` keeps (and the sampler it replaced): full fp32 log_softmax of the raw and
+    the processed logits, gathered. Tests and benchmarks compare against it."""
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1)
     if sb.all_greedy:
         tokens = logits.argmax(dim=-1)
         dist = raw_logprobs
     else:
-        processed = process_logits(logits, sb)
-        dist_processed = torch.log_softmax(processed, dim=-1)
+        dist_processed = torch.log_softmax(process_logits(logits, sb), dim=-1)
         sampled = _exponential_race(dist_processed, sb, generator)
-        greedy = logits.argmax(dim=-1)
-        tokens = torch.where(sb.temperatures == 0.0, greedy, sampled)
+        tokens = torch.where(sb.temperatures == 0.0, logits.argmax(dim=-1), sampled)
         dist = (torch.where(sb.processed_logprobs[:, None], dist_processed, raw_logprobs)
                 if sb.any_processed else raw_logprobs)
-    token_logprobs = dist.gather(-1, tokens[:, None]).squeeze(-1)
-    top_ids = top_lp = None
+    top_lp = top_ids = None
     if sb.num_top_logprobs > 0:
         top_lp, top_ids = dist.topk(sb.num_top_logprobs, dim=-1)
-    return SamplerOutput(tokens, token_logprobs, top_ids, top_lp)
+    return SamplerOutput(tokens, dist.gather(-1, tokens[:, None]).squeeze(-1), top_ids, top_lp)
 
 
 def process_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
@@ -130,7 +168,8 @@ def process_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 
 def _exponential_race(logprobs: torch.Tensor, sb: SamplingBatch,
                       generator: torch.Generator | None) -> torch.Tensor:
-    """argmax(log p - log E), E ~ Exp(1): an exact draw from softmax without a host sync."""
+    """argmax(x - log E), E ~ Exp(1): an exact draw from softmax(x) without a host sync (x: logits or
+    logprobs; a per-row shift does not move the argmax)."""
     noise = torch.empty_like(logprobs).exponential_(generator=generator)
     for row, seed in enumerate(sb.row_seeds):
         if seed is not None:
@@ -138,3 +177,126 @@ def _exponential_race(logprobs: torch.Tensor, sb: SamplingBatch,
             g.manual_seed(seed)
             noise[row].exponential_(generator=g)
     return (logprobs - noise.log()).argmax(dim=-1)
+
+
+# ---- per-row statistics -----------------------------------------------------------------------------
+@dataclass
+class RowStats:
+    """Per row of x [B, V], in fp32: max, the first index holding it, and log(sum(exp(x - max)))."""
+
+    max: torch.Tensor  # [B] float32
+    argmax: torch.Tensor  # [B] int64
+    log_sum: torch.Tensor  # [B] float32
+
+    def logprobs(self, x: torch.Tensor) -> torch.Tensor:
+        """log_softmax at the given entries x [B, K] of each row, computed as log_softmax computes it."""
+        return (x.float() - self.max[:, None]) - self.log_sum[:, None]
+
+    def where(self, rows: torch.Tensor, other: RowStats) -> RowStats:
+        """`other`'s statistics on the rows marked in `rows` [B] bool, these elsewhere."""
+        return RowStats(torch.where(rows, other.max, self.max), torch.where(rows, other.argmax, self.argmax),
+                        torch.where(rows, other.log_sum, self.log_sum))
+
+
+def row_stats(x: torch.Tensor) -> RowStats:
+    """Max, first argmax and log-sum-exp offset per row; the Triton kernels on CUDA, torch elsewhere."""
+    if triton is not None and x.is_cuda:
+        return row_stats_triton(x)
+    return row_stats_torch(x)
+
+
+def row_stats_torch(x: torch.Tensor) -> RowStats:
+    x = x.float()
+    m = x.amax(dim=-1)
+    m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    return RowStats(m, x.argmax(dim=-1), (x - m_safe[:, None]).exp().sum(dim=-1).log())
+
+
+_ROW_BLOCK = 2048
+
+
+@lru_cache(maxsize=8)
+def _target_programs(device: torch.device) -> int:
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
+
+
+def row_chunks(rows: int, cols: int, target: int, block: int = _ROW_BLOCK) -> tuple[int, int]:
+    """(chunks per row, columns per chunk, a multiple of block): about `target` programs in all."""
+    want = max(1, min(triton.cdiv(cols, block), triton.cdiv(target, max(rows, 1))))
+    span = triton.cdiv(triton.cdiv(cols, want), block) * block
+    return triton.cdiv(cols, span), span
+
+
+def row_stats_triton(x: torch.Tensor) -> RowStats:
+    """Stage 1: each (row, chunk) program reduces its columns to (max, first argmax, sum exp(x - max));
+    stage 2: one program per row merges its chunks. Reads x in its own dtype, once."""
+    assert x.dim() == 2, x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    rows, cols = x.shape
+    chunks, span = row_chunks(rows, cols, _target_programs(x.device))
+    part_m = torch.empty((rows, chunks), dtype=torch.float32, device=x.device)
+    part_s = torch.empty_like(part_m)
+    part_i = torch.empty((rows, chunks), dtype=torch.int32, device=x.device)
+    out = RowStats(torch.empty(rows, dtype=torch.float32, device=x.device),
+                   torch.empty(rows, dtype=torch.int64, device=x.device),
+                   torch.empty(rows, dtype=torch.float32, device=x.device))
+    if rows == 0:
+        return out
+    _row_chunk_kernel[(rows, chunks)](x, part_m, part_s, part_i, cols, x.stride(0), span, BLOCK=_ROW_BLOCK,
+                                      num_warps=4)
+    _row_merge_kernel[(rows,)](part_m, part_s, part_i, out.max, out.argmax, out.log_sum, chunks,
+                               CHUNKS_PAD=triton.next_power_of_2(chunks), num_warps=1)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _row_chunk_kernel(x_ptr, part_m_ptr, part_s_ptr, part_i_ptr, n_cols, stride_row, span,
+                          BLOCK: tl.constexpr):
+        # Lane j keeps the max of its columns, the first column holding it and the sum of exp(x - max)
+        # (rescaled online), so the loop has no cross-lane reduction; lanes merge once at the end.
+        row = tl.program_id(0).to(tl.int64)
+        chunk = tl.program_id(1)
+        begin = chunk * span
+        end = tl.minimum(begin + span, n_cols)
+        lanes = tl.arange(0, BLOCK)
+        m_vec = tl.full([BLOCK], float("-inf"), tl.float32)
+        s_vec = tl.zeros([BLOCK], tl.float32)
+        i_vec = tl.zeros([BLOCK], tl.int32)
+        for off in range(begin, end, BLOCK):
+            cols = off + lanes
+            x = tl.load(x_ptr + row * stride_row + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m_vec, x)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            s_vec = s_vec * tl.exp2((m_vec - m_safe) * _LOG2E) + tl.exp2((x - m_safe) * _LOG2E)
+            i_vec = tl.where(x > m_vec, cols, i_vec)
+            m_vec = m_new
+        m = tl.max(m_vec, axis=0)
+        first = tl.min(tl.where(m_vec == m, i_vec, n_cols), axis=0)
+        m_ref = tl.where(m == float("-inf"), 0.0, m)
+        s = tl.sum(s_vec * tl.exp2((m_vec - m_ref) * _LOG2E), axis=0)
+        slot = row * tl.num_programs(1) + chunk
+        tl.store(part_m_ptr + slot, m)
+        tl.store(part_s_ptr + slot, s)
+        tl.store(part_i_ptr + slot, tl.where(m == float("-inf"), begin, first))
+
+    @triton.jit
+    def _row_merge_kernel(part_m_ptr, part_s_ptr, part_i_ptr, max_ptr, arg_ptr, log_sum_ptr, n_chunks,
+                          CHUNKS_PAD: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.arange(0, CHUNKS_PAD)
+        valid = c < n_chunks
+        m_c = tl.load(part_m_ptr + row * n_chunks + c, mask=valid, other=float("-inf"))
+        s_c = tl.load(part_s_ptr + row * n_chunks + c, mask=valid, other=0.0)
+        i_c = tl.load(part_i_ptr + row * n_chunks + c, mask=valid, other=0)
+        m = tl.max(m_c, axis=0)
+        m_ref = tl.where(m == float("-inf"), 0.0, m)
+        # chunks are in column order, so the first chunk holding the max holds the first argmax
+        first_chunk = tl.min(tl.where((m_c == m) & valid, c, CHUNKS_PAD), axis=0)
+        arg = tl.sum(tl.where(c == first_chunk, i_c, 0), axis=0)
+        total = tl.sum(s_c * tl.exp2((m_c - m_ref) * _LOG2E), axis=0)
+        tl.store(max_ptr + row, m)
+        tl.store(arg_ptr + row, arg.to(tl.int64))
+        tl.store(log_sum_ptr + row, tl.log(total))

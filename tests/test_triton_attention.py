@@ -129,14 +129,52 @@ def test_prefill_head_dims_and_default_tiles(ta: ModuleType, head_dim: int, bloc
     assert_matches_reference(ta.TritonAttention(tiles), b)
 
 
-@pytest.mark.parametrize("splits", [None, 1, 4])
+# (num_splits, decode_split_tiles, fused_combine). With 16-key tiles the contexts below span 1, 3, 4 and
+# 10 tiles: split_tiles 1 spreads all but the first over several splits, split_tiles 4 runs the first
+# three in a single pass and the last over 3 splits; 8 splits of at least 2 tiles leave splits idle.
+DECODE_SPLITS = [(None, 4, True), (1, 4, True), (4, 1, True), (4, 4, True), (8, 2, True), (4, 1, False),
+                 (4, 4, False)]
+
+
+@pytest.mark.parametrize(("splits", "split_tiles", "fused"), DECODE_SPLITS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_decode_matches_reference(ta: ModuleType, splits: int | None, dtype: torch.dtype) -> None:
-    """Pure decode, with and without split-KV (None: the heuristic, which splits on the CPU's 4 "SMs")."""
-    b = make_batch([1, 1, 1], [1, 38, 64], 8, 2, 32, 8, dtype, seed=5)
+def test_decode_matches_reference(ta: ModuleType, splits: int | None, split_tiles: int, fused: bool,
+                                  dtype: torch.dtype) -> None:
+    """Pure decode: single pass, split-KV merged by the last split, and the separate merge kernel
+    (None: the heuristic, which splits on the CPU's 4 "SMs")."""
+    b = make_batch([1, 1, 1, 1], [1, 38, 64, 150], 8, 2, 32, 8, dtype, seed=5)
     assert b.meta.is_decode
-    tiles = ta.TritonAttentionTiles(**{**SMALL_TILES, "num_splits": splits})
+    tiles = ta.TritonAttentionTiles(**{**SMALL_TILES, "num_splits": splits, "decode_split_tiles": split_tiles,
+                                       "fused_combine": fused})
     assert_matches_reference(ta.TritonAttention(tiles), b)
+
+
+def test_split_decode_leaves_its_counters_zero(ta: ModuleType) -> None:
+    """The merging split resets its counter, so the next launch (another layer, a graph replay) merges."""
+    b = make_batch([1, 1, 1], [150, 90, 7], 4, 2, 16, 8, torch.float32, seed=12)
+    backend = ta.TritonAttention(ta.TritonAttentionTiles(**{**SMALL_TILES, "num_splits": 4, "decode_split_tiles": 1}))
+    first = assert_matches_reference(backend, b)
+    counters = backend.merge_counters(b.q.device, 1)
+    assert counters.numel() >= 4 * 2 and not counters.any()
+    second, _, _ = run(backend, b)
+    torch.testing.assert_close(second, first, atol=0, rtol=0)
+    assert not counters.any()
+
+
+def test_short_contexts_take_the_single_pass(ta: ModuleType) -> None:
+    """Contexts within one split's tiles never touch the merge counters: with every counter poisoned,
+    a merge would never fire and its rows would stay unwritten, yet the output equals the reference."""
+    b = make_batch([1, 1, 1], [64, 33, 1], 4, 2, 16, 8, torch.float32, seed=13, table_width=64)
+    backend = ta.TritonAttention(ta.TritonAttentionTiles(**{**SMALL_TILES, "num_splits": 8, "decode_split_tiles": 4}))
+    assert backend.plan(b.q, b.k_cache, b.meta).splits == 8
+    counters = backend.merge_counters(b.q.device, 3 * 2)
+    counters.fill_(1000)
+    assert_matches_reference(backend, b)
+    assert bool((counters == 1000).all())
+    long = make_batch([1], [65], 4, 2, 16, 8, torch.float32, seed=13, table_width=64)
+    out, _, _ = run(backend, long)  # 5 tiles: two splits, whose merge the poisoned counter blocks
+    want, _, _ = run(ta.TritonAttention(ta.TritonAttentionTiles(**SMALL_TILES)), long)
+    assert not torch.equal(out, want)
 
 
 @pytest.mark.parametrize("decode", [True, False])
@@ -156,8 +194,9 @@ def test_padded_rows_are_ignored(ta: ModuleType) -> None:
     # The real rows carry the same data in both batches (q/k/v are views of one fused tensor).
     padded.q[:2], padded.k[:2], padded.v[:2] = real.q, real.k, real.v
     padded.k_cache, padded.v_cache = real.k_cache.clone(), real.v_cache.clone()
-    for splits in (1, 2):
-        backend = ta.TritonAttention(ta.TritonAttentionTiles(**{**SMALL_TILES, "num_splits": splits}))
+    for splits, split_tiles in [(1, 4), (2, 4), (2, 1)]:  # (2, 1): the 33-token row merges two splits
+        tiles = {**SMALL_TILES, "num_splits": splits, "decode_split_tiles": split_tiles}
+        backend = ta.TritonAttention(ta.TritonAttentionTiles(**tiles))
         out = assert_matches_reference(backend, padded, real_rows=2, ref_batch=real)
         assert torch.equal(out[2:], torch.zeros_like(out[2:]))
 
@@ -257,6 +296,18 @@ def test_cuda_decode_matches_reference(ta: ModuleType, batch: int, shape: tuple[
     contexts = [2048] + [rng.randint(1, 2048) for _ in range(batch - 1)]
     b = make_batch([1] * batch, contexts, *shape, 16, dtype, seed=batch)
     assert_matches_reference(ta.TritonAttention(), b)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("split_tiles", "fused"), [(2, True), (4, True), (1, True), (1, False)])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_cuda_decode_paths_match_reference(ta: ModuleType, split_tiles: int, fused: bool, batch: int) -> None:
+    """Qwen2-0.5B heads, bf16: single pass (<= 128 keys by default), splits merged by the last split,
+    and the separate merge kernel with the separate KV store, over short and long contexts in one batch."""
+    contexts = [200, 3000, 256, 257, 1, 129, 4096, 64][:batch]
+    b = make_batch([1] * batch, contexts, 14, 2, 64, 16, torch.bfloat16, seed=batch, table_width=256)
+    tiles = ta.TritonAttentionTiles(decode_split_tiles=split_tiles, fused_combine=fused, fused_decode_store=fused)
+    assert_matches_reference(ta.TritonAttention(tiles), b)
 
 
 @pytest.mark.cuda
