@@ -74,7 +74,10 @@ def test_bf16_greedy_output_is_identical_with_the_draft(pair: tuple[Path, Path],
     assert spec.spec_stats.accepted > 0
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# fp32 only: in bf16 the graph (split-KV attention sized for max_model_len at capture) and the eager
+# path (splits sized per context) sum in different orders, so a near-tie may flip a greedy token; the
+# bf16 contract is greedy identity with and without the draft on the same path (the test above).
+@pytest.mark.parametrize("dtype", ["float32"])
 def test_spec_graph_path_equals_eager_path(pair: tuple[Path, Path], dtype: str) -> None:
     target, draft = pair
     prompts = random_prompts([3, 17, 9, 30], 300, seed=1)
