@@ -15,12 +15,20 @@ weights arena awake (asleep at level 1 or 2 -> StateError: wake_up(["weights"]) 
 wake leaves the arena awake but empty, which is exactly what a sync refills). The arena's
 contents are marked invalid when the first byte may be written and valid again when the audit
 passes, so `Worker.is_ready()` agrees with `is_servable()`.
+Overlapped audit: when update_weights has received every tensor it starts digesting the held
+regions on a side thread, so that digest runs while the trainer still digests its own copy (the
+trainer calls finish only after that). Nothing writes the model between update_weights and finish
+(no step runs on a model with an open session, and start, update and reset_weights refuse), so the
+digest is of the bytes finish audits. What could release them waits for it first: sleep and shutdown
+(`settle_weight_digest`, which also drops the result: a sleep loses unaudited bytes, so finish digests
+what the model holds after it), and every end of the session (finish, abort, a failure, a new init).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +67,7 @@ class _Session:
     target: UpdateTarget
     bytes_moved: bool = False
     received: bool = False
+    held_digests: Future[list[TensorRecord]] | None = None  # started when the last byte landed
 
 
 @dataclass(frozen=True)
@@ -119,6 +128,8 @@ class WeightUpdateMixin:
         self._wt_manifests = ManifestCache()  # parsed manifests, reused while the sender's layout repeats
         self.routings_built = 0  # validate_manifest runs (tests check the route cache with it)
         self.weight_transfer_fault: Fault | None = _fault_from_env()
+        self._wt_digest_pool: ThreadPoolExecutor | None = None  # the overlapped received digest
+        self.overlap_audit_digest = True  # False: finish takes the received digest (benchmarks, A/B)
 
     # ---- state --------------------------------------------------------------------------------
     def _wt_state(self, which: str) -> ModelWeightState:
@@ -255,6 +266,8 @@ class WeightUpdateMixin:
             self._wt_receiver.receive(session.version, session.specs, session.target,
                                       on_agreed=lambda: self._begin_writes(session))
             session.received = True
+            if self.overlap_audit_digest:
+                session.held_digests = self._digest_held(session.target)
         except BaseException as e:
             self._end_session(f"update to version {session.version} failed: {e}")
             raise
@@ -271,7 +284,9 @@ class WeightUpdateMixin:
             if not session.received:
                 raise StateError(f"rank {self.rank_key}: finish_weight_update before update_weights completed")
             expected = _expected_manifest(sender_digests, session.which, session.version, self.rank_key)
-            received = session.target.received_manifest(session.version)
+            self._check_weights_present(session.which)
+            held = session.held_digests.result() if session.held_digests is not None else None
+            received = session.target.received_manifest(session.version, held)
             report = Report.merge([compare(expected, received), session.target.tied_report(received)])
             if not report.ok:
                 raise ChecksumMismatch(report)
@@ -284,6 +299,15 @@ class WeightUpdateMixin:
         self._set_arena_valid(session.which, True)
         self._wt_session = None
         return UpdateResult(session.which, session.version, self.rank_key, report, received, held)
+
+    def settle_weight_digest(self) -> None:
+        """Wait for the overlapped received digest, if one runs, and drop its result. Call before
+        anything releases or rewrites the weights' memory (Worker.sleep and shutdown do): finish then
+        digests the bytes the model holds after it."""
+        session = self._wt_session
+        if session is not None and session.held_digests is not None:
+            future, session.held_digests = session.held_digests, None
+            wait([future])  # its outcome no longer matters: finish digests afresh
 
     def abort_weight_update(self, reason: str = "aborted by the caller") -> None:
         """End the open session (if any); its model stays torn if any byte may have been written."""
@@ -308,6 +332,26 @@ class WeightUpdateMixin:
             raise StateError(f"rank {self.rank_key}: {what} without a matching start_weight_update")
         return self._wt_session
 
+    def _digest_held(self, target: UpdateTarget) -> Future[list[TensorRecord]] | None:
+        """Digest the held regions on a side thread, after the work that wrote them (see the module
+        docstring); None when some tensor never arrived (finish reports it)."""
+        items = target.held_items()
+        if items is None:
+            return None
+        written = None
+        if self.device is not None and self.device.type == "cuda":
+            written = torch.cuda.Event()
+            written.record(torch.cuda.current_stream(self.device))
+        if self._wt_digest_pool is None:
+            self._wt_digest_pool = ThreadPoolExecutor(1, thread_name_prefix="received-digest")
+        return self._wt_digest_pool.submit(_digest_after, items, written)
+
+    def _check_weights_present(self, which: str) -> None:
+        arena = self._weights_arena(which)
+        if arena is not None and arena[0].state(arena[1]) != ArenaState.AWAKE:
+            raise StateError(f"rank {self.rank_key}: the {which} weights were put to sleep during the update, "
+                             "which dropped the received bytes; wake_up and sync again")
+
     def _begin_writes(self, session: _Session) -> None:
         """Both ends agreed on the plan: from here on the model's bytes may change."""
         session.bytes_moved = True
@@ -321,6 +365,8 @@ class WeightUpdateMixin:
     def _end_session(self, reason: str) -> None:
         session = self._wt_session
         assert session is not None
+        if session.held_digests is not None:
+            wait([session.held_digests])  # nobody reads the model after the session is gone
         self._wt_session = None
         if session.bytes_moved:
             self._mark_torn(session.which, reason)
@@ -329,6 +375,12 @@ class WeightUpdateMixin:
     def _held_manifest(self, which: str, version: int) -> Manifest:
         records = digest_tensors(list(self.models[which].named_parameters()))
         return Manifest(which, version, self.rank_key, tuple(records))
+
+
+def _digest_after(items: list[tuple[str, torch.Tensor]], written: Any) -> list[TensorRecord]:
+    if written is not None:
+        written.synchronize()
+    return digest_tensors(items)
 
 
 def _fault_from_env() -> Fault | None:

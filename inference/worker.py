@@ -247,6 +247,7 @@ class Worker(WeightUpdateMixin):
         The caller has stopped every step that could touch the arenas (LLM.sleep does).
         """
         assert self.memory is not None, "load_model first"
+        self.settle_weight_digest()  # an overlapped audit digest may still read the weights
         return self.memory.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> TransitionStats:
@@ -269,6 +270,7 @@ class Worker(WeightUpdateMixin):
             raise StateError(f"rank {self.rank_key}: model not loaded")
 
     def shutdown(self) -> None:
+        self.settle_weight_digest()
         self.runner = None
         self.spec = None
         self.models.clear()

@@ -5,6 +5,7 @@ bf16, behind the WeightUpdateMixin), a spawned child is the trainer (WeightSende
 bf16 tensors). Timed on the receiver, after a warm-up, median of --iters:
 - sync_ms: start_weight_update + update_weights (returns after the final ack; no digests);
 - sync_audit_ms: the same with the sender's digests and finish_weight_update's audit (which must pass);
+  the receiver digests what it received while the sender digests its copy (--serial-audit: after);
 - ceiling_ms: ipc: one device copy of the same bytes; gloo/nccl: a plain bucket-by-bucket broadcast;
 - peer_per_param_ms: one CUDA IPC handle per parameter opened every sync (OpenRLHF/TRL style), or
   one broadcast per parameter for gloo/nccl; both load tensor by tensor;
@@ -232,6 +233,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def one_sync(audit: bool) -> float:
         from_child.get(timeout=600)  # the trainer is about to wait inside send()
         time.sleep(0.05)
+        receiver.overlap_audit_digest = audit and not args.serial_audit  # nothing to overlap without one
         with _profiling(profiler):
             t0 = time.perf_counter()
             receiver.start_weight_update(1, manifest)
@@ -276,6 +278,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "peer_per_param_ms": round(peers["per_param"], 3), "peer_bucket_ms": round(peers["bucket"], 3),
             "speedup_vs_bucket": round(peers["bucket"] / results[False], 2),
             **{f"audit_{k}_ms": round(statistics.median(v[1:]), 3) for k, v in phases.items()},
+            "audit_overlap": not args.serial_audit,
             "device": device_name}
 
 
@@ -340,6 +343,8 @@ def main() -> None:
     parser.add_argument("--sender-device", default=None, help="default: --device; nccl needs another GPU")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--bucket-mb", type=int, default=512)
+    parser.add_argument("--serial-audit", action="store_true",
+                        help="the receiver digests only in finish, after the sender's digest (the old order)")
     parser.add_argument("--profile", default=None, metavar="DIR", help="write cProfile stats of both ends here")
     args = parser.parse_args()
     if args.profile:

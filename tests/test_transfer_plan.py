@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import random
 
 import pytest
@@ -153,18 +154,30 @@ def test_parsed_manifest_memoizes_the_plan_and_fingerprint_of_its_specs() -> Non
     assert parsed.fingerprint(3, 2048, "gloo") != parsed.fingerprint(4, 2048, "gloo")
 
 
+def _offer(exporter: ipc.IpcExporter, tensors: list[torch.Tensor], mode: str = "direct") -> tuple[int, dict]:
+    offer = exporter.offer(mode, tensors)
+    exporter.commit()
+    return offer.key, json.loads(offer.payload)
+
+
 def test_ipc_layout_is_reused_while_the_tensors_stay_put(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ipc, "export_storage", lambda storage: {"size": storage.nbytes()})  # no CUDA here
     exporter = ipc.IpcExporter()
     a, b = torch.zeros(10), torch.zeros(20)
-    first = exporter.layout([a, b[5:]])
+    key, first = _offer(exporter, [a, b[5:]])
     assert exporter.exported_total == 2 and len(first["new"]) == 2 and first["tensors"][1][1] == 5 * 4
+    assert key == 0, "new handles must be sent whatever the receivers hold"
     exporter.retire()
-    assert exporter.layout([a, b[5:]]) == {**first, "new": {}} and exporter.exported_total == 2
-    moved = exporter.layout([torch.zeros(10), b[5:]])  # one tensor on a new storage: exported, placed anew
+    key, again = _offer(exporter, [a, b[5:]])
+    assert again == {**first, "new": {}} and exporter.exported_total == 2
+    assert key == ipc.layout_key(again) != 0
+    moved_key, moved = _offer(exporter, [torch.zeros(10), b[5:]])  # one tensor on a new storage
     assert exporter.exported_total == 3 and list(moved["new"]) == [str(first["tensors"][1][0] + 1)]
     assert moved["tensors"][1] == first["tensors"][1] and moved["tensors"][0] != first["tensors"][0]
-    assert exporter.layout([a, b[6:]])["tensors"][1] == [first["tensors"][1][0], 6 * 4]
+    assert moved_key == 0
+    shifted_key, shifted = _offer(exporter, [a, b[6:]])
+    assert shifted["tensors"][1] == [first["tensors"][1][0], 6 * 4]
+    assert shifted_key not in (0, key), "a moved tensor changes the key, so the layout is sent again"
 
 
 def _random_tensor(spec: TensorSpec, gen: torch.Generator) -> torch.Tensor:

@@ -93,6 +93,54 @@ def test_ipc_sync_between_two_processes_on_one_gpu(model_dir: Path, tmp_path: Pa
     assert proc.exitcode == 0
 
 
+def _moving_sender(out: Any, inbox: Any, model_dir: str) -> None:
+    """Three syncs: the second from the same storages, the third from new ones (new handles)."""
+    from inference.transfer.sender import WeightSender
+
+    torch.cuda.set_device(0)
+    sender = WeightSender("ipc", bucket_bytes=1 << 20, timeout_s=60, device="cuda:0", ipc_mode="direct")
+    out.put(sender.init_info())
+    sender.connect()
+    params = {n: t.cuda() for n, t in perturbed(Path(model_dir), 1).items()}
+    for version in (1, 2, 3):
+        if version == 3:
+            params = {n: t + 0.5 for n, t in params.items()}  # e.g. a trainer that rebuilt its tensors
+        out.put(sender.manifest(params, version))
+        out.put([r.__dict__ for r in sender.send(params)])
+        inbox.get(timeout=120)
+    inbox.get(timeout=120)
+    sender.close()
+
+
+def test_ipc_layout_is_sent_only_when_it_changed(model_dir: Path, tmp_path: Path) -> None:
+    worker = cuda_worker(model_dir)
+    ctx = mp.get_context("spawn")
+    out, inbox = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_moving_sender, args=(out, inbox, str(model_dir)))
+    proc.start()
+    try:
+        worker.init_weight_transfer_engine(out.get(timeout=120))
+        seen = []
+        for version in (1, 2, 3):
+            worker.start_weight_update(version, out.get(timeout=120))
+            worker.update_weights()
+            assert worker.finish_weight_update(out.get(timeout=120)).report.ok
+            receiver = worker._wt_receiver
+            seen.append((receiver.layouts_received, receiver.ipc.opened_total, receiver.direct_plans_built))
+            state = perturbed(model_dir, 1)
+            expected = state if version < 3 else {n: t + 0.5 for n, t in state.items()}
+            ref = loader_digests(model_dir, expected, tmp_path / f"ref{version}")
+            assert worker.compute_weight_checksums() == ref, f"version {version}: params differ from the loader's"
+            inbox.put("next")
+        assert seen[0][0] == 1 and seen[1] == seen[0], "an unchanged layout was sent or applied again"
+        assert seen[2][0] == 2 and seen[2][1] > seen[0][1] and seen[2][2] == 2, "a changed layout was not used"
+        worker.close_weight_transfer_engine()
+        inbox.put("bye")
+    finally:
+        proc.join(timeout=60)
+    assert proc.exitcode == 0
+
+
 def test_gloo_into_a_cuda_worker(model_dir: Path, tmp_path: Path) -> None:
     worker = cuda_worker(model_dir)
     state = perturbed(model_dir, 3)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
@@ -198,18 +199,28 @@ class TransferGroup:
         return t.tolist()
 
     def agree(self, fingerprint: int) -> bool:
-        """True on every rank iff every rank passed the same fingerprint (0 <= fingerprint < 2**62).
+        """True on every rank iff every rank passed the same fingerprint (0 < fingerprint < 2**62;
+        0 never agrees: a rank that cannot go on passes it)."""
+        return self.agree_many([fingerprint])[0][0]
 
-        max(f) and max(-f) equal one rank's (f, -f) only when min(f) == max(f) == f, so every rank
-        reaches the same verdict from the one all-reduce.
+    def agree_many(self, keys: Sequence[int], values: Sequence[int] = ()) -> tuple[list[bool], list[int]]:
+        """One all-reduce: per key (0 <= key < 2**62), whether every rank passed the same non-zero
+        key; per value, its maximum over the ranks (e.g. the size of a message rank 0 sends next).
+
+        max(k) == -max(-k) only when min(k) == max(k), so every rank reaches the same verdicts.
         """
-        got = self.all_max([fingerprint, -fingerprint], "plan agreement")
-        return got == [fingerprint, -fingerprint]
+        assert all(0 <= k < 1 << 62 for k in keys), keys
+        got = self.all_max([v for k in keys for v in (k, -k)] + list(values), "plan agreement")
+        n = 2 * len(keys)
+        return [got[i] != 0 and got[i] == -got[i + 1] for i in range(0, n, 2)], got[n:]
 
-    def broadcast_bytes(self, payload: bytes | None) -> bytes:
-        """Rank 0's payload on every rank (receivers pass None)."""
+    def broadcast_bytes(self, payload: bytes | None, size: int | None = None) -> bytes:
+        """Rank 0's payload on every rank (receivers pass None). `size`: its length when every rank
+        already knows it (from `agree_many`), which saves the all-reduce that would share it."""
         assert (payload is not None) == (self.rank == 0)
-        size = self.all_max([len(payload) if payload is not None else 0], "control message size")[0]
+        assert size is None or payload is None or size == len(payload), (size, len(payload))
+        if size is None:
+            size = self.all_max([len(payload) if payload is not None else 0], "control message size")[0]
         buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload
                else torch.empty(size, dtype=torch.uint8))
         if size:

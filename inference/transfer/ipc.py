@@ -22,6 +22,8 @@ torch's IPC limbo would keep them anyway). A trainer that gathers temporary full
 from __future__ import annotations
 
 import base64
+import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -74,28 +76,63 @@ def import_storage(h: dict[str, Any]) -> torch.Tensor:
         _unb64(h["ref_handle"]), h["ref_offset"], _unb64(h["event_handle"]), h["event_sync"])
 
 
+@dataclass(frozen=True)
+class LayoutOffer:
+    """One sync's layout as the sender offers it: the JSON message, and its key (`layout_key`), or 0
+    when the message carries new handles and so must be sent whatever the receivers hold."""
+
+    payload: bytes
+    key: int
+    mode: str
+
+
+def layout_key(layout: dict[str, Any]) -> int:
+    """A non-zero 62-bit key of what a receiver keeps from an applied layout (mode, live ids,
+    placements, buffer ids). Equal keys on both ends: the receiver's cached layout is the sender's."""
+    text = json.dumps([layout["mode"], layout["live"], layout["tensors"], layout["buffers"]])
+    value = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+    return (value & ((1 << 62) - 1)) or 1
+
+
 class IpcExporter:
-    """Sender side: ids and handles for storages, exported once each (see the module docstring)."""
+    """Sender side: ids and handles for storages, exported once each (see the module docstring).
+
+    `offer` stages what it exports: `commit` once the receivers got the layout, `rollback` when the
+    sync stopped before it was sent (the receivers never opened those handles)."""
 
     def __init__(self) -> None:
         self._by_ptr: dict[int, tuple[int, torch.UntypedStorage]] = {}
         self._next_id = 0
         self._live: set[int] = set()
-        self._last: tuple[tuple[list[int], list[int]], list[list[int]], list[int]] | None = None
+        self._last: tuple[tuple[str, list[int], list[int]], LayoutOffer] | None = None
+        self._undo: tuple[Any, ...] | None = None
         self.exported_total = 0  # handles ever exported (tests check reuse with it)
 
-    def layout(self, tensors: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor] = ()) -> dict[str, Any]:
+    def offer(self, mode: str, tensors: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor] = ()) -> LayoutOffer:
         """This sync's layout: new handles, live ids, (id, byte offset) per tensor, buffer ids.
 
-        The same addresses as the last layout give the same layout without a storage lookup: the
+        The same addresses as the last layout give the same offer without a storage lookup: the
         storages behind them are still referenced here, so no other allocation can sit at them.
         """
-        ptrs = ([t.data_ptr() for t in tensors], [b.data_ptr() for b in buffers])
+        ptrs = (mode, [t.data_ptr() for t in tensors], [b.data_ptr() for b in buffers])
         if self._last is not None and self._last[0] == ptrs:
-            return {"new": {}, "live": sorted(self._live), "tensors": self._last[1], "buffers": self._last[2]}
-        layout = self._build_layout(tensors, buffers)
-        self._last = (ptrs, layout["tensors"], layout["buffers"])
-        return layout
+            self._undo = None
+            return self._last[1]
+        self._undo = (dict(self._by_ptr), self._next_id, self._live, self._last)
+        layout = {**self._build_layout(tensors, buffers), "mode": mode}
+        steady = {**layout, "new": {}}
+        key = layout_key(steady)
+        self._last = (ptrs, LayoutOffer(json.dumps(steady).encode(), key, mode))
+        return LayoutOffer(json.dumps(layout).encode(), 0 if layout["new"] else key, mode)
+
+    def commit(self) -> None:
+        self._undo = None
+
+    def rollback(self) -> None:
+        """Forget what the last offer exported; its layout never reached the receivers."""
+        if self._undo is not None:
+            self._by_ptr, self._next_id, self._live, self._last = self._undo
+            self._undo = None
 
     def _build_layout(self, tensors: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> dict[str, Any]:
         new: dict[str, dict[str, Any]] = {}
@@ -131,9 +168,11 @@ class IpcImporter:
         self._views_key: tuple[Any, ...] | None = None
         self._views_specs: Sequence[TensorSpec] | None = None  # held, not its id: an id can be reused
         self._views: list[torch.Tensor] = []
+        self._views_layout: dict[str, Any] | None = None
         self.opened_total = 0  # handles ever opened (tests check reuse with it)
 
     def apply(self, layout: dict[str, Any]) -> None:
+        self._views_layout = None
         live = set(layout["live"])
         for sid in [s for s in self._storages if s not in live]:
             del self._storages[sid]  # the sender stopped using it: release the mapping
@@ -150,6 +189,9 @@ class IpcImporter:
 
     def views(self, layout: dict[str, Any], specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
         """The sender's tensors, in manifest order, as views of the opened storages."""
+        if layout is self._views_layout and specs is self._views_specs:
+            return self._views  # the receiver's cached layout: nothing was applied since
+        self._views_layout = layout if not layout["new"] else None
         key = (tuple(map(tuple, layout["tensors"])), tuple(layout["live"]))
         if key != self._views_key or specs is not self._views_specs or layout["new"]:
             self._views = [as_tensor(self._storages[sid][off:off + spec.nbytes], spec)
@@ -159,7 +201,7 @@ class IpcImporter:
 
     def close(self) -> None:
         self._storages.clear()
-        self._views, self._views_key, self._views_specs = [], None, None
+        self._views, self._views_key, self._views_specs, self._views_layout = [], None, None, None
 
 
 @dataclass(frozen=True)

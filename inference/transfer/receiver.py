@@ -10,7 +10,10 @@ is reported to the trainer instead of passing silently.
 - gloo / nccl: the plan's buckets are broadcast into two alternating receive buffers; bucket k+1 is
   in flight while bucket k is unpacked. A rank whose unpack fails keeps receiving (and discarding)
   until the end, so the others are not left hanging, then reports the failure at (3).
-- ipc: a layout message (handles, offsets; see ipc.py) is broadcast over the control group. In
+- ipc: the agreement at (1) also compares the key of the sender's layout (handles, offsets; see
+  ipc.py) with the one this rank applied last, and carries the layout message's size. Equal keys on
+  every rank: the cached layout is used and nothing more is exchanged (two control round trips per
+  sync in "direct" mode). Otherwise the layout is broadcast over the control group and applied. In
   "direct" mode the receivers copy straight from the sender's tensors, then (3). In "packed" mode
   the sender fills two shared buckets: before bucket j the ranks all-reduce a status that means
   "bucket j is packed" (sender) and "bucket j-1 is unpacked" (receivers), so packing j+1 overlaps
@@ -28,7 +31,7 @@ import torch
 
 from inference.transfer.buckets import Unpacker
 from inference.transfer.groups import InitInfo, TransferError, TransferGroup
-from inference.transfer.ipc import CopyPlan, IpcImporter
+from inference.transfer.ipc import CopyPlan, IpcImporter, layout_key
 from inference.transfer.plan import Bucket, ParsedManifest, TensorSpec
 
 
@@ -61,7 +64,9 @@ class WeightReceiver:
         self.last_mode: str | None = None  # "broadcast", or ipc's "direct" / "packed": for metrics and tests
         self._buffers: list[torch.Tensor] = []
         self._direct: _DirectRouting | None = None
+        self._layout: tuple[int, dict[str, Any]] | None = None  # (key, layout) last applied, ipc only
         self.direct_plans_built = 0  # tests check that an unchanged layout reuses its plan
+        self.layouts_received = 0  # ipc layout messages received (tests check the cached path with it)
 
     @property
     def broken(self) -> str | None:
@@ -71,7 +76,7 @@ class WeightReceiver:
         if self.ipc is not None:
             self.ipc.close()
         self.group.close()
-        self._buffers, self._direct = [], None
+        self._buffers, self._direct, self._layout = [], None, None
 
     def receive(self, version: int, specs: ParsedManifest | Sequence[TensorSpec], sink: Sink,
                 on_agreed: Callable[[], None] | None = None) -> None:
@@ -81,14 +86,17 @@ class WeightReceiver:
         """
         parsed = specs if isinstance(specs, ParsedManifest) else ParsedManifest(specs)
         fingerprint = parsed.fingerprint(version, self.info.bucket_bytes, self.info.backend)
-        if not self.group.agree(fingerprint):
+        ipc = self.info.backend == "ipc"
+        keys = [fingerprint, self._layout[0] if self._layout is not None else 0] if ipc else [fingerprint]
+        same, sizes = self.group.agree_many(keys, [0] if ipc else [])
+        if not same[0]:
             raise TransferError(f"rank {self.rank_key}: the sender's plan (version, manifest or bucket size) "
                                 f"differs from this rank's for version {version}; nothing was written")
         plan = parsed.plan(self.info.bucket_bytes)
         if on_agreed is not None:
             on_agreed()
-        if self.info.backend == "ipc":
-            self._receive_ipc(plan, parsed, sink)
+        if ipc:
+            self._receive_ipc(plan, parsed, sink, None if same[1] else sizes[0])
         else:
             self.last_mode = "broadcast"
             self._receive_broadcast(plan, parsed, sink)
@@ -123,21 +131,35 @@ class WeightReceiver:
         return self._buffers
 
     # ---- ipc ----------------------------------------------------------------------------------
-    def _receive_ipc(self, plan: Sequence[Bucket], specs: Sequence[TensorSpec], sink: Sink) -> None:
-        assert self.ipc is not None
-        layout = json.loads(self.group.broadcast_bytes(None))
+    def _receive_ipc(self, plan: Sequence[Bucket], specs: Sequence[TensorSpec], sink: Sink,
+                     layout_size: int | None) -> None:
+        """`layout_size` None: every rank holds the sender's layout already (see the module docstring)."""
+        layout, failure = self._ipc_layout(layout_size)
         self.last_mode = layout["mode"]
-        failure: BaseException | None = None
-        try:
-            self.ipc.apply(layout)
-        except Exception as e:
-            failure = e
         if layout["mode"] == "direct":
             if failure is None:
                 failure = self._guard(lambda: self._copy_direct(layout, specs, sink))
             self._finish(failure)
         else:
             self._receive_packed(plan, specs, sink, layout, failure)
+
+    def _ipc_layout(self, size: int | None) -> tuple[dict[str, Any], BaseException | None]:
+        """The layout of this sync, received and applied unless cached; a failure to apply it is
+        returned (reported at the status step), and leaves no cached layout behind."""
+        assert self.ipc is not None
+        if size is None:
+            assert self._layout is not None
+            return self._layout[1], None
+        self._layout = None
+        layout = json.loads(self.group.broadcast_bytes(None, size))
+        self.layouts_received += 1
+        try:
+            self.ipc.apply(layout)
+        except Exception as e:
+            return layout, e
+        steady = {**layout, "new": {}}  # its handles are open now
+        self._layout = (layout_key(steady), steady)
+        return layout, None
 
     def _copy_direct(self, layout: dict[str, Any], specs: Sequence[TensorSpec], sink: Sink) -> None:
         assert self.ipc is not None

@@ -18,7 +18,6 @@ checksum package's pinned buffers on its own copy stream).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -36,7 +35,7 @@ from inference.transfer.groups import (
     master_store,
     new_session_id,
 )
-from inference.transfer.ipc import IpcExporter
+from inference.transfer.ipc import IpcExporter, LayoutOffer
 from inference.transfer.plan import (
     DEFAULT_BUCKET_BYTES,
     Bucket,
@@ -138,27 +137,46 @@ class WeightSender:
             raise StateError("send() before manifest(): the receivers need the manifest to start")
         version, specs = self._pending
         items = _items(named_tensors)
+        tensors = [t for _, t in items]  # every reader (packer, exporter, digests) detaches on its own
         problem = _mismatch(specs, items)
-        fingerprint = specs.fingerprint(version, self.bucket_bytes, self.backend)
-        if not group.agree(0 if problem else fingerprint):  # 0 never matches: receivers stop cleanly
+        offer = None
+        if self._ipc is not None and problem is None:
+            try:
+                offer = self._ipc_offer(specs, tensors)
+            except InvalidRequestError as e:
+                problem = e
+        agreed, layout_cached = self._agree(group, specs.fingerprint(version, self.bucket_bytes, self.backend),
+                                            problem, offer)
+        if not agreed:
             raise problem or TransferError(
                 "the receivers' plan differs from the sender's (a different manifest, version or bucket "
                 "size was started on the sidecar); nothing was written")
-        tensors = [t for _, t in items]  # every reader (packer, exporter, digests) detaches on its own
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the trainer's writes have landed
         digests: Future[list[TensorRecord]] | None = (
             self._digest_pool.submit(digest_tensors, items) if digest else None)
         plan = specs.plan(self.bucket_bytes)
         try:
-            if self.backend == "ipc":
-                self._send_ipc(group, specs, plan, tensors)
+            if offer is not None:
+                self._send_ipc(group, offer, layout_cached, plan, tensors)
             else:
                 self._send_broadcast(group, plan, tensors)
         finally:
             records = digests.result() if digests is not None else []
         self._pending = None
         return records
+
+    def _agree(self, group: TransferGroup, fingerprint: int, problem: Exception | None,
+               offer: LayoutOffer | None) -> tuple[bool, bool]:
+        """(agreed, every receiver holds this sync's ipc layout) from one all-reduce (see receiver.py).
+        0 never matches: on a problem the receivers stop cleanly."""
+        keys = [0 if problem else fingerprint]
+        if self._ipc is None:
+            return group.agree_many(keys)[0][0], False
+        same, _ = group.agree_many([*keys, offer.key if offer else 0], [len(offer.payload) if offer else 0])
+        if not same[0]:
+            self._ipc.rollback()  # its new handles never reached the receivers
+        return same[0], same[1]
 
     def _require_group(self) -> TransferGroup:
         if self._group is None:
@@ -212,21 +230,27 @@ class WeightSender:
         return self._pack_stream
 
     # ---- ipc ----------------------------------------------------------------------------------
-    def _send_ipc(self, group: TransferGroup, specs: ParsedManifest, plan: Sequence[Bucket],
-                  tensors: list[torch.Tensor]) -> None:
+    def _ipc_offer(self, specs: ParsedManifest, tensors: list[torch.Tensor]) -> LayoutOffer:
+        """This sync's mode and layout, decided before the agreement (which carries its key)."""
         assert self._ipc is not None
         eligible = self._direct_eligible(specs, tensors)
         if self.ipc_mode == "direct" and not eligible:
             raise InvalidRequestError("ipc_mode", "direct needs contiguous, non-empty CUDA tensors on "
                                       f"{self.device}; use 'auto' to fall back to packing")
-        direct = eligible and self.ipc_mode != "packed"
-        bufs = [] if direct else self._bucket_buffers(self.bucket_bytes, self.device)
-        layout = self._ipc.layout(tensors if direct else [], bufs)
-        layout["mode"] = "direct" if direct else "packed"
-        group.broadcast_bytes(json.dumps(layout).encode())
-        if direct:
+        if eligible and self.ipc_mode != "packed":
+            return self._ipc.offer("direct", tensors)
+        return self._ipc.offer("packed", [], self._bucket_buffers(self.bucket_bytes, self.device))
+
+    def _send_ipc(self, group: TransferGroup, offer: LayoutOffer, cached: bool, plan: Sequence[Bucket],
+                  tensors: list[torch.Tensor]) -> None:
+        assert self._ipc is not None
+        if not cached:
+            group.broadcast_bytes(offer.payload, len(offer.payload))
+        self._ipc.commit()
+        if offer.mode == "direct":
             failed = group.all_max([0], "end-of-sync status")[0]
         else:
+            bufs = self._bucket_buffers(self.bucket_bytes, self.device)  # the offer's buffers
             failed = self._send_packed(group, plan, tensors, bufs)
         self._ipc.retire()
         if failed:

@@ -186,16 +186,26 @@ class UpdateTarget:
         for record in digest_tensors(to_digest):
             self._records[record.name] = record
 
-    def received_manifest(self, version: int) -> Manifest:
-        """Digests of every tensor received (trainer names). Raises if any tensor never arrived."""
-        unwritten = [] if len(self._written) == len(self.routes) else [
-            r.spec.name for i, r in enumerate(self.routes) if i not in self._written]
-        if unwritten:
-            raise RuntimeError(f"rank {self.rank}: {len(unwritten)} tensor(s) of the session never arrived, "
-                               f"first {unwritten[0]}")
+    def held_items(self) -> list[tuple[str, torch.Tensor]] | None:
+        """(name, held region) of every tensor whose digest is taken from the model, or None while
+        some tensor has not arrived."""
+        if len(self._written) != len(self.routes):
+            return None
         held = [(r.spec.name, r.held) for r in self.routes if r.spec.name not in self._records]
         assert all(t is not None for _, t in held)
-        records = {**self._records, **{r.name: r for r in digest_tensors(held)}}
+        return held  # type: ignore[return-value]
+
+    def received_manifest(self, version: int, held: Sequence[TensorRecord] | None = None) -> Manifest:
+        """Digests of every tensor received (trainer names). Raises if any tensor never arrived.
+        `held`: the digests of `held_items()` if already taken, else they are taken now."""
+        items = self.held_items()
+        if items is None:
+            unwritten = [r.spec.name for i, r in enumerate(self.routes) if i not in self._written]
+            raise RuntimeError(f"rank {self.rank}: {len(unwritten)} tensor(s) of the session never arrived, "
+                               f"first {unwritten[0]}")
+        held = digest_tensors(items) if held is None else held
+        assert [r.name for r in held] == [name for name, _ in items]
+        records = {**self._records, **{r.name: r for r in held}}
         return Manifest(self.which, version, self.rank, tuple(records[r.spec.name] for r in self.routes))
 
     def tied_report(self, received: Manifest) -> Report:
