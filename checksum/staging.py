@@ -279,12 +279,10 @@ class _Run:
                 return None
             return [_hash_host(flat_bytes(job.tensor)) for job in segment.parts]
         assert self.staging is not None
-        with self.lock:
-            while not segment.ready and self.error is None:
-                segment.lane.wait()
-            if self.error is not None:
-                return None
-            buf, size = segment.ready.popleft()
+        ready = self._next_ready(segment)
+        if ready is None:
+            return None
+        buf, size = ready
         assert size == segment.end, "a pack is staged as one chunk"
         self.staging.wait(buf)
         view = self.staging.view(buf, size)
@@ -299,6 +297,15 @@ class _Run:
             self.active.remove(segment)
             self.copier_cv.notify()
         return digests
+
+    def _next_ready(self, segment: _Segment) -> tuple | None:
+        """The segment's next staged (buffer, size), waiting for the copier; None once a run failed."""
+        with self.lock:
+            while not segment.ready and self.error is None:
+                segment.lane.wait()
+            if self.error is not None:
+                return None
+            return segment.ready.popleft()
 
     def _claim(self) -> _Segment | None:
         with self.lock:
@@ -339,12 +346,10 @@ class _Run:
         hasher = xxhash.xxh3_128()
         hashed, size_total = 0, segment.end - segment.start
         while hashed < size_total:
-            with self.lock:
-                while not segment.ready and self.error is None:
-                    segment.lane.wait()
-                if self.error is not None:
-                    return None
-                buf, size = segment.ready.popleft()
+            ready = self._next_ready(segment)
+            if ready is None:
+                return None
+            buf, size = ready
             self.staging.wait(buf)
             hasher.update(self.staging.view(buf, size))
             hashed += size
