@@ -10,6 +10,7 @@ rank key.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Literal
 
 from fastapi import APIRouter
@@ -31,12 +32,15 @@ def add_audit_routes(router: APIRouter, state: ServerState) -> None:
 
     @router.post("/audit", summary="Compare ranks (replicas) and, optionally, expected digests")
     async def audit_endpoint(body: AuditRequest) -> dict[str, Any]:
+        t0 = time.perf_counter()
         dicts = await rank_manifests(state, body.model, body.source)
         actual = [Manifest.from_dict(d, f"rank {i}") for i, d in enumerate(dicts)]
         report = audit_manifests(actual, body.expected, body.source)
         if not report.ok:
             state.metrics.audit_failures.inc()
-        return report_dict(report, body.model, body.source)
+        out = report_dict(report, body.model, body.source)
+        state.metrics.sync_seconds.labels(body.model, "audit").observe(time.perf_counter() - t0)
+        return out
 
 
 async def rank_manifests(state: ServerState, model: str, source: str) -> list[dict[str, Any]]:

@@ -62,6 +62,7 @@ def test_sleep_wake_sync_audit_end_to_end(server: Sidecar, sender: WeightSender,
         result = c.sync_weights(sender, new, version=1)
         assert result["ok"], result["table"]
         assert result["ranks"] == [RANK] and result["tensors_checked"] >= len(new)
+        assert 'sidecar_weight_sync_seconds_count{model="target",phase="audit"}' in c.metrics()
         c.wake_up(["kv_cache"])
         got = c.generate(PROMPTS, GREEDY)
         assert [o.outputs[0].token_ids for o in got] == want

@@ -1,0 +1,169 @@
+"""Benchmark one weight sync through the user-facing path: SidecarClient.sync_weights over HTTP.
+
+A `sidecar launch` subprocess serves --model (tiny or qwen2-0.5b, built as `sidecar demo` builds them);
+this process is the trainer: a WeightSender holding the checkpoint's own tensors on --device, joined
+once with connect_sender. After --warmup syncs, each of --iters syncs is timed on the client:
+- sync_ms: start -> update beside sender.send() -> finish (what sync_weights does before its audit);
+- sync_audit_ms: the whole sync_weights call (the audit of what the ranks received included);
+- per phase: each HTTP call's client-side time and sender.send();
+- server_*_ms: the mean time the sidecar's handlers report for the same calls (its Prometheus
+  histogram sidecar_weight_sync_seconds: start, update, finish, audit), i.e. the same bytes moved and
+  checked with no HTTP or client in the way; `ratio` is client / server (1.0: no control-path cost).
+Prints one JSON line. CPU: --model tiny --backend gloo --device cpu (the defaults);
+H200: --model qwen2-0.5b --backend ipc --device cuda.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from inference.transfer.sender import WeightSender
+from sidecar.client import SidecarClient
+from sidecar.demo_cli import SidecarProcess
+from sidecar.demo_task import DemoModel, resolve_model
+
+PHASES = ("start", "update", "finish", "audit")
+_PATHS = {"/weights/start": "start", "/weights/update": "update", "/weights/finish": "finish", "/audit": "audit"}
+
+
+class _Setup:
+    """What SidecarProcess.start reads (the demo's setup, reduced to the launch fields)."""
+
+    def __init__(self, model: DemoModel, device: str, backend: str) -> None:
+        self.model, self.device, self.backend = model, device, backend
+
+
+class TimedClient(SidecarClient):
+    """A SidecarClient that records each weight call's wall time (ms) by phase."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.times: dict[str, list[float]] = defaultdict(list)
+
+    def _request(self, method: str, path: str, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return super()._request(method, path, **kw)
+        finally:
+            if path in _PATHS:
+                self.times[_PATHS[path]].append((time.perf_counter() - t0) * 1e3)
+
+
+@contextmanager
+def timed_send(sender: WeightSender, times: dict[str, list[float]]) -> Iterator[None]:
+    real = sender.send
+
+    def send(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            times["send"].append((time.perf_counter() - t0) * 1e3)
+
+    sender.send = send  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del sender.send
+
+
+def server_sums(client: SidecarClient) -> dict[str, float]:
+    """Seconds summed per phase of sidecar_weight_sync_seconds for the target model."""
+    sums = dict.fromkeys(PHASES, 0.0)
+    pattern = re.compile(r'^sidecar_weight_sync_seconds_sum\{(?P<labels>[^}]*)\} (?P<value>\S+)$')
+    for line in client.metrics().splitlines():
+        m = pattern.match(line)
+        if m and 'model="target"' in m["labels"]:
+            phase = re.search(r'phase="(\w+)"', m["labels"])
+            if phase and phase[1] in sums:
+                sums[phase[1]] = float(m["value"])
+    return sums
+
+
+def load_weights(model: DemoModel, device: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v.to(device).contiguous().clone() for k, v in load_file(str(model.path / "model.safetensors")).items()}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    model = resolve_model(args.model)
+    weights = load_weights(model, args.device)
+    server = SidecarProcess.start(_Setup(model, args.device, args.backend),  # type: ignore[arg-type]
+                                  kv_bytes=args.kv_bytes, seed=0, timeout=600)
+    sender = WeightSender(args.backend, num_receivers=1, timeout_s=300, device=args.device)
+    try:
+        with TimedClient(server.url, timeout=300) as client:
+            client.connect_sender(sender)
+            for v in range(args.warmup):
+                client.sync_weights(sender, weights, version=v + 1)
+            client.times.clear()
+            before = server_sums(client)
+            totals = []
+            with timed_send(sender, client.times):
+                for v in range(args.warmup, args.warmup + args.iters):
+                    t0 = time.perf_counter()
+                    result = client.sync_weights(sender, weights, version=v + 1)
+                    totals.append((time.perf_counter() - t0) * 1e3)
+                    if not result["ok"]:
+                        raise SystemExit(f"audit failed:\n{result['table']}")
+            after = server_sums(client)
+            return summary(args, model, weights, client.times, totals, before, after)
+    finally:
+        sender.close()
+        server.stop()
+
+
+def summary(args: argparse.Namespace, model: DemoModel, weights: dict[str, torch.Tensor],
+            times: dict[str, list[float]], totals: list[float], before: dict[str, float],
+            after: dict[str, float]) -> dict[str, Any]:
+    med = {k: statistics.median(v) for k, v in times.items()}
+    server = {p: (after[p] - before[p]) * 1e3 / args.iters for p in PHASES}
+    sync_ms = med["start"] + med["update"] + med["finish"]
+    sync_audit_ms = statistics.median(totals)
+    server_sync = server["start"] + server["update"] + server["finish"]
+    server_audit = server_sync + server["audit"]
+    return {
+        "bench": "client_sync", "model": args.model, "backend": args.backend, "device": args.device,
+        "tensors": len(weights), "bytes": sum(t.numel() * t.element_size() for t in weights.values()),
+        "iters": args.iters, "sync_ms": round(sync_ms, 2), "sync_audit_ms": round(sync_audit_ms, 2),
+        "server_sync_ms": round(server_sync, 2), "server_sync_audit_ms": round(server_audit, 2),
+        "ratio_sync": round(sync_ms / server_sync, 3) if server_sync else None,
+        "ratio_sync_audit": round(sync_audit_ms / server_audit, 3) if server_audit else None,
+        "client_phase_ms": {k: round(v, 2) for k, v in med.items()},
+        "server_phase_ms": {k: round(v, 2) for k, v in server.items()},
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="tiny", help="tiny, qwen2-0.5b or a model directory")
+    p.add_argument("--backend", default="gloo", choices=("gloo", "ipc"))
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--kv-bytes", type=int, default=None, help="KV cache bytes (default 4 MB cpu, 64 MiB cuda)")
+    args = p.parse_args()
+    if args.kv_bytes is None:
+        args.kv_bytes = 4_000_000 if args.device == "cpu" else 64 * 2**20
+    if args.device == "cuda":
+        torch.cuda.set_device(0)
+    print(json.dumps(run(args)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
