@@ -1,0 +1,225 @@
+"""Triton kernels of the "triton" attention backend; inference/layers/triton_attention.py explains
+them and launches them. Kept apart so the host-side planning reads on its own."""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+                     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
+                     NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     HEAD_DIM_PAD: tl.constexpr, PAGE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, HEADS_PAD)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    # The slot is loaded once per head row: a scalar term in a load mask trips Triton's interpreter.
+    slot = tl.load(slot_ptr + t + h * 0).to(tl.int64)[:, None]
+    mask = (h[:, None] < NUM_HEADS) & (d[None, :] < HEAD_DIM) & (slot >= 0)
+    dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + h[:, None] * stride_ch + d[None, :]
+    kk = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask, other=0.0)
+    tl.store(kc_ptr + dst, kk.to(kc_ptr.dtype.element_ty), mask=mask)
+    vv = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask, other=0.0)
+    tl.store(vc_ptr + dst, vv.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b with fp32 accumulation. UPCAST (interpreter only): Triton's CPU interpreter gets bf16
+    tl.dot wrong, so operands go to fp32 there; compiled kernels never set it."""
+    if UPCAST:
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        c = tl.dot(a, b, input_precision=PRECISION)
+    return c
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, kc_ptr, vc_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, counter_ptr,
+    k_ptr, v_ptr, slot_ptr, cu_q_ptr, ctx_ptr, bt_ptr, num_seqs, qk_scale, window,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLIT_TILES: tl.constexpr, FUSED_COMBINE: tl.constexpr, FUSED_STORE: tl.constexpr,
+    IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    if IS_DECODE:  # one token per sequence: token index == sequence index
+        seq = pid
+        q_start = pid
+        q_len = 1
+        q_begin = 0
+    else:  # sequence i owns tiles [cu[i] // BLOCK_Q + i, cu[i + 1] // BLOCK_Q + i + 1); spare tiles idle
+        ids = tl.arange(0, BLOCK_B)
+        ends = tl.load(cu_q_ptr + 1 + ids, mask=ids < num_seqs, other=0)
+        next_starts = ends // BLOCK_Q + ids + 1
+        seq = tl.sum(((next_starts <= pid) & (ids < num_seqs)).to(tl.int32), axis=0)
+        q_start = tl.load(cu_q_ptr + seq)
+        q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+        q_begin = (pid - q_start // BLOCK_Q - seq) * BLOCK_Q
+    ctx = tl.load(ctx_ptr + seq)
+
+    # Row r of the tile: query token q_begin + r // GROUP_PAD, head g = r % GROUP_PAD of this group.
+    rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    q_local = q_begin + rows // GROUP_PAD
+    g = rows % GROUP_PAD
+    row_valid = (q_local < q_len) & (g < GROUP)
+    tok = (q_start + q_local).to(tl.int64)
+    head = kvh * GROUP + g
+    q_pos = ctx - q_len + q_local  # absolute position of the row's query in its sequence
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_valid = d < HEAD_DIM
+    if FUSED_STORE:  # decode: the new token's k/v come from k_ptr/v_ptr, and split 0 writes them to the cache
+        k_new, v_new = _store_new_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, seq, kvh, d, d_valid, split,
+                                     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
+                                     PAGE)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+
+    # Keys [lo, hi) cover every valid row of the tile; this split takes its share of the KV tiles.
+    hi = ctx - q_len + tl.minimum(q_begin + BLOCK_Q, q_len)
+    if HAS_WINDOW:
+        lo = tl.maximum(ctx - q_len + q_begin - window + 1, 0) // BLOCK_N * BLOCK_N
+    else:
+        lo = 0
+    n_tiles = tl.where(q_begin < q_len, tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N), 0)
+    per_split = tl.maximum(tl.cdiv(n_tiles, NUM_SPLITS), SPLIT_TILES)
+    t_begin = split * per_split
+    t_end = tl.minimum(t_begin + per_split, n_tiles)
+
+    m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    for t in range(t_begin, t_end):
+        k_pos = lo + t * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_valid = k_pos < hi
+        page = tl.load(bt_ptr + seq * stride_bt + k_pos // PAGE, mask=k_valid, other=0).to(tl.int64)
+        kv_off = page * stride_cb + (k_pos % PAGE) * stride_cs + kvh * stride_ch
+        # Masked loads return 0, never stale cache bytes (which may hold NaN) that p = 0 would not hide.
+        k_t = tl.load(kc_ptr + kv_off[None, :] + d[:, None], mask=k_valid[None, :] & d_valid[:, None], other=0.0)
+        if FUSED_STORE:  # the cache slot of key ctx - 1 may not be written yet: take the new key itself
+            is_new = k_pos == ctx - 1
+            k_t = tl.where(is_new[None, :], k_new[:, None], k_t)
+        s = _dot(q, k_t, DOT_PRECISION, DOT_UPCAST) * qk_scale
+        allowed = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+        if HAS_WINDOW:
+            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row with no allowed key yet keeps m = -inf; subtracting 0 instead avoids inf - inf = NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(vc_ptr + kv_off[:, None] + d[None, :], mask=k_valid[:, None] & d_valid[None, :], other=0.0)
+        if FUSED_STORE:
+            v = tl.where(is_new[:, None], v_new[None, :], v)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+        m_i = m_new
+
+    out_offs = tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    out_mask = row_valid[:, None] & d_valid[None, :]
+    # partials laid out [T, Hq, NUM_SPLITS(, HEAD_DIM_PAD)]
+    part = (tok * (tl.num_programs(1) * GROUP) + head) * NUM_SPLITS
+    if NUM_SPLITS == 1:
+        _store_normalized(out_ptr + out_offs, acc, l_i, out_mask)
+    elif FUSED_COMBINE:
+        n_active = tl.cdiv(n_tiles, per_split)
+        if n_active <= 1:  # the whole context is in split 0 (or empty): single pass
+            if split == 0:
+                _store_normalized(out_ptr + out_offs, acc, l_i, out_mask)
+        elif split < n_active:
+            _store_partial(part_m_ptr, part_l_ptr, part_acc_ptr, part + split, d, m_i, l_i, acc, row_valid,
+                           HEAD_DIM_PAD)
+            # Every thread's partial is written before the release; the acquire orders the merge's loads.
+            tl.debug_barrier()
+            ticket = tl.atomic_add(counter_ptr + seq * tl.num_programs(1) + kvh, 1, sem="acq_rel", scope="gpu")
+            if ticket == n_active - 1:
+                _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr, part, d, n_active, row_valid,
+                                out_ptr + out_offs, out_mask, BLOCK_Q * GROUP_PAD, NUM_SPLITS, HEAD_DIM_PAD)
+                tl.store(counter_ptr + seq * tl.num_programs(1) + kvh, 0)
+    else:  # every split writes, even an empty one; _combine_splits_kernel merges
+        _store_partial(part_m_ptr, part_l_ptr, part_acc_ptr, part + split, d, m_i, l_i, acc, row_valid,
+                       HEAD_DIM_PAD)
+
+
+@triton.jit
+def _store_new_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, seq, kvh, d, d_valid, split,
+                  stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch, PAGE: tl.constexpr):
+    """The new token's k and v [HEAD_DIM_PAD] of one kv head, in the cache dtype; split 0 stores them at
+    the token's slot (none for slot < 0). No program of the launch reads that slot's bytes."""
+    tok = seq.to(tl.int64)
+    k_new = tl.load(k_ptr + tok * stride_kt + kvh * stride_kh + d, mask=d_valid, other=0.0).to(kc_ptr.dtype.element_ty)
+    v_new = tl.load(v_ptr + tok * stride_vt + kvh * stride_vh + d, mask=d_valid, other=0.0).to(vc_ptr.dtype.element_ty)
+    # Vectors, not scalars, in the mask: a scalar term in a load/store mask trips Triton's interpreter.
+    slot = tl.load(slot_ptr + tok + d * 0).to(tl.int64)
+    mask = d_valid & (slot >= 0) & (d * 0 + split == 0)
+    dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + kvh * stride_ch + d
+    tl.store(kc_ptr + dst, k_new, mask=mask)
+    tl.store(vc_ptr + dst, v_new, mask=mask)
+    return k_new, v_new
+
+
+@triton.jit
+def _store_normalized(out_ptrs, acc, l_i, mask):
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_partial(part_m_ptr, part_l_ptr, part_acc_ptr, part, d, m_i, l_i, acc, row_valid,
+                   HEAD_DIM_PAD: tl.constexpr):
+    tl.store(part_m_ptr + part, m_i, mask=row_valid)
+    tl.store(part_l_ptr + part, l_i, mask=row_valid)
+    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + d[None, :], acc, mask=row_valid[:, None])
+
+
+@triton.jit
+def _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr, part, d, n_active, row_valid, out_ptrs, out_mask,
+                    ROWS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    """Merge the partials of splits [0, n_active) of each row, in split order (the result does not
+    depend on which split merges). Loads bypass L1 (.cg): the other splits wrote through L2."""
+    s = tl.arange(0, NUM_SPLITS)
+    live = row_valid[:, None] & (s[None, :] < n_active)
+    ms = tl.load(part_m_ptr + part[:, None] + s[None, :], mask=live, other=float("-inf"), cache_modifier=".cg")
+    ls = tl.load(part_l_ptr + part[:, None] + s[None, :], mask=live, other=0.0, cache_modifier=".cg")
+    m_max = tl.max(ms, axis=1)
+    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+    denom = tl.sum(tl.exp2(ms - m_ref[:, None]) * ls, axis=1)
+    total = tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32)
+    for j in tl.static_range(NUM_SPLITS):  # unrolled: the loads of all live splits are in flight at once
+        live_j = row_valid & (part * 0 + j < n_active)  # a vector: scalar mask terms trip the interpreter
+        m_j = tl.load(part_m_ptr + part + j, mask=live_j, other=float("-inf"), cache_modifier=".cg")
+        a_j = tl.load(part_acc_ptr + (part + j)[:, None] * HEAD_DIM_PAD + d[None, :], mask=live_j[:, None],
+                      other=0.0, cache_modifier=".cg")
+        total += a_j * tl.exp2(m_j - m_ref)[:, None]
+    _store_normalized(out_ptrs, total, denom, out_mask)
+
+
+@triton.jit
+def _combine_splits_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_ot, stride_oh,
+                           NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    base = (t * tl.num_programs(1) + h) * NUM_SPLITS
+    s = base + tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    m = tl.load(part_m_ptr + s)
+    l_s = tl.load(part_l_ptr + s)
+    m_max = tl.max(m, axis=0)
+    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits (m = -inf) weigh 0
+    denom = tl.sum(w * l_s, axis=0)
+    acc = tl.load(part_acc_ptr + s[:, None] * HEAD_DIM_PAD + d[None, :])
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
