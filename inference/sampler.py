@@ -101,15 +101,14 @@ class SamplerOutput:
 def sample(logits: torch.Tensor, sb: SamplingBatch, generator: torch.Generator | None = None) -> SamplerOutput:
     """Sample one token per row of `logits` [B, V] (any float dtype; computed in fp32)."""
     raw = row_stats(logits)
+    src, stats = logits, raw
     if sb.all_greedy:
         tokens = raw.argmax
-        src, stats = logits, raw
     else:
         logits32 = logits.float()
         processed = process_logits(logits32, sb)
         sampled = _exponential_race(processed, sb, generator)
         tokens = torch.where(sb.temperatures == 0.0, raw.argmax, sampled)
-        src, stats = logits, raw
         if sb.any_processed:
             rows = sb.processed_logprobs
             src = torch.where(rows[:, None], processed, logits32)

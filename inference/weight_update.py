@@ -309,6 +309,13 @@ class WeightUpdateMixin:
             future, session.held_digests = session.held_digests, None
             wait([future])  # its outcome no longer matters: finish digests afresh
 
+    def close_weight_digests(self) -> None:
+        """Settle the overlapped digest and stop its thread (the worker is shutting down)."""
+        self.settle_weight_digest()
+        if self._wt_digest_pool is not None:
+            self._wt_digest_pool.shutdown(wait=True)
+            self._wt_digest_pool = None
+
     def abort_weight_update(self, reason: str = "aborted by the caller") -> None:
         """End the open session (if any); its model stays torn if any byte may have been written."""
         if self._wt_session is not None:

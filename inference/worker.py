@@ -270,7 +270,7 @@ class Worker(WeightUpdateMixin):
             raise StateError(f"rank {self.rank_key}: model not loaded")
 
     def shutdown(self) -> None:
-        self.settle_weight_digest()
+        self.close_weight_digests()
         self.runner = None
         self.spec = None
         self.models.clear()

@@ -132,16 +132,15 @@ class _TimedClient(SidecarClient):
     audit_ms = 0.0
 
     def finish_weights(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        try:
-            return super().finish_weights(*args, **kwargs)
-        finally:
-            self.audit_ms += _ms_since(t0)
+        return self._timed(super().finish_weights, *args, **kwargs)
 
     def audit(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self._timed(super().audit, *args, **kwargs)
+
+    def _timed(self, call: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         t0 = time.perf_counter()
         try:
-            return super().audit(*args, **kwargs)
+            return call(*args, **kwargs)
         finally:
             self.audit_ms += _ms_since(t0)
 
