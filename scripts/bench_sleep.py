@@ -6,7 +6,11 @@ ceiling and the peer with CPU backup, level 2 against the 20 ms target and the p
 ("accepted" holds both). Scope "worker" adds the KV arena (weights + KV, what a worker releases) and
 is reported on its own, without peer ratios. `*_s` figures are wall-clock medians of the whole call, as
 the peer's are; freed bytes come from cudaMemGetInfo around the call, outside the timing (the peer's
-too). Level 2 and the peer without backup alternate cycle by cycle in one process. --verbose adds
+too). Level 2 and the peer without backup alternate cycle by cycle in one process (who goes first
+alternates too), and every wake, ours and the peer's, comes --gap-ms after its sleep: on the H200 the
+driver makes every other 15 GB cuMemCreate that follows a release at once take ~50-60 ms (the peer's
+too: it is the driver's, not the caller's), while one that follows 100 ms later takes ~5 ms; a real
+wake follows a training step. --verbose adds
 each transition's driver calls (count and seconds) and the cost of the host-side calls around them.
 
     python scripts/bench_sleep.py                        # Qwen2.5-7B bf16 shape (15.2 GB) on cuda
@@ -148,22 +152,28 @@ def timed(mgr: MemoryManager, op: Callable[[], object], verbose: bool) -> tuple[
     return wall, result, calls
 
 
-def run_level(mgr: MemoryManager, level: int, repeats: int, verbose: bool,
+def run_level(mgr: MemoryManager, level: int, repeats: int, verbose: bool, gap_s: float,
               between: Callable[[], None] | None = None) -> dict:
-    """Sleep/wake cycles at `level`: wall and in-call seconds, device bytes freed by each sleep.
-    `between` (the peer's own cycle) runs after each of ours, so both see the same conditions."""
+    """Sleep/wake cycles at `level`: wall and in-call seconds, device bytes freed by each sleep; each
+    wake comes `gap_s` after its sleep (the training step's place). `between` (the peer's own cycle)
+    runs after ours on even cycles and before ours on odd ones, so neither side always follows the
+    other: the driver makes every other immediate re-allocation after a release slow, and a fixed
+    order would give all the slow ones to one side."""
     weights = mgr.arena("weights")
     digest = fingerprint(weights)
     res: dict = {k: [] for k in ("sleep_s", "wake_s", "sleep_core_s", "wake_core_s", "freed")}
     calls: dict[str, list[dict]] = {"sleep": [], "wake": []}
     verified = True
-    for _ in range(repeats):
+    for cycle in range(repeats):
+        if between is not None and cycle % 2:
+            between()
         sync(mgr.device)
         free0 = device_free(mgr.device)
         wall, stats, sleep_calls = timed(mgr, lambda: mgr.sleep(level), verbose)
         res["sleep_s"].append(wall)
         res["sleep_core_s"].append(stats.seconds)  # type: ignore[attr-defined]
         res["freed"].append(None if free0 is None else device_free(mgr.device) - free0)
+        time.sleep(gap_s)
         wall, stats, wake_calls = timed(mgr, mgr.wake_up, verbose)
         res["wake_s"].append(wall)
         res["wake_core_s"].append(stats.seconds)  # type: ignore[attr-defined]
@@ -172,7 +182,7 @@ def run_level(mgr: MemoryManager, level: int, repeats: int, verbose: bool,
         if level == 1:
             verified = verified and fingerprint(weights) == digest
         mgr.mark_loaded("weights")  # stands in for the weight sync that follows a level-2 wake
-        if between is not None:
+        if between is not None and not cycle % 2:
             between()
     out = {k: statistics.median(v) for k, v in res.items() if k != "freed"}
     out |= {"sleep_s_all": res["sleep_s"], "wake_s_all": res["wake_s"]}
@@ -233,8 +243,9 @@ def load_peer(device: torch.device) -> tuple[object | None, str]:
 class PeerCycles:
     """torch_memory_saver pausing and resuming `nbytes` in one region, one cycle per call."""
 
-    def __init__(self, tms: object, nbytes: int, device: torch.device, backup: bool, note: str) -> None:
-        self.tms, self.device, self.backup = tms, device, backup
+    def __init__(self, tms: object, nbytes: int, device: torch.device, backup: bool, note: str,
+                 gap_s: float) -> None:
+        self.tms, self.device, self.backup, self.gap_s = tms, device, backup, gap_s
         self.tag = "bench_backup" if backup else "bench_nobackup"
         self.note = f"{note}, cpu_backup={backup}, bytes={nbytes}"
         with tms.region(tag=self.tag, enable_cpu_backup=backup):  # type: ignore[attr-defined]
@@ -252,6 +263,7 @@ class PeerCycles:
         sync(self.device)
         self.pauses.append(time.perf_counter() - t0)
         self.freed.append(torch.cuda.mem_get_info(self.device)[0] - free0)
+        time.sleep(self.gap_s)
         t0 = time.perf_counter()
         self.tms.resume(self.tag)  # type: ignore[attr-defined]
         sync(self.device)
@@ -272,10 +284,10 @@ class PeerCycles:
 
 
 def peer_cycles(tms: object, nbytes: int, device: torch.device, backup: bool, note: str,
-                repeats: int) -> dict:
+                repeats: int, gap_s: float) -> dict:
     """The peer's figures from `repeats` cycles of its own (used for the with-backup comparison)."""
     try:
-        peer = PeerCycles(tms, nbytes, device, backup, note)
+        peer = PeerCycles(tms, nbytes, device, backup, note, gap_s)
         for _ in range(repeats):
             peer.cycle()
         result = peer.result()
@@ -327,6 +339,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="level-1 cycles (and peer-with-backup cycles)")
     parser.add_argument("--repeats-l2", type=int, default=30, help="level-2 cycles (and peer-without-backup)")
     parser.add_argument("--bw-sample-gb", type=float, default=4.0, help="bytes copied to measure bandwidth")
+    parser.add_argument("--gap-ms", type=float, default=100.0,
+                        help="idle time between each sleep and its wake, ours and the peer's alike (the training "
+                             "step's place; 0: wake at once, where the driver makes every other allocation slow)")
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--verbose", action="store_true", help="per driver call breakdown (adds ~1 us a call)")
     return parser.parse_args()
@@ -349,22 +364,23 @@ def main() -> None:
     peer: dict[bool, dict] = {True: {"peer_note": note}, False: {"peer_note": note}}
     # Level 2 and the peer without backup take turns, cycle by cycle, in the same process: both
     # release the same bytes under the same conditions (driver state, clocks, other tenants).
-    interleaved = PeerCycles(tms, nbytes, device, False, note) if tms is not None else None
+    gap = args.gap_ms / 1e3
+    interleaved = PeerCycles(tms, nbytes, device, False, note, gap) if tms is not None else None
     results = {"weights": {
-        1: run_level(mgr, 1, repeats[1], args.verbose),
-        2: run_level(mgr, 2, repeats[2], args.verbose, interleaved.cycle if interleaved else None),
+        1: run_level(mgr, 1, repeats[1], args.verbose, gap),
+        2: run_level(mgr, 2, repeats[2], args.verbose, gap, interleaved.cycle if interleaved else None),
     }}
     if interleaved is not None:
         peer[False] = interleaved.result() | {"peer_interleaved": True}
         del interleaved
     add_kv(mgr, args)
-    results["worker"] = {lv: run_level(mgr, lv, repeats[lv], args.verbose) for lv in (1, 2)}
+    results["worker"] = {lv: run_level(mgr, lv, repeats[lv], args.verbose, gap) for lv in (1, 2)}
     arenas = {t: mgr.arena(t).nbytes for t in mgr.tags}
     allocs = {t: len(mgr.arena(t).vmm.allocs) for t in mgr.tags if hasattr(mgr.arena(t), "vmm")}
     span_unmap = getattr(getattr(weights, "vmm", None), "span_unmap", None)
     mgr.close()
     if tms is not None:
-        peer[True] = peer_cycles(tms, nbytes, device, True, note, args.repeats)
+        peer[True] = peer_cycles(tms, nbytes, device, True, note, args.repeats, gap)
 
     common = {
         "pinned_d2h_GBps": d2h / 1e9,
@@ -374,6 +390,7 @@ def main() -> None:
         "alloc_bytes": (args.alloc_mib << 20) or None,
         "allocs_per_arena": allocs,
         "span_unmap": span_unmap,
+        "gap_ms": args.gap_ms,
         "device": name,
     }
     for scope, levels in results.items():
