@@ -14,9 +14,13 @@ import os
 import torch
 import torch.nn.functional as F
 
+from inference.layers.pdl import launch_kwargs
+
 try:
     import triton
     import triton.language as tl
+
+    from inference.layers.pdl import launch_dependents, wait
 except ImportError:  # the engine runs without Triton, on the torch path
     triton = None
 
@@ -47,10 +51,12 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
-                             HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                             HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        launch_dependents(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
+        wait(PDL)
         x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
         if HAS_RES:
             r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
@@ -78,7 +84,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     if x2.shape[0]:
         _add_rms_norm_kernel[(x2.shape[0],)](x2, res_in, weight, out, res_out, shape[-1], eps,
                                              HAS_RES=residual is not None,
-                                             BLOCK=triton.next_power_of_2(shape[-1]))
+                                             BLOCK=triton.next_power_of_2(shape[-1]), **launch_kwargs(x2))
     return out.view(shape), res_out.view(shape)
 
 
@@ -91,10 +97,12 @@ def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+    def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        launch_dependents(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_cols
+        wait(PDL)
         gate = tl.load(x_ptr + row * 2 * n_cols + cols, mask=mask, other=0.0)
         up = tl.load(x_ptr + row * 2 * n_cols + n_cols + cols, mask=mask, other=0.0)
         g32 = gate.to(tl.float32)
@@ -110,7 +118,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(n))
     if x2.shape[0]:
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, n, BLOCK=block)
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, n, BLOCK=block, **launch_kwargs(x2))
     return out.view(*x.shape[:-1], n)
 
 
@@ -143,8 +151,10 @@ if triton is not None:
     @triton.jit
     def _rotary_qk_kernel(q_ptr, k_ptr, q_out, k_out, cs_ptr, pos_ptr, q_stride_t, q_stride_h, k_stride_t,
                           k_stride_h, n_q, n_k, HALF: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-                          HAS_K: tl.constexpr):
+                          HAS_K: tl.constexpr, PDL: tl.constexpr):
+        launch_dependents(PDL)
         t = tl.program_id(0).to(tl.int64)
+        wait(PDL)
         pos = tl.load(pos_ptr + t).to(tl.int64)
         d = tl.arange(0, HALF)
         dt = q_ptr.dtype.element_ty
@@ -185,5 +195,6 @@ def _rotary_launch(q: torch.Tensor, k: torch.Tensor | None, positions: torch.Ten
         _rotary_qk_kernel[(t,)](q, kk, q_out, q_out if k_out is None else k_out, cache, positions,
                                 q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), hq, kk.shape[1],
                                 HALF=d // 2, BLOCK_Q=triton.next_power_of_2(hq),
-                                BLOCK_K=triton.next_power_of_2(kk.shape[1]), HAS_K=k is not None)
+                                BLOCK_K=triton.next_power_of_2(kk.shape[1]), HAS_K=k is not None,
+                                **launch_kwargs(q))
     return q_out, k_out

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from inference.layers.fused import add_rms_norm
-from inference.layers.linear import new_param, replicated_loader
+from inference.layers.gemv import norm_gemv, use_norm_gemv
+from inference.layers.linear import ColumnParallelLinear, new_param, replicated_loader
 
 
 class RMSNorm(nn.Module):
@@ -27,3 +28,16 @@ class RMSNorm(nn.Module):
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual) in one fused pass: the pre-norm residual step."""
         return add_rms_norm(x, residual, self.weight, self.eps)
+
+    def linear(self, x: torch.Tensor, residual: torch.Tensor | None,
+               proj: ColumnParallelLinear) -> tuple[torch.Tensor, torch.Tensor]:
+        """(proj(norm(x + residual)), x + residual), or (proj(norm(x)), x) without residual.
+
+        At decode batch sizes the norm runs in the GEMV's prologue (norm_gemv: one launch fewer, same
+        bits); otherwise add_rms_norm, then the projection. proj is column-parallel, so its forward is
+        the bare matmul and no reduction follows.
+        """
+        if use_norm_gemv(x, proj.weight, self.weight, residual):
+            return norm_gemv(x, residual, self.weight, self.eps, proj.weight, proj.bias)
+        h, residual = (self(x), x) if residual is None else self.add_forward(x, residual)
+        return proj(h), residual

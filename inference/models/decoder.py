@@ -71,11 +71,14 @@ class DecoderAttention(nn.Module):
                               c.head_dim, c.head_dim ** -0.5, c.sliding_window, backend)
 
     def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        return self.attend(self.qkv_proj(x), rope, meta)
+
+    def attend(self, qkv: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
+        """forward after the qkv projection (DecoderLayer fuses the input norm into that projection)."""
+        q, k, v = self.qkv_proj.split(qkv)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply_qk(q, k)
-        out = self.attn(q, k, v, meta)
+        out = self.attn(q, k, v, meta, rope)  # rotates q and k first, or lets the backend's kernel do it
         return self.o_proj(out.reshape(out.shape[0], -1))
 
 
@@ -89,7 +92,10 @@ class DecoderMLP(nn.Module):
         self.act_fn = get_activation(c.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        return self.activate_down(self.gate_up_proj(x))
+
+    def activate_down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """forward after the gate_up projection (DecoderLayer fuses the post-attention norm into it)."""
         if isinstance(self.act_fn, SiluAndMul) and use_silu_mul_gemv(gate_up, self.down_proj.weight):
             # One row: the down projection forms silu(gate) * up itself (one launch fewer per layer).
             return self.down_proj.reduce(silu_mul_gemv(gate_up, self.down_proj.weight))
@@ -109,15 +115,13 @@ class DecoderLayer(nn.Module):
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm residual block: returns (this block's MLP output, the residual stream before it).
 
-        The residual adds are in the model dtype, as HF does, fused with the following norm.
+        The residual adds are in the model dtype, as HF does, fused with the following norm, which is
+        itself fused into the next projection at decode batch sizes (RMSNorm.linear).
         """
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(h, rope, meta)
-        h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
+        qkv, residual = self.input_layernorm.linear(x, residual, self.self_attn.qkv_proj)
+        h = self.self_attn.attend(qkv, rope, meta)
+        gate_up, residual = self.post_attention_layernorm.linear(h, residual, self.mlp.gate_up_proj)
+        return self.mlp.activate_down(gate_up), residual
 
 
 class DecoderModel(nn.Module):
