@@ -75,13 +75,6 @@ class SpecDecoder:
         vocab, draft_vocab = runner.model_config.vocab_size, draft.config.vocab_size
         if vocab != draft_vocab:
             raise ValueError(f"draft_model: vocab size {draft_vocab} differs from the target's {vocab}")
-        for model in (runner.model, draft):  # a decode launch holds k + 1 rows of one sequence
-            for layer in model.attention_layers():
-                limit = getattr(getattr(layer.backend, "tiles", None), "decode_max_rows", None)
-                if limit is not None and num_speculative_tokens + 1 > limit:
-                    raise ValueError(f"num_speculative_tokens: {num_speculative_tokens} needs "
-                                     f"{num_speculative_tokens + 1} decode rows per sequence; the "
-                                     f"{layer.backend.name} attention backend handles at most {limit}")
         self.runner = runner
         self.draft = draft
         self.k = num_speculative_tokens

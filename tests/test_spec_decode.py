@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +18,6 @@ from safetensors.torch import save_file
 from inference.core import FinishReason, SamplingParams
 from inference.llm import LLM
 from inference.loader import iter_hf_tensors
-from inference.spec_decode import SpecDecoder
 from inference.tiny import make_tiny_model
 from tests.helpers_models import make_hf_checkpoint, random_prompts
 from tests.test_weight_update import Link
@@ -232,16 +230,3 @@ def test_draft_sync_changes_acceptance_not_target_outputs(tmp_path: Path) -> Non
     assert [o.metrics["spec_acceptance_rate"] for o in after] == [1.0, 1.0]
     assert llm.worker.compute_weight_checksums("target") == target_digests
     assert llm.weight_version == 0 and all(o.weight_version == 0 for o in after)
-
-
-def test_more_rows_than_the_attention_backend_handles_is_refused(models: dict[str, Path]) -> None:
-    """A verify launch holds k + 1 decode rows of one sequence; a backend that patches only
-    `decode_max_rows` of them must not silently read keys no row has written yet."""
-    llm = engine(models["target"], models["other"], k=2)
-    runner, draft = llm.worker.runner, llm.worker.models["draft"]
-    limited = SimpleNamespace(name="limited", tiles=SimpleNamespace(decode_max_rows=4))
-    for model in (runner.model, draft):
-        model.set_attention_backend(limited)
-    assert SpecDecoder(runner, draft, 3).k == 3
-    with pytest.raises(ValueError, match=r"num_speculative_tokens: 4 needs 5 decode rows.*at most 4"):
-        SpecDecoder(runner, draft, 4)

@@ -23,11 +23,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from inference.batch import AttentionMetadata
-from inference.config import RopeConfig
 from inference.core import InvalidRequestError, StateError
-from inference.layers import fused
-from inference.layers.attention import Attention, ReferenceAttention, get_attention_backend, store_kv
-from inference.layers.rotary import Rope, RotaryEmbedding
+from inference.layers.attention import ReferenceAttention, get_attention_backend, store_kv
 from tests.helpers_models import ToyPager, hf_logits, load_ours, make_hf_checkpoint, our_logits, random_prompts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -284,103 +281,6 @@ def test_model_with_triton_backend_matches_transformers(ta: ModuleType, case: st
             torch.testing.assert_close(got[i][-1], hf_logits(hf, prompts[i])[-1], atol=1e-4, rtol=0)
 
 
-# ---- rotary inside the decode kernel -------------------------------------------------------------------
-
-def rope_for(b: Batch, pad_rows: int = 0, max_pos: int = 4096, pad_pos: int = 0) -> Rope:
-    """The rotation at each real row's position (context - 1); padded rows sit at pad_pos."""
-    table = RotaryEmbedding(b.q.shape[-1], max_pos, RopeConfig(theta=10000.0), b.q.device)
-    real = b.meta.context_lens[:b.meta.num_seqs - pad_rows].long() - 1
-    positions = torch.cat([real, torch.full((pad_rows,), pad_pos, dtype=torch.long, device=real.device)])
-    return table.prepare(positions, b.q.dtype)
-
-
-def as_decode_rows(b: Batch) -> Batch:
-    """The same step as expanded decode rows (inference/decode_rows.py): token j of a sequence becomes a
-    row of its own with context (its position + 1), the sequence's block table and its slot."""
-    contexts, tables = [], []
-    for i, (q_len, ctx) in enumerate(zip(b.meta.query_lens, b.meta.context_lens_host)):
-        contexts += range(ctx - q_len + 1, ctx + 1)
-        tables += [b.meta.block_tables[i].tolist()] * q_len
-    meta = AttentionMetadata.build([1] * len(contexts), contexts, b.meta.slot_mapping, tables, b.meta.block_size,
-                                   b.q.device)
-    return dataclasses.replace(b, meta=meta)
-
-
-def assert_fused_rope_exact(backend: object, b: Batch, rope: Rope, oracle_rope: Rope | None = None) -> torch.Tensor:
-    """backend.forward(..., rope) equals rope.apply_qk then the plain forward: output and both caches bit
-    for bit. Returns the fused output."""
-    assert backend.fuses_rope(b.q, b.meta)
-    q_rot, k_rot = (oracle_rope or rope).apply_qk(b.q, b.k)
-    want, want_kc, want_vc = run(backend, dataclasses.replace(b, q=q_rot, k=k_rot))
-    kc, vc = b.k_cache.clone(), b.v_cache.clone()
-    got = backend.forward(b.q, b.k, b.v, kc, vc, b.meta, b.q.shape[-1] ** -0.5, None, rope)
-    torch.testing.assert_close(got, want, atol=0, rtol=0)
-    torch.testing.assert_close(kc, want_kc, atol=0, rtol=0, equal_nan=True)
-    torch.testing.assert_close(vc, want_vc, atol=0, rtol=0, equal_nan=True)
-    unrotated, _, _ = run(backend, b)
-    assert not torch.equal(got, unrotated)  # the rotation did happen
-    return got
-
-
-@pytest.fixture
-def triton_rotary(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rope.apply_qk runs fused.rotary_qk (the Triton kernel, interpreted on the CPU) for Ropes built after."""
-    monkeypatch.setattr(fused, "FORCE_ON_CPU", True)
-
-
-@pytest.mark.parametrize(("splits", "split_tiles", "fused_combine"), [(1, 4, True), (4, 1, True), (4, 1, False)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_decode_fused_rope_equals_rotary_qk_then_decode(ta: ModuleType, triton_rotary: None, splits: int,
-                                                        split_tiles: int, fused_combine: bool,
-                                                        dtype: torch.dtype) -> None:
-    """GQA 4:1 at head_dim 64 with two padded rows (context 0, a position far outside the table)."""
-    b = make_batch([1, 1, 1], [1, 38, 70], 8, 2, 64, 8, dtype, seed=21, pad_rows=2, table_width=12)
-    rope = rope_for(b, pad_rows=2, max_pos=128, pad_pos=10 ** 6)
-    oracle = rope_for(b, pad_rows=2, max_pos=128)
-    tiles = {**SMALL_TILES, "num_splits": splits, "decode_split_tiles": split_tiles, "fused_combine": fused_combine}
-    out = assert_fused_rope_exact(ta.TritonAttention(ta.TritonAttentionTiles(**tiles)), b, rope, oracle)
-    assert torch.equal(out[3:], torch.zeros_like(out[3:]))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_rope_with_several_rows_per_sequence(ta: ModuleType, triton_rotary: None, dtype: torch.dtype) -> None:
-    """Spec-decode verify rows: rows of one sequence at consecutive positions, each rotated at its own."""
-    b = as_decode_rows(make_batch([3, 1, 4], [20, 9, 35], 4, 2, 32, 8, dtype, seed=22))
-    assert b.meta.is_decode and b.meta.num_seqs == 8
-    tiles = {**SMALL_TILES, "num_splits": 2, "decode_split_tiles": 1}
-    assert_fused_rope_exact(ta.TritonAttention(ta.TritonAttentionTiles(**tiles)), b, rope_for(b))
-
-
-def test_fused_rope_head_dim_not_a_power_of_two(ta: ModuleType) -> None:
-    """head_dim 24 (padded to 32 lanes; rotary_qk itself needs a power of two): equals the eager rotation."""
-    b = make_batch([1, 1], [5, 40], 6, 3, 24, 8, torch.float32, seed=23)
-    assert_fused_rope_exact(ta.TritonAttention(ta.TritonAttentionTiles(**SMALL_TILES)), b, rope_for(b))
-
-
-def test_attention_module_fuses_rope_only_where_the_backend_can(ta: ModuleType, triton_rotary: None) -> None:
-    """Attention.forward(..., rope): the triton backend rotates at decode; prefill, the unfused KV store and
-    the reference backend rotate first (rope.apply_qk). Every path gives the rotate-first result."""
-    decode = make_batch([1, 1], [17, 3], 4, 2, 32, 8, torch.bfloat16, seed=24)
-    prefill = make_batch([5, 1], [9, 3], 4, 2, 32, 8, torch.bfloat16, seed=24)
-    unfused_store = ta.TritonAttention(ta.TritonAttentionTiles(**{**SMALL_TILES, "fused_decode_store": False}))
-    triton_backend = ta.TritonAttention(ta.TritonAttentionTiles(**SMALL_TILES))
-    assert triton_backend.fuses_rope(decode.q, decode.meta)
-    assert not triton_backend.fuses_rope(prefill.q, prefill.meta)
-    assert not unfused_store.fuses_rope(decode.q, decode.meta)
-    assert not ReferenceAttention().fuses_rope(decode.q, decode.meta)
-    for b in (decode, prefill):
-        positions = torch.cat([torch.arange(c - q, c) for q, c in zip(b.meta.query_lens, b.meta.context_lens_host)])
-        rope = RotaryEmbedding(32, 64, RopeConfig(), DEVICE).prepare(positions.to(DEVICE), b.q.dtype)
-        q_rot, k_rot = rope.apply_qk(b.q, b.k)
-        for backend in (triton_backend, unfused_store, ReferenceAttention()):
-            layer = Attention(4, 2, 32, 32 ** -0.5, None, backend)
-            layer.bind_kv_cache(b.k_cache.clone(), b.v_cache.clone())
-            got = layer(b.q, b.k, b.v, b.meta, rope)
-            want, want_kc, _ = run(backend, dataclasses.replace(b, q=q_rot, k=k_rot))
-            torch.testing.assert_close(got, want, atol=0, rtol=0)
-            torch.testing.assert_close(layer.k_cache, want_kc, atol=0, rtol=0, equal_nan=True)
-
-
 # ---- CUDA: realistic shapes, compiled kernels, graph capture -------------------------------------------
 
 MODEL_SHAPES = [(14, 2, 64), (28, 4, 128), (16, 16, 128)]  # Qwen2-0.5B, Qwen2-7B, GQA ratio 1
@@ -458,23 +358,3 @@ def test_cuda_graph_replay_equals_eager(ta: ModuleType, dtype: torch.dtype) -> N
         torch.testing.assert_close(kc, want_kc, atol=0, rtol=0, equal_nan=True)
         torch.testing.assert_close(vc, want_vc, atol=0, rtol=0, equal_nan=True)
         assert torch.equal(out[6:], torch.zeros_like(out[6:]))
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("rows", ["decode", "verify"])
-@pytest.mark.parametrize(("split_tiles", "fused"), [(2, True), (1, True), (1, False)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cuda_fused_rope_equals_rotary_qk_then_decode(ta: ModuleType, rows: str, split_tiles: int, fused: bool,
-                                                      dtype: torch.dtype) -> None:
-    """Qwen2-0.5B heads (14 q, 2 kv, head_dim 64), compiled: batch 8 with 2 padded rows, or verify rows
-    (5 per sequence); bit for bit against fused.rotary_qk + the same decode kernel."""
-    if rows == "decode":
-        b = make_batch([1] * 6, [200, 3000, 1, 129, 4096, 64], 14, 2, 64, 16, dtype, seed=31, pad_rows=2,
-                       table_width=256)
-        rope, pad = rope_for(b, pad_rows=2, max_pos=8192, pad_pos=10 ** 6), 2
-    else:
-        b = as_decode_rows(make_batch([5, 5, 5], [300, 5, 2100], 14, 2, 64, 16, dtype, seed=32))
-        rope, pad = rope_for(b, max_pos=8192), 0
-    oracle = rope_for(b, pad_rows=pad, max_pos=8192)
-    tiles = ta.TritonAttentionTiles(decode_split_tiles=split_tiles, fused_combine=fused)
-    assert_fused_rope_exact(ta.TritonAttention(tiles), b, rope, oracle)

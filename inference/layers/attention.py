@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -20,24 +20,14 @@ from torch import nn
 from inference.batch import AttentionMetadata
 from inference.core import InvalidRequestError, StateError
 
-if TYPE_CHECKING:
-    from inference.layers.rotary import Rope
-
 
 class AttentionBackend(Protocol):
     name: str
 
-    def fuses_rope(self, q: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether forward takes this call's rope and rotates q and k itself."""
-        ...
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None, rope: Rope | None = None) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] (Hq % Hkv == 0) -> [T, Hq, D] in q's dtype.
-
-        rope is given only where fuses_rope(q, meta) is true: q and k are then not rotated yet, and the
-        backend must rotate them exactly as rope.apply_qk does, caching the rotated k."""
+                sliding_window: int | None) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] (Hq % Hkv == 0) -> [T, Hq, D] in q's dtype."""
         ...
 
 
@@ -63,13 +53,9 @@ class ReferenceAttention:
 
     name = "reference"
 
-    def fuses_rope(self, q: torch.Tensor, meta: AttentionMetadata) -> bool:
-        return False
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None, rope: Rope | None = None) -> torch.Tensor:
-        assert rope is None, "the reference backend never fuses rope"
+                sliding_window: int | None) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         start = 0
@@ -168,15 +154,10 @@ class Attention(nn.Module):
             assert k_cache.shape[2:] == (self.num_kv_heads, self.head_dim), tuple(k_cache.shape)
         self.k_cache, self.v_cache = k_cache, v_cache
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                rope: Rope | None = None) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]. With rope, q and k are not rotated yet: the
-        backend rotates them inside its kernel where it can (decode), else rope.apply_qk runs first."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         if self.k_cache is None or self.v_cache is None:
             raise StateError("no KV cache is bound: call model.bind_kv_cache(...) before forward")
         assert self.k_cache.shape[1] == meta.block_size, (self.k_cache.shape, meta.block_size)
-        if rope is not None and not self.backend.fuses_rope(q, meta):
-            q, k = rope.apply_qk(q, k)
-            rope = None
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
-                                    self.sliding_window, rope)
+                                    self.sliding_window)

@@ -60,8 +60,7 @@ class RotaryEmbedding(nn.Module):
 
 class Rope:
     """Applies the rotation to [T, heads, head_dim] tensors: the fused kernel where Triton runs,
-    else eager torch with cos/sin gathered once per forward. An attention backend may instead apply it
-    inside its decode kernel (Attention.forward(..., rope)), reading `positions` and `cache` there."""
+    else eager torch with cos/sin gathered once per forward."""
 
     def __init__(self, positions: torch.Tensor, cache: torch.Tensor, dtype: torch.dtype) -> None:
         self.positions = positions

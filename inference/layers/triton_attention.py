@@ -20,20 +20,6 @@ Decode also stores the new token's k/v itself (split 0 writes them; every split 
 k/v rather than from the cache), so a decode layer is one launch instead of store + attention + merge.
 On an H200 (0.5B heads, batch 1) one pass over 4 KV tiles was slower than 4 splits of one tile each,
 over 2 tiles faster: hence decode_split_tiles = 2; scripts/bench_decode_parts.py compares.
-Decode also applies rotary embedding when Attention hands it the Rope (fuses_rope): each program reads
-its token's position from rope.positions (clamped into the table: padded rows carry any value) and
-rotates q and the new k right after loading them, rounding as fused.rotary_qk does, so the output and
-the cached k equal rotary_qk + decode bit for bit; prefill keeps rotary_qk outside.
-Several rows of one sequence in a decode launch (spec-decode verify, inference/decode_rows.py): row i + 1
-needs row i's new key, which row i's split 0 stores in this same launch, and programs run in no fixed
-order on a GPU. So no row reads another row's new k/v from the cache: for keys ctx - max_rows .. ctx - 2
-(only the last KV tile or two) a program finds the launch row that writes each key (row seq -/+ j whose
-slot equals the key's slot; the rows of a sequence are consecutive, ascending or descending) and takes
-that row's k (rotated at that row's position) and v from the inputs. max_rows = min(T,
-tiles.decode_max_rows) is a launch argument; a launch holding more rows of one sequence than that is
-not supported. The extra loads are masked, so where no row matches (plain decode) they read nothing;
-a batch-1 launch compiles the check out (MULTI_ROW).
-All three kernels take PDL (inference/layers/pdl.py): nothing is read or written before wait(PDL).
 
 Invariants:
 - Decode (meta.is_decode) reads only device tensors and static shapes (T, heads, block_tables.shape[1]),
@@ -49,14 +35,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING
 
 import torch
 import triton
 
 from inference.batch import AttentionMetadata
 from inference.core import StateError
-from inference.layers.pdl import launch_kwargs
 from inference.layers.triton_attention_kernels import (
     _INTERPRET,
     LOG2E,
@@ -64,9 +48,6 @@ from inference.layers.triton_attention_kernels import (
     _paged_attention_kernel,
     _store_kv_kernel,
 )
-
-if TYPE_CHECKING:
-    from inference.layers.rotary import Rope
 
 
 @dataclass(frozen=True)
@@ -86,9 +67,6 @@ class TritonAttentionTiles:
     decode_split_tiles: int = 2
     fused_combine: bool = True  # False: every split writes partials and a second kernel merges them
     fused_decode_store: bool = True  # decode writes the new k/v inside the attention kernel (one launch)
-    # With the fused store, the most rows of one sequence a decode launch may hold (spec-decode verify:
-    # num_speculative_tokens + 1); see "several rows of one sequence" above.
-    decode_max_rows: int = 16
     num_warps: int = 4
     num_stages: int = 2
     max_splits: int = 32
@@ -100,7 +78,6 @@ class TritonAttentionTiles:
         assert all(b >= 16 and b & (b - 1) == 0 for b in blocks), blocks
         assert self.num_splits is None or (self.num_splits >= 1 and self.num_splits & (self.num_splits - 1) == 0)
         assert self.decode_split_tiles >= 1, self.decode_split_tiles
-        assert self.decode_max_rows >= 1, self.decode_max_rows
 
 
 @dataclass(frozen=True)
@@ -153,7 +130,7 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_HEADS=heads, HEADS_PAD=_pow2_at_least(heads), HEAD_DIM=dim, HEAD_DIM_PAD=_pow2_at_least(dim),
-        PAGE=k_cache.shape[1], **launch_kwargs(k))
+        PAGE=k_cache.shape[1])
 
 
 class TritonAttention:
@@ -180,30 +157,20 @@ class TritonAttention:
                                        dtype=torch.int32, device=device))
         return buffers[-1]
 
-    def fuses_rope(self, q: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether forward(..., rope=...) rotates q and k itself: decode with the KV store fused in."""
-        return meta.is_decode and self.tiles.fused_decode_store and q.shape[0] > 0 and q.shape[2] % 2 == 0
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None, rope: Rope | None = None) -> torch.Tensor:
-        """rope (only where fuses_rope): q and k are not rotated yet; the kernel rotates them exactly as
-        rotary_qk would, and caches the rotated k."""
+                sliding_window: int | None) -> torch.Tensor:
         if not (q.is_cuda or _INTERPRET):
             raise StateError("the triton attention backend needs CUDA tensors (or TRITON_INTERPRET=1)")
         assert q.dtype == k_cache.dtype == v_cache.dtype, (q.dtype, k_cache.dtype, v_cache.dtype)
         assert q.shape[2] == k_cache.shape[3] and q.shape[1] % k_cache.shape[2] == 0, (q.shape, k_cache.shape)
-        if rope is not None:
-            assert self.fuses_rope(q, meta), "rope is fused only where fuses_rope says so"
-            assert rope.cache.shape[1] == q.shape[2] and rope.cache.stride(1) == 1, rope.cache.shape
-            assert rope.positions.shape == q.shape[:1], (rope.positions.shape, q.shape)
         fused_store = meta.is_decode and self.tiles.fused_decode_store and q.shape[0] > 0
         if not fused_store:
             store_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if q.shape[0] == 0:
             return out
-        self._launch(q, (k, v) if fused_store else None, k_cache, v_cache, out, meta, scale, sliding_window, rope)
+        self._launch(q, (k, v) if fused_store else None, k_cache, v_cache, out, meta, scale, sliding_window)
         return out
 
     def plan(self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> LaunchPlan:
@@ -229,9 +196,8 @@ class TritonAttention:
 
     def _launch(self, q: torch.Tensor, new_kv: tuple[torch.Tensor, torch.Tensor] | None, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None, rope: Rope | None) -> None:
-        """new_kv: the decode step's (k, v) [T, Hkv, D] when the kernel stores them itself; rope: the
-        rotation the kernel applies to q and the new k (decode with new_kv only)."""
+                sliding_window: int | None) -> None:
+        """new_kv: the decode step's (k, v) [T, Hkv, D] when the kernel stores them itself."""
         num_tokens, num_heads, dim = q.shape
         k, v = new_kv if new_kv is not None else (q, q)  # (q, q): unused placeholders
         assert k.stride(-1) == v.stride(-1) == 1, (k.stride(), v.stride())
@@ -247,27 +213,22 @@ class TritonAttention:
             part_m = part_l = part_acc = out  # unused by the kernel when NUM_SPLITS == 1
         fused = plan.splits > 1 and self.tiles.fused_combine
         counters = self.merge_counters(q.device, plan.grid0 * k_cache.shape[2]) if fused else out
-        assert rope is None or (new_kv is not None and meta.is_decode)
-        positions, table = (rope.positions, rope.cache) if rope is not None else (q, q)  # (q, q): placeholders
-        # Static (T and the tiles), so a captured graph keeps it; 1: no row can own another's keys.
-        max_rows = min(num_tokens, self.tiles.decode_max_rows) if new_kv is not None else 1
         _paged_attention_kernel[(plan.grid0, k_cache.shape[2], plan.splits)](
             q, k_cache, v_cache, out, part_m, part_l, part_acc, counters, k, v, meta.slot_mapping,
-            meta.cu_query_lens, meta.context_lens, meta.block_tables, positions, table,
-            meta.cu_query_lens.shape[0] - 1, scale * LOG2E, sliding_window if sliding_window is not None else 0,
-            table.shape[0], max_rows, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            meta.cu_query_lens, meta.context_lens, meta.block_tables, meta.cu_query_lens.shape[0] - 1,
+            scale * LOG2E, sliding_window if sliding_window is not None else 0,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1), table.stride(0),
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             GROUP=num_heads // k_cache.shape[2], GROUP_PAD=plan.group_pad, HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad,
             PAGE=k_cache.shape[1], BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, BLOCK_B=plan.block_b,
             NUM_SPLITS=plan.splits, SPLIT_TILES=self.tiles.decode_split_tiles, FUSED_COMBINE=fused,
             FUSED_STORE=new_kv is not None,
             IS_DECODE=meta.is_decode, HAS_WINDOW=sliding_window is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            DOT_UPCAST=_INTERPRET and q.dtype == torch.bfloat16, ROPE=rope is not None, MULTI_ROW=max_rows > 1,
-            num_warps=self.tiles.num_warps, num_stages=self.tiles.num_stages, **launch_kwargs(q))
+            DOT_UPCAST=_INTERPRET and q.dtype == torch.bfloat16,
+            num_warps=self.tiles.num_warps, num_stages=self.tiles.num_stages)
         if plan.splits > 1 and not fused:
             _combine_splits_kernel[(num_tokens, num_heads)](
                 part_m, part_l, part_acc, out, out.stride(0), out.stride(1),
-                NUM_SPLITS=plan.splits, HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad, num_warps=self.tiles.num_warps,
-                **launch_kwargs(q))
+                NUM_SPLITS=plan.splits, HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad, num_warps=self.tiles.num_warps)

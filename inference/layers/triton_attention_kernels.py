@@ -8,8 +8,6 @@ import os
 import triton
 import triton.language as tl
 
-from inference.layers.pdl import launch_dependents, wait
-
 LOG2E = 1.4426950408889634
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -18,12 +16,10 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
                      NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     HEAD_DIM_PAD: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr):
-    launch_dependents(PDL)
+                     HEAD_DIM_PAD: tl.constexpr, PAGE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, HEADS_PAD)
     d = tl.arange(0, HEAD_DIM_PAD)
-    wait(PDL)
     # The slot is loaded once per head row: a scalar term in a load mask trips Triton's interpreter.
     slot = tl.load(slot_ptr + t + h * 0).to(tl.int64)[:, None]
     mask = (h[:, None] < NUM_HEADS) & (d[None, :] < HEAD_DIM) & (slot >= 0)
@@ -48,21 +44,17 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, kc_ptr, vc_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, counter_ptr,
-    k_ptr, v_ptr, slot_ptr, cu_q_ptr, ctx_ptr, bt_ptr, pos_ptr, rope_ptr, num_seqs, qk_scale, window, max_pos,
-    max_rows,
+    k_ptr, v_ptr, slot_ptr, cu_q_ptr, ctx_ptr, bt_ptr, num_seqs, qk_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_rope,
+    stride_kt, stride_kh, stride_vt, stride_vh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLIT_TILES: tl.constexpr, FUSED_COMBINE: tl.constexpr, FUSED_STORE: tl.constexpr,
     IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    ROPE: tl.constexpr, MULTI_ROW: tl.constexpr, PDL: tl.constexpr,
 ):
-    launch_dependents(PDL)  # the next kernel (o_proj) waits for this whole grid before it reads `out`
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    wait(PDL)  # q/k/v, the caches and the metadata are written by earlier kernels and copies
     if IS_DECODE:  # one token per sequence: token index == sequence index
         seq = pid
         q_start = pid
@@ -88,19 +80,12 @@ def _paged_attention_kernel(
     q_pos = ctx - q_len + q_local  # absolute position of the row's query in its sequence
     d = tl.arange(0, HEAD_DIM_PAD)
     d_valid = d < HEAD_DIM
-    # ROPE (decode only): q and the new k arrive unrotated; both turn at this token's position here.
-    partner, first_half, cos, sin = _rope_at(pos_ptr, rope_ptr, seq, d, d_valid, max_pos, stride_rope,
-                                             q_ptr, HEAD_DIM, ROPE)
     if FUSED_STORE:  # decode: the new token's k/v come from k_ptr/v_ptr, and split 0 writes them to the cache
         k_new, v_new = _store_new_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, seq, kvh, d, d_valid, split,
                                      stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
-                                     partner, first_half, cos, sin, PAGE, ROPE)
-    q_rows = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh
-    q_mask = row_valid[:, None] & d_valid[None, :]
-    q = tl.load(q_rows + d[None, :], mask=q_mask, other=0.0)
-    if ROPE:
-        q_partner = tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0)
-        q = _rotate(q, q_partner, first_half[None, :], cos[None, :], sin[None, :])
+                                     PAGE)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_valid[:, None] & d_valid[None, :], other=0.0)
 
     # Keys [lo, hi) cover every valid row of the tile; this split takes its share of the KV tiles.
     hi = ctx - q_len + tl.minimum(q_begin + BLOCK_Q, q_len)
@@ -126,14 +111,6 @@ def _paged_attention_kernel(
         if FUSED_STORE:  # the cache slot of key ctx - 1 may not be written yet: take the new key itself
             is_new = k_pos == ctx - 1
             k_t = tl.where(is_new[None, :], k_new[:, None], k_t)
-        if MULTI_ROW:  # keys ctx - max_rows .. ctx - 2 may be new keys of other rows of this launch
-            owner = tl.full([BLOCK_N], -1, tl.int64)
-            near = (lo + t * BLOCK_N + BLOCK_N > ctx - max_rows) & (lo + t * BLOCK_N < ctx - 1)
-            if near:  # only the last tile or two: the others skip it all
-                owner = _launch_owners(slot_ptr, seq, k_pos, page, ctx, max_rows, num_seqs, PAGE)
-                k_own = _owned_k(k_ptr, pos_ptr, rope_ptr, q_ptr, kc_ptr, owner, kvh, d, d_valid, partner, first_half,
-                                 max_pos, stride_kt, stride_kh, stride_rope, HEAD_DIM, ROPE)
-                k_t = tl.where(owner[None, :] >= 0, k_own, k_t)
         s = _dot(q, k_t, DOT_PRECISION, DOT_UPCAST) * qk_scale
         allowed = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
         if HAS_WINDOW:
@@ -148,12 +125,6 @@ def _paged_attention_kernel(
         v = tl.load(vc_ptr + kv_off[:, None] + d[None, :], mask=k_valid[:, None] & d_valid[None, :], other=0.0)
         if FUSED_STORE:
             v = tl.where(is_new[:, None], v_new[None, :], v)
-        if MULTI_ROW:  # noqa: SIM102 - `near` exists only under the constexpr, so the two ifs stay apart
-            if near:
-                owned = owner >= 0
-                v_own = tl.load(v_ptr + tl.maximum(owner, 0)[:, None] * stride_vt + kvh * stride_vh + d[None, :],
-                                mask=owned[:, None] & d_valid[None, :], other=0.0)
-                v = tl.where(owned[:, None], v_own.to(vc_ptr.dtype.element_ty), v)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
 
@@ -184,97 +155,12 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _launch_owners(slot_ptr, seq, k_pos, page, ctx, max_rows, num_rows, PAGE: tl.constexpr):
-    """Per key of the tile: the row of this launch that writes it (stores its new k/v at its slot), or -1.
-
-    Key p = ctx - 1 - j (1 <= j < max_rows) of row `seq` is written in this launch iff another row of the
-    same sequence stands for position p; the rows of a sequence are consecutive (ascending or descending
-    in position), so that is row seq - j or seq + j, and it is the one whose slot equals p's cache slot.
-    Slots are unique, so rows of other sequences never match, nor do padded rows (slot -1)."""
-    j = ctx - 1 - k_pos
-    cand = (j >= 1) & (j < max_rows)
-    slot = page * PAGE + k_pos % PAGE
-    before = seq - j
-    after = seq + j
-    # Masked loads: no memory is read where no candidate row exists.
-    slot_b = tl.load(slot_ptr + before, mask=cand & (before >= 0), other=-1).to(tl.int64)
-    slot_a = tl.load(slot_ptr + after, mask=cand & (after < num_rows), other=-1).to(tl.int64)
-    owner = tl.where(cand & (slot_b == slot), before, -1)
-    owner = tl.where(cand & (slot_a == slot) & (owner < 0), after, owner)
-    return owner.to(tl.int64)
-
-
-@triton.jit
-def _owned_k(k_ptr, pos_ptr, rope_ptr, x_ptr, kc_ptr, owner, kvh, d, d_valid, partner, first_half, max_pos,
-             stride_kt, stride_kh, stride_rope, HEAD_DIM: tl.constexpr, ROPE: tl.constexpr):
-    """K tile [HEAD_DIM_PAD, BLOCK_N] of the owner rows' new keys (rotated at each owner's own position
-    exactly as _store_new_kv rotates it, so it equals the bytes that row stores), in the cache dtype;
-    zeros where owner < 0, which loads nothing."""
-    owned = owner >= 0
-    row = tl.maximum(owner, 0)
-    mask = d_valid[:, None] & owned[None, :]
-    k_rows = k_ptr + row[None, :] * stride_kt + kvh * stride_kh
-    k = tl.load(k_rows + d[:, None], mask=mask, other=0.0)
-    if ROPE:
-        pos = tl.load(pos_ptr + row, mask=owned, other=0).to(tl.int64)
-        pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)
-        cos, sin = _cos_sin(rope_ptr, pos[None, :], d[:, None], mask, stride_rope, x_ptr, HEAD_DIM)
-        k = _rotate(k, tl.load(k_rows + partner[:, None], mask=mask, other=0.0), first_half[:, None], cos, sin)
-    return k.to(kc_ptr.dtype.element_ty)
-
-
-@triton.jit
-def _cos_sin(rope_ptr, pos, d, mask, stride_rope, x_ptr, HEAD_DIM: tl.constexpr):
-    """cos/sin of lane d at position pos (broadcast together), rounded to x_ptr's dtype as rotary_qk does."""
-    half: tl.constexpr = HEAD_DIM // 2
-    freq = tl.where(d < half, d, d - half)
-    dt = x_ptr.dtype.element_ty
-    cos = tl.load(rope_ptr + pos * stride_rope + freq, mask=mask, other=0.0).to(dt).to(tl.float32)
-    sin = tl.load(rope_ptr + pos * stride_rope + half + freq, mask=mask, other=0.0).to(dt).to(tl.float32)
-    return cos, sin
-
-
-@triton.jit
-def _rope_at(pos_ptr, rope_ptr, tok, d, d_valid, max_pos, stride_rope, x_ptr, HEAD_DIM: tl.constexpr,
-             ROPE: tl.constexpr):
-    """For lane d of a head: (partner lane, d < HEAD_DIM / 2, cos, sin) at token tok's position, where
-    rotate_half(x)[d] = -x[partner] in the first half and x[partner] in the second. cos/sin are rounded to
-    x_ptr's dtype first, as rotary_qk does. The position is clamped into the table (padded rows carry any value)."""
-    half: tl.constexpr = HEAD_DIM // 2
-    first_half = d < half
-    partner = tl.where(first_half, d + half, d - half)
-    if ROPE:
-        pos = tl.load(pos_ptr + tok).to(tl.int64)
-        pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)
-        cos, sin = _cos_sin(rope_ptr, pos, d, d_valid, stride_rope, x_ptr, HEAD_DIM)
-    else:
-        cos = tl.zeros(d.shape, tl.float32)
-        sin = cos
-    return partner, first_half, cos, sin
-
-
-@triton.jit
-def _rotate(x, x_partner, first_half, cos, sin):
-    """x * cos + rotate_half(x) * sin in x's dtype with the rounding of fused._rotate_heads (each product
-    rounded to the dtype, then the sum), term for term in its order, so the results agree bit for bit."""
-    dt = x.dtype
-    turned = tl.where(first_half, -x_partner.to(tl.float32), x_partner.to(tl.float32))
-    return ((x.to(tl.float32) * cos).to(dt).to(tl.float32) + (turned * sin).to(dt).to(tl.float32)).to(dt)
-
-
-@triton.jit
 def _store_new_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, seq, kvh, d, d_valid, split,
-                  stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
-                  partner, first_half, cos, sin, PAGE: tl.constexpr, ROPE: tl.constexpr):
-    """The new token's k (rotated when ROPE) and v [HEAD_DIM_PAD] of one kv head, in the cache dtype;
-    split 0 stores them at the token's slot (none for slot < 0). No row of the launch reads that slot's
-    bytes: the other rows of its sequence take them from k/v too (_launch_owners, _owned_k)."""
+                  stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch, PAGE: tl.constexpr):
+    """The new token's k and v [HEAD_DIM_PAD] of one kv head, in the cache dtype; split 0 stores them at
+    the token's slot (none for slot < 0). No program of the launch reads that slot's bytes."""
     tok = seq.to(tl.int64)
-    k_row = k_ptr + tok * stride_kt + kvh * stride_kh
-    k_new = tl.load(k_row + d, mask=d_valid, other=0.0)
-    if ROPE:
-        k_new = _rotate(k_new, tl.load(k_row + partner, mask=d_valid, other=0.0), first_half, cos, sin)
-    k_new = k_new.to(kc_ptr.dtype.element_ty)
+    k_new = tl.load(k_ptr + tok * stride_kt + kvh * stride_kh + d, mask=d_valid, other=0.0).to(kc_ptr.dtype.element_ty)
     v_new = tl.load(v_ptr + tok * stride_vt + kvh * stride_vh + d, mask=d_valid, other=0.0).to(vc_ptr.dtype.element_ty)
     # Vectors, not scalars, in the mask: a scalar term in a load/store mask trips Triton's interpreter.
     slot = tl.load(slot_ptr + tok + d * 0).to(tl.int64)
@@ -323,12 +209,9 @@ def _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr, part, d, n_active, row
 
 @triton.jit
 def _combine_splits_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_ot, stride_oh,
-                           NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                           PDL: tl.constexpr):
-    launch_dependents(PDL)
+                           NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    wait(PDL)
     base = (t * tl.num_programs(1) + h) * NUM_SPLITS
     s = base + tl.arange(0, NUM_SPLITS)
     d = tl.arange(0, HEAD_DIM_PAD)

@@ -78,7 +78,8 @@ class DecoderAttention(nn.Module):
         q, k, v = self.qkv_proj.split(qkv)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        out = self.attn(q, k, v, meta, rope)  # rotates q and k first, or lets the backend's kernel do it
+        q, k = rope.apply_qk(q, k)
+        out = self.attn(q, k, v, meta)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
 
