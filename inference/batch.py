@@ -10,7 +10,9 @@ found through block_tables[i]. A decode-only step has query_lens all 1.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
+import numpy as np
 import torch
 
 
@@ -40,30 +42,34 @@ class AttentionMetadata:
         cls,
         query_lens: list[int],
         context_lens: list[int],
-        slot_mapping: list[int],
+        slot_mapping: list[int] | torch.Tensor,
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str,
     ) -> AttentionMetadata:
-        """Build from host lists (the runner's path and the tests')."""
-        assert len(query_lens) == len(context_lens) == len(block_tables)
+        """Build from host lists (the runner's path and the tests'); slot_mapping may already be an
+        int64 tensor on the device. The int32 parts (prefix sums, context lengths, block tables) go
+        to the device in one copy."""
+        num_seqs = len(query_lens)
+        assert num_seqs == len(context_lens) == len(block_tables)
         assert sum(query_lens) == len(slot_mapping)
-        cu = [0]
-        for q in query_lens:
-            cu.append(cu[-1] + q)
-        width = max((len(t) for t in block_tables), default=0) or 1
-        tables = [t + [0] * (width - len(t)) for t in block_tables]
-
-        def dev(data: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(data, dtype=dtype, pin_memory=False).to(device, non_blocking=True)
-
+        width = max(map(len, block_tables), default=0) or 1
+        packed = np.zeros(2 * num_seqs + 1 + num_seqs * width, dtype=np.int32)
+        packed[1: num_seqs + 1] = list(accumulate(query_lens))
+        packed[num_seqs + 1: 2 * num_seqs + 1] = context_lens
+        tables = packed[2 * num_seqs + 1:].reshape(num_seqs, width)
+        for row, table in zip(tables, block_tables):
+            row[:len(table)] = table
+        dev = torch.from_numpy(packed).to(device, non_blocking=True)
+        if not isinstance(slot_mapping, torch.Tensor):
+            slot_mapping = torch.tensor(slot_mapping, dtype=torch.int64).to(device, non_blocking=True)
         return cls(
             query_lens=list(query_lens),
             context_lens_host=list(context_lens),
-            cu_query_lens=dev(cu, torch.int32),
-            context_lens=dev(context_lens, torch.int32),
-            slot_mapping=dev(slot_mapping, torch.int64),
-            block_tables=dev(tables, torch.int32),
+            cu_query_lens=dev[: num_seqs + 1],
+            context_lens=dev[num_seqs + 1: 2 * num_seqs + 1],
+            slot_mapping=slot_mapping,
+            block_tables=dev[2 * num_seqs + 1:].view(num_seqs, width),
             block_size=block_size,
             max_query_len=max(query_lens, default=0),
             max_context_len=max(context_lens, default=0),

@@ -13,6 +13,7 @@ addresses captured, which is why they live in arenas whose addresses survive sle
 from __future__ import annotations
 
 import logging
+import operator
 import time
 
 import torch
@@ -20,6 +21,129 @@ import torch
 from inference.batch import AttentionMetadata
 
 log = logging.getLogger(__name__)
+
+
+class DecodeInputs:
+    """The static inputs of decode graphs of up to `capacity` rows, and their host staging.
+
+    For a graph of bs rows, one int64 buffer holds input ids, positions, slots and then the int32
+    context lengths (two per word), each part starting at a multiple of s = bs rounded up to even
+    (16-byte aligned, as Triton's fast specializations want): one contiguous prefix, so a step sends
+    its row inputs with a single copy. Padding rows (n..bs) get slot -1 and context length 0.
+
+    Block tables live in a [capacity, max_blocks] int32 buffer shared by every size. A sequence's
+    table only grows by append while it is the same list object (BlockManager assigns a new list
+    when it allocates or frees), so (list identity, length) per row tells whether the device row is
+    current; `stage` re-sends only the rows between the first and the last changed one, and only the
+    new entries of a grown row are written to the host mirror. Entries past a row's length may be
+    stale: attention reads only the blocks of its context length.
+
+    The host buffers are reused: a staged copy must have run before the next `stage` writes them.
+    The engine's step waits for its sampled tokens after every replay, so the guard event is always
+    complete when `stage` checks it.
+    """
+
+    def __init__(self, capacity: int, max_blocks: int, device: torch.device | str) -> None:
+        self.capacity = capacity
+        self.max_blocks = max_blocks
+        self.device = torch.device(device)
+        words = self.num_words(capacity)
+        pin = self.device.type == "cuda"
+        self.rows = torch.zeros(words, dtype=torch.int64, device=self.device)
+        self.tables = torch.zeros(capacity, max_blocks, dtype=torch.int32, device=self.device)
+        self._host_rows = torch.zeros(words, dtype=torch.int64, pin_memory=pin)
+        self._host_tables = torch.zeros(capacity, max_blocks, dtype=torch.int32, pin_memory=pin)
+        self._np_rows = self._host_rows.numpy()
+        self._np_tables = self._host_tables.numpy()
+        self._copied = torch.cuda.Event() if pin else None
+        self._table_objs: list[list[int]] = []  # per row: the list last sent (held, so ids never recycle)
+        self._table_lens: list[int] = []
+
+    @staticmethod
+    def num_words(bs: int) -> int:
+        return 3 * (bs + bs % 2) + (bs + 1) // 2
+
+    def views(self, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input_ids, positions, slots, context_lens, block_tables) of the graph of bs rows."""
+        r, s = self.rows, bs + bs % 2
+        context_lens = r[3 * s: self.num_words(bs)].view(torch.int32)[:bs]
+        return r[:bs], r[s: s + bs], r[2 * s: 2 * s + bs], context_lens, self.tables[:bs]
+
+    def stage(self, bs: int, input_ids: list[int], positions: list[int], slots: list[int],
+              context_lens: list[int], tables: list[list[int]]) -> None:
+        """Send n <= bs rows from host lists; rows n..bs become padding."""
+        n = len(input_ids)
+        assert n <= bs <= self.capacity and len(tables) == n, (n, bs, self.capacity)
+        if self._copied is not None:
+            self._copied.synchronize()
+        rows, s = self._np_rows, bs + bs % 2
+        rows[:n] = input_ids
+        rows[s: s + n] = positions
+        rows[2 * s: 2 * s + n] = slots
+        ctx = rows[3 * s: self.num_words(bs)].view("int32")
+        ctx[:n] = context_lens
+        if n < bs:
+            rows[n:bs] = 0
+            rows[s + n: s + bs] = 0
+            rows[2 * s + n: 2 * s + bs] = -1
+            ctx[n:bs] = 0
+        words = self.num_words(bs)
+        self.rows[:words].copy_(self._host_rows[:words], non_blocking=True)
+        self._stage_tables(tables)
+        if self._copied is not None:
+            self._copied.record(torch.cuda.current_stream(self.device))
+
+    def _stage_tables(self, tables: list[list[int]]) -> None:
+        n = len(tables)
+        lens = list(map(len, tables))
+        objs = self._table_objs
+        if n <= len(objs) and lens == self._table_lens[:n] and all(map(operator.is_, tables, objs)):
+            return
+        assert max(lens, default=0) <= self.max_blocks, (max(lens), self.max_blocks)
+        first = last = -1
+        for i, table in enumerate(tables):
+            if i < len(objs) and objs[i] is table:
+                if lens[i] == self._table_lens[i]:
+                    continue
+                start = self._table_lens[i]
+            else:
+                start = 0
+            self._np_tables[i, start:lens[i]] = table[start:]
+            first = i if first < 0 else first
+            last = i
+        if first >= 0:
+            self.tables[first: last + 1].copy_(self._host_tables[first: last + 1], non_blocking=True)
+        # rows past n keep their device contents; a later step that brings them back compares again
+        self._table_objs = list(tables) + objs[n:]
+        self._table_lens = lens + self._table_lens[n:]
+
+    def write(self, bs: int, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+              context_lens: torch.Tensor, block_tables: torch.Tensor) -> None:
+        """Copy n <= bs rows from tensors (on the device or pinned); rows n..bs become padding."""
+        n = input_ids.shape[0]
+        ids_v, pos_v, slots_v, ctx_v, tables_v = self.views(bs)
+        ids_v[:n].copy_(input_ids, non_blocking=True)
+        pos_v[:n].copy_(positions, non_blocking=True)
+        slots_v[:n].copy_(slots, non_blocking=True)
+        ctx_v[:n].copy_(context_lens, non_blocking=True)
+        tables_v[:n, :block_tables.shape[1]].copy_(block_tables, non_blocking=True)
+        self.forget_tables()
+        if n < bs:  # padding rows: store nothing, attend to nothing
+            slots_v[n:bs].fill_(-1)
+            ctx_v[n:bs].zero_()
+
+    def reset(self, bs: int) -> None:
+        """Every row of the graph of bs rows a padding row (capture runs the model over them)."""
+        ids, positions, slots, context_lens, _ = self.views(bs)
+        ids.zero_()
+        positions.zero_()
+        slots.fill_(-1)
+        context_lens.zero_()
+
+    def forget_tables(self) -> None:
+        """The device tables were written elsewhere: the next `stage` sends every row."""
+        self._table_objs = []
+        self._table_lens = []
 
 
 def batch_ladder(max_batch: int) -> list[int]:
@@ -49,13 +173,8 @@ class CUDAGraphRunner:
         self.device = device
         self.sizes = sorted(set(sizes)) if sizes else batch_ladder(max_batch)
         n = self.sizes[-1]
-        i32, i64 = torch.int32, torch.int64
-        self.input_ids = torch.zeros(n, dtype=i64, device=device)
-        self.positions = torch.zeros(n, dtype=i64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=i64, device=device)
-        self.context_lens = torch.zeros(n, dtype=i32, device=device)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=i32, device=device)
-        self.cu_query_lens = torch.arange(n + 1, dtype=i32, device=device)
+        self.inputs = DecodeInputs(n, max_blocks_per_seq, device)
+        self.cu_query_lens = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.logits = torch.empty(n, model.config.vocab_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -63,14 +182,15 @@ class CUDAGraphRunner:
         self.capture_seconds = 0.0
 
     def _meta(self, bs: int) -> AttentionMetadata:
+        _, _, slots, context_lens, tables = self.inputs.views(bs)
         return AttentionMetadata(
             query_lens=[1] * bs, context_lens_host=[1] * bs, cu_query_lens=self.cu_query_lens[: bs + 1],
-            context_lens=self.context_lens[:bs], slot_mapping=self.slot_mapping[:bs],
-            block_tables=self.block_tables[:bs], block_size=self.block_size, max_query_len=1,
-            max_context_len=self.max_blocks * self.block_size, is_decode=True)
+            context_lens=context_lens, slot_mapping=slots, block_tables=tables, block_size=self.block_size,
+            max_query_len=1, max_context_len=self.max_blocks * self.block_size, is_decode=True)
 
     def _forward(self, bs: int) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
+        input_ids, positions = self.inputs.views(bs)[:2]
+        hidden = self.model(input_ids, positions, self._meta(bs))
         return self.model.compute_logits(hidden, out=self.logits[:bs])
 
     @torch.inference_mode()
@@ -81,6 +201,7 @@ class CUDAGraphRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for bs in reversed(self.sizes):
+                self.inputs.reset(bs)
                 for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
                     self._forward(bs)
                 graph = torch.cuda.CUDAGraph()
@@ -96,20 +217,25 @@ class CUDAGraphRunner:
     def can_use(self, num_seqs: int, max_blocks: int) -> bool:
         return bool(self.graphs) and num_seqs <= self.sizes[-1] and max_blocks <= self.max_blocks
 
+    def size_for(self, num_seqs: int) -> int:
+        """The captured batch size that replays num_seqs rows."""
+        return next(b for b in self.sizes if b >= num_seqs)
+
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                context_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
         """Logits [n, vocab] of one decode step of n sequences (inputs on the device or pinned)."""
         n = input_ids.shape[0]
-        bs = next(b for b in self.sizes if b >= n)
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(slots, non_blocking=True)
-        self.context_lens[:n].copy_(context_lens, non_blocking=True)
-        width = block_tables.shape[1]
-        self.block_tables[:n, :width].copy_(block_tables, non_blocking=True)
-        if n < bs:  # padding rows: store nothing, attend to nothing
-            self.slot_mapping[n:bs].fill_(-1)
-            self.context_lens[n:bs].zero_()
+        bs = self.size_for(n)
+        self.inputs.write(bs, input_ids, positions, slots, context_lens, block_tables)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:n]
+
+    def replay_staged(self, input_ids: list[int], positions: list[int], slots: list[int],
+                      context_lens: list[int], tables: list[list[int]]) -> torch.Tensor:
+        """`replay` from host lists: one copy of the row inputs, block-table rows only when they changed."""
+        n = len(input_ids)
+        bs = self.size_for(n)
+        self.inputs.stage(bs, input_ids, positions, slots, context_lens, tables)
         self.graphs[bs].replay()
         return self.outputs[bs][:n]
 

@@ -92,6 +92,7 @@ class LLM:
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._finished_while_draining: list[RequestOutput] = []
+        self._num_with_stops = 0  # live requests with stop strings (their steps run the detokenizer)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
@@ -122,6 +123,7 @@ class LLM:
         req = _Request(request_id, text, list(ids), seqs, time.monotonic())
         if params.stop and self.tokenizer is not None:
             req.detoks = {s.index: IncrementalDetokenizer(self.tokenizer, ids) for s in seqs}
+            self._num_with_stops += 1
         self._requests[request_id] = req
         for s in seqs:
             self.scheduler.add(s)
@@ -145,7 +147,9 @@ class LLM:
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
-        self._requests.pop(request_id, None)
+        req = self._requests.pop(request_id, None)
+        if req is not None:
+            self._num_with_stops -= bool(req.detoks)
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -162,11 +166,14 @@ class LLM:
             return []
         results = self.worker.execute_model(batch)
         self._record_versions(batch.seqs, results)
-        before = [s.num_tokens for s in batch.seqs]
-        self.scheduler.commit(batch, results)
+        stops = self._num_with_stops > 0
+        before = [s.num_tokens for s in batch.seqs] if stops else []
+        finished = self.scheduler.commit(batch, results)
         self._count_speculation(batch, results)
-        self._apply_stop_strings(batch.seqs, results, before)
-        return self._collect_finished()
+        if stops:
+            finished += self._apply_stop_strings(batch.seqs, results, before)
+        # a request completes only when one of its sequences finishes (abort drops it at once)
+        return self._collect_finished() if finished else []
 
     def _count_speculation(self, batch: Any, results: list) -> None:
         proposed = sum(batch.num_lookahead)
@@ -180,11 +187,13 @@ class LLM:
             if res is not None and (not seq.version_spans or seq.version_spans[-1][1] != self.weight_version):
                 seq.version_spans.append((seq.num_generated, self.weight_version))
 
-    def _apply_stop_strings(self, seqs: list[Sequence], results: list, before: list[int]) -> None:
-        """Finish sequences whose new text completes a stop string (detection only; see _output).
+    def _apply_stop_strings(self, seqs: list[Sequence], results: list, before: list[int]) -> list[Sequence]:
+        """Finish sequences whose new text completes a stop string (detection only; see _output);
+        return them.
 
         A speculative step appends several tokens: they are checked one at a time and the tokens
         after the one that completes the stop string are dropped."""
+        finished = []
         for seq, res, start_len in zip(seqs, results, before):
             if res is None or seq.is_finished:
                 continue
@@ -199,12 +208,15 @@ class LLM:
                 if hit is not None:
                     self.scheduler.finish(seq, FinishReason.STOP, hit[1])
                     seq.truncate(end)
+                    finished.append(seq)
                     break
+        return finished
 
     def _collect_finished(self) -> list[RequestOutput]:
         done = [r for r in self._requests.values() if all(s.is_finished for s in r.seqs)]
         for r in done:
             del self._requests[r.request_id]
+            self._num_with_stops -= bool(r.detoks)
         return [self._output(r) for r in done]
 
     def _output(self, req: _Request) -> RequestOutput:

@@ -6,6 +6,7 @@ about requests beyond the Sequence fields it reads (tokens, computed count, bloc
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -14,8 +15,9 @@ from inference.batch import AttentionMetadata
 from inference.config import ModelConfig
 from inference.cuda_graphs import CUDAGraphRunner
 from inference.parallel import TPInfo
-from inference.sampler import SamplingBatch, sample
+from inference.sampler import SamplingBatch, greedy_rows, sample
 from inference.scheduler import ScheduledBatch
+from inference.sequence import Sequence
 
 SampleResult = tuple[int, float, "dict[int, float] | None"]
 
@@ -42,6 +44,9 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.block_size = 0
         self.graphs: CUDAGraphRunner | None = None  # set by capture_graphs
+        self.greedy_graphs: GreedyGraphs | None = None
+        self._sb_key: tuple[int, ...] = ()  # seq ids of the cached SamplingBatch's rows
+        self._sb: SamplingBatch | None = None
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -59,88 +64,172 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        """Eager-path inputs: ids, positions, slots and last-token indices travel in one int64 copy,
+        the attention metadata's int32 parts in another."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         context_lens: list[int] = []
-        tables: list[list[int]] = []
         sample_rows: list[int] = []
         last_index: list[int] = []
         bs = self.block_size
         for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
             end = start + n
-            ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
+            ids += seq.token_ids[start:end]
+            positions += range(start, end)
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             context_lens.append(end)
-            tables.append(table)
             if end == seq.num_tokens:
                 sample_rows.append(row)
                 last_index.append(len(ids) - 1)
-        meta = AttentionMetadata.build(batch.num_new_tokens, context_lens, slots, tables, bs, self.device)
-        return StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True),
-            positions=torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True),
-            meta=meta,
-            sample_rows=sample_rows,
-            last_token_index=torch.tensor(last_index, dtype=torch.int64).to(self.device, non_blocking=True),
-        )
+        t = len(ids)
+        packed = torch.tensor(ids + positions + slots + last_index, dtype=torch.int64).to(
+            self.device, non_blocking=True)
+        meta = AttentionMetadata.build(batch.num_new_tokens, context_lens, packed[2 * t: 3 * t],
+                                       [s.block_table for s in batch.seqs], bs, self.device)
+        return StepInputs(input_ids=packed[:t], positions=packed[t: 2 * t], meta=meta, sample_rows=sample_rows,
+                          last_token_index=packed[3 * t:])
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[SampleResult | None]:
         """Run one step; returns per scheduled sequence its sampled result, or None (mid-prefill)."""
         assert self.kv_cache is not None, "bind_kv_cache first"
         logits = self._graph_decode(batch) if self.graphs is not None else None
+        graphed = logits is not None
         if logits is not None:
             sample_rows = list(range(len(batch.seqs)))
+            seqs = batch.seqs
         else:
             inp = self.prepare(batch)
             sample_rows = inp.sample_rows
             if not sample_rows:
                 self.model(inp.input_ids, inp.positions, inp.meta)
                 return [None] * len(batch.seqs)
-            hidden = self.model(inp.input_ids, inp.positions, inp.meta).index_select(0, inp.last_token_index)
-            logits = self.model.compute_logits(hidden)
-        seqs = [batch.seqs[r] for r in sample_rows]
+            logits = self._forward(inp)
+            seqs = [batch.seqs[r] for r in sample_rows]
+        sampled = self._sample(logits, self._sampling_batch(seqs), graphed)
+        results: list[SampleResult | None] = [None] * len(batch.seqs)
+        for row, res in zip(sample_rows, self._to_host(sampled, seqs)):
+            results[row] = res
+        return results
+
+    def _forward(self, inp: StepInputs) -> torch.Tensor:
+        hidden = self.model(inp.input_ids, inp.positions, inp.meta).index_select(0, inp.last_token_index)
+        return self.model.compute_logits(hidden)
+
+    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        """The step's SamplingBatch; reused while the same sequences sample in the same order and no
+        row has a per-position seed (a sequence's params and seed never change)."""
+        key = tuple(map(_SEQ_ID, seqs))
+        if key == self._sb_key and self._sb is not None:
+            return self._sb
         sb = SamplingBatch.build([s.params for s in seqs], [s.seed for s in seqs],
                                  [s.num_generated for s in seqs], self.model_config.vocab_size, self.device)
+        reusable = all(seed is None for seed in sb.row_seeds)
+        self._sb_key, self._sb = (key, sb) if reusable else ((), None)
+        return sb
+
+    def _sample(self, logits: torch.Tensor, sb: SamplingBatch, graphed: bool) -> _Sampled:
+        """Launch the sampling of the step (no host sync): pairs [n, 2] float64 of (token id, logprob)."""
+        if sb.all_greedy and sb.num_top_logprobs == 0:
+            if graphed and self.greedy_graphs is not None:
+                return _Sampled(self.greedy_graphs.replay(logits.shape[0]), None, None)
+            return _Sampled(greedy_rows(logits, torch.empty(logits.shape[0], 2, dtype=torch.float64,
+                                                            device=logits.device)), None, None)
         out = sample(logits, sb, self.generator)
-        # the step's one host sync: tokens and their logprobs together (float64 holds the ids exactly)
-        tokens, logprobs = torch.stack((out.token_ids.double(), out.logprobs.double())).tolist()
-        tops = top_dicts(out.top_ids, out.top_logprobs, [s.params.logprobs for s in seqs])
-        results: list[SampleResult | None] = [None] * len(batch.seqs)
-        for i, row in enumerate(sample_rows):
-            results[row] = (int(tokens[i]), logprobs[i], tops[i])
-        return results
+        return _Sampled(torch.stack((out.token_ids.double(), out.logprobs.double()), dim=1), out.top_ids,
+                        out.top_logprobs)
+
+    @staticmethod
+    def _to_host(sampled: _Sampled, seqs: list[Sequence]) -> list[SampleResult]:
+        """The step's one host sync: tokens and their logprobs together."""
+        pairs = sampled.pairs.tolist()
+        if sampled.top_ids is None:
+            return [(int(tok), lp, None) for tok, lp in pairs]
+        tops = top_dicts(sampled.top_ids, sampled.top_logprobs, [s.params.logprobs for s in seqs])
+        return [(int(tok), lp, top) for (tok, lp), top in zip(pairs, tops)]
 
     # ---- CUDA graphs ----------------------------------------------------------------------
     def capture_graphs(self, max_batch: int, max_model_len: int, sizes: list[int] | None = None) -> None:
         """Decode graphs for batch_ladder(max_batch), or for `sizes` (speculative decoding adds the
-        sizes of its expanded-row verify batches; see inference/spec_decode.py)."""
+        sizes of its expanded-row verify batches; see inference/spec_decode.py), and a greedy
+        sampling graph per size over their logits."""
         max_blocks = -(-max_model_len // self.block_size)
         self.graphs = CUDAGraphRunner(self.model, max_batch, max_blocks, self.block_size, self.device, self.dtype,
                                       sizes)
         self.graphs.capture()
+        self.greedy_graphs = GreedyGraphs(self.graphs)
+        self.greedy_graphs.capture()
 
     def _graph_decode(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """Logits of a decode-only step replayed from a graph, or None when no graph fits."""
         assert self.graphs is not None
         seqs = batch.seqs
-        if any(n != 1 for n in batch.num_new_tokens) or any(s.num_computed_tokens + 1 != s.num_tokens for s in seqs):
+        # every n is >= 1, so the sum equals the row count only when each row computes one token
+        if sum(batch.num_new_tokens) != len(seqs) or not all(batch.sample):
             return None
-        width = max(len(s.block_table) for s in seqs)
-        if not self.graphs.can_use(len(seqs), width):
+        tables = [s.block_table for s in seqs]
+        if not self.graphs.can_use(len(seqs), max(map(len, tables))):
             return None
         bs = self.block_size
         pos = [s.num_computed_tokens for s in seqs]
-        rows = torch.tensor([[s.token_ids[-1] for s in seqs], pos,
-                             [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos)],
-                             [p + 1 for p in pos]], dtype=torch.int64).to(self.device, non_blocking=True)
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
-                              dtype=torch.int32).to(self.device, non_blocking=True)
-        return self.graphs.replay(rows[0], rows[1], rows[2], rows[3].to(torch.int32), tables)
+        return self.graphs.replay_staged([s.token_ids[p] for s, p in zip(seqs, pos)], pos,
+                                         [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)],
+                                         [p + 1 for p in pos], tables)
+
+
+@dataclass
+class _Sampled:
+    pairs: torch.Tensor  # [n, 2] float64 on the device: token id (exact in float64) and its logprob
+    top_ids: torch.Tensor | None
+    top_logprobs: torch.Tensor | None
+
+
+_SEQ_ID = operator.attrgetter("seq_id")
+
+
+class GreedyGraphs:
+    """Per decode graph size, a graph of `greedy_rows` over that graph's logits: an all-greedy step
+    without top logprobs samples with one replay instead of a dozen launches. Rows past the batch
+    are the decode graph's padding; their results are never read. The per-row statistics reduce
+    each row alone, so a row's token is the one `sample` picks; its logprob may differ from an
+    eager `sample` over n rows in the last float32 bits (the reduction splits a row by batch size).
+    """
+
+    def __init__(self, graphs: CUDAGraphRunner) -> None:
+        self.decode = graphs
+        self.out = torch.empty(graphs.sizes[-1], 2, dtype=torch.float64, device=graphs.device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        device = self.decode.device
+        self.pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for bs in reversed(self.decode.sizes):
+                logits, out = self.decode.outputs[bs], self.out[:bs]
+                for _ in range(2):  # Triton compiles before capture
+                    greedy_rows(logits, out)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    greedy_rows(logits, out)
+                self.graphs[bs] = graph
+        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.synchronize(device)
+
+    def replay(self, n: int) -> torch.Tensor:
+        """(token id, logprob) [n, 2] of the rows of the decode graph replayed last for n rows."""
+        self.graphs[self.decode.size_for(n)].replay()
+        return self.out[:n]
+
+    def destroy(self) -> None:
+        self.graphs.clear()
+        self.pool = None
 
 
 def top_dicts(ids: torch.Tensor | None, lps: torch.Tensor | None, wanted: list[int]) -> list:

@@ -121,6 +121,17 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, generator: torch.Generator |
     return SamplerOutput(tokens, token_logprobs, top_ids, top_lp)
 
 
+def greedy_rows(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The all-greedy case of `sample` without top logprobs, written into out [B, 2] float64 as
+    (token id, its raw logprob) per row (float64 holds every token id exactly): the same math as
+    `sample`, in a form a CUDA graph can capture and the host reads with one transfer."""
+    stats = row_stats(logits)
+    token_logprobs = stats.logprobs(logits.gather(-1, stats.argmax[:, None])).squeeze(-1)
+    out[:, 0].copy_(stats.argmax)
+    out[:, 1].copy_(token_logprobs)
+    return out
+
+
 def sample_reference(logits: torch.Tensor, sb: SamplingBatch,
                      generator: torch.Generator | None = None) -> SamplerOutput:
     """The definition `sample` keeps (and the sampler it replaced): full fp32 log_softmax of the raw and
@@ -234,12 +245,12 @@ def row_stats_triton(x: torch.Tensor) -> RowStats:
         x = x.contiguous()
     rows, cols = x.shape
     chunks, span = row_chunks(rows, cols, _target_programs(x.device))
-    part_m = torch.empty((rows, chunks), dtype=torch.float32, device=x.device)
-    part_s = torch.empty_like(part_m)
+    # one float32 allocation for both partial sums and one for max and log_sum: each launch of this
+    # function sits on the decode step's host path, where every allocation costs microseconds
+    part_m, part_s = torch.empty((2, rows, chunks), dtype=torch.float32, device=x.device)
     part_i = torch.empty((rows, chunks), dtype=torch.int32, device=x.device)
-    out = RowStats(torch.empty(rows, dtype=torch.float32, device=x.device),
-                   torch.empty(rows, dtype=torch.int64, device=x.device),
-                   torch.empty(rows, dtype=torch.float32, device=x.device))
+    out_max, out_log_sum = torch.empty((2, rows), dtype=torch.float32, device=x.device)
+    out = RowStats(out_max, torch.empty(rows, dtype=torch.int64, device=x.device), out_log_sum)
     if rows == 0:
         return out
     _row_chunk_kernel[(rows, chunks)](x, part_m, part_s, part_i, cols, x.stride(0), span, BLOCK=_ROW_BLOCK,

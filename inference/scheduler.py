@@ -57,10 +57,11 @@ class ScheduledBatch:
         if not self.num_lookahead:
             self.num_lookahead = [0] * len(self.seqs)
         assert len(self.seqs) == len(self.num_new_tokens) == len(self.num_lookahead)
-        assert all(k == 0 or n == 1 for n, k in zip(self.num_new_tokens, self.num_lookahead))
-        assert all(n > 0 for n in self.num_new_tokens)
+        assert not any(self.num_lookahead) or all(
+            k == 0 or n == 1 for n, k in zip(self.num_new_tokens, self.num_lookahead))
+        assert min(self.num_new_tokens, default=1) > 0
         self.sample = [
-            s.num_computed_tokens + n == s.num_tokens for s, n in zip(self.seqs, self.num_new_tokens)]
+            s.num_computed_tokens + n == len(s.token_ids) for s, n in zip(self.seqs, self.num_new_tokens)]
 
     @property
     def is_empty(self) -> bool:
@@ -174,8 +175,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         """Choose the next step's work and reserve its blocks. An empty batch means nothing can run."""
         plan = _Plan(self.config.max_num_batched_tokens)
-        self._schedule_running(plan, decodes=True)
-        self._schedule_running(plan, decodes=False)
+        self._schedule_running(plan)
         if not plan.preempted:
             self._admit(plan)
         return plan.batch()
@@ -190,6 +190,7 @@ class Scheduler:
         """
         assert len(sampled) == len(batch.seqs), (len(sampled), len(batch.seqs))
         finished: list[Sequence] = []
+        block_size = self.block_manager.block_size
         for seq, n, k, do_sample, out in zip(batch.seqs, batch.num_new_tokens, batch.num_lookahead,
                                              batch.sample, sampled):
             if seq.status is not SequenceStatus.RUNNING:
@@ -200,10 +201,11 @@ class Scheduler:
                     finished.append(seq)
                 continue
             seq.num_computed_tokens += n
-            assert seq.num_computed_tokens <= seq.num_tokens, f"{seq} computed past its tokens"
+            assert seq.num_computed_tokens <= len(seq.token_ids), f"{seq} computed past its tokens"
             if self.num_speculative_tokens:
                 seq.num_draft_computed = seq.num_computed_tokens  # the draft mirrored this chunk
-            self.block_manager.commit(seq)
+            if len(seq.cache_keys) < seq.num_computed_tokens // block_size:  # a full block to register
+                self.block_manager.commit(seq)
             assert (out is not None) == do_sample, f"{seq}: sampled output given iff the step samples it"
             if out is None:
                 continue
@@ -258,25 +260,31 @@ class Scheduler:
         return count
 
     # ---- internals ------------------------------------------------------------------------------
-    def _schedule_running(self, plan: _Plan, decodes: bool) -> None:
-        """Schedule running decodes (remaining == 1) or running prefills (remaining > 1)."""
-        for seq in list(self.running):
-            if plan.budget == 0:
-                return
-            if seq.status is not SequenceStatus.RUNNING or seq.seq_id in plan.entries:
-                continue  # preempted earlier in this loop
-            remaining = seq.num_tokens - seq.num_computed_tokens
+    def _schedule_running(self, plan: _Plan) -> None:
+        """Schedule running decodes (remaining == 1), then running prefills (remaining > 1)."""
+        decodes: list[Sequence] = []
+        prefills: list[Sequence] = []
+        for seq in self.running:
+            remaining = len(seq.token_ids) - seq.num_computed_tokens
             assert remaining >= 1, f"{seq} has nothing to compute"
-            if (remaining == 1) != decodes:
-                continue
-            if decodes and self.num_speculative_tokens:
-                n = self._reserve(seq, 1 + self._lookahead(seq, plan.budget - 1), plan)
-                if n:
-                    plan.add(seq, 1, n - 1)
-                continue
-            n = self._reserve(seq, min(remaining, plan.budget), plan)
+            (decodes if remaining == 1 else prefills).append(seq)
+        for group, is_decode in ((decodes, True), (prefills, False)):
+            for seq in group:
+                if plan.budget == 0:
+                    return
+                if seq.status is SequenceStatus.RUNNING:  # not preempted earlier in this step
+                    self._schedule_one(plan, seq, is_decode)
+
+    def _schedule_one(self, plan: _Plan, seq: Sequence, decodes: bool) -> None:
+        remaining = len(seq.token_ids) - seq.num_computed_tokens
+        if decodes and self.num_speculative_tokens:
+            n = self._reserve(seq, 1 + self._lookahead(seq, plan.budget - 1), plan)
             if n:
-                plan.add(seq, n)
+                plan.add(seq, 1, n - 1)
+            return
+        n = self._reserve(seq, min(remaining, plan.budget), plan)
+        if n:
+            plan.add(seq, n)
 
     def _lookahead(self, seq: Sequence, room: int) -> int:
         """Draft tokens worth proposing: the run (lookahead + 1 tokens) must fit max_tokens,
@@ -287,6 +295,8 @@ class Scheduler:
     def _reserve(self, seq: Sequence, want: int, plan: _Plan) -> int:
         """Get blocks for up to `want` new tokens of a running seq (fewer if that is all that fits),
         preempting latest arrivals while none fit. Returns 0 if seq itself was preempted."""
+        if seq.num_computed_tokens + want <= len(seq.block_table) * self.block_manager.block_size:
+            return want  # the blocks it holds suffice (the common decode step): nothing to allocate
         while True:
             fit = min(want, self.block_manager.num_appendable_tokens(seq))
             if fit > 0:
