@@ -128,7 +128,10 @@ class DecodeInputs:
         ctx_v[:n].copy_(context_lens, non_blocking=True)
         tables_v[:n, :block_tables.shape[1]].copy_(block_tables, non_blocking=True)
         self.forget_tables()
-        if n < bs:  # padding rows: store nothing, attend to nothing
+        if n < bs:  # padding rows: store nothing, attend to nothing, and embed token 0: their words
+            # may hold another size's slots or positions, which are no token ids
+            ids_v[n:bs].zero_()
+            pos_v[n:bs].zero_()
             slots_v[n:bs].fill_(-1)
             ctx_v[n:bs].zero_()
 

@@ -37,6 +37,22 @@ def test_stage_writes_rows_and_padding() -> None:
     assert [t[0] for t in tables] == [7] * 8
 
 
+def test_write_pads_with_token_zero_whatever_another_size_left() -> None:
+    """Spec decode's verify and draft rows come as tensors (write). The rows of one graph size overlap
+    another size's slots and positions, so a padding row must not inherit those as token ids: a slot
+    number fed to the embedding is out of the vocabulary (a device-side assert on the GPU)."""
+    inputs = DecodeInputs(8, 4, "cpu")
+    big = [10_000 + i for i in range(8)]
+    inputs.stage(8, big, big, big, list(range(1, 9)), [[7]] * 8)
+    t = torch.tensor
+    inputs.write(6, t([1, 2, 3]), t([4, 5, 6]), t([7, 8, 9]), t([5, 6, 7], dtype=torch.int32),
+                 t([[1], [2], [3]], dtype=torch.int32))
+    ids, pos, slots, ctx, tables = staged(inputs, 6)
+    assert ids == [1, 2, 3, 0, 0, 0] and pos == [4, 5, 6, 0, 0, 0]
+    assert slots == [7, 8, 9, -1, -1, -1] and ctx == [5, 6, 7, 0, 0, 0]
+    assert [r[0] for r in tables[:3]] == [1, 2, 3]
+
+
 def test_stage_resends_exactly_the_changed_table_rows() -> None:
     inputs = DecodeInputs(4, 6, "cpu")
     a, b, c = [1, 2], [3], [4, 5]
