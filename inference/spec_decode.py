@@ -67,6 +67,18 @@ def stream_seed(seed: int, position: int, stream: int) -> int:
     return position_seed((seed + stream * 0x632BE59BD9B4E019) & _MASK63, position)
 
 
+def _check_decode_rows(model: nn.Module, num_speculative_tokens: int) -> None:
+    """Refuse a k whose verify rows (k + 1 of one sequence per decode launch) exceed what the model's
+    attention backend supports (TritonAttentionTiles.decode_max_rows): past it, a row could read keys
+    that another row of the launch has not written yet."""
+    for layer in model.attention_layers():
+        limit = getattr(getattr(layer.backend, "tiles", None), "decode_max_rows", None)
+        if limit is not None and num_speculative_tokens + 1 > limit:
+            raise ValueError(f"num_speculative_tokens: {num_speculative_tokens} needs {num_speculative_tokens + 1} "
+                             f"decode rows per sequence; the {layer.backend.name} attention backend handles at "
+                             f"most {limit} (tiles.decode_max_rows)")
+
+
 class SpecDecoder:
     """Drives a target ModelRunner and a draft model over one scheduled batch."""
 
@@ -75,6 +87,8 @@ class SpecDecoder:
         vocab, draft_vocab = runner.model_config.vocab_size, draft.config.vocab_size
         if vocab != draft_vocab:
             raise ValueError(f"draft_model: vocab size {draft_vocab} differs from the target's {vocab}")
+        for model in (runner.model, draft):  # a verify launch holds k + 1 decode rows of one sequence
+            _check_decode_rows(model, num_speculative_tokens)
         self.runner = runner
         self.draft = draft
         self.k = num_speculative_tokens

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from safetensors.torch import save_file
 from inference.core import FinishReason, SamplingParams
 from inference.llm import LLM
 from inference.loader import iter_hf_tensors
+from inference.spec_decode import SpecDecoder
 from inference.tiny import make_tiny_model
 from tests.helpers_models import make_hf_checkpoint, random_prompts
 from tests.test_weight_update import Link
@@ -230,3 +232,17 @@ def test_draft_sync_changes_acceptance_not_target_outputs(tmp_path: Path) -> Non
     assert [o.metrics["spec_acceptance_rate"] for o in after] == [1.0, 1.0]
     assert llm.worker.compute_weight_checksums("target") == target_digests
     assert llm.weight_version == 0 and all(o.weight_version == 0 for o in after)
+
+
+@pytest.mark.parametrize("limited_model", ["target", "draft"])
+def test_more_verify_rows_than_the_attention_backend_handles_are_refused(models: dict[str, Path],
+                                                                         limited_model: str) -> None:
+    """A verify launch holds k + 1 decode rows of one sequence; a backend whose kernel takes other rows'
+    new keys from the inputs only for tiles.decode_max_rows of them must not be given more."""
+    llm = engine(models["target"], models["other"], k=2)
+    runner, draft = llm.worker.runner, llm.worker.models["draft"]
+    limited = SimpleNamespace(name="limited", tiles=SimpleNamespace(decode_max_rows=4))
+    (runner.model if limited_model == "target" else draft).set_attention_backend(limited)
+    assert SpecDecoder(runner, draft, 3).k == 3
+    with pytest.raises(ValueError, match=r"num_speculative_tokens: 4 needs 5 decode rows.*limited.*at most 4"):
+        SpecDecoder(runner, draft, 4)

@@ -20,6 +20,16 @@ Decode also stores the new token's k/v itself (split 0 writes them; every split 
 k/v rather than from the cache), so a decode layer is one launch instead of store + attention + merge.
 On an H200 (0.5B heads, batch 1) one pass over 4 KV tiles was slower than 4 splits of one tile each,
 over 2 tiles faster: hence decode_split_tiles = 2; scripts/bench_decode_parts.py compares.
+Several rows of one sequence in a decode launch (spec-decode verify, inference/decode_rows.py): row i + 1
+needs row i's new key, which row i's split 0 stores in this same launch, and programs run in no fixed
+order on a GPU. So no row reads another row's new k/v from the cache: for keys ctx - max_rows .. ctx - 2
+(only the last KV tile or two) a program finds the launch row that writes each key (row seq -/+ j whose
+slot equals the key's slot; the rows of a sequence are consecutive, ascending or descending) and takes
+that row's k and v from the inputs. max_rows = min(T, tiles.decode_max_rows) is a launch argument; a
+launch holding more rows of one sequence than that is not supported (SpecDecoder refuses such a k). The
+extra loads are masked, so where no row matches (plain decode) they read nothing; a batch-1 launch
+compiles the check out (MULTI_ROW).
+All three kernels take PDL (inference/layers/pdl.py): nothing is read or written before wait(PDL).
 
 Invariants:
 - Decode (meta.is_decode) reads only device tensors and static shapes (T, heads, block_tables.shape[1]),
@@ -41,6 +51,7 @@ import triton
 
 from inference.batch import AttentionMetadata
 from inference.core import StateError
+from inference.layers.pdl import launch_kwargs
 from inference.layers.triton_attention_kernels import (
     _INTERPRET,
     LOG2E,
@@ -67,6 +78,9 @@ class TritonAttentionTiles:
     decode_split_tiles: int = 2
     fused_combine: bool = True  # False: every split writes partials and a second kernel merges them
     fused_decode_store: bool = True  # decode writes the new k/v inside the attention kernel (one launch)
+    # With the fused store, the most rows of one sequence a decode launch may hold (spec-decode verify:
+    # num_speculative_tokens + 1); see "several rows of one sequence" above.
+    decode_max_rows: int = 16
     num_warps: int = 4
     num_stages: int = 2
     max_splits: int = 32
@@ -78,6 +92,7 @@ class TritonAttentionTiles:
         assert all(b >= 16 and b & (b - 1) == 0 for b in blocks), blocks
         assert self.num_splits is None or (self.num_splits >= 1 and self.num_splits & (self.num_splits - 1) == 0)
         assert self.decode_split_tiles >= 1, self.decode_split_tiles
+        assert self.decode_max_rows >= 1, self.decode_max_rows
 
 
 @dataclass(frozen=True)
@@ -130,7 +145,7 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_HEADS=heads, HEADS_PAD=_pow2_at_least(heads), HEAD_DIM=dim, HEAD_DIM_PAD=_pow2_at_least(dim),
-        PAGE=k_cache.shape[1])
+        PAGE=k_cache.shape[1], **launch_kwargs(k))
 
 
 class TritonAttention:
@@ -213,10 +228,12 @@ class TritonAttention:
             part_m = part_l = part_acc = out  # unused by the kernel when NUM_SPLITS == 1
         fused = plan.splits > 1 and self.tiles.fused_combine
         counters = self.merge_counters(q.device, plan.grid0 * k_cache.shape[2]) if fused else out
+        # Static (T and the tiles), so a captured graph keeps it; 1: no row can own another's keys.
+        max_rows = min(num_tokens, self.tiles.decode_max_rows) if new_kv is not None else 1
         _paged_attention_kernel[(plan.grid0, k_cache.shape[2], plan.splits)](
             q, k_cache, v_cache, out, part_m, part_l, part_acc, counters, k, v, meta.slot_mapping,
             meta.cu_query_lens, meta.context_lens, meta.block_tables, meta.cu_query_lens.shape[0] - 1,
-            scale * LOG2E, sliding_window if sliding_window is not None else 0,
+            scale * LOG2E, sliding_window if sliding_window is not None else 0, max_rows,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -226,9 +243,10 @@ class TritonAttention:
             FUSED_STORE=new_kv is not None,
             IS_DECODE=meta.is_decode, HAS_WINDOW=sliding_window is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            DOT_UPCAST=_INTERPRET and q.dtype == torch.bfloat16,
-            num_warps=self.tiles.num_warps, num_stages=self.tiles.num_stages)
+            DOT_UPCAST=_INTERPRET and q.dtype == torch.bfloat16, MULTI_ROW=max_rows > 1,
+            num_warps=self.tiles.num_warps, num_stages=self.tiles.num_stages, **launch_kwargs(q))
         if plan.splits > 1 and not fused:
             _combine_splits_kernel[(num_tokens, num_heads)](
                 part_m, part_l, part_acc, out, out.stride(0), out.stride(1),
-                NUM_SPLITS=plan.splits, HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad, num_warps=self.tiles.num_warps)
+                NUM_SPLITS=plan.splits, HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad, num_warps=self.tiles.num_warps,
+                **launch_kwargs(q))

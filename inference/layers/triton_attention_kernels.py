@@ -8,6 +8,8 @@ import os
 import triton
 import triton.language as tl
 
+from inference.layers.pdl import launch_dependents, wait
+
 LOG2E = 1.4426950408889634
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -16,10 +18,12 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
                      NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     HEAD_DIM_PAD: tl.constexpr, PAGE: tl.constexpr):
+                     HEAD_DIM_PAD: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr):
+    launch_dependents(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, HEADS_PAD)
     d = tl.arange(0, HEAD_DIM_PAD)
+    wait(PDL)
     # The slot is loaded once per head row: a scalar term in a load mask trips Triton's interpreter.
     slot = tl.load(slot_ptr + t + h * 0).to(tl.int64)[:, None]
     mask = (h[:, None] < NUM_HEADS) & (d[None, :] < HEAD_DIM) & (slot >= 0)
@@ -44,17 +48,20 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, kc_ptr, vc_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, counter_ptr,
-    k_ptr, v_ptr, slot_ptr, cu_q_ptr, ctx_ptr, bt_ptr, num_seqs, qk_scale, window,
+    k_ptr, v_ptr, slot_ptr, cu_q_ptr, ctx_ptr, bt_ptr, num_seqs, qk_scale, window, max_rows,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
     stride_kt, stride_kh, stride_vt, stride_vh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLIT_TILES: tl.constexpr, FUSED_COMBINE: tl.constexpr, FUSED_STORE: tl.constexpr,
     IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    MULTI_ROW: tl.constexpr, PDL: tl.constexpr,
 ):
+    launch_dependents(PDL)  # the next kernel (o_proj) waits for this whole grid before it reads `out`
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    wait(PDL)  # q/k/v, the caches and the metadata are written by earlier kernels and copies
     if IS_DECODE:  # one token per sequence: token index == sequence index
         seq = pid
         q_start = pid
@@ -111,6 +118,13 @@ def _paged_attention_kernel(
         if FUSED_STORE:  # the cache slot of key ctx - 1 may not be written yet: take the new key itself
             is_new = k_pos == ctx - 1
             k_t = tl.where(is_new[None, :], k_new[:, None], k_t)
+        if MULTI_ROW:  # keys ctx - max_rows .. ctx - 2 may be new keys of other rows of this launch
+            owner = tl.full([BLOCK_N], -1, tl.int64)
+            near = (lo + t * BLOCK_N + BLOCK_N > ctx - max_rows) & (lo + t * BLOCK_N < ctx - 1)
+            if near:  # only the last tile or two: the others skip it all
+                owner = _launch_owners(slot_ptr, seq, k_pos, page, ctx, max_rows, num_seqs, PAGE)
+                k_own = _owned_k(k_ptr, kc_ptr, owner, kvh, d, d_valid, stride_kt, stride_kh)
+                k_t = tl.where(owner[None, :] >= 0, k_own, k_t)
         s = _dot(q, k_t, DOT_PRECISION, DOT_UPCAST) * qk_scale
         allowed = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
         if HAS_WINDOW:
@@ -125,6 +139,12 @@ def _paged_attention_kernel(
         v = tl.load(vc_ptr + kv_off[:, None] + d[None, :], mask=k_valid[:, None] & d_valid[None, :], other=0.0)
         if FUSED_STORE:
             v = tl.where(is_new[:, None], v_new[None, :], v)
+        if MULTI_ROW:  # noqa: SIM102 - `near` exists only under the constexpr, so the two ifs stay apart
+            if near:
+                owned = owner >= 0
+                v_own = tl.load(v_ptr + tl.maximum(owner, 0)[:, None] * stride_vt + kvh * stride_vh + d[None, :],
+                                mask=owned[:, None] & d_valid[None, :], other=0.0)
+                v = tl.where(owned[:, None], v_own.to(vc_ptr.dtype.element_ty), v)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
 
@@ -155,10 +175,42 @@ def _paged_attention_kernel(
 
 
 @triton.jit
+def _launch_owners(slot_ptr, seq, k_pos, page, ctx, max_rows, num_rows, PAGE: tl.constexpr):
+    """Per key of the tile: the row of this launch that writes it (stores its new k/v at its slot), or -1.
+
+    Key p = ctx - 1 - j (1 <= j < max_rows) of row `seq` is written in this launch iff another row of the
+    same sequence stands for position p; the rows of a sequence are consecutive (ascending or descending
+    in position), so that is row seq - j or seq + j, and it is the one whose slot equals p's cache slot.
+    Slots are unique, so rows of other sequences never match, nor do padded rows (slot -1)."""
+    j = ctx - 1 - k_pos
+    cand = (j >= 1) & (j < max_rows)
+    slot = page * PAGE + k_pos % PAGE
+    before = seq - j
+    after = seq + j
+    # Masked loads: no memory is read where no candidate row exists.
+    slot_b = tl.load(slot_ptr + before, mask=cand & (before >= 0), other=-1).to(tl.int64)
+    slot_a = tl.load(slot_ptr + after, mask=cand & (after < num_rows), other=-1).to(tl.int64)
+    owner = tl.where(cand & (slot_b == slot), before, -1)
+    owner = tl.where(cand & (slot_a == slot) & (owner < 0), after, owner)
+    return owner.to(tl.int64)
+
+
+@triton.jit
+def _owned_k(k_ptr, kc_ptr, owner, kvh, d, d_valid, stride_kt, stride_kh):
+    """K tile [HEAD_DIM_PAD, BLOCK_N] of the owner rows' new keys in the cache dtype (the bytes each owner
+    row stores); zeros where owner < 0, which loads nothing."""
+    owned = owner >= 0
+    k_rows = k_ptr + tl.maximum(owner, 0)[None, :] * stride_kt + kvh * stride_kh
+    k = tl.load(k_rows + d[:, None], mask=d_valid[:, None] & owned[None, :], other=0.0)
+    return k.to(kc_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _store_new_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, seq, kvh, d, d_valid, split,
                   stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch, PAGE: tl.constexpr):
     """The new token's k and v [HEAD_DIM_PAD] of one kv head, in the cache dtype; split 0 stores them at
-    the token's slot (none for slot < 0). No program of the launch reads that slot's bytes."""
+    the token's slot (none for slot < 0). No row of the launch reads that slot's bytes: the other rows of
+    its sequence take them from k/v too (_launch_owners, _owned_k)."""
     tok = seq.to(tl.int64)
     k_new = tl.load(k_ptr + tok * stride_kt + kvh * stride_kh + d, mask=d_valid, other=0.0).to(kc_ptr.dtype.element_ty)
     v_new = tl.load(v_ptr + tok * stride_vt + kvh * stride_vh + d, mask=d_valid, other=0.0).to(vc_ptr.dtype.element_ty)
@@ -209,9 +261,12 @@ def _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr, part, d, n_active, row
 
 @triton.jit
 def _combine_splits_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_ot, stride_oh,
-                           NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+                           NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                           PDL: tl.constexpr):
+    launch_dependents(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    wait(PDL)
     base = (t * tl.num_programs(1) + h) * NUM_SPLITS
     s = base + tl.arange(0, NUM_SPLITS)
     d = tl.arange(0, HEAD_DIM_PAD)
