@@ -35,7 +35,12 @@ from scripts.bench_attention import decode_case, graph_replay, timer
 VARIANTS = {"previous": {"decode_split_tiles": 1, "fused_combine": False, "fused_decode_store": False},
             "split1": {"decode_split_tiles": 1},
             "split4": {"decode_split_tiles": 4},
-            "auto": {}}
+            "auto": {},
+            "n128": {"decode_block_n": 128, "decode_split_tiles": 1},
+            "n256": {"decode_block_n": 256, "decode_split_tiles": 1},
+            "n256w8": {"decode_block_n": 256, "decode_split_tiles": 1, "num_warps": 8},
+            "n128w8": {"decode_block_n": 128, "decode_split_tiles": 1, "num_warps": 8},
+            "rows1": {"decode_max_rows": 1}}
 
 
 def widen(meta: AttentionMetadata, width: int) -> AttentionMetadata:

@@ -1,11 +1,16 @@
-"""Where a decode step's GPU time goes: kernel table of eager decode steps under torch.profiler.
+"""Where a decode step's GPU time goes: a kernel table of decode steps under torch.profiler.
 
-A development tool (not a benchmark): prints the top kernels by total CUDA time for one shape/batch.
+A development tool (not a benchmark). Eager (default): the top kernels of a few engine steps. With
+--graph: the captured decode graph of the batch's size replayed --steps times; prints the kernel table,
+then one JSON line with the step's wall time, the sum of its kernel times and the idle time between
+kernels (what launches and dependencies cost inside the graph). --trace PATH writes a chrome trace.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -14,25 +19,69 @@ from inference.core import SamplingParams
 from scripts.bench_generate import SHAPES, hf_model, our_llm
 
 
+def kernel_spans(prof: profile) -> list[tuple[str, float, float]]:
+    """(name, start us, duration us) of every GPU kernel the profiler saw, in start order."""
+    spans = [(e.name, e.time_range.start, e.time_range.elapsed_us()) for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0]
+    return sorted(spans, key=lambda s: s[1])
+
+
+def graph_report(llm, batch: int, steps: int) -> tuple[profile, dict]:
+    graphs = llm.worker.runner.graphs
+    bs = next(b for b in graphs.sizes if b >= batch)
+    for _ in range(5):
+        graphs.graphs[bs].replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        graphs.graphs[bs].replay()
+    end.record()
+    torch.cuda.synchronize()
+    step_us = start.elapsed_time(end) * 1e3 / steps
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            graphs.graphs[bs].replay()
+        torch.cuda.synchronize()
+    spans = kernel_spans(prof)
+    busy = sum(d for _, _, d in spans) / steps
+    per_name: dict[str, float] = defaultdict(float)
+    for name, _, d in spans:
+        per_name[name] += d / steps
+    top = sorted(per_name.items(), key=lambda kv: -kv[1])[:12]
+    return prof, dict(batch=batch, graph_size=bs, step_us=round(step_us, 1), kernels_per_step=len(spans) / steps,
+                      kernel_us=round(busy, 1), idle_us=round(step_us - busy, 1),
+                      top_us={k[:60]: round(v, 1) for k, v in top})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen2-0.5b", choices=sorted(SHAPES))
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--graph", action="store_true", help="profile the captured decode graph's replays")
+    ap.add_argument("--trace", default="", help="write a chrome trace here")
     args = ap.parse_args()
-    llm = our_llm(hf_model(args.shape, 512), args.batch, 512, enforce_eager=True)
-    prompts = [[1 + i] * 64 for i in range(args.batch)]
+    llm = our_llm(hf_model(args.shape, 512), args.batch, 512, enforce_eager=not args.graph)
+    prompts = [[1 + i] * 128 for i in range(args.batch)]
     params = SamplingParams(temperature=0.0, max_tokens=1 + 2 * args.steps, ignore_eos=True)
     ids = [llm.add_request(p, params) for p in prompts]
     llm.step()  # prefill
     for _ in range(args.steps // 2):
         llm.step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        for _ in range(args.steps // 2):
-            llm.step()
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+    if args.graph:
+        prof, report = graph_report(llm, args.batch, args.steps)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+        print(json.dumps(report))
+    else:
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            for _ in range(args.steps // 2):
+                llm.step()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
     assert ids
 
 

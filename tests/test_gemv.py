@@ -75,6 +75,30 @@ def test_gemv_split_k_and_kinds(kind: str, split_k: int, with_bias: bool) -> Non
     close(gemv(x, w, bias, config=cfg), _reference(x, w, bias))
 
 
+def _split_sum_both_ways(monkeypatch: pytest.MonkeyPatch, device: str) -> None:
+    """Split-K summed by the last split to finish equals the two-launch sum bit for bit, and every
+    merge counter is back to zero afterwards (the next launch, or a graph replay, starts clean)."""
+    x, w, b = _operands(3, 45, 200, dtype=torch.float16, device=device)
+    for kind in KINDS:
+        cfg = GemvConfig(block_n=16 if kind == "dot" else 8, block_k=32, split_k=3, kind=kind)
+        monkeypatch.setattr(gemv_mod, "FUSED_SPLIT", False)
+        two_launches = gemv(x, w, b, config=cfg)
+        monkeypatch.setattr(gemv_mod, "FUSED_SPLIT", True)
+        fused = gemv(x, w, b, config=cfg)
+        assert torch.equal(fused, two_launches), kind
+        assert not gemv_mod.merge_counters(x.device, 1).any(), kind
+        close(fused, _reference(x, w, b))
+
+
+def test_fused_split_merge_equals_split_sum(monkeypatch: pytest.MonkeyPatch) -> None:
+    _split_sum_both_ways(monkeypatch, "cpu")
+
+
+@pytest.mark.cuda
+def test_fused_split_merge_equals_split_sum_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    _split_sum_both_ways(monkeypatch, "cuda")
+
+
 def test_gemv_reads_strided_rows() -> None:
     x, w, b = _operands(4, 33, 96, dtype=torch.float16)
     wide = torch.cat([x, x], dim=1)[:, :96]  # rows with stride 192

@@ -50,6 +50,12 @@ _KINDS = {"lanes": 0, "reduce": 1, "dot": 2}
 NORM_MAX_K = 8192
 # SIDECAR_NORM_GEMV=0 keeps the pre-norms in their own add_rms_norm launch.
 NORM_ENABLED = os.environ.get("SIDECAR_NORM_GEMV", "1") != "0"
+# SIDECAR_GEMV_PREFETCH=0: load each weight tile in its own K step, after PDL's wait (A/B benchmarks).
+PREFETCH = os.environ.get("SIDECAR_GEMV_PREFETCH", "1") != "0"
+# SIDECAR_GEMV_FUSED_SPLIT=0: split-K partials are summed by a second launch, not by the last split.
+FUSED_SPLIT = os.environ.get("SIDECAR_GEMV_FUSED_SPLIT", "1") != "0"
+# SIDECAR_ROPE_GEMV=0 keeps rotary in its own launch after the qkv projection.
+ROPE_ENABLED = os.environ.get("SIDECAR_ROPE_GEMV", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -184,23 +190,32 @@ if triton is not None:
         return rstd
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, r_ptr, nw_ptr, res_out_ptr, M, N, K, stride_xm, stride_rm,
-                     k_per_split, eps, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr,
-                     HAS_RES: tl.constexpr, PARTIAL: tl.constexpr, KIND: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_ROWS: tl.constexpr, NORM_BLOCK: tl.constexpr,
-                     PDL: tl.constexpr):
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, r_ptr, nw_ptr, res_out_ptr, pos_ptr,
+                     cs_ptr, M, N, K, stride_xm, stride_rm, k_per_split, eps, rot_rows, HAS_BIAS: tl.constexpr,
+                     SILU_MUL: tl.constexpr,
+                     NORM: tl.constexpr, HAS_RES: tl.constexpr, PARTIAL: tl.constexpr, MERGE: tl.constexpr,
+                     SPLIT: tl.constexpr, KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, NORM_ROWS: tl.constexpr, NORM_BLOCK: tl.constexpr,
+                     ROPE: tl.constexpr, HALF: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
         launch_dependents(PDL)
         pid_k = tl.program_id(1)
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = rows < N
+        if ROPE:  # the block's rows are pairs (j, j + HALF) of a head, interleaved: a rotation's two inputs
+            pair = rows // 2
+            rows = (pair // HALF) * (2 * HALF) + (rows % 2) * HALF + pair % HALF
         ms = tl.arange(0, BLOCK_M)
         ks = tl.arange(0, BLOCK_K)
-        n_mask = rows < N
         m_mask = ms < M
         k_start = pid_k * k_per_split
         k_end = tl.minimum(k_start + k_per_split, K)
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
         x_rows = x_ptr + ms.to(tl.int64)[:, None] * stride_xm
         r_rows = r_ptr + ms.to(tl.int64)[:, None] * stride_rm
+        # The first weight tile is loaded before wait: no kernel of a step writes weights, so under PDL
+        # its latency hides behind the previous kernel's tail. Each step then loads the next tile ahead.
+        k = k_start + ks
+        w_next = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < k_end)[None, :], other=0.0)
         wait(PDL)
         if NORM:  # every program needs its rows' variance over all of K; program (0, 0) writes x + r
             first = (tl.program_id(0) == 0) & (pid_k == 0)
@@ -215,7 +230,12 @@ if triton is not None:
         for k0 in range(k_start, k_end, BLOCK_K):
             k = k0 + ks
             k_mask = k < k_end
-            w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            w = w_next
+            if PREFETCH:
+                w_next = tl.load(w_rows + (k + BLOCK_K)[None, :],
+                                 mask=n_mask[:, None] & (k + BLOCK_K < k_end)[None, :], other=0.0)
+            else:
+                w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             xk = _x_tile(x_rows, r_rows, nw_ptr, rstd, k, k_mask, m_mask[:, None] & k_mask[None, :], K,
                          SILU_MUL, NORM, HAS_RES)
             if KIND == 0:
@@ -231,11 +251,50 @@ if triton is not None:
         offs = ms[:, None] * N + rows[None, :]
         out_mask = m_mask[:, None] & n_mask[None, :]
         if PARTIAL:
-            tl.store(out_ptr + pid_k * M * N + offs, y, mask=out_mask)
+            tl.store(part_ptr + pid_k * M * N + offs, y, mask=out_mask)
+            if MERGE:  # the last split of this row block to finish sums all of them, in split order
+                tl.debug_barrier()  # every thread's partial is stored before the release
+                count = counter_ptr + tl.program_id(0)
+                ticket = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
+                if ticket == SPLIT - 1:
+                    _merge_splits(part_ptr, b_ptr, out_ptr, offs, rows, n_mask, out_mask, M * N,
+                                  SPLIT, HAS_BIAS, BLOCK_M, BLOCK_N)
+                    tl.store(count, 0)
         else:
             if HAS_BIAS:
                 y += tl.load(b_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            if ROPE:
+                y = _rotate_pairs(y, rows, ms, m_mask, pos_ptr, cs_ptr, rot_rows, out_ptr.dtype.element_ty,
+                                  HALF, BLOCK_M, BLOCK_N)
             tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+    @triton.jit
+    def _rotate_pairs(y, rows, ms, m_mask, pos_ptr, cs_ptr, rot_rows, dt: tl.constexpr, HALF: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Rotary (neox) on [BLOCK_M, BLOCK_N] fp32 outputs whose columns are interleaved pairs (j, j + HALF)
+        of one head, rows below rot_rows only (q and k; v passes through), at positions pos[m]. Rounds
+        exactly as the projection's output followed by _rotary_qk_kernel does."""
+        a, b = tl.split(tl.reshape(y.to(dt).to(tl.float32), (BLOCK_M, BLOCK_N // 2, 2)))
+        row_a, _ = tl.split(tl.reshape(rows, (BLOCK_N // 2, 2)))
+        j = row_a % (2 * HALF)
+        pos = tl.load(pos_ptr + ms, mask=m_mask, other=0).to(tl.int64)[:, None] * (2 * HALF)
+        cos = tl.load(cs_ptr + pos + j[None, :]).to(dt).to(tl.float32)
+        sin = tl.load(cs_ptr + pos + HALF + j[None, :]).to(dt).to(tl.float32)
+        lo = (a * cos).to(dt).to(tl.float32) + (-b * sin).to(dt).to(tl.float32)
+        hi = (b * cos).to(dt).to(tl.float32) + (a * sin).to(dt).to(tl.float32)
+        rot = (row_a < rot_rows)[None, :]
+        return tl.reshape(tl.join(tl.where(rot, lo, a), tl.where(rot, hi, b)), (BLOCK_M, BLOCK_N))
+
+    @triton.jit
+    def _merge_splits(part_ptr, b_ptr, out_ptr, offs, rows, n_mask, out_mask, MN, SPLIT: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """out = sum of the SPLIT fp32 partials (in split order, as _split_sum_kernel adds them) + bias."""
+        y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            y += tl.load(part_ptr + s * MN + offs, mask=out_mask, other=0.0)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
 
     @triton.jit
     def _split_sum_kernel(p_ptr, b_ptr, out_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -252,6 +311,22 @@ if triton is not None:
         tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def merge_counters(device: torch.device, size: int) -> torch.Tensor:
+    """An int32 buffer of at least `size` zeros shared by every split launch on `device` (the merging
+    program of each row block resets its counter, so the buffer is all zeros between launches; launches
+    on one device run on one stream at a time). Outgrown buffers stay alive: captured graphs hold them."""
+    buffers = _COUNTERS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < size:
+        if device.type == "cuda":
+            assert not torch.cuda.is_current_stream_capturing(), "run the projection once before capturing"
+        buffers.append(torch.zeros(max(size, 4096, 2 * buffers[-1].numel() if buffers else 0),
+                                   dtype=torch.int32, device=device))
+    return buffers[-1]
+
+
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
 @dataclass(frozen=True)
 class _Norm:
     """norm_gemv's prologue operands: residual (or None), the RMSNorm weight and eps, and res_out."""
@@ -262,12 +337,38 @@ class _Norm:
     res_out: torch.Tensor
 
 
+@dataclass(frozen=True)
+class RopeOperands:
+    """A qkv projection's rotary (neox style), applied in its epilogue: positions [M], the fp32
+    [max_positions, head_dim] cos|sin table, and how many leading output rows rotate (q and k heads)."""
+
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    rotated_rows: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.cos_sin_cache.shape[1]
+
+
+def use_rope_gemv(x: torch.Tensor, weight: torch.Tensor, rope: RopeOperands) -> bool:
+    """Whether the projection x W^T can rotate its own output (no split-K: the rotation needs the sums)."""
+    d, (m, n) = rope.head_dim, (x.shape[0], weight.shape[0])
+    if not (ROPE_ENABLED and use_gemv(x, weight) and d >= 2 and d & (d - 1) == 0 and n % d == 0):
+        return False
+    cfg = pick_config(m, n, weight.shape[1], _num_sms(x.device))
+    return (cfg.split_k == 1 and cfg.block_n % 2 == 0 and rope.positions.shape == (m,)
+            and rope.cos_sin_cache.dtype == torch.float32 and rope.cos_sin_cache.is_contiguous()
+            and rope.positions.device == x.device == rope.cos_sin_cache.device and rope.rotated_rows <= n)
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int, silu_mul: bool,
-            config: GemvConfig | None, norm: _Norm | None = None) -> torch.Tensor:
+            config: GemvConfig | None, norm: _Norm | None = None, rope: RopeOperands | None = None) -> torch.Tensor:
     m, n = x.shape[0], weight.shape[0]
     assert weight.shape[1] == k and x.stride(-1) == 1 and weight.is_contiguous(), (x.shape, weight.shape)
     assert bias is None or (bias.shape == (n,) and bias.is_contiguous()), None if bias is None else bias.shape
     cfg = config or pick_config(m, n, k, _num_sms(x.device))
+    assert rope is None or (cfg.split_k == 1 and cfg.block_n % 2 == 0 and n % rope.head_dim == 0), (cfg, n)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_k = cfg.block_k
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), block_k) * block_k
@@ -278,16 +379,23 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k:
     assert cfg.kind != "dot" or cfg.block_n >= 16, cfg
     res = norm.residual if norm is not None and norm.residual is not None else x
     pdl = launch_kwargs(x)
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
-        x, weight, b, dest, res, x if norm is None else norm.weight, x if norm is None else norm.res_out,
-        m, n, k, x.stride(0), res.stride(0), k_per_split, 0.0 if norm is None else norm.eps,
+    blocks = triton.cdiv(n, cfg.block_n)
+    merge = partial and FUSED_SPLIT
+    counters = merge_counters(x.device, blocks) if merge else out
+    pos, table = (rope.positions, rope.cos_sin_cache) if rope is not None else (x, x)
+    _gemv_kernel[(blocks, split)](
+        x, weight, b, out, dest, counters, res, x if norm is None else norm.weight, x if norm is None else norm.res_out,
+        pos, table, m, n, k, x.stride(0), res.stride(0), k_per_split, 0.0 if norm is None else norm.eps,
+        0 if rope is None else rope.rotated_rows,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None,
-        HAS_RES=norm is not None and norm.residual is not None, PARTIAL=partial, KIND=_KINDS[cfg.kind],
+        HAS_RES=norm is not None and norm.residual is not None, PARTIAL=partial, MERGE=merge,
+        SPLIT=split if merge else 1, KIND=_KINDS[cfg.kind],
         BLOCK_M=cfg.block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         NORM_ROWS=triton.next_power_of_2(m) if norm is not None else 1,
         NORM_BLOCK=triton.next_power_of_2(k) if norm is not None else 1,
+        ROPE=rope is not None, HALF=1 if rope is None else rope.head_dim // 2, PREFETCH=PREFETCH,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
-    if partial:
+    if partial and not merge:
         mn = m * n
         _split_sum_kernel[(triton.cdiv(mn, 1024),)](dest, b, out, mn, n, SPLIT=split,
                                                    HAS_BIAS=bias is not None, BLOCK=1024, **pdl)
@@ -307,10 +415,12 @@ def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, config: GemvConfi
 
 
 def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-              weight: torch.Tensor, bias: torch.Tensor | None = None,
-              config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None,
+              rope: RopeOperands | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(F.linear(h, weight, bias), s) for (h, s) = add_rms_norm(x, residual, norm_weight, eps), in one launch
-    (two with split-K), with the same bits as add_rms_norm followed by gemv with the same config.
+    (two with split-K and without the fused merge), with the same bits as add_rms_norm followed by gemv
+    with the same config. With rope (use_rope_gemv must hold), the first rope.rotated_rows outputs come
+    out rotated, with the same bits as rotary_qk on the projection's output.
 
     s is a fresh [M, K] tensor (x itself when residual is None): the inputs are never written.
     """
@@ -322,5 +432,5 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     else:
         assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
         res_out = torch.empty(m, k, dtype=x.dtype, device=x.device)
-    y = _launch(x, weight, bias, k, False, config, _Norm(residual, norm_weight, eps, res_out))
+    y = _launch(x, weight, bias, k, False, config, _Norm(residual, norm_weight, eps, res_out), rope)
     return y, res_out
