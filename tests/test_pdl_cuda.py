@@ -1,6 +1,8 @@
 """On the GPU: programmatic dependent launch changes scheduling, never results. The same bf16 model
 gives the same greedy tokens and logprobs, bit for bit, with PDL on and off, eagerly and from
-CUDA graphs (a kernel reading before its wait would show up here as a difference or a hang)."""
+CUDA graphs (a kernel reading before its wait would show up here as a difference or a hang).
+The GEMV's rotary epilogue and its weight tiles loaded ahead are held to the same rule against their
+unfused forms (the split-K merge, which this small model never takes, is in tests/test_gemv.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import pytest
 import torch
 
 from inference.core import SamplingParams
-from inference.layers import pdl
+from inference.layers import gemv, pdl
 from inference.llm import LLM
 from tests.helpers_models import make_hf_checkpoint, random_prompts
 
@@ -46,3 +48,12 @@ def test_pdl_does_not_change_results(model_dir: Path, eager: bool, monkeypatch: 
     for a, b in zip(off, on):
         assert a[0] == b[0]
         assert a[1] == b[1]
+
+
+@pytest.mark.parametrize("switch", ["ROPE_ENABLED", "PREFETCH"])  # FUSED_SPLIT: tests/test_gemv.py
+def test_gemv_fusions_do_not_change_results(model_dir: Path, switch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gemv, switch, False)
+    off = generate(model_dir, False, monkeypatch)
+    monkeypatch.setattr(gemv, switch, True)
+    on = generate(model_dir, False, monkeypatch)
+    assert off == on
