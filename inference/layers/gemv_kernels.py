@@ -132,26 +132,36 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, r_ptr, nw_
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if ROPE:
-            y = _rotate_pairs(y, rows, ms, m_mask, pos_ptr, cs_ptr, rot_rows, out_ptr.dtype.element_ty,
-                              HALF, BLOCK_M, BLOCK_N)
-        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+            _store_rotated(out_ptr, y, rows, ms, m_mask, offs, out_mask, pos_ptr, cs_ptr, N, rot_rows, HALF,
+                           BLOCK_N)
+        else:
+            tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 @triton.jit
-def _rotate_pairs(y, rows, ms, m_mask, pos_ptr, cs_ptr, rot_rows, dt: tl.constexpr, HALF: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Rotary (neox) on [BLOCK_M, BLOCK_N] fp32 outputs whose columns are interleaved pairs (j, j + HALF)
-    of one head, rows below rot_rows only (q and k; v passes through), at positions pos[m]. Rounds
-    exactly as the projection's output followed by _rotary_qk_kernel does."""
-    a, b = tl.split(tl.reshape(y.to(dt).to(tl.float32), (BLOCK_M, BLOCK_N // 2, 2)))
-    row_a, _ = tl.split(tl.reshape(rows, (BLOCK_N // 2, 2)))
-    j = row_a % (2 * HALF)
+def _store_rotated(out_ptr, y, rows, ms, m_mask, offs, out_mask, pos_ptr, cs_ptr, N, rot_rows,
+                   HALF: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store y [BLOCK_M, BLOCK_N] (fp32) rounded, with rotary (neox) on rows below rot_rows (q and k; v
+    passes through) at positions pos[m]. The block's columns are interleaved pairs (j, j + HALF) of one
+    head, so a column's partner (column ^ 1) is this program's own output: it is stored once, read back
+    after a barrier (a tensor reshape here would change the layout the compiler picks for the sums, and
+    with it their bits), and overwritten rotated. Rounds as the projection's output followed by
+    _rotary_qk_kernel does: lo = x1 cos - x2 sin, hi = x2 cos + x1 sin, each product rounded."""
+    dt = out_ptr.dtype.element_ty
+    own = y.to(dt)
+    tl.store(out_ptr + offs, own, mask=out_mask)
+    tl.debug_barrier()
+    is_hi = (tl.arange(0, BLOCK_N) % 2 == 1)[None, :]
+    partner_rows = tl.where(is_hi, rows[None, :] - HALF, rows[None, :] + HALF)  # rows[c ^ 1]
+    partner = tl.load(out_ptr + ms[:, None] * N + partner_rows, mask=out_mask, other=0.0).to(tl.float32)
+    tl.debug_barrier()  # every partner is read before any rotated value replaces it
+    j = (rows % (2 * HALF)) % HALF
     pos = tl.load(pos_ptr + ms, mask=m_mask, other=0).to(tl.int64)[:, None] * (2 * HALF)
     cos = tl.load(cs_ptr + pos + j[None, :]).to(dt).to(tl.float32)
     sin = tl.load(cs_ptr + pos + HALF + j[None, :]).to(dt).to(tl.float32)
-    lo = (a * cos).to(dt).to(tl.float32) + (-b * sin).to(dt).to(tl.float32)
-    hi = (b * cos).to(dt).to(tl.float32) + (a * sin).to(dt).to(tl.float32)
-    rot = (row_a < rot_rows)[None, :]
-    return tl.reshape(tl.join(tl.where(rot, lo, a), tl.where(rot, hi, b)), (BLOCK_M, BLOCK_N))
+    turned = (partner * sin).to(dt).to(tl.float32)  # round(-(x sin)) == -round(x sin): the sign is exact
+    rotated = (own.to(tl.float32) * cos).to(dt).to(tl.float32) + tl.where(is_hi, turned, -turned)
+    tl.store(out_ptr + offs, rotated.to(dt), mask=out_mask & (rows < rot_rows)[None, :])
+
 
 @triton.jit
 def _merge_splits(part_ptr, b_ptr, out_ptr, offs, rows, n_mask, out_mask, MN, SPLIT: tl.constexpr,
