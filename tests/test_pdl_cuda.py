@@ -1,8 +1,8 @@
 """On the GPU: programmatic dependent launch changes scheduling, never results. The same bf16 model
 gives the same greedy tokens and logprobs, bit for bit, with PDL on and off, eagerly and from
 CUDA graphs (a kernel reading before its wait would show up here as a difference or a hang).
-The GEMV's rotary epilogue and its weight tiles loaded ahead are held to the same rule against their
-unfused forms (the split-K merge, which this small model never takes, is in tests/test_gemv.py)."""
+The GEMV's weight tiles loaded ahead are held to the same rule against loads in their own K step (the
+split-K merge, which this small model never takes, is in tests/test_gemv.py)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def test_pdl_does_not_change_results(model_dir: Path, eager: bool, monkeypatch: 
         assert a[1] == b[1]
 
 
-@pytest.mark.parametrize("switch", ["ROPE_ENABLED", "PREFETCH"])  # FUSED_SPLIT: tests/test_gemv.py
+@pytest.mark.parametrize("switch", ["PREFETCH"])  # FUSED_SPLIT: tests/test_gemv.py
 def test_gemv_fusions_do_not_change_results(model_dir: Path, switch: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gemv, switch, False)
     off = generate(model_dir, False, monkeypatch)

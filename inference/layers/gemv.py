@@ -14,10 +14,7 @@ captured in a CUDA graph.
 `silu_mul_gemv` is the MLP down projection of a fused [gate; up] activation: silu(gate) * up is formed
 tile by tile in registers (rounded where the eager silu_and_mul rounds) and never written out.
 `norm_gemv` is a pre-norm projection (qkv, gate_up): the residual add and RMSNorm of add_rms_norm are
-formed the same way, each program first computing its rows' variance over the whole K. With
-`RopeOperands` it also applies the rotary to q and k in its epilogue: each program's rows are
-interleaved pairs (j, j + head_dim / 2) of one head, so both inputs of a rotation are in its registers
-(no split-K there; the same bits as the projection followed by rotary_qk).
+formed the same way, each program first computing its rows' variance over the whole K.
 """
 
 from __future__ import annotations
@@ -56,8 +53,6 @@ NORM_ENABLED = os.environ.get("SIDECAR_NORM_GEMV", "1") != "0"
 PREFETCH = os.environ.get("SIDECAR_GEMV_PREFETCH", "1") != "0"
 # SIDECAR_GEMV_FUSED_SPLIT=0: split-K partials are summed by a second launch, not by the last split.
 FUSED_SPLIT = os.environ.get("SIDECAR_GEMV_FUSED_SPLIT", "1") != "0"
-# SIDECAR_ROPE_GEMV=0 keeps rotary in its own launch after the qkv projection.
-ROPE_ENABLED = os.environ.get("SIDECAR_ROPE_GEMV", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -170,38 +165,12 @@ class _Norm:
     res_out: torch.Tensor
 
 
-@dataclass(frozen=True)
-class RopeOperands:
-    """A qkv projection's rotary (neox style), applied in its epilogue: positions [M], the fp32
-    [max_positions, head_dim] cos|sin table, and how many leading output rows rotate (q and k heads)."""
-
-    positions: torch.Tensor
-    cos_sin_cache: torch.Tensor
-    rotated_rows: int
-
-    @property
-    def head_dim(self) -> int:
-        return self.cos_sin_cache.shape[1]
-
-
-def use_rope_gemv(x: torch.Tensor, weight: torch.Tensor, rope: RopeOperands) -> bool:
-    """Whether the projection x W^T can rotate its own output (no split-K: the rotation needs the sums)."""
-    d, (m, n) = rope.head_dim, (x.shape[0], weight.shape[0])
-    if not (ROPE_ENABLED and use_gemv(x, weight) and d >= 2 and d & (d - 1) == 0 and n % d == 0):
-        return False
-    cfg = pick_config(m, n, weight.shape[1], _num_sms(x.device))
-    return (cfg.split_k == 1 and cfg.block_n % 2 == 0 and rope.positions.shape == (m,)
-            and rope.cos_sin_cache.dtype == torch.float32 and rope.cos_sin_cache.is_contiguous()
-            and rope.positions.device == x.device == rope.cos_sin_cache.device and rope.rotated_rows <= n)
-
-
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int, silu_mul: bool,
-            config: GemvConfig | None, norm: _Norm | None = None, rope: RopeOperands | None = None) -> torch.Tensor:
+            config: GemvConfig | None, norm: _Norm | None = None) -> torch.Tensor:
     m, n = x.shape[0], weight.shape[0]
     assert weight.shape[1] == k and x.stride(-1) == 1 and weight.is_contiguous(), (x.shape, weight.shape)
     assert bias is None or (bias.shape == (n,) and bias.is_contiguous()), None if bias is None else bias.shape
     cfg = config or pick_config(m, n, k, _num_sms(x.device))
-    assert rope is None or (cfg.split_k == 1 and cfg.block_n % 2 == 0 and n % rope.head_dim == 0), (cfg, n)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_k = cfg.block_k
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), block_k) * block_k
@@ -215,19 +184,16 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k:
     blocks = triton.cdiv(n, cfg.block_n)
     merge = partial and FUSED_SPLIT
     counters = merge_counters(x.device, blocks) if merge else out
-    pos, table = (rope.positions, rope.cos_sin_cache) if rope is not None else (x, x)
     _gemv_kernel[(blocks, split)](
         x, weight, b, out, dest, counters, res, x if norm is None else norm.weight, x if norm is None else norm.res_out,
-        pos, table, m, n, k, x.stride(0), res.stride(0), k_per_split, 0.0 if norm is None else norm.eps,
-        0 if rope is None else rope.rotated_rows,
+        m, n, k, x.stride(0), res.stride(0), k_per_split, 0.0 if norm is None else norm.eps,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None,
         HAS_RES=norm is not None and norm.residual is not None, PARTIAL=partial, MERGE=merge,
         SPLIT=split if merge else 1, KIND=_KINDS[cfg.kind],
         BLOCK_M=cfg.block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         NORM_ROWS=triton.next_power_of_2(m) if norm is not None else 1,
         NORM_BLOCK=triton.next_power_of_2(k) if norm is not None else 1,
-        ROPE=rope is not None, HALF=1 if rope is None else rope.head_dim // 2, PREFETCH=PREFETCH,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
+        PREFETCH=PREFETCH, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
     if partial and not merge:
         mn = m * n
         _split_sum_kernel[(triton.cdiv(mn, 1024),)](dest, b, out, mn, n, SPLIT=split,
@@ -248,12 +214,11 @@ def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, config: GemvConfi
 
 
 def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-              weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None,
-              rope: RopeOperands | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              weight: torch.Tensor, bias: torch.Tensor | None = None,
+              config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(F.linear(h, weight, bias), s) for (h, s) = add_rms_norm(x, residual, norm_weight, eps), in one launch
     (two with split-K and without the fused merge), with the same bits as add_rms_norm followed by gemv
-    with the same config. With rope (use_rope_gemv must hold), the first rope.rotated_rows outputs come
-    out rotated, with the same bits as rotary_qk on the projection's output.
+    with the same config.
 
     s is a fresh [M, K] tensor (x itself when residual is None): the inputs are never written.
     """
@@ -265,5 +230,5 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     else:
         assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
         res_out = torch.empty(m, k, dtype=x.dtype, device=x.device)
-    y = _launch(x, weight, bias, k, False, config, _Norm(residual, norm_weight, eps, res_out), rope)
+    y = _launch(x, weight, bias, k, False, config, _Norm(residual, norm_weight, eps, res_out))
     return y, res_out

@@ -58,20 +58,16 @@ def _rows_rstd(x_ptr, r_ptr, res_out_ptr, stride_xm, stride_rm, M, K, eps, write
     return rstd
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, r_ptr, nw_ptr, res_out_ptr, pos_ptr,
-                 cs_ptr, M, N, K, stride_xm, stride_rm, k_per_split, eps, rot_rows, HAS_BIAS: tl.constexpr,
-                 SILU_MUL: tl.constexpr,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, r_ptr, nw_ptr, res_out_ptr, M, N, K,
+                 stride_xm, stride_rm, k_per_split, eps, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
                  NORM: tl.constexpr, HAS_RES: tl.constexpr, PARTIAL: tl.constexpr, MERGE: tl.constexpr,
                  SPLIT: tl.constexpr, KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, NORM_ROWS: tl.constexpr, NORM_BLOCK: tl.constexpr,
-                 ROPE: tl.constexpr, HALF: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                 PREFETCH: tl.constexpr, PDL: tl.constexpr):
     launch_dependents(PDL)
     pid_k = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rows < N
-    if ROPE:  # the block's rows are pairs (j, j + HALF) of a head, interleaved: a rotation's two inputs
-        pair = rows // 2
-        rows = (pair // HALF) * (2 * HALF) + (rows % 2) * HALF + pair % HALF
     ms = tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
     m_mask = ms < M
@@ -131,37 +127,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, r_ptr, nw_
     else:
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        if ROPE:
-            _store_rotated(out_ptr, y, rows, ms, m_mask, offs, out_mask, pos_ptr, cs_ptr, N, rot_rows, HALF,
-                           BLOCK_N)
-        else:
-            tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-@triton.jit
-def _store_rotated(out_ptr, y, rows, ms, m_mask, offs, out_mask, pos_ptr, cs_ptr, N, rot_rows,
-                   HALF: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Store y [BLOCK_M, BLOCK_N] (fp32) rounded, with rotary (neox) on rows below rot_rows (q and k; v
-    passes through) at positions pos[m]. The block's columns are interleaved pairs (j, j + HALF) of one
-    head, so a column's partner (column ^ 1) is this program's own output: it is stored once, read back
-    after a barrier (a tensor reshape here would change the layout the compiler picks for the sums, and
-    with it their bits), and overwritten rotated. Rounds as the projection's output followed by
-    _rotary_qk_kernel does: lo = x1 cos - x2 sin, hi = x2 cos + x1 sin, each product rounded."""
-    dt = out_ptr.dtype.element_ty
-    own = y.to(dt)
-    tl.store(out_ptr + offs, own, mask=out_mask)
-    tl.debug_barrier()
-    is_hi = (tl.arange(0, BLOCK_N) % 2 == 1)[None, :]
-    partner_rows = tl.where(is_hi, rows[None, :] - HALF, rows[None, :] + HALF)  # rows[c ^ 1]
-    partner = tl.load(out_ptr + ms[:, None] * N + partner_rows, mask=out_mask, other=0.0).to(tl.float32)
-    tl.debug_barrier()  # every partner is read before any rotated value replaces it
-    j = (rows % (2 * HALF)) % HALF
-    pos = tl.load(pos_ptr + ms, mask=m_mask, other=0).to(tl.int64)[:, None] * (2 * HALF)
-    cos = tl.load(cs_ptr + pos + j[None, :]).to(dt).to(tl.float32)
-    sin = tl.load(cs_ptr + pos + HALF + j[None, :]).to(dt).to(tl.float32)
-    turned = (partner * sin).to(dt).to(tl.float32)  # round(-(x sin)) == -round(x sin): the sign is exact
-    rotated = (own.to(tl.float32) * cos).to(dt).to(tl.float32) + tl.where(is_hi, turned, -turned)
-    tl.store(out_ptr + offs, rotated.to(dt), mask=out_mask & (rows < rot_rows)[None, :])
-
+        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 @triton.jit
 def _merge_splits(part_ptr, b_ptr, out_ptr, offs, rows, n_mask, out_mask, MN, SPLIT: tl.constexpr,

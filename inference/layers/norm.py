@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from inference.layers.fused import add_rms_norm
-from inference.layers.gemv import RopeOperands, norm_gemv, use_norm_gemv, use_rope_gemv
+from inference.layers.gemv import norm_gemv, use_norm_gemv
 from inference.layers.linear import ColumnParallelLinear, new_param, replicated_loader
 
 
@@ -29,22 +29,15 @@ class RMSNorm(nn.Module):
         """(norm(x + residual), x + residual) in one fused pass: the pre-norm residual step."""
         return add_rms_norm(x, residual, self.weight, self.eps)
 
-    def linear(self, x: torch.Tensor, residual: torch.Tensor | None, proj: ColumnParallelLinear,
-               rope: RopeOperands | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def linear(self, x: torch.Tensor, residual: torch.Tensor | None,
+               proj: ColumnParallelLinear) -> tuple[torch.Tensor, torch.Tensor]:
         """(proj(norm(x + residual)), x + residual), or (proj(norm(x)), x) without residual.
 
         At decode batch sizes the norm runs in the GEMV's prologue (norm_gemv: one launch fewer, same
         bits); otherwise add_rms_norm, then the projection. proj is column-parallel, so its forward is
-        the bare matmul and no reduction follows. rope (only where fuses_rope holds) rotates the output's
-        leading rows in the same launch.
+        the bare matmul and no reduction follows.
         """
         if use_norm_gemv(x, proj.weight, self.weight, residual):
-            return norm_gemv(x, residual, self.weight, self.eps, proj.weight, proj.bias, rope=rope)
-        assert rope is None, "rotary in the projection needs the norm_gemv path (see fuses_rope)"
+            return norm_gemv(x, residual, self.weight, self.eps, proj.weight, proj.bias)
         h, residual = (self(x), x) if residual is None else self.add_forward(x, residual)
         return proj(h), residual
-
-    def fuses_rope(self, x: torch.Tensor, residual: torch.Tensor | None, proj: ColumnParallelLinear,
-                   rope: RopeOperands) -> bool:
-        """Whether linear(x, residual, proj, rope) can rotate in the projection's launch."""
-        return use_norm_gemv(x, proj.weight, self.weight, residual) and use_rope_gemv(x, proj.weight, rope)

@@ -14,7 +14,6 @@ from torch import nn
 
 from inference.config import RopeConfig
 from inference.layers.fused import rotary, rotary_qk, rotary_torch, use_triton
-from inference.layers.gemv import RopeOperands
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -75,10 +74,6 @@ class Rope:
         if self.fused:
             return rotary(x, self.positions, self.cache)
         return rotary_torch(x, self.cos, self.sin)
-
-    def operands(self, rotated_rows: int) -> RopeOperands | None:
-        """What a qkv GEMV needs to rotate its own first `rotated_rows` outputs (Triton path only)."""
-        return RopeOperands(self.positions, self.cache, rotated_rows) if self.fused else None
 
     def apply_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fused:

@@ -73,14 +73,12 @@ class DecoderAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
         return self.attend(self.qkv_proj(x), rope, meta)
 
-    def attend(self, qkv: torch.Tensor, rope: Rope | None, meta: AttentionMetadata) -> torch.Tensor:
-        """forward after the qkv projection (DecoderLayer fuses the input norm into that projection, and
-        the rotary too where it can: then rope is None, q and k arrive rotated)."""
+    def attend(self, qkv: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
+        """forward after the qkv projection (DecoderLayer fuses the input norm into that projection)."""
         q, k, v = self.qkv_proj.split(qkv)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            q, k = rope.apply_qk(q, k)
+        q, k = rope.apply_qk(q, k)
         out = self.attn(q, k, v, meta)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
@@ -121,13 +119,8 @@ class DecoderLayer(nn.Module):
         The residual adds are in the model dtype, as HF does, fused with the following norm, which is
         itself fused into the next projection at decode batch sizes (RMSNorm.linear).
         """
-        attn, norm = self.self_attn, self.input_layernorm
-        # Rotary in the qkv projection's epilogue (decode batch sizes; Qwen3's qk_norm comes before it).
-        fused = None if attn.qk_norm else rope.operands(attn.qkv_proj.q_size_local + attn.qkv_proj.kv_size_local)
-        if fused is not None and not norm.fuses_rope(x, residual, attn.qkv_proj, fused):
-            fused = None
-        qkv, residual = norm.linear(x, residual, attn.qkv_proj, rope=fused)
-        h = attn.attend(qkv, rope if fused is None else None, meta)
+        qkv, residual = self.input_layernorm.linear(x, residual, self.self_attn.qkv_proj)
+        h = self.self_attn.attend(qkv, rope, meta)
         gate_up, residual = self.post_attention_layernorm.linear(h, residual, self.mlp.gate_up_proj)
         return self.mlp.activate_down(gate_up), residual
 
