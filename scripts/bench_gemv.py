@@ -137,6 +137,17 @@ def cases(args: argparse.Namespace) -> list[tuple[str, str, int, int, int]]:
             if not wanted or name in wanted for m in (int(v) for v in args.m.split(","))]
 
 
+def compiles(case: Case, cfg: GemvConfig) -> bool:
+    """Run the config once; False where it asks for more shared memory or registers than an SM has."""
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        case.ours(cfg)(0)
+    except OutOfResources:
+        return False
+    return True
+
+
 def warm_shard(args: argparse.Namespace, num_sms: int) -> None:
     """Compile (into Triton's disk cache) every sweep config whose index falls in this shard."""
     shard, total = (int(v) for v in args.warm_shard.split("/"))
@@ -145,7 +156,7 @@ def warm_shard(args: argparse.Namespace, num_sms: int) -> None:
         case = Case(name, m, n, k, torch.bfloat16, flush=False)
         for cfg in sweep_configs(m, n, k, num_sms, args.grid):
             if index % total == shard:
-                case.ours(cfg)(0)
+                compiles(case, cfg)
             index += 1
         del case
     torch.cuda.synchronize()
@@ -173,7 +184,8 @@ def run_case(model: str, name: str, m: int, n: int, k: int, args: argparse.Names
     if args.sweep:
         results = []
         for cfg in sweep_configs(m, n, k, num_sms, args.grid):
-            results.append((case.time(case.ours(cfg)), cfg))
+            if compiles(case, cfg):
+                results.append((case.time(case.ours(cfg)), cfg))
         best_us, best = min(results, key=lambda r: r[0])
         case.check(best)
         row.update(best_us=round(best_us, 2), best_over_roofline=round(best_us / roof, 2),
