@@ -4,6 +4,7 @@ A development tool (not a benchmark). Eager (default): the top kernels of a few 
 --graph: the captured decode graph of the batch's size replayed --steps times; prints the kernel table,
 then one JSON line with the step's wall time, the sum of its kernel times and the idle time between
 kernels (what launches and dependencies cost inside the graph). --trace PATH writes a chrome trace.
+PDL is off here unless --pdl: with it, kernels overlap and per-kernel times add up to more than the step.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from inference.core import SamplingParams
+from inference.layers import pdl
 from scripts.bench_generate import SHAPES, hf_model, our_llm
 
 
@@ -61,7 +63,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--graph", action="store_true", help="profile the captured decode graph's replays")
     ap.add_argument("--trace", default="", help="write a chrome trace here")
+    ap.add_argument("--pdl", action="store_true", help="keep programmatic dependent launch on")
     args = ap.parse_args()
+    pdl.ENABLED = pdl.ENABLED and args.pdl
     llm = our_llm(hf_model(args.shape, 512), args.batch, 512, enforce_eager=not args.graph)
     prompts = [[1 + i] * 128 for i in range(args.batch)]
     params = SamplingParams(temperature=0.0, max_tokens=1 + 2 * args.steps, ignore_eos=True)
