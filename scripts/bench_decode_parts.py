@@ -1,12 +1,14 @@
 """Benchmark two parts of a decode step: the decode attention kernel and the sampler. One JSON line per case.
 
 Attention (Qwen2-0.5B heads by default: 14 q / 2 kv heads, head_dim 64, bf16, block 16): the same decode
-step under four tilings, each as a CUDA graph of `--layers` forwards (one step's layers; each stores
+step under six tilings, each as a CUDA graph of `--layers` forwards (one step's layers; each stores
 the new k/v and attends) with block tables as wide as max_model_len, as the engine captures them:
   previous   KV store kernel, every split writes partials, a merge kernel (the peer: three launches)
   split1     one launch: KV store fused, splits of >= 1 KV tile merged by the last split to finish
   split4     the same with splits of >= 4 tiles (single pass up to 256 keys at 64-key tiles)
-  auto       the default tiles (decode_split_tiles 2: single pass up to 128 keys)
+  general    the tiles of batch > 1 (decode_split_tiles 2: single pass up to 128 keys), also at batch 1
+  rows1      the default with the multi-row owner check compiled out (decode_max_rows 1)
+  auto       the default tiles (at batch 1: 128-key tiles on 8 warps, one per split)
 Sampler ([B, vocab] bf16 logits): `sample` against `sample_reference` (full fp32 log_softmax, the
 previous sampler), both eager (what the runner does), and the greedy path also as a graph (GPU time only).
 
@@ -32,15 +34,13 @@ from inference.layers.attention import ReferenceAttention
 from inference.sampler import SamplingBatch, sample, sample_reference
 from scripts.bench_attention import decode_case, graph_replay, timer
 
-VARIANTS = {"previous": {"decode_split_tiles": 1, "fused_combine": False, "fused_decode_store": False},
-            "split1": {"decode_split_tiles": 1},
-            "split4": {"decode_split_tiles": 4},
-            "auto": {},
-            "n128": {"decode_block_n": 128, "decode_split_tiles": 1},
-            "n256": {"decode_block_n": 256, "decode_split_tiles": 1},
-            "n256w8": {"decode_block_n": 256, "decode_split_tiles": 1, "num_warps": 8},
-            "n128w8": {"decode_block_n": 128, "decode_split_tiles": 1, "num_warps": 8},
-            "rows1": {"decode_max_rows": 1}}
+VARIANTS = {"previous": {"decode_split_tiles": 1, "fused_combine": False, "fused_decode_store": False,
+                         "single_decode_block_n": 0},
+            "split1": {"decode_split_tiles": 1, "single_decode_block_n": 0},
+            "split4": {"decode_split_tiles": 4, "single_decode_block_n": 0},
+            "general": {"single_decode_block_n": 0},  # batch 1 on the tiles of every other batch
+            "rows1": {"decode_max_rows": 1},  # the multi-row owner check compiled out
+            "auto": {}}
 
 
 def widen(meta: AttentionMetadata, width: int) -> AttentionMetadata:

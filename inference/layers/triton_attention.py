@@ -19,7 +19,8 @@ choice is made per sequence on the device, so one graph captured for max_model_l
 Decode also stores the new token's k/v itself (split 0 writes them; every split takes key ctx - 1 from
 k/v rather than from the cache), so a decode layer is one launch instead of store + attention + merge.
 On an H200 (0.5B heads, batch 1) one pass over 4 KV tiles was slower than 4 splits of one tile each,
-over 2 tiles faster: hence decode_split_tiles = 2; scripts/bench_decode_parts.py compares.
+over 2 tiles faster: hence decode_split_tiles = 2; a one-sequence launch (batch 1) does better still
+with 128-key tiles on 8 warps, one per split (tiles.for_decode); scripts/bench_decode_parts.py compares.
 Several rows of one sequence in a decode launch (spec-decode verify, inference/decode_rows.py): row i + 1
 needs row i's new key, which row i's split 0 stores in this same launch, and programs run in no fixed
 order on a GPU. So no row reads another row's new k/v from the cache: for keys ctx - max_rows .. ctx - 2
@@ -43,7 +44,7 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -85,10 +86,22 @@ class TritonAttentionTiles:
     num_stages: int = 2
     max_splits: int = 32
     num_splits: int | None = None
+    # A one-sequence decode launch (batch 1) is latency-bound: it takes longer KV tiles on more warps, one
+    # tile per split (on an H200, 0.5B heads: 4.3 / 5.2 us a layer at 128 / 256 keys against 4.7 / 6.0 us
+    # with the tiles above; at batch 128 the same tiles are much slower). 0 keeps the tiles above.
+    single_decode_block_n: int = 128
+    single_decode_num_warps: int = 8
+
+    def for_decode(self, num_seqs: int) -> TritonAttentionTiles:
+        """The tiles a decode launch of num_seqs sequences uses (a static shape: graph-safe)."""
+        if num_seqs != 1 or not self.single_decode_block_n:
+            return self
+        return replace(self, decode_block_n=self.single_decode_block_n, decode_split_tiles=1,
+                       num_warps=self.single_decode_num_warps)
 
     def __post_init__(self) -> None:
         blocks = (self.prefill_block_m, self.prefill_block_n, self.fp32_prefill_block_m,
-                  self.fp32_prefill_block_n, self.decode_block_n)
+                  self.fp32_prefill_block_n, self.decode_block_n, self.single_decode_block_n or 16)
         assert all(b >= 16 and b & (b - 1) == 0 for b in blocks), blocks
         assert self.num_splits is None or (self.num_splits >= 1 and self.num_splits & (self.num_splits - 1) == 0)
         assert self.decode_split_tiles >= 1, self.decode_split_tiles
@@ -105,6 +118,8 @@ class LaunchPlan:
     block_n: int  # keys per KV tile
     splits: int  # KV splits per (sequence, kv head); > 1 only in decode
     block_b: int  # power of two >= number of sequences (prefill's on-device tile -> sequence search)
+    split_tiles: int = 1  # decode: the fewest KV tiles a split takes
+    num_warps: int = 4
 
 
 def _pow2_at_least(n: int, floor: int = 1) -> int:
@@ -198,16 +213,18 @@ class TritonAttention:
         if meta.is_decode:
             assert num_seqs == num_tokens, (num_seqs, num_tokens)
             sms = _num_sms(q.device.index or 0) if q.is_cuda else 4
+            tiles = tiles.for_decode(num_seqs)
             splits = decode_num_splits(num_seqs, num_kv_heads, meta.block_tables.shape[1], page, tiles, sms)
             # A decode tile is one token: its group's heads are padded to 16 rows for tl.dot.
-            return LaunchPlan(num_seqs, _pow2_at_least(group, 16), 1, tiles.decode_block_n, splits, 1)
+            return LaunchPlan(num_seqs, _pow2_at_least(group, 16), 1, tiles.decode_block_n, splits, 1,
+                              tiles.decode_split_tiles, tiles.num_warps)
         fp32 = q.dtype == torch.float32
         block_m = tiles.fp32_prefill_block_m if fp32 else tiles.prefill_block_m
         block_n = tiles.fp32_prefill_block_n if fp32 else tiles.prefill_block_n
         group_pad = _pow2_at_least(group)
         block_q = max(1, block_m // group_pad)
         return LaunchPlan(num_tokens // block_q + num_seqs, group_pad, block_q, block_n, 1,
-                          _pow2_at_least(num_seqs))
+                          _pow2_at_least(num_seqs), num_warps=tiles.num_warps)
 
     def _launch(self, q: torch.Tensor, new_kv: tuple[torch.Tensor, torch.Tensor] | None, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata, scale: float,
@@ -239,12 +256,12 @@ class TritonAttention:
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             GROUP=num_heads // k_cache.shape[2], GROUP_PAD=plan.group_pad, HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad,
             PAGE=k_cache.shape[1], BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, BLOCK_B=plan.block_b,
-            NUM_SPLITS=plan.splits, SPLIT_TILES=self.tiles.decode_split_tiles, FUSED_COMBINE=fused,
+            NUM_SPLITS=plan.splits, SPLIT_TILES=plan.split_tiles, FUSED_COMBINE=fused,
             FUSED_STORE=new_kv is not None,
             IS_DECODE=meta.is_decode, HAS_WINDOW=sliding_window is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             DOT_UPCAST=_INTERPRET and q.dtype == torch.bfloat16, MULTI_ROW=max_rows > 1,
-            num_warps=self.tiles.num_warps, num_stages=self.tiles.num_stages, **launch_kwargs(q))
+            num_warps=plan.num_warps, num_stages=self.tiles.num_stages, **launch_kwargs(q))
         if plan.splits > 1 and not fused:
             _combine_splits_kernel[(num_tokens, num_heads)](
                 part_m, part_l, part_acc, out, out.stride(0), out.stride(1),
