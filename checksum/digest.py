@@ -23,7 +23,8 @@ import torch
 
 from checksum import definition
 from checksum.definition import digest_bytes
-from checksum.staging import CudaStaging, HostStaging, Job, Staging, run_jobs
+from checksum.staging import Job, run_jobs
+from checksum.staging_buffers import CudaStaging, HostStaging, Staging
 
 DEFAULT_CHUNK_BYTES = 16 << 20  # big enough for full D2H bandwidth, small enough to pipeline; divides a segment
 DEFAULT_MAX_QUEUED_COPIES = 6

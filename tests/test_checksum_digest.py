@@ -17,7 +17,7 @@ import torch
 import xxhash
 
 import checksum.definition
-import checksum.staging
+import checksum.staging_buffers
 from checksum import Digester, TensorRecord, digest_bytes, digest_tensor, digest_tensors
 from checksum.staging import Job, run_jobs
 
@@ -238,19 +238,19 @@ def test_a_failing_copy_raises_and_the_digester_still_works(monkeypatch: pytest.
     """An error in the staging pipeline surfaces in the caller (no hang), and the next run is clean."""
     tensors = mixed_tensors()
     digester = Digester(3, chunk_bytes=64, num_buffers=3, max_queued_copies=2, staging="always")
-    real_copy = checksum.staging.HostStaging.copy
+    real_copy = checksum.staging_buffers.HostStaging.copy
     calls = {"n": 0}
 
-    def failing_copy(self: checksum.staging.HostStaging, buf: int, src: torch.Tensor) -> None:
+    def failing_copy(self: checksum.staging_buffers.HostStaging, buf: int, src: torch.Tensor) -> None:
         calls["n"] += 1
         if calls["n"] == 5:
             raise RuntimeError("simulated copy failure")
         real_copy(self, buf, src)
 
-    monkeypatch.setattr(checksum.staging.HostStaging, "copy", failing_copy)
+    monkeypatch.setattr(checksum.staging_buffers.HostStaging, "copy", failing_copy)
     with pytest.raises(RuntimeError, match="simulated copy failure"):
         digester.digest(tensors)
-    monkeypatch.setattr(checksum.staging.HostStaging, "copy", real_copy)
+    monkeypatch.setattr(checksum.staging_buffers.HostStaging, "copy", real_copy)
     assert digester.digest(tensors) == Digester(1).digest(tensors)
 
 
@@ -261,13 +261,13 @@ def test_small_tensors_are_staged_in_packs_yet_digested_one_by_one(monkeypatch: 
     tensors["large"] = random_tensor((3000,), torch.float32, 98)  # over half a chunk: staged on its own
     expected = [xxh(storage_bytes(t.contiguous())) for t in tensors.values()]
     copies: list[int] = []
-    real_copy = checksum.staging.HostStaging.copy
+    real_copy = checksum.staging_buffers.HostStaging.copy
 
-    def counting_copy(self: checksum.staging.HostStaging, buf: int, src: torch.Tensor) -> None:
+    def counting_copy(self: checksum.staging_buffers.HostStaging, buf: int, src: torch.Tensor) -> None:
         copies.append(src.numel())
         real_copy(self, buf, src)
 
-    monkeypatch.setattr(checksum.staging.HostStaging, "copy", counting_copy)
+    monkeypatch.setattr(checksum.staging_buffers.HostStaging, "copy", counting_copy)
     with Digester(3, chunk_bytes=4096, staging="always") as digester:
         assert [r.digest for r in digester.digest(tensors)] == expected
     assert len(copies) <= 10 and sum(copies) == sum(t.numel() * 4 for t in tensors.values())
