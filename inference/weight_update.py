@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import os
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,70 +43,12 @@ from inference.transfer.groups import InitInfo, TransferError
 from inference.transfer.plan import ManifestCache, ParsedManifest
 from inference.transfer.receiver import WeightReceiver
 from inference.transfer.target import Fault, Routing, UpdateTarget, route_manifest
+from inference.weight_state import ModelWeightState, RouteCache, Session, UpdateResult, parameter_slots
 
 log = logging.getLogger(__name__)
 
 WEIGHT_ARENAS = {"target": "weights", "draft": "draft_weights"}  # the tags inference.worker gives them
 FAULT_ENV = "SIDECAR_WEIGHT_FAULT"  # test-only: "flip:<tensor name>" flips a byte of that tensor on arrival
-
-
-@dataclass
-class ModelWeightState:
-    version: int = 0
-    torn: bool = False
-    torn_reason: str | None = None
-    loaded: bool = True  # False after reset_weights until a sync passes its audit
-
-
-@dataclass
-class _Session:
-    which: str
-    version: int
-    specs: ParsedManifest
-    target: UpdateTarget
-    bytes_moved: bool = False
-    received: bool = False
-    held_digests: Future[list[TensorRecord]] | None = None  # started when the last byte landed
-
-
-@dataclass(frozen=True)
-class UpdateResult:
-    """A passed audit: the received digests (trainer names) and, if asked, the held ones (engine names)."""
-
-    model: str
-    version: int
-    rank: str
-    report: Report
-    received: Manifest
-    held: Manifest | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "version": self.version, "rank": self.rank, "ok": self.report.ok,
-                "summary": self.report.summary(), "received": self.received.to_dict(),
-                "held": self.held.to_dict() if self.held is not None else None}
-
-
-@dataclass
-class _RouteCache:
-    """The routing of the last manifest started on one model, valid while `slots` still hold: the
-    same model object, each module still holding the same Parameter on the same storage."""
-
-    specs: ParsedManifest
-    allow_cast: bool
-    model: nn.Module
-    config: ModelConfig
-    slots: list[tuple[nn.Module, str, nn.Parameter, int]]
-    routing: Routing
-
-    def matches(self, specs: ParsedManifest, allow_cast: bool, model: nn.Module, config: ModelConfig) -> bool:
-        return (specs is self.specs and allow_cast == self.allow_cast and model is self.model
-                and config is self.config
-                and all(m._parameters.get(n) is p and p.data_ptr() == ptr for m, n, p, ptr in self.slots))
-
-
-def _parameter_slots(model: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter, int]]:
-    return [(module, name, p, p.data_ptr()) for module in model.modules()
-            for name, p in module._parameters.items() if p is not None]
 
 
 class WeightUpdateMixin:
@@ -122,9 +63,9 @@ class WeightUpdateMixin:
 
     def _init_weight_update_state(self) -> None:
         self._wt_receiver: WeightReceiver | None = None
-        self._wt_session: _Session | None = None
+        self._wt_session: Session | None = None
         self._wt_states: dict[str, ModelWeightState] = {}
-        self._wt_routes: dict[str, _RouteCache] = {}
+        self._wt_routes: dict[str, RouteCache] = {}
         self._wt_manifests = ManifestCache()  # parsed manifests, reused while the sender's layout repeats
         self.routings_built = 0  # validate_manifest runs (tests check the route cache with it)
         self.weight_transfer_fault: Fault | None = _fault_from_env()
@@ -234,7 +175,7 @@ class WeightUpdateMixin:
         if fault is not None and (len(fault) != 2 or fault[0] != "flip"):
             raise InvalidRequestError("weight_transfer_fault", f"must be ('flip', tensor name), got {fault!r}")
         target = UpdateTarget(which, self.model_configs[which], routing, self.rank_key, fault)
-        self._wt_session = _Session(which, version, specs, target)
+        self._wt_session = Session(which, version, specs, target)
 
     def _routing(self, which: str, specs: ParsedManifest, allow_cast: bool) -> Routing:
         """route_manifest (validation included), cached while the manifest and the parameters stay the same."""
@@ -245,7 +186,7 @@ class WeightUpdateMixin:
             routing = route_manifest(specs, model, config, which=which, rank=self.rank_key, tp_size=self.tp.size,
                                      allow_cast=allow_cast)
             self.routings_built += 1
-            cache = _RouteCache(specs, allow_cast, model, config, _parameter_slots(model), routing)
+            cache = RouteCache(specs, allow_cast, model, config, parameter_slots(model), routing)
             self._wt_routes[which] = cache
         return cache.routing
 
@@ -334,7 +275,7 @@ class WeightUpdateMixin:
             self._wt_state(name).loaded = False
 
     # ---- helpers ------------------------------------------------------------------------------
-    def _require_session(self, what: str) -> _Session:
+    def _require_session(self, what: str) -> Session:
         if self._wt_session is None:
             raise StateError(f"rank {self.rank_key}: {what} without a matching start_weight_update")
         return self._wt_session
@@ -359,7 +300,7 @@ class WeightUpdateMixin:
             raise StateError(f"rank {self.rank_key}: the {which} weights were put to sleep during the update, "
                              "which dropped the received bytes; wake_up and sync again")
 
-    def _begin_writes(self, session: _Session) -> None:
+    def _begin_writes(self, session: Session) -> None:
         """Both ends agreed on the plan: from here on the model's bytes may change."""
         session.bytes_moved = True
         self._mark_torn(session.which, f"update to version {session.version} in progress")

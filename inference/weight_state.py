@@ -1,0 +1,74 @@
+"""The data of weight-update sessions (inference/weight_update.py): per-model version and torn state,
+an open session, a passed audit's result, and the cached routing of the last manifest."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from checksum import Manifest, Report, TensorRecord
+from inference.config import ModelConfig
+from inference.transfer.plan import ParsedManifest
+from inference.transfer.target import Routing, UpdateTarget
+
+
+@dataclass
+class ModelWeightState:
+    version: int = 0
+    torn: bool = False
+    torn_reason: str | None = None
+    loaded: bool = True  # False after reset_weights until a sync passes its audit
+
+
+@dataclass
+class Session:
+    which: str
+    version: int
+    specs: ParsedManifest
+    target: UpdateTarget
+    bytes_moved: bool = False
+    received: bool = False
+    held_digests: Future[list[TensorRecord]] | None = None  # started when the last byte landed
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    """A passed audit: the received digests (trainer names) and, if asked, the held ones (engine names)."""
+
+    model: str
+    version: int
+    rank: str
+    report: Report
+    received: Manifest
+    held: Manifest | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "version": self.version, "rank": self.rank, "ok": self.report.ok,
+                "summary": self.report.summary(), "received": self.received.to_dict(),
+                "held": self.held.to_dict() if self.held is not None else None}
+
+
+@dataclass
+class RouteCache:
+    """The routing of the last manifest started on one model, valid while `slots` still hold: the
+    same model object, each module still holding the same Parameter on the same storage."""
+
+    specs: ParsedManifest
+    allow_cast: bool
+    model: nn.Module
+    config: ModelConfig
+    slots: list[tuple[nn.Module, str, nn.Parameter, int]]
+    routing: Routing
+
+    def matches(self, specs: ParsedManifest, allow_cast: bool, model: nn.Module, config: ModelConfig) -> bool:
+        return (specs is self.specs and allow_cast == self.allow_cast and model is self.model
+                and config is self.config
+                and all(m._parameters.get(n) is p and p.data_ptr() == ptr for m, n, p, ptr in self.slots))
+
+
+def parameter_slots(model: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter, int]]:
+    return [(module, name, p, p.data_ptr()) for module in model.modules()
+            for name, p in module._parameters.items() if p is not None]
