@@ -99,6 +99,17 @@ def test_fused_split_merge_equals_split_sum_cuda(monkeypatch: pytest.MonkeyPatch
     _split_sum_both_ways(monkeypatch, "cuda")
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_weight_prefetch_changes_no_bit(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading each weight tile one K step ahead (the default) or in its own step gives the same bits."""
+    x, w, b = _operands(3, 45, 200, dtype=torch.float16)
+    cfg = GemvConfig(block_n=16 if kind == "dot" else 8, block_k=32, split_k=2, kind=kind)
+    ahead = gemv(x, w, b, config=cfg)
+    monkeypatch.setattr(gemv_mod, "PREFETCH", False)
+    assert torch.equal(gemv(x, w, b, config=cfg), ahead)
+    close(ahead, _reference(x, w, b))
+
+
 def test_gemv_reads_strided_rows() -> None:
     x, w, b = _operands(4, 33, 96, dtype=torch.float16)
     wide = torch.cat([x, x], dim=1)[:, :96]  # rows with stride 192

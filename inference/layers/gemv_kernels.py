@@ -33,6 +33,7 @@ def _x_tile(x_rows, r_rows, nw_ptr, rstd, k, k_mask, x_mask, K, SILU_MUL: tl.con
         x = (nw.to(tl.float32)[None, :] * normed.to(tl.float32)).to(normed.dtype)
     return x
 
+
 @triton.jit
 def _rows_rstd(x_ptr, r_ptr, res_out_ptr, stride_xm, stride_rm, M, K, eps, write_res,
                HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, NORM_ROWS: tl.constexpr,
@@ -57,6 +58,7 @@ def _rows_rstd(x_ptr, r_ptr, res_out_ptr, stride_xm, stride_rm, M, K, eps, write
         rstd = tl.where(ms == m, tl.math.rsqrt(var + eps), rstd)
     return rstd
 
+
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, r_ptr, nw_ptr, res_out_ptr, M, N, K,
                  stride_xm, stride_rm, k_per_split, eps, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
@@ -76,10 +78,12 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, r_ptr, nw_
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
     x_rows = x_ptr + ms.to(tl.int64)[:, None] * stride_xm
     r_rows = r_ptr + ms.to(tl.int64)[:, None] * stride_rm
-    # The first weight tile is loaded before wait: no kernel of a step writes weights, so under PDL
-    # its latency hides behind the previous kernel's tail. Each step then loads the next tile ahead.
-    k = k_start + ks
-    w_next = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < k_end)[None, :], other=0.0)
+    if PREFETCH:  # the first weight tile before wait: no kernel of a step writes weights, so under PDL
+        # its latency hides behind the previous kernel's tail. Each K step then loads the next tile ahead.
+        k = k_start + ks
+        w_next = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < k_end)[None, :], other=0.0)
+    else:
+        w_next = tl.zeros((BLOCK_N, BLOCK_K), dtype=w_ptr.dtype.element_ty)
     wait(PDL)
     if NORM:  # every program needs its rows' variance over all of K; program (0, 0) writes x + r
         first = (tl.program_id(0) == 0) & (pid_k == 0)
@@ -129,6 +133,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, r_ptr, nw_
             y += tl.load(b_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
 
+
 @triton.jit
 def _merge_splits(part_ptr, b_ptr, out_ptr, offs, rows, n_mask, out_mask, MN, SPLIT: tl.constexpr,
                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -139,6 +144,7 @@ def _merge_splits(part_ptr, b_ptr, out_ptr, offs, rows, n_mask, out_mask, MN, SP
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+
 
 @triton.jit
 def _split_sum_kernel(p_ptr, b_ptr, out_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
