@@ -6,9 +6,9 @@ the new k/v and attends) with block tables as wide as max_model_len, as the engi
   previous   KV store kernel, every split writes partials, a merge kernel (the peer: three launches)
   split1     one launch: KV store fused, splits of >= 1 KV tile merged by the last split to finish
   split4     the same with splits of >= 4 tiles (single pass up to 256 keys at 64-key tiles)
-  general    the tiles of batch > 1 (decode_split_tiles 2: single pass up to 128 keys), also at batch 1
+  single     at batch 1, 128-key tiles on 8 warps, one per split (opt-in single_decode_block_n)
   rows1      the default with the multi-row owner check compiled out (decode_max_rows 1)
-  auto       the default tiles (at batch 1: 128-key tiles on 8 warps, one per split)
+  auto       the default tiles (decode_split_tiles 2: single pass up to 128 keys)
 Sampler ([B, vocab] bf16 logits): `sample` against `sample_reference` (full fp32 log_softmax, the
 previous sampler), both eager (what the runner does), and the greedy path also as a graph (GPU time only).
 
@@ -34,11 +34,10 @@ from inference.layers.attention import ReferenceAttention
 from inference.sampler import SamplingBatch, sample, sample_reference
 from scripts.bench_attention import decode_case, graph_replay, timer
 
-VARIANTS = {"previous": {"decode_split_tiles": 1, "fused_combine": False, "fused_decode_store": False,
-                         "single_decode_block_n": 0},
-            "split1": {"decode_split_tiles": 1, "single_decode_block_n": 0},
-            "split4": {"decode_split_tiles": 4, "single_decode_block_n": 0},
-            "general": {"single_decode_block_n": 0},  # batch 1 on the tiles of every other batch
+VARIANTS = {"previous": {"decode_split_tiles": 1, "fused_combine": False, "fused_decode_store": False},
+            "split1": {"decode_split_tiles": 1},
+            "split4": {"decode_split_tiles": 4},
+            "single": {"single_decode_block_n": 128},  # batch 1: 128-key tiles on 8 warps, one per split
             "rows1": {"decode_max_rows": 1},  # the multi-row owner check compiled out
             "auto": {}}
 

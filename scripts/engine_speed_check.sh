@@ -7,7 +7,7 @@
 #        full failure output in OUTDIR/pytest.log (a summary line alone cannot tell a mismatch from an
 #        exception).
 # bench: bench_generate at batch 1 (ours) with the GEMV weight prefetch and PDL each on and off,
-#        bench_decode_parts for the attention tilings (general / rows1 / auto), and the graph profile.
+#        bench_decode_parts for the attention tilings (single / rows1 / auto), and the graph profile.
 # One JSON line per case goes to OUTDIR/bench.jsonl; paste the figures into docs/benchmarks.md.
 set -uo pipefail
 

@@ -108,7 +108,7 @@ def assert_matches_reference(got: object, b: Batch, window: int | None = None, r
 
 
 SMALL_TILES = {"prefill_block_m": 16, "prefill_block_n": 16, "decode_block_n": 16,
-               "fp32_prefill_block_m": 16, "fp32_prefill_block_n": 16, "single_decode_block_n": 0}
+               "fp32_prefill_block_m": 16, "fp32_prefill_block_n": 16}
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (7, 1)])
@@ -242,9 +242,10 @@ def test_decode_num_splits_depends_on_static_shapes(ta: ModuleType) -> None:
 
 
 def test_one_sequence_decode_takes_long_tiles(ta: ModuleType) -> None:
-    """Batch 1 decode: 128-key tiles on 8 warps, one tile per split; two sequences keep the usual tiles;
-    single_decode_block_n 0 turns it off. Results equal the reference at 1 to 3 tiles of context."""
-    tiles = ta.TritonAttentionTiles()
+    """With single_decode_block_n set, batch 1 decode takes 128-key tiles on 8 warps, one tile per split;
+    two sequences keep the usual tiles; the default (0) keeps them everywhere. Results equal the
+    reference at 1 to 3 tiles of context."""
+    tiles = ta.TritonAttentionTiles(single_decode_block_n=128)
     backend = ta.TritonAttention(tiles)
     one = make_batch([1], [300], 14, 2, 64, 16, torch.float32, seed=21, table_width=32)
     two = make_batch([1, 1], [300, 20], 14, 2, 64, 16, torch.float32, seed=21, table_width=32)
@@ -252,8 +253,7 @@ def test_one_sequence_decode_takes_long_tiles(ta: ModuleType) -> None:
     assert (plan.block_n, plan.split_tiles, plan.num_warps) == (128, 1, 8) and plan.splits > 1
     plan2 = backend.plan(two.q, two.k_cache, two.meta)
     assert (plan2.block_n, plan2.split_tiles, plan2.num_warps) == (64, 2, 4)
-    off = ta.TritonAttention(ta.TritonAttentionTiles(single_decode_block_n=0))
-    assert off.plan(one.q, one.k_cache, one.meta).block_n == 64
+    assert ta.TritonAttention().plan(one.q, one.k_cache, one.meta).block_n == 64
     for context in (100, 200, 300):  # one, two (merged) and three tiles
         assert_matches_reference(backend, make_batch([1], [context], 14, 2, 64, 16, torch.float32, seed=context,
                                                      table_width=32))

@@ -20,7 +20,8 @@ Decode also stores the new token's k/v itself (split 0 writes them; every split 
 k/v rather than from the cache), so a decode layer is one launch instead of store + attention + merge.
 On an H200 (0.5B heads, batch 1) one pass over 4 KV tiles was slower than 4 splits of one tile each,
 over 2 tiles faster: hence decode_split_tiles = 2; a one-sequence launch (batch 1) does better still
-with 128-key tiles on 8 warps, one per split (tiles.for_decode); scripts/bench_decode_parts.py compares.
+with 128-key tiles on 8 warps, one per split (tiles.single_decode_block_n, opt-in: see its comment);
+scripts/bench_decode_parts.py compares.
 Several rows of one sequence in a decode launch (spec-decode verify, inference/decode_rows.py): row i + 1
 needs row i's new key, which row i's split 0 stores in this same launch, and programs run in no fixed
 order on a GPU. So no row reads another row's new k/v from the cache: for keys ctx - max_rows .. ctx - 2
@@ -86,10 +87,12 @@ class TritonAttentionTiles:
     num_stages: int = 2
     max_splits: int = 32
     num_splits: int | None = None
-    # A one-sequence decode launch (batch 1) is latency-bound: it takes longer KV tiles on more warps, one
-    # tile per split (on an H200, 0.5B heads: 4.3 / 5.2 us a layer at 128 / 256 keys against 4.7 / 6.0 us
-    # with the tiles above; at batch 128 the same tiles are much slower). 0 keeps the tiles above.
-    single_decode_block_n: int = 128
+    # Opt-in: a one-sequence decode launch (batch 1) is latency-bound and runs faster with longer KV tiles
+    # on more warps, one tile per split (H200, 0.5B heads, 128: 4.3 / 5.2 us a layer at 128 / 256 keys
+    # against 4.7 / 6.0 us with the tiles above; at batch 128 they are much slower). Off (0) by default:
+    # speculative decoding's verify rows run on the tiles above, and greedy output with a draft equals
+    # output without only while plain decode sums its keys in the same tiles (same bits).
+    single_decode_block_n: int = 0
     single_decode_num_warps: int = 8
 
     def for_decode(self, num_seqs: int) -> TritonAttentionTiles:
