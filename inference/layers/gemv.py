@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from inference.layers.merge_counters import MergeCounters
 from inference.layers.pdl import launch_kwargs
 
 try:
@@ -139,20 +140,8 @@ def use_norm_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tens
                                       and residual.stride(-1) == 1 and residual.device == x.device)))
 
 
-def merge_counters(device: torch.device, size: int) -> torch.Tensor:
-    """An int32 buffer of at least `size` zeros shared by every split launch on `device` (the merging
-    program of each row block resets its counter, so the buffer is all zeros between launches; launches
-    on one device run on one stream at a time). Outgrown buffers stay alive: captured graphs hold them."""
-    buffers = _COUNTERS.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < size:
-        if device.type == "cuda":
-            assert not torch.cuda.is_current_stream_capturing(), "run the projection once before capturing"
-        buffers.append(torch.zeros(max(size, 4096, 2 * buffers[-1].numel() if buffers else 0),
-                                   dtype=torch.int32, device=device))
-    return buffers[-1]
-
-
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+# Split-K merge counters, one buffer per device for every GEMV launch (a row block's counter at most).
+merge_counters = MergeCounters(floor=4096).get
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ import triton
 
 from inference.batch import AttentionMetadata
 from inference.core import StateError
+from inference.layers.merge_counters import MergeCounters
 from inference.layers.pdl import launch_kwargs
 from inference.layers.triton_attention_kernels import (
     _INTERPRET,
@@ -177,18 +178,8 @@ class TritonAttention:
 
     def __init__(self, tiles: TritonAttentionTiles | None = None) -> None:
         self.tiles = tiles or TritonAttentionTiles()
-        # Per device, the merge counters; outgrown buffers stay alive (captured graphs may hold them).
-        self._counters: dict[torch.device, list[torch.Tensor]] = {}
-
-    def merge_counters(self, device: torch.device, size: int) -> torch.Tensor:
-        """An int32 buffer of at least `size` zeros, reused by every decode launch on `device`."""
-        buffers = self._counters.setdefault(device, [])
-        if not buffers or buffers[-1].numel() < size:
-            if device.type == "cuda":
-                assert not torch.cuda.is_current_stream_capturing(), "run one decode step before capturing"
-            buffers.append(torch.zeros(max(size, 2 * buffers[-1].numel() if buffers else 256),
-                                       dtype=torch.int32, device=device))
-        return buffers[-1]
+        # Per device, the split-KV merge counters (one per sequence and kv head), reused by every decode launch.
+        self.merge_counters = MergeCounters(floor=256).get
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
