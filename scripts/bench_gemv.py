@@ -5,7 +5,8 @@ to device copy measured in the same run, and the ratios. Every timing is a CUDA 
 replayed under CUDA events (no launch overhead, as the engine's decode graphs see it), and the calls
 cycle through enough copies of the weight (>= 256 MB) that the 50 MB L2 cannot hold them: each call
 streams its weight from HBM, as a layer of the real model does. The `down+silu` rows time
-silu_mul_gemv against silu_and_mul followed by F.linear (two launches).
+silu_mul_gemv against silu_and_mul followed by F.linear (two launches); the `+norm` rows norm_gemv
+(residual add + RMSNorm + projection) against add_rms_norm followed by F.linear.
 
     python3 scripts/bench_gemv.py                         # Qwen2-0.5B and 7B shapes, M = 1 and 8
     python3 scripts/bench_gemv.py --sweep --models 0.5b   # best (kind, block_n, block_k, warps, split_k)
@@ -27,15 +28,17 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from inference.layers.fused import silu_and_mul
-from inference.layers.gemv import GemvConfig, gemv, pick_config, silu_mul_gemv
+from inference.layers.fused import add_rms_norm, silu_and_mul
+from inference.layers.gemv import GemvConfig, gemv, norm_gemv, pick_config, silu_mul_gemv
 
-# (name, N, K) per model; "down+silu" is the down projection fed by the fused [gate; up] activation.
+# (name, N, K) per model; "down+silu" is the down projection fed by the fused [gate; up] activation,
+# "+norm" the projection fed by the residual add and RMSNorm in its prologue (norm_gemv), as the model runs it.
 MODELS = {
-    "0.5b": [("qkv", 1152, 896), ("o_proj", 896, 896), ("gate_up", 9728, 896), ("down", 896, 4864),
-             ("down+silu", 896, 4864), ("lm_head", 151936, 896)],
-    "7b": [("qkv", 4608, 3584), ("o_proj", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944),
-           ("down+silu", 3584, 18944), ("lm_head", 152064, 3584)],
+    "0.5b": [("qkv", 1152, 896), ("qkv+norm", 1152, 896), ("o_proj", 896, 896), ("gate_up", 9728, 896),
+             ("gate_up+norm", 9728, 896), ("down", 896, 4864), ("down+silu", 896, 4864), ("lm_head", 151936, 896)],
+    "7b": [("qkv", 4608, 3584), ("qkv+norm", 4608, 3584), ("o_proj", 3584, 3584), ("gate_up", 37888, 3584),
+           ("gate_up+norm", 37888, 3584), ("down", 3584, 18944), ("down+silu", 3584, 18944),
+           ("lm_head", 152064, 3584)],
 }
 L2_FLUSH_BYTES = 256 << 20
 
@@ -83,22 +86,31 @@ class Case:
     def __init__(self, name: str, m: int, n: int, k: int, dtype: torch.dtype, flush: bool = True) -> None:
         self.name, self.m, self.n, self.k = name, m, n, k
         self.silu = name.endswith("+silu")
+        self.norm = name.endswith("+norm")
         self.weight_bytes = n * k * torch.empty((), dtype=dtype).element_size()
         self.copies = max(1, math.ceil(L2_FLUSH_BYTES / self.weight_bytes)) if flush else 1
         self.calls = max(64, self.copies) if self.weight_bytes < (64 << 20) else 16
         w = torch.randn(n, k, device="cuda", dtype=dtype) * k ** -0.5
         self.weights = [w] + [w.clone() for _ in range(self.copies - 1)]
         self.x = torch.randn(m, 2 * k if self.silu else k, device="cuda", dtype=dtype)
-        self.bias = torch.randn(n, device="cuda", dtype=dtype) if name == "qkv" else None
+        self.bias = torch.randn(n, device="cuda", dtype=dtype) if name.startswith("qkv") else None
+        self.residual = torch.randn_like(self.x)
+        self.norm_weight = torch.rand(k, device="cuda", dtype=dtype) + 0.5
 
     def ours(self, config: GemvConfig | None = None) -> Callable[[int], object]:
         if self.silu:
             return lambda i: silu_mul_gemv(self.x, self.weights[i], config=config)
+        if self.norm:
+            return lambda i: norm_gemv(self.x, self.residual, self.norm_weight, 1e-6, self.weights[i], self.bias,
+                                       config=config)[0]
         return lambda i: gemv(self.x, self.weights[i], self.bias, config=config)
 
     def cublas(self) -> Callable[[int], object]:
         if self.silu:
             return lambda i: F.linear(silu_and_mul(self.x), self.weights[i])
+        if self.norm:
+            return lambda i: F.linear(add_rms_norm(self.x, self.residual, self.norm_weight, 1e-6)[0],
+                                      self.weights[i], self.bias)
         return lambda i: F.linear(self.x, self.weights[i], self.bias)
 
     def time(self, fn: Callable[[int], object]) -> float:
@@ -174,7 +186,7 @@ def run_case(model: str, name: str, m: int, n: int, k: int, args: argparse.Names
              num_sms: int) -> dict:
     case = Case(name, m, n, k, torch.bfloat16)
     case.check()
-    default = pick_config(m, n, k, num_sms)
+    default = pick_config(m, n, k, num_sms, "silu" if case.silu else "norm" if case.norm else "")
     ours, theirs = case.time(case.ours()), case.time(case.cublas())
     roof = case.weight_bytes / bw * 1e6
     row = {"model": model, "proj": name, "m": m, "n": n, "k": k, "weight_mb": round(case.weight_bytes / 2**20, 2),
@@ -186,10 +198,13 @@ def run_case(model: str, name: str, m: int, n: int, k: int, args: argparse.Names
         for cfg in sweep_configs(m, n, k, num_sms, args.grid):
             if compiles(case, cfg):
                 results.append((case.time(case.ours(cfg)), cfg))
-        best_us, best = min(results, key=lambda r: r[0])
+        results.sort(key=lambda r: r[0])
+        best_us, best = results[0]
         case.check(best)
         row.update(best_us=round(best_us, 2), best_over_roofline=round(best_us / roof, 2),
-                   best=[best.kind, best.block_n, best.block_k, best.num_warps, best.split_k], tried=len(results))
+                   best=[best.kind, best.block_n, best.block_k, best.num_warps, best.split_k], tried=len(results),
+                   next=[[round(us, 2), c.kind, c.block_n, c.block_k, c.num_warps, c.split_k]
+                         for us, c in results[1:6]])
     del case
     torch.cuda.empty_cache()
     return row

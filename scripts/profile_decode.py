@@ -53,7 +53,17 @@ def graph_report(llm, batch: int, steps: int) -> tuple[profile, dict]:
     top = sorted(per_name.items(), key=lambda kv: -kv[1])[:12]
     return prof, dict(batch=batch, graph_size=bs, step_us=round(step_us, 1), kernels_per_step=len(spans) / steps,
                       kernel_us=round(busy, 1), idle_us=round(step_us - busy, 1),
-                      top_us={k[:60]: round(v, 1) for k, v in top})
+                      top_us={k[:60]: round(v, 1) for k, v in top}, first_us=in_step_order(spans, steps))
+
+
+def in_step_order(spans: list[tuple[str, float, float]], steps: int, first: int = 16) -> list:
+    """[name, mean us] of a step's first `first` kernels in launch order (one layer and a bit): which
+    launch of a kernel that runs several times a layer (the GEMV) costs what."""
+    per_step = len(spans) // steps
+    if per_step * steps != len(spans):
+        return []
+    return [[spans[j][0][:40], round(sum(spans[s * per_step + j][2] for s in range(steps)) / steps, 2)]
+            for j in range(min(first, per_step))]
 
 
 def main() -> None:

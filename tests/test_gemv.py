@@ -248,3 +248,18 @@ def test_gemv_kinds_real_shape_cuda(kind: str, m: int) -> None:
     close(gemv(x, w, b, config=cfg), _reference(x, w, b))
     close(silu_mul_gemv(torch.cat([x, x], dim=1), w, config=cfg),
           _reference(silu_and_mul_torch(torch.cat([x, x], dim=1)), w, None))
+
+
+@pytest.mark.parametrize(("n", "k", "prologue"), [(1152, 896, "norm"), (9728, 896, "norm"), (4608, 3584, "norm"),
+                                                  (37888, 3584, "norm"), (896, 4864, "silu"), (8, 16, "silu")])
+def test_pick_config_one_row_prologues(n: int, k: int, prologue: str) -> None:
+    """A row formed in the kernel (norm_gemv, silu_mul_gemv) takes its own shapes: "lanes" (no tensor
+    cores), an accumulator of at most 64 fp32 per thread, no split under the norm (every split would
+    redo the variance), and silu's K splits of at most two blocks."""
+    cfg = pick_config(1, n, k, num_sms=132, prologue=prologue)
+    assert cfg.kind == "lanes" and cfg.block_n * cfg.block_k <= 64 * 32 * cfg.num_warps
+    if prologue == "norm":
+        assert cfg.split_k == 1
+    else:
+        assert 1 <= cfg.split_k <= 4 and -(-k // cfg.split_k) <= 2 * cfg.block_k
+    assert pick_config(2, n, k, num_sms=132, prologue=prologue) == pick_config(2, n, k, num_sms=132)

@@ -94,14 +94,18 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def pick_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
-    """Block sizes for [m, k] x [n, k]^T, fitted to a sweep on the H200 (scripts/bench_gemv.py --sweep).
+def pick_config(m: int, n: int, k: int, num_sms: int, prologue: str = "") -> GemvConfig:
+    """Block sizes for [m, k] x [n, k]^T, fitted to sweeps on the H200 (scripts/bench_gemv.py --sweep).
 
     One row of x: "lanes" with long K blocks and 2-4 output rows per program, except for wide outputs
     (gate_up, LM head), where tensor cores on a 32-row block read the weight faster. Several rows: "dot".
     Where the row blocks give too few programs ("idle"), K is split (into at most 4, each split keeping two
     K blocks) until they give twice that many.
+    `prologue` is what forms x in the kernel: "norm" (norm_gemv) or "silu" (silu_mul_gemv); at one row
+    they have their own shapes (_one_row_prologue_config).
     """
+    if m == 1 and prologue:
+        return _one_row_prologue_config(n, k, prologue)
     if m == 1 and n < 8192:
         block_k = min(512, max(16, triton.next_power_of_2(k)))
         cfg = GemvConfig(block_n=2 if n < 2048 else 4, block_k=block_k, num_warps=4)
@@ -117,6 +121,22 @@ def pick_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
         while split_k < 4 and programs * split_k < 2 * idle and k >= 2 * (2 * split_k) * cfg.block_k:
             split_k *= 2
     return GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, split_k, kind=cfg.kind)
+
+
+def _one_row_prologue_config(n: int, k: int, prologue: str) -> GemvConfig:
+    """One row of x formed in the kernel. Every program redoes the prologue (the norm's variance over all
+    of K; the activation of its K range), which favours more output rows per program and no tensor cores.
+    H200, Qwen2-0.5B (bench_gemv --sweep, us): qkv+norm 3.49 (lanes 8x512) against 4.45 with the plain
+    GEMV's shape; gate_up+norm 8.01 (lanes 16x128, 8 warps) against 11.94 (dot 32x128); down+silu 5.48
+    (lanes 4x1024, splits of two blocks) against 6.56 (lanes 2x512, split 4)."""
+    block_k = min(512, max(16, triton.next_power_of_2(k)))
+    if prologue == "silu":
+        block_k = min(1024, max(16, triton.next_power_of_2(k)))
+        return GemvConfig(block_n=4, block_k=block_k, num_warps=4, split_k=min(4, -(-k // (2 * block_k))))
+    assert prologue == "norm", prologue
+    if n < 8192:
+        return GemvConfig(block_n=8, block_k=block_k, num_warps=4)
+    return GemvConfig(block_n=16, block_k=128, num_warps=8)
 
 
 def use_silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -157,9 +177,10 @@ class _Norm:
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int, silu_mul: bool,
             config: GemvConfig | None, norm: _Norm | None = None) -> torch.Tensor:
     m, n = x.shape[0], weight.shape[0]
+    prologue = "silu" if silu_mul else "norm" if norm is not None else ""
     assert weight.shape[1] == k and x.stride(-1) == 1 and weight.is_contiguous(), (x.shape, weight.shape)
     assert bias is None or (bias.shape == (n,) and bias.is_contiguous()), None if bias is None else bias.shape
-    cfg = config or pick_config(m, n, k, _num_sms(x.device))
+    cfg = config or pick_config(m, n, k, _num_sms(x.device), prologue)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_k = cfg.block_k
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), block_k) * block_k
