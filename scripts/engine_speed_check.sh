@@ -3,7 +3,8 @@
 #
 #   scripts/engine_speed_check.sh [OUTDIR] [tests|bench|all]   (OUTDIR default: $OUT, else ./speed-out)
 #
-# tests: the cuda tests of the decode kernels (attention, GEMV, PDL) and of speculative decoding, with
+# tests: the cuda tests of the decode kernels (attention, rotary, GEMV, PDL), of speculative decoding and of
+#        the engine's paths, with
 #        full failure output in OUTDIR/pytest.log (a summary line alone cannot tell a mismatch from an
 #        exception).
 # bench: bench_generate at batch 1 (ours) with the GEMV weight prefetch and PDL each on and off,
@@ -19,8 +20,9 @@ export PYTHONUNBUFFERED=1
 status=0
 
 run_tests() {
-    timeout 330 python3 -m pytest -q -m cuda tests/test_triton_attention.py tests/test_triton_attention_rows.py \
-        tests/test_gemv.py tests/test_norm_gemv.py tests/test_pdl_cuda.py tests/test_spec_cuda.py \
+    timeout 420 python3 -m pytest -q -m cuda tests/test_triton_attention.py tests/test_triton_attention_rows.py \
+        tests/test_attention_rope.py tests/test_gemv.py tests/test_norm_gemv.py tests/test_fused.py \
+        tests/test_pdl_cuda.py tests/test_spec_cuda.py tests/test_engine_cuda.py tests/test_engine_paths_cuda.py \
         >"$out/pytest.log" 2>&1 || status=1
     tail -n 5 "$out/pytest.log"
 }

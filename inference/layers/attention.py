@@ -19,6 +19,7 @@ from torch import nn
 
 from inference.batch import AttentionMetadata
 from inference.core import InvalidRequestError, StateError
+from inference.layers.rotary import Rope
 
 
 class AttentionBackend(Protocol):
@@ -26,8 +27,11 @@ class AttentionBackend(Protocol):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] (Hq % Hkv == 0) -> [T, Hq, D] in q's dtype."""
+                sliding_window: int | None, rope: Rope | None = None) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] (Hq % Hkv == 0) -> [T, Hq, D] in q's dtype.
+
+        With rope, q and k are not rotated yet: the backend applies rope.apply_qk first, or rotates
+        them inside its kernels with the same bits."""
         ...
 
 
@@ -55,7 +59,9 @@ class ReferenceAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None) -> torch.Tensor:
+                sliding_window: int | None, rope: Rope | None = None) -> torch.Tensor:
+        if rope is not None:
+            q, k = rope.apply_qk(q, k)
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         start = 0
@@ -155,9 +161,10 @@ class Attention(nn.Module):
         self.k_cache, self.v_cache = k_cache, v_cache
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, rope: Rope | None = None) -> torch.Tensor:
+        """rope: q and k are unrotated, and the backend rotates them (at rope's positions)."""
         if self.k_cache is None or self.v_cache is None:
             raise StateError("no KV cache is bound: call model.bind_kv_cache(...) before forward")
         assert self.k_cache.shape[1] == meta.block_size, (self.k_cache.shape, meta.block_size)
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
-                                    self.sliding_window)
+                                    self.sliding_window, rope)

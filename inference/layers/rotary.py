@@ -65,7 +65,9 @@ class Rope:
     def __init__(self, positions: torch.Tensor, cache: torch.Tensor, dtype: torch.dtype) -> None:
         self.positions = positions
         self.cache = cache
-        self.fused = use_triton(cache)
+        dim = cache.shape[1]
+        # The kernel takes power-of-two head dims (a head of 80 or 96 rotates in eager torch).
+        self.fused = use_triton(cache) and dim & (dim - 1) == 0
         if not self.fused:
             cos, sin = cache[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
             self.cos, self.sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)

@@ -55,6 +55,7 @@ from inference.batch import AttentionMetadata
 from inference.core import StateError
 from inference.layers.merge_counters import MergeCounters
 from inference.layers.pdl import launch_kwargs
+from inference.layers.rotary import Rope
 from inference.layers.triton_attention_kernels import (
     _INTERPRET,
     LOG2E,
@@ -81,6 +82,9 @@ class TritonAttentionTiles:
     decode_split_tiles: int = 2
     fused_combine: bool = True  # False: every split writes partials and a second kernel merges them
     fused_decode_store: bool = True  # decode writes the new k/v inside the attention kernel (one launch)
+    # Decode with the fused store rotates q and the new k itself when the caller passes them unrotated
+    # with their Rope (one rotary launch a layer fewer); False: rotary_qk runs first.
+    fused_decode_rope: bool = True
     # With the fused store, the most rows of one sequence a decode launch may hold (spec-decode verify:
     # num_speculative_tokens + 1); see "several rows of one sequence" above.
     decode_max_rows: int = 16
@@ -183,19 +187,30 @@ class TritonAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None) -> torch.Tensor:
+                sliding_window: int | None, rope: Rope | None = None) -> torch.Tensor:
         if not (q.is_cuda or _INTERPRET):
             raise StateError("the triton attention backend needs CUDA tensors (or TRITON_INTERPRET=1)")
         assert q.dtype == k_cache.dtype == v_cache.dtype, (q.dtype, k_cache.dtype, v_cache.dtype)
         assert q.shape[2] == k_cache.shape[3] and q.shape[1] % k_cache.shape[2] == 0, (q.shape, k_cache.shape)
         fused_store = meta.is_decode and self.tiles.fused_decode_store and q.shape[0] > 0
+        if rope is not None and not (fused_store and self.fuses_rope(q, rope)):
+            q, k = rope.apply_qk(q, k)
+            rope = None
         if not fused_store:
             store_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if q.shape[0] == 0:
             return out
-        self._launch(q, (k, v) if fused_store else None, k_cache, v_cache, out, meta, scale, sliding_window)
+        self._launch(q, (k, v) if fused_store else None, k_cache, v_cache, out, meta, scale, sliding_window, rope)
         return out
+
+    def fuses_rope(self, q: torch.Tensor, rope: Rope) -> bool:
+        """Whether a fused-store decode launch rotates q/k itself: the fused rotary path, a power-of-two
+        head dim (rotary_qk's own condition) and the table rotary_qk reads."""
+        dim = q.shape[2]
+        return (self.tiles.fused_decode_rope and rope.fused and dim & (dim - 1) == 0
+                and rope.cache.dtype == torch.float32 and rope.cache.is_contiguous() and rope.cache.shape[1] == dim
+                and rope.positions.shape == (q.shape[0],) and rope.positions.device == q.device)
 
     def plan(self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> LaunchPlan:
         """The launch shape; in decode it depends only on static shapes (CUDA-graph safe)."""
@@ -222,8 +237,10 @@ class TritonAttention:
 
     def _launch(self, q: torch.Tensor, new_kv: tuple[torch.Tensor, torch.Tensor] | None, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None) -> None:
-        """new_kv: the decode step's (k, v) [T, Hkv, D] when the kernel stores them itself."""
+                sliding_window: int | None, rope: Rope | None = None) -> None:
+        """new_kv: the decode step's (k, v) [T, Hkv, D] when the kernel stores them itself; rope: q and
+        k come unrotated and the kernel rotates them (fused-store decode only)."""
+        assert rope is None or new_kv is not None
         num_tokens, num_heads, dim = q.shape
         k, v = new_kv if new_kv is not None else (q, q)  # (q, q): unused placeholders
         assert k.stride(-1) == v.stride(-1) == 1, (k.stride(), v.stride())
@@ -243,7 +260,9 @@ class TritonAttention:
         max_rows = min(num_tokens, self.tiles.decode_max_rows) if new_kv is not None else 1
         _paged_attention_kernel[(plan.grid0, k_cache.shape[2], plan.splits)](
             q, k_cache, v_cache, out, part_m, part_l, part_acc, counters, k, v, meta.slot_mapping,
-            meta.cu_query_lens, meta.context_lens, meta.block_tables, meta.cu_query_lens.shape[0] - 1,
+            meta.cu_query_lens, meta.context_lens, meta.block_tables,
+            rope.cache if rope is not None else out, rope.positions if rope is not None else out,
+            meta.cu_query_lens.shape[0] - 1,
             scale * LOG2E, sliding_window if sliding_window is not None else 0, max_rows,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
@@ -254,7 +273,7 @@ class TritonAttention:
             FUSED_STORE=new_kv is not None,
             IS_DECODE=meta.is_decode, HAS_WINDOW=sliding_window is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            DOT_UPCAST=_INTERPRET and q.dtype == torch.bfloat16, MULTI_ROW=max_rows > 1,
+            DOT_UPCAST=_INTERPRET and q.dtype == torch.bfloat16, MULTI_ROW=max_rows > 1, ROPE=rope is not None,
             num_warps=plan.num_warps, num_stages=self.tiles.num_stages, **launch_kwargs(q))
         if plan.splits > 1 and not fused:
             _combine_splits_kernel[(num_tokens, num_heads)](

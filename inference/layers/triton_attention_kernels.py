@@ -48,14 +48,14 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, kc_ptr, vc_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, counter_ptr,
-    k_ptr, v_ptr, slot_ptr, cu_q_ptr, ctx_ptr, bt_ptr, num_seqs, qk_scale, window, max_rows,
+    k_ptr, v_ptr, slot_ptr, cu_q_ptr, ctx_ptr, bt_ptr, cs_ptr, pos_ptr, num_seqs, qk_scale, window, max_rows,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
     stride_kt, stride_kh, stride_vt, stride_vh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLIT_TILES: tl.constexpr, FUSED_COMBINE: tl.constexpr, FUSED_STORE: tl.constexpr,
     IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    MULTI_ROW: tl.constexpr, PDL: tl.constexpr,
+    MULTI_ROW: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr,
 ):
     launch_dependents(PDL)  # the next kernel (o_proj) waits for this whole grid before it reads `out`
     pid = tl.program_id(0)
@@ -87,12 +87,21 @@ def _paged_attention_kernel(
     q_pos = ctx - q_len + q_local  # absolute position of the row's query in its sequence
     d = tl.arange(0, HEAD_DIM_PAD)
     d_valid = d < HEAD_DIM
+    if ROPE:  # decode with unrotated q/k (see _rope_table): this token's cos/sin, rounded to the dtype
+        cos, sin = _rope_table(cs_ptr, tl.load(pos_ptr + seq), d, q_ptr.dtype.element_ty, HEAD_DIM)
+    else:
+        cos = d.to(tl.float32)  # unused
+        sin = cos
     if FUSED_STORE:  # decode: the new token's k/v come from k_ptr/v_ptr, and split 0 writes them to the cache
         k_new, v_new = _store_new_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, seq, kvh, d, d_valid, split,
                                      stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
-                                     PAGE)
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+                                     cos, sin, PAGE, ROPE, HEAD_DIM)
+    q_rows = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh
+    q_mask = row_valid[:, None] & d_valid[None, :]
+    q = tl.load(q_rows + d[None, :], mask=q_mask, other=0.0)
+    if ROPE:
+        q_partner = tl.load(q_rows + ((d + HEAD_DIM // 2) % HEAD_DIM)[None, :], mask=q_mask, other=0.0)
+        q = _rotate(q, q_partner, cos[None, :], sin[None, :], (d < HEAD_DIM // 2)[None, :])
 
     # Keys [lo, hi) cover every valid row of the tile; this split takes its share of the KV tiles.
     hi = ctx - q_len + tl.minimum(q_begin + BLOCK_Q, q_len)
@@ -123,7 +132,8 @@ def _paged_attention_kernel(
             near = (lo + t * BLOCK_N + BLOCK_N > ctx - max_rows) & (lo + t * BLOCK_N < ctx - 1)
             if near:  # only the last tile or two: the others skip it all
                 owner = _launch_owners(slot_ptr, seq, k_pos, page, ctx, max_rows, num_seqs, PAGE)
-                k_own = _owned_k(k_ptr, kc_ptr, owner, kvh, d, d_valid, stride_kt, stride_kh)
+                k_own = _owned_k(k_ptr, kc_ptr, cs_ptr, owner, k_pos, kvh, d, d_valid, stride_kt, stride_kh,
+                                 ROPE, HEAD_DIM)
                 k_t = tl.where(owner[None, :] >= 0, k_own, k_t)
         s = _dot(q, k_t, DOT_PRECISION, DOT_UPCAST) * qk_scale
         allowed = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
@@ -196,23 +206,63 @@ def _launch_owners(slot_ptr, seq, k_pos, page, ctx, max_rows, num_rows, PAGE: tl
 
 
 @triton.jit
-def _owned_k(k_ptr, kc_ptr, owner, kvh, d, d_valid, stride_kt, stride_kh):
+def _owned_k(k_ptr, kc_ptr, cs_ptr, owner, k_pos, kvh, d, d_valid, stride_kt, stride_kh,
+             ROPE: tl.constexpr, HEAD_DIM: tl.constexpr):
     """K tile [HEAD_DIM_PAD, BLOCK_N] of the owner rows' new keys in the cache dtype (the bytes each owner
-    row stores); zeros where owner < 0, which loads nothing."""
+    row stores: with ROPE rotated at the key's position, which is the owner row's); zeros where owner < 0,
+    which loads nothing."""
     owned = owner >= 0
     k_rows = k_ptr + tl.maximum(owner, 0)[None, :] * stride_kt + kvh * stride_kh
-    k = tl.load(k_rows + d[:, None], mask=d_valid[:, None] & owned[None, :], other=0.0)
+    mask = d_valid[:, None] & owned[None, :]
+    k = tl.load(k_rows + d[:, None], mask=mask, other=0.0)
+    if ROPE:
+        partner = tl.load(k_rows + ((d + HEAD_DIM // 2) % HEAD_DIM)[:, None], mask=mask, other=0.0)
+        at = cs_ptr + tl.maximum(k_pos, 0).to(tl.int64)[None, :] * HEAD_DIM + (d % (HEAD_DIM // 2))[:, None]
+        cos = tl.load(at, mask=mask, other=0.0).to(k.dtype).to(tl.float32)
+        sin = tl.load(at + HEAD_DIM // 2, mask=mask, other=0.0).to(k.dtype).to(tl.float32)
+        k = _rotate(k, partner, cos, sin, (d < HEAD_DIM // 2)[:, None])
     return k.to(kc_ptr.dtype.element_ty)
 
 
 @triton.jit
+def _rope_table(cs_ptr, pos, d, dtype: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """cos and sin [HEAD_DIM] of position `pos` (both halves repeated, as HF's cos/sin), read from the
+    fp32 table [positions, cos | sin] and rounded to `dtype` as the eager rotary path rounds them.
+
+    ROPE launches take q and k before the rotation (decode only): each program rotates the q rows and the
+    new k it reads, with the exact rounding of inference/layers/fused.py's rotary kernel, so the cache
+    and the output have the same bits as rotary_qk followed by the plain launch; one launch a layer fewer."""
+    j = d % (HEAD_DIM // 2)
+    row = cs_ptr + tl.maximum(pos, 0).to(tl.int64) * HEAD_DIM
+    cos = tl.load(row + j).to(dtype).to(tl.float32)
+    sin = tl.load(row + HEAD_DIM // 2 + j).to(dtype).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
+def _rotate(x, partner, cos, sin, first_half):
+    """x * cos + rotate_half(x) * sin in x's dtype, elementwise: partner is x with its halves swapped,
+    negated in the first half. Each product and the sum round to the dtype, as eager torch rounds."""
+    dt = x.dtype
+    turned = tl.where(first_half, -partner.to(tl.float32), partner.to(tl.float32))
+    out = (x.to(tl.float32) * cos).to(dt).to(tl.float32) + (turned * sin).to(dt).to(tl.float32)
+    return out.to(dt)
+
+
+@triton.jit
 def _store_new_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, seq, kvh, d, d_valid, split,
-                  stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch, PAGE: tl.constexpr):
-    """The new token's k and v [HEAD_DIM_PAD] of one kv head, in the cache dtype; split 0 stores them at
-    the token's slot (none for slot < 0). No row of the launch reads that slot's bytes: the other rows of
-    its sequence take them from k/v too (_launch_owners, _owned_k)."""
+                  stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch, cos, sin,
+                  PAGE: tl.constexpr, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The new token's k and v [HEAD_DIM_PAD] of one kv head, in the cache dtype (k rotated first with
+    ROPE); split 0 stores them at the token's slot (none for slot < 0). No row of the launch reads that
+    slot's bytes: the other rows of its sequence take them from k/v too (_launch_owners, _owned_k)."""
     tok = seq.to(tl.int64)
-    k_new = tl.load(k_ptr + tok * stride_kt + kvh * stride_kh + d, mask=d_valid, other=0.0).to(kc_ptr.dtype.element_ty)
+    k_row = k_ptr + tok * stride_kt + kvh * stride_kh
+    k_new = tl.load(k_row + d, mask=d_valid, other=0.0)
+    if ROPE:
+        partner = tl.load(k_row + (d + HEAD_DIM // 2) % HEAD_DIM, mask=d_valid, other=0.0)
+        k_new = _rotate(k_new, partner, cos, sin, d < HEAD_DIM // 2)
+    k_new = k_new.to(kc_ptr.dtype.element_ty)
     v_new = tl.load(v_ptr + tok * stride_vt + kvh * stride_vh + d, mask=d_valid, other=0.0).to(vc_ptr.dtype.element_ty)
     # Vectors, not scalars, in the mask: a scalar term in a load/store mask trips Triton's interpreter.
     slot = tl.load(slot_ptr + tok + d * 0).to(tl.int64)

@@ -78,8 +78,7 @@ class DecoderAttention(nn.Module):
         q, k, v = self.qkv_proj.split(qkv)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply_qk(q, k)
-        out = self.attn(q, k, v, meta)
+        out = self.attn(q, k, v, meta, rope)  # the backend rotates q and k (in its kernel where it can)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
 

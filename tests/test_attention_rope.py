@@ -1,0 +1,146 @@
+"""Decode attention that rotates q and the new k itself (the caller passes them unrotated with their Rope).
+
+The fused launch must give the same bits as rotary_qk followed by the plain launch: the output, and the
+k cache, which later steps read. Spec-decode verify rows (several rows of one sequence in a launch) take
+other rows' new keys from the inputs, so those keys must be rotated at their own positions. Without a GPU
+the kernels run in Triton's interpreter (set below, before triton is imported); the `cuda` tests run them
+compiled on the model shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import random
+from types import ModuleType
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from inference.config import RopeConfig
+from inference.layers import fused
+from inference.layers.attention import ReferenceAttention
+from inference.layers.rotary import Rope, RotaryEmbedding
+from tests.test_triton_attention import DEVICE, MODEL_SHAPES, SMALL_TILES, Batch, make_batch
+from tests.test_triton_attention_rows import PAD, verify_rows
+
+
+@pytest.fixture(scope="module")
+def ta() -> ModuleType:
+    pytest.importorskip("triton")
+    return importlib.import_module("inference.layers.triton_attention")
+
+
+@pytest.fixture(autouse=True)
+def _triton_rotary_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The unfused comparison path runs fused.py's rotary kernel (in the interpreter on CPU)."""
+    monkeypatch.setattr(fused, "FORCE_ON_CPU", True)
+
+
+def rope_for(b: Batch, positions: list[int], theta: float = 10000.0) -> Rope:
+    """The Rope a model would hand over for these positions (llama3 scaling exercised via theta only)."""
+    head_dim = b.q.shape[-1]
+    table = RotaryEmbedding(head_dim, max(positions) + 8, RopeConfig(theta=theta), b.q.device)
+    return table.prepare(torch.tensor(positions, device=b.q.device), b.q.dtype)
+
+
+def decode_positions(b: Batch) -> list[int]:
+    """Row i of a decode launch sits at position context_lens[i] - 1 (0 for a padded row)."""
+    return [max(c - 1, 0) for c in b.meta.context_lens_host]
+
+
+def both_paths(backend: object, b: Batch, rope: Rope) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """(fused: forward with rope, unfused: rotary_qk then forward), each as (out, k_cache, v_cache)."""
+    scale = b.q.shape[-1] ** -0.5
+    runs = []
+    for fuse in (True, False):
+        kc, vc = b.k_cache.clone(), b.v_cache.clone()
+        if fuse:
+            out = backend.forward(b.q, b.k, b.v, kc, vc, b.meta, scale, None, rope)
+        else:
+            q, k = rope.apply_qk(b.q, b.k)
+            out = backend.forward(q, k, b.v, kc, vc, b.meta, scale, None)
+        runs.append((out, kc, vc))
+    return runs[0], runs[1]
+
+
+def assert_same_bits(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> None:
+    for name, x, y in zip(("output", "k_cache", "v_cache"), got, want):
+        assert torch.equal(x.isnan(), y.isnan()), name
+        assert torch.equal(x.nan_to_num(), y.nan_to_num()), f"{name} differs: max {(x - y).abs().nanmax()}"
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 16), (7, 1, 32)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_rope_decode_has_the_bits_of_rotary_then_attention(ta: ModuleType, heads: int, kv_heads: int,
+                                                                 head_dim: int, dtype: torch.dtype) -> None:
+    """Contexts in one and several splits, and a padded row (graph batches), GQA."""
+    b = make_batch([1, 1, 1], [9, 40, 1], heads, kv_heads, head_dim, 8, dtype, seed=7, pad_rows=1, table_width=6)
+    backend = ta.TritonAttention(ta.TritonAttentionTiles(**SMALL_TILES, num_splits=2, decode_split_tiles=1))
+    assert backend.fuses_rope(b.q, rope_for(b, decode_positions(b)))
+    fused_run, plain_run = both_paths(backend, b, rope_for(b, decode_positions(b)))
+    assert_same_bits(fused_run, plain_run)
+    assert not fused_run[0][:3].isnan().any()
+
+
+def test_fused_rope_rotates_verify_rows_at_their_own_positions(ta: ModuleType) -> None:
+    """Descending verify rows read the new keys of rows stored in the same launch from the inputs: those
+    keys are rotated at the key's position, so the cache and the outputs equal the unfused path's."""
+    b = make_batch([4, 3], [21, 6], 4, 2, 32, 8, torch.bfloat16, seed=11, table_width=4)
+    rows, order = verify_rows(b, descending=True, pads=True)
+    backend = ta.TritonAttention(ta.TritonAttentionTiles(**SMALL_TILES, num_splits=2, decode_split_tiles=1))
+    fused_run, plain_run = both_paths(backend, rows, rope_for(rows, decode_positions(rows)))
+    assert_same_bits(fused_run, plain_run)
+    real = torch.tensor([r for r, t in enumerate(order) if t != PAD])
+    assert not fused_run[0][real].isnan().any()
+
+
+def test_rope_falls_back_to_rotary_first(ta: ModuleType) -> None:
+    """A head dim that is not a power of two, the tiles' switch off, and prefill all rotate before the
+    launch; the result equals rotary_qk followed by the plain launch either way."""
+    odd = make_batch([1, 1], [12, 3], 4, 2, 24, 8, torch.float32, seed=3)
+    backend = ta.TritonAttention(ta.TritonAttentionTiles(**SMALL_TILES))
+    assert not backend.fuses_rope(odd.q, rope_for(odd, decode_positions(odd)))
+    off = ta.TritonAttention(ta.TritonAttentionTiles(**SMALL_TILES, fused_decode_rope=False))
+    b = make_batch([1, 1], [12, 3], 4, 2, 16, 8, torch.float32, seed=4)
+    assert not off.fuses_rope(b.q, rope_for(b, decode_positions(b)))
+    prefill = make_batch([3, 5], [7, 5], 4, 2, 16, 8, torch.float32, seed=5)
+    prefill_positions = [p for q_len, c in zip([3, 5], [7, 5]) for p in range(c - q_len, c)]
+    for backend_, batch, positions in ((backend, odd, decode_positions(odd)), (off, b, decode_positions(b)),
+                                       (backend, prefill, prefill_positions)):
+        fused_run, plain_run = both_paths(backend_, batch, rope_for(batch, positions))
+        assert_same_bits(fused_run, plain_run)
+
+
+def test_reference_backend_rotates_first() -> None:
+    b = make_batch([2, 1], [5, 9], 4, 2, 16, 8, torch.float32, seed=6)
+    positions = [3, 4, 8]
+    fused_run, plain_run = both_paths(ReferenceAttention(), b, rope_for(b, positions))
+    assert_same_bits(fused_run, plain_run)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("shape", MODEL_SHAPES)
+@pytest.mark.parametrize("single", [0, 128])
+def test_cuda_fused_rope_decode_bits(ta: ModuleType, batch: int, shape: tuple[int, int, int], single: int) -> None:
+    """Compiled, on the model shapes (Qwen2-0.5B, 7B, GQA 1), bf16, default and batch-1 long tiles."""
+    rng = random.Random(batch)
+    contexts = [2048] + [rng.randint(1, 2048) for _ in range(batch - 1)]
+    b = make_batch([1] * batch, contexts, *shape, 16, torch.bfloat16, seed=batch, device=DEVICE)
+    backend = ta.TritonAttention(ta.TritonAttentionTiles(single_decode_block_n=single))
+    rope = rope_for(b, decode_positions(b), theta=1e6)
+    assert backend.fuses_rope(b.q, rope)
+    assert_same_bits(*both_paths(backend, b, rope))
+
+
+@pytest.mark.cuda
+def test_cuda_fused_rope_verify_rows(ta: ModuleType) -> None:
+    b = make_batch([5, 5, 3], [300, 5, 2000], 14, 2, 64, 16, torch.bfloat16, seed=9, table_width=128)
+    for descending in (False, True):
+        rows, _ = verify_rows(dataclasses.replace(b), descending=descending, pads=True)
+        assert_same_bits(*both_paths(ta.TritonAttention(), rows, rope_for(rows, decode_positions(rows))))
