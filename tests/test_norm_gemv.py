@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 from inference.config import ModelConfig, RopeConfig
 from inference.layers import fused, norm
 from inference.layers import gemv as gemv_mod
-from inference.layers.gemv import GemvConfig, gemv, norm_gemv, use_norm_gemv
+from inference.layers.gemv import GemvConfig, gemv, norm_gemv, pick_config, use_norm_gemv
 from inference.models import build_model
 from inference.parallel import TPInfo
 from tests.helpers_models import ToyPager
@@ -52,7 +52,9 @@ def check_equals_unfused(ops: dict[str, torch.Tensor], with_res: bool, with_bias
     x_before, res_before = x.clone(), None if res is None else res.clone()
     y, res_out = norm_gemv(x, res, nw, EPS, w, bias, config=config)
     h, ref_res = fused.add_rms_norm(x, res, nw, EPS)
-    assert torch.equal(y, gemv(h, w, bias, config=config))
+    # config None: norm_gemv's own default shape, which the plain GEMV must be given to sum in the same order
+    same = config or pick_config(x.shape[0], w.shape[0], x.shape[1], gemv_mod._num_sms(x.device), "norm")
+    assert torch.equal(y, gemv(h, w, bias, config=same))
     assert torch.equal(res_out, ref_res)
     if res is None:
         assert res_out is x
