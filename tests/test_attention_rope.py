@@ -25,7 +25,7 @@ from inference.config import RopeConfig
 from inference.layers import fused
 from inference.layers.attention import ReferenceAttention
 from inference.layers.rotary import Rope, RotaryEmbedding
-from tests.test_triton_attention import DEVICE, MODEL_SHAPES, SMALL_TILES, Batch, make_batch
+from tests.test_triton_attention import DEVICE, MODEL_SHAPES, SMALL_TILES, Batch, make_batch, tolerance
 from tests.test_triton_attention_rows import PAD, verify_rows
 
 
@@ -125,19 +125,37 @@ def test_reference_backend_rotates_first() -> None:
     assert_same_bits(fused_run, plain_run)
 
 
+def assert_within_a_rounding(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...], b: Batch) -> None:
+    """Compiled, the in-kernel rotation and rotary_qk's may round a product differently (seen on the H200:
+    ~1 in 8 elements of a head's second half, one bf16 step): the caches agree within one rounding of the
+    rotated key (v exactly), the outputs within the attention tolerance of the reference."""
+    out, kc, vc = got
+    want_out, want_kc, want_vc = want
+    assert torch.equal(vc.isnan(), want_vc.isnan()) and torch.equal(vc.nan_to_num(), want_vc.nan_to_num())
+    assert torch.equal(kc.isnan(), want_kc.isnan())
+    # one bf16 rounding (8 significant bits) of the result or of a product of terms of size <= ~4
+    step = want_kc.float().abs().nan_to_num() * 2.0 ** -7 + 2.0 ** -6
+    assert ((kc.float() - want_kc.float()).nan_to_num().abs() <= step).all()
+    torch.testing.assert_close(out.float(), want_out.float(), **tolerance(b.q.dtype))
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("batch", [1, 8])
 @pytest.mark.parametrize("shape", MODEL_SHAPES)
 @pytest.mark.parametrize("single", [0, 128])
-def test_cuda_fused_rope_decode_bits(ta: ModuleType, batch: int, shape: tuple[int, int, int], single: int) -> None:
-    """Compiled, on the model shapes (Qwen2-0.5B, 7B, GQA 1), bf16, default and batch-1 long tiles."""
+def test_cuda_fused_rope_decode(ta: ModuleType, batch: int, shape: tuple[int, int, int], single: int) -> None:
+    """Compiled, on the model shapes (Qwen2-0.5B, 7B, GQA 1), bf16, default and batch-1 long tiles: the
+    fused launch against rotary_qk + the plain launch, and against the reference on the rotated inputs."""
     rng = random.Random(batch)
     contexts = [2048] + [rng.randint(1, 2048) for _ in range(batch - 1)]
     b = make_batch([1] * batch, contexts, *shape, 16, torch.bfloat16, seed=batch, device=DEVICE)
     backend = ta.TritonAttention(ta.TritonAttentionTiles(single_decode_block_n=single))
     rope = rope_for(b, decode_positions(b), theta=1e6)
     assert backend.fuses_rope(b.q, rope)
-    assert_same_bits(*both_paths(backend, b, rope))
+    got, want = both_paths(backend, b, rope)
+    assert_within_a_rounding(got, want, b)
+    reference = both_paths(ReferenceAttention(), b, rope)[1]
+    assert_within_a_rounding(got, reference, b)
 
 
 @pytest.mark.cuda
@@ -145,4 +163,4 @@ def test_cuda_fused_rope_verify_rows(ta: ModuleType) -> None:
     b = make_batch([5, 5, 3], [300, 5, 2000], 14, 2, 64, 16, torch.bfloat16, seed=9, table_width=128)
     for descending in (False, True):
         rows, _ = verify_rows(dataclasses.replace(b), descending=descending, pads=True)
-        assert_same_bits(*both_paths(ta.TritonAttention(), rows, rope_for(rows, decode_positions(rows))))
+        assert_within_a_rounding(*both_paths(ta.TritonAttention(), rows, rope_for(rows, decode_positions(rows))), rows)
