@@ -31,6 +31,11 @@ that row's k and v from the inputs. max_rows = min(T, tiles.decode_max_rows) is 
 launch holding more rows of one sequence than that is not supported (SpecDecoder refuses such a k). The
 extra loads are masked, so where no row matches (plain decode) they read nothing; a batch-1 launch
 compiles the check out (MULTI_ROW).
+Decode can also rotate (ROPE): the caller hands q and k over unrotated with their Rope, and each program
+rotates its q rows and the new key at the row's position (the other rows' keys of a verify launch at
+the key's position), rounding as rotary_qk does; the k cache receives the rotated key. One rotary launch a
+layer fewer; prefill rotates first (rotary_qk). Compiled, the two rotations may differ in a few elements
+by one rounding (H200: 13 of 45,056 cache elements), so every decode path uses the same one.
 All three kernels take PDL (inference/layers/pdl.py): nothing is read or written before wait(PDL).
 
 Invariants:
