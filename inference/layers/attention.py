@@ -31,7 +31,7 @@ class AttentionBackend(Protocol):
         """q [T, Hq, D], k/v [T, Hkv, D] (Hq % Hkv == 0) -> [T, Hq, D] in q's dtype.
 
         With rope, q and k are not rotated yet: the backend applies rope.apply_qk first, or rotates
-        them inside its kernels with the same bits."""
+        them inside its kernels with the same math (compiled, a product may round differently)."""
         ...
 
 
