@@ -22,7 +22,7 @@ from inference.loader import iter_hf_tensors
 from inference.spec_decode import SpecDecoder
 from inference.tiny import make_tiny_model
 from tests.helpers_models import make_hf_checkpoint, random_prompts
-from tests.test_weight_update import Link
+from tests.helpers_weight_update import Link
 
 VOCAB = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)

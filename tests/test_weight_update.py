@@ -2,116 +2,30 @@
 
 After a sync the receiver's parameters must equal what the loader makes of the same weights; bad
 manifests are refused before a byte changes; a flipped byte fails the audit naming tensor and rank;
-a dead sender leaves the worker alive with its model torn, and a new init + sync recovers it.
-In-process tests run the sender on a thread (it never touches torch.distributed's global state);
-the TP=2 and dead-sender tests use real processes.
+In-process tests run the sender on a thread (it never touches torch.distributed's global state); the
+dead-sender and TP=2 tests, with real processes, are in tests/test_weight_update_processes.py.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import socket
 import subprocess
 import sys
-import time
-import traceback
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from safetensors.torch import save_file
 
-from checksum import ChecksumMismatch, digest_tensors
-from inference.config import EngineConfig, ModelConfig
+from checksum import ChecksumMismatch
 from inference.core import InvalidRequestError, StateError
-from inference.loader import iter_hf_tensors, load_weights
-from inference.models import build_model
-from inference.parallel import TPInfo
-from inference.tiny import make_tiny_model
 from inference.transfer.groups import TransferError
-from inference.transfer.sender import WeightSender
-from inference.weight_state import UpdateResult
-from inference.worker import Worker
-
-DIMS = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96)
-BUCKET = 16 << 10  # the 128 KiB embedding spans 8 buckets
-RANK = "dp0:pp0:tp0"
-Q1 = "model.layers.1.self_attn.q_proj.weight"
+from tests.helpers_weight_update import Q1, RANK, Link, held, loader_digests, make_worker, perturbed, tiny_model_dirs
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("wu")
-    return {"target": make_tiny_model(root / "target", "qwen2", **DIMS),  # tied, qkv bias
-            "draft": make_tiny_model(root / "draft", "llama", seed=1, **DIMS)}  # untied
-
-
-def perturbed(model_dir: Path, seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors plus seeded noise: what a trainer holds after an optimizer step."""
-    gen = torch.Generator().manual_seed(seed)
-    return {n: (t + 0.01 * torch.randn(t.shape, generator=gen)).to(dtype) for n, t in iter_hf_tensors(model_dir)}
-
-
-def loader_digests(model_dir: Path, state: dict[str, torch.Tensor], out: Path, tp: TPInfo | None = None,
-                   rank: str = RANK) -> dict[str, str]:
-    """What the loader makes of `state` (saved as a checkpoint), as compute_weight_checksums keys."""
-    if not out.exists():
-        shutil.copytree(model_dir, out)
-        save_file({n: t.contiguous() for n, t in state.items()}, str(out / "model.safetensors"))
-    model = build_model(ModelConfig.from_dir(out), tp or TPInfo(), torch.float32, "cpu")
-    load_weights(model, out)
-    return {f"{rank}:{r.name}": r.digest for r in digest_tensors(list(model.named_parameters()))}
-
-
-def make_worker(dirs: dict[str, Path], draft: bool = True) -> Worker:
-    worker = Worker(EngineConfig(model=str(dirs["target"]), draft_model=str(dirs["draft"]) if draft else None,
-                                 device="cpu", dtype="float32"))
-    worker.init_device()
-    worker.load_model()
-    return worker
-
-
-class Link:
-    """A sender on this process, connected to `worker` (the sender's calls run on a thread)."""
-
-    def __init__(self, worker: Worker, bucket_bytes: int = BUCKET, timeout_s: float = 20.0) -> None:
-        self.worker = worker
-        self.sender = WeightSender("gloo", bucket_bytes=bucket_bytes, timeout_s=timeout_s)
-        info = self.sender.init_info()
-        with ThreadPoolExecutor(1) as pool:
-            connecting = pool.submit(self.sender.connect)
-            worker.init_weight_transfer_engine(info)
-            connecting.result(timeout=30)
-
-    def sync(self, state: dict[str, torch.Tensor], version: int, which: str = "target",
-             allow_cast: bool = False, sent: dict[str, torch.Tensor] | None = None) -> UpdateResult:
-        manifest = self.sender.manifest(state, version)
-        start = self.worker.start_weight_update if which == "target" else self.worker.start_draft_weight_update
-        start(version, manifest, allow_cast=allow_cast)
-        digests = self.transfer(sent if sent is not None else state)
-        return self.worker.finish_weight_update(digests)
-
-    def transfer(self, state: dict[str, torch.Tensor]) -> Any:
-        """send() beside update_weights(); the receiver's error wins, then the sender's."""
-        with ThreadPoolExecutor(1) as pool:
-            sending = pool.submit(self.sender.send, state)
-            try:
-                self.worker.update_weights()
-            finally:
-                sender_error = sending.exception(timeout=60)
-        if sender_error is not None:
-            raise sender_error
-        return sending.result()
-
-
-def held(worker: Worker, which: str = "target") -> dict[str, str]:
-    return worker.compute_weight_checksums(which)
+    return tiny_model_dirs(tmp_path_factory.mktemp("wu"))
 
 
 def test_sync_makes_the_target_what_the_loader_makes_and_leaves_the_draft(dirs: dict[str, Path],
@@ -372,128 +286,3 @@ def test_sender_imports_no_engine_module() -> None:
             " ['inference', 'worker'], ['inference', 'loader'], ['inference', 'naming'], ['inference', 'runner'])]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
-
-
-# ---- real processes ------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _dying_sender(out: Any, model_dir: str, how: str) -> None:
-    """Connects, sends two buckets of a sync, then dies (exit) or hangs (stall) like a broken trainer."""
-    sender = WeightSender("gloo", bucket_bytes=BUCKET, timeout_s=3.0)
-    out.put(sender.init_info())
-    sender.connect()
-    state = perturbed(Path(model_dir), 100)
-    out.put(sender.manifest(state, 1))
-    group = sender._group
-    real, calls = group.broadcast, [0]
-
-    def broadcast(t: torch.Tensor) -> Any:
-        calls[0] += 1
-        if calls[0] == 3:
-            if how == "stall":
-                time.sleep(120)  # alive but silent: only the receiver's timeout can end its wait
-            os._exit(17)
-        return real(t)
-
-    group.broadcast = broadcast
-    sender.send(state)
-
-
-@pytest.mark.parametrize("how", ["exit", "stall"])
-def test_dead_sender_tears_the_model_and_a_new_init_recovers(dirs: dict[str, Path], tmp_path: Path,
-                                                             how: str) -> None:
-    worker = make_worker(dirs)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_dying_sender, args=(out, str(dirs["target"]), how))
-    proc.start()
-    try:
-        worker.init_weight_transfer_engine(out.get(timeout=60))
-        worker.start_weight_update(1, out.get(timeout=60))
-        with pytest.raises(TransferError, match=rf"bucket \d+ of \d+ failed on rank {RANK}"):
-            worker.update_weights()
-    finally:
-        if how == "stall":
-            proc.kill()
-        proc.join(timeout=30)
-    assert proc.exitcode == (17 if how == "exit" else -9)
-    worker.check_health()  # alive
-    assert worker.torn["target"] and not worker.is_servable("target")
-    assert "failed" in worker.weight_state("target")["torn_reason"]
-    with pytest.raises(StateError, match="broken"):
-        worker.start_weight_update(1, [])
-    state = perturbed(dirs["target"], 101)
-    assert Link(worker).sync(state, 1).report.ok
-    assert worker.is_servable("target")
-    assert held(worker) == loader_digests(dirs["target"], state, tmp_path / "ref")
-
-
-def _tp_receiver(rank: int, port: int, info: dict, model_dir: str, inbox: Any, out: Any) -> None:
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                                timeout=timedelta(seconds=60))
-        tp = TPInfo(rank=rank, size=2, group=dist.new_group([0, 1]))
-        worker = Worker(EngineConfig(model=model_dir, device="cpu", dtype="float32", tp_size=2), tp=tp)
-        worker.init_device()
-        worker.load_model()
-        worker.init_weight_transfer_engine(info)
-        for version, fault in ((1, None), (2, ("flip", Q1) if rank == 1 else None)):
-            worker.weight_transfer_fault = fault
-            worker.start_weight_update(version, inbox.get(timeout=60))
-            worker.update_weights()
-            try:
-                result = worker.finish_weight_update(inbox.get(timeout=60))
-                out.put((rank, version, "ok", result.report.ok, worker.compute_weight_checksums()))
-            except ChecksumMismatch as e:
-                out.put((rank, version, "mismatch", str(e), e.report.first_tensor.tensor))
-    except Exception:
-        out.put((rank, 0, "error", traceback.format_exc(), None))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def test_tp2_receivers_each_hold_their_shard_and_a_flip_names_its_rank(dirs: dict[str, Path],
-                                                                       tmp_path: Path) -> None:
-    sender = WeightSender("gloo", num_receivers=2, bucket_bytes=BUCKET, timeout_s=60)
-    info = sender.init_info()
-    ctx = mp.get_context("spawn")
-    inboxes, out = [ctx.Queue(), ctx.Queue()], ctx.Queue()
-    port = _free_port()  # for the receivers' own TP group
-    procs = [ctx.Process(target=_tp_receiver, args=(r, port, info, str(dirs["target"]), inboxes[r], out))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        sender.connect()
-        results = {}
-        for version, seed in ((1, 110), (2, 111)):
-            state = perturbed(dirs["target"], seed)
-            for inbox in inboxes:
-                inbox.put(sender.manifest(state, version))
-            digests = sender.send(state)
-            for inbox in inboxes:
-                inbox.put(digests)
-            for _ in range(2):
-                rank, v, kind, *rest = out.get(timeout=60)
-                assert kind != "error", rest[0]
-                results[rank, v] = (kind, *rest)
-            if version == 1:
-                v1_state = state
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-        sender.close()
-    for r in range(2):
-        kind, ok, digests = results[r, 1]
-        assert kind == "ok" and ok
-        ref = loader_digests(dirs["target"], v1_state, tmp_path / "ref", TPInfo(r, 2, group=object()),
-                             rank=f"dp0:pp0:tp{r}")
-        assert digests == ref, f"rank {r} holds other bytes than the loader's shard"
-    assert results[0, 2][0] == "ok"
-    kind, message, tensor = results[1, 2]
-    assert kind == "mismatch" and tensor == Q1 and "dp0:pp0:tp1" in message

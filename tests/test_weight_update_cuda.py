@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 from inference.config import EngineConfig
 from inference.worker import Worker
-from tests.test_weight_update import DIMS, RANK, Link, loader_digests, perturbed
+from tests.helpers_weight_update import DIMS, RANK, Link, loader_digests, perturbed
 
 pytestmark = pytest.mark.cuda
 

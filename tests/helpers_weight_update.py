@@ -1,0 +1,95 @@
+"""Shared pieces of the weight-update tests (tests/test_weight_update*.py): two tiny checkpoints, a
+trainer-like perturbed state, what the loader makes of it, and an in-process sender linked to a Worker."""
+
+from __future__ import annotations
+
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from checksum import digest_tensors
+from inference.config import EngineConfig, ModelConfig
+from inference.loader import iter_hf_tensors, load_weights
+from inference.models import build_model
+from inference.parallel import TPInfo
+from inference.tiny import make_tiny_model
+from inference.transfer.sender import WeightSender
+from inference.weight_state import UpdateResult
+from inference.worker import Worker
+
+DIMS = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96)
+BUCKET = 16 << 10  # the 128 KiB embedding spans 8 buckets
+RANK = "dp0:pp0:tp0"
+Q1 = "model.layers.1.self_attn.q_proj.weight"
+
+
+def tiny_model_dirs(root: Path) -> dict[str, Path]:
+    """The target (Qwen2: tied, qkv bias) and draft (Llama: untied) checkpoints under root."""
+    return {"target": make_tiny_model(root / "target", "qwen2", **DIMS),
+            "draft": make_tiny_model(root / "draft", "llama", seed=1, **DIMS)}
+
+
+def perturbed(model_dir: Path, seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors plus seeded noise: what a trainer holds after an optimizer step."""
+    gen = torch.Generator().manual_seed(seed)
+    return {n: (t + 0.01 * torch.randn(t.shape, generator=gen)).to(dtype) for n, t in iter_hf_tensors(model_dir)}
+
+
+def loader_digests(model_dir: Path, state: dict[str, torch.Tensor], out: Path, tp: TPInfo | None = None,
+                   rank: str = RANK) -> dict[str, str]:
+    """What the loader makes of `state` (saved as a checkpoint), as compute_weight_checksums keys."""
+    if not out.exists():
+        shutil.copytree(model_dir, out)
+        save_file({n: t.contiguous() for n, t in state.items()}, str(out / "model.safetensors"))
+    model = build_model(ModelConfig.from_dir(out), tp or TPInfo(), torch.float32, "cpu")
+    load_weights(model, out)
+    return {f"{rank}:{r.name}": r.digest for r in digest_tensors(list(model.named_parameters()))}
+
+
+def make_worker(dirs: dict[str, Path], draft: bool = True) -> Worker:
+    worker = Worker(EngineConfig(model=str(dirs["target"]), draft_model=str(dirs["draft"]) if draft else None,
+                                 device="cpu", dtype="float32"))
+    worker.init_device()
+    worker.load_model()
+    return worker
+
+
+class Link:
+    """A sender on this process, connected to `worker` (the sender's calls run on a thread)."""
+
+    def __init__(self, worker: Worker, bucket_bytes: int = BUCKET, timeout_s: float = 20.0) -> None:
+        self.worker = worker
+        self.sender = WeightSender("gloo", bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+        info = self.sender.init_info()
+        with ThreadPoolExecutor(1) as pool:
+            connecting = pool.submit(self.sender.connect)
+            worker.init_weight_transfer_engine(info)
+            connecting.result(timeout=30)
+
+    def sync(self, state: dict[str, torch.Tensor], version: int, which: str = "target",
+             allow_cast: bool = False, sent: dict[str, torch.Tensor] | None = None) -> UpdateResult:
+        manifest = self.sender.manifest(state, version)
+        start = self.worker.start_weight_update if which == "target" else self.worker.start_draft_weight_update
+        start(version, manifest, allow_cast=allow_cast)
+        digests = self.transfer(sent if sent is not None else state)
+        return self.worker.finish_weight_update(digests)
+
+    def transfer(self, state: dict[str, torch.Tensor]) -> Any:
+        """send() beside update_weights(); the receiver's error wins, then the sender's."""
+        with ThreadPoolExecutor(1) as pool:
+            sending = pool.submit(self.sender.send, state)
+            try:
+                self.worker.update_weights()
+            finally:
+                sender_error = sending.exception(timeout=60)
+        if sender_error is not None:
+            raise sender_error
+        return sending.result()
+
+
+def held(worker: Worker, which: str = "target") -> dict[str, str]:
+    return worker.compute_weight_checksums(which)
