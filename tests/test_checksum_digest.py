@@ -1,5 +1,6 @@
 """Tensor digests: the definition (xxh3-128 of the contiguous bytes, per 64 MiB segment above 64 MiB),
-and the many-tensor path giving the same answer whatever the layout, chunking, threads or device."""
+and the many-tensor path giving the same answer whatever the layout, chunking, threads or staging (the
+device path: tests/test_checksum_digest_cuda.py)."""
 
 from __future__ import annotations
 
@@ -20,49 +21,22 @@ import checksum.definition
 import checksum.staging_buffers
 from checksum import Digester, TensorRecord, digest_bytes, digest_tensor, digest_tensors
 from checksum.staging import Job, run_jobs
-
-MIB = 1 << 20
-SEGMENT = 64 * MIB  # the documented segment size, written out here rather than imported
-SMALL_SEGMENT = 1000  # tests that shrink the segment (module constant) to reach boundaries cheaply
-
-DTYPES = [
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
-    torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64,
-]
-
-
-def xxh(data: bytes, segment: int = SEGMENT) -> str:
-    """The documented rule, from scratch: one xxh3-128 up to a segment, else a hash of segment hashes."""
-    if len(data) <= segment:
-        return xxhash.xxh3_128(data).hexdigest()
-    parts = [xxhash.xxh3_128(data[i : i + segment]).digest() for i in range(0, len(data), segment)]
-    return xxhash.xxh3_128(b"".join(parts)).hexdigest()
+from tests.helpers_checksum import (
+    DTYPES,
+    MIB,
+    SEGMENT,
+    SMALL_SEGMENT,
+    mixed_tensors,
+    random_tensor,
+    shrink_segments,
+    storage_bytes,
+    xxh,
+)
 
 
 @pytest.fixture
 def small_segments(monkeypatch: pytest.MonkeyPatch) -> int:
-    """Shrink the definition's segment so small tensors have many segments (production stays 64 MiB)."""
-    assert checksum.definition.SEGMENT_BYTES == SEGMENT
-    monkeypatch.setattr(checksum.definition, "SEGMENT_BYTES", SMALL_SEGMENT)
-    return SMALL_SEGMENT
-
-
-def storage_bytes(t: torch.Tensor) -> bytes:
-    """A tensor's bytes read element by element from its untyped storage (slow, but independent)."""
-    c = t.contiguous()
-    start = c.storage_offset() * c.element_size()
-    raw = c.untyped_storage().tolist()
-    return bytes(raw[start : start + c.numel() * c.element_size()])
-
-
-def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=g).bool()
-    if dtype.is_floating_point or dtype.is_complex:
-        return (torch.randn(shape, generator=g) * 3).to(dtype)
-    info = torch.iinfo(dtype)
-    return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=g).to(dtype)
+    return shrink_segments(monkeypatch)
 
 
 def test_float32_digest_is_xxh3_128_of_numpy_bytes() -> None:
@@ -112,27 +86,6 @@ def test_conjugate_view_hashes_its_visible_values() -> None:
     z = random_tensor((4, 4), torch.complex64)
     assert digest_tensor(z.conj()) == digest_tensor(z.conj().resolve_conj())
     assert digest_tensor(z.conj()) != digest_tensor(z)
-
-
-def mixed_tensors(device: str = "cpu") -> dict[str, torch.Tensor]:
-    """Sizes from 0 bytes to many chunks, strided views made on `device`, not sorted by size."""
-    tensors = {
-        "small": random_tensor((3,), torch.float32, 1),
-        "big": random_tensor((64, 50), torch.bfloat16, 2),
-        "scalar": torch.tensor(7, dtype=torch.int64),
-        "empty": torch.empty(0, dtype=torch.float16),
-        "mask": random_tensor((333,), torch.bool, 3),
-        "fp8": random_tensor((40, 9), torch.float8_e4m3fn, 4),
-        "strided": random_tensor((60, 30), torch.float32, 5),  # 1200 bytes once strided
-        "medium": random_tensor((100, 7), torch.int32, 6),
-        # Just below, at and just above SMALL_SEGMENT bytes (tests that shrink the segment).
-        "below": random_tensor((SMALL_SEGMENT - 1,), torch.uint8, 12),
-        "at": random_tensor((SMALL_SEGMENT // 4,), torch.float32, 13),
-        "above": random_tensor((SMALL_SEGMENT + 1,), torch.int8, 14),
-    }
-    tensors = {n: t.to(device) for n, t in tensors.items()}
-    tensors["strided"] = tensors["strided"][::2, 1::3]
-    return tensors
 
 
 @pytest.mark.parametrize("staging", ["device", "always"])
@@ -339,83 +292,3 @@ def test_digester_rejects_bad_settings() -> None:
     for kwargs in ({"threads": 0}, {"chunk_bytes": 0}, {"num_buffers": 0}, {"staging": "sometimes"}):
         with pytest.raises(ValueError):
             Digester(**kwargs)  # type: ignore[arg-type]
-
-
-# -- CUDA: the pinned-buffer streaming path must agree with the CPU definition ------------------
-
-
-def cuda_mix(device: str) -> dict[str, torch.Tensor]:
-    tensors = mixed_tensors(device)
-    tensors["embedding"] = random_tensor((3000, 700), torch.bfloat16, 7).to(device)  # ~4 MB: many chunks
-    tensors["transposed_big"] = random_tensor((700, 900), torch.float32, 8).to(device).t()
-    tensors["fp8_e5m2_rows"] = random_tensor((123, 45), torch.float8_e5m2, 9).to(device)[1::2]
-    return tensors
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize(("threads", "chunk_bytes", "num_buffers"),
-                         [(1, 4096, 1), (4, 65536, 3), (16, 1 << 20, None), (8, None, None)])
-def test_cuda_digests_equal_cpu_digests(
-    threads: int, chunk_bytes: int | None, num_buffers: int | None
-) -> None:
-    expected = Digester(1).digest(cuda_mix("cpu"))
-    gpu = cuda_mix("cuda")
-    assert not gpu["transposed_big"].is_contiguous() and gpu["embedding"].nbytes > 4 * 65536
-    kwargs = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
-    with Digester(threads, num_buffers=num_buffers, **kwargs) as digester:
-        for _ in range(2):  # the second run reuses the pinned buffers, streams and events
-            assert digester.digest(gpu) == expected
-
-
-@pytest.mark.cuda
-def test_cuda_sees_writes_made_on_the_current_stream() -> None:
-    """The copy stream waits for the caller's stream: a digest right after a kernel sees its result."""
-    t = torch.zeros(1 << 22, device="cuda", dtype=torch.bfloat16)
-    before = digest_tensors({"t": t})[0].digest
-    t.add_(1)  # queued on the current stream, not synchronized
-    after = digest_tensors({"t": t})[0].digest
-    assert before != after
-    assert after == Digester(1).digest({"t": t.cpu()})[0].digest
-
-
-@pytest.mark.cuda
-def test_cuda_and_cpu_tensors_in_one_call_keep_input_order() -> None:
-    expected = Digester(1).digest(cuda_mix("cpu"))
-    gpu = cuda_mix("cuda")
-    mixed = {n: t if i % 2 else cuda_mix("cpu")[n] for i, (n, t) in enumerate(gpu.items())}
-    assert digest_tensors(mixed) == expected
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("chunk_bytes", [100, 300, SMALL_SEGMENT, 4096])
-def test_cuda_segments_with_any_chunk_size(chunk_bytes: int, small_segments: int) -> None:
-    """Many segments per tensor on the device: chunks are cut per segment, whatever their size."""
-    def tensors(device: str) -> dict[str, torch.Tensor]:
-        out = mixed_tensors(device)
-        out["rows"] = random_tensor((90, 70), torch.bfloat16, 15).to(device)[::2]  # strided, many segments
-        return out
-
-    cpu = tensors("cpu")
-    expected = [TensorRecord(n, str(t.dtype).removeprefix("torch."), tuple(t.shape),
-                             xxh(storage_bytes(t), small_segments)) for n, t in cpu.items()]
-    with Digester(4, chunk_bytes=chunk_bytes, num_buffers=5) as digester:
-        assert digester.digest(tensors("cuda")) == expected
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize(("threads", "chunk_bytes"), [(1, 16 * MIB), (16, 16 * MIB), (8, 24 * MIB), (4, MIB)])
-def test_cuda_real_segments_equal_the_documented_rule(threads: int, chunk_bytes: int) -> None:
-    g = torch.Generator(device="cuda").manual_seed(3)
-    embedding = torch.empty(40000, 1792, dtype=torch.bfloat16, device="cuda").normal_(generator=g)  # 2+ segments
-    tensors = {
-        "embedding": embedding,
-        "below": embedding.reshape(-1)[: SEGMENT // 2 - 1],
-        "at": embedding.reshape(-1)[: SEGMENT // 2],
-        "above": embedding.reshape(-1)[1 : SEGMENT // 2 + 2],  # odd offset: not aligned to a segment
-        "transposed": embedding[:, :1000].t(),  # strided and bigger than a segment
-    }
-    assert embedding.nbytes > 2 * SEGMENT and tensors["transposed"].nbytes > SEGMENT
-    expected = [xxh(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()) for t in tensors.values()]
-    with Digester(threads, chunk_bytes=chunk_bytes) as digester:
-        for _ in range(2):
-            assert [r.digest for r in digester.digest(tensors)] == expected

@@ -1,0 +1,74 @@
+"""Shared pieces of the digest tests (tests/test_checksum_digest*.py): the documented rule written from
+scratch, a byte reader independent of the library, seeded tensors of every dtype and a mixed set."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import xxhash
+
+import checksum.definition
+
+MIB = 1 << 20
+SEGMENT = 64 * MIB  # the documented segment size, written out here rather than imported
+SMALL_SEGMENT = 1000  # tests that shrink the segment (module constant) to reach boundaries cheaply
+
+DTYPES = [
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+    torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64,
+]
+
+
+def xxh(data: bytes, segment: int = SEGMENT) -> str:
+    """The documented rule, from scratch: one xxh3-128 up to a segment, else a hash of segment hashes."""
+    if len(data) <= segment:
+        return xxhash.xxh3_128(data).hexdigest()
+    parts = [xxhash.xxh3_128(data[i : i + segment]).digest() for i in range(0, len(data), segment)]
+    return xxhash.xxh3_128(b"".join(parts)).hexdigest()
+
+
+def shrink_segments(monkeypatch: pytest.MonkeyPatch) -> int:
+    """Shrink the definition's segment so small tensors have many segments (production stays 64 MiB);
+    the test files' `small_segments` fixture."""
+    assert checksum.definition.SEGMENT_BYTES == SEGMENT
+    monkeypatch.setattr(checksum.definition, "SEGMENT_BYTES", SMALL_SEGMENT)
+    return SMALL_SEGMENT
+
+
+def storage_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's bytes read element by element from its untyped storage (slow, but independent)."""
+    c = t.contiguous()
+    start = c.storage_offset() * c.element_size()
+    raw = c.untyped_storage().tolist()
+    return bytes(raw[start : start + c.numel() * c.element_size()])
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_floating_point or dtype.is_complex:
+        return (torch.randn(shape, generator=g) * 3).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=g).to(dtype)
+
+
+def mixed_tensors(device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Sizes from 0 bytes to many chunks, strided views made on `device`, not sorted by size."""
+    tensors = {
+        "small": random_tensor((3,), torch.float32, 1),
+        "big": random_tensor((64, 50), torch.bfloat16, 2),
+        "scalar": torch.tensor(7, dtype=torch.int64),
+        "empty": torch.empty(0, dtype=torch.float16),
+        "mask": random_tensor((333,), torch.bool, 3),
+        "fp8": random_tensor((40, 9), torch.float8_e4m3fn, 4),
+        "strided": random_tensor((60, 30), torch.float32, 5),  # 1200 bytes once strided
+        "medium": random_tensor((100, 7), torch.int32, 6),
+        # Just below, at and just above SMALL_SEGMENT bytes (tests that shrink the segment).
+        "below": random_tensor((SMALL_SEGMENT - 1,), torch.uint8, 12),
+        "at": random_tensor((SMALL_SEGMENT // 4,), torch.float32, 13),
+        "above": random_tensor((SMALL_SEGMENT + 1,), torch.int8, 14),
+    }
+    tensors = {n: t.to(device) for n, t in tensors.items()}
+    tensors["strided"] = tensors["strided"][::2, 1::3]
+    return tensors
