@@ -21,10 +21,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from inference.config import RopeConfig
+from inference.config import ModelConfig, RopeConfig
 from inference.layers import fused
 from inference.layers.attention import ReferenceAttention
 from inference.layers.rotary import Rope, RotaryEmbedding
+from inference.models import build_model
+from inference.parallel import TPInfo
+from tests.helpers_models import ToyPager
 from tests.test_triton_attention import DEVICE, MODEL_SHAPES, SMALL_TILES, Batch, make_batch, tolerance
 from tests.test_triton_attention_rows import PAD, verify_rows
 
@@ -166,3 +169,34 @@ def test_cuda_fused_rope_verify_rows(ta: ModuleType) -> None:
     for descending in (False, True):
         rows, _ = verify_rows(dataclasses.replace(b), descending=descending, pads=True)
         assert_within_a_rounding(*both_paths(ta.TritonAttention(), rows, rope_for(rows, decode_positions(rows))), rows)
+
+
+def test_decoder_decode_steps_rotate_in_the_kernel(ta: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny Qwen2 (GQA 2:1, head dim 16) on the triton backend: a prefill of three sequences, then decode
+    steps. With the fused rotary, only the prefill calls rotary_qk (decode rotates in the attention kernel),
+    and every step's hidden states equal the unfused path's bit for bit (Triton's interpreter)."""
+    config = ModelConfig(family="qwen2", vocab_size=32, hidden_size=32, intermediate_size=48, num_layers=2,
+                         num_heads=2, num_kv_heads=1, head_dim=16, rms_norm_eps=1e-6, rope=RopeConfig(),
+                         max_position_embeddings=64, tie_word_embeddings=True, qkv_bias=True, qk_norm=False)
+    rotations: list[int] = []
+    apply_qk = Rope.apply_qk
+    monkeypatch.setattr(Rope, "apply_qk", lambda self, q, k: rotations.append(q.shape[0]) or apply_qk(self, q, k))
+    runs = []
+    for fuse in (True, False):
+        tiles = ta.TritonAttentionTiles(**SMALL_TILES, fused_decode_rope=fuse)
+        torch.manual_seed(0)
+        model = build_model(config, TPInfo(), torch.float32, "cpu", ta.TritonAttention(tiles))
+        for p in model.parameters():
+            p.data.normal_(0, 0.3)
+        model.bind_kv_cache(torch.full(model.kv_cache_spec().shape(12, 4), float("nan")))
+        pager, hidden = ToyPager(12, 4), []
+        steps = [{0: [3, 4, 5], 1: [6, 7], 2: [8]}] + [{s: [10 + 3 * i + s] for s in range(3)} for i in range(3)]
+        rotations.clear()
+        with torch.no_grad():
+            for step in steps:
+                hidden.append(model(*pager.step(step)))
+        runs.append((hidden, list(rotations)))
+    (fused_h, fused_rot), (plain_h, plain_rot) = runs
+    assert fused_rot == [6, 6] and plain_rot == [6, 6] + [3, 3] * 3  # rows rotated by rotary_qk, per layer
+    for got, want in zip(fused_h, plain_h):
+        assert not got.isnan().any() and torch.equal(got, want)
