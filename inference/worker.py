@@ -116,7 +116,12 @@ class Worker(WeightUpdateMixin):
     def _load(self, which: str, model_dir: str) -> torch.nn.Module:
         assert self.dtype is not None and self.device is not None
         config = ModelConfig.from_dir(model_dir)
-        model = build_model(config, self.tp, self.dtype, self.device, get_attention_backend(self.attention_backend))
+        backend = get_attention_backend(self.attention_backend)
+        speculates = bool(self.config.draft_model) and self.config.num_speculative_tokens > 0
+        if which == "target" and not speculates and hasattr(backend, "for_decode_rows"):
+            # Without a draft, decode launches hold one row per sequence: no row can own another's keys.
+            backend = backend.for_decode_rows(1)
+        model = build_model(config, self.tp, self.dtype, self.device, backend)
         # Parameters become views into a tagged arena first, so the loader writes straight into it.
         assert self.memory is not None
         tag = ARENA_OF[which]

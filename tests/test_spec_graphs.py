@@ -124,3 +124,23 @@ def test_extended_ladder_keeps_the_decode_sizes_and_covers_the_verify_rows() -> 
         # a plain decode of n <= max_batch rows picks the graph it picked without speculation
         for n in range(1, max_batch + 1):
             assert next(b for b in sizes if b >= n) == next(b for b in batch_ladder(max_batch) if b >= n)
+
+
+def test_without_a_draft_decode_launches_take_one_row_per_sequence(pair: tuple[Path, Path]) -> None:
+    """No speculative decoding: the target's triton backend compiles the multi-row owner check out
+    (decode_max_rows 1), and a SpecDecoder put on that target later is refused, not run unsafely; with a
+    draft, the target keeps the rows verify launches need."""
+    target, draft = pair
+    plain = engine(target, attention_backend="triton", max_model_len=64)
+    backends = {layer.backend for layer in plain.worker.models["target"].attention_layers()}
+    assert len(backends) == 1 and backends.pop().tiles.decode_max_rows == 1
+    spec = engine(target, draft, 3, attention_backend="triton", max_model_len=64)
+    for which in ("target", "draft"):
+        assert all(layer.backend.tiles.decode_max_rows >= 4 for layer in spec.worker.models[which].attention_layers())
+    with pytest.raises(ValueError, match=r"needs 4 decode rows.*at most 1"):
+        SpecDecoder(plain.worker.runner, spec.worker.models["draft"], 3)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = random_prompts([5, 9], VOCAB, seed=4)
+    plain_out = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    spec_out = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
+    assert plain_out == spec_out

@@ -30,7 +30,8 @@ slot equals the key's slot; the rows of a sequence are consecutive, ascending or
 that row's k and v from the inputs. max_rows = min(T, tiles.decode_max_rows) is a launch argument; a
 launch holding more rows of one sequence than that is not supported (SpecDecoder refuses such a k). The
 extra loads are masked, so where no row matches (plain decode) they read nothing; a batch-1 launch
-compiles the check out (MULTI_ROW).
+compiles the check out (MULTI_ROW), and so does every launch of a target without a draft model (the
+worker builds its backend with for_decode_rows(1)).
 Decode can also rotate (ROPE): the caller hands q and k over unrotated with their Rope, and each program
 rotates its q rows and the new key at the row's position (the other rows' keys of a verify launch at
 the key's position), rounding as rotary_qk does; the k cache receives the rotated key. One rotary launch a
@@ -189,6 +190,12 @@ class TritonAttention:
         self.tiles = tiles or TritonAttentionTiles()
         # Per device, the split-KV merge counters (one per sequence and kv head), reused by every decode launch.
         self.merge_counters = MergeCounters(floor=256).get
+
+    def for_decode_rows(self, rows: int) -> TritonAttention:
+        """A backend for a model whose decode launches hold at most `rows` rows of one sequence (1: no
+        speculative decoding), so the multi-row owner check compiles out of every decode launch at 1.
+        SpecDecoder refuses a k whose verify rows exceed it."""
+        return TritonAttention(replace(self.tiles, decode_max_rows=max(1, rows)))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
