@@ -86,7 +86,7 @@ def test_fused_rope_decode_has_the_bits_of_rotary_then_attention(ta: ModuleType,
     """Contexts in one and several splits, and a padded row (graph batches), GQA."""
     b = make_batch([1, 1, 1], [9, 40, 1], heads, kv_heads, head_dim, 8, dtype, seed=7, pad_rows=1, table_width=6)
     backend = ta.TritonAttention(ta.TritonAttentionTiles(**SMALL_TILES, num_splits=2, decode_split_tiles=1))
-    assert backend.fuses_rope(b.q, rope_for(b, decode_positions(b)))
+    assert backend.fuses_rope(b.q, b.k, rope_for(b, decode_positions(b)))
     fused_run, plain_run = both_paths(backend, b, rope_for(b, decode_positions(b)))
     assert_same_bits(fused_run, plain_run)
     assert not fused_run[0][:3].isnan().any()
@@ -109,10 +109,10 @@ def test_rope_falls_back_to_rotary_first(ta: ModuleType) -> None:
     launch; the result equals rotary_qk followed by the plain launch either way."""
     odd = make_batch([1, 1], [12, 3], 4, 2, 24, 8, torch.float32, seed=3)
     backend = ta.TritonAttention(ta.TritonAttentionTiles(**SMALL_TILES))
-    assert not backend.fuses_rope(odd.q, rope_for(odd, decode_positions(odd)))
+    assert not backend.fuses_rope(odd.q, odd.k, rope_for(odd, decode_positions(odd)))
     off = ta.TritonAttention(ta.TritonAttentionTiles(**SMALL_TILES, fused_decode_rope=False))
     b = make_batch([1, 1], [12, 3], 4, 2, 16, 8, torch.float32, seed=4)
-    assert not off.fuses_rope(b.q, rope_for(b, decode_positions(b)))
+    assert not off.fuses_rope(b.q, b.k, rope_for(b, decode_positions(b)))
     prefill = make_batch([3, 5], [7, 5], 4, 2, 16, 8, torch.float32, seed=5)
     prefill_positions = [p for q_len, c in zip([3, 5], [7, 5]) for p in range(c - q_len, c)]
     for backend_, batch, positions in ((backend, odd, decode_positions(odd)), (off, b, decode_positions(b)),
@@ -156,7 +156,7 @@ def test_cuda_fused_rope_decode(ta: ModuleType, batch: int, shape: tuple[int, in
     b = make_batch([1] * batch, contexts, *shape, 16, torch.bfloat16, seed=batch, device=DEVICE)
     backend = ta.TritonAttention(ta.TritonAttentionTiles(single_decode_block_n=single))
     rope = rope_for(b, decode_positions(b), theta=1e6)
-    assert backend.fuses_rope(b.q, rope)
+    assert backend.fuses_rope(b.q, b.k, rope)
     got, want = both_paths(backend, b, rope)
     assert_within_a_rounding(got, want, b)
     reference = both_paths(ReferenceAttention(), b, rope)[1]
@@ -200,3 +200,43 @@ def test_decoder_decode_steps_rotate_in_the_kernel(ta: ModuleType, monkeypatch: 
     assert fused_rot == [6, 6] and plain_rot == [6, 6] + [3, 3] * 3  # rows rotated by rotary_qk, per layer
     for got, want in zip(fused_h, plain_h):
         assert not got.isnan().any() and torch.equal(got, want)
+
+
+class _OldStyleBackend:
+    """A backend written before the rope argument: forward takes eight arguments, no takes_rope."""
+
+    name = "old-style"
+
+    def __init__(self) -> None:
+        self.inner = ReferenceAttention()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: object, scale: float, sliding_window: int | None) -> torch.Tensor:
+        return self.inner.forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+
+
+def test_a_backend_without_rope_gets_rotated_inputs() -> None:
+    """The attention layer rotates q and k itself for a backend that does not take rope: the model's
+    output equals the one on the reference backend (which rotates them inside forward)."""
+    config = ModelConfig(family="llama", vocab_size=32, hidden_size=32, intermediate_size=48, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope=RopeConfig(),
+                         max_position_embeddings=64, tie_word_embeddings=False, qkv_bias=False, qk_norm=False)
+    outs = []
+    for backend in (ReferenceAttention(), _OldStyleBackend()):
+        torch.manual_seed(1)
+        model = build_model(config, TPInfo(), torch.float32, "cpu", backend)
+        for p in model.parameters():
+            p.data.normal_(0, 0.3)
+        model.bind_kv_cache(torch.zeros(model.kv_cache_spec().shape(8, 4)))
+        pager = ToyPager(8, 4)
+        with torch.no_grad():
+            outs.append([model(*pager.step(step)) for step in ({0: [1, 2, 3], 1: [4]}, {0: [5], 1: [6]})])
+    for got, want in zip(*outs):
+        assert torch.equal(got, want)
+
+
+def test_rope_is_not_fused_for_a_key_of_another_dtype(ta: ModuleType) -> None:
+    b = make_batch([1, 1], [12, 3], 4, 2, 16, 8, torch.float32, seed=8)
+    backend = ta.TritonAttention(ta.TritonAttentionTiles(**SMALL_TILES))
+    rope = rope_for(b, decode_positions(b))
+    assert backend.fuses_rope(b.q, b.k, rope) and not backend.fuses_rope(b.q, b.k.double(), rope)

@@ -23,6 +23,9 @@ from inference.layers.rotary import Rope
 
 
 class AttentionBackend(Protocol):
+    """name, and takes_rope: True where forward accepts `rope` (a backend without the attribute gets q and
+    k already rotated, so backends written before the argument keep working)."""
+
     name: str
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -56,6 +59,7 @@ class ReferenceAttention:
     """
 
     name = "reference"
+    takes_rope = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
@@ -162,9 +166,15 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, rope: Rope | None = None) -> torch.Tensor:
-        """rope: q and k are unrotated, and the backend rotates them (at rope's positions)."""
+        """rope: q and k are unrotated; a backend that takes rope rotates them (in its kernel where it can),
+        for any other this layer rotates them first."""
         if self.k_cache is None or self.v_cache is None:
             raise StateError("no KV cache is bound: call model.bind_kv_cache(...) before forward")
         assert self.k_cache.shape[1] == meta.block_size, (self.k_cache.shape, meta.block_size)
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
-                                    self.sliding_window, rope)
+        args = (q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window)
+        if rope is None:
+            return self.backend.forward(*args)
+        if not getattr(self.backend, "takes_rope", False):
+            q, k = rope.apply_qk(q, k)
+            return self.backend.forward(q, k, *args[2:])
+        return self.backend.forward(*args, rope)

@@ -185,6 +185,7 @@ class TritonAttention:
     """
 
     name = "triton"
+    takes_rope = True
 
     def __init__(self, tiles: TritonAttentionTiles | None = None) -> None:
         self.tiles = tiles or TritonAttentionTiles()
@@ -205,7 +206,7 @@ class TritonAttention:
         assert q.dtype == k_cache.dtype == v_cache.dtype, (q.dtype, k_cache.dtype, v_cache.dtype)
         assert q.shape[2] == k_cache.shape[3] and q.shape[1] % k_cache.shape[2] == 0, (q.shape, k_cache.shape)
         fused_store = meta.is_decode and self.tiles.fused_decode_store and q.shape[0] > 0
-        if rope is not None and not (fused_store and self.fuses_rope(q, rope)):
+        if rope is not None and not (fused_store and self.fuses_rope(q, k, rope)):
             q, k = rope.apply_qk(q, k)
             rope = None
         if not fused_store:
@@ -216,11 +217,11 @@ class TritonAttention:
         self._launch(q, (k, v) if fused_store else None, k_cache, v_cache, out, meta, scale, sliding_window, rope)
         return out
 
-    def fuses_rope(self, q: torch.Tensor, rope: Rope) -> bool:
+    def fuses_rope(self, q: torch.Tensor, k: torch.Tensor, rope: Rope) -> bool:
         """Whether a fused-store decode launch rotates q/k itself: the fused rotary path, a power-of-two
-        head dim (rotary_qk's own condition) and the table rotary_qk reads."""
+        head dim and one dtype for q and k (rotary_qk's own conditions) and the table rotary_qk reads."""
         dim = q.shape[2]
-        return (self.tiles.fused_decode_rope and rope.fused and dim & (dim - 1) == 0
+        return (self.tiles.fused_decode_rope and rope.fused and dim & (dim - 1) == 0 and k.dtype == q.dtype
                 and rope.cache.dtype == torch.float32 and rope.cache.is_contiguous() and rope.cache.shape[1] == dim
                 and rope.positions.shape == (q.shape[0],) and rope.positions.device == q.device)
 

@@ -230,8 +230,9 @@ def _rope_table(cs_ptr, pos, d, dtype: tl.constexpr, HEAD_DIM: tl.constexpr):
     fp32 table [positions, cos | sin] and rounded to `dtype` as the eager rotary path rounds them.
 
     ROPE launches take q and k before the rotation (decode only): each program rotates the q rows and the
-    new k it reads, with the exact rounding of inference/layers/fused.py's rotary kernel, so the cache
-    and the output have the same bits as rotary_qk followed by the plain launch; one launch a layer fewer."""
+    new k it reads, rounding where inference/layers/fused.py's rotary kernel rounds (compiled, FP contraction
+    may fuse a product into the add differently there: one rounding apart in a few elements); one launch a
+    layer fewer."""
     j = d % (HEAD_DIM // 2)
     row = cs_ptr + tl.maximum(pos, 0).to(tl.int64) * HEAD_DIM
     cos = tl.load(row + j).to(dtype).to(tl.float32)
