@@ -20,3 +20,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def small_segments(monkeypatch: pytest.MonkeyPatch) -> int:
+    """The digest definition's segment shrunk for this test (see tests/helpers_checksum.py)."""
+    from tests.helpers_checksum import shrink_segments  # here: nothing may import triton before the env above
+
+    return shrink_segments(monkeypatch)

@@ -28,15 +28,9 @@ from tests.helpers_checksum import (
     SMALL_SEGMENT,
     mixed_tensors,
     random_tensor,
-    shrink_segments,
     storage_bytes,
     xxh,
 )
-
-
-@pytest.fixture
-def small_segments(monkeypatch: pytest.MonkeyPatch) -> int:
-    return shrink_segments(monkeypatch)
 
 
 def test_float32_digest_is_xxh3_128_of_numpy_bytes() -> None:

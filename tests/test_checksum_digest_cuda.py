@@ -12,15 +12,9 @@ from tests.helpers_checksum import (
     SMALL_SEGMENT,
     mixed_tensors,
     random_tensor,
-    shrink_segments,
     storage_bytes,
     xxh,
 )
-
-
-@pytest.fixture
-def small_segments(monkeypatch: pytest.MonkeyPatch) -> int:
-    return shrink_segments(monkeypatch)
 
 
 def cuda_mix(device: str) -> dict[str, torch.Tensor]:
