@@ -102,9 +102,13 @@ class Worker(WeightUpdateMixin):
         if self.config.draft_model:
             self._load("draft", self.config.draft_model)
         self.runner = ModelRunner(model, self.model_config, self.tp, self.device, self.dtype, self.config.seed)
-        if "draft" in self.models and self.config.num_speculative_tokens > 0:
+        if "draft" in self.models and self._speculates():
             self.spec = SpecDecoder(self.runner, self.models["draft"], self.config.num_speculative_tokens)
         log.info("rank %s loaded %s (%s, %s)", self.rank_key, self.config.model, self.dtype, self.device)
+
+    def _speculates(self) -> bool:
+        """Whether this rank runs speculative decoding (a draft model and k > 0)."""
+        return bool(self.config.draft_model) and self.config.num_speculative_tokens > 0
 
     def _pick_attention_backend(self) -> str:
         name = self.config.attention_backend
@@ -117,8 +121,7 @@ class Worker(WeightUpdateMixin):
         assert self.dtype is not None and self.device is not None
         config = ModelConfig.from_dir(model_dir)
         backend = get_attention_backend(self.attention_backend)
-        speculates = bool(self.config.draft_model) and self.config.num_speculative_tokens > 0
-        if which == "target" and not speculates and hasattr(backend, "for_decode_rows"):
+        if which == "target" and not self._speculates() and hasattr(backend, "for_decode_rows"):
             # Without a draft, decode launches hold one row per sequence: no row can own another's keys.
             backend = backend.for_decode_rows(1)
         model = build_model(config, self.tp, self.dtype, self.device, backend)

@@ -129,13 +129,12 @@ def _one_row_prologue_config(n: int, k: int, prologue: str) -> GemvConfig:
     H200, Qwen2-0.5B (bench_gemv --sweep, us): qkv+norm 3.49 (lanes 8x512) against 4.45 with the plain
     GEMV's shape; gate_up+norm 8.01 (lanes 16x128, 8 warps) against 11.94 (dot 32x128); down+silu 5.48
     (lanes 4x1024, splits of two blocks) against 6.56 (lanes 2x512, split 4)."""
-    block_k = min(512, max(16, triton.next_power_of_2(k)))
     if prologue == "silu":
         block_k = min(1024, max(16, triton.next_power_of_2(k)))
         return GemvConfig(block_n=4, block_k=block_k, num_warps=4, split_k=min(4, -(-k // (2 * block_k))))
     assert prologue == "norm", prologue
     if n < 8192:
-        return GemvConfig(block_n=8, block_k=block_k, num_warps=4)
+        return GemvConfig(block_n=8, block_k=min(512, max(16, triton.next_power_of_2(k))), num_warps=4)
     return GemvConfig(block_n=16, block_k=128, num_warps=8)
 
 
