@@ -48,6 +48,8 @@ _CPU_SMS = 8  # what the heuristic assumes in the interpreter (small, so tiny sh
 _KINDS = {"lanes": 0, "reduce": 1, "dot": 2}
 # norm_gemv loads a whole row in one block (as add_rms_norm does, for the same variance bits).
 NORM_MAX_K = 8192
+# norm_gemv's one-row shapes were swept at K = 896 (Qwen2-0.5B); wider rows (7B: 3584) keep the plain ones.
+NORM_SWEPT_K = 2048
 # SIDECAR_NORM_GEMV=0 keeps the pre-norms in their own add_rms_norm launch.
 NORM_ENABLED = os.environ.get("SIDECAR_NORM_GEMV", "1") != "0"
 # SIDECAR_GEMV_PREFETCH=0: load each weight tile in its own K step, after PDL's wait (A/B benchmarks).
@@ -102,9 +104,9 @@ def pick_config(m: int, n: int, k: int, num_sms: int, prologue: str = "") -> Gem
     Where the row blocks give too few programs ("idle"), K is split (into at most 4, each split keeping two
     K blocks) until they give twice that many.
     `prologue` is what forms x in the kernel: "norm" (norm_gemv) or "silu" (silu_mul_gemv); at one row
-    they have their own shapes (_one_row_prologue_config).
+    they have their own shapes (_one_row_prologue_config), the norm's only up to the K it was swept at.
     """
-    if m == 1 and prologue:
+    if m == 1 and prologue and (prologue == "silu" or k <= NORM_SWEPT_K):
         return _one_row_prologue_config(n, k, prologue)
     if m == 1 and n < 8192:
         block_k = min(512, max(16, triton.next_power_of_2(k)))
