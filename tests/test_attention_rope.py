@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 
 from inference.config import ModelConfig, RopeConfig
 from inference.layers import fused
-from inference.layers.attention import ReferenceAttention
+from inference.layers.attention import Attention, ReferenceAttention
 from inference.layers.rotary import Rope, RotaryEmbedding
 from inference.models import build_model
 from inference.parallel import TPInfo
@@ -56,19 +56,18 @@ def decode_positions(b: Batch) -> list[int]:
     return [max(c - 1, 0) for c in b.meta.context_lens_host]
 
 
+def rotated_first(backend: object, b: Batch, rope: Rope) -> tuple[torch.Tensor, ...]:
+    """rotary_qk, then the plain forward: (out, k_cache, v_cache)."""
+    kc, vc = b.k_cache.clone(), b.v_cache.clone()
+    q, k = rope.apply_qk(b.q, b.k)
+    return backend.forward(q, k, b.v, kc, vc, b.meta, b.q.shape[-1] ** -0.5, None), kc, vc
+
+
 def both_paths(backend: object, b: Batch, rope: Rope) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """(fused: forward with rope, unfused: rotary_qk then forward), each as (out, k_cache, v_cache)."""
-    scale = b.q.shape[-1] ** -0.5
-    runs = []
-    for fuse in (True, False):
-        kc, vc = b.k_cache.clone(), b.v_cache.clone()
-        if fuse:
-            out = backend.forward(b.q, b.k, b.v, kc, vc, b.meta, scale, None, rope)
-        else:
-            q, k = rope.apply_qk(b.q, b.k)
-            out = backend.forward(q, k, b.v, kc, vc, b.meta, scale, None)
-        runs.append((out, kc, vc))
-    return runs[0], runs[1]
+    kc, vc = b.k_cache.clone(), b.v_cache.clone()
+    out = backend.forward(b.q, b.k, b.v, kc, vc, b.meta, b.q.shape[-1] ** -0.5, None, rope)
+    return (out, kc, vc), rotated_first(backend, b, rope)
 
 
 def assert_same_bits(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> None:
@@ -121,11 +120,22 @@ def test_rope_falls_back_to_rotary_first(ta: ModuleType) -> None:
         assert_same_bits(fused_run, plain_run)
 
 
-def test_reference_backend_rotates_first() -> None:
+def test_the_layer_rotates_for_the_reference_backend() -> None:
+    """The reference backend does not take rope: the Attention layer rotates q and k before calling it,
+    with the bits of rotating them first by hand."""
     b = make_batch([2, 1], [5, 9], 4, 2, 16, 8, torch.float32, seed=6)
-    positions = [3, 4, 8]
-    fused_run, plain_run = both_paths(ReferenceAttention(), b, rope_for(b, positions))
-    assert_same_bits(fused_run, plain_run)
+    rope = rope_for(b, [3, 4, 8])
+    assert not getattr(ReferenceAttention, "takes_rope", False)
+    runs = []
+    for fuse in (True, False):
+        layer = Attention(4, 2, 16, 16 ** -0.5, None, ReferenceAttention())
+        layer.bind_kv_cache(b.k_cache.clone(), b.v_cache.clone())
+        if fuse:
+            out = layer(b.q, b.k, b.v, b.meta, rope)
+        else:
+            out = layer(*rope.apply_qk(b.q, b.k), b.v, b.meta)
+        runs.append((out, layer.k_cache, layer.v_cache))
+    assert_same_bits(*runs)
 
 
 def assert_within_a_rounding(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...], b: Batch) -> None:
@@ -159,7 +169,7 @@ def test_cuda_fused_rope_decode(ta: ModuleType, batch: int, shape: tuple[int, in
     assert backend.fuses_rope(b.q, b.k, rope)
     got, want = both_paths(backend, b, rope)
     assert_within_a_rounding(got, want, b)
-    reference = both_paths(ReferenceAttention(), b, rope)[1]
+    reference = rotated_first(ReferenceAttention(), b, rope)
     assert_within_a_rounding(got, reference, b)
 
 

@@ -23,8 +23,9 @@ from inference.layers.rotary import Rope
 
 
 class AttentionBackend(Protocol):
-    """name, and takes_rope: True where forward accepts `rope` (a backend without the attribute gets q and
-    k already rotated, so backends written before the argument keep working)."""
+    """name, and takes_rope: True where forward accepts `rope` and rotates q/k itself (in a kernel where it
+    can); a backend without it (the reference, backends written before the argument) gets them rotated
+    by the Attention layer."""
 
     name: str
 
@@ -33,8 +34,9 @@ class AttentionBackend(Protocol):
                 sliding_window: int | None, rope: Rope | None = None) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] (Hq % Hkv == 0) -> [T, Hq, D] in q's dtype.
 
-        With rope, q and k are not rotated yet: the backend applies rope.apply_qk first, or rotates
-        them inside its kernels with the same math (compiled, a product may round differently)."""
+        rope (takes_rope backends only): q and k are not rotated yet; the backend applies rope.apply_qk
+        first, or rotates them inside its kernels with the same math (compiled, a product may round
+        differently)."""
         ...
 
 
@@ -59,13 +61,10 @@ class ReferenceAttention:
     """
 
     name = "reference"
-    takes_rope = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None, rope: Rope | None = None) -> torch.Tensor:
-        if rope is not None:
-            q, k = rope.apply_qk(q, k)
+                sliding_window: int | None) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         start = 0
