@@ -71,7 +71,10 @@ def test_rotary_matches_eager_on_strided_views(device: str, dtype: torch.dtype, 
     cos, sin = rot.cos_sin_cache[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
     expected = fused.rotary_torch(q, torch.cat((cos, cos), -1), torch.cat((sin, sin), -1))
     got = fused.rotary(q, positions, rot.cos_sin_cache)
-    close(got, expected)
+    if got.is_cuda:  # compiled without FP contraction, the kernel rounds exactly where eager torch does
+        assert torch.equal(got, expected), (got - expected).abs().max()
+    else:
+        close(got, expected)
 
 
 @pytest.mark.parametrize("device", DEVICES)

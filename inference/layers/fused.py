@@ -142,7 +142,8 @@ if triton is not None:
         x1 = tl.load(x_ptr + base, mask=hmask, other=0.0)
         x2 = tl.load(x_ptr + base + HALF, mask=hmask, other=0.0)
         dt = x1.dtype
-        # out = x * cos + rotate_half(x) * sin, rounding each product and the sum like eager torch
+        # out = x * cos + rotate_half(x) * sin, rounding each product and the sum like eager torch. The launch
+        # turns FP contraction off: with it, LLVM fuses one rounded product into the add (fma.rn.bf16).
         lo = ((x1.to(tl.float32) * cos).to(dt).to(tl.float32) + (-x2.to(tl.float32) * sin).to(dt).to(tl.float32))
         hi = ((x2.to(tl.float32) * cos).to(dt).to(tl.float32) + (x1.to(tl.float32) * sin).to(dt).to(tl.float32))
         out = t * n_heads * 2 * HALF + heads[:, None] * 2 * HALF + d[None, :]
@@ -197,5 +198,5 @@ def _rotary_launch(q: torch.Tensor, k: torch.Tensor | None, positions: torch.Ten
                                 q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), hq, kk.shape[1],
                                 HALF=d // 2, BLOCK_Q=triton.next_power_of_2(hq),
                                 BLOCK_K=triton.next_power_of_2(kk.shape[1]), HAS_K=k is not None,
-                                **launch_kwargs(q))
+                                enable_fp_fusion=False, **launch_kwargs(q))
     return q_out, k_out
