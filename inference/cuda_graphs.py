@@ -7,7 +7,9 @@ captured largest first into one shared memory pool. The graph covers the model's
 final norm and the LM head, whose logits land in one static buffer; the sampler runs after it.
 
 Inputs live in static buffers that every replay reads; the KV cache and the weights are read at the
-addresses captured, which is why they live in arenas whose addresses survive sleep and wake.
+addresses captured, which is why they live in arenas whose addresses survive sleep and wake. Both
+ladders (these graphs and the sampler's) are captured by `capture_ladder`, which also keeps cuBLAS's
+workspace of the captured GEMMs inside the graphs' pool (see there).
 """
 
 from __future__ import annotations
@@ -15,12 +17,50 @@ from __future__ import annotations
 import logging
 import operator
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from inference.batch import AttentionMetadata
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def capture_ladder(sizes: list[int], device: torch.device, warm_up: Callable[[int], object],
+                   record: Callable[[int], T]) -> tuple[object, dict[int, torch.cuda.CUDAGraph], dict[int, T]]:
+    """Capture record(bs) for every size, largest first, into one new pool: (pool, graphs, what record
+    returned), after warm_up(bs) ran eagerly (Triton compiles, cuBLAS picks its kernels).
+
+    The warm-ups run on one side stream and the captures on another that never runs anything eagerly.
+    That matters for cuBLAS: torch keeps its GEMM workspace per (handle, stream), made on the stream's
+    first GEMM, and anyone in the process may free it: torch.compile's CUDA graph trees clear every
+    workspace before each warm-up and recording (transformers' static-cache generate, a compiled reward
+    model or trainer beside the engine). Had the captures run on the warm-up stream, the graphs would
+    hold a workspace from the common pool and, once it is freed, write into memory given to other
+    tensors or unmapped (seen on the H200: an illegal address at the first batch-128 replay after
+    transformers' compiled generate). On the capture-only stream the first captured GEMM allocates the
+    workspace inside `pool`: a clear hands it back to that pool, which stays mapped while its graphs
+    live and serves no other allocation. No one else's workspace is touched."""
+    pool = torch.cuda.graph_pool_handle()
+    current = torch.cuda.current_stream(device)
+    warm, capture = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    warm.wait_stream(current)
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    outputs: dict[int, T] = {}
+    for bs in sorted(sizes, reverse=True):
+        with torch.cuda.stream(warm):
+            warm_up(bs)
+        capture.wait_stream(warm)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=capture):
+            outputs[bs] = record(bs)
+        graphs[bs] = graph
+        warm.wait_stream(capture)
+    current.wait_stream(warm)
+    torch.cuda.synchronize(device)
+    return pool, graphs, outputs
 
 
 class DecodeInputs:
@@ -196,23 +236,15 @@ class CUDAGraphRunner:
         hidden = self.model(input_ids, positions, self._meta(bs))
         return self.model.compute_logits(hidden, out=self.logits[:bs])
 
+    def _warm_up(self, bs: int) -> None:
+        self.inputs.reset(bs)
+        for _ in range(2):
+            self._forward(bs)
+
     @torch.inference_mode()
     def capture(self) -> None:
         start = time.perf_counter()
-        self.pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for bs in reversed(self.sizes):
-                self.inputs.reset(bs)
-                for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
-                    self._forward(bs)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    self.outputs[bs] = self._forward(bs)
-                self.graphs[bs] = graph
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
+        self.pool, self.graphs, self.outputs = capture_ladder(self.sizes, self.device, self._warm_up, self._forward)
         self.capture_seconds = time.perf_counter() - start
         log.info("captured %d decode graphs (batch %d..%d) in %.2f s", len(self.graphs), self.sizes[0],
                  self.sizes[-1], self.capture_seconds)

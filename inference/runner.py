@@ -13,7 +13,7 @@ import torch
 
 from inference.batch import AttentionMetadata
 from inference.config import ModelConfig
-from inference.cuda_graphs import CUDAGraphRunner
+from inference.cuda_graphs import CUDAGraphRunner, capture_ladder
 from inference.parallel import TPInfo
 from inference.sampler import SamplingBatch, greedy_rows, sample
 from inference.scheduler import ScheduledBatch
@@ -206,21 +206,14 @@ class GreedyGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        device = self.decode.device
-        self.pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for bs in reversed(self.decode.sizes):
-                logits, out = self.decode.outputs[bs], self.out[:bs]
-                for _ in range(2):  # Triton compiles before capture
-                    greedy_rows(logits, out)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    greedy_rows(logits, out)
-                self.graphs[bs] = graph
-        torch.cuda.current_stream(device).wait_stream(stream)
-        torch.cuda.synchronize(device)
+        def rows(bs: int) -> None:
+            greedy_rows(self.decode.outputs[bs], self.out[:bs])
+
+        def warm_up(bs: int) -> None:  # Triton compiles before capture
+            rows(bs)
+            rows(bs)
+
+        self.pool, self.graphs, _ = capture_ladder(self.decode.sizes, self.decode.device, warm_up, rows)
 
     def replay(self, n: int) -> torch.Tensor:
         """(token id, logprob) [n, 2] of the rows of the decode graph replayed last for n rows."""

@@ -47,3 +47,26 @@ def test_reference_triton_and_graphs_agree(model_dir: Path, dtype: str) -> None:
         if dtype == "float32":  # the oracle agrees exactly where rounding cannot flip a near-tie
             assert a[0] == b[0]
             torch.testing.assert_close(torch.tensor(a[1]), torch.tensor(b[1]), atol=tol_ref, rtol=0)
+
+
+def test_graphs_survive_a_neighbour_freeing_cublas_workspaces(model_dir: Path) -> None:
+    """torch.compile's CUDA graph trees (transformers' static-cache generate, a compiled reward model in the
+    same process) free every cuBLAS workspace. Decode graphs at batches past the GEMV rows run cuBLAS
+    GEMMs: afterwards they must neither write into memory the allocator has handed out again (the
+    fillers) nor into unmapped memory (an illegal address), and they still give the same tokens."""
+    llm = LLM(model_dir, device="cuda", dtype="bfloat16", kv_cache_bytes=64 << 20, max_num_seqs=32)
+    prompts = random_prompts([12] * 32, llm.model_config.vocab_size, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    before = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()  # what torch.compile's graph trees do before each recording
+    fillers = [torch.full((mib << 18,), 7, dtype=torch.int32, device="cuda") for mib in (1, 4, 8, 32, 64)]
+    after = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    torch.cuda.synchronize()
+    assert all(bool((f == 7).all()) for f in fillers)
+    del fillers
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()  # the freed workspaces go back to the driver
+    again = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    torch.cuda.synchronize()
+    assert before == after == again
