@@ -41,6 +41,7 @@ def _rank(rank: int, port: int, path: str) -> None:
     try:
         tp = TPInfo(rank=rank, size=TP, group=dist.new_group(list(range(TP))))
         torch.save(_generate(Path(path), tp), Path(path) / f"out.rank{rank}.pt")
+        dist.barrier()  # leave together: a rank exiting alone can abort in gloo's teardown
     finally:
         dist.destroy_process_group()
 

@@ -43,6 +43,7 @@ def _worker(rank: int, port: int, root: str) -> None:
         for case in CASES:
             model = load_ours(Path(root) / case, tp=tp, num_blocks=32)
             torch.save(_run_steps(model), Path(root) / f"{case}.rank{rank}.pt")
+        dist.barrier()  # leave together: a rank exiting alone can abort in gloo's teardown
     finally:
         dist.destroy_process_group()
 

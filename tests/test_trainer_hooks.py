@@ -79,6 +79,7 @@ def _fsdp2_worker(rank: int, port: int, model_dir: str, out: str) -> None:
             _manifest(named).save(out)
         else:
             assert named == []  # took part in every all-gather, kept nothing
+        torch.distributed.barrier()  # leave together: a rank exiting alone can abort in gloo's teardown
     finally:
         torch.distributed.destroy_process_group()
 
