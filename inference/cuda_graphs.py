@@ -42,10 +42,11 @@ def capture_ladder(sizes: list[int], device: torch.device, warm_up: Callable[[in
     tensors or unmapped (seen on the H200: an illegal address at the first batch-128 replay after
     transformers' compiled generate). On the capture-only stream the first captured GEMM allocates the
     workspace inside `pool`: a clear hands it back to that pool, which stays mapped while its graphs
-    live and serves no other allocation. No one else's workspace is touched."""
+    live and serves no other allocation. No one else's workspace is touched. The capture stream is one
+    of our own (`new_capture_stream`), not one from torch's pool, which any code may have run GEMMs on."""
     pool = torch.cuda.graph_pool_handle()
     current = torch.cuda.current_stream(device)
-    warm, capture = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    warm, capture = torch.cuda.Stream(device), new_capture_stream(device)
     warm.wait_stream(current)
     graphs: dict[int, torch.cuda.CUDAGraph] = {}
     outputs: dict[int, T] = {}
@@ -61,6 +62,35 @@ def capture_ladder(sizes: list[int], device: torch.device, warm_up: Callable[[in
     current.wait_stream(warm)
     torch.cuda.synchronize(device)
     return pool, graphs, outputs
+
+
+_CAPTURE_STREAMS: list[torch.cuda.Stream] = []  # held for the process's life: see new_capture_stream
+
+
+def new_capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """A stream that has never run anything, created outside torch's stream pool and never destroyed.
+
+    torch hands its pooled streams out round robin (32 per priority and device), so a "fresh"
+    `torch.cuda.Stream()` may be one on which some earlier code (a warm-up, a trainer, a test) ran a
+    GEMM: its cuBLAS workspace would then come from the common pool, and captures would use it. A
+    stream of our own has no workspace until the first captured GEMM, and since its handle is never
+    freed, no later stream can reuse the (handle, stream) key its workspace is filed under. Falls back
+    to a pooled stream, with a warning, should the stream not be created."""
+    try:
+        from inference.memory_cuda import load_driver
+
+        drv = load_driver()
+        with torch.cuda.device(device):
+            err, handle = drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING)
+        if int(err) != 0:
+            raise RuntimeError(f"cuStreamCreate failed: CUresult {int(err)}")
+        stream: torch.cuda.Stream = torch.cuda.ExternalStream(int(handle), device=device)
+    except Exception as e:  # missing bindings or a driver refusal: the pooled stream still mostly works
+        log.warning("CUDA graphs: no stream of our own for captures (%s); using one of torch's pooled "
+                    "streams, whose cuBLAS workspace another library may free", e)
+        return torch.cuda.Stream(device)
+    _CAPTURE_STREAMS.append(stream)
+    return stream
 
 
 class DecodeInputs:

@@ -49,12 +49,19 @@ def test_reference_triton_and_graphs_agree(model_dir: Path, dtype: str) -> None:
             torch.testing.assert_close(torch.tensor(a[1]), torch.tensor(b[1]), atol=tol_ref, rtol=0)
 
 
-def test_graphs_survive_a_neighbour_freeing_cublas_workspaces(model_dir: Path) -> None:
+def test_graphs_survive_a_neighbour_freeing_cublas_workspaces(model_dir: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
     """torch.compile's CUDA graph trees (transformers' static-cache generate, a compiled reward model in the
     same process) free every cuBLAS workspace. Decode graphs at batches past the GEMV rows run cuBLAS
     GEMMs: afterwards they must neither write into memory the allocator has handed out again (the
     fillers) nor into unmapped memory (an illegal address), and they still give the same tokens."""
+    a = torch.ones(64, 64, dtype=torch.bfloat16, device="cuda")
+    for _ in range(64):  # a GEMM on every stream of torch's pool (32 a priority): none is fresh any more
+        with torch.cuda.stream(torch.cuda.Stream()):
+            torch.mm(a, a)
+    torch.cuda.synchronize()
     llm = LLM(model_dir, device="cuda", dtype="bfloat16", kv_cache_bytes=64 << 20, max_num_seqs=32)
+    assert "no stream of our own" not in caplog.text  # the captures ran on streams of their own
     prompts = random_prompts([12] * 32, llm.model_config.vocab_size, seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     before = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
