@@ -81,6 +81,7 @@ def new_capture_stream(device: torch.device) -> torch.cuda.Stream:
 
         drv = load_driver()
         with torch.cuda.device(device):
+            torch.cuda.synchronize()  # a runtime call: the primary context is now current on this thread
             err, handle = drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING)
         if int(err) != 0:
             raise RuntimeError(f"cuStreamCreate failed: CUresult {int(err)}")
