@@ -4,6 +4,8 @@ Canonical order of mismatches (so "the first mismatch" is well defined and stabl
 (dp, pp, tp numerically), then model (target before draft), then rank- and manifest-level problems,
 then tensor name, then kind in KINDS order. A tensor's digest does not cover its dtype or shape, so
 dtype and shape are compared on their own: same bytes under another shape is still a mismatch.
+Manifests of two different algorithms have incomparable digests: that is one "algorithm" mismatch
+naming both, and their digests are not compared (names, dtypes and shapes still are).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from checksum.manifest import MODELS, Manifest, parse_rank_key
 
 # Rank-level, then manifest-level, then per-tensor kinds; the order is part of the canonical order.
 KINDS = (
-    "missing_rank", "extra_rank", "model", "weight_version", "missing", "extra", "dtype", "shape", "digest",
+    "missing_rank", "extra_rank", "algorithm", "model", "weight_version",
+    "missing", "extra", "dtype", "shape", "digest",
 )
 _TENSOR_KINDS = frozenset(("missing", "extra", "dtype", "shape", "digest"))
 
@@ -47,6 +50,9 @@ class Mismatch:
             return f"no manifest for {where} (expected {self.expected})"
         if self.kind == "extra_rank":
             return f"unexpected manifest for {where} ({self.actual})"
+        if self.kind == "algorithm":
+            return (f"algorithm of manifest on {where}: expected {self.expected}, got {self.actual} "
+                    "(digests of different algorithms cannot be compared: digest both sides with one)")
         return f"{self.kind} of {subject} on {where}: expected {self.expected}, got {self.actual}"
 
     def sort_key(self) -> tuple[object, ...]:
@@ -125,6 +131,9 @@ def compare(expected: Manifest, actual: Manifest) -> Report:
     """Compare one rank's manifest with what was expected; mismatches name `actual.rank`."""
     rank, model = actual.rank, expected.model
     found: list[Mismatch] = []
+    same_algorithm = expected.algorithm == actual.algorithm
+    if not same_algorithm:
+        found.append(Mismatch("algorithm", rank, model, "", expected.algorithm, actual.algorithm))
     if expected.model != actual.model:
         found.append(Mismatch("model", rank, model, "", expected.model, actual.model))
     if expected.weight_version != actual.weight_version:
@@ -139,7 +148,7 @@ def compare(expected: Manifest, actual: Manifest) -> Report:
         elif e is None:
             found.append(Mismatch("extra", rank, model, name, "-", _describe(a)))
         else:
-            found.extend(_compare_records(rank, model, e, a))
+            found.extend(_compare_records(rank, model, e, a, digests=same_algorithm))
     return Report.build(found, [rank], len(want))
 
 
@@ -177,13 +186,13 @@ def audit(expected: Sequence[Manifest], actuals: Sequence[Manifest]) -> Report:
     return compare_ranks(expected, actuals)
 
 
-def _compare_records(rank: str, model: str, e: TensorRecord, a: TensorRecord) -> list[Mismatch]:
+def _compare_records(rank: str, model: str, e: TensorRecord, a: TensorRecord, *, digests: bool) -> list[Mismatch]:
     out = []
     if e.dtype != a.dtype:
         out.append(Mismatch("dtype", rank, model, e.name, e.dtype, a.dtype))
     if e.shape != a.shape:
         out.append(Mismatch("shape", rank, model, e.name, _shape(e.shape), _shape(a.shape)))
-    if e.digest != a.digest:
+    if digests and e.digest != a.digest:
         out.append(Mismatch("digest", rank, model, e.name, e.digest, a.digest))
     return out
 

@@ -12,16 +12,33 @@ neither on threads, nor on how a segment's bytes are streamed into its hasher, n
 SEGMENT_BYTES belongs to the definition, not to tuning: another value gives other digests for every
 tensor larger than it, so it may only change together with ALGORITHM (the name manifests carry).
 The code reads it from this module at call time, which lets tests shrink it with monkeypatch.
+
+A second rule, DEVICE_ALGORITHM ("xxh3_64_seg64k"), is built to be hashed where the bytes are (a GPU
+kernel: checksum/device_kernels.py) and still reproduced by plain python-xxhash:
+
+    s_i    = xxh3_64(bytes[i*65536 : (i+1)*65536], zero-padded to 65536 bytes).digest()   (8 bytes)
+    digest = xxh3_128(s_0 + s_1 + ... + s_k + nbytes.to_bytes(8, "big")).hexdigest()     (no s_i if empty)
+
+Every segment is exactly 64 KiB, so a kernel needs XXH3's long path for one length only, and thousands
+of segments fill the GPU; the length suffix tells apart tensors that differ only by trailing zeros.
+Both rules are `Algorithm`s: how the host pipeline (checksum/staging.py) cuts a tensor into work
+items, hashes one item, and combines the items' digests. Manifests name the rule they used.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import xxhash
 
-ALGORITHM = "xxh3_128_seg64m"
+ALGORITHM = "xxh3_128_seg64m"  # the default rule: what every caller that names none gets
 SEGMENT_BYTES = 64 << 20  # 64 MiB; part of ALGORITHM's definition, never a knob
+DEVICE_ALGORITHM = "xxh3_64_seg64k"  # the rule a GPU hashes at memory speed (checksum/device_digest.py)
+SEG64K_BYTES = 64 << 10  # 64 KiB; part of DEVICE_ALGORITHM's definition, never a knob
+# DEVICE_ALGORITHM's host work item: 1024 segments hashed by one thread. Tuning only (read at call time,
+# tests shrink it); a multiple of SEG64K_BYTES, so items never split a segment.
+SEG64K_ITEM_BYTES = 64 << 20
 
 # Names manifests used for earlier definitions, and why a reader refuses them.
 RETIRED_ALGORITHMS = {
@@ -52,10 +69,130 @@ def combine(segment_digests: Sequence[bytes]) -> str:
     return xxhash.xxh3_128(b"".join(segment_digests)).hexdigest()
 
 
-def digest_bytes(data: bytes | bytearray | memoryview) -> str:
+def digest_bytes(data: bytes | bytearray | memoryview, algorithm: str = ALGORITHM) -> str:
     """The digest of a byte buffer, on the calling thread (e.g. a tensor read from a .safetensors file).
 
     For tensors use `digest_tensors`, which hashes segments in parallel and streams device memory.
     """
     view = memoryview(data).cast("B")
-    return combine([xxhash.xxh3_128(view[start:end]).digest() for start, end in segment_spans(len(view))])
+    rule = get_algorithm(algorithm)
+    digests = []
+    for start, end in rule.work_spans(len(view)):
+        hasher = rule.hasher()
+        hasher.update(view[start:end])
+        digests.append(hasher.digest())
+    return rule.combine(digests, len(view))
+
+
+# -- the rules as objects the pipeline runs --------------------------------------------------------
+
+
+class Hasher(Protocol):
+    """Streams one work item's bytes; `digest()` is the item's digest, input to `Algorithm.combine`."""
+
+    def update(self, data: bytes | bytearray | memoryview) -> object: ...
+
+    def digest(self) -> bytes: ...
+
+
+class Algorithm(Protocol):
+    """A digest rule as the host pipeline runs it. A tensor of n bytes is cut into `work_spans(n)`
+    (independent items, each hashed by one thread with one `hasher()`, chunk by chunk in byte order);
+    `combine(item_digests, n)` gives the tensor's digest. Neither the chunking of an item nor the
+    thread count may change a digest."""
+
+    name: str
+
+    def work_spans(self, nbytes: int) -> list[tuple[int, int]]: ...
+
+    def hasher(self) -> Hasher: ...
+
+    def combine(self, item_digests: Sequence[bytes], nbytes: int) -> str: ...
+
+
+class Segments64M:
+    """ALGORITHM: a work item is a 64 MiB segment, its digest the segment's 16-byte xxh3-128."""
+
+    name = ALGORITHM
+
+    def work_spans(self, nbytes: int) -> list[tuple[int, int]]:
+        return segment_spans(nbytes)
+
+    def hasher(self) -> Hasher:
+        return xxhash.xxh3_128()
+
+    def combine(self, item_digests: Sequence[bytes], nbytes: int) -> str:
+        return combine(item_digests)
+
+
+class Segments64K:
+    """DEVICE_ALGORITHM on the host: a work item is SEG64K_ITEM_BYTES (the last one shorter), its
+    digest the concatenated 8-byte xxh3-64 digests of its 64 KiB segments (the tensor's last one
+    zero-padded)."""
+
+    name = DEVICE_ALGORITHM
+
+    def work_spans(self, nbytes: int) -> list[tuple[int, int]]:
+        assert nbytes >= 0, f"negative byte count {nbytes}"
+        item = SEG64K_ITEM_BYTES
+        assert item > 0 and item % SEG64K_BYTES == 0, f"work item {item} must be whole 64 KiB segments"
+        return [(start, min(start + item, nbytes)) for start in range(0, nbytes, item)]
+
+    def hasher(self) -> Hasher:
+        return SegmentStream()
+
+    def combine(self, item_digests: Sequence[bytes], nbytes: int) -> str:
+        assert all(len(d) % 8 == 0 for d in item_digests), "need whole 8-byte segment digests"
+        assert sum(len(d) for d in item_digests) == 8 * -(-nbytes // SEG64K_BYTES), "segment count"
+        return combine_seg64k(item_digests, nbytes)
+
+
+def combine_seg64k(segment_digests: Sequence[bytes | memoryview], nbytes: int) -> str:
+    """DEVICE_ALGORITHM's digest from its segments' 8-byte canonical digests (in any grouping)."""
+    hasher = xxhash.xxh3_128()
+    for part in segment_digests:
+        hasher.update(part)
+    hasher.update(nbytes.to_bytes(8, "big"))
+    return hasher.hexdigest()
+
+
+class SegmentStream:
+    """DEVICE_ALGORITHM's hasher: 8-byte xxh3-64 digests of whole 64 KiB segments, whatever the
+    chunking; the bytes after the last whole segment are kept and, at `digest()`, zero-padded to one
+    (only a tensor's last item may end inside a segment)."""
+
+    def __init__(self) -> None:
+        self._digests: list[bytes] = []
+        self._tail = bytearray()
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        if self._tail:
+            take = SEG64K_BYTES - len(self._tail)
+            self._tail += view[:take]
+            view = view[take:]
+            if len(self._tail) < SEG64K_BYTES:
+                return
+            self._digests.append(xxhash.xxh3_64_digest(self._tail))
+            self._tail = bytearray()
+        whole = len(view) - len(view) % SEG64K_BYTES
+        self._digests.extend(xxhash.xxh3_64_digest(view[i : i + SEG64K_BYTES])
+                             for i in range(0, whole, SEG64K_BYTES))
+        if whole < len(view):
+            self._tail = bytearray(view[whole:])
+
+    def digest(self) -> bytes:
+        last = [xxhash.xxh3_64_digest(self._tail.ljust(SEG64K_BYTES, b"\0"))] if self._tail else []
+        return b"".join(self._digests + last)
+
+
+ALGORITHMS: dict[str, Algorithm] = {ALGORITHM: Segments64M(), DEVICE_ALGORITHM: Segments64K()}
+
+
+def get_algorithm(name: str) -> Algorithm:
+    """The rule named `name`; ValueError naming the supported ones otherwise."""
+    try:
+        return ALGORITHMS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown checksum algorithm {name!r} (supported: "
+                         f"{', '.join(map(repr, ALGORITHMS))})") from None

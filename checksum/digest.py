@@ -7,6 +7,11 @@ its digest is xxh3-128 over the concatenated 16-byte digests of its segments. dt
 not hashed; the record carries them, and the comparison checks them. Segments are independent and
 each is one streaming hasher, so the digest depends neither on chunking, nor on threads, nor on
 the device, and one large tensor is hashed by many threads at once.
+
+Every entry point takes `algorithm=` (default ALGORITHM, the rule above). With DEVICE_ALGORITHM
+(64 KiB segments, checksum/definition.py) CUDA tensors are hashed on their GPU by one kernel launch
+per device (checksum/device_digest.py) and CPU tensors on the host threads; where Triton is missing
+CUDA tensors stream to the host as above, under the same rule and with the same digests.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ from typing import Literal
 
 import torch
 
-from checksum import definition
-from checksum.definition import digest_bytes
+from checksum import definition, device_digest
+from checksum.definition import ALGORITHM, DEVICE_ALGORITHM, digest_bytes, get_algorithm
+from checksum.device_digest import DeviceDigester
 from checksum.staging import Job, run_jobs
 from checksum.staging_buffers import CudaStaging, HostStaging, Staging
 
@@ -48,9 +54,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def digest_tensor(tensor: torch.Tensor) -> str:
+def digest_tensor(tensor: torch.Tensor, algorithm: str = ALGORITHM) -> str:
     """The digest of one tensor (CPU or CUDA). For many tensors, `digest_tensors` is much faster."""
-    return digest_tensors([("tensor", tensor)])[0].digest
+    return digest_tensors([("tensor", tensor)], algorithm=algorithm)[0].digest
 
 
 def digest_tensors(
@@ -59,9 +65,10 @@ def digest_tensors(
     threads: int | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     num_buffers: int | None = None,
+    algorithm: str = ALGORITHM,
 ) -> list[TensorRecord]:
     """Records for every (name, tensor), in input order. Reuses a cached `Digester` per settings."""
-    return _shared_digester(threads, chunk_bytes, num_buffers).digest(named_tensors)
+    return _shared_digester(threads, chunk_bytes, num_buffers).digest(named_tensors, algorithm=algorithm)
 
 
 @lru_cache(maxsize=4)
@@ -89,6 +96,10 @@ class Digester:
     buffer could never fill); a size dividing 64 MiB avoids a short last chunk per segment.
     `staging="always"` also streams CPU tensors through (host) buffers: it runs the device pipeline
     on machines without a GPU (tests) at the cost of one extra memcpy.
+
+    With DEVICE_ALGORITHM, CUDA tensors skip all of that: one kernel launch per device hashes them
+    where they are (`device_digest.DeviceDigester`), queued before the host work starts so both run
+    at once, and only 8 bytes per 64 KiB come back.
 
     One digest runs at a time per Digester (calls from several threads are serialized). Pinned
     buffers are allocated on the first CUDA digest and kept until `close()`.
@@ -122,28 +133,39 @@ class Digester:
         self._pool: ThreadPoolExecutor | None = None
         self._cuda: CudaStaging | None = None
         self._host: HostStaging | None = None
+        self._device: DeviceDigester | None = None
         self._lock = threading.Lock()
 
-    def digest(self, named_tensors: NamedTensors) -> list[TensorRecord]:
+    def digest(self, named_tensors: NamedTensors, *, algorithm: str = ALGORITHM) -> list[TensorRecord]:
         """Records in input order, whatever order the hashes finish in. Names need not be unique."""
+        rule = get_algorithm(algorithm)
         items = _named_items(named_tensors)
         records: list[TensorRecord | None] = [None] * len(items)
         groups: dict[str, list[Job]] = {}
+        on_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         for index, (name, tensor) in enumerate(items):
             prepared = _check_tensor(name, tensor)
+            if algorithm == DEVICE_ALGORITHM and device_digest.can_hash_on(prepared.device):
+                on_device.setdefault(prepared.device, []).append((index, prepared))
+                continue
             nbytes = prepared.numel() * prepared.element_size()
             if nbytes == 0:  # empty tensors skip the pipeline: nothing to copy or hash
-                records[index] = _record(name, prepared, digest_bytes(b""))
+                records[index] = _record(name, prepared, digest_bytes(b"", algorithm))
                 continue
             key = self._group_key(name, prepared)
             groups.setdefault(key, []).append(Job(index, prepared, nbytes, staged=key != "inplace"))
         with self._lock:
+            launched = [(pairs, self._device_digester().launch([t for _, t in pairs]))
+                        for pairs in on_device.values()]  # queued first: the host work runs meanwhile
             for key, jobs in groups.items():
                 run_jobs(jobs, self._staging_for(key), self._executor(), self.threads,
-                         self.chunk_bytes, self.max_queued_copies)
+                         self.chunk_bytes, self.max_queued_copies, rule)
                 for job in jobs:
                     assert job.digest is not None, "run_jobs returned without digesting every job"
                     records[job.index] = _record(items[job.index][0], job.tensor, job.digest)
+            for pairs, pending in launched:
+                for (index, tensor), digest in zip(pairs, pending.result()):
+                    records[index] = _record(items[index][0], tensor, digest)
         assert all(r is not None for r in records)
         return records  # type: ignore[return-value]
 
@@ -152,7 +174,7 @@ class Digester:
         with self._lock:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
-            self._pool, self._cuda, self._host = None, None, None
+            self._pool, self._cuda, self._host, self._device = None, None, None, None
 
     def __enter__(self) -> Digester:
         return self
@@ -177,6 +199,11 @@ class Digester:
         if self._cuda is None:
             self._cuda = CudaStaging(self.chunk_bytes, self.num_buffers)
         return self._cuda, torch.device(key)
+
+    def _device_digester(self) -> DeviceDigester:
+        if self._device is None:
+            self._device = DeviceDigester()
+        return self._device
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from checksum.definition import ALGORITHM, RETIRED_ALGORITHMS
+from checksum.definition import ALGORITHM, ALGORITHMS, RETIRED_ALGORITHMS
 from checksum.digest import Digester, NamedTensors, TensorRecord, digest_tensors, dtype_name
 from checksum.errors import ManifestError
 
@@ -162,10 +162,15 @@ def manifest_from_tensors(
     weight_version: int,
     rank: str,
     digester: Digester | None = None,
+    algorithm: str = ALGORITHM,
 ) -> Manifest:
-    """Digest a state dict (or (name, tensor) pairs) into a manifest; names must be unique."""
-    records = digester.digest(named_tensors) if digester is not None else digest_tensors(named_tensors)
-    return Manifest(model, weight_version, rank, tuple(records))
+    """Digest a state dict (or (name, tensor) pairs) into a manifest by `algorithm`, which the
+    manifest names; names must be unique."""
+    if digester is not None:
+        records = digester.digest(named_tensors, algorithm=algorithm)
+    else:
+        records = digest_tensors(named_tensors, algorithm=algorithm)
+    return Manifest(model, weight_version, rank, tuple(records), algorithm)
 
 
 # -- validation ---------------------------------------------------------------------------------
@@ -194,12 +199,12 @@ def _check_header(source: str, format_version: object, algorithm: object, model:
     if format_version != FORMAT_VERSION:
         raise ManifestError(source, "format_version", f"unsupported version {format_version} "
                             f"(this reader knows {FORMAT_VERSION})")
+    supported = ", ".join(map(repr, ALGORITHMS))
     if isinstance(algorithm, str) and algorithm in RETIRED_ALGORITHMS:
         raise ManifestError(source, "algorithm", f"{algorithm!r} is no longer supported: it is "
-                            f"{RETIRED_ALGORITHMS[algorithm]} (this reader writes and reads {ALGORITHM!r})")
-    if algorithm != ALGORITHM:
-        raise ManifestError(source, "algorithm", f"unknown algorithm {algorithm!r} "
-                            f"(supported: {ALGORITHM!r})")
+                            f"{RETIRED_ALGORITHMS[algorithm]} (this reader reads {supported})")
+    if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
+        raise ManifestError(source, "algorithm", f"unknown algorithm {algorithm!r} (supported: {supported})")
     if model not in MODELS:
         raise ManifestError(source, "model", f"must be one of {', '.join(map(repr, MODELS))}, got {model!r}")
     if not _is_int(weight_version) or weight_version < 0:

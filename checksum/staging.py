@@ -1,9 +1,11 @@
 """The many-tensor hashing pipeline: in-place host hashing, and device streaming through staging buffers
 (checksum/staging_buffers.py).
 
-Work items are segments (checksum/definition.py): a tensor of n bytes is ceil(n / 64 MiB) items,
-each hashed by one thread with its own streaming xxh3 hasher, so many threads share one embedding.
-A tensor's digest is combined from its segments' digests when its last segment finishes.
+Work items are the digest rule's work spans (checksum/definition.py, `Algorithm`): for the default
+rule a tensor of n bytes is ceil(n / 64 MiB) segments, each hashed by one thread with its own
+streaming hasher, so many threads share one embedding (DEVICE_ALGORITHM's host items are 64 MiB runs
+of its 64 KiB segments). A tensor's digest is combined from its items' digests when its last one
+finishes. The code below says "segment" for a work item.
 Small tensors (one segment, at most half a chunk) are packed, in input order, into "packs" of at
 most one chunk: a pack is one work item, staged with one gather and one copy, and its tensors are
 hashed back to back from the one buffer. A model's hundreds of norms, biases and projections then
@@ -39,9 +41,8 @@ from dataclasses import dataclass, field
 from typing import cast
 
 import torch
-import xxhash
 
-from checksum.definition import combine, segment_spans
+from checksum.definition import ALGORITHM, ALGORITHMS, Algorithm
 from checksum.staging_buffers import Staging
 from checksum.tensor_bytes import flat_bytes, host_view
 
@@ -96,15 +97,17 @@ def run_jobs(
     threads: int,
     chunk_bytes: int,
     max_queued: int,
+    algorithm: Algorithm = ALGORITHMS[ALGORITHM],
 ) -> None:
-    """Digest every job (all staged on one device, or all hashed in place); sets `job.digest`.
+    """Digest every job (all staged on one device, or all hashed in place) by `algorithm`'s rule;
+    sets `job.digest`.
 
     Staged chunks hold at most `chunk_bytes` (the staging buffers' size) and never cross a segment
     boundary. Returns after every hasher has stopped; re-raises the first error of any thread.
     """
     assert jobs and all(j.nbytes > 0 and j.staged == (staging is not None) for j in jobs)
     assert chunk_bytes >= 1 and max_queued >= 1
-    run = _Run(jobs, staging[0] if staging else None, chunk_bytes, max_queued)
+    run = _Run(jobs, staging[0] if staging else None, chunk_bytes, max_queued, algorithm)
     # The session outlives the hashers: they still wait on copies after the last one is issued.
     with staging[0].session(staging[1]) if staging is not None else contextlib.nullcontext():
         futures = [pool.submit(run.hasher) for _ in range(min(threads, len(run.pending)))]
@@ -123,17 +126,19 @@ def run_jobs(
 class _Run:
     """Shared state of one run; every field below `lock` is guarded by it."""
 
-    def __init__(self, jobs: list[Job], staging: Staging | None, chunk_bytes: int, max_queued: int) -> None:
+    def __init__(self, jobs: list[Job], staging: Staging | None, chunk_bytes: int, max_queued: int,
+                 algorithm: Algorithm) -> None:
         self.staging = staging
+        self.algorithm = algorithm
         self.chunk_bytes = chunk_bytes
         self.max_queued = max_queued
         self.lock = threading.Lock()
         self.copier_cv = threading.Condition(self.lock)
         # Largest items first: big tensors' segments are most of the work; packs fill the tail.
         units: list[tuple[int, list[_Segment]]] = []
-        singles, packs = _pack(jobs, chunk_bytes)
+        singles, packs = _pack(jobs, chunk_bytes, algorithm)
         for job in singles:
-            spans = segment_spans(job.nbytes)
+            spans = algorithm.work_spans(job.nbytes)
             job.segment_digests, job.segments_left, job.flat = [None] * len(spans), len(spans), None
             units.append((job.nbytes, [_Segment(job, k, start, end, threading.Condition(self.lock))
                                        for k, (start, end) in enumerate(spans)]))
@@ -183,7 +188,7 @@ class _Run:
         if not segment.job.staged:
             if self.error is not None:
                 return None
-            return [_hash_host(flat_bytes(job.tensor)) for job in segment.parts]
+            return [_hash_host(self.algorithm, flat_bytes(job.tensor)) for job in segment.parts]
         assert self.staging is not None
         ready = self._next_ready(segment)
         if ready is None:
@@ -194,7 +199,7 @@ class _Run:
         view = self.staging.view(buf, size)
         digests, offset = [], 0
         for job in segment.parts:
-            digests.append(xxhash.xxh3_128(view[offset:offset + job.nbytes]).digest())
+            digests.append(_hash_view(self.algorithm, view[offset:offset + job.nbytes]))
             offset += job.nbytes
         with self.lock:
             self.free.append(buf)
@@ -235,7 +240,7 @@ class _Run:
                 job.flat = None  # every copy from it has landed and every segment is hashed
         if last:
             assert all(d is not None for d in job.segment_digests)
-            job.digest = combine(cast(list[bytes], job.segment_digests))
+            job.digest = self.algorithm.combine(cast(list[bytes], job.segment_digests), job.nbytes)
 
     def _hash_in_place(self, segment: _Segment) -> bytes | None:
         if self.error is not None:  # a racy read is fine: it only stops a doomed run sooner
@@ -245,11 +250,11 @@ class _Run:
             if job.flat is None:
                 job.flat = flat_bytes(job.tensor)
             flat = job.flat
-        return xxhash.xxh3_128(host_view(flat)[segment.start : segment.end]).digest()
+        return _hash_view(self.algorithm, host_view(flat)[segment.start : segment.end])
 
     def _hash_staged(self, segment: _Segment) -> bytes | None:
         assert self.staging is not None
-        hasher = xxhash.xxh3_128()
+        hasher = self.algorithm.hasher()
         hashed, size_total = 0, segment.end - segment.start
         while hashed < size_total:
             ready = self._next_ready(segment)
@@ -335,12 +340,19 @@ class _Run:
         return best
 
 
-def _hash_host(flat: torch.Tensor) -> bytes:
-    """xxh3-128 of a host byte tensor, kept alive (a strided tensor's copy) while it is hashed."""
-    return xxhash.xxh3_128(host_view(flat)).digest()
+def _hash_view(algorithm: Algorithm, view: memoryview) -> bytes:
+    """The digest of one whole work item."""
+    hasher = algorithm.hasher()
+    hasher.update(view)
+    return hasher.digest()
 
 
-def _pack(jobs: list[Job], chunk_bytes: int) -> tuple[list[Job], list[tuple[Job, ...]]]:
+def _hash_host(algorithm: Algorithm, flat: torch.Tensor) -> bytes:
+    """One work item's digest of a host byte tensor, kept alive (a strided tensor's copy) while hashed."""
+    return _hash_view(algorithm, host_view(flat))
+
+
+def _pack(jobs: list[Job], chunk_bytes: int, algorithm: Algorithm) -> tuple[list[Job], list[tuple[Job, ...]]]:
     """(jobs hashed on their own, packs): jobs of one segment and at most half a chunk are packed in
     input order (neighbours in a model are often neighbours in memory), each pack at most one chunk.
     A pack of one job is just that job."""
@@ -348,7 +360,7 @@ def _pack(jobs: list[Job], chunk_bytes: int) -> tuple[list[Job], list[tuple[Job,
     packs: list[list[Job]] = []
     used = chunk_bytes  # no open pack
     for job in jobs:
-        if job.nbytes * 2 > chunk_bytes or len(segment_spans(job.nbytes)) != 1:
+        if job.nbytes * 2 > chunk_bytes or len(algorithm.work_spans(job.nbytes)) != 1:
             singles.append(job)
             continue
         if used + job.nbytes > chunk_bytes:

@@ -8,7 +8,7 @@ sleep state) live in state objects, never here.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -142,9 +142,14 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
+    # None or 0: auto, chosen from the KV cache at sizing (inference/worker.py resolve_max_num_seqs);
+    # the resolved value is run-time state (Worker.max_num_seqs), never written back here.
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+
+LOAD_FORMATS = ("auto", "dummy")  # EngineConfig.load_format
 
 
 @dataclass(frozen=True)
@@ -162,3 +167,33 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     draft_model: str | None = None
     num_speculative_tokens: int = 4
+
+
+ENGINE_SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+
+
+def engine_option_names() -> dict[str, str]:
+    """Every flat engine option -> its section ("" for EngineConfig itself, "cache", "scheduler").
+
+    The flat names are unique across the sections (asserted), which is what lets `LLM(model, **options)`
+    and `sidecar launch` name them without their section."""
+    out = {f.name: "" for f in fields(EngineConfig) if f.name not in ENGINE_SECTIONS}
+    for section, cls in ENGINE_SECTIONS.items():
+        for f in fields(cls):
+            assert f.name not in out, f"engine option {f.name} is declared twice"
+            out[f.name] = section
+    return out
+
+
+def build_engine_config(model: str, **options: Any) -> EngineConfig:
+    """EngineConfig from flat keyword options (cache and scheduler fields go to their sections);
+    an unknown option is an InvalidRequestError naming it."""
+    where = engine_option_names()
+    unknown = sorted(set(options) - set(where))
+    if unknown:
+        raise InvalidRequestError(unknown[0], f"unknown engine option (known: {', '.join(sorted(where))})")
+    parts: dict[str, dict[str, Any]] = {"": {}, **{section: {} for section in ENGINE_SECTIONS}}
+    for name, value in options.items():
+        parts[where[name]][name] = value
+    sections = {section: cls(**parts[section]) for section, cls in ENGINE_SECTIONS.items()}
+    return EngineConfig(model=model, **sections, **parts[""])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field, fields
-from typing import Literal
+from typing import Any, Literal
 
 LogprobsMode = Literal["raw", "processed"]
 
@@ -37,9 +37,36 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"  # cancelled by the caller or failed
 
 
+GREEDY_BELOW = 1e-5  # a temperature in (0, GREEDY_BELOW) samples greedily (as vLLM does)
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: below it a value turns subnormal or 0
+FLOAT32_MAX = 3.4028234663852886e38
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+MAX_N = 1024  # completions per prompt
+MAX_LOGPROBS = 20  # top logprobs per token
+
+
+def _doc(default: object, doc: str) -> Any:
+    return field(default=default, metadata={"doc": doc})
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one prompt's completions.
+    """How to sample one prompt's completions: declared here once; HTTP models, the client and the
+    trainer hook all build this class, none re-declares its rules.
+
+    Invariant: a SamplingParams that exists is valid on its own. `__post_init__` checks every field
+    and raises InvalidRequestError naming it ("sampling_params.<field>"); what depends on the served
+    model (vocabulary, max_model_len) is `check_limits`, called once per request by the engine (and by
+    the HTTP server before queueing, with the same code, so both paths refuse the same requests).
+
+    Normalised on construction, so that every layer sees the same values:
+    - a temperature in (0, 1e-5) becomes 0.0, greedy. Dividing logits by a smaller temperature
+      overflows float32 (1e-40 is a float32 subnormal), which sampled garbage; vLLM draws the same line.
+    - `stop` and `stop_token_ids` become tuples (a lone string or id is one stop).
+    Refused, naming the field: a value float32 cannot carry (temperature above 3.4e38; a non-zero
+    top_p or min_p below 1.2e-38, which the device would round to a subnormal or to 0: top_p=1e-300
+    masked every token), top_k beyond int32 and seed beyond int64.
 
     temperature == 0 is greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those filters.
     `logprobs_mode` says which distribution the reported logprobs come from:
@@ -49,56 +76,82 @@ class SamplingParams:
     uses the seed derived from (seed, i).
     """
 
-    n: int = 1
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    max_tokens: int = 16
-    stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int = 0
-    logprobs_mode: LogprobsMode = "raw"
+    n: int = _doc(1, f"completions per prompt, 1..{MAX_N}")
+    temperature: float = _doc(1.0, "0 (or below 1e-5) is greedy; at most 3.4e38 (float32)")
+    top_k: int = _doc(0, "keep the k most likely tokens; 0 or -1 disable it")
+    top_p: float = _doc(1.0, "nucleus sampling, in (0, 1]; 1 disables it; at least 1.2e-38 (float32)")
+    min_p: float = _doc(0.0, "drop tokens below min_p x the top probability, in [0, 1]; 0 disables it")
+    seed: int | None = _doc(None, "a seeded completion does not depend on the rest of the batch; 0..2**63-1")
+    max_tokens: int = _doc(16, "new tokens per completion, >= 1; prompt + max_tokens must fit max_model_len")
+    stop_token_ids: tuple[int, ...] = _doc((), "token ids that end a completion (kept in its tokens)")
+    stop: tuple[str, ...] = _doc((), "strings that end a completion (cut from its text)")
+    ignore_eos: bool = _doc(False, "keep generating past the end-of-sequence token")
+    logprobs: int = _doc(0, f"top-k logprobs per token besides the sampled one's, 0..{MAX_LOGPROBS}")
+    logprobs_mode: Literal["raw", "processed"] = _doc(
+        "raw", "raw: the model's log_softmax; processed: the sampling distribution")
 
-    MAX_N = 1024
-    MAX_LOGPROBS = 20
+    MAX_N = MAX_N
+    MAX_LOGPROBS = MAX_LOGPROBS
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if isinstance(self.stop_token_ids, int):
+            object.__setattr__(self, "stop_token_ids", (self.stop_token_ids,))
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if not isinstance(value, (tuple, list)):
+                raise _bad(name, f"must be a list, got {type(value).__name__}")
+            object.__setattr__(self, name, tuple(value))
+        _check_int("n", self.n, 1, self.MAX_N)
+        _check_float("temperature", self.temperature, 0.0, FLOAT32_MAX, "a finite number >= 0")
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
+        _check_int("top_k", self.top_k, -1, INT32_MAX)
+        _check_float("top_p", self.top_p, FLOAT32_TINY, 1.0, "in (0, 1]")
+        _check_float("min_p", self.min_p, 0.0, 1.0, "in [0, 1]")
+        if 0.0 < self.min_p < FLOAT32_TINY:
+            raise _bad("min_p", f"{self.min_p!r} underflows float32 (smallest normal {FLOAT32_TINY:.3g}); "
+                                "use 0 to disable min_p")
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, INT64_MAX)
+        _check_int("max_tokens", self.max_tokens, 1, None)
+        _check_int("logprobs", self.logprobs, 0, self.MAX_LOGPROBS)
+        if self.logprobs_mode not in ("raw", "processed"):
+            raise _bad("logprobs_mode", f"must be 'raw' or 'processed', got {self.logprobs_mode!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise _bad("ignore_eos", f"must be true or false, got {self.ignore_eos!r}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, 0, None)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise _bad("stop", f"stop strings must be non-empty strings, got {s!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def validate(self, vocab_size: int | None = None) -> None:
-        """Raise InvalidRequestError naming the first bad field."""
+    def check_limits(self, vocab_size: int, max_model_len: int, num_prompt_tokens: int | None = None) -> None:
+        """Refuse what the served model cannot do; InvalidRequestError naming the field otherwise.
 
-        def bad(name: str, msg: str) -> InvalidRequestError:
-            return InvalidRequestError(f"sampling_params.{name}", msg)
-
-        if not isinstance(self.n, int) or not 1 <= self.n <= self.MAX_N:
-            raise bad("n", f"must be an integer in [1, {self.MAX_N}], got {self.n!r}")
-        if not _finite(self.temperature) or self.temperature < 0:
-            raise bad("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise bad("top_k", f"must be an integer >= -1 (0 or -1 disable it), got {self.top_k!r}")
-        if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not _finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise bad("seed", f"must be a non-negative integer or None, got {self.seed!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= self.MAX_LOGPROBS:
-            raise bad("logprobs", f"must be an integer in [0, {self.MAX_LOGPROBS}], got {self.logprobs!r}")
-        if self.logprobs_mode not in ("raw", "processed"):
-            raise bad("logprobs_mode", f"must be 'raw' or 'processed', got {self.logprobs_mode!r}")
+        Policy (the same in-process and over HTTP): a completion is never cut short by max_model_len
+        behind the caller's back. prompt + max_tokens must fit in max_model_len, else the request is
+        refused with the number that fits: an RL trainer would otherwise score a truncated sample
+        ("length") as if the policy had rambled. `num_prompt_tokens` None (before tokenization) checks
+        what holds for any prompt (one token at least).
+        """
         for t in self.stop_token_ids:
-            if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
-                raise bad("stop_token_ids", f"token id {t!r} is outside the vocabulary [0, {vocab_size})")
-        for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise bad("stop", f"stop strings must be non-empty strings, got {s!r}")
+            if t >= vocab_size:
+                raise _bad("stop_token_ids", f"token id {t!r} is outside the vocabulary [0, {vocab_size})")
+        prompt = 1 if num_prompt_tokens is None else num_prompt_tokens
+        if prompt >= max_model_len:
+            raise InvalidRequestError("prompt", f"has {prompt} tokens; max_model_len is {max_model_len}, "
+                                                "which leaves no room for a completion")
+        if prompt + self.max_tokens > max_model_len:
+            after = "any prompt" if num_prompt_tokens is None else f"a {prompt}-token prompt"
+            raise _bad("max_tokens", f"{self.max_tokens} new tokens after {after} exceed max_model_len "
+                                     f"({max_model_len}): at most {max_model_len - prompt} fit. Lower max_tokens "
+                                     "or serve a longer max_model_len; completions are never cut short silently")
 
     @classmethod
     def from_dict(cls, data: dict) -> SamplingParams:
@@ -106,17 +159,29 @@ class SamplingParams:
         known = {f.name for f in fields(cls)}
         for key in data:
             if key not in known:
-                raise InvalidRequestError(f"sampling_params.{key}", "unknown field")
-        data = dict(data)
-        for key in ("stop_token_ids", "stop"):
-            if key in data:
-                value = data[key]
-                data[key] = (value,) if isinstance(value, (str, int)) else tuple(value)
+                raise _bad(key, "unknown field")
         return cls(**data)
 
 
-def _finite(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+def _bad(name: str, message: str) -> InvalidRequestError:
+    return InvalidRequestError(f"sampling_params.{name}", message)
+
+
+def _check_int(name: str, value: object, lo: int, hi: int | None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo or (hi is not None and value > hi):
+        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise _bad(name, f"must be an integer {bound}, got {value!r}")
+
+
+def _check_float(name: str, value: object, lo: float, hi: float, what: str) -> None:
+    """A number in [lo, hi]; below lo but above 0 is named as a float32 underflow."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise _bad(name, f"must be {what}, got {value!r}")
+    if 0.0 < value < lo:
+        raise _bad(name, f"{value!r} underflows float32 (smallest normal {FLOAT32_TINY:.3g}); must be {what}")
+    if value < lo or value > hi:
+        extra = " (float32)" if hi == FLOAT32_MAX else ""
+        raise _bad(name, f"must be {what}{extra}, got {value!r}")
 
 
 @dataclass

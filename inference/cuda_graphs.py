@@ -221,8 +221,19 @@ class DecodeInputs:
 
 
 def batch_ladder(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, then every 16 up to max_batch (max_batch itself always included)."""
-    sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16))
+    """1, 2, 4, 8, then every 16 up to 256, every 32 up to 512, every 64 up to 1024 (the step is an
+    eighth of the power of two at or below the size, at least 16), and max_batch itself.
+
+    Capture time grows with the number of sizes, so above 256 the ladder gets coarser with the
+    batch while a replay's padding stays under an eighth of its rows: 36 sizes reach 1024 (every
+    16 would take 68). The sizes below max_batch do not depend on max_batch (extended_ladder
+    relies on it).
+    """
+    sizes = [b for b in (1, 2, 4, 8) if b < max_batch]
+    b = 16
+    while b < max_batch:
+        sizes.append(b)
+        b += max(16, (1 << (b.bit_length() - 1)) // 8)
     return sorted({*sizes, max_batch})
 
 

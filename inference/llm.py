@@ -11,12 +11,12 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from inference.block_manager import BlockManager
-from inference.config import CacheConfig, EngineConfig, SchedulerConfig
+from inference.config import EngineConfig, build_engine_config
 from inference.core import (
     CompletionOutput,
     FinishReason,
@@ -31,10 +31,30 @@ from inference.scheduler import Scheduler
 from inference.sequence import Sequence
 from inference.sleep import TransitionStats
 from inference.spec_decode import SpecDecodeStats
+from inference.step_stats import StepLog
 from inference.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_search_start
 from inference.worker import ARENA_OF, Worker
 
 Prompt = str | Seq[int]
+
+
+def check_tp_size(config: EngineConfig, tp: TPInfo | None) -> None:
+    """Refuse a tensor-parallel size this process cannot run (InvalidRequestError naming tp_size).
+
+    An LLM is one rank in one process: TP=N needs N processes that each build an LLM with their
+    TPInfo (the rank, the size and the process group), as `sidecar launch --tp N` does for you
+    (sidecar/ranks.py). So `LLM(model, tp_size=2)` without a TPInfo is refused rather than run at
+    TP 1, and a TPInfo whose size differs from config.tp_size is refused as a contradiction.
+    """
+    size = 1 if tp is None else tp.size
+    if config.tp_size == size:
+        return
+    if tp is None:
+        raise InvalidRequestError(
+            "tp_size", f"LLM(tp_size={config.tp_size}) cannot shard the model by itself: an in-process LLM is "
+            f"one rank. Serve it with `sidecar launch --tp {config.tp_size}` (one process per rank: gloo on CPU, "
+            "NCCL on CUDA), or build one LLM per rank in your own process group with tp=TPInfo(rank, size, group)")
+    raise InvalidRequestError("tp_size", f"config.tp_size is {config.tp_size} but tp (TPInfo) has size {tp.size}")
 
 
 @dataclass
@@ -47,18 +67,6 @@ class _Request:
     detoks: dict[int, IncrementalDetokenizer] = field(default_factory=dict)  # stop-string detection
 
 
-def build_engine_config(model: str, **overrides: Any) -> EngineConfig:
-    """EngineConfig from flat keyword overrides (cache and scheduler fields go to their sections)."""
-    cache_keys = CacheConfig.__dataclass_fields__.keys()
-    sched_keys = SchedulerConfig.__dataclass_fields__.keys()
-    cache = {k: overrides.pop(k) for k in list(overrides) if k in cache_keys}
-    sched = {k: overrides.pop(k) for k in list(overrides) if k in sched_keys}
-    unknown = set(overrides) - set(EngineConfig.__dataclass_fields__)
-    if unknown:
-        raise InvalidRequestError(sorted(unknown)[0], "unknown engine option")
-    return EngineConfig(model=model, cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched), **overrides)
-
-
 class LLM:
     """`LLM(model_dir).generate(prompts, SamplingParams(...))`; model_dir None is the embedded tiny model."""
 
@@ -68,7 +76,9 @@ class LLM:
             if model is None:
                 from inference.tiny import default_model_dir
                 model = default_model_dir()
+            overrides.setdefault("tp_size", 1 if tp is None else tp.size)
             config = build_engine_config(str(model), **overrides)
+        check_tp_size(config, tp)
         self.config = config
         self.worker = Worker(config, tp)
         self.worker.init_device()
@@ -85,9 +95,12 @@ class LLM:
         eos = mc.eos_token_ids or (self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.eos_token_ids = tuple(eos)
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, self.eos_token_ids,
+        # the scheduler gets max_num_seqs as resolved at KV sizing (the worker owns that value)
+        self.scheduler = Scheduler(replace(config.scheduler, max_num_seqs=self.worker.max_num_seqs),
+                                   self.block_manager, self.max_model_len, self.eos_token_ids,
                                    self.worker.num_speculative_tokens)
         self.spec_stats = SpecDecodeStats()  # draft tokens proposed / accepted (speculative decoding)
+        self.step_log: StepLog | None = None  # assign a StepLog to keep one record per step (benchmarks)
         self.weight_version = 0
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
@@ -110,7 +123,6 @@ class LLM:
 
     def _checked(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
         """(text, token ids) of a valid request; InvalidRequestError naming the field otherwise."""
-        params.validate(self.model_config.vocab_size)
         text, ids = self._tokenize(prompt)
         self._check_prompt(ids, params)
         return text, ids
@@ -143,7 +155,8 @@ class LLM:
         for i, t in enumerate(ids):
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
                 raise InvalidRequestError("prompt", f"token {i} = {t!r} is outside the vocabulary [0, {vocab})")
-        self.scheduler.validate(len(ids), params)
+        params.check_limits(vocab, self.max_model_len, len(ids))  # the one policy: inference/core.py
+        self.scheduler.validate(len(ids), params)  # and what the KV cache can ever hold
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
@@ -164,6 +177,8 @@ class LLM:
             if self.scheduler.has_unfinished():
                 raise StateError("scheduler made no progress with requests pending (KV cache too small?)")
             return []
+        steps = self.step_log
+        pending = steps.begin(batch) if steps is not None else None
         results = self.worker.execute_model(batch)
         self._record_versions(batch.seqs, results)
         stops = self._num_with_stops > 0
@@ -172,6 +187,8 @@ class LLM:
         self._count_speculation(batch, results)
         if stops:
             finished += self._apply_stop_strings(batch.seqs, results, before)
+        if steps is not None and pending is not None:
+            steps.end(pending, len(finished))
         # a request completes only when one of its sequences finishes (abort drops it at once)
         return self._collect_finished() if finished else []
 

@@ -7,6 +7,7 @@ about requests beyond the Sequence fields it reads (tokens, computed count, bloc
 from __future__ import annotations
 
 import operator
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +16,8 @@ from inference.batch import AttentionMetadata
 from inference.config import ModelConfig
 from inference.cuda_graphs import CUDAGraphRunner, capture_ladder
 from inference.parallel import TPInfo
-from inference.sampler import SamplingBatch, greedy_rows, sample
+from inference.sampler import SamplingBatch, greedy_rows, sample, sample_pairs, unseeded_seed
+from inference.sampler_graphs import SamplingGraphs
 from inference.scheduler import ScheduledBatch
 from inference.sequence import Sequence
 
@@ -39,14 +41,18 @@ class ModelRunner:
         self.tp = tp
         self.device = device
         self.dtype = dtype
+        self.seed = seed  # with a sequence's id, the noise seed of an unseeded sequence (unseeded_seed)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.kv_cache: torch.Tensor | None = None
         self.block_size = 0
         self.graphs: CUDAGraphRunner | None = None  # set by capture_graphs
         self.greedy_graphs: GreedyGraphs | None = None
+        self.sampling_graphs: SamplingGraphs | None = None
         self._sb_key: tuple[int, ...] = ()  # seq ids of the cached SamplingBatch's rows
-        self._sb: SamplingBatch | None = None
+        self._sb_rows: SamplingBatch | None = None  # their row tensors
+        self._sb_positions: array | None = None  # the output positions of the last batch built on them
+        self._sb: SamplingBatch | None = None  # that batch
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -120,24 +126,37 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
-        """The step's SamplingBatch; reused while the same sequences sample in the same order and no
-        row has a per-position seed (a sequence's params and seed never change)."""
+        """The step's SamplingBatch. Its row tensors (a sequence's params and noise seed never change)
+        are built only when other sequences, or the same in another order, sample; a step of the same
+        rows sends just their output positions (one small copy, no per-row Python), and unchanged
+        positions give back the same batch. An all-greedy batch needs no positions."""
         key = tuple(map(_SEQ_ID, seqs))
-        if key == self._sb_key and self._sb is not None:
-            return self._sb
-        sb = SamplingBatch.build([s.params for s in seqs], [s.seed for s in seqs],
-                                 [s.num_generated for s in seqs], self.model_config.vocab_size, self.device)
-        reusable = all(seed is None for seed in sb.row_seeds)
-        self._sb_key, self._sb = (key, sb) if reusable else ((), None)
-        return sb
+        if key != self._sb_key or self._sb_rows is None:
+            seeds = [unseeded_seed(self.seed, s.seq_id) if s.seed is None else s.seed for s in seqs]
+            self._sb_rows = SamplingBatch.build_rows([s.params for s in seqs], seeds, self.model_config.vocab_size,
+                                                     self.device)
+            self._sb_key, self._sb, self._sb_positions = key, None, None
+        if self._sb_rows.all_greedy:
+            return self._sb_rows
+        positions = array("q", map(operator.sub, map(len, map(_TOKEN_IDS, seqs)), map(_NUM_PROMPT, seqs)))
+        if positions != self._sb_positions or self._sb is None:
+            # the array is never written again and stays referenced: a safe source for an async copy
+            self._sb = self._sb_rows.at(torch.frombuffer(positions, dtype=torch.int64).to(self.device,
+                                                                                        non_blocking=True))
+            self._sb_positions = positions
+        return self._sb
 
     def _sample(self, logits: torch.Tensor, sb: SamplingBatch, graphed: bool) -> _Sampled:
-        """Launch the sampling of the step (no host sync): pairs [n, 2] float64 of (token id, logprob)."""
-        if sb.all_greedy and sb.num_top_logprobs == 0:
-            if graphed and self.greedy_graphs is not None:
-                return _Sampled(self.greedy_graphs.replay(logits.shape[0]), None, None)
-            return _Sampled(greedy_rows(logits, torch.empty(logits.shape[0], 2, dtype=torch.float64,
-                                                            device=logits.device)), None, None)
+        """Launch the sampling of the step (no host sync): pairs [n, 2] float64 of (token id, logprob).
+        Without top logprobs a decode step replays a sampling graph (the greedy one when every row is)."""
+        n = logits.shape[0]
+        if sb.num_top_logprobs == 0:
+            if graphed and sb.all_greedy and self.greedy_graphs is not None:
+                return _Sampled(self.greedy_graphs.replay(n), None, None)
+            if graphed and not sb.all_greedy and not sb.any_unseeded and self.sampling_graphs is not None:
+                return _Sampled(self.sampling_graphs.replay(n, sb), None, None)
+            pairs = torch.empty(n, 2, dtype=torch.float64, device=logits.device)
+            return _Sampled(sample_pairs(logits, sb, pairs, self.generator), None, None)
         out = sample(logits, sb, self.generator)
         return _Sampled(torch.stack((out.token_ids.double(), out.logprobs.double()), dim=1), out.top_ids,
                         out.top_logprobs)
@@ -154,14 +173,16 @@ class ModelRunner:
     # ---- CUDA graphs ----------------------------------------------------------------------
     def capture_graphs(self, max_batch: int, max_model_len: int, sizes: list[int] | None = None) -> None:
         """Decode graphs for batch_ladder(max_batch), or for `sizes` (speculative decoding adds the
-        sizes of its expanded-row verify batches; see inference/spec_decode.py), and a greedy
-        sampling graph per size over their logits."""
+        sizes of its expanded-row verify batches; see inference/spec_decode.py), and per size a greedy
+        and a sampling graph over their logits."""
         max_blocks = -(-max_model_len // self.block_size)
         self.graphs = CUDAGraphRunner(self.model, max_batch, max_blocks, self.block_size, self.device, self.dtype,
                                       sizes)
         self.graphs.capture()
         self.greedy_graphs = GreedyGraphs(self.graphs)
         self.greedy_graphs.capture()
+        self.sampling_graphs = SamplingGraphs(self.graphs, self.model_config.vocab_size)
+        self.sampling_graphs.capture()
 
     def _graph_decode(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """Logits of a decode-only step replayed from a graph, or None when no graph fits."""
@@ -188,6 +209,8 @@ class _Sampled:
 
 
 _SEQ_ID = operator.attrgetter("seq_id")
+_TOKEN_IDS = operator.attrgetter("token_ids")
+_NUM_PROMPT = operator.attrgetter("num_prompt_tokens")
 
 
 class GreedyGraphs:

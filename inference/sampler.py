@@ -1,16 +1,22 @@
 """The sampler: logits of the sampling rows in, next tokens and their logprobs out.
 
-Stateless and small. Greedy rows take an argmax of the raw logits. Other rows divide by their
-temperature, apply top-k, top-p and min-p, and draw with the exponential race
-(argmax of p / E with E ~ Exp(1)), which needs no host sync and no torch.multinomial. A seeded row
-draws its noise from a generator seeded by (sequence seed, output position), so its sample does
-not depend on what else runs in the batch, nor on preemption. Reported logprobs come from the raw
-logits ("raw") or from the processed distribution ("processed"), per row.
+Stateless and small. Greedy rows (temperature 0) take the first argmax of the raw logits. Other rows
+scale by their temperature, keep what passes top-k, top-p and min-p, and draw with the exponential
+race (argmax of x - log E, E ~ Exp(1)): no host sync, no torch.multinomial. Every row's noise comes
+from a counter-based generator keyed by (row seed, output position, vocabulary index)
+(inference/sampler_kernels.py, which also defines the thresholds and their tie rule), so a row's
+token depends only on its seed, its position and its logits: never on the batch, the order of its
+rows or preemption. A seeded sequence's row seed is its own; the runner gives an unseeded one
+`unseeded_seed(runner seed, sequence id)`, equal on every TP rank; rows built with no seed at all
+(tests, benchmarks) draw one per call from the generator given to `sample`. Reported logprobs come
+from the raw logits ("raw") or from the processed distribution ("processed"), per row.
 
-No [B, V] log_softmax is materialized: per row, one reduction gives the max, the first argmax and
-log(sum(exp(x - max))), and a reported logprob is (x[i] - max) - log_sum (log_softmax's own formula)
-for the few ids reported. On CUDA that reduction is a two-stage Triton kernel that spreads each row
-over many programs (a single 152k-column row is otherwise one CTA's work).
+On CUDA a step is a few Triton launches over all rows at once: the raw row statistics (max, first
+argmax, log(sum(exp(x - max))) by a two-stage chunked reduction: a single 152k-column row is
+otherwise one CTA's work), the thresholds (only when a row has top-k or top-p; a search, no sort)
+and the race (per (row, chunk) programs, then a merge that picks the token and writes its logprob).
+Elsewhere the torch twins run. No [B, V] log_softmax is materialized: a reported logprob is
+(x[i] - max) - log_sum for the few ids reported.
 """
 
 from __future__ import annotations
@@ -19,6 +25,19 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+
+from inference.sampler_batch import SamplingBatch
+from inference.sampler_batch import position_seed as position_seed  # re-exported: spec decoding seeds with it
+from inference.sampler_batch import unseeded_seed as unseeded_seed  # re-exported for the runner
+from inference.sampler_kernels import (
+    log_exponential_torch,
+    race_torch,
+    race_triton,
+    scaled_logits,
+    thresholds_torch,
+    thresholds_triton,
+    uniforms_torch,
+)
 
 try:
     import triton
@@ -29,66 +48,6 @@ except ImportError:  # the engine samples with torch ops where Triton is missing
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E) if triton is not None else LOG2E
 
-_MIX = 0x9E3779B97F4A7C15
-_MASK63 = (1 << 63) - 1
-
-
-def position_seed(seed: int, position: int) -> int:
-    """The generator seed of a seeded sequence's token at output `position` (stable, documented)."""
-    return ((seed * 1_000_003) ^ ((position + 1) * _MIX)) & _MASK63
-
-
-@dataclass
-class SamplingBatch:
-    """Per-row sampling settings of one step, built by the runner. Host flags skip unused work."""
-
-    # per-row tensors, None when every row is greedy
-    temperatures: torch.Tensor | None  # [B] float32; 0 marks a greedy row
-    top_ks: torch.Tensor | None  # [B] int64; vocab size where disabled
-    top_ps: torch.Tensor | None  # [B] float32
-    min_ps: torch.Tensor | None  # [B] float32
-    processed_logprobs: torch.Tensor | None  # [B] bool: report logprobs of the processed distribution
-    row_seeds: list[int | None]  # per-row generator seed (position_seed) or None
-    all_greedy: bool
-    any_top_k: bool
-    any_top_p: bool
-    any_min_p: bool
-    any_processed: bool
-    num_top_logprobs: int  # max over rows; 0 for none
-
-    @classmethod
-    def build(cls, params: list, seeds: list[int | None], positions: list[int], vocab_size: int,
-              device: torch.device) -> SamplingBatch:
-        """params: SamplingParams per row; seeds: the sequences' seeds; positions: output positions."""
-        temps = [p.temperature for p in params]
-        top_ks = [p.top_k if p.top_k > 0 else vocab_size for p in params]
-        top_ps = [p.top_p for p in params]
-        min_ps = [p.min_p for p in params]
-        processed = [p.logprobs_mode == "processed" for p in params]
-        row_seeds = [None if s is None or p.greedy else position_seed(s, pos)
-                     for p, s, pos in zip(params, seeds, positions)]
-
-        all_greedy = all(x == 0.0 for x in temps)
-
-        def t(x: list, dtype: torch.dtype) -> torch.Tensor | None:
-            # an all-greedy step (the common RL-eval case) needs no per-row tensors at all
-            return None if all_greedy else torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
-
-        return cls(
-            temperatures=t(temps, torch.float32),
-            top_ks=t(top_ks, torch.int64),
-            top_ps=t(top_ps, torch.float32),
-            min_ps=t(min_ps, torch.float32),
-            processed_logprobs=t(processed, torch.bool),
-            row_seeds=row_seeds,
-            all_greedy=all_greedy,
-            any_top_k=any(k < vocab_size for k in top_ks),
-            any_top_p=any(p < 1.0 for p in top_ps),
-            any_min_p=any(m > 0.0 for m in min_ps),
-            any_processed=any(processed),
-            num_top_logprobs=max((p.logprobs for p in params), default=0),
-        )
-
 
 @dataclass
 class SamplerOutput:
@@ -98,33 +57,52 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None  # [B, K] float32
 
 
-def sample(logits: torch.Tensor, sb: SamplingBatch, generator: torch.Generator | None = None) -> SamplerOutput:
-    """Sample one token per row of `logits` [B, V] (any float dtype; computed in fp32)."""
-    raw = row_stats(logits)
-    src, stats = logits, raw
+def sample(logits: torch.Tensor, sb: SamplingBatch, generator: torch.Generator | None = None,
+           use_triton: bool | None = None) -> SamplerOutput:
+    """Sample one token per row of `logits` [B, V] (any float dtype; computed in fp32). use_triton: the
+    kernels (also on CPU tensors under TRITON_INTERPRET=1) or the torch twins; None: Triton on CUDA."""
+    use_triton = _triton_for(logits) if use_triton is None else use_triton
+    raw = _row_stats(logits, use_triton)
+    thr = None
     if sb.all_greedy:
         tokens = raw.argmax
+        logprobs = raw.logprobs(logits.gather(-1, tokens[:, None])).squeeze(-1)
     else:
-        logits32 = logits.float()
-        processed = process_logits(logits32, sb)
-        sampled = _exponential_race(processed, sb, generator)
-        tokens = torch.where(sb.temperatures == 0.0, raw.argmax, sampled)
-        if sb.any_processed:
-            rows = sb.processed_logprobs
-            src = torch.where(rows[:, None], processed, logits32)
-            stats = raw.where(rows, row_stats(processed))
-    token_logprobs = stats.logprobs(src.gather(-1, tokens[:, None])).squeeze(-1)
+        thr = _thresholds(logits, raw.max, sb, use_triton)
+        tokens, logprobs = _draw(logits, raw, sb, thr, _noise_seeds(sb, generator), use_triton)
     top_ids = top_lp = None
     if sb.num_top_logprobs > 0:
+        src, stats = logits, raw
+        if sb.any_processed:
+            assert sb.processed_logprobs is not None
+            x = masked_logits(logits, raw.max, sb, thr)
+            rows = sb.processed_logprobs
+            src = torch.where(rows[:, None], x, logits.float())
+            stats = raw.where(rows, _row_stats(x, use_triton))
         top_x, top_ids = src.topk(sb.num_top_logprobs, dim=-1)
         top_lp = stats.logprobs(top_x)
-    return SamplerOutput(tokens, token_logprobs, top_ids, top_lp)
+    return SamplerOutput(tokens, logprobs, top_ids, top_lp)
+
+
+def sample_pairs(logits: torch.Tensor, sb: SamplingBatch, out: torch.Tensor, generator: torch.Generator | None = None,
+                 use_triton: bool | None = None) -> torch.Tensor:
+    """`sample` without top logprobs, written into out [B, 2] float64 as (token id, logprob) per row
+    (float64 holds every token id exactly): a form a CUDA graph can capture and the host reads with
+    one transfer. A graph needs rows that all have seeds (`unseeded` draws from the generator)."""
+    assert sb.num_top_logprobs == 0, "top logprobs go through sample"
+    if sb.all_greedy:
+        return greedy_rows(logits, out)
+    use_triton = _triton_for(logits) if use_triton is None else use_triton
+    raw = _row_stats(logits, use_triton)
+    thr = _thresholds(logits, raw.max, sb, use_triton)
+    _draw(logits, raw, sb, thr, _noise_seeds(sb, generator), use_triton, out)
+    return out
 
 
 def greedy_rows(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """The all-greedy case of `sample` without top logprobs, written into out [B, 2] float64 as
-    (token id, its raw logprob) per row (float64 holds every token id exactly): the same math as
-    `sample`, in a form a CUDA graph can capture and the host reads with one transfer."""
+    (token id, its raw logprob) per row: the same math as `sample`, in a form a CUDA graph can
+    capture and the host reads with one transfer."""
     stats = row_stats(logits)
     token_logprobs = stats.logprobs(logits.gather(-1, stats.argmax[:, None])).squeeze(-1)
     out[:, 0].copy_(stats.argmax)
@@ -134,19 +112,23 @@ def greedy_rows(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 def sample_reference(logits: torch.Tensor, sb: SamplingBatch,
                      generator: torch.Generator | None = None) -> SamplerOutput:
-    """The definition `sample` keeps (and the sampler it replaced): full fp32 log_softmax of the raw and
-    the processed logits, gathered. Tests and benchmarks compare against it."""
-    logits = logits.float()
-    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    """The definition `sample` keeps, materialized: thresholds by a sort, the race over a full [B, V]
+    noise tensor, full fp32 log_softmax of the raw and the processed logits, gathered. Tests and
+    benchmarks compare against it."""
+    lg = logits.float()
+    raw_logprobs = torch.log_softmax(lg, dim=-1)
+    dist = raw_logprobs
     if sb.all_greedy:
-        tokens = logits.argmax(dim=-1)
-        dist = raw_logprobs
+        tokens = lg.argmax(dim=-1)
     else:
-        dist_processed = torch.log_softmax(process_logits(logits, sb), dim=-1)
-        sampled = _exponential_race(dist_processed, sb, generator)
-        tokens = torch.where(sb.temperatures == 0.0, logits.argmax(dim=-1), sampled)
-        dist = (torch.where(sb.processed_logprobs[:, None], dist_processed, raw_logprobs)
-                if sb.any_processed else raw_logprobs)
+        assert sb.greedy is not None and sb.processed_logprobs is not None
+        row_max = lg.amax(dim=-1)
+        thr = _thresholds(lg, row_max, sb, use_triton=False)
+        x = masked_logits(lg, row_max, sb, thr)
+        noise = log_exponential_torch(uniforms_torch(_noise_seeds(sb, generator), sb.positions, lg.shape[-1]))
+        tokens = torch.where(sb.greedy, lg.argmax(dim=-1), (x - noise).argmax(dim=-1))
+        if sb.any_processed:
+            dist = torch.where(sb.processed_logprobs[:, None], torch.log_softmax(x, dim=-1), raw_logprobs)
     top_lp = top_ids = None
     if sb.num_top_logprobs > 0:
         top_lp, top_ids = dist.topk(sb.num_top_logprobs, dim=-1)
@@ -154,39 +136,74 @@ def sample_reference(logits: torch.Tensor, sb: SamplingBatch,
 
 
 def process_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p as -inf masks. Greedy rows pass through unscaled."""
-    temps = torch.where(sb.temperatures == 0.0, torch.ones_like(sb.temperatures), sb.temperatures)
-    x = logits / temps[:, None]
-    if sb.any_top_k or sb.any_top_p:
-        sorted_x, order = x.sort(dim=-1, descending=True)
-        drop = torch.zeros_like(sorted_x, dtype=torch.bool)
-        if sb.any_top_k:
-            ranks = torch.arange(x.shape[-1], device=x.device)
-            drop |= ranks[None, :] >= sb.top_ks[:, None]
-        if sb.any_top_p:
-            probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
-            mass_before = probs.cumsum(dim=-1) - probs
-            drop |= mass_before >= sb.top_ps[:, None]  # the top token always stays
-        drop_unsorted = torch.zeros_like(drop).scatter_(-1, order, drop)
-        x = x.masked_fill(drop_unsorted, float("-inf"))
-    if sb.any_min_p:
-        probs = torch.softmax(x, dim=-1)
-        threshold = probs.max(dim=-1, keepdim=True).values * sb.min_ps[:, None]
-        x = x.masked_fill(probs < threshold, float("-inf"))
-    return x
+    """The processed logits of a batch with sampled rows: x = (logit - row max) / T, -inf where top-k,
+    top-p or min-p drop it; softmax(x) is the distribution the sampler draws from. Greedy rows pass
+    through unscaled (their filters still apply)."""
+    row_max = logits.float().amax(dim=-1)
+    return masked_logits(logits, row_max, sb, _thresholds(logits, row_max, sb, _triton_for(logits)))
 
 
-def _exponential_race(logprobs: torch.Tensor, sb: SamplingBatch,
-                      generator: torch.Generator | None) -> torch.Tensor:
-    """argmax(x - log E), E ~ Exp(1): an exact draw from softmax(x) without a host sync (x: logits or
-    logprobs; a per-row shift does not move the argmax)."""
-    noise = torch.empty_like(logprobs).exponential_(generator=generator)
-    for row, seed in enumerate(sb.row_seeds):
-        if seed is not None:
-            g = torch.Generator(device=logprobs.device)
-            g.manual_seed(seed)
-            noise[row].exponential_(generator=g)
-    return (logprobs - noise.log()).argmax(dim=-1)
+def masked_logits(logits: torch.Tensor, row_max: torch.Tensor, sb: SamplingBatch,
+                  thr: torch.Tensor | None) -> torch.Tensor:
+    assert sb.inv_temps is not None and sb.log_min_ps is not None
+    x, keep = scaled_logits(logits, row_max, sb.inv_temps, thr, sb.log_min_ps)
+    return x.masked_fill(~keep, float("-inf"))
+
+
+def _triton_for(x: torch.Tensor) -> bool:
+    return triton is not None and x.is_cuda
+
+
+def _row_stats(x: torch.Tensor, use_triton: bool) -> RowStats:
+    return row_stats_triton(x) if use_triton else row_stats_torch(x)
+
+
+def _thresholds(logits: torch.Tensor, row_max: torch.Tensor, sb: SamplingBatch,
+                use_triton: bool) -> torch.Tensor | None:
+    """Per-row keep threshold on the raw logits (-inf: keep all), None when no row has top-k or top-p."""
+    if not (sb.any_top_k or sb.any_top_p):
+        return None
+    assert sb.inv_temps is not None and sb.top_ks is not None and sb.top_ps is not None
+    if use_triton:
+        return thresholds_triton(_unit_stride(logits), row_max, sb.inv_temps, sb.top_ks, sb.top_ps)
+    return thresholds_torch(logits, row_max, sb.inv_temps, sb.top_ks, sb.top_ps)
+
+
+def _noise_seeds(sb: SamplingBatch, generator: torch.Generator | None) -> torch.Tensor:
+    """The rows' noise seeds; unseeded rows get base + row for a base drawn on the device (no sync)."""
+    assert sb.seeds is not None
+    if not sb.any_unseeded:
+        return sb.seeds
+    assert sb.unseeded is not None
+    base = torch.randint(0, 1 << 62, (1,), generator=generator, device=sb.seeds.device)
+    return torch.where(sb.unseeded, base + torch.arange(sb.size, device=sb.seeds.device), sb.seeds)
+
+
+def _draw(logits: torch.Tensor, raw: RowStats, sb: SamplingBatch, thr: torch.Tensor | None, seeds: torch.Tensor,
+          use_triton: bool, pairs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and their logprobs of a batch with sampled rows (greedy rows take the raw argmax)."""
+    assert sb.greedy is not None and sb.inv_temps is not None and sb.log_min_ps is not None
+    assert sb.processed_logprobs is not None and sb.positions is not None
+    if use_triton:
+        rows = {"inv_temps": sb.inv_temps, "log_min_ps": sb.log_min_ps, "seeds": seeds, "positions": sb.positions,
+                "greedy": sb.greedy, "processed": sb.processed_logprobs}
+        return race_triton(_unit_stride(logits), (raw.max, raw.argmax, raw.log_sum), rows, thr, sb.any_processed,
+                           pairs)
+    x, keep = scaled_logits(logits, raw.max, sb.inv_temps, thr, sb.log_min_ps)
+    raced, mass = race_torch(x, keep, seeds, sb.positions)
+    tokens = torch.where(sb.greedy, raw.argmax, raced)
+    logprobs = raw.logprobs(logits.gather(-1, tokens[:, None])).squeeze(-1)
+    if sb.any_processed:
+        processed = x.gather(-1, tokens[:, None]).squeeze(-1) - mass.log()
+        logprobs = torch.where(sb.processed_logprobs, processed, logprobs)
+    if pairs is not None:
+        pairs[:, 0].copy_(tokens)
+        pairs[:, 1].copy_(logprobs)
+    return tokens, logprobs
+
+
+def _unit_stride(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 # ---- per-row statistics -----------------------------------------------------------------------------

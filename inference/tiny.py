@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors, trainers
 from tokenizers.models import BPE
 
+from inference import envs
 from inference.core import InvalidRequestError
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
@@ -360,7 +361,7 @@ def random_weights(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
 
 def cache_root() -> Path:
     """$SIDECAR_HOME/models when set, else ~/.cache/sidecar."""
-    home = os.environ.get("SIDECAR_HOME")
+    home = envs.HOME.get()
     return Path(home).expanduser() / "models" if home else Path.home() / ".cache" / "sidecar"
 
 

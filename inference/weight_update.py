@@ -27,7 +27,6 @@ what the model holds after it), and every end of the session (finish, abort, a f
 from __future__ import annotations
 
 import logging
-import os
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -35,6 +34,7 @@ import torch
 from torch import nn
 
 from checksum import ChecksumMismatch, Manifest, ManifestError, Report, TensorRecord, compare, digest_tensors
+from inference import envs
 from inference.config import ModelConfig
 from inference.core import InvalidRequestError, StateError
 from inference.memory import ArenaState
@@ -48,7 +48,7 @@ from inference.weight_state import ModelWeightState, RouteCache, Session, Update
 log = logging.getLogger(__name__)
 
 WEIGHT_ARENAS = {"target": "weights", "draft": "draft_weights"}  # the tags inference.worker gives them
-FAULT_ENV = "SIDECAR_WEIGHT_FAULT"  # test-only: "flip:<tensor name>" flips a byte of that tensor on arrival
+FAULT_ENV = envs.WEIGHT_FAULT.name  # test-only: "flip:<tensor name>" flips a byte of that tensor on arrival
 
 
 class WeightUpdateMixin:
@@ -333,7 +333,7 @@ def _digest_after(items: list[tuple[str, torch.Tensor]], written: Any) -> list[T
 
 def _fault_from_env() -> Fault | None:
     """Test-only fault injection: SIDECAR_WEIGHT_FAULT="flip:<tensor name>"."""
-    spec = os.environ.get(FAULT_ENV)
+    spec = envs.WEIGHT_FAULT.get()
     if not spec:
         return None
     kind, _, name = spec.partition(":")

@@ -15,7 +15,7 @@ import torch
 
 from checksum import digest_tensors
 from inference.config import EngineConfig, ModelConfig
-from inference.core import StateError
+from inference.core import InvalidRequestError, StateError
 from inference.cuda_graphs import extended_ladder
 from inference.layers.attention import get_attention_backend
 from inference.loader import init_dummy_weights, load_weights
@@ -32,6 +32,12 @@ log = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 128 << 20
 ARENA_OF = {"target": "weights", "draft": "draft_weights"}
+# max_num_seqs "auto": a power of two in [MIN, MAX] (see auto_max_num_seqs)
+AUTO_MIN_NUM_SEQS = 256
+AUTO_MAX_NUM_SEQS = 1024
+AUTO_TOKENS_PER_SEQ = 2048
+# decode graphs are captured up to this batch; larger decode steps run eagerly
+MAX_GRAPH_BATCH = 1024
 
 
 def resolve_device(name: str) -> torch.device:
@@ -49,6 +55,32 @@ def resolve_dtype(name: str, device: torch.device, model_config: ModelConfig | N
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype: unknown dtype {name!r}")
     return dtype
+
+
+def auto_max_num_seqs(kv_tokens: int, max_model_len: int) -> int:
+    """The largest power of two in [AUTO_MIN_NUM_SEQS, AUTO_MAX_NUM_SEQS] at which every running
+    sequence could still hold min(max_model_len, max(2048, max_model_len // 4)) tokens of KV.
+
+    Why: the cap only matters when the cache can feed it. A batch the cache holds at a long
+    completion's length (2048 tokens, or a quarter of a long context) runs without preemption, so
+    the cap grows with the cache (1024 for a 0.5B model on an H200, 512 for a 7B). It never goes
+    below 256 (the old fixed default): a small cache already limits admission block by block, and
+    a lower cap would only cut batching that worked before. 1024 bounds the graph capture (its time
+    and the logits buffer of the largest graph) and the per-step host work.
+    """
+    per_seq = min(max_model_len, max(AUTO_TOKENS_PER_SEQ, max_model_len // 4))
+    n = AUTO_MAX_NUM_SEQS
+    while n > AUTO_MIN_NUM_SEQS and n * per_seq > kv_tokens:
+        n //= 2
+    return n
+
+
+def resolve_max_num_seqs(requested: int | None, kv_tokens: int, max_model_len: int) -> int:
+    """An explicit max_num_seqs (>= 1) as given; None or 0: auto_max_num_seqs."""
+    if requested is not None and (not isinstance(requested, int) or isinstance(requested, bool) or requested < 0):
+        raise InvalidRequestError("scheduler.max_num_seqs",
+                                  f"must be an integer >= 1, or None or 0 for auto; got {requested!r}")
+    return requested or auto_max_num_seqs(kv_tokens, max_model_len)
 
 
 def _nccl_group(tp: TPInfo) -> bool:
@@ -72,6 +104,7 @@ class Worker(WeightUpdateMixin):
         self.runner: ModelRunner | None = None
         self.spec: SpecDecoder | None = None  # with a draft model and num_speculative_tokens > 0
         self.num_blocks = 0
+        self.max_num_seqs = 0  # config.scheduler.max_num_seqs resolved at initialize_kv_cache
         # "target" and, with config.draft_model, "draft": the models a weight sync can address
         self.models: dict[str, torch.nn.Module] = {}
         self.model_configs: dict[str, ModelConfig] = {}
@@ -208,12 +241,15 @@ class Worker(WeightUpdateMixin):
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """One "kv_cache" arena holds the target's KV tensor and, when speculating, the draft's: both
-        are dropped on sleep and mapped again on wake together."""
+        are dropped on sleep and mapped again on wake together. Resolves max_num_seqs from the
+        blocks (an explicit value wins)."""
         assert self.runner is not None and self.dtype is not None
         if num_blocks < 1:
             raise StateError("the KV cache budget holds no block: raise kv_cache_bytes or gpu_memory_utilization")
         assert self.memory is not None
         bs = self.config.cache.block_size
+        self.max_num_seqs = resolve_max_num_seqs(self.config.scheduler.max_num_seqs, num_blocks * bs,
+                                                 self.max_model_len)
         arena = self.memory.create_arena(KV_TAG, num_blocks * self.kv_bytes_per_block(bs))
         self.runner.bind_kv_cache(arena.alloc(self.runner.kv_shape(num_blocks, bs), self.dtype), bs)
         if self.spec is not None:
@@ -223,13 +259,15 @@ class Worker(WeightUpdateMixin):
 
     def warm_up(self) -> None:
         """Capture the decode CUDA graphs (unless enforce_eager, on CPU, or with an attention backend
-        that reads host values), with a draft also the draft's. The eager path needs nothing."""
+        that reads host values), with a draft also the draft's, up to the resolved max_num_seqs
+        (at most MAX_GRAPH_BATCH). The eager path needs nothing."""
         assert self.runner is not None and self.device is not None
         if self.config.enforce_eager or self.device.type != "cuda" or self.attention_backend == "reference":
             return
         if self.tp.size > 1 and self.device.type == "cuda" and not _nccl_group(self.tp):
             return  # a graph can only hold NCCL collectives
-        max_batch = min(self.config.scheduler.max_num_seqs, 512)
+        assert self.max_num_seqs > 0, "initialize_kv_cache first"
+        max_batch = min(self.max_num_seqs, MAX_GRAPH_BATCH)
         if self.spec is None:
             self.runner.capture_graphs(max_batch, self.max_model_len)
             return

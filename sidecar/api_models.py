@@ -1,15 +1,19 @@
 """Request and response bodies of the HTTP API (pydantic; they are the OpenAPI schema at /docs).
 
 Every request model forbids unknown fields and is strict about JSON types ("5" is not an integer),
-so a typo or a wrong type is a 422 naming the field instead of a silently ignored option. Range
-checks that depend on the model (vocabulary, KV cache) stay in inference.core / the engine.
+so a typo or a wrong type is a 422 naming the field instead of a silently ignored option. The
+sampling fields are generated from inference.core.SamplingParams (its one declaration); every range
+rule, and the checks that depend on the model (vocabulary, max_model_len), are SamplingParams' own,
+so a bad value is the same 400 naming the field over HTTP as the InvalidRequestError in-process.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from inference.core import SamplingParams
 
@@ -20,24 +24,35 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class SamplingParamsModel(_Request):
-    """inference.core.SamplingParams as JSON; unset fields take its defaults."""
+# SamplingParams travels as JSON: its tuples as lists (a lone stop string is one stop).
+_JSON_SHAPES: dict[str, Any] = {"stop_token_ids": list[int], "stop": str | list[str]}
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
-    n: int = Field(1, description=f"completions per prompt, 1..{SamplingParams.MAX_N}")
-    temperature: float = Field(1.0, description="0 is greedy")
-    top_k: int = Field(0, description="0 or -1 disable")
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = Field(None, description="a seeded completion does not depend on the rest of the batch")
-    max_tokens: int = 16
-    stop_token_ids: list[int] = Field(default_factory=list)
-    stop: str | list[str] = Field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int = Field(0, description=f"top-k logprobs per token, 0..{SamplingParams.MAX_LOGPROBS}")
-    logprobs_mode: Literal["raw", "processed"] = "raw"
 
+def sampling_fields(nullable: bool) -> dict[str, Any]:
+    """pydantic definitions of every SamplingParams field, generated from the dataclass (its JSON type,
+    default and doc). The models check JSON types only; every range rule is SamplingParams' own."""
+    hints = typing.get_type_hints(SamplingParams)
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(SamplingParams):
+        kind = _JSON_SHAPES.get(f.name, hints[f.name])
+        spec = (Field(default_factory=list, description=f.metadata["doc"]) if isinstance(f.default, tuple)
+                else Field(f.default, description=f.metadata["doc"]))
+        out[f.name] = (kind | None if nullable else kind, spec)
+    return out
+
+
+class _Sampling(_Request):
     def to_params(self) -> SamplingParams:
-        return SamplingParams.from_dict(self.model_dump(exclude_unset=True))
+        """The SamplingParams of this body: the fields it set (null counts as unset); its validation
+        raises InvalidRequestError naming the field."""
+        data = self.model_dump(include=set(SAMPLING_FIELDS), exclude_unset=True)
+        return SamplingParams.from_dict({k: v for k, v in data.items() if v is not None})
+
+
+SamplingParamsModel = create_model(
+    "SamplingParamsModel", __base__=_Sampling, __doc__="inference.core.SamplingParams as JSON; unset fields "
+    "take its defaults.", **sampling_fields(nullable=False))
 
 
 class GenerateRequest(_Request):
@@ -72,32 +87,16 @@ class GenerateResponse(BaseModel):
     outputs: list[PromptOut]
 
 
-class CompletionRequest(_Request):
-    """The OpenAI /v1/completions subset (plus top_k, min_p, ignore_eos, stop_token_ids, wait)."""
+class _CompletionBody(_Sampling):
+    """The OpenAI /v1/completions subset: every SamplingParams field (so also top_k, min_p, ignore_eos,
+    stop_token_ids, logprobs_mode) plus `wait`. Sampling fields accept null as unset, as OpenAI
+    clients send it; `logprobs` null (the default) returns no logprobs."""
 
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    logprobs: int | None = None
     stream: bool = False
     user: str | None = None
-    top_k: int = 0
-    min_p: float = 0.0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
     wait: bool = True
-
-    def to_params(self) -> SamplingParams:
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              min_p=self.min_p, seed=self.seed, max_tokens=self.max_tokens, stop=stop,
-                              stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-                              logprobs=self.logprobs or 0)
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -106,6 +105,13 @@ class CompletionRequest(_Request):
         if p and all(isinstance(x, int) for x in p):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
+
+
+_completion_sampling = sampling_fields(nullable=True)
+_completion_sampling["logprobs"] = (int | None, Field(None, description="top-k logprobs per token, 0..20; "
+                                                                        "null: no logprobs in the response"))
+CompletionRequest = create_model("CompletionRequest", __base__=_CompletionBody, __doc__=_CompletionBody.__doc__,
+                                 **_completion_sampling)
 
 
 class SleepRequest(_Request):

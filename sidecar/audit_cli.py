@@ -14,10 +14,10 @@ or an unreachable sidecar (a one-line error on stderr).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from checksum import Manifest, ManifestError, Report, audit, load_manifests
+from inference import envs
 from inference.core import SidecarError
 
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
@@ -73,7 +73,7 @@ def _actual_manifests(args: argparse.Namespace) -> list[Manifest]:
 def _fetch(args: argparse.Namespace) -> list[Manifest]:
     from sidecar.client import SidecarClient
 
-    key = args.api_key or os.environ.get("SIDECAR_API_KEY")
+    key = args.api_key or envs.API_KEY.get()
     with SidecarClient(args.url, api_key=key, timeout=args.timeout, retries=1) as client:
         dicts = client.checksums(args.model, args.source)
     return [Manifest.from_dict(d, f"{args.url} rank {i}") for i, d in enumerate(dicts)]

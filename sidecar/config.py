@@ -1,88 +1,124 @@
-"""The launch configuration of `sidecar launch`: one frozen dataclass built once at the edge.
+"""The launch configuration of `sidecar launch`: one frozen dataclass, the only declaration of its options.
+
+Each field carries its help text and bounds (field metadata). Everything else is generated from the
+fields: the command-line flags with their types, defaults and help (sidecar/launch_cli.py), the
+SIDECAR_<FIELD> environment variables (read through inference/envs.py), the config-file keys, the
+validation, and, for fields marked `engine`, the EngineConfig every rank runs (`engine_config`).
+docs/configuration.md lists them; tests/test_config.py holds that list and the engine mapping complete.
 
 Sources, highest precedence first: command-line flags, SIDECAR_* environment variables, a config
 file (JSON, or TOML when `tomllib` is available), the defaults below. Every source uses the field
-names of `LaunchConfig` (dashes and underscores are the same in a file; the environment variable
-of `max_num_seqs` is SIDECAR_MAX_NUM_SEQS). Unknown keys in a file are an error naming the key;
-unknown SIDECAR_* variables are ignored (SIDECAR_HOME, for one, belongs to inference.tiny).
+names (dashes and underscores are the same in a file). Unknown keys in a file are an error naming the
+key; SIDECAR_* variables that name no field are ignored (SIDECAR_HOME, for one, is a switch of
+inference/envs.py).
 
-Invariant: a LaunchConfig that exists is valid (`__post_init__` validates), and it holds only
-what the user chose; values found at run time (the resolved device, KV blocks) live elsewhere.
+Engine options default to None, "not chosen": the engine's own default then applies (inference/config.py
+owns those values; --help shows them), so a default is never declared twice.
+
+Invariant: a LaunchConfig that exists is valid (`__post_init__` validates), and it holds only what
+the user chose; values found at run time (the resolved device, KV blocks) live elsewhere. The one
+thing read at construction is --api-key-file, whose contents become `api_key`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import os
+import typing
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from inference import envs
+from inference.config import ENGINE_SECTIONS, LOAD_FORMATS, EngineConfig, build_engine_config, engine_option_names
 from inference.core import InvalidRequestError
 
 DEVICES = ("auto", "cuda", "cpu")
 TRANSFERS = ("nccl", "ipc", "gloo")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-ENV_PREFIX = "SIDECAR_"
-_SECRET_FIELDS = frozenset({"api_key"})
+
+
+def option(default: Any, help: str, **meta: Any) -> Any:
+    """A LaunchConfig field. meta: engine (the flat EngineConfig option it sets), min/max (inclusive),
+    gt (exclusive lower bound), choices, secret (masked in logs and /state), metavar."""
+    return dataclasses.field(default=default, metadata={"help": help, **meta})
 
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """What `sidecar launch` serves and how. `model` None is the embedded tiny model."""
+    """What `sidecar launch` serves and how."""
 
-    model: str | None = None
-    draft_model: str | None = None
-    tp: int = 1
-    device: str = "auto"
-    devices: str | None = None  # "1,2": rank r on the r-th listed GPU; None: rank r on GPU r
-    host: str = "127.0.0.1"
-    port: int = 8000  # 0: pick a free port (printed in the "Sidecar serving on" line)
-    api_key: str | None = None
-    transfer: str | None = None  # None: accept the backend the trainer's init_info names
-    bucket_mb: int = 512  # advertised in /state for senders that ask which bucket size to use
-    max_model_len: int | None = None
-    gpu_memory_utilization: float = 0.85
-    kv_cache_bytes: int | None = None
-    enforce_eager: bool = False
-    dtype: str = "auto"
-    max_num_seqs: int = 256
-    seed: int = 0
-    log_level: str = "info"
-    startup_timeout_s: float = 900.0  # loading the model on every rank
-    rpc_timeout_s: float = 900.0  # one control call (sleep, wake, a weight update) on every rank
-    step_timeout_s: float = 300.0  # one engine step on every rank
-    max_queued_requests: int = 65536  # prompts waiting or running; more are refused with 503
+    # ---- what to serve ----
+    model: str | None = option(None, "HF model directory (default: the embedded tiny model)", metavar="DIR")
+    tokenizer: str | None = option(None, "tokenizer directory (default: the model's)", engine="tokenizer",
+                                   metavar="DIR")
+    draft_model: str | None = option(None, "draft model directory: speculative decoding", engine="draft_model",
+                                     metavar="DIR")
+    num_speculative_tokens: int | None = option(None, "draft tokens proposed per step with --draft-model",
+                                                engine="num_speculative_tokens", min=0)
+    dtype: str | None = option(None, "auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32 or "
+                                     "model (the checkpoint's)", engine="dtype")
+    load_format: str | None = option(None, "auto: safetensors from the model directory; dummy: random weights "
+                                           "(benchmarks)", engine="load_format", choices=LOAD_FORMATS)
+    seed: int | None = option(None, "seed of the engine's generators", engine="seed", min=0)
+    # ---- where ----
+    tp: int = option(1, "tensor-parallel size: one process per rank", engine="tp_size", min=1)
+    device: str = option("auto", "auto: cuda when available", choices=DEVICES)
+    devices: str | None = option(None, "GPU indices, one per rank (1,2: rank 0 on GPU 1, rank 1 on GPU 2); "
+                                       "unset: rank r on GPU r", metavar="LIST")
+    host: str = option("127.0.0.1", "address to bind", metavar="ADDR")
+    port: int = option(8000, "port; 0 picks a free one (printed in the 'Sidecar serving on' line)", min=0,
+                       max=65535)
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY'. A key on the command line shows in "
+                                       "`ps`: prefer --api-key-file or the SIDECAR_API_KEY variable",
+                                 secret=True, metavar="KEY")
+    api_key_file: str | None = option(None, "read the API key from this file (its first line), so it shows "
+                                            "in no process list", metavar="PATH")
+    log_level: str = option("info", "log level", choices=LOG_LEVELS)
+    # ---- engine: memory and batching ----
+    block_size: int | None = option(None, "tokens per KV-cache block", engine="block_size", min=1)
+    kv_cache_bytes: int | None = option(None, "KV cache bytes per rank (overrides --gpu-memory-utilization)",
+                                        engine="kv_cache_bytes", min=1)
+    gpu_memory_utilization: float | None = option(None, "fraction of device memory the rank may fill, in (0, 1]",
+                                                  engine="gpu_memory_utilization", gt=0.0, max=1.0)
+    enable_prefix_caching: bool | None = option(None, "reuse the KV of shared prompt prefixes",
+                                                engine="enable_prefix_caching")
+    max_num_seqs: int | None = option(None, "sequences per step; 0 or unset: chosen from the KV cache",
+                                      engine="max_num_seqs", min=0)
+    max_num_batched_tokens: int | None = option(None, "tokens per step (prefill chunks plus decodes)",
+                                                engine="max_num_batched_tokens", min=1)
+    max_model_len: int | None = option(None, "prompt plus completion tokens; unset: the model's "
+                                             "max_position_embeddings", engine="max_model_len", min=1)
+    enforce_eager: bool | None = option(None, "no CUDA graphs", engine="enforce_eager")
+    attention_backend: str | None = option(None, "auto (per device), reference (eager torch) or triton",
+                                           engine="attention_backend")
+    # ---- weight transfer ----
+    transfer: str | None = option(None, "accept only this weight-transfer backend (unset: the one the "
+                                        "trainer's init_info names)", choices=TRANSFERS)
+    bucket_mb: int = option(512, "bucket size advertised in /state to senders that ask", min=1)
+    # ---- timeouts and limits ----
+    startup_timeout_s: float = option(900.0, "seconds for every rank to load the model", gt=0.0)
+    rpc_timeout_s: float = option(900.0, "seconds for one control call (sleep, wake, a weight update) on "
+                                         "every rank", gt=0.0)
+    step_timeout_s: float = option(300.0, "seconds for one engine step on every rank", gt=0.0)
+    max_queued_requests: int = option(65536, "prompts waiting or running; more are refused with 503", min=1)
 
     def __post_init__(self) -> None:
-        _check_int(self, "tp", 1)
-        _check_int(self, "port", 0, 65535)
-        _check_int(self, "bucket_mb", 1)
-        _check_int(self, "max_num_seqs", 1)
-        _check_int(self, "seed", 0)
-        _check_int(self, "max_queued_requests", 1)
-        if self.max_model_len is not None:
-            _check_int(self, "max_model_len", 1)
-        if self.kv_cache_bytes is not None:
-            _check_int(self, "kv_cache_bytes", 1)
-        _check_choice(self, "device", DEVICES)
+        for f in fields(self):
+            _check_field(f, getattr(self, f.name))
         if self.devices is not None:
             self._check_devices()
-        _check_choice(self, "log_level", LOG_LEVELS)
-        if self.transfer is not None:
-            _check_choice(self, "transfer", TRANSFERS)
-        if not _number(self.gpu_memory_utilization) or not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise InvalidRequestError("gpu_memory_utilization",
-                                      f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        for name in ("startup_timeout_s", "rpc_timeout_s", "step_timeout_s"):
-            value = getattr(self, name)
-            if not _number(value) or value <= 0:
-                raise InvalidRequestError(name, f"must be a positive number of seconds, got {value!r}")
-        if not isinstance(self.host, str) or not self.host:
+        if not self.host:
             raise InvalidRequestError("host", "must be a non-empty host name or address")
-        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+        if self.api_key is not None and not self.api_key:
             raise InvalidRequestError("api_key", "must be a non-empty string when given")
+        if self.api_key_file is not None:
+            key = read_key_file(self.api_key_file)
+            if self.api_key is not None and self.api_key != key:
+                raise InvalidRequestError("api_key_file", "give the key once: --api-key (or SIDECAR_API_KEY) "
+                                                          "or --api-key-file, not both")
+            object.__setattr__(self, "api_key", key)
 
     def _check_devices(self) -> None:
         indices = parse_devices(self.devices)
@@ -103,33 +139,39 @@ class LaunchConfig:
     def public_dict(self) -> dict[str, Any]:
         """Every field, with secrets masked: what the launcher logs and /state shows."""
         out = asdict(self)
-        for name in _SECRET_FIELDS:
-            if out[name] is not None:
-                out[name] = "***"
+        for f in fields(self):
+            if f.metadata.get("secret") and out[f.name] is not None:
+                out[f.name] = "***"
         return out
 
 
-FIELD_TYPES: dict[str, type] = {
-    "model": str, "draft_model": str, "tp": int, "device": str, "devices": str, "host": str, "port": int,
-    "api_key": str, "transfer": str, "bucket_mb": int, "max_model_len": int, "gpu_memory_utilization": float,
-    "kv_cache_bytes": int, "enforce_eager": bool, "dtype": str, "max_num_seqs": int, "seed": int,
-    "log_level": str, "startup_timeout_s": float, "rpc_timeout_s": float, "step_timeout_s": float,
-    "max_queued_requests": int,
-}
-assert set(FIELD_TYPES) == {f.name for f in fields(LaunchConfig)}
-_OPTIONAL = frozenset({"model", "draft_model", "api_key", "transfer", "max_model_len", "kv_cache_bytes",
-                       "devices"})
+def _field_types() -> tuple[dict[str, type], frozenset[str]]:
+    """Each field's value type (int, float, str or bool) and the fields that may be None, from the hints."""
+    hints = typing.get_type_hints(LaunchConfig)
+    types, optional = {}, set()
+    for f in fields(LaunchConfig):
+        args = [a for a in typing.get_args(hints[f.name]) if a is not type(None)]
+        if args:
+            optional.add(f.name)
+        kind = args[0] if args else hints[f.name]
+        assert kind in (int, float, str, bool) and len(args) <= 1, f"LaunchConfig.{f.name}: unsupported type"
+        types[f.name] = kind
+    return types, frozenset(optional)
+
+
+FIELD_TYPES, OPTIONAL = _field_types()
 
 
 def build_config(cli: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
                  config_file: str | Path | None = None) -> LaunchConfig:
     """Merge the sources (CLI > env > file > defaults). `cli` holds only flags the user gave
-    (None values are ignored); `env` defaults to os.environ. Raises InvalidRequestError naming the
-    field (prefixed `env SIDECAR_X` or the file's path when the bad value came from there)."""
+    (None values are ignored); `env` defaults to the process environment (read by inference/envs.py).
+    Raises InvalidRequestError naming the field (prefixed `env SIDECAR_X` or the file's path when the
+    bad value came from there)."""
     merged: dict[str, Any] = {}
     if config_file is not None:
         merged.update(load_config_file(config_file))
-    merged.update(from_env(os.environ if env is None else env))
+    merged.update(from_env(env))
     merged.update({k: v for k, v in (cli or {}).items() if v is not None})
     unknown = sorted(set(merged) - set(FIELD_TYPES))
     if unknown:
@@ -137,14 +179,10 @@ def build_config(cli: Mapping[str, Any] | None = None, env: Mapping[str, str] | 
     return LaunchConfig(**merged)
 
 
-def from_env(env: Mapping[str, str]) -> dict[str, Any]:
-    """Known SIDECAR_<FIELD> variables, parsed to the field's type."""
-    out: dict[str, Any] = {}
-    for name, kind in FIELD_TYPES.items():
-        key = ENV_PREFIX + name.upper()
-        if key in env:
-            out[name] = _parse_text(name, kind, env[key], f"env {key}")
-    return out
+def from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The SIDECAR_<FIELD> variables that are set, parsed to their field's type."""
+    return {name: _parse_text(name, text, f"env {key}")
+            for name, (key, text) in envs.launch_overrides(FIELD_TYPES, env).items()}
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -185,9 +223,9 @@ def _load_toml(p: Path, text: str) -> Any:
 
 def _check_file_value(name: str, value: Any, source: str) -> Any:
     kind = FIELD_TYPES[name]
-    if value is None and name in _OPTIONAL:
+    if value is None and name in OPTIONAL:
         return None
-    if kind is float and _number(value):
+    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     if kind is int and isinstance(value, int) and not isinstance(value, bool):
         return value
@@ -196,9 +234,11 @@ def _check_file_value(name: str, value: Any, source: str) -> Any:
     raise InvalidRequestError(f"{source}: {name}", f"must be {kind.__name__}, got {value!r}")
 
 
-def _parse_text(name: str, kind: type, text: str, source: str) -> Any:
+def _parse_text(name: str, text: str, source: str) -> Any:
+    """A field's value from the text of an environment variable."""
+    kind = FIELD_TYPES[name]
     text = text.strip()
-    if name in _OPTIONAL and text.lower() in ("", "none", "null"):
+    if name in OPTIONAL and text.lower() in ("", "none", "null"):
         return None
     try:
         if kind is bool:
@@ -211,6 +251,33 @@ def _parse_text(name: str, kind: type, text: str, source: str) -> Any:
         return kind(text)
     except ValueError:
         raise InvalidRequestError(f"{source}", f"{name} must be {kind.__name__}, got {text!r}") from None
+
+
+def engine_default(name: str) -> Any:
+    """The engine's default of a flat engine option (what an unset engine field of LaunchConfig means)."""
+    section = engine_option_names()[name]
+    cls = ENGINE_SECTIONS[section] if section else EngineConfig
+    return next(f.default for f in fields(cls) if f.name == name)
+
+
+def engine_config(cfg: LaunchConfig, model_dir: str, device: str) -> EngineConfig:
+    """The EngineConfig every rank runs: every engine field the user set, the engine's defaults for the
+    rest (a rank's own device index is applied in rank_main)."""
+    chosen = {f.metadata["engine"]: getattr(cfg, f.name) for f in fields(cfg)
+              if "engine" in f.metadata and getattr(cfg, f.name) is not None}
+    return build_engine_config(model_dir, device=device, **chosen)
+
+
+def read_key_file(path: str) -> str:
+    """The first line of an API key file, stripped (InvalidRequestError naming api_key_file otherwise)."""
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidRequestError("api_key_file", f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from e
+    key = text.strip().splitlines()[0].strip() if text.strip() else ""
+    if not key:
+        raise InvalidRequestError("api_key_file", f"{path} is empty")
+    return key
 
 
 def parse_devices(text: object) -> tuple[int, ...]:
@@ -226,18 +293,23 @@ def parse_devices(text: object) -> tuple[int, ...]:
     return indices
 
 
-def _number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _check_int(cfg: LaunchConfig, name: str, lo: int, hi: int | None = None) -> None:
-    value = getattr(cfg, name)
-    if not isinstance(value, int) or isinstance(value, bool) or value < lo or (hi is not None and value > hi):
-        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise InvalidRequestError(name, f"must be an integer {bound}, got {value!r}")
-
-
-def _check_choice(cfg: LaunchConfig, name: str, choices: tuple[str, ...]) -> None:
-    value = getattr(cfg, name)
-    if value not in choices:
-        raise InvalidRequestError(name, f"must be one of {list(choices)}, got {value!r}")
+def _check_field(f: dataclasses.Field, value: Any) -> None:
+    """Type, bounds and choices of one field, as its declaration states them."""
+    name, kind, meta = f.name, FIELD_TYPES[f.name], f.metadata
+    if value is None:
+        if name in OPTIONAL:
+            return
+        raise InvalidRequestError(name, "must be given")
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    else:
+        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if not ok:
+        raise InvalidRequestError(name, f"must be {kind.__name__}, got {value!r}")
+    if "choices" in meta and value not in meta["choices"]:
+        raise InvalidRequestError(name, f"must be one of {list(meta['choices'])}, got {value!r}")
+    low, gt, high = meta.get("min"), meta.get("gt"), meta.get("max")
+    if (low is not None and value < low) or (gt is not None and value <= gt) or (high is not None and value > high):
+        lo = f"[{low}" if low is not None else f"({gt}" if gt is not None else "(-inf"
+        hi = f"{high}]" if high is not None else "inf)"
+        raise InvalidRequestError(name, f"must be in {lo}, {hi}, got {value!r}")

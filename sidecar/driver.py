@@ -1,11 +1,12 @@
 """The driver thread: the only user of the rank pool's channels; it turns HTTP calls into SPMD commands.
 
-HTTP handlers never touch the ranks. They `submit` prompts or `call` a method and await a Future.
-The driver thread batches every newly arrived request group and abort into one "step" command
+HTTP handlers never touch the ranks. They `submit` prompts or `call` a declared command
+(sidecar/commands.py: Sleep, WakeUp, the weight-update commands, ReadManifest) and await a Future.
+The driver thread batches every newly arrived request group and abort into one `Step` command
 (broadcast to every rank; each adds them and runs one llm.step()), resolves the futures of the
-requests rank 0 reports finished, and runs control calls (sleep, wake, weight updates, checksums)
-between steps, gathering every rank's reply. When there is nothing to do it blocks on a condition
-variable (no busy loop); while asleep, paused or torn, held requests cost nothing.
+requests rank 0 reports finished, and runs control commands between steps, gathering every rank's
+reply. When there is nothing to do it blocks on a condition variable (no busy loop); while asleep,
+paused or torn, held requests cost nothing.
 
 Failure rule: a dead or hung rank breaks the pool for good (the SPMD ranks cannot continue without
 it). Every pending and later call then fails at once with a RankError of kind "unavailable" naming
@@ -24,7 +25,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inference.core import RequestOutput, SamplingParams, SidecarError
-from sidecar.ranks import ErrorInfo, RankFailure, RankPool, Reply
+from sidecar.commands import (
+    Command,
+    ErrorInfo,
+    Reply,
+    RequestGroup,
+    Step,
+    StepResult,
+    Stop,
+    UnknownCommandError,
+    check_declared,
+)
+from sidecar.ranks import RankFailure, RankPool
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +73,7 @@ class _Group:
 
 @dataclass
 class _Control:
-    method: str
-    args: tuple
-    kwargs: dict[str, Any]
+    cmd: Command
     timeout: float
     future: Future
 
@@ -90,7 +100,7 @@ class Driver:
         self._failure: str | None = None
         self._engine_unfinished = 0
         self._engine_ready = True
-        self.busy: str | None = None  # the control call running now
+        self.busy: str | None = None  # the name of the control command running now
         self.statuses: list[dict[str, Any]] = [{} for _ in range(pool.size)]
         self.tokens_total = 0
         self._token_events: deque[tuple[float, int]] = deque()
@@ -142,14 +152,18 @@ class Driver:
             future.cancel()
             self._cv.notify_all()
 
-    def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Future:
-        """Run `method(*args, **kwargs)` on every rank between two steps; the future resolves to the
-        list of per-rank results (rank order), or a RankError."""
+    def call(self, cmd: Command, timeout: float | None = None) -> Future:
+        """Run the control command `cmd` on every rank between two steps; the future resolves to the
+        list of per-rank reply values (each a `type(cmd).reply`, rank order), or a RankError.
+        Raises UnknownCommandError for an undeclared command, and for Step and Stop (the driver's own)."""
+        if isinstance(cmd, (Step, Stop)):
+            raise UnknownCommandError(cmd, "Driver.call (Step and Stop are the driver's own)")
+        check_declared(cmd, "Driver.call")
         fut: Future = Future()
         with self._cv:
             if self._refuse_locked(fut):
                 return fut
-            self._controls.append(_Control(method, args, kwargs, timeout or self.rpc_timeout_s, fut))
+            self._controls.append(_Control(cmd, timeout or self.rpc_timeout_s, fut))
             self._cv.notify_all()
         return fut
 
@@ -229,30 +243,30 @@ class Driver:
                         self._fail_locked(f"rank {dead[0]} process exited (exit code {dead[1]})")
 
     def _run_step(self, groups: list[_Group], aborts: list[str], run: bool) -> None:
-        cmd = {"aborts": aborts, "run": run,
-               "groups": [(g.group_id, g.requests, g.wait) for g in groups]}
-        replies = self.pool.broadcast("step", cmd, self.step_timeout_s, "a generation step")
+        cmd = Step(tuple(aborts), tuple(RequestGroup(g.group_id, tuple(g.requests), g.wait) for g in groups), run)
+        replies = self.pool.broadcast(cmd, self.step_timeout_s, "a generation step")
         failed = _first_error(replies)
         with self._cv:
             self._absorb_status(replies)
             if failed is not None:  # the ranks dropped every request: fail them all
                 self._fail_all_locked(RankError(failed, [r.error for r in replies if r.error]), only_sent=True)
                 return
-            value = replies[0].value
-            for gid, err in value["rejected"].items():
+            value: StepResult = replies[0].value
+            for gid, err in value.rejected.items():
                 group = self._groups.get(gid)
                 if group is not None:
                     self._drop_locked(group)
                     if not group.future.done():  # an awaiting HTTP task may have been cancelled
                         group.future.set_exception(RankError(err))
-            self._resolve_locked(value["finished"])
+            self._resolve_locked(replies[0].finished)
 
     def _run_control(self, ctl: _Control) -> None:
         if not ctl.future.set_running_or_notify_cancel():
             return
-        self.busy = ctl.method
+        what = type(ctl.cmd).__name__
+        self.busy = what
         try:
-            replies = self.pool.broadcast("call", (ctl.method, ctl.args, ctl.kwargs), ctl.timeout, ctl.method)
+            replies = self.pool.broadcast(ctl.cmd, ctl.timeout, what)
         except RankFailure as e:
             ctl.future.set_exception(unavailable(str(e)))
             raise
@@ -260,13 +274,12 @@ class Driver:
             self.busy = None
         with self._cv:
             self._absorb_status(replies)
-            if replies[0].ok:
-                self._resolve_locked(replies[0].value["finished"])
+            self._resolve_locked(replies[0].finished)
         failed = _first_error(replies)
         if failed is not None:
             ctl.future.set_exception(RankError(failed, [r.error for r in replies if r.error]))
         else:
-            ctl.future.set_result([r.value["result"] for r in replies])
+            ctl.future.set_result([r.value for r in replies])
 
     # ---- bookkeeping (caller holds the lock) ----------------------------------------------------
     def _absorb_status(self, replies: list[Reply]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -22,8 +23,9 @@ from collections.abc import MutableMapping, Sequence
 from types import FrameType
 from typing import Any
 
+from inference import envs
 from inference.core import InvalidRequestError
-from sidecar.config import DEVICES, FIELD_TYPES, LOG_LEVELS, TRANSFERS, LaunchConfig, build_config
+from sidecar.config import FIELD_TYPES, LaunchConfig, build_config, engine_default
 
 log = logging.getLogger("sidecar.launch")
 
@@ -31,27 +33,34 @@ SERVING_LINE = "Sidecar serving on {url}"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    # Every default is None: a flag given on the command line wins, otherwise env, file, defaults.
-    p.add_argument("--model", help="HF model directory (default: the embedded tiny model)")
-    p.add_argument("--draft-model", help="draft model directory for speculative decoding")
-    p.add_argument("--tp", type=int, help="tensor-parallel size: one process per rank (default 1)")
-    p.add_argument("--device", choices=DEVICES, help="default auto: cuda when available")
-    p.add_argument("--devices", help="GPU indices, one per rank (e.g. 1,2: rank 0 on GPU 1, rank 1 on GPU 2); "
-                                     "default: rank r on GPU r")
-    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port (default 8000; 0 picks a free one and prints it)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (also SIDECAR_API_KEY)")
-    p.add_argument("--transfer", choices=TRANSFERS, help="accept only this weight-transfer backend")
-    p.add_argument("--bucket-mb", type=int, help="bucket size advertised to senders (default 512)")
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--gpu-memory-utilization", type=float)
-    p.add_argument("--kv-cache-bytes", type=int, help="KV cache bytes per rank (overrides the utilization rule)")
-    p.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
-    p.add_argument("--dtype", help="auto, bfloat16, float16, float32 or model")
-    p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--config", dest="config_file", help="a JSON or TOML file of these options")
-    p.add_argument("--log-level", choices=LOG_LEVELS)
+    """One flag per LaunchConfig field, generated from its declaration (sidecar/config.py).
+
+    Every flag's argparse default is None, so that only flags given on the command line override
+    the environment, the config file and the defaults; --help shows the effective default instead."""
+    for f in dataclasses.fields(LaunchConfig):
+        kind, meta = FIELD_TYPES[f.name], f.metadata
+        kwargs: dict[str, Any] = {"default": None, "help": flag_help(f)}
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = kind
+            if "choices" in meta:  # argparse shows them as the metavar
+                kwargs["choices"] = meta["choices"]
+            else:
+                kwargs["metavar"] = meta.get("metavar", "N" if kind in (int, float) else "TEXT")
+        p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kwargs)
+    p.add_argument("--config", dest="config_file", metavar="PATH",
+                   help="a JSON or TOML file of these options (keys: the flag names without --)")
+
+
+def flag_help(f: dataclasses.Field) -> str:
+    """The help of one flag: its doc, its effective default and its environment variable."""
+    default = f.default
+    if default is None and "engine" in f.metadata:
+        default = engine_default(f.metadata["engine"])
+    shown = "" if default is None else f"default: {str(default).lower() if isinstance(default, bool) else default}; "
+    text = f"{f.metadata['help']} ({shown}env {envs.LAUNCH_PREFIX}{f.name.upper()})"
+    return text.replace("%", "%%")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -232,7 +241,7 @@ def serve(cfg: LaunchConfig, sock: socket.socket, driver: Any, plans: list[dict[
     if plans[0]["has_tokenizer"]:
         from inference.tokenizer import Tokenizer
 
-        tokenizer = Tokenizer.from_dir(plans[0]["model"])
+        tokenizer = Tokenizer.from_dir(cfg.tokenizer or plans[0]["model"])
     state = ServerState(driver, cfg, plans, Metrics(driver), tokenizer=tokenizer)
     config = uvicorn.Config(create_app(state), log_config=None, log_level=cfg.log_level, access_log=False,
                             lifespan="off", timeout_graceful_shutdown=5)

@@ -1,30 +1,49 @@
 """The rank side of sidecar/ranks.py: one TP rank's process, its LLM, and the command loop.
 
-Commands arrive over the Pipe as (op, payload), in the same order on every rank:
-- ("step", {"aborts", "groups", "run"}): abort, add the new request groups (a group is all-or-nothing:
-  the prompts of one HTTP call), then run one llm.step() when `run` and the engine can step.
-  Rank 0 returns the finished RequestOutputs; every rank returns the rejected groups (the same on
-  every rank: validation is deterministic).
-- ("call", (method, args, kwargs)): a dotted method of the LLM ("sleep", "worker.compute_weight_
-  checksums"; a name the LLM lacks is looked up on its worker) or of this server ("rank.manifest").
-- ("stop", None): shut the engine down and exit.
+Commands (sidecar/commands.py) arrive over the Pipe in the same order on every rank and are
+dispatched by their type through one table (`RankServer.handlers`) to the handler below; a message
+the table does not hold is refused with UnknownCommandError naming it. `Step` aborts, adds the new
+request groups (a group is all-or-nothing: the prompts of one HTTP call) and runs one llm.step();
+every rank returns the rejected groups (the same on every rank: validation is deterministic), rank
+0 also the finished RequestOutputs. `Stop` ends the loop without a reply.
 Every reply carries this rank's status (sleep state per tag, weight versions, torn flags), so the
 parent always has a fresh snapshot without asking. Exceptions travel back as ErrorInfo.
+
+The engine's modules (torch, the LLM) are imported inside the functions that run on the rank: the
+sidecar process imports this module for `rank_main` and stays free of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
 import os
 import signal
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
-from inference.core import InvalidRequestError, StateError
-from sidecar.ranks import ErrorInfo, RankSpec, Reply
+from inference.core import InvalidRequestError, RequestOutput, StateError
+from sidecar.commands import (
+    Command,
+    ErrorInfo,
+    FinishWeightUpdate,
+    InitWeightTransfer,
+    RankSpec,
+    ReadManifest,
+    Reply,
+    RequestGroup,
+    Sleep,
+    StartWeightUpdate,
+    Step,
+    StepResult,
+    Stop,
+    SyncResult,
+    UnknownCommandError,
+    UpdateWeights,
+    WakeUp,
+)
 
 log = logging.getLogger(__name__)
 
@@ -105,26 +124,12 @@ def error_info(e: BaseException, rank: str | None = None, index: int | None = No
     return ErrorInfo(name, str(e) or name, "internal", None, rank, index)
 
 
-def to_plain(value: Any) -> Any:
-    """JSON-ready (and torch-free) form of a result: to_dict()/as_dict() objects, dataclasses, enums."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, enum.Enum):
-        return value.value
-    for method in ("to_dict", "as_dict"):
-        if callable(getattr(value, method, None)):
-            return to_plain(getattr(value, method)())
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return to_plain(dataclasses.asdict(value))
-    if isinstance(value, dict):
-        return {str(k): to_plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set)):
-        return [to_plain(v) for v in value]
-    return repr(value)
-
-
 class RankServer:
-    """Serves one rank's commands; `request_ids` are the requests this rank's engine still holds."""
+    """Serves one rank's commands; `request_ids` are the requests this rank's engine still holds.
+
+    `handlers` is the command table: every command of sidecar/commands.py except Stop (which ends
+    `serve`) maps to one method here, and nothing else is dispatched.
+    """
 
     def __init__(self, llm: Any, conn: Connection, rank: int) -> None:
         self.llm = llm
@@ -132,24 +137,40 @@ class RankServer:
         self.rank = rank
         self.request_ids: set[str] = set()
         self.received: dict[str, Any] = {}  # model -> Manifest of what its last finished sync delivered
+        self._finished: list[RequestOutput] = []  # finished by the current command's steps, not yet sent
+        self.handlers: dict[type[Command], Callable[[Any], Any]] = {
+            Step: self._step, Sleep: self._sleep, WakeUp: self._wake_up,
+            InitWeightTransfer: self._init_weight_transfer, StartWeightUpdate: self._start_weight_update,
+            UpdateWeights: self._update_weights, FinishWeightUpdate: self._finish_weight_update,
+            ReadManifest: self._read_manifest,
+        }
 
     # ---- the loop ---------------------------------------------------------------------------
     def serve(self) -> None:
         while True:
             try:
-                op, payload = self.conn.recv()
+                cmd = self.conn.recv()
             except (EOFError, OSError):
                 log.warning("rank %d: the sidecar process is gone; exiting", self.rank)
                 return
-            if op == "stop":
+            if isinstance(cmd, Stop):
                 return
-            try:
-                reply = Reply(True, self._dispatch(op, payload))
-            except Exception as e:
-                log.debug("rank %d: %s failed", self.rank, op, exc_info=True)
-                reply = Reply(False, error=error_info(e, self.rank_key))
-            reply.status = self.status()
-            self._send(reply)
+            self._send(self.handle(cmd))
+
+    def handle(self, cmd: object) -> Reply:
+        """Run one command through the table; any failure becomes the reply's ErrorInfo."""
+        try:
+            handler = self.handlers.get(type(cmd))  # exact type: a subclass is not declared
+            if handler is None:
+                raise UnknownCommandError(cmd, f"rank {self.rank_key}")
+            value = handler(cmd)
+            assert isinstance(value, type(cmd).reply), f"{type(cmd).__name__} answered {type(value).__name__}"
+            reply = Reply(True, value, finished=self._take_finished())
+        except Exception as e:
+            log.debug("rank %d: %s failed", self.rank, type(cmd).__name__, exc_info=True)
+            reply = Reply(False, error=error_info(e, self.rank_key))
+        reply.status = self.status()
+        return reply
 
     def _send(self, reply: Reply) -> None:
         try:
@@ -158,58 +179,29 @@ class RankServer:
             self.conn.send(Reply(False, error=ErrorInfo(type(e).__name__, f"reply not serializable: {e}",
                                                         "internal", None, self.rank_key), status=reply.status))
 
-    def _dispatch(self, op: str, payload: Any) -> Any:
-        if op == "step":
-            return self._step(payload)
-        if op == "call":
-            method, args, kwargs = payload
-            result = self._resolve(method)(*args, **kwargs)
-            received = getattr(result, "received", None)  # a finished sync's UpdateResult
-            if method.endswith("finish_weight_update") and received is not None:
-                self.received[result.model] = received
-            return {"result": to_plain(result), "finished": self._take_finished()}
-        raise InvalidRequestError("op", f"unknown rank command {op!r}")
-
-    def _resolve(self, method: str) -> Any:
-        if method.startswith("rank."):
-            return getattr(self, "op_" + method.removeprefix("rank."))
-        obj: Any = self.llm
-        parts = method.split(".")
-        if not hasattr(obj, parts[0]) and hasattr(self.llm.worker, parts[0]):
-            obj = self.llm.worker  # generic: weight-update methods live on the worker
-        for part in parts:
-            if part.startswith("_"):
-                raise InvalidRequestError("method", f"private method {method!r} cannot be called")
-            obj = getattr(obj, part)
-        return obj
-
     # ---- generation -------------------------------------------------------------------------
-    def _step(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        for rid in cmd["aborts"]:
+    def _step(self, cmd: Step) -> StepResult:
+        for rid in cmd.aborts:
             self.llm.abort(rid)
             self.request_ids.discard(rid)
         rejected = {}
-        for group_id, requests, wait in cmd["groups"]:
-            error = self._add_group(requests, wait)
+        for group in cmd.groups:
+            error = self._add_group(group)
             if error is not None:
-                rejected[group_id] = error
-        finished = []
-        if cmd["run"] and self.request_ids and self.can_step():
+                rejected[group.group_id] = error
+        if cmd.run and self.request_ids and self.can_step():
             try:
-                finished = self.llm.step()
+                self._finished += self.llm.step()
             except Exception:
-                self.op_abort_all()  # the engine's state is suspect: drop every request, report the error
+                self._abort_all()  # the engine's state is suspect: drop every request, report the error
                 raise
-            for out in finished:
-                self.request_ids.discard(out.request_id)
-        finished += self._take_finished()
-        return {"finished": finished if self.rank == 0 else [], "rejected": rejected}
+        return StepResult(rejected)
 
-    def _add_group(self, requests: list[tuple[str, Any, Any]], wait: bool) -> ErrorInfo | None:
+    def _add_group(self, group: RequestGroup) -> ErrorInfo | None:
         added: list[str] = []
-        for index, (rid, prompt, params) in enumerate(requests):
+        for index, (rid, prompt, params) in enumerate(group.requests):
             try:
-                self.llm.add_request(prompt, params, rid, wait=wait)
+                self.llm.add_request(prompt, params, rid, wait=group.wait)
             except Exception as e:
                 for done in added:  # all or nothing: the caller gets one answer for the whole group
                     self.llm.abort(done)
@@ -219,8 +211,9 @@ class RankServer:
             self.request_ids.add(rid)
         return None
 
-    def _take_finished(self) -> list[Any]:
-        outs = self.llm.take_finished()
+    def _take_finished(self) -> list[RequestOutput]:
+        """What finished in this command: its steps' outputs, then those sleep() drained."""
+        outs, self._finished = self._finished + self.llm.take_finished(), []
         for out in outs:
             self.request_ids.discard(out.request_id)
         return outs if self.rank == 0 else []
@@ -228,20 +221,49 @@ class RankServer:
     def can_step(self) -> bool:
         """Awake, weights valid and servable: a step would generate (otherwise requests are held)."""
         worker = self.llm.worker
-        if not worker.is_ready():
-            return False
-        servable = getattr(worker, "is_servable", None)
-        return servable is None or all(servable(m) for m in worker.models)
+        return bool(worker.is_ready()) and all(worker.is_servable(m) for m in worker.models)
 
-    # ---- rank operations ("rank.<name>") -----------------------------------------------------
-    def op_abort_all(self) -> int:
-        ids = sorted(self.request_ids)
-        for rid in ids:
+    def _abort_all(self) -> None:
+        for rid in sorted(self.request_ids):
             self.llm.abort(rid)
         self.request_ids.clear()
-        return len(ids)
 
-    def op_manifest(self, which: str = "target") -> dict[str, Any]:
+    # ---- control commands -------------------------------------------------------------------
+    def _sleep(self, cmd: Sleep) -> dict[str, Any]:
+        return dict(self.llm.sleep(cmd.level, cmd.in_flight).as_dict())
+
+    def _wake_up(self, cmd: WakeUp) -> dict[str, Any]:
+        return dict(self.llm.wake_up(list(cmd.tags) if cmd.tags is not None else None).as_dict())
+
+    def _init_weight_transfer(self, cmd: InitWeightTransfer) -> None:
+        self.llm.worker.init_weight_transfer_engine(cmd.info)
+
+    def _start_weight_update(self, cmd: StartWeightUpdate) -> None:
+        if cmd.model == "target":
+            self.llm.start_weight_update(cmd.version, cmd.manifest, allow_cast=cmd.allow_cast)
+        elif cmd.model == "draft":
+            self.llm.start_draft_weight_update(cmd.version, cmd.manifest, allow_cast=cmd.allow_cast)
+        else:
+            raise InvalidRequestError("model", f"must be 'target' or 'draft', got {cmd.model!r}")
+
+    def _update_weights(self, cmd: UpdateWeights) -> None:
+        self.llm.update_weights(cmd.info)
+
+    def _finish_weight_update(self, cmd: FinishWeightUpdate) -> SyncResult:
+        result = self.llm.finish_weight_update(cmd.digests)
+        self.received[result.model] = result.received
+        return SyncResult(result.model, result.version, result.rank, result.report.ok, result.report.summary())
+
+    def _read_manifest(self, cmd: ReadManifest) -> dict[str, Any]:
+        if cmd.source == "held":
+            return self._held_manifest(cmd.model)
+        if cmd.source == "received":
+            if cmd.model not in self.received:
+                raise StateError(f"rank {self.rank_key}: no sync of the {cmd.model} model has finished on this rank")
+            return dict(self.received[cmd.model].to_dict())
+        raise InvalidRequestError("source", f"must be 'held' or 'received', got {cmd.source!r}")
+
+    def _held_manifest(self, which: str) -> dict[str, Any]:
         """The digests of what this rank holds of `which` (its shards, engine names)."""
         from checksum import manifest_from_tensors
 
@@ -249,15 +271,10 @@ class RankServer:
         if which not in worker.models:
             raise InvalidRequestError("model", f"rank {self.rank_key}: no {which} model loaded "
                                       f"(models: {sorted(worker.models)})")
-        version = getattr(worker, "weight_versions", {}).get(which, self.llm.weight_version)
         params = list(worker.models[which].named_parameters())
-        return manifest_from_tensors(params, model=which, weight_version=version, rank=self.rank_key).to_dict()
-
-    def op_received_manifest(self, which: str = "target") -> dict[str, Any]:
-        """The received digests (full tensors, trainer names) of the last finished sync of `which`."""
-        if which not in self.received:
-            raise StateError(f"rank {self.rank_key}: no sync of the {which} model has finished on this rank")
-        return self.received[which].to_dict()
+        manifest = manifest_from_tensors(params, model=which, weight_version=worker.weight_versions[which],
+                                         rank=self.rank_key)
+        return dict(manifest.to_dict())
 
     def plan(self) -> dict[str, Any]:
         """This rank's device memory plan and model facts (reported once, at startup)."""
@@ -283,20 +300,16 @@ class RankServer:
 
     def status(self) -> dict[str, Any]:
         worker = self.llm.worker
-        versions = getattr(worker, "weight_versions", None) or {"target": self.llm.weight_version}
         return {
             "rank": self.rank_key, "pid": os.getpid(), "ready": self.can_step(), "sleeping": self.llm.is_sleeping,
             "arenas": worker.memory.states() if worker.memory is not None else {},
-            "weight_versions": dict(versions), "torn": dict(getattr(worker, "torn", {})),
-            "loaded": dict(getattr(worker, "weights_loaded", {})), "unfinished": len(self.request_ids),
+            "weight_versions": dict(worker.weight_versions), "torn": dict(worker.torn),
+            "loaded": dict(worker.weights_loaded), "unfinished": len(self.request_ids),
         }
 
     def shutdown(self) -> None:
         worker = self.llm.worker
-        close = getattr(worker, "close_weight_transfer_engine", None)
-        for step in (close, worker.shutdown, _destroy_group):
-            if step is None:
-                continue
+        for step in (worker.close_weight_transfer_engine, worker.shutdown, _destroy_group):
             try:
                 step()
             except Exception:  # exiting anyway: log and keep releasing the rest

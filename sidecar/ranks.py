@@ -2,9 +2,10 @@
 
 Parent side: `RankPool` starts the processes, owns one Pipe per rank, broadcasts a command to every
 rank and gathers every reply, with a timeout on every wait and the process sentinels watched, so a
-dead rank is reported (RankDied, naming it) instead of waited for. Rank side: `rank_main` builds the
-TP group (gloo on CPU, NCCL on CUDA, device cuda:<rank>) and the LLM, reports its memory plan, then
-serves commands (sidecar/rank_server.py) until told to stop or the parent goes away.
+dead rank is reported (RankFailure, naming it) instead of waited for. Rank side: `rank_main` builds
+the TP group (gloo on CPU, NCCL on CUDA, device cuda:<rank>) and the LLM, reports its memory plan,
+then serves the declared commands (sidecar/commands.py, sidecar/rank_server.py) until told to stop
+or the parent goes away.
 
 Invariants: commands reach every rank in the same order (the engine is SPMD, see
 docs/architecture.md), and a command's replies are all read before the next command is sent; a
@@ -19,13 +20,13 @@ import multiprocessing as mp
 import os
 import socket
 import time
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from inference.config import CacheConfig, EngineConfig, SchedulerConfig
 from inference.core import SidecarError
-from sidecar.config import LaunchConfig
+from sidecar.commands import Command, RankSpec, Reply, Stop, check_declared
+from sidecar.config import LaunchConfig, engine_config
+from sidecar.rank_server import rank_main
 
 log = logging.getLogger(__name__)
 
@@ -39,50 +40,6 @@ class RankFailure(SidecarError):
     def __init__(self, message: str, rank: int | None = None) -> None:
         super().__init__(message)
         self.rank = rank
-
-
-@dataclass(frozen=True)
-class ErrorInfo:
-    """An exception that happened on a rank, as it travels back (picklable, no torch types)."""
-
-    type: str
-    message: str
-    kind: str  # "invalid", "state", "checksum", "transfer", "memory" or "internal": picks the HTTP status
-    field: str | None = None
-    rank: str | None = None
-    index: int | None = None  # which prompt of a request group failed
-
-
-@dataclass
-class Reply:
-    ok: bool
-    value: Any = None
-    error: ErrorInfo | None = None
-    status: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class RankSpec:
-    """Everything a rank process needs to build its engine (picklable)."""
-
-    rank: int
-    size: int
-    engine: EngineConfig
-    dist_port: int
-    backend: str  # "gloo" or "nccl" for the TP group
-    num_threads: int
-    log_level: str
-    dist_timeout_s: float
-    parent_pid: int
-
-
-def engine_config(cfg: LaunchConfig, model_dir: str, device: str) -> EngineConfig:
-    """The EngineConfig every rank runs (a rank's own device index is applied in rank_main)."""
-    return EngineConfig(
-        model=model_dir, dtype=cfg.dtype, device=device, tp_size=cfg.tp, seed=cfg.seed,
-        enforce_eager=cfg.enforce_eager, draft_model=cfg.draft_model,
-        cache=CacheConfig(kv_cache_bytes=cfg.kv_cache_bytes, gpu_memory_utilization=cfg.gpu_memory_utilization),
-        scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -112,8 +69,6 @@ class RankPool:
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> list[dict[str, Any]]:
         """Spawn every rank and wait for each to report its memory plan (RankFailure otherwise)."""
-        from sidecar.rank_server import rank_main
-
         ctx = mp.get_context("spawn")
         for spec in self._specs:
             parent, child = ctx.Pipe()
@@ -143,7 +98,7 @@ class RankPool:
         for conn, proc in zip(self._conns, self._procs):
             if proc.is_alive():
                 with contextlib.suppress(OSError):  # it died meanwhile; reaped below
-                    conn.send(("stop", None))
+                    conn.send(Stop())
         deadline = time.monotonic() + timeout
         for proc in self._procs:
             proc.join(max(0.0, deadline - time.monotonic()))
@@ -175,13 +130,14 @@ class RankPool:
         return None
 
     # ---- commands ---------------------------------------------------------------------------
-    def broadcast(self, op: str, payload: Any, timeout: float, what: str) -> list[Reply]:
-        """Send (op, payload) to every rank and return every rank's reply, in rank order."""
+    def broadcast(self, cmd: Command, timeout: float, what: str) -> list[Reply]:
+        """Send `cmd` to every rank and return every rank's reply, in rank order."""
+        check_declared(cmd, "RankPool.broadcast")
         if self.broken is not None:
             raise RankFailure(f"the rank processes cannot serve: {self.broken}")
         for rank, conn in enumerate(self._conns):
             try:
-                conn.send((op, payload))
+                conn.send(cmd)
             except OSError as e:
                 raise self._fail(f"rank {rank} is gone ({e}) while sending {what}", rank) from e
         return self._gather(timeout, what)

@@ -1,4 +1,5 @@
-"""The HTTP control plane: a FastAPI app over the driver (generation here, control in server_control.py).
+"""The HTTP control plane: a FastAPI app over the driver (generation here, control in server_control.py,
+checksums and audits in server_audit.py, what they share in server_common.py).
 
 Errors: every error response is {"error": {"type", "message", "field", "rank"}}. Status codes:
 400 a bad value (malformed JSON, a value out of range; `field` names it), 422 a wrong type or an
@@ -14,13 +15,9 @@ GET /health and GET /metrics (probes and scrapers) and the OpenAPI docs. Reads s
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
-import time
 import uuid
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -37,58 +34,14 @@ from sidecar.api_models import (
     GenerateResponse,
     PromptOut,
 )
-from sidecar.config import LaunchConfig
-from sidecar.driver import Driver, RankError
-from sidecar.metrics import Metrics
+from sidecar.driver import RankError
+from sidecar.openai_format import completion_response
+from sidecar.server_common import ApiError, ServerState, await_future, error_response, rank_error_to_api
+from sidecar.server_control import add_control_routes
+
+__all__ = ["ApiError", "ServerState", "create_app"]
 
 log = logging.getLogger(__name__)
-
-STATUS_OF_KIND = {"invalid": 400, "state": 409, "checksum": 409, "busy": 429, "transfer": 502,
-                  "unavailable": 503, "memory": 507, "internal": 500}
-DISCONNECT_POLL_S = 1.0
-
-
-class ApiError(Exception):
-    """An error raised by the HTTP layer itself."""
-
-    def __init__(self, status: int, type_: str, message: str, field: str | None = None,
-                 rank: str | None = None, index: int | None = None) -> None:
-        super().__init__(message)
-        self.status, self.type, self.message, self.field, self.rank = status, type_, message, field, rank
-        self.index = index  # the prompt of a group that failed, when the ranks said which
-
-
-@dataclass
-class ServerState:
-    """What the endpoints share. `plans` are the ranks' startup reports (memory plan, model facts)."""
-
-    driver: Driver
-    config: LaunchConfig
-    plans: list[dict[str, Any]]
-    metrics: Metrics
-    tokenizer: Any = None  # inference.tokenizer.Tokenizer, for the token strings of OpenAI logprobs
-    started: float = field(default_factory=time.time)
-    sync_started: dict[str, tuple[float, int]] = field(default_factory=dict)  # model -> (t0, bytes)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.plans[0]["vocab_size"])
-
-    @property
-    def served_model_name(self) -> str:
-        return str(self.plans[0]["model"]).rstrip("/").rsplit("/", 1)[-1]
-
-
-def error_response(status: int, type_: str, message: str, field: str | None = None,
-                   rank: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"error": {"type": type_, "message": message, "field": field, "rank": rank}}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-def rank_error_to_api(e: RankError) -> ApiError:
-    info = e.info
-    message = info.message if info.kind == "invalid" else str(e)  # a bad value is the same on every rank
-    return ApiError(STATUS_OF_KIND.get(info.kind, 500), info.type, message, info.field, info.rank, info.index)
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -100,8 +53,6 @@ def create_app(state: ServerState) -> FastAPI:
     router = APIRouter(dependencies=[Depends(_auth(state.config.api_key))])
     _add_open_routes(open_router, state)
     _add_generation_routes(router, state)
-    from sidecar.server_control import add_control_routes
-
     add_control_routes(router, state)
     app.include_router(open_router)
     app.include_router(router)
@@ -194,33 +145,17 @@ def _add_open_routes(router: APIRouter, state: ServerState) -> None:
         return Response(body, media_type=content_type)
 
 
-async def await_future(request: Request | None, fut: Future, driver: Driver) -> Any:
-    """Await a driver future; if the HTTP client goes away first, abort its requests."""
-    wrapped = asyncio.wrap_future(fut)
-    while True:
-        done, _ = await asyncio.wait({wrapped}, timeout=DISCONNECT_POLL_S)
-        if done:
-            try:
-                return wrapped.result()
-            except RankError as e:
-                raise rank_error_to_api(e) from None
-        if request is not None and await request.is_disconnected():
-            driver.abort(fut)
-            raise ApiError(499, "ClientClosedRequest", "the client went away; its requests were aborted")
-
-
-def check_params(params: SamplingParams, state: ServerState, prefix: str) -> None:
-    """Validate before queueing. max_tokens beyond max_model_len can never be produced: refused as
-    absurd here (the engine itself would cap it at max_model_len)."""
+def check_params(body: Any, state: ServerState, prefix: str) -> SamplingParams:
+    """The SamplingParams of a request body, refused before queueing by the rules the engine applies
+    (SamplingParams' own, then check_limits before the prompt's length is known: inference/core.py);
+    the ranks check the prompt's length with the same code. A 400 naming the field otherwise."""
     try:
-        params.validate(state.vocab_size)
-        limit = int(state.plans[0]["max_model_len"])
-        if params.max_tokens > limit:
-            raise InvalidRequestError("sampling_params.max_tokens",
-                                      f"{params.max_tokens} exceeds max_model_len ({limit})")
+        params: SamplingParams = body.to_params()
+        params.check_limits(state.vocab_size, int(state.plans[0]["max_model_len"]))
     except InvalidRequestError as e:
         name = e.field.removeprefix("sampling_params.")
         raise ApiError(400, type(e).__name__, e.message, f"{prefix}.{name}" if prefix else name) from None
+    return params
 
 
 def _rename_prompt_errors(e: ApiError, prompts_field: str, params_field: str, per_prompt_params: bool,
@@ -254,11 +189,8 @@ def _add_generation_routes(router: APIRouter, state: ServerState) -> None:
         if len(models) != len(body.prompts):
             raise ApiError(400, "InvalidRequestError", f"{len(models)} given for {len(body.prompts)} prompts",
                            "sampling_params")
-        params = []
-        for i, m in enumerate(models):
-            p = m.to_params()
-            check_params(p, state, f"sampling_params[{i}]" if per_prompt else "sampling_params")
-            params.append(p)
+        params = [check_params(m, state, f"sampling_params[{i}]" if per_prompt else "sampling_params")
+                  for i, m in enumerate(models)]
         outs = await run_group(request, state, list(body.prompts), params, body.wait,
                                ("prompts", "sampling_params", per_prompt))
         return GenerateResponse(outputs=[_prompt_out(o) for o in outs])
@@ -267,14 +199,11 @@ def _add_generation_routes(router: APIRouter, state: ServerState) -> None:
     async def completions(body: CompletionRequest, request: Request) -> dict[str, Any]:
         if body.stream:
             raise ApiError(400, "InvalidRequestError", "streaming is not supported", "stream")
-        params = body.to_params()
-        check_params(params, state, "")
+        params = check_params(body, state, "")
         prompts = body.prompts()
         if not prompts:
             raise ApiError(400, "InvalidRequestError", "must not be empty", "prompt")
         outs = await run_group(request, state, prompts, [params] * len(prompts), body.wait, ("prompt", "", False))
-        from sidecar.openai_format import completion_response
-
         return completion_response(outs, state.served_model_name, body.logprobs, state.tokenizer,
                                    f"cmpl-{uuid.uuid4().hex}")
 

@@ -18,8 +18,8 @@ from fastapi import APIRouter
 from checksum import Manifest, ManifestError, Report, TensorRecord, audit
 from sidecar.api_models import AuditRequest
 from sidecar.audit_rules import replica_report
-from sidecar.server import ApiError, ServerState
-from sidecar.server_control import call
+from sidecar.commands import ReadManifest
+from sidecar.server_common import ApiError, ServerState, call
 
 MAX_MISMATCH_ROWS = 1000
 
@@ -43,9 +43,9 @@ def add_audit_routes(router: APIRouter, state: ServerState) -> None:
         return out
 
 
-async def rank_manifests(state: ServerState, model: str, source: str) -> list[dict[str, Any]]:
-    method = "rank.manifest" if source == "held" else "rank.received_manifest"
-    return await call(state, method, model)
+async def rank_manifests(state: ServerState, model: Literal["target", "draft"],
+                         source: Literal["held", "received"]) -> list[dict[str, Any]]:
+    return await call(state, ReadManifest(model, source))
 
 
 def audit_manifests(actual: list[Manifest], expected: Any, source: str) -> Report:

@@ -1,9 +1,9 @@
 """Control endpoints: state, sleep/wake, pause/resume, weight syncs, checksums and audits.
 
-Each control call runs on every rank between two generation steps (sidecar/driver.py) and answers
-with every rank's result. The weight endpoints call the worker's weight-update API by name
-(inference/weight_update.py): init_weight_transfer_engine, start_weight_update /
-start_draft_weight_update, update_weights, finish_weight_update.
+Each control endpoint sends one declared command (sidecar/commands.py) to every rank between two
+generation steps (sidecar/driver.py) and answers with every rank's reply: Sleep, WakeUp, and the
+weight sync's InitWeightTransfer, StartWeightUpdate, UpdateWeights, FinishWeightUpdate (handled in
+sidecar/rank_server.py, which calls the engine's weight-update API, inference/weight_update.py).
 """
 
 from __future__ import annotations
@@ -21,16 +21,21 @@ from sidecar.api_models import (
     WeightsStartRequest,
     WeightsUpdateRequest,
 )
-from sidecar.server import ApiError, ServerState, await_future
+from sidecar.commands import (
+    FinishWeightUpdate,
+    InitWeightTransfer,
+    Sleep,
+    StartWeightUpdate,
+    SyncResult,
+    UpdateWeights,
+    WakeUp,
+)
+from sidecar.server_audit import add_audit_routes
+from sidecar.server_common import ApiError, ServerState, call
 
 # bytes per element of the dtypes a manifest may name (the wire's sizes; for the sync-bytes metric)
 _ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
              "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
-
-
-async def call(state: ServerState, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-    """`method` on every rank; the per-rank results in rank order (or an ApiError)."""
-    return await await_future(None, state.driver.call(method, *args, **kwargs), state.driver)
 
 
 def state_dict(state: ServerState) -> dict[str, Any]:
@@ -78,8 +83,6 @@ def _manifest_bytes(manifest: Any) -> int:
 def add_control_routes(router: APIRouter, state: ServerState) -> None:
     _add_lifecycle_routes(router, state)
     _add_weight_routes(router, state)
-    from sidecar.server_audit import add_audit_routes
-
     add_audit_routes(router, state)
 
 
@@ -92,14 +95,15 @@ def _add_lifecycle_routes(router: APIRouter, state: ServerState) -> None:
     async def sleep(body: SleepRequest | None = None) -> dict[str, Any]:
         body = body or SleepRequest()
         t0 = time.perf_counter()
-        ranks = await call(state, "sleep", body.level, body.in_flight)
+        ranks = await call(state, Sleep(body.level, body.in_flight))
         state.metrics.sleep_seconds.labels(str(body.level)).observe(time.perf_counter() - t0)
         return {"ranks": ranks, "state": state_dict(state)}
 
     @router.post("/wake_up", summary="Map memory back: tags 'weights' and/or 'kv_cache' (null: all)")
     async def wake_up(body: WakeRequest | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
-        ranks = await call(state, "wake_up", body.tags if body is not None else None)
+        tags = body.tags if body is not None else None
+        ranks = await call(state, WakeUp(tuple(tags) if tags is not None else None))
         state.metrics.wake_seconds.observe(time.perf_counter() - t0)
         return {"ranks": ranks, "state": state_dict(state)}
 
@@ -121,14 +125,13 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
         if state.config.transfer is not None and backend != state.config.transfer:
             raise ApiError(400, "InvalidRequestError", f"this sidecar was launched with --transfer "
                            f"{state.config.transfer}, the sender uses {backend!r}", "init_info.backend")
-        ranks = await call(state, "init_weight_transfer_engine", body.init_info)
+        ranks = await call(state, InitWeightTransfer(body.init_info))
         return {"ranks": ranks}
 
     @router.post("/weights/start", summary="Open an update session: validate the whole manifest first")
     async def weights_start(body: WeightsStartRequest) -> dict[str, Any]:
-        method = "start_weight_update" if body.model == "target" else "start_draft_weight_update"
         t0 = time.perf_counter()
-        await call(state, method, body.version, body.manifest, allow_cast=body.allow_cast)
+        await call(state, StartWeightUpdate(body.model, body.version, body.manifest, body.allow_cast))
         state.metrics.sync_seconds.labels(body.model, "start").observe(time.perf_counter() - t0)
         state.sync_started[body.model] = (t0, _manifest_bytes(body.manifest))
         return {"model": body.model, "version": body.version, "started": True}
@@ -137,7 +140,7 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
     async def weights_update(body: WeightsUpdateRequest | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
         try:
-            await call(state, "update_weights", body.update_info if body is not None else None)
+            await call(state, UpdateWeights(body.update_info if body is not None else None))
         except ApiError:
             _failed(state)
             raise
@@ -149,9 +152,9 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
         model = _open_model(state)
         t0 = time.perf_counter()
         try:
-            results = await call(state, "finish_weight_update", body.digests)
+            results: list[SyncResult] = await call(state, FinishWeightUpdate(body.digests))
         except ApiError as e:
-            if e.type == "ChecksumMismatch":
+            if e.kind == "checksum":
                 state.metrics.audit_failures.inc()
             _failed(state)
             raise
@@ -161,11 +164,8 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
         state.metrics.sync_seconds.labels(model, "total").observe(now - started)
         state.metrics.sync_bytes.labels(model).inc(nbytes)
         state.metrics.syncs.labels(model, "ok").inc()
-        first = results[0] if results and isinstance(results[0], dict) else {}
-        return {"model": first.get("model", model), "version": first.get("version"),
-                "ok": all(isinstance(r, dict) and r.get("ok", True) for r in results),
-                "ranks": [{"rank": r.get("rank"), "ok": r.get("ok"), "summary": r.get("summary")}
-                          for r in results if isinstance(r, dict)]}
+        return {"model": results[0].model, "version": results[0].version, "ok": all(r.ok for r in results),
+                "ranks": [{"rank": r.rank, "ok": r.ok, "summary": r.summary} for r in results]}
 
 
 def _open_model(state: ServerState) -> str:

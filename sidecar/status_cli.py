@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
 
+from inference import envs
 from inference.core import SidecarError
 
 
@@ -25,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from sidecar.client import SidecarClient
 
-    key = args.api_key or os.environ.get("SIDECAR_API_KEY")
+    key = args.api_key or envs.API_KEY.get()
     try:
         with SidecarClient(args.url, api_key=key, timeout=args.timeout, retries=1) as client:
             state = client.state()

@@ -1,5 +1,6 @@
-"""Shared pieces of the digest tests (tests/test_checksum_digest*.py): the documented rule written from
-scratch, a byte reader independent of the library, seeded tensors of every dtype and a mixed set."""
+"""Shared pieces of the digest tests (tests/test_checksum_digest*.py, tests/test_checksum_device.py): the
+documented rules written from scratch, a byte reader independent of the library, seeded tensors of every
+dtype and a mixed set."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import checksum.definition
 MIB = 1 << 20
 SEGMENT = 64 * MIB  # the documented segment size, written out here rather than imported
 SMALL_SEGMENT = 1000  # tests that shrink the segment (module constant) to reach boundaries cheaply
+SEG64K = 64 * 1024  # the device rule's segment, written out here rather than imported
 
 DTYPES = [
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
@@ -25,6 +27,13 @@ def xxh(data: bytes, segment: int = SEGMENT) -> str:
         return xxhash.xxh3_128(data).hexdigest()
     parts = [xxhash.xxh3_128(data[i : i + segment]).digest() for i in range(0, len(data), segment)]
     return xxhash.xxh3_128(b"".join(parts)).hexdigest()
+
+
+def xxh64k(data: bytes) -> str:
+    """The device rule ("xxh3_64_seg64k"), from scratch: xxh3-64 of each zero-padded 64 KiB segment,
+    then xxh3-128 over their canonical digests and the byte count (8 bytes, big-endian)."""
+    parts = [xxhash.xxh3_64(data[i : i + SEG64K].ljust(SEG64K, b"\0")).digest() for i in range(0, len(data), SEG64K)]
+    return xxhash.xxh3_128(b"".join(parts) + len(data).to_bytes(8, "big")).hexdigest()
 
 
 def shrink_segments(monkeypatch: pytest.MonkeyPatch) -> int:

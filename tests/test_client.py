@@ -11,20 +11,22 @@ from pathlib import Path
 import httpx
 import pytest
 
-from checksum import Manifest, manifest_from_tensors
+from checksum import ChecksumMismatch, Manifest, manifest_from_tensors
 from inference.core import InvalidRequestError, SamplingParams, StateError
 from inference.llm import LLM
 from inference.tiny import TinyModelSpec, random_weights, write_model_dir
 from inference.transfer.sender import WeightSender
 from sidecar.cli import main
-from sidecar.client import (
+from tests.helpers_sidecar import KV_BYTES, Sidecar, launch
+from trainer_hooks.client import (
+    SidecarChecksumError,
     SidecarClient,
     SidecarConnectionError,
     SidecarRequestError,
     SidecarStateError,
     records_json,
 )
-from tests.helpers_sidecar import KV_BYTES, Sidecar, launch
+from trainer_hooks.client_errors import CHECKSUM_MISMATCH
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPTS = ["The miller's daughter", [11, 12, 13, 14]]
@@ -97,8 +99,9 @@ def _check_audit_cli(url: str, sent: Manifest, tmp_path: Path) -> None:
 def test_failed_audit_tears_the_model_until_a_good_sync(server: Sidecar, sender: WeightSender) -> None:
     weights = random_weights(TinyModelSpec(seed=2))
     with SidecarClient(server.url, timeout=60) as c:
-        with pytest.raises(SidecarStateError):
+        with pytest.raises(SidecarStateError) as no_session:
             c.update_weights()  # no session open
+        assert not isinstance(no_session.value, SidecarChecksumError)
         c.connect_sender(sender)
         with pytest.raises(SidecarRequestError) as bad:
             c.start_weights(2, {"version": 2, "tensors": [{"name": "model.nope.weight", "dtype": "float32",
@@ -110,8 +113,9 @@ def test_failed_audit_tears_the_model_until_a_good_sync(server: Sidecar, sender:
         records = records_json(sender.send(weights))
         update.join(60)
         records[0]["digest"] = "0" * 32
-        with pytest.raises(SidecarStateError) as mismatch:
+        with pytest.raises(SidecarChecksumError) as mismatch:
             c.finish_weights(records)
+        assert isinstance(mismatch.value, SidecarStateError) and mismatch.value.status == 409
         assert mismatch.value.type == "ChecksumMismatch" and records[0]["name"] in mismatch.value.message
         assert c.state()["torn"] == {"target": True}
         with pytest.raises(SidecarStateError):
@@ -169,8 +173,36 @@ def test_error_responses_become_typed_exceptions() -> None:
         c.generate(["a", "b"])
     assert isinstance(e.value, SidecarRequestError)
     assert (e.value.status, e.value.field, e.value.rank) == (400, "prompts[1]", RANK)
-    with pytest.raises(StateError):
+    with pytest.raises(StateError) as e409:
         c.sleep()
+    assert type(e409.value) is SidecarStateError
+
+
+def test_a_checksum_mismatch_is_its_own_class() -> None:
+    assert ChecksumMismatch.__name__ == CHECKSUM_MISMATCH  # the type the server reports for it
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(409, json={"error": {"type": "ChecksumMismatch", "rank": RANK,
+                                                   "message": "tensor 'lm_head.weight' digest differs"}})
+
+    with pytest.raises(SidecarChecksumError) as e:
+        _client(reply).finish_weights([])
+    assert isinstance(e.value, StateError) and e.value.rank == RANK and "lm_head.weight" in e.value.message
+
+
+def test_the_sidecar_package_reexports_the_client() -> None:
+    import sidecar
+    import sidecar.client
+    import trainer_hooks
+    import trainer_hooks.client
+
+    assert sidecar.SidecarClient is sidecar.client.SidecarClient is trainer_hooks.client.SidecarClient
+    assert trainer_hooks.SidecarClient is trainer_hooks.client.SidecarClient
+    assert set(sidecar.client.__all__) == set(trainer_hooks.client.__all__)
+    for name in sidecar.client.__all__:
+        assert getattr(sidecar.client, name) is getattr(trainer_hooks.client, name)
+    for name in trainer_hooks.__all__:
+        assert getattr(trainer_hooks, name) is not None
 
 
 def test_sampling_params_round_trip_to_json() -> None:

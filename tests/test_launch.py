@@ -15,7 +15,7 @@ import pytest
 
 from inference.core import InvalidRequestError, SamplingParams
 from inference.llm import LLM
-from sidecar.client import SidecarClient, SidecarUnavailableError
+from sidecar.client import SidecarClient, SidecarHTTPError, SidecarUnavailableError
 from sidecar.config import LaunchConfig, build_config
 from tests.helpers_sidecar import KV_BYTES, REPO, child_pids, cmdline, launch, pid_exists, port_is_free
 
@@ -93,6 +93,29 @@ def test_tp2_over_gloo_equals_tp1_and_sigterm_leaves_nothing() -> None:
         time.sleep(0.05)
     assert not [cmdline(p) for p in children if pid_exists(p)]
     assert port_is_free(server.url)
+
+
+def test_engine_settings_reach_the_ranks_and_the_key_file_guards_the_api(tmp_path: Path) -> None:
+    key = tmp_path / "api-key"
+    key.write_text("from-a-file\n")
+    server = launch("--max-model-len", "96", "--block-size", "8", "--no-enable-prefix-caching",
+                    "--api-key-file", str(key))
+    try:
+        assert "from-a-file" not in cmdline(server.proc.pid)
+        assert httpx.get(server.url + "/state", timeout=30).status_code == 401
+        with SidecarClient(server.url, api_key="from-a-file") as c:
+            model = c.state()["model"]
+            assert (model["max_model_len"], model["block_size"]) == (96, 8)
+            # the max_model_len policy of inference/core.py, applied by the rank after tokenizing
+            with pytest.raises(SidecarHTTPError) as e:
+                c.generate([list(range(1, 11))], SamplingParams(max_tokens=87))
+            assert (e.value.status, e.value.field) == (400, "sampling_params.max_tokens")
+            assert "at most 86 fit" in e.value.message
+            (out,) = c.generate([list(range(1, 11))], SamplingParams(max_tokens=86, ignore_eos=True))
+            assert len(out.outputs[0].token_ids) == 86
+    finally:
+        code = server.stop(signal.SIGTERM)
+    assert code == 0, server.log
 
 
 def test_killed_rank_makes_health_503_and_calls_fail_fast() -> None:

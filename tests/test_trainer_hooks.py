@@ -198,7 +198,7 @@ def test_only_the_sending_rank_talks_to_the_sidecar(tiny: nn.Module) -> None:
 
 
 def test_a_dead_sidecar_is_reported_with_its_log_tail(tiny: nn.Module, tmp_path: Path) -> None:
-    from sidecar.client import SidecarConnectionError
+    from trainer_hooks.client import SidecarConnectionError
 
     log = tmp_path / "sidecar.log"
     log.write_text("starting\nrank 0 died: CUDA error: out of memory\n")
@@ -211,6 +211,29 @@ def test_a_dead_sidecar_is_reported_with_its_log_tail(tiny: nn.Module, tmp_path:
         WeightSyncHook(Dead(), tiny, log_path=log).before_training()
     assert "ConnectError" in str(e.value) and "rank 0 died" in str(e.value)
     assert isinstance(e.value, SidecarError)
+
+
+def test_the_hook_tells_the_clients_errors_apart_by_class(tiny: nn.Module) -> None:
+    from trainer_hooks.client import SidecarChecksumError, SidecarStateError, SidecarUnavailableError
+
+    mismatch = SidecarChecksumError(409, "ChecksumMismatch", "rank dp0:pp0:tp0: tensor 'weight' differs")
+    client = FakeClient([mismatch, {"ok": True}])  # the per-rank audit at finish fails once
+    hook = WeightSyncHook(client, tiny, retry_on_mismatch=True)
+    hook._sender = object()  # type: ignore[assignment]
+    assert hook.after_optimizer_step() == {"ok": True} and client.syncs() == [("target", 5), ("target", 6)]
+    hook = WeightSyncHook(FakeClient([mismatch]), tiny)
+    hook._sender = object()  # type: ignore[assignment]
+    with pytest.raises(AuditError) as audit:
+        hook.after_optimizer_step()
+    assert "tensor 'weight' differs" in audit.value.table
+
+    # Any other 409 is not a mismatch (even one whose type string says so), and a 503 is a dead sidecar.
+    for error, raised in ((SidecarStateError(409, "ChecksumMismatch", "asleep"), SidecarStateError),
+                          (SidecarUnavailableError(503, "RankFailure", "rank 1 died"), SidecarGoneError)):
+        hook = WeightSyncHook(FakeClient([error]), tiny, retry_on_mismatch=True)
+        hook._sender = object()  # type: ignore[assignment]
+        with pytest.raises(raised):
+            hook.after_optimizer_step()
 
 
 def test_hf_callback_drives_the_hook(tiny: nn.Module) -> None:
@@ -245,7 +268,7 @@ def server() -> Iterator[Any]:
 
 def test_sync_through_the_hook_matches_transformers_greedy(server: Any, model_dir: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    from sidecar.client import SidecarClient
+    from trainer_hooks.client import SidecarClient
 
     trainer = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
     new = random_weights(TinyModelSpec(seed=7))

@@ -1,23 +1,37 @@
-"""The trainer's side of Sidecar: weight sources, the sync hook, framework callbacks.
+"""The trainer's side of Sidecar: weight sources, the sync hook, the HTTP client, framework callbacks.
 
-Imports no engine module: torch, checksum, inference.core and the light sender only. The
-transformers callback lives in trainer_hooks.hf_callback (transformers is imported lazily there).
+Imports no engine module and nothing of sidecar/: torch, checksum, inference.core and the light
+sender only (tests/test_import_layers.py holds this). The names below load on first use, so that
+`trainer_hooks.client` (httpx + inference.core) imports without torch, as `sidecar status` wants.
+The transformers callback lives in trainer_hooks.hf_callback (transformers is imported lazily there).
 """
 
-from trainer_hooks.hook import AuditError, SidecarGoneError, WeightSyncHook, sampling
-from trainer_hooks.sources import (
-    collect_weights,
-    deepspeed_weights,
-    fsdp2_weights,
-    merged_lora_weights,
-    module_weights,
-    named_parameters,
-    normalize_name,
-    unwrap,
-)
+from __future__ import annotations
 
-__all__ = [
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainer_hooks.client import SidecarClient
+    from trainer_hooks.hook import AuditError, SidecarGoneError, WeightSyncHook, sampling
+    from trainer_hooks.sources import (
+        collect_weights,
+        deepspeed_weights,
+        fsdp2_weights,
+        merged_lora_weights,
+        module_weights,
+        named_parameters,
+        normalize_name,
+        unwrap,
+    )
+
+_CLIENT = ("SidecarClient",)
+_HOOK = ("AuditError", "SidecarGoneError", "WeightSyncHook", "sampling")
+_SOURCES = ("collect_weights", "deepspeed_weights", "fsdp2_weights", "merged_lora_weights", "module_weights",
+            "named_parameters", "normalize_name", "unwrap")
+
+__all__ = [  # the three groups above, spelled out for linters and readers
     "AuditError",
+    "SidecarClient",
     "SidecarGoneError",
     "WeightSyncHook",
     "collect_weights",
@@ -30,3 +44,15 @@ __all__ = [
     "sampling",
     "unwrap",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _CLIENT:
+        from trainer_hooks import client as module
+    elif name in _HOOK:
+        from trainer_hooks import hook as module  # type: ignore[no-redef]
+    elif name in _SOURCES:
+        from trainer_hooks import sources as module  # type: ignore[no-redef]
+    else:
+        raise AttributeError(f"module 'trainer_hooks' has no attribute {name!r}")
+    return getattr(module, name)

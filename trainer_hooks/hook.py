@@ -34,6 +34,7 @@ from torch import nn
 
 from inference.core import SamplingParams, SidecarError, StateError
 from inference.transfer.sender import WeightSender
+from trainer_hooks.client_errors import SidecarChecksumError, SidecarConnectionError, SidecarUnavailableError
 from trainer_hooks.sources import collect_weights
 
 log = logging.getLogger("trainer_hooks")
@@ -55,7 +56,8 @@ class SidecarGoneError(SidecarError):
 
 
 class WeightSyncHook:
-    """See the module docstring. `client` is a sidecar.client.SidecarClient (or anything with its API)."""
+    """See the module docstring. `client` is a trainer_hooks.client.SidecarClient (or anything with its
+    API that raises its errors, trainer_hooks/client_errors.py)."""
 
     def __init__(self, client: Any, model: Any, draft_model: Any = None, *, sender: WeightSender | str | None = None,
                  sleep_level: int = 1, sync_every: int = 1, grad_accum_steps: int = 1, audit: bool = True,
@@ -193,10 +195,8 @@ class WeightSyncHook:
         try:
             return self._call(self.client.sync_weights, sender, named, version, model=model,
                               allow_cast=self.allow_cast)
-        except SidecarError as e:
-            if getattr(e, "type", None) == "ChecksumMismatch":  # the per-rank check at finish
-                return {"ok": False, "summary": str(e), "table": getattr(e, "message", str(e))}
-            raise
+        except SidecarChecksumError as e:  # the per-rank check at finish
+            return {"ok": False, "summary": str(e), "table": e.message}
 
     def _next_version(self) -> int:
         if self.version is None:
@@ -228,11 +228,9 @@ class WeightSyncHook:
         """Run a client call; a dead or unreachable sidecar becomes SidecarGoneError with its log tail."""
         try:
             return fn(*args, **kwargs)
-        except SidecarError as e:
-            if type(e).__name__ == "SidecarConnectionError" or getattr(e, "status", None) == 503:
-                raise SidecarGoneError(f"{getattr(fn, '__name__', 'call')}: the sidecar is gone: {e}"
-                                       f"{self._log_tail()}") from e
-            raise
+        except (SidecarConnectionError, SidecarUnavailableError) as e:
+            raise SidecarGoneError(f"{getattr(fn, '__name__', 'call')}: the sidecar is gone: {e}"
+                                   f"{self._log_tail()}") from e
 
     def _log_tail(self) -> str:
         if self.log_path is None:

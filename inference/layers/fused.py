@@ -10,11 +10,10 @@ interpreter when tests ask (FORCE_ON_CPU), which is how CI checks the kernels.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
+from inference import envs
 from inference.layers.pdl import launch_kwargs
 
 try:
@@ -34,7 +33,7 @@ FORCE_ON_CPU = False
 def use_triton(x: torch.Tensor) -> bool:
     if triton is None:
         return False
-    return x.is_cuda or (FORCE_ON_CPU and os.environ.get("TRITON_INTERPRET") == "1")
+    return x.is_cuda or (FORCE_ON_CPU and envs.TRITON_INTERPRET.get())
 
 
 # ---- residual add + RMSNorm -----------------------------------------------------------------------

@@ -20,12 +20,12 @@ formed the same way, each program first computing its rows' variance over the wh
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from inference import envs
 from inference.layers.merge_counters import MergeCounters
 from inference.layers.pdl import launch_kwargs
 
@@ -40,7 +40,7 @@ MAX_M = 8
 SILU_MUL_MAX_M = 1
 SILU_MUL_MAX_WEIGHT = 1 << 23  # elements of the down projection (Qwen2-0.5B: 4.4M; 7B: 68M)
 # SIDECAR_GEMV=0 keeps every linear on cuBLAS (benchmarks compare both paths).
-ENABLED = os.environ.get("SIDECAR_GEMV", "1") != "0"
+ENABLED = envs.GEMV.get()
 # Tests set this (with TRITON_INTERPRET=1 before Triton is imported) to run the kernels on CPU tensors.
 FORCE_ON_CPU = False
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -51,11 +51,11 @@ NORM_MAX_K = 8192
 # norm_gemv's one-row shapes were swept at K = 896 (Qwen2-0.5B); wider rows (7B: 3584) keep the plain ones.
 NORM_SWEPT_K = 2048
 # SIDECAR_NORM_GEMV=0 keeps the pre-norms in their own add_rms_norm launch.
-NORM_ENABLED = os.environ.get("SIDECAR_NORM_GEMV", "1") != "0"
+NORM_ENABLED = envs.NORM_GEMV.get()
 # SIDECAR_GEMV_PREFETCH=0: load each weight tile in its own K step, after PDL's wait (A/B benchmarks).
-PREFETCH = os.environ.get("SIDECAR_GEMV_PREFETCH", "1") != "0"
+PREFETCH = envs.GEMV_PREFETCH.get()
 # SIDECAR_GEMV_FUSED_SPLIT=0: split-K partials are summed by a second launch, not by the last split.
-FUSED_SPLIT = os.environ.get("SIDECAR_GEMV_FUSED_SPLIT", "1") != "0"
+FUSED_SPLIT = envs.GEMV_FUSED_SPLIT.get()
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether gemv/silu_mul_gemv take x [M, K] @ weight [N, K]^T (else use F.linear)."""
     if triton is None or not ENABLED:
         return False
-    if not (x.is_cuda or (FORCE_ON_CPU and os.environ.get("TRITON_INTERPRET") == "1")):
+    if not (x.is_cuda or (FORCE_ON_CPU and envs.TRITON_INTERPRET.get())):
         return False
     return (x.dim() == 2 and weight.dim() == 2 and 0 < x.shape[0] <= MAX_M and x.dtype in _DTYPES
             and weight.dtype == x.dtype and weight.is_contiguous() and x.stride(-1) == 1

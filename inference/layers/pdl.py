@@ -16,9 +16,10 @@ Kernels take a `PDL: tl.constexpr` argument and their launches pass `**launch_kw
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from inference import envs
 
 try:
     import triton
@@ -27,7 +28,7 @@ try:
 except ImportError:  # an old Triton without GDC, or none at all: PDL stays off
     triton = None
 
-ENABLED = os.environ.get("SIDECAR_PDL", "1") != "0" and triton is not None
+ENABLED = envs.PDL.get() and triton is not None
 
 
 def use_pdl(x: torch.Tensor) -> bool:

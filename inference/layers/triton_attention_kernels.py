@@ -3,15 +3,14 @@ them and launches them. Kept apart so the host-side planning reads on its own.""
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
+from inference import envs
 from inference.layers.pdl import launch_dependents, wait
 
 LOG2E = 1.4426950408889634
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRET = envs.TRITON_INTERPRET.get()
 
 
 @triton.jit

@@ -1,0 +1,341 @@
+"""Rollout throughput on the workload RL runs: a GRPO-shaped batch through `inference.LLM` (issue 24).
+
+The default batch: 64 prompts of 128..512 random token ids, 8 samples each (512 sequences), every
+sample's length drawn with a fixed RNG from a lognormal (median 350, sigma 0.757: mean ~466) capped
+at 2048. A sample generates exactly its drawn length (ignore_eos, its own max_tokens), so the batch
+drains the way a rollout whose samples stop at EOS does. Random bf16 weights of the Qwen2-0.5B and
+Qwen2.5-7B shapes, built locally from a config.json (load_format="dummy"; nothing is downloaded);
+`--shapes tiny` runs the embedded tiny model, on CPU too (the smoke test).
+
+For every shape and every sampling mode (greedy; temperature 1 unseeded; temperature 1 with a seed
+per sample), one JSON line: tok/s (generated tokens / wall time), steps, ms per step, the tail share
+(the share of the wall time after 90% of the samples finished), the mean running batch, and the
+roofline of the same schedule: per step of the engine's StepLog, max(bytes / HBM rate, FLOPs / matmul
+peak), with bytes = the weights read once + the KV of every row's context and FLOPs = 2 x matmul
+parameters x tokens computed + the LM head over the sampled rows + attention (4 x heads x head_dim x
+layers per attended (query, key) pair); both rates are measured in the same run (a device-to-device
+copy, counting read and write; a large bf16 matmul). time_over_roofline = wall time / roofline sum.
+With a draft (--draft-layers) the roofline counts the target's work only.
+
+    python3 -m scripts.bench_rollout                      # both shapes x 3 modes (H200, ~4 min)
+    python3 -m scripts.bench_rollout --shapes tiny --prompts 4 --samples 2 --len-cap 32   # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from inference.core import SamplingParams
+from inference.llm import LLM
+from inference.step_stats import StepLog, StepRecord
+
+MODES = ("greedy", "sampled", "seeded")  # temperature 0; temperature 1 unseeded; temperature 1 seeded
+QWEN_SHAPES = ("qwen2-0.5b", "qwen2.5-7b")  # scripts.bench_generate.SHAPES
+SHAPE_NAMES = (*QWEN_SHAPES, "tiny")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """prompts[i] has samples lengths[i] (one generated length per sample)."""
+
+    prompts: list[list[int]]
+    lengths: list[list[int]]
+
+    @property
+    def num_samples(self) -> int:
+        return sum(map(len, self.lengths))
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(map(sum, self.lengths))
+
+
+def draw_workload(args: argparse.Namespace, vocab: int, seed: int) -> Workload:
+    """Prompt lengths uniform in [prompt_min, prompt_max], tokens uniform over the vocabulary, sample
+    lengths lognormal(ln(len_median), len_sigma) rounded and clipped to [1, len_cap]. The lengths do
+    not depend on the vocabulary, so every shape runs the same schedule."""
+    rng = random.Random(seed)
+    mu = math.log(args.len_median)
+    lengths = [[min(args.len_cap, max(1, round(rng.lognormvariate(mu, args.len_sigma))))
+                for _ in range(args.samples)] for _ in range(args.prompts)]
+    prompt_rng = random.Random(seed + 1)
+    prompts = [[prompt_rng.randrange(vocab) for _ in range(prompt_rng.randint(args.prompt_min, args.prompt_max))]
+               for _ in range(args.prompts)]
+    return Workload(prompts, lengths)
+
+
+def sampling_params(mode: str, n: int, max_tokens: int, seed: int) -> SamplingParams:
+    if mode == "greedy":
+        return SamplingParams(n=n, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True,
+                          seed=seed if mode == "seeded" else None)
+
+
+def submit(llm: LLM, work: Workload, mode: str) -> None:
+    """One request of n samples per prompt (the samples share the prompt's prefix blocks, as in GRPO);
+    each sample then gets its own max_tokens: the request asks for the longest, and the bench lowers
+    the others' on their sequences before the first step (standing in for EOS)."""
+    wanted: dict[str, list[int]] = {}
+    for i, (prompt, lens) in enumerate(zip(work.prompts, work.lengths)):
+        rid = llm.add_request(prompt, sampling_params(mode, len(lens), max(lens), seed=1000 + i))
+        wanted[rid] = lens
+    for seq in llm.scheduler.waiting:
+        if seq.request_id in wanted:
+            seq.params = replace(seq.params, max_tokens=wanted[seq.request_id][seq.index])
+
+
+def run(llm: LLM, work: Workload, mode: str) -> int:
+    """Generate the workload; returns the generated tokens (checked against the drawn lengths)."""
+    submit(llm, work, mode)
+    generated = 0
+    while llm.has_unfinished():
+        for out in llm.step():
+            generated += sum(len(c.token_ids) for c in out.outputs)
+    if generated != work.num_tokens:
+        raise RuntimeError(f"generated {generated} tokens, the workload draws {work.num_tokens}")
+    return generated
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def best_seconds(fn: object, device: torch.device, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()  # type: ignore[operator]
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def copy_rate(device: torch.device) -> float:
+    """Bytes/s of a large device-to-device copy, counting read and write (best of 5, after one)."""
+    x = torch.empty((1 << 31) if device.type == "cuda" else (64 << 20), dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    return 2 * x.numel() / best_seconds(lambda: y.copy_(x), device, 5)
+
+
+def matmul_rate(device: torch.device) -> float:
+    """FLOP/s of an 8192^3 bf16 GEMM (512^3 float32 on CPU), best of 10 after one."""
+    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (512, torch.float32)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    a @ b
+    return 2 * n**3 / best_seconds(lambda: a @ b, device, 10)
+
+
+def measure_rates(device: torch.device) -> tuple[float, float]:
+    """(HBM bytes/s, matmul FLOP/s) of this device, before any engine holds memory."""
+    rates = copy_rate(device), matmul_rate(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rates
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What one step of the target reads and computes, per unit of the StepRecord counts (TP 1)."""
+
+    weight_bytes: int  # read once per step (an untied embedding is gathered by row: not counted)
+    kv_bytes_per_token: int  # K and V of one position across layers
+    matmul_params: int  # 2-D weights of the decoder layers (each query token multiplies them once)
+    head_params: int  # LM head (once per sampled row)
+    attn_flops_per_pair: int  # 4 x heads x head_dim x layers: QK^T and PV for one (query, key) pair
+
+    @classmethod
+    def of(cls, llm: LLM) -> ModelCost:
+        model, mc = llm.worker.models["target"], llm.model_config
+        params = dict(model.named_parameters())
+        total = sum(p.numel() * p.element_size() for p in params.values())
+        embed = params["model.embed_tokens.weight"]
+        gathered = 0 if mc.tie_word_embeddings else embed.numel() * embed.element_size()
+        layers = sum(p.numel() for name, p in params.items() if name.startswith("model.layers.") and p.dim() == 2)
+        assert llm.worker.runner is not None
+        return cls(total - gathered, llm.worker.runner.kv_bytes_per_block(1), layers,
+                   mc.vocab_size * mc.hidden_size, 4 * mc.num_heads * mc.head_dim * mc.num_layers)
+
+    def step_bytes_flops(self, r: StepRecord) -> tuple[int, int]:
+        bytes_read = self.weight_bytes + self.kv_bytes_per_token * r.context_tokens
+        flops = (2 * self.matmul_params * (r.decode_tokens + r.prefill_tokens) + 2 * self.head_params * r.num_sampled
+                 + self.attn_flops_per_pair * r.attended_pairs)
+        return bytes_read, flops
+
+
+def roofline(records: list[StepRecord], cost: ModelCost, hbm: float, peak: float) -> dict[str, float]:
+    """Seconds of the schedule at the rates: per step the slower of its bytes and its FLOPs."""
+    total = bytes_bound = flops_bound = 0.0
+    for r in records:
+        nbytes, flops = cost.step_bytes_flops(r)
+        t_bytes, t_flops = nbytes / hbm, flops / peak
+        total += max(t_bytes, t_flops)
+        bytes_bound += t_bytes
+        flops_bound += t_flops
+    return {"roofline_s": total, "roofline_bytes_s": bytes_bound, "roofline_flops_s": flops_bound}
+
+
+def schedule_stats(records: list[StepRecord], t0: float, t1: float, num_samples: int) -> dict[str, float]:
+    """Tail share (wall time after ceil(90%) of the samples finished over the whole), the mean running
+    batch (rows per step) and the mean decode batch (decode rows per step that had any)."""
+    target = math.ceil(0.9 * num_samples)
+    done, t90 = 0, t1
+    for r in records:
+        done += r.num_finished
+        if done >= target:
+            t90 = r.end_s
+            break
+    decode_steps = [r.num_decode for r in records if r.num_decode]
+    return {"tail_share": (t1 - t90) / (t1 - t0),
+            "mean_running_batch": sum(r.num_seqs for r in records) / max(1, len(records)),
+            "mean_decode_batch": sum(decode_steps) / max(1, len(decode_steps)),
+            "prefill_steps": sum(1 for r in records if r.prefill_tokens)}
+
+
+def build_llm(shape: str, args: argparse.Namespace, max_len: int) -> LLM:
+    """The engine for a shape: the tiny model as shipped, or a Qwen shape with random bf16 weights
+    (and, with --draft-layers, a draft made of the target's first layers: scripts/bench_spec.py)."""
+    kw: dict[str, object] = {"max_num_seqs": args.max_num_seqs or None, "max_model_len": max_len,
+                             "enforce_eager": args.enforce_eager}
+    if args.kv_gib:
+        kw["kv_cache_bytes"] = int(args.kv_gib * 2**30)
+    if shape == "tiny":
+        if args.draft_layers:
+            raise SystemExit("--draft-layers needs a Qwen shape")
+        return LLM(None, device=args.device, **kw)
+    from scripts.bench_generate import SHAPES
+    from scripts.bench_spec import config_dir, tie_draft
+
+    target = config_dir(shape, SHAPES[shape]["num_hidden_layers"], max_len)
+    if args.draft_layers:
+        kw.update(draft_model=str(config_dir(shape, args.draft_layers, max_len)), num_speculative_tokens=args.k)
+    llm = LLM(target, device=args.device, dtype="bfloat16", load_format="dummy",
+              gpu_memory_utilization=args.gpu_memory_utilization, **kw)
+    if args.draft_layers:
+        tie_draft(llm, args.draft_layers)
+    return llm
+
+
+def run_case(llm: LLM, mode: str, work: Workload, warm: Workload, cost: ModelCost,
+             rates: tuple[float, float]) -> dict[str, object]:
+    """Warm up (this mode's sampling kernels compile at the batch sizes a drain passes), then time the
+    workload with a StepLog attached; no prompt block of an earlier run is in the prefix cache."""
+    device = llm.worker.device
+    assert device is not None
+    llm.block_manager.reset_prefix_cache()
+    run(llm, warm, mode)
+    llm.block_manager.reset_prefix_cache()
+    preempted = llm.scheduler.preempted
+    spec_before = (llm.spec_stats.proposed, llm.spec_stats.accepted)
+    llm.step_log = StepLog()
+    sync(device)
+    t0 = time.perf_counter()
+    generated = run(llm, work, mode)
+    sync(device)
+    t1 = time.perf_counter()
+    records, llm.step_log = llm.step_log.records, None
+    wall, steps = t1 - t0, len(records)
+    roof = roofline(records, cost, *rates)
+    proposed = llm.spec_stats.proposed - spec_before[0]
+    graphs = llm.worker.runner.graphs if llm.worker.runner is not None else None
+    row: dict[str, object] = {
+        "sequences": work.num_samples, "prompt_tokens": sum(map(len, work.prompts)), "generated_tokens": generated,
+        "mean_len": generated / work.num_samples, "longest": max(map(max, work.lengths)),
+        "max_num_seqs": llm.worker.max_num_seqs, "graph_max_batch": graphs.sizes[-1] if graphs else 0,
+        "wall_s": wall, "tok_s": generated / wall, "steps": steps, "ms_per_step": 1e3 * wall / max(1, steps)}
+    row.update(schedule_stats(records, t0, t1, work.num_samples))
+    row.update(roof)
+    row.update(roofline_ms_per_step=1e3 * roof["roofline_s"] / max(1, steps),
+               time_over_roofline=wall / roof["roofline_s"], hbm_gbps=rates[0] / 1e9,
+               matmul_tflops=rates[1] / 1e12, preempted=llm.scheduler.preempted - preempted,
+               spec_acceptance=(llm.spec_stats.accepted - spec_before[1]) / proposed if proposed else None)
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
+
+
+def run_shape(shape: str, args: argparse.Namespace, rates: tuple[float, float]) -> list[dict[str, object]]:
+    start = time.perf_counter()
+    llm = build_llm(shape, args, args.prompt_max + args.len_cap)
+    setup_s = time.perf_counter() - start
+    rows = []
+    try:
+        if args.prompt_max + args.len_cap > llm.max_model_len:
+            raise SystemExit(f"{shape}: max_model_len {llm.max_model_len} < --prompt-max + --len-cap")
+        vocab = llm.model_config.vocab_size
+        work = draw_workload(args, vocab, args.seed)
+        warm = draw_workload(args, vocab, args.seed + 7)
+        warm = replace(warm, lengths=[[1 + (i + j) % min(16, args.len_cap) for j in range(args.samples)]
+                                      for i in range(args.prompts)])
+        cost = ModelCost.of(llm)
+        device = llm.worker.device
+        name = torch.cuda.get_device_name(device) if device is not None and device.type == "cuda" else "cpu"
+        for mode in args.modes:
+            row: dict[str, object] = {"bench": "rollout", "shape": shape, "mode": mode, "prompts": args.prompts,
+                                      "samples": args.samples, "draft_layers": args.draft_layers}
+            row.update(run_case(llm, mode, work, warm, cost, rates))
+            row.update(setup_s=round(setup_s, 2), device=name)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    finally:
+        llm.worker.shutdown()
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=",".join(QWEN_SHAPES), help=f"comma list of {SHAPE_NAMES}")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {MODES}")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--samples", type=int, default=8, help="samples per prompt (SamplingParams.n)")
+    ap.add_argument("--prompt-min", type=int, default=128)
+    ap.add_argument("--prompt-max", type=int, default=512)
+    ap.add_argument("--len-median", type=float, default=350.0, help="lognormal median of a sample's length")
+    ap.add_argument("--len-sigma", type=float, default=0.757, help="lognormal sigma (0.757: mean ~466)")
+    ap.add_argument("--len-cap", type=int, default=2048)
+    ap.add_argument("--seed", type=int, default=0, help="the workload RNG")
+    ap.add_argument("--max-num-seqs", type=int, default=0, help="0: auto (chosen from the KV cache)")
+    ap.add_argument("--kv-gib", type=float, default=0.0, help="0: size the KV cache from free memory")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--draft-layers", type=int, default=0, help="0: no draft; else a draft of that many layers")
+    ap.add_argument("--k", type=int, default=4, help="draft tokens per step (with --draft-layers)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--enforce-eager", action="store_true")
+    args = ap.parse_args(argv)
+    args.shapes = [s for s in args.shapes.split(",") if s]
+    args.modes = [m for m in args.modes.split(",") if m]
+    for s in args.shapes:
+        if s not in SHAPE_NAMES:
+            ap.error(f"--shapes: unknown shape {s!r}")
+    for m in args.modes:
+        if m not in MODES:
+            ap.error(f"--modes: unknown mode {m!r}")
+    if not 1 <= args.prompt_min <= args.prompt_max:
+        ap.error("--prompt-min must be in [1, --prompt-max]")
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, object]]:
+    """Run every shape x mode; print and return one row per case."""
+    from inference.worker import resolve_device
+
+    args = parse_args(argv)
+    rates = measure_rates(resolve_device(args.device))
+    return [row for shape in args.shapes for row in run_shape(shape, args, rates)]
+
+
+if __name__ == "__main__":
+    main()

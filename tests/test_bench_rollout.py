@@ -1,0 +1,63 @@
+"""scripts/bench_rollout.py on CPU with the tiny model: the smoke mode the H200 run shares its code with."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from inference.llm import LLM
+from scripts.bench_rollout import ModelCost, draw_workload, main, parse_args, submit
+
+SMOKE = ["--shapes", "tiny", "--prompts", "4", "--samples", "2", "--prompt-min", "8", "--prompt-max", "24",
+         "--len-median", "6", "--len-cap", "16"]
+
+
+def test_default_workload_is_the_issue_24_batch() -> None:
+    work = draw_workload(parse_args([]), vocab=151936, seed=0)
+    assert len(work.prompts) == 64 and work.num_samples == 512
+    assert all(128 <= len(p) <= 512 for p in work.prompts)
+    lengths = [n for lens in work.lengths for n in lens]
+    assert max(lengths) == 2048 and 440 < work.num_tokens / 512 < 490  # lognormal mean ~466, capped
+    assert draw_workload(parse_args([]), vocab=151936, seed=0) == work  # a fixed RNG
+
+
+def test_each_sample_generates_exactly_its_drawn_length() -> None:
+    args = parse_args(SMOKE)
+    llm = LLM(None, device="cpu", max_model_len=64)
+    work = draw_workload(args, llm.model_config.vocab_size, seed=3)
+    submit(llm, work, "seeded")
+    got: dict[str, list[int]] = {}
+    while llm.has_unfinished():
+        for out in llm.step():
+            got[out.request_id] = [len(c.token_ids) for c in out.outputs]
+    assert [got[k] for k in sorted(got, key=lambda r: int(r.split("-")[1]))] == work.lengths
+
+
+def test_smoke_run_prints_one_row_per_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = main(SMOKE)
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert printed == rows and [r["mode"] for r in rows] == ["greedy", "sampled", "seeded"]
+    work = draw_workload(parse_args(SMOKE), 512, seed=0)
+    for r in rows:
+        assert r["shape"] == "tiny" and r["sequences"] == 8 and r["generated_tokens"] == work.num_tokens
+        assert r["steps"] >= r["longest"] and r["tok_s"] > 0 and r["ms_per_step"] > 0
+        assert 0 <= r["tail_share"] <= 1 and 1 <= r["mean_running_batch"] <= 8
+        assert r["max_num_seqs"] >= 256 and r["preempted"] == 0
+        # per step the slower of bytes and FLOPs: between the larger sum and the two sums together
+        assert max(r["roofline_bytes_s"], r["roofline_flops_s"]) <= r["roofline_s"] * 1.001
+        assert r["roofline_s"] <= (r["roofline_bytes_s"] + r["roofline_flops_s"]) * 1.001
+        assert r["time_over_roofline"] > 0 and r["hbm_gbps"] > 0 and r["matmul_tflops"] > 0
+
+
+def test_model_cost_counts_the_tiny_model() -> None:
+    llm = LLM(None, device="cpu")
+    mc, cost = llm.model_config, ModelCost.of(llm)
+    h, kv, d = mc.hidden_size, mc.num_kv_heads, mc.head_dim
+    per_layer = h * (mc.num_heads + 2 * kv) * d + mc.num_heads * d * h + 3 * h * mc.intermediate_size
+    assert cost.matmul_params == mc.num_layers * per_layer
+    assert cost.kv_bytes_per_token == 2 * mc.num_layers * kv * d * 4  # float32 on CPU
+    assert cost.attn_flops_per_pair == 4 * mc.num_heads * d * mc.num_layers
+    params = sum(p.numel() * 4 for p in llm.worker.models["target"].parameters())
+    embed = 0 if mc.tie_word_embeddings else mc.vocab_size * h * 4
+    assert cost.weight_bytes == params - embed

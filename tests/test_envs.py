@@ -1,0 +1,119 @@
+"""Environment variables go through one registry (inference/envs.py), and docs/configuration.md lists them."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from inference import envs
+from inference.core import InvalidRequestError, SamplingParams
+from sidecar.config import LaunchConfig
+from tests.helpers_sidecar import REPO
+
+PACKAGES = ("checksum", "inference", "sidecar", "trainer_hooks")
+# checksum is a leaf (torch and xxhash only), so it cannot import the registry; it reads no SIDECAR_* name.
+REGISTRY_ONLY = ("inference", "sidecar", "trainer_hooks")
+# (module, function) -> why touching os.environ there reads no setting
+ALLOWED = {
+    ("sidecar/launch_cli.py", "launch"): "hands the environment to place_ranks, which sets CUDA_VISIBLE_DEVICES "
+                                         "for the rank processes to inherit",
+    ("sidecar/demo_cli.py", "start"): "copies the environment for the sidecar subprocess it starts",
+}
+SIDECAR_NAME = re.compile(r"SIDECAR_[A-Z0-9_]+")
+LAUNCH_NAMES = {envs.LAUNCH_PREFIX + f.name.upper() for f in fields(LaunchConfig)}
+
+
+def _modules() -> list[Path]:
+    return sorted(p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py"))
+
+
+def _environ_uses(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, enclosing function) of every os.environ / os.getenv / environ / getenv reference."""
+    found: list[tuple[int, str]] = []
+
+    def visit(node: ast.AST, func: str) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            func = node.name
+        hit = (isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv")
+               and isinstance(node.value, ast.Name) and node.value.id == "os")
+        hit = hit or (isinstance(node, ast.ImportFrom) and node.module == "os"
+                      and any(a.name in ("environ", "getenv") for a in node.names))
+        if hit:
+            found.append((node.lineno, func))
+        for child in ast.iter_child_nodes(node):
+            visit(child, func)
+
+    visit(tree, "<module>")
+    return found
+
+
+def test_no_module_reads_the_environment_but_the_registry() -> None:
+    bad, seen = [], set()
+    for path in _modules():
+        rel = path.relative_to(REPO).as_posix()
+        if rel == "inference/envs.py" or not rel.startswith(REGISTRY_ONLY):
+            continue
+        for line, func in _environ_uses(ast.parse(path.read_text(), rel)):
+            seen.add((rel, func))
+            if (rel, func) not in ALLOWED:
+                bad.append(f"{rel}:{line} in {func}")
+    assert not bad, "read environment variables through inference/envs.py: " + ", ".join(bad)
+    assert seen == set(ALLOWED)  # the scan finds what it must (and the exceptions are not stale)
+
+
+def test_every_sidecar_variable_named_in_the_code_is_registered() -> None:
+    known = set(envs.SWITCHES) | LAUNCH_NAMES
+    bad = []
+    for path in _modules():
+        rel = path.relative_to(REPO).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            named = isinstance(node, ast.Constant) and SIDECAR_NAME.fullmatch(str(node.value))
+            if named and (rel != "inference/envs.py" or node.value not in known):
+                bad.append(f"{rel}:{node.lineno} {node.value}")
+    assert not bad, "name SIDECAR_* variables only in inference/envs.py (and register them): " + ", ".join(bad)
+
+
+def test_launch_variables_meet_the_switches_only_where_they_agree() -> None:
+    assert LAUNCH_NAMES & set(envs.SWITCHES) == {"SIDECAR_API_KEY"}  # the api_key field's own variable
+    assert envs.launch_overrides(["api_key", "tp"], {"SIDECAR_API_KEY": "k", "SIDECAR_HOME": "/h"}) == {
+        "api_key": ("SIDECAR_API_KEY", "k")}
+
+
+def test_switches_parse_their_values_and_name_themselves_when_bad() -> None:
+    assert envs.GEMV.get({}) is True and envs.GEMV.get({"SIDECAR_GEMV": " "}) is True
+    for text, value in (("0", False), ("off", False), ("NO", False), ("1", True), ("True", True), ("on", True)):
+        assert envs.PDL.get({"SIDECAR_PDL": text}) is value
+    assert envs.HOME.get({}) is None and envs.HOME.get({"SIDECAR_HOME": "/x"}) == "/x"
+    with pytest.raises(InvalidRequestError) as e:
+        envs.GEMV.get({"SIDECAR_GEMV": "2"})
+    assert e.value.field == "env SIDECAR_GEMV"
+    for switch in envs.SWITCHES.values():
+        assert switch.read_at in ("import", "call") and switch.doc and switch.kind in (bool, int, str)
+
+
+def test_kernel_switches_are_read_through_the_registry_at_import() -> None:
+    code = ("from inference.layers import gemv, pdl; "
+            "print(gemv.ENABLED, gemv.NORM_ENABLED, gemv.PREFETCH, gemv.FUSED_SPLIT, pdl.ENABLED)")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SIDECAR_GEMV": "0", "SIDECAR_NORM_GEMV": "off",
+           "SIDECAR_GEMV_PREFETCH": "false", "SIDECAR_GEMV_FUSED_SPLIT": "no", "SIDECAR_PDL": "0"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False"] * 5, out.stderr
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**env, "SIDECAR_GEMV": "sometimes"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "env SIDECAR_GEMV" in out.stderr
+
+
+def test_docs_list_every_setting_flag_and_variable() -> None:
+    doc = (REPO / "docs" / "configuration.md").read_text()
+    missing = [name for name in envs.SWITCHES if f"`{name}`" not in doc]
+    missing += [f.name for f in fields(LaunchConfig)
+                if f"`--{f.name.replace('_', '-')}`" not in doc or f"`SIDECAR_{f.name.upper()}`" not in doc]
+    missing += [f"sampling {f.name}" for f in fields(SamplingParams) if f"`{f.name}`" not in doc]
+    assert not missing, f"docs/configuration.md misses {missing}"

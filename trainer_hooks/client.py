@@ -1,0 +1,263 @@
+"""`SidecarClient`: the HTTP API from Python (httpx), with typed errors, timeouts and safe retries.
+
+- Every call has a timeout (the client's default, or the call's `timeout=`); generation and weight
+  updates default to the longer `long_timeout` because the server answers only when they are done.
+- Only idempotent calls (GET: health, state, checksums, metrics) are retried, on connection errors
+  and timeouts, with exponential backoff. generate, completions, sleep, wake_up and every weight
+  call are sent once: a retry could run them twice.
+- An error response raises a subclass of SidecarHTTPError carrying `status`, `type`, `field`,
+  `message` and `rank` from the server's {"error": {...}} body; 400/422 errors are also
+  InvalidRequestError and 409 errors StateError (inference.core), so callers can catch those; a
+  failed per-rank audit at finish is SidecarChecksumError. The classes live in
+  trainer_hooks/client_errors.py (no httpx), so the hook catches them without importing httpx.
+
+It lives with the trainer's side (the hook drives it); sidecar.client and `from sidecar import
+SidecarClient` re-export it.
+
+`sync_weights(sender, named_tensors, version)` runs one sync: start -> update (over HTTP, in a
+background thread, while `sender.send()` moves the bytes) -> finish(digests) -> audit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+
+from inference.core import CompletionOutput, FinishReason, RequestOutput, SamplingParams, SidecarError
+from trainer_hooks.client_errors import (
+    SidecarAuthError,
+    SidecarBusyError,
+    SidecarChecksumError,
+    SidecarConnectionError,
+    SidecarHTTPError,
+    SidecarMemoryError,
+    SidecarNotFoundError,
+    SidecarRequestError,
+    SidecarServerError,
+    SidecarStateError,
+    SidecarTransferError,
+    SidecarUnavailableError,
+    error_class,
+)
+
+__all__ = [
+    "SidecarAuthError",
+    "SidecarBusyError",
+    "SidecarChecksumError",
+    "SidecarClient",
+    "SidecarConnectionError",
+    "SidecarHTTPError",
+    "SidecarMemoryError",
+    "SidecarNotFoundError",
+    "SidecarRequestError",
+    "SidecarServerError",
+    "SidecarStateError",
+    "SidecarTransferError",
+    "SidecarUnavailableError",
+    "error_from_response",
+    "records_json",
+]
+
+
+def error_from_response(resp: httpx.Response) -> SidecarHTTPError:
+    try:
+        body = resp.json()
+    except ValueError:
+        body = None
+    err = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(err, dict):
+        err = {"type": resp.reason_phrase or "HTTPError", "message": resp.text[:500]}
+    cls = error_class(resp.status_code, str(err.get("type")))
+    return cls(resp.status_code, str(err.get("type")), str(err.get("message")), err.get("field"), err.get("rank"), body)
+
+
+class SidecarClient:
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 30.0, *,
+                 long_timeout: float = 900.0, retries: int = 3, backoff_s: float = 0.25,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.url = url.rstrip("/")
+        self.timeout, self.long_timeout, self.retries, self.backoff_s = timeout, long_timeout, retries, backoff_s
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> SidecarClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- transport ----------------------------------------------------------------------------
+    def _request(self, method: str, path: str, *, json: Any = None, params: dict[str, Any] | None = None,
+                 timeout: float | None = None, ok_statuses: tuple[int, ...] = ()) -> httpx.Response:
+        idempotent = method == "GET"
+        attempts = 1 + (self.retries if idempotent else 0)
+        for attempt in range(attempts):
+            try:
+                resp = self._http.request(method, path, json=json, params=params,
+                                          timeout=timeout if timeout is not None else self.timeout)
+            except httpx.TransportError as e:
+                if attempt + 1 < attempts:
+                    time.sleep(self.backoff_s * 2**attempt)
+                    continue
+                raise SidecarConnectionError(f"{method} {self.url}{path}: {type(e).__name__}: {e}") from e
+            if resp.is_error and resp.status_code not in ok_statuses:
+                raise error_from_response(resp)
+            return resp
+        raise AssertionError("unreachable")
+
+    def _get(self, path: str, **kw: Any) -> Any:
+        return self._request("GET", path, **kw).json()
+
+    def _post(self, path: str, body: Any = None, *, timeout: float | None = None) -> Any:
+        return self._request("POST", path, json=body if body is not None else {}, timeout=timeout).json()
+
+    # ---- reads --------------------------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        """{"status": "ok"} or {"status": "unhealthy", "error": ...} (a 503 is an answer, not an error)."""
+        return self._request("GET", "/health", ok_statuses=(503,)).json()
+
+    def is_healthy(self) -> bool:
+        try:
+            return self.health().get("status") == "ok"
+        except SidecarError:
+            return False
+
+    def state(self) -> dict[str, Any]:
+        return self._get("/state")
+
+    def checksums(self, model: str = "target", source: str = "held") -> list[dict[str, Any]]:
+        """Every rank's manifest (checksum.Manifest.from_dict reads each)."""
+        return self._get("/checksums", params={"model": model, "source": source},
+                         timeout=self.long_timeout)["manifests"]
+
+    def metrics(self) -> str:
+        return self._request("GET", "/metrics").text
+
+    # ---- generation ---------------------------------------------------------------------------
+    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+                 sampling_params: SamplingParams | Mapping[str, Any] | Sequence[Any] | None = None, *,
+                 wait: bool = True, timeout: float | None = None) -> list[RequestOutput]:
+        """RequestOutputs in prompt order (token ids, logprobs, text, weight version)."""
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        body: dict[str, Any] = {"prompts": [p if isinstance(p, str) else list(p) for p in prompts], "wait": wait}
+        if sampling_params is not None:
+            body["sampling_params"] = ([_params_dict(p) for p in sampling_params]
+                                       if isinstance(sampling_params, Sequence) else _params_dict(sampling_params))
+        data = self._post("/generate", body, timeout=timeout or self.long_timeout)
+        return [_request_output(i, o) for i, o in enumerate(data["outputs"])]
+
+    def completions(self, prompt: Any, *, timeout: float | None = None, **fields: Any) -> dict[str, Any]:
+        """POST /v1/completions with OpenAI fields (model, max_tokens, temperature, n, stop, seed, ...)."""
+        return self._post("/v1/completions", {"prompt": prompt, **fields}, timeout=timeout or self.long_timeout)
+
+    # ---- control ------------------------------------------------------------------------------
+    def sleep(self, level: int = 1, in_flight: str = "finish", *, timeout: float | None = None) -> dict[str, Any]:
+        return self._post("/sleep", {"level": level, "in_flight": in_flight}, timeout=timeout or self.long_timeout)
+
+    def wake_up(self, tags: list[str] | None = None, *, timeout: float | None = None) -> dict[str, Any]:
+        return self._post("/wake_up", {"tags": tags}, timeout=timeout or self.long_timeout)
+
+    def pause(self) -> dict[str, Any]:
+        return self._post("/pause")
+
+    def resume(self) -> dict[str, Any]:
+        return self._post("/resume")
+
+    def init_weights(self, init_info: Mapping[str, Any], *, timeout: float | None = None) -> dict[str, Any]:
+        return self._post("/weights/init", {"init_info": dict(init_info)}, timeout=timeout or self.long_timeout)
+
+    def start_weights(self, version: int, manifest: Any, *, model: str = "target", allow_cast: bool = False,
+                      timeout: float | None = None) -> dict[str, Any]:
+        body = {"model": model, "version": version, "manifest": manifest, "allow_cast": allow_cast}
+        return self._post("/weights/start", body, timeout=timeout or self.long_timeout)
+
+    def update_weights(self, update_info: Any = None, *, timeout: float | None = None) -> dict[str, Any]:
+        return self._post("/weights/update", {"update_info": update_info}, timeout=timeout or self.long_timeout)
+
+    def finish_weights(self, digests: Any, *, timeout: float | None = None) -> dict[str, Any]:
+        return self._post("/weights/finish", {"digests": records_json(digests)}, timeout=timeout or self.long_timeout)
+
+    def audit(self, model: str = "target", source: str = "held", expected: Any = None, *,
+              timeout: float | None = None) -> dict[str, Any]:
+        body = {"model": model, "source": source,
+                "expected": records_json(expected) if expected is not None else None}
+        return self._post("/audit", body, timeout=timeout or self.long_timeout)
+
+    # ---- a whole sync with inference.transfer.sender.WeightSender -----------------------------------
+    def connect_sender(self, sender: Any) -> dict[str, Any]:
+        """Join sender and sidecar: POST /weights/init in a thread while sender.connect() blocks."""
+        info = sender.init_info()
+        with ThreadPoolExecutor(1, thread_name_prefix="sidecar-init") as pool:
+            fut = pool.submit(self.init_weights, info)
+            _join_both(fut, sender.connect)
+            return fut.result()
+
+    def sync_weights(self, sender: Any, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
+                     version: int, model: str = "target", *, allow_cast: bool = False) -> dict[str, Any]:
+        """start -> update (HTTP, background thread) while sender.send() -> finish(digests) -> audit.
+
+        Returns the audit of what every rank received against the sender's digests (its "ok" is
+        True on success; a mismatch at finish raises SidecarStateError naming tensor and rank).
+        """
+        named = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        if not getattr(sender, "connected", True):
+            self.connect_sender(sender)
+        self.start_weights(version, sender.manifest(named, version), model=model, allow_cast=allow_cast)
+        with ThreadPoolExecutor(1, thread_name_prefix="sidecar-update") as pool:
+            fut = pool.submit(self.update_weights)
+            records = _join_both(fut, lambda: sender.send(named))
+        digests = records_json(records)
+        self.finish_weights(digests)
+        return self.audit(model=model, source="received", expected=digests)
+
+
+def _join_both(fut: Any, local: Any) -> Any:
+    """Run `local()` while `fut` (an HTTP call) runs; the sidecar's error wins (it names the rank)."""
+    try:
+        result = local()
+    except BaseException:
+        try:
+            fut.result()
+        except SidecarError as remote:
+            raise remote from None
+        raise
+    fut.result()
+    return result
+
+
+def records_json(records: Any) -> Any:
+    """TensorRecords (or a Manifest) -> JSON dicts; dicts and lists of dicts pass through."""
+    if hasattr(records, "to_dict"):
+        return records.to_dict()
+    if isinstance(records, (list, tuple)):
+        return [{"name": r.name, "dtype": r.dtype, "shape": list(r.shape), "digest": r.digest}
+                if dataclasses.is_dataclass(r) else r for r in records]
+    return records
+
+
+def _params_dict(p: Any) -> dict[str, Any]:
+    if isinstance(p, SamplingParams):
+        d = dataclasses.asdict(p)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+    return dict(p)
+
+
+def _request_output(i: int, o: dict[str, Any]) -> RequestOutput:
+    outs = [CompletionOutput(
+        index=c["index"], token_ids=c["token_ids"], logprobs=c["logprobs"],
+        finish_reason=FinishReason(c["finish_reason"]) if c["finish_reason"] else None, text=c["text"],
+        top_logprobs=[{int(k): v for k, v in d.items()} for d in c["top_logprobs"]] if c["top_logprobs"] else None,
+        stop_reason=c.get("stop_reason"),
+        weight_version_spans=[tuple(s) for s in c.get("weight_version_spans", [])]) for c in o["completions"]]
+    return RequestOutput(request_id=str(i), prompt_token_ids=o["prompt_token_ids"], outputs=outs,
+                         weight_version=o["weight_version"], prompt=o["prompt"],
+                         num_cached_tokens=o["num_cached_tokens"])
