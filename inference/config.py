@@ -147,6 +147,10 @@ class SchedulerConfig:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # Overlap each step's host work (schedule, input staging, commit) with the previous step on the
+    # device (docs/architecture.md, Decisions). None: on for CUDA; True: also on CPU (tests); False: off.
+    # Speculative decoding always runs synchronous steps.
+    async_scheduling: bool | None = None
 
 
 LOAD_FORMATS = ("auto", "dummy")  # EngineConfig.load_format

@@ -23,6 +23,7 @@ from typing import TypeVar
 import torch
 
 from inference.batch import AttentionMetadata
+from inference.pending_tokens import resolve_pending
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -109,9 +110,14 @@ class DecodeInputs:
     new entries of a grown row are written to the host mirror. Entries past a row's length may be
     stale: attention reads only the blocks of its context length.
 
-    The host buffers are reused: a staged copy must have run before the next `stage` writes them.
-    The engine's step waits for its sampled tokens after every replay, so the guard event is always
-    complete when `stage` checks it.
+    The host buffers are reused: a staged copy must have run before the next `stage` writes them
+    (the guard event). Synchronous steps wait for their sampled tokens after every replay, so the event
+    is complete when `stage` checks it; with async scheduling the copy of step i sits behind step i - 1,
+    which the engine has read back before it stages step i + 1, so the wait is short or none.
+
+    Input ids may be placeholders (async scheduling: tokens the previous step samples on the device);
+    `stage` replaces them on the device from that step's sampled pairs after the copy
+    (inference/pending_tokens.py), in stream order before the replay reads them.
     """
 
     def __init__(self, capacity: int, max_blocks: int, device: torch.device | str) -> None:
@@ -141,8 +147,9 @@ class DecodeInputs:
         return r[:bs], r[s: s + bs], r[2 * s: 2 * s + bs], context_lens, self.tables[:bs]
 
     def stage(self, bs: int, input_ids: list[int], positions: list[int], slots: list[int],
-              context_lens: list[int], tables: list[list[int]]) -> None:
-        """Send n <= bs rows from host lists; rows n..bs become padding."""
+              context_lens: list[int], tables: list[list[int]], pending: torch.Tensor | None = None) -> None:
+        """Send n <= bs rows from host lists; rows n..bs become padding. Negative input ids are
+        placeholders for tokens of `pending`, the previous step's sampled pairs [m, 2] float64."""
         n = len(input_ids)
         assert n <= bs <= self.capacity and len(tables) == n, (n, bs, self.capacity)
         if self._copied is not None:
@@ -160,6 +167,9 @@ class DecodeInputs:
             ctx[n:bs] = 0
         words = self.num_words(bs)
         self.rows[:words].copy_(self._host_rows[:words], non_blocking=True)
+        if n and min(input_ids) < 0:
+            assert pending is not None, "placeholder input ids without the previous step's sampled tokens"
+            resolve_pending(self.rows[:n], pending)
         self._stage_tables(tables)
         if self._copied is not None:
             self._copied.record(torch.cuda.current_stream(self.device))
@@ -308,11 +318,13 @@ class CUDAGraphRunner:
         return self.outputs[bs][:n]
 
     def replay_staged(self, input_ids: list[int], positions: list[int], slots: list[int],
-                      context_lens: list[int], tables: list[list[int]]) -> torch.Tensor:
-        """`replay` from host lists: one copy of the row inputs, block-table rows only when they changed."""
+                      context_lens: list[int], tables: list[list[int]],
+                      pending: torch.Tensor | None = None) -> torch.Tensor:
+        """`replay` from host lists: one copy of the row inputs, block-table rows only when they changed.
+        Negative input ids are placeholders for tokens of `pending` (see DecodeInputs.stage)."""
         n = len(input_ids)
         bs = self.size_for(n)
-        self.inputs.stage(bs, input_ids, positions, slots, context_lens, tables)
+        self.inputs.stage(bs, input_ids, positions, slots, context_lens, tables, pending)
         self.graphs[bs].replay()
         return self.outputs[bs][:n]
 

@@ -4,17 +4,24 @@
 in lockstep (SPMD): scheduling is deterministic, logits are gathered to every rank and the sampling
 generators share a seed, so all ranks produce the same tokens; the driver feeds every rank the same
 calls.
+
+With async scheduling (SchedulerConfig.async_scheduling; the Decision in docs/architecture.md) a
+step() schedules and launches step i + 1 while step i still runs on the device, then reads back and
+commits step i: step i + 1 stays in flight when step() returns. Everything that must not overlap a
+step (sleep, a weight update) first settles the step in flight (`_settle`; inference/async_step.py).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from inference.async_step import StepOverlap, uses_async_scheduling
 from inference.block_manager import BlockManager
 from inference.config import EngineConfig, build_engine_config
 from inference.core import (
@@ -27,7 +34,8 @@ from inference.core import (
 )
 from inference.memory import ArenaState
 from inference.parallel import TPInfo
-from inference.scheduler import Scheduler
+from inference.prompts import check_text, check_token_ids
+from inference.scheduler import ScheduledBatch, Scheduler, StepResult
 from inference.sequence import Sequence
 from inference.sleep import TransitionStats
 from inference.spec_decode import SpecDecodeStats
@@ -104,22 +112,27 @@ class LLM:
         self.weight_version = 0
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
-        self._finished_while_draining: list[RequestOutput] = []
+        self._finished_while_draining: list[RequestOutput] = []  # finished outside step(): take_finished
+        # async scheduling: the step in flight and the step that overlaps it (None: synchronous steps)
+        self._overlap = (StepOverlap(self.scheduler, self.worker, self._apply_results)
+                         if uses_async_scheduling(config, self.worker) else None)
         self._num_with_stops = 0  # live requests with stop strings (their steps run the detokenizer)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, *, wait: bool = True) -> str:
+                    request_id: str | None = None, *, wait: bool = True, prompt_text: str | None = None) -> str:
         """Validate and queue one prompt. Raises InvalidRequestError naming the field; queues nothing then.
 
         While the engine is asleep (or its weights await a sync) the request waits in the queue;
-        with wait=False it is refused with a StateError instead.
+        with wait=False it is refused with a StateError instead. `prompt_text`: the text that `prompt`'s
+        token ids were tokenized from by the caller (the sidecar tokenizes off the step loop), kept
+        for the output only.
         """
         params = params or SamplingParams()
         if not wait:
             self.check_ready()
         text, ids = self._checked(prompt, params)
-        return self._enqueue(text, ids, params, request_id)
+        return self._enqueue(text if prompt_text is None else prompt_text, ids, params, request_id)
 
     def _checked(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
         """(text, token ids) of a valid request; InvalidRequestError naming the field otherwise."""
@@ -145,6 +158,7 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("prompt", "this model has no tokenizer.json: send token ids")
+            check_text(prompt)  # a lone surrogate is a bad prompt, not a tokenizer crash
             return prompt, self.tokenizer.encode(prompt)
         if not isinstance(prompt, Seq) or isinstance(prompt, bytes):
             raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
@@ -152,9 +166,7 @@ class LLM:
 
     def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
         vocab = self.model_config.vocab_size
-        for i, t in enumerate(ids):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise InvalidRequestError("prompt", f"token {i} = {t!r} is outside the vocabulary [0, {vocab})")
+        check_token_ids(ids, vocab)
         params.check_limits(vocab, self.max_model_len, len(ids))  # the one policy: inference/core.py
         self.scheduler.validate(len(ids), params)  # and what the KV cache can ever hold
 
@@ -165,32 +177,55 @@ class LLM:
             self._num_with_stops -= bool(req.detoks)
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        """Requests not returned yet, or a step in flight (async scheduling): step() has work."""
+        return bool(self._requests) or (self._overlap is not None and self._overlap.in_flight is not None)
 
     # ---- stepping -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; return the requests that finished in it. Asleep: nothing runs."""
+        """Run one scheduler step; return the requests that finished in it. Asleep: nothing runs.
+
+        With async scheduling the step launched here stays in flight and the requests returned are
+        those that finished in the step launched by the call before (read back after this launch);
+        when nothing is left to run, the step in flight is read back too."""
         if not self._can_step():
-            return []
+            return self._settle()
         batch = self.scheduler.schedule()
-        if batch.is_empty:
+        overlap = self._overlap
+        if batch.is_empty and (overlap is None or overlap.in_flight is None):
             if self.scheduler.has_unfinished():
                 raise StateError("scheduler made no progress with requests pending (KV cache too small?)")
             return []
+        finished = overlap.step(batch, self.step_log) if overlap is not None else self._step_sync(batch)
+        # a request completes only when one of its sequences finishes (abort drops it at once)
+        return self._collect_finished() if finished else []
+
+    def _step_sync(self, batch: ScheduledBatch) -> list[Sequence]:
         steps = self.step_log
         pending = steps.begin(batch) if steps is not None else None
         results = self.worker.execute_model(batch)
-        self._record_versions(batch.seqs, results)
-        stops = self._num_with_stops > 0
-        before = [s.num_tokens for s in batch.seqs] if stops else []
-        finished = self.scheduler.commit(batch, results)
+        finished = self._apply_results(batch, results, self.scheduler.commit)
         self._count_speculation(batch, results)
-        if stops:
-            finished += self._apply_stop_strings(batch.seqs, results, before)
         if steps is not None and pending is not None:
             steps.end(pending, len(finished))
-        # a request completes only when one of its sequences finishes (abort drops it at once)
-        return self._collect_finished() if finished else []
+        return finished
+
+    def _settle(self) -> list[RequestOutput]:
+        """Read back and commit the step in flight, if any; the requests it finished."""
+        if self._overlap is None:
+            return []
+        return self._collect_finished() if self._overlap.finish() else []
+
+    def _apply_results(self, batch: ScheduledBatch, results: list[StepResult],
+                       commit: Callable[[ScheduledBatch, list[StepResult]], list[Sequence]]) -> list[Sequence]:
+        """Commit a step's results (scheduler.commit, or commit_pending for a step with placeholders),
+        then its stop strings; return the sequences that finished."""
+        self._record_versions(batch.seqs, results)
+        stops = self._num_with_stops > 0
+        before = [s.num_tokens - s.num_pending for s in batch.seqs] if stops else []
+        finished = commit(batch, results)
+        if stops:
+            finished += self._apply_stop_strings(batch.seqs, results, before)
+        return finished
 
     def _count_speculation(self, batch: Any, results: list) -> None:
         proposed = sum(batch.num_lookahead)
@@ -200,9 +235,12 @@ class LLM:
             self.spec_stats.accepted += sum(len(r) - 1 for r in results if isinstance(r, list))
 
     def _record_versions(self, seqs: list[Sequence], results: list) -> None:
+        """Before a commit: the step's tokens start a span when the weight version changed."""
+        version = self.weight_version
         for seq, res in zip(seqs, results):
-            if res is not None and (not seq.version_spans or seq.version_spans[-1][1] != self.weight_version):
-                seq.version_spans.append((seq.num_generated, self.weight_version))
+            spans = seq.version_spans
+            if res is not None and (not spans or spans[-1][1] != version) and not seq.is_finished:
+                spans.append((seq.num_generated - seq.num_pending, version))
 
     def _apply_stop_strings(self, seqs: list[Sequence], results: list, before: list[int]) -> list[Sequence]:
         """Finish sequences whose new text completes a stop string (detection only; see _output);
@@ -326,6 +364,7 @@ class LLM:
         # Requests that cannot run now (weights torn or awaiting a sync) are held, not waited for.
         while in_flight == "finish" and self.has_unfinished() and self._can_step():
             self._finished_while_draining.extend(self.step())
+        self._finished_while_draining.extend(self._settle())
         self.scheduler.preempt_all()
         self.block_manager.reset_prefix_cache()
         return self.worker.sleep(level)
@@ -336,16 +375,19 @@ class LLM:
         return self.worker.wake_up(tags)
 
     def take_finished(self) -> list[RequestOutput]:
-        """Outputs of requests that finished while sleep() drained the queue."""
+        """Outputs of requests that finished outside step(): while sleep() drained the queue, or in the
+        step in flight that sleep() or a weight update read back first (async scheduling)."""
         out, self._finished_while_draining = self._finished_while_draining, []
         return out
 
     # ---- weight updates (the sessions live on the worker: inference/weight_update.py) --------
     def start_weight_update(self, version: int, manifest: Any, *, allow_cast: bool = False) -> None:
+        self._finished_while_draining.extend(self._settle())  # no step may read weights being written
         self._check_awake("target")
         self.worker.start_weight_update(version, manifest, allow_cast=allow_cast)
 
     def start_draft_weight_update(self, version: int, manifest: Any, *, allow_cast: bool = False) -> None:
+        self._finished_while_draining.extend(self._settle())
         self._check_awake("draft")
         self.worker.start_draft_weight_update(version, manifest, allow_cast=allow_cast)
 
@@ -364,6 +406,7 @@ class LLM:
         """Audit the update; on success the version goes live. A target update becomes the engine's
         weight_version; any update drops the prefix cache and recomputes running sequences (their
         KV came from the old weights). A mismatch raises (the model stays torn, nothing changes here)."""
+        self._finished_while_draining.extend(self._settle())  # (settled at start: normally nothing)
         result = self.worker.finish_weight_update(sender_digests, **kwargs)
         memory, tag = self.worker.memory, ARENA_OF[result.model]
         if memory is not None and memory.state(tag) is ArenaState.AWAKE:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import operator
 from array import array
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -16,6 +17,7 @@ from inference.batch import AttentionMetadata
 from inference.config import ModelConfig
 from inference.cuda_graphs import CUDAGraphRunner, capture_ladder
 from inference.parallel import TPInfo
+from inference.pending_tokens import resolve_pending
 from inference.sampler import SamplingBatch, greedy_rows, sample, sample_pairs, unseeded_seed
 from inference.sampler_graphs import SamplingGraphs
 from inference.scheduler import ScheduledBatch
@@ -41,7 +43,7 @@ class ModelRunner:
         self.tp = tp
         self.device = device
         self.dtype = dtype
-        self.seed = seed  # with a sequence's id, the noise seed of an unseeded sequence (unseeded_seed)
+        self.seed = seed  # the noise seeds of unseeded rows derive from it (unseeded_seed)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.kv_cache: torch.Tensor | None = None
@@ -50,9 +52,13 @@ class ModelRunner:
         self.greedy_graphs: GreedyGraphs | None = None
         self.sampling_graphs: SamplingGraphs | None = None
         self._sb_key: tuple[int, ...] = ()  # seq ids of the cached SamplingBatch's rows
+        self._sb_builds = 0  # lists of sampling rows built so far: the unseeded rows' seeds count them
         self._sb_rows: SamplingBatch | None = None  # their row tensors
         self._sb_positions: array | None = None  # the output positions of the last batch built on them
         self._sb: SamplingBatch | None = None  # that batch
+        # async scheduling: the sampled pairs of the step launched last, where the next step's
+        # placeholder input ids are read on the device (inference/pending_tokens.py)
+        self._pending_pairs: torch.Tensor | None = None
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -69,9 +75,10 @@ class ModelRunner:
         self.model.bind_kv_cache(kv)
 
     # ---- one step -------------------------------------------------------------------------
-    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+    def prepare(self, batch: ScheduledBatch, pending: torch.Tensor | None = None) -> StepInputs:
         """Eager-path inputs: ids, positions, slots and last-token indices travel in one int64 copy,
-        the attention metadata's int32 parts in another."""
+        the attention metadata's int32 parts in another. Placeholder ids (async scheduling) are
+        replaced on the device with the tokens of `pending`, the previous step's sampled pairs."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -93,6 +100,9 @@ class ModelRunner:
         t = len(ids)
         packed = torch.tensor(ids + positions + slots + last_index, dtype=torch.int64).to(
             self.device, non_blocking=True)
+        if min(ids) < 0:
+            assert pending is not None, "placeholder input ids without the previous step's sampled tokens"
+            resolve_pending(packed[:t], pending)
         meta = AttentionMetadata.build(batch.num_new_tokens, context_lens, packed[2 * t: 3 * t],
                                        [s.block_table for s in batch.seqs], bs, self.device)
         return StepInputs(input_ids=packed[:t], positions=packed[t: 2 * t], meta=meta, sample_rows=sample_rows,
@@ -101,38 +111,72 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[SampleResult | None]:
         """Run one step; returns per scheduled sequence its sampled result, or None (mid-prefill)."""
+        sampled, sample_rows, seqs = self._run(batch, None)
+        results: list[SampleResult | None] = [None] * len(batch.seqs)
+        if sampled is not None:
+            for row, res in zip(sample_rows, self._to_host(sampled, seqs)):
+                results[row] = res
+        return results
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch) -> InFlightStep:
+        """Launch one step and return without waiting for the device (async scheduling).
+
+        Placeholder input ids are read on the device from the sampled pairs of the step launched
+        before this one (the caller resolved the older ones). The step's results are copied to host
+        memory behind its sampling, before the next step can overwrite a sampling graph's output;
+        `InFlightStep.results()` then waits for this step alone."""
+        sampled, sample_rows, seqs = self._run(batch, self._pending_pairs)
+        self._pending_pairs = sampled.pairs if sampled is not None else None
+        host, ready = _copy_to_host(sampled) if sampled is not None else (None, None)
+        return InFlightStep(len(batch.seqs), sample_rows, seqs, host, ready, self.collect)
+
+    def collect(self, step: InFlightStep) -> list[SampleResult | None]:
+        """Per scheduled sequence of a launched step, its sampled result or None: the step's one
+        host sync (it waits for that step's copy only)."""
+        results: list[SampleResult | None] = [None] * step.num_rows
+        if step.sampled is not None:
+            if step.ready is not None:
+                step.ready.synchronize()
+            for row, res in zip(step.sample_rows, self._to_host(step.sampled, step.seqs)):
+                results[row] = res
+        return results
+
+    def _run(self, batch: ScheduledBatch, pending: torch.Tensor | None
+             ) -> tuple[_Sampled | None, list[int], list[Sequence]]:
+        """Launch a step's forward and sampling: (the sampled pairs on the device, None when no row
+        samples; the batch rows that sample; their sequences). `pending`: see `prepare`."""
         assert self.kv_cache is not None, "bind_kv_cache first"
-        logits = self._graph_decode(batch) if self.graphs is not None else None
+        logits = self._graph_decode(batch, pending) if self.graphs is not None else None
         graphed = logits is not None
         if logits is not None:
             sample_rows = list(range(len(batch.seqs)))
             seqs = batch.seqs
         else:
-            inp = self.prepare(batch)
+            inp = self.prepare(batch, pending)
             sample_rows = inp.sample_rows
             if not sample_rows:
                 self.model(inp.input_ids, inp.positions, inp.meta)
-                return [None] * len(batch.seqs)
+                return None, [], []
             logits = self._forward(inp)
             seqs = [batch.seqs[r] for r in sample_rows]
-        sampled = self._sample(logits, self._sampling_batch(seqs), graphed)
-        results: list[SampleResult | None] = [None] * len(batch.seqs)
-        for row, res in zip(sample_rows, self._to_host(sampled, seqs)):
-            results[row] = res
-        return results
+        return self._sample(logits, self._sampling_batch(seqs), graphed), sample_rows, seqs
 
     def _forward(self, inp: StepInputs) -> torch.Tensor:
         hidden = self.model(inp.input_ids, inp.positions, inp.meta).index_select(0, inp.last_token_index)
         return self.model.compute_logits(hidden)
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
-        """The step's SamplingBatch. Its row tensors (a sequence's params and noise seed never change)
-        are built only when other sequences, or the same in another order, sample; a step of the same
-        rows sends just their output positions (one small copy, no per-row Python), and unchanged
-        positions give back the same batch. An all-greedy batch needs no positions."""
+        """The step's SamplingBatch. Its row tensors (params and noise seeds: a seeded sequence's own,
+        `unseeded_seed` of this list of rows for the others) are built only when other sequences, or
+        the same in another order, sample; a step of the same rows sends just their output positions
+        (one small copy, no per-row Python), and unchanged positions give back the same batch. An
+        all-greedy batch needs no positions."""
         key = tuple(map(_SEQ_ID, seqs))
         if key != self._sb_key or self._sb_rows is None:
-            seeds = [unseeded_seed(self.seed, s.seq_id) if s.seed is None else s.seed for s in seqs]
+            seeds = [unseeded_seed(self.seed, self._sb_builds, row) if s.seed is None else s.seed
+                     for row, s in enumerate(seqs)]
+            self._sb_builds += 1
             self._sb_rows = SamplingBatch.build_rows([s.params for s in seqs], seeds, self.model_config.vocab_size,
                                                      self.device)
             self._sb_key, self._sb, self._sb_positions = key, None, None
@@ -140,9 +184,12 @@ class ModelRunner:
             return self._sb_rows
         positions = array("q", map(operator.sub, map(len, map(_TOKEN_IDS, seqs)), map(_NUM_PROMPT, seqs)))
         if positions != self._sb_positions or self._sb is None:
-            # the array is never written again and stays referenced: a safe source for an async copy
-            self._sb = self._sb_rows.at(torch.frombuffer(positions, dtype=torch.int64).to(self.device,
-                                                                                        non_blocking=True))
+            # pinned (torch caches pinned blocks), so the copy is queued without waiting for the step in
+            # flight, as a pageable source could make it do under async scheduling
+            host = torch.frombuffer(positions, dtype=torch.int64)
+            if self.device.type == "cuda":
+                host = host.pin_memory()
+            self._sb = self._sb_rows.at(host.to(self.device, non_blocking=True))
             self._sb_positions = positions
         return self._sb
 
@@ -181,11 +228,15 @@ class ModelRunner:
         self.graphs.capture()
         self.greedy_graphs = GreedyGraphs(self.graphs)
         self.greedy_graphs.capture()
+        # compile the placeholder kernel now rather than in the first async step (the ids of a
+        # padding row are 0: nothing is written)
+        resolve_pending(self.graphs.inputs.views(1)[0], self.greedy_graphs.out[:1])
         self.sampling_graphs = SamplingGraphs(self.graphs, self.model_config.vocab_size)
         self.sampling_graphs.capture()
 
-    def _graph_decode(self, batch: ScheduledBatch) -> torch.Tensor | None:
-        """Logits of a decode-only step replayed from a graph, or None when no graph fits."""
+    def _graph_decode(self, batch: ScheduledBatch, pending: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Logits of a decode-only step replayed from a graph, or None when no graph fits. `pending`:
+        see `prepare`."""
         assert self.graphs is not None
         seqs = batch.seqs
         # every n is >= 1, so the sum equals the row count only when each row computes one token
@@ -198,7 +249,7 @@ class ModelRunner:
         pos = [s.num_computed_tokens for s in seqs]
         return self.graphs.replay_staged([s.token_ids[p] for s, p in zip(seqs, pos)], pos,
                                          [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)],
-                                         [p + 1 for p in pos], tables)
+                                         [p + 1 for p in pos], tables, pending)
 
 
 @dataclass
@@ -206,6 +257,40 @@ class _Sampled:
     pairs: torch.Tensor  # [n, 2] float64 on the device: token id (exact in float64) and its logprob
     top_ids: torch.Tensor | None
     top_logprobs: torch.Tensor | None
+
+
+@dataclass
+class InFlightStep:
+    """A launched step whose results the host has not read yet (async scheduling)."""
+
+    num_rows: int
+    sample_rows: list[int]  # the batch rows that sample
+    seqs: list[Sequence]  # their sequences
+    sampled: _Sampled | None  # host copies of the sampled tensors, complete once `ready` is; None: none sampled
+    ready: torch.cuda.Event | None  # recorded after the copies (CUDA); None: already complete
+    collect: Callable[[InFlightStep], list[SampleResult | None]]  # ModelRunner.collect
+
+    def results(self) -> list[SampleResult | None]:
+        """Per scheduled sequence its sampled result or None; waits for this step's copy only."""
+        return self.collect(self)
+
+
+def _copy_to_host(sampled: _Sampled) -> tuple[_Sampled, torch.cuda.Event | None]:
+    """Every tensor of `sampled` copied to pinned host memory in stream order, without waiting, and an
+    event recorded after the copies. On CPU `sampled` as it is (no event): only CUDA has sampling
+    graphs, whose static outputs the next step overwrites; the eager sampler's tensors are new."""
+    if not sampled.pairs.is_cuda:
+        return sampled, None
+
+    def host(value: object) -> object:
+        if not isinstance(value, torch.Tensor):
+            return value
+        return torch.empty(value.shape, dtype=value.dtype, pin_memory=True).copy_(value, non_blocking=True)
+
+    copied = replace(sampled, **{f.name: host(getattr(sampled, f.name)) for f in fields(sampled)})
+    ready = torch.cuda.Event()
+    ready.record()
+    return copied, ready
 
 
 _SEQ_ID = operator.attrgetter("seq_id")

@@ -6,10 +6,11 @@ race (argmax of x - log E, E ~ Exp(1)): no host sync, no torch.multinomial. Ever
 from a counter-based generator keyed by (row seed, output position, vocabulary index)
 (inference/sampler_kernels.py, which also defines the thresholds and their tie rule), so a row's
 token depends only on its seed, its position and its logits: never on the batch, the order of its
-rows or preemption. A seeded sequence's row seed is its own; the runner gives an unseeded one
-`unseeded_seed(runner seed, sequence id)`, equal on every TP rank; rows built with no seed at all
-(tests, benchmarks) draw one per call from the generator given to `sample`. Reported logprobs come
-from the raw logits ("raw") or from the processed distribution ("processed"), per row.
+rows or preemption. A seeded sequence's row seed is its own; the runner gives an unseeded row
+`unseeded_seed(runner seed, list-of-rows count, row)`, equal on every TP rank; rows built with no
+seed at all (tests, spec decoding's batches) draw one per call from the generator given to `sample`.
+Reported logprobs come from the raw logits ("raw") or from the processed distribution ("processed"),
+per row.
 
 On CUDA a step is a few Triton launches over all rows at once: the raw row statistics (max, first
 argmax, log(sum(exp(x - max))) by a two-stage chunked reduction: a single 152k-column row is
@@ -30,6 +31,7 @@ from inference.sampler_batch import SamplingBatch
 from inference.sampler_batch import position_seed as position_seed  # re-exported: spec decoding seeds with it
 from inference.sampler_batch import unseeded_seed as unseeded_seed  # re-exported for the runner
 from inference.sampler_kernels import (
+    RaceRows,
     log_exponential_torch,
     race_torch,
     race_triton,
@@ -185,8 +187,7 @@ def _draw(logits: torch.Tensor, raw: RowStats, sb: SamplingBatch, thr: torch.Ten
     assert sb.greedy is not None and sb.inv_temps is not None and sb.log_min_ps is not None
     assert sb.processed_logprobs is not None and sb.positions is not None
     if use_triton:
-        rows = {"inv_temps": sb.inv_temps, "log_min_ps": sb.log_min_ps, "seeds": seeds, "positions": sb.positions,
-                "greedy": sb.greedy, "processed": sb.processed_logprobs}
+        rows = RaceRows(sb.inv_temps, sb.log_min_ps, seeds, sb.positions, sb.greedy, sb.processed_logprobs)
         return race_triton(_unit_stride(logits), (raw.max, raw.argmax, raw.log_sum), rows, thr, sb.any_processed,
                            pairs)
     x, keep = scaled_logits(logits, raw.max, sb.inv_temps, thr, sb.log_min_ps)

@@ -25,10 +25,13 @@ def position_seed(seed: int, position: int) -> int:
     return ((seed * 1_000_003) ^ ((position + 1) * _MIX)) & _MASK63
 
 
-def unseeded_seed(runner_seed: int, seq_id: int) -> int:
-    """The noise seed of a sequence without one: every TP rank has the same runner seed and creates the
-    same sequences in the same order (same ids), so all ranks draw the same noise without a collective."""
-    return position_seed(runner_seed ^ _UNSEEDED_SALT, seq_id)
+def unseeded_seed(runner_seed: int, batch_index: int, row: int) -> int:
+    """The noise seed of a row without one: row `row` of the runner's `batch_index`-th list of sampling
+    rows. Every TP rank has the same runner seed and runs the same schedule, so all ranks (and a TP=1
+    engine beside them, in any process) draw the same noise without a collective; no two (batch_index,
+    row) share a seed (position_seed is injective in each argument), and a row's output position
+    moves its noise on from step to step."""
+    return position_seed(position_seed(runner_seed ^ _UNSEEDED_SALT, batch_index), row)
 
 
 @dataclass
@@ -119,5 +122,6 @@ def _to_device(device: torch.device, columns: list[tuple[array, torch.dtype]]) -
         spans.append((start, len(blob)))
         blob += bytes(-len(blob) % 8)
     host = torch.frombuffer(blob, dtype=torch.uint8)
-    dev = host.clone() if device.type == "cpu" else host.to(device, non_blocking=True)
+    # pinned: a pageable source may make the copy wait for the step in flight (async scheduling)
+    dev = host.clone() if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
     return [dev[a:b].view(dtype) for (a, b), (_, dtype) in zip(spans, columns)]

@@ -25,8 +25,9 @@ ROW_FIELDS = ("greedy", "inv_temps", "top_ks", "top_ps", "log_min_ps", "processe
 class SamplingGraphs:
     """Lifecycle: capture, replay, destroy. Rows past the batch are the decode graph's padding: they
     sample with whatever settings the buffers last held (valid ones, at worst a filtered row's search)
-    and their results are never read. A row's token is the one the eager `sample_pairs` picks: each
-    kernel reduces a row alone, in a chunking fixed by the vocabulary, not the batch."""
+    and their results are never read. A row's token is the one the eager `sample_pairs` picks (the
+    thresholds and the race reduce each row alone, in a chunking fixed by the vocabulary); a raw
+    logprob may differ in the last float32 bits (the raw log-sum-exp splits a row by batch size)."""
 
     def __init__(self, graphs: CUDAGraphRunner, vocab_size: int) -> None:
         self.decode = graphs

@@ -4,7 +4,7 @@ Noise: a counter-based generator. The uniform of (row seed, output position, voc
 pure function of the three integers, so a row's draw depends on nothing else in the batch. A row key
 (k0, k1) is mixed from (seed, position) by lowbias32-style 32-bit rounds (xor-shift, multiply); the
 index then goes through two more rounds, h = mix(mix(index ^ k0) ^ k1): a bijection of the index for
-each key (a row's 2^32 uniforms never collide), and the outer round keeps two rows whose keys differ
+each key (a row's hashes never collide), and the outer round keeps two rows whose keys differ
 in few bits from drawing related noise. torch holds the uint32 words in int64 (masked, multiplied in
 16-bit halves so nothing overflows), so both sides compute the same integers and the same float32
 w = fl(fl(h) + 0.5) * 2^-32, clamped to 1 - 2^-24. E = -log(1 - w) ~ Exp(1); the race needs log E,
@@ -17,7 +17,7 @@ the largest float32): no temperature overflows, and the top token has x = 0. Kep
 x - log E, others -inf; the token is the first index of the max score (argmax's tie rule). Its
 processed logprob is x - log(sum of exp(x) over kept entries). Per (row, chunk of _RACE_SPAN columns)
 programs reduce to (max score, first index, mass); the chunk geometry does not depend on the batch,
-so neither does any bit of a row's result.
+so neither does a row's token nor any bit of its processed logprob.
 
 Thresholds: a row keeps the entries with logit >= thr and x >= log(min_p). thr = max(top-k's: the
 k-th largest logit; top-p's: the smallest logit v of the top-k survivors whose mass strictly above v
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import struct
+from typing import NamedTuple
 
 import torch
 
@@ -167,15 +168,26 @@ def uniforms_triton(seeds: torch.Tensor, positions: torch.Tensor, n_cols: int) -
     return out
 
 
-def race_triton(logits: torch.Tensor, stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                rows: dict[str, torch.Tensor], thresholds: torch.Tensor | None, need_mass: bool,
+class RaceRows(NamedTuple):
+    """The per-row tensors the race reads, [B] each and contiguous."""
+
+    inv_temps: torch.Tensor  # float32
+    log_min_ps: torch.Tensor  # float32
+    seeds: torch.Tensor  # int64
+    positions: torch.Tensor  # int64
+    greedy: torch.Tensor  # bool: take the raw argmax
+    processed: torch.Tensor  # bool: report the processed logprob
+
+
+def race_triton(logits: torch.Tensor, stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rows: RaceRows,
+                thresholds: torch.Tensor | None, need_mass: bool,
                 pairs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens [B] int64 and their logprobs [B] float32 (and the same into pairs [B, 2] float64 when given).
 
-    stats: the raw logits' (max, first argmax, log-sum-exp offset); rows: the per-row tensors inv_temps,
-    log_min_ps, seeds, positions, greedy and processed (bool). Greedy rows take the raw argmax; a row
-    reports its processed logprob where `processed` is set (need_mass: any row does)."""
+    stats: the raw logits' (max, first argmax, log-sum-exp offset). need_mass: some row reports its
+    processed logprob (the chunks then also sum exp(x))."""
     assert logits.dim() == 2 and logits.stride(1) == 1, (logits.shape, logits.stride())
+    assert pairs is None or pairs.is_contiguous(), "pairs rows must be 2 float64 apart"
     n, cols = logits.shape
     chunks = triton.cdiv(cols, _RACE_SPAN)
     dev = logits.device
@@ -188,12 +200,12 @@ def race_triton(logits: torch.Tensor, stats: tuple[torch.Tensor, torch.Tensor, t
     row_max, argmax, log_sum = stats
     has_thr = thresholds is not None
     _race_chunk_kernel[(n, chunks)](
-        logits, logits.stride(0), cols, row_max, rows["inv_temps"], thresholds if has_thr else row_max,
-        rows["log_min_ps"], rows["seeds"], rows["positions"], part_score, part_idx, part_mass, _RACE_SPAN,
+        logits, logits.stride(0), cols, row_max, rows.inv_temps, thresholds if has_thr else row_max,
+        rows.log_min_ps, rows.seeds, rows.positions, part_score, part_idx, part_mass, _RACE_SPAN,
         HAS_THR=has_thr, NEED_MASS=need_mass, BLOCK=_RACE_BLOCK, num_warps=4)
     _race_merge_kernel[(n,)](
         part_score, part_idx, part_mass, chunks, logits, logits.stride(0), row_max, argmax, log_sum,
-        rows["inv_temps"], rows["greedy"], rows["processed"], tokens, logprobs, pairs if pairs is not None else tokens,
+        rows.inv_temps, rows.greedy, rows.processed, tokens, logprobs, pairs if pairs is not None else tokens,
         NEED_MASS=need_mass, WRITE_PAIRS=pairs is not None, CHUNKS_PAD=triton.next_power_of_2(chunks), num_warps=1)
     return tokens, logprobs
 

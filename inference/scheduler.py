@@ -19,6 +19,17 @@ to k draft tokens (fewer near max_tokens, max_model_len, the token budget or the
 preemption for lookahead). Its blocks cover the k + 1 positions the target verifies; the budget is
 charged k + 1 tokens. Its result is a run of 1..k+1 tokens; tokens after a stop are dropped.
 
+Async scheduling (the engine overlaps a step's host work with the previous step on the device):
+`advance(batch)` accounts a launched step before its tokens are known (computed tokens advance, full
+blocks register: stream order puts every reader of their KV after the step that writes it) and gives
+each row that samples a placeholder token (sequence.py); the next schedule() then counts that token
+as if it were known, except that a sequence whose pending token is its last by length (max_tokens,
+max_model_len) is not scheduled again, and admission does not count it against max_num_seqs.
+`commit_pending(batch, sampled)` replaces the placeholders with the sampled tokens and applies the
+stop rules. A sequence that finished on its pending token (EOS, a stop token) has one wasted row in
+the step launched meanwhile; its result is dropped. A preempted sequence keeps its placeholder until
+that commit (a step that preempts admits nothing, so it is not admitted with one).
+
 Invariants: every live sequence is in exactly one of `waiting` and `running`; waiting sequences hold
 no blocks; `running` is sorted by arrival; scheduling is deterministic (every TP rank runs the same
 scheduler over the same calls and must choose the same batch).
@@ -84,6 +95,7 @@ class _Plan:
     # seq_id -> (seq, tokens, lookahead)
     entries: dict[int, tuple[Sequence, int, int]] = field(default_factory=dict)
     preempted: bool = False
+    num_ending: int = 0  # running sequences not scheduled: their pending token is their last
 
     def add(self, seq: Sequence, num_tokens: int, lookahead: int = 0) -> None:
         assert 0 < num_tokens + lookahead <= self.budget and seq.seq_id not in self.entries
@@ -238,6 +250,45 @@ class Scheduler:
         self.block_manager.commit(seq, seq.num_draft_computed)
         return False
 
+    def advance(self, batch: ScheduledBatch) -> None:
+        """Account a launched step whose tokens are not read yet (async scheduling): computed tokens
+        advance, newly full blocks register, and the row that samples r-th gets placeholder(r).
+
+        Call it after the previous step's commit_pending (so every token its chunks cover is known)
+        and before the next schedule(). Rows of sequences finished since schedule() are skipped."""
+        assert not self.num_speculative_tokens, "speculative steps commit synchronously"
+        block_size = self.block_manager.block_size
+        row = -1  # the current row's index among the batch's sampled rows (finished ones count too)
+        for seq, n, do_sample in zip(batch.seqs, batch.num_new_tokens, batch.sample):
+            row += do_sample
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            seq.num_computed_tokens += n
+            assert seq.num_computed_tokens <= len(seq.token_ids), f"{seq} computed past its tokens"
+            if len(seq.cache_keys) < seq.num_computed_tokens // block_size:
+                self.block_manager.commit(seq)
+            if do_sample:
+                seq.add_pending(row)
+
+    def commit_pending(self, batch: ScheduledBatch, sampled: list[StepResult]) -> list[Sequence]:
+        """Apply the tokens of a step `advance` accounted: each placeholder becomes its token, then the
+        token-level stop rules. Return the sequences that finished. A preempted sequence takes its
+        token too (it was sampled before the preemption); a finished one's is dropped."""
+        assert len(sampled) == len(batch.seqs), (len(sampled), len(batch.seqs))
+        finished: list[Sequence] = []
+        for seq, do_sample, out in zip(batch.seqs, batch.sample, sampled):
+            assert (out is not None) == do_sample, f"{seq}: sampled output given iff the step samples it"
+            if out is None or seq.status is SequenceStatus.FINISHED:
+                continue
+            assert not isinstance(out, list)
+            token_id, logprob, top = out
+            seq.resolve_pending(token_id, logprob, top)
+            reason, stop_reason = self._stop_rule(seq, token_id)
+            if reason is not None:
+                self._finish(seq, reason, stop_reason)
+                finished.append(seq)
+        return finished
+
     # ---- requests out ---------------------------------------------------------------------------
     def finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         """Finish a live sequence from outside (a stop string found by the detokenizer, ...)."""
@@ -261,19 +312,35 @@ class Scheduler:
 
     # ---- internals ------------------------------------------------------------------------------
     def _schedule_running(self, plan: _Plan) -> None:
-        """Schedule running decodes (remaining == 1), then running prefills (remaining > 1)."""
+        """Schedule running decodes (remaining == 1), then running prefills (remaining > 1). A sequence
+        whose pending token is its last is left out (async scheduling: it finishes at commit)."""
         decodes: list[Sequence] = []
         prefills: list[Sequence] = []
         for seq in self.running:
             remaining = len(seq.token_ids) - seq.num_computed_tokens
             assert remaining >= 1, f"{seq} has nothing to compute"
+            if seq.num_pending and self._reaches_length(seq):
+                plan.num_ending += 1
+                continue
             (decodes if remaining == 1 else prefills).append(seq)
-        for group, is_decode in ((decodes, True), (prefills, False)):
-            for seq in group:
-                if plan.budget == 0:
-                    return
-                if seq.status is SequenceStatus.RUNNING:  # not preempted earlier in this step
-                    self._schedule_one(plan, seq, is_decode)
+        # the common decode row, inlined (this loop runs for every row of every step): no lookahead,
+        # and the blocks it holds already cover its new token, so nothing to allocate
+        plain, tokens_held, entries = not self.num_speculative_tokens, self.block_manager.block_size, plan.entries
+        for seq in decodes:
+            if plan.budget == 0:
+                return
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
+                continue
+            if plain and seq.num_computed_tokens < len(seq.block_table) * tokens_held:
+                entries[seq.seq_id] = (seq, 1, 0)
+                plan.budget -= 1
+            else:
+                self._schedule_one(plan, seq, True)
+        for seq in prefills:
+            if plan.budget == 0:
+                return
+            if seq.status is SequenceStatus.RUNNING:
+                self._schedule_one(plan, seq, False)
 
     def _schedule_one(self, plan: _Plan, seq: Sequence, decodes: bool) -> None:
         remaining = len(seq.token_ids) - seq.num_computed_tokens
@@ -314,7 +381,7 @@ class Scheduler:
         (they keep their place)."""
         bm = self.block_manager
         skipped: list[Sequence] = []
-        while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and plan.budget > 0 and len(self.running) - plan.num_ending < self.config.max_num_seqs:
             seq = self.waiting[0]
             if self._waits_for_leader(seq):
                 skipped.append(self.waiting.popleft())
@@ -348,15 +415,22 @@ class Scheduler:
 
     def _stop_rule(self, seq: Sequence, token_id: int) -> tuple[FinishReason | None, int | None]:
         params = seq.params
-        if not params.ignore_eos and token_id in self.eos_token_ids:
+        if token_id in self.eos_token_ids and not params.ignore_eos:
             return FinishReason.STOP, None
-        if token_id in params.stop_token_ids:
+        if params.stop_token_ids and token_id in params.stop_token_ids:
             return FinishReason.STOP, token_id
-        if seq.num_generated >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if self._reaches_length(seq):
             return FinishReason.LENGTH, None
         return None, None
 
+    def _reaches_length(self, seq: Sequence) -> bool:
+        """Its tokens (a pending one counted) reach max_tokens or max_model_len: no token follows."""
+        num_tokens = len(seq.token_ids)
+        return num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens or num_tokens >= self.max_model_len
+
     def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None) -> None:
+        if seq.num_pending:
+            seq.drop_pending()  # its token is not read yet: the step's result for it is dropped
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:

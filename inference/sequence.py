@@ -3,11 +3,16 @@
 Pure Python (no torch): the scheduler, the block manager and their CPU tests use it.
 
 Invariants the scheduler and the block manager keep:
-- token_ids is the prompt followed by the generated tokens; it only grows.
+- token_ids is the prompt followed by the generated tokens; it only grows while the sequence lives.
 - num_computed_tokens <= num_tokens, and the KV of tokens [0, num_computed_tokens) is in the blocks
   of block_table (len(block_table) * block_size >= num_computed_tokens).
 - A WAITING sequence holds no blocks and has num_computed_tokens == 0; a preempted one keeps its
   generated tokens and logprobs and recomputes their KV when it is admitted again.
+- With async scheduling the last entry of token_ids (and of logprobs) may be a placeholder for a
+  token that a launched step samples on the device and the host has not read yet (num_pending == 1):
+  placeholder(row) = -1 - row, row being the token's row among that step's sampled rows, so the
+  runner can fetch it on the device. It is never computed KV (no block hash covers it), it is
+  replaced in place when the step is committed, and dropped if the sequence finishes first.
 """
 
 from __future__ import annotations
@@ -28,6 +33,18 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+def placeholder(row: int) -> int:
+    """The token id standing for the token sampled in row `row` of the step in flight (always < 0)."""
+    assert row >= 0, row
+    return -1 - row
+
+
+def placeholder_row(token_id: int) -> int:
+    """The sampled row a placeholder stands for (the inverse of `placeholder`)."""
+    assert token_id < 0, token_id
+    return -1 - token_id
 
 
 def derive_seed(seed: int, index: int) -> int:
@@ -80,6 +97,7 @@ class Sequence:
         self.cache_keys: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] | None = [] if params.logprobs > 0 else None
+        self.num_pending = 0  # 1 while the last token is a placeholder (see the module docstring)
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
         # (index of the first completion token, weight version) for each run of tokens of one version
@@ -125,6 +143,36 @@ class Sequence:
         if self.top_logprobs is not None:
             assert top_logprobs is not None
             self.top_logprobs.append(top_logprobs)
+
+    def add_pending(self, row: int) -> None:
+        """Stand in for the token that row `row` of the step just launched samples (async scheduling):
+        lengths, output positions and block reservations count it from now on."""
+        assert not self.num_pending and row >= 0, (self, row)
+        self.token_ids.append(-1 - row)  # placeholder(row), inlined: this runs for every row of a step
+        self.logprobs.append(0.0)
+        if self.top_logprobs is not None:
+            self.top_logprobs.append({})
+        self.num_pending = 1
+
+    def resolve_pending(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None = None) -> None:
+        """Replace the placeholder with the sampled token, in place: the same result as `append`
+        without one."""
+        assert self.num_pending and (top_logprobs is not None) == (self.top_logprobs is not None), (
+            f"{self}: no pending token, or top_logprobs given iff params.logprobs > 0 broken")
+        self.token_ids[-1] = int(token_id)
+        self.logprobs[-1] = float(logprob)
+        if top_logprobs is not None:
+            self.top_logprobs[-1] = top_logprobs  # type: ignore[index]
+        self.num_pending = 0
+
+    def drop_pending(self) -> None:
+        """Forget the placeholder (the sequence finished or was aborted before its token was read)."""
+        assert self.num_pending and self.token_ids[-1] < 0, f"{self} has no pending token"
+        self.token_ids.pop()
+        self.logprobs.pop()
+        if self.top_logprobs is not None:
+            self.top_logprobs.pop()
+        self.num_pending = 0
 
     def truncate(self, num_tokens: int) -> None:
         """Drop tokens beyond `num_tokens` of a FINISHED sequence (a stop string inside a multi-token

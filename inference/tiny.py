@@ -27,21 +27,24 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors, trainers
 from tokenizers.models import BPE
 
 from inference import envs
 from inference.core import InvalidRequestError
 
+if TYPE_CHECKING:
+    import torch
+
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 _ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
 _TIED_BY_DEFAULT = {"llama": False, "qwen2": True, "qwen3": True, "mistral": False}
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# torch dtype names; torch itself is imported only where weights are drawn, so that `sidecar make-model
+# --help` and the demo's argument parsing stay fast (scripts/check_help_speed.py).
+_DTYPES = ("float32", "bfloat16", "float16")
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|startoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_ID, BOS_ID, IM_START_ID, IM_END_ID = 0, 1, 2, 3
@@ -76,6 +79,15 @@ hot, the seats were clean, and the view of the mountains (covered with snow in M
 Café, naïve, déjà vu, Zürich, São Paulo: words travel, and they keep their accents when they do.
 """
 _EXTRA = "0123456789 0 1 2 3 4 5 6 7 8 9 10 100 1000 2024 3.14 42% $5 #1 a+b=c x*y<z [a] {b} (c) @ ^ ~ | \\ /"
+
+
+class DirectoryNotEmptyError(FileExistsError):
+    """The target of a model write holds files and overwrite was not asked for (`path` names it; a CLI
+    words the remedy with its own flag)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(f"{path} is not empty; pass overwrite=True to replace it")
+        self.path = path
 
 
 @dataclass(frozen=True)
@@ -227,7 +239,7 @@ def _check_target(out: Path, overwrite: bool) -> bool:
     if not out.is_dir() or not any(out.iterdir()):
         return False
     if not overwrite:
-        raise FileExistsError(f"{out} is not empty; pass overwrite=True (--overwrite) to replace it")
+        raise DirectoryNotEmptyError(out)
     foreign = sorted(p.name for p in out.iterdir() if p.name not in _FILES)
     if foreign:
         raise FileExistsError(f"refusing to overwrite {out}: it holds files this tool did not write "
@@ -248,6 +260,8 @@ def _write_files(spec: TinyModelSpec, d: Path) -> None:
     }
     for name, text in texts.items():
         (d / name).write_text(text, encoding="utf-8")
+    from safetensors.torch import save_file
+
     save_file(random_weights(spec), str(d / "model.safetensors"), metadata={"format": "pt"})
     assert sorted(p.name for p in d.iterdir()) == sorted(_FILES)
     # mkdtemp makes the directory private (0700) and safetensors writes 0600; models are shared.
@@ -343,6 +357,8 @@ def random_weights(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
     random model collapses to repeating one token under greedy decoding, which would hide
     position and cache bugs in engine-vs-reference tests.
     """
+    import torch
+
     gen = torch.Generator().manual_seed(spec.seed)
     out: dict[str, torch.Tensor] = {}
     for name, shape in weight_shapes(spec).items():
@@ -355,7 +371,7 @@ def random_weights(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
             x = 0.1 * x
         else:
             x = x / math.sqrt(shape[1])
-        out[name] = x.to(_DTYPES[spec.dtype]).contiguous()
+        out[name] = x.to(getattr(torch, spec.dtype)).contiguous()
     return out
 
 
@@ -365,15 +381,17 @@ def cache_root() -> Path:
     return Path(home).expanduser() / "models" if home else Path.home() / ".cache" / "sidecar"
 
 
-def default_model_dir(spec: TinyModelSpec = DEFAULT_TINY, root: str | Path | None = None) -> Path:
-    """The cached directory of `spec` (tiny-<family>-<settings hash>), built on first use.
+def default_model_dir(spec: TinyModelSpec = DEFAULT_TINY, root: str | Path | None = None,
+                      name: str | None = None) -> Path:
+    """The cached directory of `spec`, `<name>-<settings hash>` (name default: tiny-<family>), built on
+    first use. A model that is not tiny passes its own name, so the cache never calls it tiny.
 
     Safe under concurrency: each builder writes its own temporary directory and renames it into
     place; a loser of the race discards its copy and uses the winner's (same bytes anyway).
     """
     spec.validate()
     base = Path(root).expanduser() if root is not None else cache_root()
-    final = base / f"tiny-{spec.family}-{spec.digest()}"
+    final = base / f"{name or 'tiny-' + spec.family}-{spec.digest()}"
     if final.is_dir():
         return final
     base.mkdir(parents=True, exist_ok=True)

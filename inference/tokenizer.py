@@ -5,7 +5,9 @@ a real checkpoint's). Without one the engine takes token ids only and returns te
 (`Tokenizer.from_dir` returns None).
 
 Special-token ids are gathered from generation_config.json, config.json and tokenizer_config.json,
-in that order of precedence for eos (all three contribute) and config-first for bos.
+in that order of precedence for eos (all three contribute) and config-first for bos. The model's chat
+template travels with the tokenizer (`chat_template`, `apply_chat_template`; rendering in
+inference/chat_template.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from inference.chat_template import load_chat_template, render_chat, special_token_strings
 from inference.core import InvalidRequestError
 
 # A UTF-8 character is at most 4 bytes and every token adds at least one byte, so an incomplete
@@ -37,8 +40,11 @@ class Tokenizer:
     """
 
     def __init__(self, tok: HFTokenizer, *, eos_token_ids: Sequence[int] = (),
-                 bos_token_id: int | None = None, add_bos_token: bool | None = None) -> None:
+                 bos_token_id: int | None = None, add_bos_token: bool | None = None,
+                 chat_template: str | None = None, special_tokens: dict[str, str] | None = None) -> None:
         self._tok = tok
+        self.chat_template = chat_template  # None: the model has none
+        self.special_tokens = dict(special_tokens or {})  # bos_token, eos_token, ... as strings
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
         self.bos_token_id = bos_token_id
         # None: leave it to tokenizer.json's post-processor (e.g. Llama 3's TemplateProcessing).
@@ -68,7 +74,8 @@ class Tokenizer:
             bos = gen_cfg.get("bos_token_id")
         add_bos = tok_cfg.get("add_bos_token")
         return cls(tok, eos_token_ids=eos, bos_token_id=bos,
-                   add_bos_token=None if add_bos is None else bool(add_bos))
+                   add_bos_token=None if add_bos is None else bool(add_bos),
+                   chat_template=load_chat_template(d, tok_cfg), special_tokens=special_token_strings(tok_cfg))
 
     @property
     def vocab_size(self) -> int:
@@ -99,6 +106,17 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        """The prompt text of a chat under the model's own template (encode it with
+        add_special_tokens=False: the template wrote them). InvalidRequestError naming "messages"
+        when the model has no template or the template refuses the chat."""
+        if self.chat_template is None:
+            raise InvalidRequestError("messages", "this model has no chat template (tokenizer_config.json's "
+                                                  "chat_template or chat_template.jinja): send a plain prompt")
+        return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                           special_tokens=self.special_tokens, **kwargs)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

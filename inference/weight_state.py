@@ -3,14 +3,14 @@ an open session, a passed audit's result, and the cached routing of the last man
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
-from checksum import Manifest, Report, TensorRecord
+from checksum import ALGORITHM, Manifest, Report
 from inference.config import ModelConfig
+from inference.transfer.digests import PendingRecords
 from inference.transfer.plan import ParsedManifest
 from inference.transfer.target import Routing, UpdateTarget
 
@@ -29,9 +29,10 @@ class Session:
     version: int
     specs: ParsedManifest
     target: UpdateTarget
+    algorithm: str = ALGORITHM  # the digest rule the sender named in the start manifest
     bytes_moved: bool = False
     received: bool = False
-    held_digests: Future[list[TensorRecord]] | None = None  # started when the last byte landed
+    held_digests: PendingRecords | None = None  # started when the last byte landed
 
 
 @dataclass(frozen=True)

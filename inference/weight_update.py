@@ -15,30 +15,43 @@ weights arena awake (asleep at level 1 or 2 -> StateError: wake_up(["weights"]) 
 wake leaves the arena awake but empty, which is exactly what a sync refills). The arena's
 contents are marked invalid when the first byte may be written and valid again when the audit
 passes, so `Worker.is_ready()` agrees with `is_servable()`.
+Digest rule: the sender names it in the start manifest ("algorithm"; inference/transfer/digests.py),
+and this rank digests what it holds under that rule, wherever its bytes are (a CPU rank computes the
+device rule on the host); finish digests that name another rule fail the audit with an "algorithm"
+mismatch naming both.
 Overlapped audit: when update_weights has received every tensor it starts digesting the held
-regions on a side thread, so that digest runs while the trainer still digests its own copy (the
-trainer calls finish only after that). Nothing writes the model between update_weights and finish
-(no step runs on a model with an open session, and start, update and reset_weights refuse), so the
-digest is of the bytes finish audits. What could release them waits for it first: sleep and shutdown
-(`settle_weight_digest`, which also drops the result: a sleep loses unaudited bytes, so finish digests
-what the model holds after it), and every end of the session (finish, abort, a failure, a new init).
+regions: under the device rule, on a GPU, ONE kernel launch queued right behind the writes (finish waits
+on its event); otherwise on a side thread. That digest runs while the trainer still digests its own
+copy (the trainer calls finish only after that). Nothing writes the model between update_weights and
+finish (no step runs on a model with an open session, and start, update and reset_weights refuse), so
+the digest is of the bytes finish audits. What could release them waits for it first: sleep and
+shutdown (`settle_weight_digest`, which also drops the result: a sleep loses unaudited bytes, so finish
+digests what the model holds after it), and every end of the session (finish, abort, a failure, a new
+init).
 """
 
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
 from torch import nn
 
-from checksum import ChecksumMismatch, Manifest, ManifestError, Report, TensorRecord, compare, digest_tensors
+from checksum import ChecksumMismatch, Manifest, Report, TensorRecord, compare, pick_algorithm
 from inference import envs
 from inference.config import ModelConfig
 from inference.core import InvalidRequestError, StateError
 from inference.memory import ArenaState
 from inference.parallel import TPInfo
+from inference.transfer.digests import (
+    PendingRecords,
+    RecordDigests,
+    check_algorithm,
+    expected_manifest,
+    kernel_device,
+    manifest_algorithm,
+)
 from inference.transfer.groups import InitInfo, TransferError
 from inference.transfer.plan import ManifestCache, ParsedManifest
 from inference.transfer.receiver import WeightReceiver
@@ -69,7 +82,7 @@ class WeightUpdateMixin:
         self._wt_manifests = ManifestCache()  # parsed manifests, reused while the sender's layout repeats
         self.routings_built = 0  # validate_manifest runs (tests check the route cache with it)
         self.weight_transfer_fault: Fault | None = _fault_from_env()
-        self._wt_digest_pool: ThreadPoolExecutor | None = None  # the overlapped received digest
+        self._wt_digests = RecordDigests("received-digest")  # device launches, or the host thread
         self.overlap_audit_digest = True  # False: finish takes the received digest (benchmarks, A/B)
 
     # ---- state --------------------------------------------------------------------------------
@@ -169,13 +182,14 @@ class WeightUpdateMixin:
         if manifest_version is not None and manifest_version != version:
             raise InvalidRequestError("manifest.version", f"is {manifest_version}, but the update is for version "
                                       f"{version}")
+        algorithm = manifest_algorithm(manifest)
         self._check_weights_writable(which)
         routing = self._routing(which, specs, allow_cast)
         fault = self.weight_transfer_fault
         if fault is not None and (len(fault) != 2 or fault[0] != "flip"):
             raise InvalidRequestError("weight_transfer_fault", f"must be ('flip', tensor name), got {fault!r}")
-        target = UpdateTarget(which, self.model_configs[which], routing, self.rank_key, fault)
-        self._wt_session = Session(which, version, specs, target)
+        target = UpdateTarget(which, self.model_configs[which], routing, self.rank_key, fault, algorithm)
+        self._wt_session = Session(which, version, specs, target, algorithm)
 
     def _routing(self, which: str, specs: ParsedManifest, allow_cast: bool) -> Routing:
         """route_manifest (validation included), cached while the manifest and the parameters stay the same."""
@@ -208,30 +222,36 @@ class WeightUpdateMixin:
                                       on_agreed=lambda: self._begin_writes(session))
             session.received = True
             if self.overlap_audit_digest:
-                session.held_digests = self._digest_held(session.target)
+                session.held_digests = self._digest_held(session)
         except BaseException as e:
             self._end_session(f"update to version {session.version} failed: {e}")
             raise
 
-    def finish_weight_update(self, sender_digests: Any, *, held_manifest: bool = True) -> UpdateResult:
+    def finish_weight_update(self, sender_digests: Any, *, held_manifest: bool = False) -> UpdateResult:
         """Audit what this rank received against the sender's digests; on success the version goes live.
 
-        Raises ChecksumMismatch (naming the first tensor and this rank) on a mismatch, a missing or an
-        extra tensor; the model is then torn. `held_manifest` adds the digests of the parameters this
-        rank holds (engine names), for comparing replicas across dp ranks.
+        `sender_digests`: a Manifest, records (TensorRecords or their dicts), {"tensors": records}, or
+        {"digests": [one hex digest per manifest tensor, in manifest order]}; a dict may name its
+        "algorithm" (default: the session's). Raises ChecksumMismatch (naming the first tensor and this
+        rank) on a mismatch, a missing or an extra tensor, or digests of another rule; the model is then
+        torn. `held_manifest` adds the digests of the parameters this rank holds (engine names, a second
+        pass over every byte), for comparing replicas across dp ranks.
         """
         session = self._require_session("finish_weight_update")
         try:
             if not session.received:
                 raise StateError(f"rank {self.rank_key}: finish_weight_update before update_weights completed")
-            expected = _expected_manifest(sender_digests, session.which, session.version, self.rank_key)
+            expected = expected_manifest(sender_digests, which=session.which, version=session.version,
+                                         rank=self.rank_key, specs=session.specs, algorithm=session.algorithm)
             self._check_weights_present(session.which)
             held = session.held_digests.result() if session.held_digests is not None else None
+            if held is None:
+                held = self._received_held_digests(session)
             received = session.target.received_manifest(session.version, held)
             report = Report.merge([compare(expected, received), session.target.tied_report(received)])
             if not report.ok:
                 raise ChecksumMismatch(report)
-            held = self._held_manifest(session.which, session.version) if held_manifest else None
+            held = self._held_manifest(session.which, session.version, session.algorithm) if held_manifest else None
         except BaseException as e:
             self._end_session(f"audit of version {session.version} failed: {e}")
             raise
@@ -247,15 +267,30 @@ class WeightUpdateMixin:
         digests the bytes the model holds after it."""
         session = self._wt_session
         if session is not None and session.held_digests is not None:
-            future, session.held_digests = session.held_digests, None
-            wait([future])  # its outcome no longer matters: finish digests afresh
+            pending, session.held_digests = session.held_digests, None
+            pending.settle()  # its outcome no longer matters: finish digests afresh
 
     def close_weight_digests(self) -> None:
         """Settle the overlapped digest and stop its thread (the worker is shutting down)."""
         self.settle_weight_digest()
-        if self._wt_digest_pool is not None:
-            self._wt_digest_pool.shutdown(wait=True)
-            self._wt_digest_pool = None
+        self._wt_digests.close()
+
+    def warm_up_weight_digest(self) -> None:
+        """Compile the device digest for this rank's GPU now (seconds, once), so the first sync does not."""
+        if self.device is not None and self.device.type == "cuda":
+            self._wt_digests.warm_up(self.device)
+
+    def held_manifest(self, which: str = "target", algorithm: str | None = None) -> Manifest:
+        """The digests of the parameters this rank holds now (its shards, engine names) at its live
+        version, by `algorithm` (None: checksum.pick_algorithm over them, the device rule on a GPU)."""
+        if which not in self.models:
+            raise InvalidRequestError("model", f"rank {self.rank_key}: no {which} model loaded "
+                                      f"(models: {sorted(self.models)})")
+        arena = self._weights_arena(which)
+        if arena is not None and arena[0].state(arena[1]) != ArenaState.AWAKE:  # released: nothing to read
+            raise StateError(f"rank {self.rank_key}: the {which} weights are asleep "
+                             f"({arena[0].state(arena[1]).value}); wake_up(['weights']) before digesting them")
+        return self._held_manifest(which, self._wt_state(which).version, algorithm)
 
     def abort_weight_update(self, reason: str = "aborted by the caller") -> None:
         """End the open session (if any); its model stays torn if any byte may have been written."""
@@ -280,19 +315,22 @@ class WeightUpdateMixin:
             raise StateError(f"rank {self.rank_key}: {what} without a matching start_weight_update")
         return self._wt_session
 
-    def _digest_held(self, target: UpdateTarget) -> Future[list[TensorRecord]] | None:
-        """Digest the held regions on a side thread, after the work that wrote them (see the module
-        docstring); None when some tensor never arrived (finish reports it)."""
-        items = target.held_items()
+    def _digest_held(self, session: Session) -> PendingRecords | None:
+        """Start digesting the held regions after the work that wrote them (see the module docstring);
+        None when some tensor never arrived (finish reports it)."""
+        items = session.target.held_items()
         if items is None:
             return None
-        written = None
-        if self.device is not None and self.device.type == "cuda":
+        written = None  # a device launch is ordered behind the writes by its stream; the host path waits
+        if self.device is not None and self.device.type == "cuda" and kernel_device(items, session.algorithm) is None:
             written = torch.cuda.Event()
             written.record(torch.cuda.current_stream(self.device))
-        if self._wt_digest_pool is None:
-            self._wt_digest_pool = ThreadPoolExecutor(1, thread_name_prefix="received-digest")
-        return self._wt_digest_pool.submit(_digest_after, items, written)
+        return self._wt_digests.launch(items, session.algorithm, written=written)
+
+    def _received_held_digests(self, session: Session) -> list[TensorRecord] | None:
+        """The held regions' digests taken now (no overlapped digest ran); None if some tensor is missing."""
+        items = session.target.held_items()
+        return None if items is None else self._wt_digests.digest(items, session.algorithm)
 
     def _check_weights_present(self, which: str) -> None:
         arena = self._weights_arena(which)
@@ -314,21 +352,17 @@ class WeightUpdateMixin:
         session = self._wt_session
         assert session is not None
         if session.held_digests is not None:
-            wait([session.held_digests])  # nobody reads the model after the session is gone
+            session.held_digests.settle()  # nobody reads the model after the session is gone
         self._wt_session = None
         if session.bytes_moved:
             self._mark_torn(session.which, reason)
             log.error("rank %s: %s model torn: %s", self.rank_key, session.which, reason)
 
-    def _held_manifest(self, which: str, version: int) -> Manifest:
-        records = digest_tensors(list(self.models[which].named_parameters()))
-        return Manifest(which, version, self.rank_key, tuple(records))
-
-
-def _digest_after(items: list[tuple[str, torch.Tensor]], written: Any) -> list[TensorRecord]:
-    if written is not None:
-        written.synchronize()
-    return digest_tensors(items)
+    def _held_manifest(self, which: str, version: int, algorithm: str | None) -> Manifest:
+        params = [(name, p.detach()) for name, p in self.models[which].named_parameters()]
+        rule = pick_algorithm(t for _, t in params) if algorithm is None else check_algorithm(algorithm)
+        records = self._wt_digests.digest(params, rule)
+        return Manifest(which, version, self.rank_key, tuple(records), rule)
 
 
 def _fault_from_env() -> Fault | None:
@@ -338,29 +372,6 @@ def _fault_from_env() -> Fault | None:
         return None
     kind, _, name = spec.partition(":")
     return (kind, name)
-
-
-def _expected_manifest(sender_digests: Any, which: str, version: int, rank: str) -> Manifest:
-    """The sender's digests (a Manifest, TensorRecords, or their dicts) as this rank's expectation."""
-    if isinstance(sender_digests, Manifest):
-        records = list(sender_digests.records)
-    else:
-        items = sender_digests.get("tensors") if isinstance(sender_digests, dict) else sender_digests
-        if not isinstance(items, (list, tuple)):
-            raise InvalidRequestError("sender_digests", f"must be a list of records, got {type(items).__name__}")
-        records = []
-        for i, r in enumerate(items):
-            if isinstance(r, TensorRecord):
-                records.append(r)
-                continue
-            try:
-                records.append(TensorRecord(r["name"], r["dtype"], tuple(r["shape"]), r["digest"]))
-            except (KeyError, TypeError) as e:
-                raise InvalidRequestError(f"sender_digests[{i}]", f"needs name, dtype, shape, digest: {e}") from None
-    try:
-        return Manifest(which, version, rank, tuple(records))
-    except ManifestError as e:
-        raise InvalidRequestError("sender_digests", str(e)) from e
 
 
 __all__ = ["FAULT_ENV", "ModelWeightState", "TransferError", "UpdateResult", "WeightUpdateMixin"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 from pathlib import Path
+from typing import Literal, overload
 
 import torch
 
@@ -22,7 +23,7 @@ from inference.loader import init_dummy_weights, load_weights
 from inference.memory import DEFAULT_ALIGN, KV_TAG, round_up
 from inference.models import build_model
 from inference.parallel import TPInfo
-from inference.runner import ModelRunner
+from inference.runner import InFlightStep, ModelRunner
 from inference.scheduler import ScheduledBatch, StepResult
 from inference.sleep import MemoryManager, TransitionStats
 from inference.spec_decode import SpecDecoder
@@ -260,8 +261,10 @@ class Worker(WeightUpdateMixin):
     def warm_up(self) -> None:
         """Capture the decode CUDA graphs (unless enforce_eager, on CPU, or with an attention backend
         that reads host values), with a draft also the draft's, up to the resolved max_num_seqs
-        (at most MAX_GRAPH_BATCH). The eager path needs nothing."""
+        (at most MAX_GRAPH_BATCH). The eager path needs nothing. On CUDA the weight-audit digest kernel
+        is compiled first, so the first sync does not pay it (inference/weight_update.py)."""
         assert self.runner is not None and self.device is not None
+        self.warm_up_weight_digest()
         if self.config.enforce_eager or self.device.type != "cuda" or self.attention_backend == "reference":
             return
         if self.tp.size > 1 and self.device.type == "cuda" and not _nccl_group(self.tp):
@@ -276,11 +279,24 @@ class Worker(WeightUpdateMixin):
         self.runner.capture_graphs(max_batch, self.max_model_len, sizes)
         self.spec.capture_graphs(sizes, self.max_model_len)
 
-    def execute_model(self, batch: ScheduledBatch) -> list[StepResult]:
+    @overload
+    def execute_model(self, batch: ScheduledBatch, overlap: Literal[False] = False) -> list[StepResult]: ...
+
+    @overload
+    def execute_model(self, batch: ScheduledBatch, overlap: Literal[True]) -> InFlightStep: ...
+
+    def execute_model(self, batch: ScheduledBatch, overlap: bool = False) -> list[StepResult] | InFlightStep:
         """Per scheduled sequence: its sampled result, None (mid-prefill), or with speculative
-        decoding a list (the accepted run) for rows the scheduler gave a lookahead."""
+        decoding a list (the accepted run) for rows the scheduler gave a lookahead.
+
+        overlap=True (async scheduling, never with a draft): launch the step and return at once; its
+        InFlightStep.results() waits for it. Placeholder input ids are resolved on the device from
+        the step launched before (ModelRunner.launch)."""
         assert self.runner is not None and self.memory is not None, "load_model first"
         self.memory.check_ready()  # never touch a released arena: that is an illegal address on CUDA
+        if overlap:
+            assert self.spec is None, "speculative decoding runs synchronous steps"
+            return self.runner.launch(batch)
         if self.spec is not None:
             return self.spec.execute(batch)
         assert not any(batch.num_lookahead), "lookahead scheduled without a draft model"

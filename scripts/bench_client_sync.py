@@ -2,15 +2,22 @@
 
 A `sidecar launch` subprocess serves --model (tiny or qwen2-0.5b, built as `sidecar demo` builds them);
 this process is the trainer: a WeightSender holding the checkpoint's own tensors on --device, joined
-once with connect_sender. After --warmup syncs, each of --iters syncs is timed on the client:
-- sync_ms: start -> update beside sender.send() -> finish (what sync_weights does before its audit);
-- sync_audit_ms: the whole sync_weights call (the audit of what the ranks received included);
+once with connect_sender. Each digest rule is measured in the same run: the one the sender picks for
+its tensors (the device rule, "xxh3_64_seg64k", for CUDA tensors) and the other one for comparison
+(set on the sender, `digest_algorithm`). Per rule, after --warmup syncs, each of --iters syncs is timed
+on the client:
+- sync_audit_ms: the whole sync_weights call: start -> update beside sender.send() -> finish, whose
+  answer carries the audit (every rank compared what it holds with the sender's digests);
+- sync_ms: the same call without its finish (the bytes in place on every rank, the sender's digest,
+  which runs beside the transfer, included);
 - per phase: each HTTP call's client-side time and sender.send();
-- server_*_ms: the mean time the sidecar's handlers report for the same calls (its Prometheus
-  histogram sidecar_weight_sync_seconds: start, update, finish, audit), i.e. the same bytes moved and
-  checked with no HTTP or client in the way; `ratio` is client / server (1.0: no control-path cost).
-Prints one JSON line. CPU: --model tiny --backend gloo --device cpu (the defaults);
-H200: --model qwen2-0.5b --backend ipc --device cuda.
+- server_*_ms: the mean time the sidecar's handlers report for the same calls (its Prometheus histogram
+  sidecar_weight_sync_seconds: start, update, finish; "audit" is the ranks' part of finish), i.e. the
+  same bytes moved and checked with no HTTP or client in the way; `control_ms` is client minus server per
+  call (HTTP, JSON, the rank pipe: what the user-facing path adds), `ratio` is client / server.
+Prints one JSON line: the picked rule's figures at the top level, every rule's under "by_algorithm".
+CPU: --model tiny --backend gloo --device cpu (the defaults); H200: --model qwen2-0.5b --backend ipc
+--device cuda.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from checksum import ALGORITHMS, pick_algorithm
 from inference.transfer.sender import WeightSender
 from sidecar.client import SidecarClient
 from sidecar.demo_cli import SidecarProcess
@@ -103,47 +111,62 @@ def load_weights(model: DemoModel, device: str) -> dict[str, torch.Tensor]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model = resolve_model(args.model)
     weights = load_weights(model, args.device)
+    picked = pick_algorithm(weights.values())
     server = SidecarProcess.start(_Setup(model, args.device, args.backend),  # type: ignore[arg-type]
                                   kv_bytes=args.kv_bytes, seed=0, timeout=600)
     sender = WeightSender(args.backend, num_receivers=1, timeout_s=300, device=args.device)
+    version = 0
     try:
         with TimedClient(server.url, timeout=300) as client:
             client.connect_sender(sender)
-            for v in range(args.warmup):
-                client.sync_weights(sender, weights, version=v + 1)
-            client.times.clear()
-            before = server_sums(client)
-            totals = []
-            with timed_send(sender, client.times):
-                for v in range(args.warmup, args.warmup + args.iters):
-                    t0 = time.perf_counter()
-                    result = client.sync_weights(sender, weights, version=v + 1)
-                    totals.append((time.perf_counter() - t0) * 1e3)
-                    if not result["ok"]:
-                        raise SystemExit(f"audit failed:\n{result['table']}")
-            after = server_sums(client)
-            return summary(args, model, weights, client.times, totals, before, after)
+            runs = {}
+            for algorithm in (picked, *(a for a in ALGORITHMS if a != picked)):
+                sender.digest_algorithm = algorithm
+                runs[algorithm], version = measure(args, client, sender, weights, version)
+            out = {"bench": "client_sync", "model": args.model, "backend": args.backend, "device": args.device,
+                   "tensors": len(weights), "bytes": sum(t.numel() * t.element_size() for t in weights.values()),
+                   "iters": args.iters, "algorithm": picked, **runs[picked], "by_algorithm": runs}
+            return out
     finally:
         sender.close()
         server.stop()
 
 
-def summary(args: argparse.Namespace, model: DemoModel, weights: dict[str, torch.Tensor],
-            times: dict[str, list[float]], totals: list[float], before: dict[str, float],
-            after: dict[str, float]) -> dict[str, Any]:
-    med = {k: statistics.median(v) for k, v in times.items()}
+def measure(args: argparse.Namespace, client: TimedClient, sender: WeightSender, weights: dict[str, torch.Tensor],
+            version: int) -> tuple[dict[str, Any], int]:
+    """--warmup then --iters syncs under the sender's current rule; (figures, last version)."""
+    for _ in range(args.warmup):
+        version += 1
+        client.sync_weights(sender, weights, version=version)
+    client.times.clear()
+    before = server_sums(client)
+    totals, syncs = [], []
+    with timed_send(sender, client.times):
+        for _ in range(args.iters):
+            version += 1
+            t0 = time.perf_counter()
+            result = client.sync_weights(sender, weights, version=version)
+            totals.append((time.perf_counter() - t0) * 1e3)
+            syncs.append(totals[-1] - client.times["finish"][-1])
+            if not result["ok"] or result.get("algorithm") != sender.digest_algorithm:
+                raise SystemExit(f"audit failed or of another rule:\n{result.get('table')}")
+    after = server_sums(client)
+    return summary(args, client.times, totals, syncs, before, after), version
+
+
+def summary(args: argparse.Namespace, times: dict[str, list[float]], totals: list[float], syncs: list[float],
+            before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    med = {k: statistics.median(v) for k, v in times.items() if v}
     server = {p: (after[p] - before[p]) * 1e3 / args.iters for p in PHASES}
-    sync_ms = med["start"] + med["update"] + med["finish"]
-    sync_audit_ms = statistics.median(totals)
-    server_sync = server["start"] + server["update"] + server["finish"]
-    server_audit = server_sync + server["audit"]
+    sync_ms, sync_audit_ms = statistics.median(syncs), statistics.median(totals)
+    server_sync = server["start"] + server["update"]
+    server_audit = server_sync + server["finish"]
     return {
-        "bench": "client_sync", "model": args.model, "backend": args.backend, "device": args.device,
-        "tensors": len(weights), "bytes": sum(t.numel() * t.element_size() for t in weights.values()),
-        "iters": args.iters, "sync_ms": round(sync_ms, 2), "sync_audit_ms": round(sync_audit_ms, 2),
+        "sync_ms": round(sync_ms, 2), "sync_audit_ms": round(sync_audit_ms, 2),
         "server_sync_ms": round(server_sync, 2), "server_sync_audit_ms": round(server_audit, 2),
         "ratio_sync": round(sync_ms / server_sync, 3) if server_sync else None,
         "ratio_sync_audit": round(sync_audit_ms / server_audit, 3) if server_audit else None,
+        "control_ms": {p: round(med[p] - server[p], 3) for p in ("start", "finish") if p in med},
         "client_phase_ms": {k: round(v, 2) for k, v in med.items()},
         "server_phase_ms": {k: round(v, 2) for k, v in server.items()},
     }

@@ -3,16 +3,19 @@
 One JSON line per batch size: the median microseconds per decode step (greedy, ignore_eos) spent on
 the host in each stage, exclusive of nested stages: schedule, prepare (eager inputs, or the graph's
 input staging), forward (the eager model; the graph replay's launch on CUDA), sampling_batch, sample
-(launches), to_host (the step's one sync: on CUDA it also waits for the device), commit, and llm
+(launches), to_host (the step's one sync: on CUDA it also waits for the device; with async scheduling
+it reads the step before, so it waits only for what of that step outlasts this step's host work),
+commit (with async scheduling also `advance`, the placeholders of the step launched), and llm
 (LLM.step's own bookkeeping: versions, stop strings, finished requests), execute_rest (the worker and
 runner glue around them). host_us sums every stage
 but forward and to_host; step_minus_forward_us is the median of (step wall - forward host time).
 forward_us is the model's time per step: the wall time of the eager forward on CPU, the GPU time of
 one graph replay on CUDA. step_us is the wall time of LLM.step; the ratio
 host_share = 1 - forward_us / step_us is the part of a step the model does not account for.
+Every case runs with async scheduling off and on ("async" in the JSON; --async-scheduling picks one).
 
     python3 scripts/bench_host_step.py                 # CPU: the tiny model; CUDA: Qwen2-0.5B's shape
-    python3 scripts/bench_host_step.py --model tiny --batch 1 64
+    python3 scripts/bench_host_step.py --model tiny --batch 1 64 --async-scheduling on
 """
 
 from __future__ import annotations
@@ -89,6 +92,9 @@ def instrument(llm: LLM, clock: StageClock) -> None:
 
     scheduler.schedule = clock.wrap("schedule", marked_schedule)
     scheduler.commit = clock.wrap("commit", scheduler.commit)
+    scheduler.commit_pending = clock.wrap("commit", scheduler.commit_pending)
+    scheduler.advance = clock.wrap("commit", scheduler.advance)
+    runner.collect = clock.wrap("to_host", runner.collect)
     runner.prepare = clock.wrap("prepare", runner.prepare)
     runner._forward = clock.wrap("forward", runner._forward)
     runner._sampling_batch = clock.wrap("sampling_batch", runner._sampling_batch)
@@ -119,20 +125,21 @@ def graph_forward_us(llm: LLM, batch: int) -> float:
     return start.elapsed_time(end) / 50 * 1e3
 
 
-def build_llm(model: str, device: str, max_batch: int, max_len: int) -> LLM:
+def build_llm(model: str, device: str, max_batch: int, max_len: int, overlap: bool) -> LLM:
     if model == "tiny":
-        return LLM(None, device=device, max_num_seqs=max_batch, max_model_len=max_len)
+        return LLM(None, device=device, max_num_seqs=max_batch, max_model_len=max_len, async_scheduling=overlap)
     from inference.tiny import hf_config
     from sidecar.demo_task import QWEN2_05B
 
     d = Path(tempfile.mkdtemp(prefix="bench-host-"))
     (d / "config.json").write_text(json.dumps(hf_config(QWEN2_05B)))
     return LLM(d, device=device, dtype="bfloat16", load_format="dummy", max_num_seqs=max_batch,
-               max_model_len=max_len, gpu_memory_utilization=0.5)
+               max_model_len=max_len, gpu_memory_utilization=0.5, async_scheduling=overlap)
 
 
-def run_case(model: str, device: str, batch: int, prompt_len: int, new_tokens: int) -> dict[str, Any]:
-    llm = build_llm(model, device, batch, prompt_len + new_tokens + 16)
+def run_case(model: str, device: str, batch: int, prompt_len: int, new_tokens: int,
+             overlap: bool) -> dict[str, Any]:
+    llm = build_llm(model, device, batch, prompt_len + new_tokens + 16, overlap)
     vocab = min(llm.model_config.vocab_size, 4096)
     g = torch.Generator().manual_seed(batch)
     prompts = torch.randint(4, vocab, (batch, prompt_len), generator=g).tolist()
@@ -152,7 +159,7 @@ def run_case(model: str, device: str, batch: int, prompt_len: int, new_tokens: i
     forward_us = graph_forward_us(llm, batch) if llm.worker.runner.graphs is not None else med["forward"]
     host = sum(v for k, v in med.items() if k not in ("forward", "to_host"))
     return {"bench": "host_step", "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-            "model": model, "batch": batch, "decode_steps": len(clock.steps), "stages_us": med,
+            "model": model, "batch": batch, "async": overlap, "decode_steps": len(clock.steps), "stages_us": med,
             "host_us": round(host, 1), "step_minus_forward_us": round(outside, 1),
             "forward_us": round(forward_us, 1), "step_us": step_us,
             "host_share": round(1 - forward_us / step_us, 3), "host_over_forward": round(host / forward_us, 3)}
@@ -166,11 +173,16 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--async-scheduling", choices=["both", "on", "off"], default="both",
+                    help="run each case with async scheduling off and on, or only one way")
     args = ap.parse_args()
     if args.device == "cpu":
         torch.set_num_threads(1)  # steadier medians on a shared machine
+    modes = {"both": [False, True], "on": [True], "off": [False]}[args.async_scheduling]
     for batch in args.batch:
-        print(json.dumps(run_case(args.model, args.device, batch, args.prompt_len, args.new_tokens)), flush=True)
+        for overlap in modes:
+            print(json.dumps(run_case(args.model, args.device, batch, args.prompt_len, args.new_tokens, overlap)),
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -7,14 +7,17 @@ bf16 tensors). Timed on the receiver, after a warm-up, median of --iters:
   weights are in the parameters (update_weights returns after the final ack); the session is then
   aborted, outside the timing (abort_ms), since a sync without digests cannot pass an audit;
 - sync_audit_ms: the same with the sender's digests and finish_weight_update's audit (which must pass);
-  the receiver digests what it received while the sender digests its copy (--serial-audit: after);
+  the receiver digests what it received while the sender digests its copy (--serial-audit: after).
+  Measured for each digest rule in the same run: first the one the sender picks for its tensors (the
+  device rule "xxh3_64_seg64k", one kernel launch per end, for CUDA tensors; the host rule on CPU), then
+  the other (`by_algorithm`); the top-level audit figures are the picked rule's;
 - ceiling_ms: ipc: one device copy of the same bytes; gloo/nccl: a plain bucket-by-bucket broadcast;
 - peer_per_param_ms: one CUDA IPC handle per parameter opened every sync (OpenRLHF/TRL style), or
   one broadcast per parameter for gloo/nccl; both load tensor by tensor;
 - peer_bucket_ms: one reused 2 GiB bucket (IPC or broadcast), packed and unpacked tensor by tensor,
   without overlap (verl style).
 Prints one JSON line per (shape, backend), with the receiver's median per phase (start, update,
-finish) of the audited syncs. Smoke test: --shape tiny --backend gloo --device cpu.
+finish) of the audited syncs of each rule. Smoke test: --shape tiny --backend gloo --device cpu.
 --profile DIR writes cProfile stats of the timed syncs: DIR/receiver-<shape>.prof (this process)
 and DIR/sender-<shape>.prof (the trainer's manifest() and send() calls); read them with pstats.
 """
@@ -40,6 +43,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from checksum import ALGORITHM, DEVICE_ALGORITHM, can_hash_on
 from inference.config import ModelConfig
 from inference.loader import load_hf_tensor
 from inference.models import build_model
@@ -62,6 +66,12 @@ SHAPES = {
                        head_dim=128, intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
 }
 PEER_BUCKET_BYTES = 2 << 30
+
+
+def rules(args: argparse.Namespace) -> list[str]:
+    """The digest rules to measure, the one the sender picks for its tensors first."""
+    picked = DEVICE_ALGORITHM if can_hash_on(torch.device(args.sender_device)) else ALGORITHM
+    return [picked, ALGORITHM if picked == DEVICE_ALGORITHM else DEVICE_ALGORITHM]
 
 
 def model_config(shape: str) -> ModelConfig:
@@ -111,14 +121,16 @@ def trainer(args: argparse.Namespace, to_parent: Any, from_parent: Any) -> None:
     sender.connect()
     group = sender._group  # the peers below reuse our group's control and data planes
     profiler = cProfile.Profile() if args.profile else None
-    for digest in [False] * (args.iters + 1) + [True] * (args.iters + 1):
+    rounds = [None] * (args.iters + 1) + [rule for rule in rules(args) for _ in range(args.iters + 1)]
+    for rule in rounds:  # None: a sync without digests
+        sender.digest_algorithm = rule
         with _profiling(profiler):
             sender.manifest(named, 1)
         to_parent.put("ready")
         with _profiling(profiler):
-            records = sender.send(named, digest=digest)
-        if digest:
-            to_parent.put([r.__dict__ for r in records])
+            records = sender.send(named, digest=rule is not None)
+        if rule is not None:
+            to_parent.put({"algorithm": rule, "digests": [r.digest for r in records]})  # in manifest order
     if profiler is not None:
         profiler.dump_stats(Path(args.profile) / f"sender-{args.shape}.prof")
     for peer in (ceiling_send, per_param_send, bucket_send):
@@ -230,15 +242,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     total = sum(torch.Size(t["shape"]).numel() * 2 for t in manifest["tensors"])
 
     profiler = cProfile.Profile() if args.profile else None
-    phases: dict[str, list[float]] = {"start": [], "update": [], "finish": []}
+    phases = {rule: {"start": [], "update": [], "finish": []} for rule in rules(args)}  # ms per audited sync
 
-    def one_sync(audit: bool) -> float:
+    def one_sync(rule: str | None) -> float:
+        audit = rule is not None
         from_child.get(timeout=600)  # the trainer is about to wait inside send()
         time.sleep(0.05)
         receiver.overlap_audit_digest = audit and not args.serial_audit  # nothing to overlap without one
         with _profiling(profiler):
             t0 = time.perf_counter()
-            receiver.start_weight_update(1, manifest)
+            receiver.start_weight_update(1, {**manifest, "algorithm": rule or ALGORITHM})
             t1 = time.perf_counter()
             receiver.update_weights()
             sync_device(device)
@@ -249,18 +262,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 receiver.abort_weight_update("benchmark iteration without digests")
             sync_device(device)
             t3 = time.perf_counter()
-        if audit:
-            for phase, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
-                phases[phase].append(dt * 1e3)
+        if rule is not None:
+            for phase, dt in zip(phases[rule], (t1 - t0, t2 - t1, t3 - t2)):
+                phases[rule][phase].append(dt * 1e3)
             return (t3 - t0) * 1e3
         aborts.append((t3 - t2) * 1e3)
         return (t2 - t0) * 1e3  # the weights are in place; the abort only ends the benchmark's session
 
-    results = {}
+    results: dict[str | None, float] = {}
     aborts: list[float] = []
-    for audit in (False, True):
-        times = [one_sync(audit) for _ in range(args.iters + 1)]
-        results[audit] = statistics.median(times[1:])
+    for rule in (None, *rules(args)):
+        times = [one_sync(rule) for _ in range(args.iters + 1)]
+        results[rule] = statistics.median(times[1:])
     if profiler is not None:
         profiler.dump_stats(Path(args.profile) / f"receiver-{args.shape}.prof")
     group = receiver._wt_receiver.group  # peers reuse our group, as the trainer does
@@ -276,15 +289,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if hasattr(bucket_recv, "buf"):
         del bucket_recv.buf
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    picked = rules(args)[0]
+    by_rule = {rule: {"sync_audit_ms": round(results[rule], 3),
+                      **{f"audit_{k}_ms": round(statistics.median(v[1:]), 3) for k, v in phases[rule].items()}}
+               for rule in rules(args)}
     return {"bench": "sync", "shape": args.shape, "backend": args.backend, "bytes": total,
-            "sync_ms": round(results[False], 3), "sync_audit_ms": round(results[True], 3),
-            "gbps": round(total / results[False] / 1e6, 2), "ceiling_ms": round(peers["ceiling"], 3),
-            "ratio_to_ceiling": round(results[False] / peers["ceiling"], 3),
+            "sync_ms": round(results[None], 3), "algorithm": picked, **by_rule[picked],
+            "gbps": round(total / results[None] / 1e6, 2), "ceiling_ms": round(peers["ceiling"], 3),
+            "ratio_to_ceiling": round(results[None] / peers["ceiling"], 3),
             "peer_per_param_ms": round(peers["per_param"], 3), "peer_bucket_ms": round(peers["bucket"], 3),
-            "speedup_vs_bucket": round(peers["bucket"] / results[False], 2),
-            **{f"audit_{k}_ms": round(statistics.median(v[1:]), 3) for k, v in phases.items()},
+            "speedup_vs_bucket": round(peers["bucket"] / results[None], 2),
             "abort_ms": round(statistics.median(aborts[1:]), 3),
-            "audit_overlap": not args.serial_audit,
+            "audit_overlap": not args.serial_audit, "by_algorithm": by_rule,
             "device": device_name}
 
 

@@ -16,8 +16,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from inference.core import SamplingParams
+from sidecar.api_json import DigestsJson, ExpectedJson, InitInfoJson, UpdateInfoJson
 
-MAX_PROMPTS = 4096  # prompts in one call; n more samples each still count against the queue limit
+WAIT_DOC = ("when the model cannot generate now: true holds the call through a weight sync in progress, "
+            "false answers 409 at once; while the sidecar sleeps, a model is torn or awaits its first sync "
+            "the answer is 409 naming the state either way, unless it was launched with --hold-while-asleep "
+            "(then true holds through those too)")
 
 
 class _Request(BaseModel):
@@ -56,11 +60,11 @@ SamplingParamsModel = create_model(
 
 
 class GenerateRequest(_Request):
-    prompts: list[str | list[int]] = Field(min_length=1, max_length=MAX_PROMPTS,
-                                           description="strings, or lists of token ids")
+    prompts: list[str | list[int]] = Field(min_length=1, description="strings, or lists of token ids; prompts x "
+                                           "n at most --max-request-sequences (docs/limits.md)")
     sampling_params: SamplingParamsModel | list[SamplingParamsModel] = Field(
         default_factory=SamplingParamsModel, description="one for all prompts, or one per prompt")
-    wait: bool = Field(True, description="while asleep or torn: wait (true) or get 409 at once (false)")
+    wait: bool = Field(True, description=WAIT_DOC)
 
 
 class CompletionOut(BaseModel):
@@ -96,7 +100,7 @@ class _CompletionBody(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     stream: bool = False
     user: str | None = None
-    wait: bool = True
+    wait: bool = Field(True, description=WAIT_DOC)
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -114,6 +118,69 @@ CompletionRequest = create_model("CompletionRequest", __base__=_CompletionBody, 
                                  **_completion_sampling)
 
 
+class ChatContentPart(_Request):
+    type: Literal["text"] = Field(description="only text parts: the engine reads text")
+    text: str
+
+
+class ChatMessage(_Request):
+    """One message as OpenAI clients send it; the model's chat template decides what each field means."""
+
+    role: str
+    content: str | list[ChatContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as a chat template reads it: text parts joined into one string, unset fields left out."""
+        out = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            out["content"] = "".join(part.text for part in self.content)
+        return out
+
+
+class _ChatBody(_Request):
+    """The OpenAI /v1/chat/completions subset: messages rendered with the model's own chat template,
+    n, temperature, top_p, max_tokens (or max_completion_tokens; unset: the rest of max_model_len),
+    stop, seed, logprobs + top_logprobs, and every other SamplingParams field (top_k, min_p,
+    ignore_eos, stop_token_ids, logprobs_mode); plus `add_generation_prompt` and
+    `chat_template_kwargs` (vLLM's: extra template variables such as enable_thinking) and `wait`.
+    Sampling fields accept null as unset, as OpenAI clients send it."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    stream: bool = False
+    user: str | None = None
+    max_completion_tokens: int | None = Field(None, description="OpenAI's newer name of max_tokens")
+    top_logprobs: int | None = Field(None, description="0..20 most likely tokens per position (needs logprobs)")
+    frequency_penalty: float | None = Field(None, description="accepted only as 0 or null (no penalties here)")
+    presence_penalty: float | None = Field(None, description="accepted only as 0 or null (no penalties here)")
+    add_generation_prompt: bool = Field(True, description="end the prompt with the assistant's turn header")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the template")
+    wait: bool = Field(True, description="while asleep or torn: wait (true) or get 409 at once (false)")
+
+    def sampling_dict(self) -> dict[str, Any]:
+        """The SamplingParams fields this body set (null counts as unset), with OpenAI's chat names mapped:
+        logprobs true -> SamplingParams.logprobs = top_logprobs (0: the sampled token's only)."""
+        data = self.model_dump(include=set(SAMPLING_FIELDS), exclude_unset=True)
+        data = {k: v for k, v in data.items() if v is not None and k != "logprobs"}
+        if self.max_completion_tokens is not None:
+            data["max_tokens"] = self.max_completion_tokens
+        if self.logprobs:
+            data["logprobs"] = self.top_logprobs or 0
+        return data
+
+
+_chat_sampling = sampling_fields(nullable=True)
+_chat_sampling["logprobs"] = (bool | None, Field(None, description="return each token's logprob (and "
+                                                                   "top_logprobs alternatives)"))
+_chat_sampling["max_tokens"] = (int | None, Field(None, description="new tokens per choice; unset: what "
+                                                                    "max_model_len leaves after the prompt"))
+ChatCompletionRequest = create_model("ChatCompletionRequest", __base__=_ChatBody, __doc__=_ChatBody.__doc__,
+                                     **_chat_sampling)
+
+
 class SleepRequest(_Request):
     level: int = Field(1, description="1: weights kept in host memory; 2: dropped (the next sync refills them)")
     in_flight: Literal["finish", "hold"] = Field("finish", description="finish running requests first, or hold them")
@@ -124,7 +191,7 @@ class WakeRequest(_Request):
 
 
 class WeightsInitRequest(_Request):
-    init_info: dict[str, Any] = Field(description="WeightSender.init_info() of the trainer")
+    init_info: InitInfoJson = Field(description="WeightSender.init_info() of the trainer")
 
 
 class WeightsStartRequest(_Request):
@@ -135,11 +202,11 @@ class WeightsStartRequest(_Request):
 
 
 class WeightsUpdateRequest(_Request):
-    update_info: Any = None
+    update_info: UpdateInfoJson = Field(None, description="null or {}; or one of those per rank, in rank order")
 
 
 class WeightsFinishRequest(_Request):
-    digests: list[dict[str, Any]] | dict[str, Any] = Field(
+    digests: DigestsJson = Field(
         description="the sender's digests: records {name, dtype, shape, digest} or a manifest")
 
 
@@ -147,7 +214,7 @@ class AuditRequest(_Request):
     model: Literal["target", "draft"] = "target"
     source: Literal["held", "received"] = Field(
         "held", description="held: the parameters each rank holds now; received: what the last sync delivered")
-    expected: list[dict[str, Any]] | dict[str, Any] | None = Field(
+    expected: ExpectedJson = Field(
         None, description="manifest(s) to compare against; for source=received also a list of sender records")
 
 

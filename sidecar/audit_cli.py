@@ -1,6 +1,7 @@
 """`sidecar audit EXPECTED.json ACTUAL.json [MORE.json ...]`: compare checksum manifests.
-`sidecar audit --url URL [--model target|draft] [--source held|received] [EXPECTED.json]`: the same
-against a running sidecar.
+`sidecar audit --url URL [--model target|draft] [--source held|received] [--algorithm RULE] [EXPECTED.json]`:
+the same against a running sidecar (held weights are digested by the rule EXPECTED.json names, or
+--algorithm, else each rank's default: the device rule on a GPU).
 
 The first file holds what was expected, every further file what a rank holds. Any file may hold
 one manifest or a JSON list of them (one per rank). One expected manifest applies to every actual
@@ -16,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from checksum import Manifest, ManifestError, Report, audit, load_manifests
+from checksum import ALGORITHMS, Manifest, ManifestError, Report, audit, load_manifests
 from inference import envs
 from inference.core import SidecarError
 
@@ -37,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=("target", "draft"), default="target", help="with --url (default target)")
     parser.add_argument("--source", choices=("held", "received"), default="held",
                         help="with --url: the weights held now, or what the last sync delivered (default held)")
+    parser.add_argument("--algorithm", choices=tuple(ALGORITHMS), default=None,
+                        help="with --url: the digest rule of the held weights (default: the one EXPECTED.json "
+                             "names, else each rank's own: the device rule on a GPU)")
     parser.add_argument("--api-key", default=None, help="with --url (default: $SIDECAR_API_KEY)")
     parser.add_argument("--timeout", type=float, default=300.0, help="with --url: seconds per request")
 
@@ -45,8 +49,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.expected is None and args.url is None:
             raise ManifestError("<command line>", "EXPECTED.json", "give the expected manifest file (or --url)")
-        expected = load_manifests(args.expected) if args.expected is not None else None
-        actual = _actual_manifests(args)
+        expected = load_input(args.expected) if args.expected is not None else None
+        actual = _actual_manifests(args, expected)
         reports = [audit(expected, actual)] if expected is not None else []
         if args.url is not None:
             from sidecar.audit_rules import replica_report
@@ -60,20 +64,42 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK if report.ok else EXIT_MISMATCH
 
 
-def _actual_manifests(args: argparse.Namespace) -> list[Manifest]:
+def _actual_manifests(args: argparse.Namespace, expected: list[Manifest] | None = None) -> list[Manifest]:
     """Every actual manifest, in command-line order: the files, then the sidecar's ranks (--url)."""
     if not args.actual and args.url is None:
         raise ManifestError("<command line>", "ACTUAL.json", "give at least one actual manifest file")
-    found = [m for path in args.actual for m in load_manifests(path)]
+    found = [m for path in args.actual for m in load_input(path)]
     if args.url is not None:
-        found += _fetch(args)
+        found += _fetch(args, _url_algorithm(args, expected))
     return found
 
 
-def _fetch(args: argparse.Namespace) -> list[Manifest]:
+def _url_algorithm(args: argparse.Namespace, expected: list[Manifest] | None) -> str | None:
+    """--algorithm, else the one rule the expected manifests name (held digests only: received ones are
+    of the sync's rule, whatever is asked), else None (each rank's default)."""
+    if args.algorithm is not None or args.source != "held" or not expected:
+        return args.algorithm
+    rules = {m.algorithm for m in expected}
+    return rules.pop() if len(rules) == 1 else None
+
+
+def load_input(path: str) -> list[Manifest]:
+    """The manifests of one file named on the command line. Whatever reading it raises is bad input
+    (exit 2, one line naming the file), never a traceback: checksum's loader means to raise only
+    ManifestError, and a file that makes it raise anything else (a list as a dtype raised TypeError)
+    is still the user's file to fix, not a mismatch."""
+    try:
+        return load_manifests(path)
+    except ManifestError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+        raise ManifestError(path, "<file>", f"not a valid manifest ({type(e).__name__}: {e})") from e
+
+
+def _fetch(args: argparse.Namespace, algorithm: str | None = None) -> list[Manifest]:
     from sidecar.client import SidecarClient
 
     key = args.api_key or envs.API_KEY.get()
     with SidecarClient(args.url, api_key=key, timeout=args.timeout, retries=1) as client:
-        dicts = client.checksums(args.model, args.source)
+        dicts = client.checksums(args.model, args.source, algorithm)
     return [Manifest.from_dict(d, f"{args.url} rank {i}") for i, d in enumerate(dicts)]

@@ -21,7 +21,19 @@ from inference.config import EngineConfig
 from inference.core import RequestOutput, SamplingParams, SidecarError
 
 ErrorKind = Literal["invalid", "state", "checksum", "busy", "transfer", "unavailable", "memory", "internal"]
-Prompt = str | list[int]
+WaitMode = Literal["never", "sync", "always"]
+
+
+@dataclass(frozen=True)
+class TokenizedPrompt:
+    """A prompt the sidecar process already checked and tokenized (sidecar/server_intake.py), so that no
+    rank step ever waits on a tokenizer; `text` is kept for the output (None for token-id prompts)."""
+
+    text: str | None
+    token_ids: list[int]
+
+
+Prompt = str | list[int] | TokenizedPrompt
 
 
 @dataclass(frozen=True)
@@ -81,13 +93,17 @@ class StepResult:
 
 @dataclass(frozen=True)
 class SyncResult:
-    """A passed audit at the end of one weight sync on one rank (a failed one raises instead)."""
+    """A passed audit at the end of one weight sync on one rank (a failed one raises instead): the
+    tensors it compared, the digest rule, and the seconds the rank spent in finish (the audit)."""
 
     model: str
     version: int
     rank: str
     ok: bool
     summary: str
+    tensors_checked: int = 0
+    algorithm: str = ""
+    audit_s: float = 0.0
 
 
 # ---- commands -------------------------------------------------------------------------------------
@@ -100,11 +116,16 @@ class Command:
 
 @dataclass(frozen=True)
 class RequestGroup:
-    """The prompts of one HTTP call: (request id, prompt, params) each; added all or none."""
+    """The prompts of one HTTP call: (request id, prompt, params) each; added all or none.
+
+    `wait`, when the engine cannot generate as the group arrives: "never" refuses it (409); "sync"
+    holds it through a weight sync in progress but refuses it while the sidecar sleeps, a model is torn
+    or awaits its first sync (states that end only when the trainer acts: holding would hang the
+    caller silently); "always" holds it through all of these (--hold-while-asleep)."""
 
     group_id: str
     requests: tuple[tuple[str, Prompt, SamplingParams], ...]
-    wait: bool
+    wait: WaitMode
 
 
 @dataclass(frozen=True)
@@ -173,11 +194,14 @@ class FinishWeightUpdate(Command):
 
 @dataclass(frozen=True)
 class ReadManifest(Command):
-    """The digests of `model`: "held" (this rank's shards, engine names) or "received" (the last
-    finished sync's full tensors, trainer names). Reply: checksum.Manifest as a dict."""
+    """The digests of `model`: "held" (this rank's shards, engine names, digested now) or "received"
+    (the last finished sync's full tensors, trainer names). `algorithm`: the digest rule of "held"
+    (None: the rank's default, the device rule on a GPU); for "received" it must be the sync's rule, if
+    given. Reply: checksum.Manifest as a dict."""
 
     model: Literal["target", "draft"] = "target"
     source: Literal["held", "received"] = "held"
+    algorithm: str | None = None
     reply: ClassVar[type] = dict
 
 

@@ -67,6 +67,9 @@ class LaunchConfig:
     device: str = option("auto", "auto: cuda when available", choices=DEVICES)
     devices: str | None = option(None, "GPU indices, one per rank (1,2: rank 0 on GPU 1, rank 1 on GPU 2); "
                                        "unset: rank r on GPU r", metavar="LIST")
+    threads: int | None = option(None, "torch threads of each rank process; unset: 1 on cuda (the GPU computes), "
+                                       "min(4, cores / 2 / tp) on cpu, so a trainer on the same machine keeps "
+                                       "half of it", min=1)
     host: str = option("127.0.0.1", "address to bind", metavar="ADDR")
     port: int = option(8000, "port; 0 picks a free one (printed in the 'Sidecar serving on' line)", min=0,
                        max=65535)
@@ -90,6 +93,9 @@ class LaunchConfig:
                                                 engine="max_num_batched_tokens", min=1)
     max_model_len: int | None = option(None, "prompt plus completion tokens; unset: the model's "
                                              "max_position_embeddings", engine="max_model_len", min=1)
+    async_scheduling: bool | None = option(None, "overlap each step's host work with the previous step on the "
+                                                 "GPU; unset: on for CUDA (never with a draft)",
+                                           engine="async_scheduling")
     enforce_eager: bool | None = option(None, "no CUDA graphs", engine="enforce_eager")
     attention_backend: str | None = option(None, "auto (per device), reference (eager torch) or triton",
                                            engine="attention_backend")
@@ -102,13 +108,28 @@ class LaunchConfig:
     rpc_timeout_s: float = option(900.0, "seconds for one control call (sleep, wake, a weight update) on "
                                          "every rank", gt=0.0)
     step_timeout_s: float = option(300.0, "seconds for one engine step on every rank", gt=0.0)
-    max_queued_requests: int = option(65536, "prompts waiting or running; more are refused with 503", min=1)
+    # Limits (docs/limits.md): an RL batch (a 32k-token prompt, n=64, thousands of sequences) passes; 50 MB
+    # of text or millions of sequences from one call are refused before any work.
+    max_body_mb: int = option(64, "MiB of one HTTP request body; a larger one gets 413 before it is read", min=1)
+    max_prompt_chars: int = option(1 << 20, "characters of one text prompt (a 32k-token prompt is ~130k); a "
+                                            "longer one gets 400 before it is tokenized", min=1)
+    max_request_sequences: int = option(16384, "sequences (prompts x n) one generation call may ask for; more "
+                                               "get 400", min=1)
+    max_queued_sequences: int = option(65536, "sequences (prompts x n) waiting or running; a call that would "
+                                              "pass it gets 429 (retry later)", min=1)
+    hold_while_asleep: bool = option(False, "hold generation calls that arrive while the sidecar sleeps, or "
+                                            "while a model is torn or awaits its first sync, until it can "
+                                            "serve; default: answer 409 at once, naming the state")
 
     def __post_init__(self) -> None:
         for f in fields(self):
             _check_field(f, getattr(self, f.name))
         if self.devices is not None:
             self._check_devices()
+        if self.max_request_sequences > self.max_queued_sequences:
+            raise InvalidRequestError("max_request_sequences", f"{self.max_request_sequences} exceeds "
+                                      f"max_queued_sequences ({self.max_queued_sequences}): such a call could "
+                                      "never be queued")
         if not self.host:
             raise InvalidRequestError("host", "must be a non-empty host name or address")
         if self.api_key is not None and not self.api_key:

@@ -1,7 +1,9 @@
 """What `sidecar demo` trains: the model directory, the prompts and the reward, all on token ids.
 
 Models: "tiny" (the embedded default), "qwen2-0.5b" (Qwen2-0.5B's exact shape with seeded random bf16
-weights, written once into the model cache; nothing is downloaded) or a path to an HF model directory.
+weights, written once into the model cache as qwen2-0.5b-random-<hash>; nothing is downloaded) or a path
+to an HF model directory. torch is imported inside the functions that need it, so that the demo's
+argument parsing (`sidecar demo --help`) stays fast.
 
 Rewards are the fraction of a completion's tokens that fall in a target set of ids:
 - "digits": the tokens made of ASCII digits in the model's tokenizer.json (needs a tokenizer that
@@ -16,8 +18,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from inference.config import ModelConfig
 from inference.core import InvalidRequestError
 from inference.tiny import TinyModelSpec, default_model_dir
@@ -27,6 +27,7 @@ REWARDS = ("auto", "digits", "ids")
 TARGET_EVERY = 16
 FIRST_PROMPT_ID = 4  # ids 0-3 are the special tokens of the tiny tokenizer
 
+QWEN2_05B_CACHE_NAME = "qwen2-0.5b-random"  # its directory in the model cache: not a tiny model
 QWEN2_05B = TinyModelSpec(family="qwen2", hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
                           head_dim=64, intermediate_size=4864, vocab_size=151936, dtype="bfloat16",
                           tie_word_embeddings=True, rope_theta=1_000_000.0, max_position_embeddings=4096)
@@ -54,12 +55,25 @@ class TokenReward:
         return sum(t in self.targets for t in token_ids) / max(1, len(token_ids))
 
 
+@dataclass(frozen=True)
+class DemoSetup:
+    """Everything resolved from `sidecar demo`'s arguments before the sidecar starts."""
+
+    model: DemoModel
+    reward: TokenReward
+    device: str
+    backend: str
+    lr: float
+
+
 def resolve_model(name: str) -> DemoModel:
     """Build (once, cached) or check the model directory named by --model."""
+    import torch
+
     if name == "tiny":
         path = default_model_dir()
     elif name == "qwen2-0.5b":
-        path = default_model_dir(QWEN2_05B)
+        path = default_model_dir(QWEN2_05B, name=QWEN2_05B_CACHE_NAME)
     else:
         path = Path(name).expanduser().absolute()
         if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
@@ -92,6 +106,8 @@ def make_reward(kind: str, model: DemoModel) -> TokenReward:
 def make_prompts(reward: TokenReward, model: DemoModel, batch: int, length: int, seed: int) -> list[list[int]]:
     """Random prompt ids. With the digits reward they come from the tokenizer's low ids (as the tiny
     demo always drew them); otherwise from the whole vocabulary past the special ids."""
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     if reward.kind == "digits":
         low, high = len(reward.targets) + 20, min(500, model.vocab_size)

@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,7 @@ from sidecar.commands import (
     StepResult,
     Stop,
     UnknownCommandError,
+    WaitMode,
     check_declared,
 )
 from sidecar.ranks import RankFailure, RankPool
@@ -55,8 +56,19 @@ class RankError(SidecarError):
         self.errors = errors or [info]
 
 
-def unavailable(message: str) -> RankError:
-    return RankError(ErrorInfo("RankFailure", message, "unavailable"))
+def unavailable(message: str, rank: str | None = None) -> RankError:
+    return RankError(ErrorInfo("RankFailure", message, "unavailable", None, rank))
+
+
+def _settle(fut: Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Resolve `fut` unless it is already done (failed by stop(), or cancelled by its caller)."""
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+    except InvalidStateError:
+        pass
 
 
 @dataclass
@@ -65,10 +77,14 @@ class _Group:
 
     group_id: str
     requests: list[tuple[str, Any, SamplingParams]]
-    wait: bool
+    wait: WaitMode
     future: Future
     outputs: dict[str, RequestOutput] = field(default_factory=dict)
     sent: bool = False
+    pending: int = 0  # sequences (n per prompt) not answered yet: what the queue limit counts
+
+    def sequences_of(self, request_id: str) -> int:
+        return int(self.requests[int(request_id.rsplit("-", 1)[1])][2].n)
 
 
 @dataclass
@@ -83,11 +99,12 @@ class Driver:
     resume, snapshot, healthy; stop() ends the thread (the pool is closed by its owner)."""
 
     def __init__(self, pool: RankPool, *, step_timeout_s: float, rpc_timeout_s: float,
-                 max_queued: int = 65536) -> None:
+                 max_queued: int = 65536, hold_while_asleep: bool = False) -> None:
         self.pool = pool
         self.step_timeout_s = step_timeout_s
         self.rpc_timeout_s = rpc_timeout_s
-        self.max_queued = max_queued
+        self.max_queued = max_queued  # sequences
+        self.hold_while_asleep = hold_while_asleep
         self._cv = threading.Condition()
         self._new: list[_Group] = []
         self._aborts: list[str] = []
@@ -98,6 +115,9 @@ class Driver:
         self._paused = False
         self._stopping = False
         self._failure: str | None = None
+        self._failure_rank: str | None = None  # the rank key the failure names, when one does
+        self._queued_sequences = 0  # sum of every group's `pending`
+        self._running: _Control | None = None  # the control command on the ranks now
         self._engine_unfinished = 0
         self._engine_ready = True
         self.busy: str | None = None  # the name of the control command running now
@@ -111,27 +131,42 @@ class Driver:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Fail every pending call, the one on the ranks now included (its caller gets a 503 at once, not
+        after the command's timeout), interrupt the pool's wait for it, and end the thread."""
+        error = unavailable("the sidecar is shutting down")
         with self._cv:
             self._stopping = True
-            self._fail_all_locked(unavailable("the sidecar is shutting down"))
+            self._fail_all_locked(error)
+            running = self._running
             self._cv.notify_all()
+        if running is not None:
+            _settle(running.future, error=error)
+        interrupt = getattr(self.pool, "interrupt", None)
+        if interrupt is not None:
+            interrupt()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
     def submit(self, requests: list[tuple[Any, SamplingParams]], wait: bool = True) -> Future:
         """Queue one group of prompts; the future resolves to their RequestOutputs in order, or to a
-        RankError (a rejected prompt names its index; the whole group is then refused)."""
+        RankError (a rejected prompt names its index; the whole group is then refused). The queue limit
+        counts sequences (n per prompt), the unit of work and memory of the engine. `wait`: the call's
+        own; what it holds through is commands.RequestGroup's `wait` (hold_while_asleep: "always")."""
+        mode: WaitMode = "never" if not wait else "always" if self.hold_while_asleep else "sync"
         fut: Future = Future()
+        sequences = sum(int(params.n) for _, params in requests)
         with self._cv:
             if self._refuse_locked(fut):
                 return fut
-            if self.queue_depth() + len(requests) > self.max_queued:
-                fut.set_exception(RankError(ErrorInfo("QueueFull", f"{self.queue_depth()} prompts are queued; "
-                                                      f"the limit is {self.max_queued}", "busy")))
+            if self._queued_sequences + sequences > self.max_queued:
+                fut.set_exception(RankError(ErrorInfo(
+                    "QueueFull", f"{self._queued_sequences} sequences are queued and this call adds {sequences}; "
+                    f"the limit is {self.max_queued} (--max-queued-sequences): retry later", "busy")))
                 return fut
             gid = f"g{next(self._ids)}"
             reqs = [(f"{gid}-{i}", prompt, params) for i, (prompt, params) in enumerate(requests)]
-            group = _Group(gid, reqs, wait, fut)
+            group = _Group(gid, reqs, mode, fut, pending=sequences)
+            self._queued_sequences += sequences
             self._groups[gid] = group
             self._owner.update((rid, gid) for rid, _, _ in reqs)
             self._new.append(group)
@@ -187,8 +222,18 @@ class Driver:
             dead = self.pool.dead_rank()
             if dead is not None:
                 with self._cv:
-                    self._fail_locked(f"rank {dead[0]} process exited (exit code {dead[1]})")
+                    self._fail_locked(f"rank {dead[0]} process exited (exit code {dead[1]})", dead[0])
         return self._failure
+
+    @property
+    def failure_rank(self) -> str | None:
+        """The rank key of the rank that broke the pool (None while healthy, or when none is known)."""
+        return self._failure_rank
+
+    def queued_sequences(self) -> int:
+        """Sequences (n per prompt) accepted and not yet answered: what --max-queued-sequences bounds."""
+        with self._cv:
+            return self._queued_sequences
 
     def queue_depth(self) -> int:
         """Prompts accepted and not yet answered (waiting in the driver or in the engine)."""
@@ -196,11 +241,15 @@ class Driver:
             return sum(len(g.requests) - len(g.outputs) for g in self._groups.values())
 
     def tokens_per_second(self) -> float:
-        now = time.monotonic()
         with self._cv:
-            while self._token_events and self._token_events[0][0] < now - TOKENS_WINDOW_S:
-                self._token_events.popleft()
+            self._prune_token_events_locked(time.monotonic())
             return sum(n for _, n in self._token_events) / TOKENS_WINDOW_S
+
+    def _prune_token_events_locked(self, now: float) -> None:
+        """Keep only the window's events: every append prunes, so the deque is bounded by the tokens
+        of TOKENS_WINDOW_S whether /metrics is scraped or not."""
+        while self._token_events and self._token_events[0][0] < now - TOKENS_WINDOW_S:
+            self._token_events.popleft()
 
     # ---- the thread -----------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -215,7 +264,7 @@ class Driver:
                     self._run_step(*work)
             except RankFailure as e:
                 with self._cv:
-                    self._fail_locked(str(e))
+                    self._fail_locked(str(e), e.rank)
             except Exception as e:  # a bug of ours: fail what was in flight, keep the thread alive
                 log.exception("driver: unexpected error")
                 with self._cv:
@@ -240,7 +289,7 @@ class Driver:
                 if self._failure is None and not self._stopping:
                     dead = self.pool.dead_rank()
                     if dead is not None:
-                        self._fail_locked(f"rank {dead[0]} process exited (exit code {dead[1]})")
+                        self._fail_locked(f"rank {dead[0]} process exited (exit code {dead[1]})", dead[0])
 
     def _run_step(self, groups: list[_Group], aborts: list[str], run: bool) -> None:
         cmd = Step(tuple(aborts), tuple(RequestGroup(g.group_id, tuple(g.requests), g.wait) for g in groups), run)
@@ -265,21 +314,25 @@ class Driver:
             return
         what = type(ctl.cmd).__name__
         self.busy = what
+        with self._cv:
+            self._running = ctl
         try:
             replies = self.pool.broadcast(ctl.cmd, ctl.timeout, what)
         except RankFailure as e:
-            ctl.future.set_exception(unavailable(str(e)))
+            _settle(ctl.future, error=unavailable(str(e), self._rank_key(e.rank)))
             raise
         finally:
             self.busy = None
+            with self._cv:
+                self._running = None
         with self._cv:
             self._absorb_status(replies)
             self._resolve_locked(replies[0].finished)
         failed = _first_error(replies)
         if failed is not None:
-            ctl.future.set_exception(RankError(failed, [r.error for r in replies if r.error]))
+            _settle(ctl.future, error=RankError(failed, [r.error for r in replies if r.error]))
         else:
-            ctl.future.set_result([r.value for r in replies])
+            _settle(ctl.future, [r.value for r in replies])
 
     # ---- bookkeeping (caller holds the lock) ----------------------------------------------------
     def _absorb_status(self, replies: list[Reply]) -> None:
@@ -292,22 +345,29 @@ class Driver:
             self._engine_ready = bool(head.get("ready", True))
 
     def _resolve_locked(self, finished: list[RequestOutput]) -> None:
-        now = time.monotonic()
-        for out in finished:
-            tokens = sum(len(c.token_ids) for c in out.outputs)
+        if finished:
+            now = time.monotonic()
+            tokens = sum(len(c.token_ids) for out in finished for c in out.outputs)
             self.tokens_total += tokens
             self._token_events.append((now, tokens))
+            self._prune_token_events_locked(now)
+        for out in finished:
             gid = self._owner.pop(out.request_id, None)
             group = self._groups.get(gid) if gid is not None else None
             if group is None:
                 continue  # aborted meanwhile
             group.outputs[out.request_id] = out
+            done = group.sequences_of(out.request_id)
+            group.pending -= done
+            self._queued_sequences -= done
             if len(group.outputs) == len(group.requests):
                 self._drop_locked(group)
                 if not group.future.done():
                     group.future.set_result([group.outputs[rid] for rid, _, _ in group.requests])
 
     def _drop_locked(self, group: _Group) -> None:
+        self._queued_sequences -= group.pending
+        group.pending = 0
         self._groups.pop(group.group_id, None)
         for rid, _, _ in group.requests:
             self._owner.pop(rid, None)
@@ -316,16 +376,21 @@ class Driver:
         if self._stopping:
             fut.set_exception(unavailable("the sidecar is shutting down"))
         elif self._failure is not None:
-            fut.set_exception(unavailable(self._failure))
+            fut.set_exception(unavailable(self._failure, self._failure_rank))
         else:
             return False
         return True
 
-    def _fail_locked(self, message: str) -> None:
+    def _rank_key(self, rank: int | None) -> str | None:
+        plans = getattr(self.pool, "plans", None) or []
+        return str(plans[rank]["rank"]) if rank is not None and 0 <= rank < len(plans) else None
+
+    def _fail_locked(self, message: str, rank: int | None = None) -> None:
         if self._failure is None:
-            log.error("ranks unavailable: %s", message)
-            self._failure = message
-        self._fail_all_locked(unavailable(message))
+            if not self._stopping:
+                log.error("ranks unavailable: %s", message)
+            self._failure, self._failure_rank = message, self._rank_key(rank)
+        self._fail_all_locked(unavailable(self._failure, self._failure_rank))
 
     def _fail_all_locked(self, error: RankError, only_sent: bool = False) -> None:
         """Fail every pending group and control call (only_sent: just the groups the ranks held)."""

@@ -124,7 +124,11 @@ def launch(cfg: LaunchConfig) -> int:
             for plan in plans:
                 log.info("memory plan: %s", describe_plan(plan))
             driver = Driver(pool, step_timeout_s=cfg.step_timeout_s, rpc_timeout_s=cfg.rpc_timeout_s,
-                            max_queued=cfg.max_queued_requests)
+                            max_queued=cfg.max_queued_sequences,
+                            hold_while_asleep=cfg.hold_while_asleep)
+            # Until the first command, /state shows what the ranks reported at startup (awake, weight
+            # version 0, every arena's state) rather than nothing.
+            driver.statuses = list(pool.startup_statuses)
             driver.start()
             serve(cfg, sock, driver, plans)
         except _Stop:
@@ -174,11 +178,13 @@ def resolve_model(cfg: LaunchConfig) -> str:
 
 
 def resolve_device(cfg: LaunchConfig) -> str:
+    """The device of every rank; no GPU at all is a one-line error naming --device, too few for --tp
+    one naming --tp."""
     import torch
 
-    device = cfg.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    from sidecar.cli_common import resolve_device as device_of
+
+    device = device_of(cfg.device, cfg.tp)
     if device == "cuda":
         count = torch.cuda.device_count()
         if count < cfg.tp:
@@ -223,7 +229,7 @@ def describe_plan(plan: dict[str, Any]) -> str:
     weights = ", ".join(f"{names.get(tag, tag)} {_mib(n)}" for tag, n in plan["weights_bytes"].items())
     return (f"rank {plan['rank']} (pid {plan['pid']}) on {plan['device']} {plan['dtype']}: weights {weights}; "
             f"KV cache {plan['kv_blocks']} blocks x {plan['block_size']} tokens = {_mib(plan['kv_bytes'])}; "
-            f"max_model_len {plan['max_model_len']}")
+            f"max_model_len {plan['max_model_len']}; {plan['num_threads']} torch thread(s)")
 
 
 def _mib(n: int) -> str:

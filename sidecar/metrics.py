@@ -26,6 +26,8 @@ class GenerationSource(Protocol):
 
     def queue_depth(self) -> int: ...
 
+    def queued_sequences(self) -> int: ...
+
     @property
     def failure(self) -> str | None: ...
 
@@ -66,6 +68,8 @@ class _GenerationCollector(Collector):
         yield _gauge("sidecar_generation_tokens_per_second", "Generated tokens per second over the last 10 s",
                      s.tokens_per_second())
         yield _gauge("sidecar_queue_depth", "Prompts accepted and not yet answered", s.queue_depth())
+        yield _gauge("sidecar_queued_sequences", "Sequences (n per prompt) accepted and not yet answered, "
+                     "bounded by --max-queued-sequences", s.queued_sequences())
         yield _gauge("sidecar_healthy", "1 while every rank process is alive and answering", s.failure is None)
         yield _gauge("sidecar_paused", "1 while generation is paused", s.paused)
 

@@ -3,9 +3,10 @@
 Commands (sidecar/commands.py) arrive over the Pipe in the same order on every rank and are
 dispatched by their type through one table (`RankServer.handlers`) to the handler below; a message
 the table does not hold is refused with UnknownCommandError naming it. `Step` aborts, adds the new
-request groups (a group is all-or-nothing: the prompts of one HTTP call) and runs one llm.step();
-every rank returns the rejected groups (the same on every rank: validation is deterministic), rank
-0 also the finished RequestOutputs. `Stop` ends the loop without a reply.
+request groups (a group is all-or-nothing: the prompts of one HTTP call, already tokenized by the
+sidecar process; one the engine cannot serve now is refused or held as its `wait` says) and runs one
+llm.step(); every rank returns the rejected groups (the same on every rank: validation is
+deterministic), rank 0 also the finished RequestOutputs. `Stop` ends the loop without a reply.
 Every reply carries this rank's status (sleep state per tag, weight versions, torn flags), so the
 parent always has a fresh snapshot without asking. Exceptions travel back as ErrorInfo.
 
@@ -19,6 +20,7 @@ import dataclasses
 import logging
 import os
 import signal
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -40,12 +42,15 @@ from sidecar.commands import (
     StepResult,
     Stop,
     SyncResult,
+    TokenizedPrompt,
     UnknownCommandError,
     UpdateWeights,
+    WaitMode,
     WakeUp,
 )
 
 log = logging.getLogger(__name__)
+MAX_WEIGHT_VERSION = 2**63 - 1  # an int64, as trainers count steps and metrics carry it
 
 
 def rank_main(spec: RankSpec, conn: Connection) -> None:
@@ -124,6 +129,17 @@ def error_info(e: BaseException, rank: str | None = None, index: int | None = No
     return ErrorInfo(name, str(e) or name, "internal", None, rank, index)
 
 
+def check_version(version: object, live: int | None, model: str) -> None:
+    """A sync's version is an integer in (live, MAX_WEIGHT_VERSION]: versions only grow, so a version
+    names one set of weights and outputs tagged with it can be traced back to them (InvalidRequestError
+    naming `version` otherwise)."""
+    if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version <= MAX_WEIGHT_VERSION:
+        raise InvalidRequestError("version", f"must be an integer in [0, 2**63 - 1], got {version!r}")
+    if live is not None and version <= live:
+        raise InvalidRequestError("version", f"{version} is not newer than the live {model} version {live}: "
+                                             f"versions only grow; send {live + 1} or more")
+
+
 class RankServer:
     """Serves one rank's commands; `request_ids` are the requests this rank's engine still holds.
 
@@ -198,10 +214,17 @@ class RankServer:
         return StepResult(rejected)
 
     def _add_group(self, group: RequestGroup) -> ErrorInfo | None:
+        try:
+            self._admit(group.wait)
+        except StateError as e:
+            return error_info(e, self.rank_key)
         added: list[str] = []
         for index, (rid, prompt, params) in enumerate(group.requests):
             try:
-                self.llm.add_request(prompt, params, rid, wait=group.wait)
+                if isinstance(prompt, TokenizedPrompt):
+                    self.llm.add_request(prompt.token_ids, params, rid, prompt_text=prompt.text)
+                else:
+                    self.llm.add_request(prompt, params, rid)
             except Exception as e:
                 for done in added:  # all or nothing: the caller gets one answer for the whole group
                     self.llm.abort(done)
@@ -210,6 +233,26 @@ class RankServer:
             added.append(rid)
             self.request_ids.add(rid)
         return None
+
+    def _admit(self, wait: WaitMode) -> None:
+        """Refuse (StateError) a group that the engine cannot serve now unless `wait` holds it through
+        the reason (sidecar/commands.py RequestGroup). Every rank decides the same: the states are SPMD."""
+        llm = self.llm
+        if wait == "always":
+            return
+        if wait == "never":
+            llm.check_ready()
+            return
+        if llm.is_sleeping:
+            tags = ", ".join(f"{t}: {a['state']}" for t, a in llm.worker.memory.states().items())
+            raise StateError(f"the sidecar is asleep ({tags}): wake it first (POST /wake_up, SidecarClient.wake_up() "
+                             "or WeightSyncHook.wake()); a sidecar launched with --hold-while-asleep holds "
+                             "requests until then instead")
+        worker = llm.worker
+        for which in worker.models:
+            state = worker.weight_state(which)
+            if not state["servable"] and not state["session_open"]:  # torn, or waiting for a first sync
+                llm.check_ready()
 
     def _take_finished(self) -> list[RequestOutput]:
         """What finished in this command: its steps' outputs, then those sleep() drained."""
@@ -239,6 +282,8 @@ class RankServer:
         self.llm.worker.init_weight_transfer_engine(cmd.info)
 
     def _start_weight_update(self, cmd: StartWeightUpdate) -> None:
+        live = self.llm.worker.weight_versions.get(cmd.model)
+        check_version(cmd.version, live, cmd.model)
         if cmd.model == "target":
             self.llm.start_weight_update(cmd.version, cmd.manifest, allow_cast=cmd.allow_cast)
         elif cmd.model == "draft":
@@ -250,34 +295,34 @@ class RankServer:
         self.llm.update_weights(cmd.info)
 
     def _finish_weight_update(self, cmd: FinishWeightUpdate) -> SyncResult:
-        result = self.llm.finish_weight_update(cmd.digests)
+        # The audit is the whole of finish; nobody reads a held manifest here (GET /checksums digests afresh).
+        t0 = time.perf_counter()
+        result = self.llm.finish_weight_update(cmd.digests, held_manifest=False)
+        audit_s = time.perf_counter() - t0
         self.received[result.model] = result.received
-        return SyncResult(result.model, result.version, result.rank, result.report.ok, result.report.summary())
+        report = result.report
+        return SyncResult(result.model, result.version, result.rank, report.ok, report.summary(),
+                          report.tensors_checked, result.received.algorithm, audit_s)
 
     def _read_manifest(self, cmd: ReadManifest) -> dict[str, Any]:
         if cmd.source == "held":
-            return self._held_manifest(cmd.model)
+            return dict(self.llm.worker.held_manifest(cmd.model, cmd.algorithm).to_dict())
         if cmd.source == "received":
             if cmd.model not in self.received:
                 raise StateError(f"rank {self.rank_key}: no sync of the {cmd.model} model has finished on this rank")
-            return dict(self.received[cmd.model].to_dict())
+            received = self.received[cmd.model]
+            if cmd.algorithm is not None and cmd.algorithm != received.algorithm:
+                raise InvalidRequestError("algorithm", f"rank {self.rank_key}: the last sync's received digests are "
+                                          f"{received.algorithm!r}, not {cmd.algorithm!r} (the sender picks the "
+                                          f"rule of a sync); source=held digests what is held now by any rule")
+            return dict(received.to_dict())
         raise InvalidRequestError("source", f"must be 'held' or 'received', got {cmd.source!r}")
 
-    def _held_manifest(self, which: str) -> dict[str, Any]:
-        """The digests of what this rank holds of `which` (its shards, engine names)."""
-        from checksum import manifest_from_tensors
-
-        worker = self.llm.worker
-        if which not in worker.models:
-            raise InvalidRequestError("model", f"rank {self.rank_key}: no {which} model loaded "
-                                      f"(models: {sorted(worker.models)})")
-        params = list(worker.models[which].named_parameters())
-        manifest = manifest_from_tensors(params, model=which, weight_version=worker.weight_versions[which],
-                                         rank=self.rank_key)
-        return dict(manifest.to_dict())
-
     def plan(self) -> dict[str, Any]:
-        """This rank's device memory plan and model facts (reported once, at startup)."""
+        """This rank's device memory plan and model facts (reported once, at startup), and the torch
+        thread count it runs with (--threads, or the default of sidecar/ranks.py `rank_threads`)."""
+        import torch
+
         from inference.memory import KV_TAG, WEIGHT_TAGS
 
         llm, worker = self.llm, self.llm.worker
@@ -291,7 +336,7 @@ class RankServer:
             "block_size": llm.config.cache.block_size, "max_model_len": llm.max_model_len,
             "vocab_size": llm.model_config.vocab_size, "models": sorted(worker.models),
             "model": llm.config.model, "draft_model": llm.config.draft_model,
-            "has_tokenizer": llm.tokenizer is not None,
+            "has_tokenizer": llm.tokenizer is not None, "num_threads": torch.get_num_threads(),
         }
 
     @property

@@ -4,9 +4,10 @@ checksums and audits in server_audit.py, what they share in server_common.py).
 Errors: every error response is {"error": {"type", "message", "field", "rank"}}. Status codes:
 400 a bad value (malformed JSON, a value out of range; `field` names it), 422 a wrong type or an
 unknown field (pydantic), 401 a missing or wrong API key, 404 an unknown route, 409 a state conflict
-(asleep with wait=false, an update without start, a checksum mismatch: the model is torn),
-429 too many queued prompts, 502 the weight wire failed (trainer gone, timeout), 503 a rank is dead
-or hung, 507 not enough device memory to wake, 500 a bug.
+(asleep, torn, an update without start, a checksum mismatch: the model is torn), 413 a body over
+--max-body-mb, 429 too many queued sequences (docs/limits.md), 502 the weight wire failed (trainer
+gone, timeout), 503 a rank is dead or hung (`rank` names it), 507 not enough device memory to wake,
+500 a bug (sidecar/server_guard.py answers it; the connection stays usable).
 
 Auth (decision): when an API key is set, every endpoint requires `Authorization: Bearer KEY` except
 GET /health and GET /metrics (probes and scrapers) and the OpenAPI docs. Reads such as /state and
@@ -38,6 +39,9 @@ from sidecar.driver import RankError
 from sidecar.openai_format import completion_response
 from sidecar.server_common import ApiError, ServerState, await_future, error_response, rank_error_to_api
 from sidecar.server_control import add_control_routes
+from sidecar.server_guard import RequestGuard
+from sidecar.server_intake import build_intake, encode_group
+from sidecar.server_openai import add_openai_routes
 
 __all__ = ["ApiError", "ServerState", "create_app"]
 
@@ -48,12 +52,16 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="Sidecar", version="0.1.0", responses={"4XX": {"model": ErrorResponse}},
                   description="Rollouts, sleep/wake, weight syncs and checksum audits of one sidecar.")
     app.state.sidecar = state
+    state.intake = build_intake(state.tokenizer, state.config, state.plans[0])
     _install_error_handlers(app, state)
+    app.add_middleware(RequestGuard, max_body_bytes=state.config.max_body_mb << 20,  # type: ignore[arg-type]
+                       on_error=lambda status: state.metrics.http_errors.labels(str(status)).inc())
     open_router = APIRouter()
     router = APIRouter(dependencies=[Depends(_auth(state.config.api_key))])
     _add_open_routes(open_router, state)
     _add_generation_routes(router, state)
     add_control_routes(router, state)
+    add_openai_routes(router, state)
     app.include_router(open_router)
     app.include_router(router)
     return app
@@ -106,13 +114,12 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        kind = {404: "NotFound", 405: "MethodNotAllowed"}.get(e.status_code, "HTTPError")
-        return respond(e.status_code, kind, str(e.detail))
+        kind = {404: "NotFound", 405: "MethodNotAllowed", 413: "PayloadTooLarge"}.get(e.status_code, "HTTPError")
+        return respond(e.status_code, kind, str(e.detail), "body" if e.status_code == 413 else None,
+                       headers=e.headers)
 
-    @app.exception_handler(Exception)
-    async def _bug(_: Request, e: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return respond(500, type(e).__name__, str(e) or type(e).__name__)
+    # No handler for Exception here: sidecar/server_guard.py answers those (a handler here would run in
+    # Starlette's ServerErrorMiddleware, which re-raises, and the kept-alive connection would be dropped).
 
 
 def field_path(loc: Any) -> str:
@@ -136,8 +143,8 @@ def _add_open_routes(router: APIRouter, state: ServerState) -> None:
         failure = state.driver.failure
         if failure is None:
             return JSONResponse({"status": "ok", "ranks": len(state.plans)})
-        return JSONResponse({"status": "unhealthy", "error": {"type": "RankFailure", "message": failure}},
-                            status_code=503)
+        error = {"type": "RankFailure", "message": failure, "rank": state.driver.failure_rank}
+        return JSONResponse({"status": "unhealthy", "error": error}, status_code=503)
 
     @router.get("/metrics", summary="Prometheus metrics")
     async def metrics() -> Response:
@@ -173,8 +180,9 @@ def _rename_prompt_errors(e: ApiError, prompts_field: str, params_field: str, pe
 
 async def run_group(request: Request, state: ServerState, prompts: list[Any], params: list[SamplingParams],
                     wait: bool, names: tuple[str, str, bool]) -> list[RequestOutput]:
-    fut = state.driver.submit(list(zip(prompts, params)), wait=wait)
     try:
+        inputs = await encode_group(state.intake, prompts, params)  # limits, then tokenization off the loop
+        fut = state.driver.submit(list(zip(inputs, params)), wait=wait)
         return await await_future(request, fut, state.driver)
     except ApiError as e:
         raise _rename_prompt_errors(e, *names, e.index) from None

@@ -5,6 +5,12 @@ shards, engine names); "received" is what the last finished sync delivered (full
 names). The replica rule is sidecar/audit_rules.py. `expected` adds the sidecar-audit rule (checksum.audit): one
 expected manifest (or a list of the sender's records) applies to every rank, several are matched by
 rank key.
+
+Digest rule (docs/checksums.md): "held" manifests are digested by the rank's default (the device rule on
+a GPU) or by `algorithm` (a query parameter of both routes); POST /audit with no `algorithm` follows the
+rule its expected manifest(s) name, so a manifest of either rule is checked against digests of its own
+rule. "received" digests are of the rule the sync's sender picked. Manifests of two rules compared
+anyway give one "algorithm" mismatch naming both.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter
 
-from checksum import Manifest, ManifestError, Report, TensorRecord, audit
+from checksum import ALGORITHMS, Manifest, ManifestError, Report, TensorRecord, audit
 from sidecar.api_models import AuditRequest
 from sidecar.audit_rules import replica_report
 from sidecar.commands import ReadManifest
@@ -26,32 +32,60 @@ MAX_MISMATCH_ROWS = 1000
 
 def add_audit_routes(router: APIRouter, state: ServerState) -> None:
     @router.get("/checksums", summary="Every rank's manifest of the target or draft model")
-    async def checksums(model: Literal["target", "draft"] = "target",
-                        source: Literal["held", "received"] = "held") -> dict[str, Any]:
-        return {"model": model, "source": source, "manifests": await rank_manifests(state, model, source)}
+    async def checksums(model: Literal["target", "draft"] = "target", source: Literal["held", "received"] = "held",
+                        algorithm: str | None = None) -> dict[str, Any]:
+        manifests = await rank_manifests(state, model, source, _checked(algorithm))
+        return {"model": model, "source": source, "manifests": manifests}
 
     @router.post("/audit", summary="Compare ranks (replicas) and, optionally, expected digests")
-    async def audit_endpoint(body: AuditRequest) -> dict[str, Any]:
+    async def audit_endpoint(body: AuditRequest, algorithm: str | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
-        dicts = await rank_manifests(state, body.model, body.source)
+        rule = _checked(algorithm) or (expected_algorithm(body.expected) if body.source == "held" else None)
+        dicts = await rank_manifests(state, body.model, body.source, rule)
         actual = [Manifest.from_dict(d, f"rank {i}") for i, d in enumerate(dicts)]
         report = audit_manifests(actual, body.expected, body.source)
         if not report.ok:
             state.metrics.audit_failures.inc()
         out = report_dict(report, body.model, body.source)
+        out["algorithm"] = actual[0].algorithm if actual else None
         state.metrics.sync_seconds.labels(body.model, "audit").observe(time.perf_counter() - t0)
         return out
 
 
-async def rank_manifests(state: ServerState, model: Literal["target", "draft"],
-                         source: Literal["held", "received"]) -> list[dict[str, Any]]:
-    return await call(state, ReadManifest(model, source))
+async def rank_manifests(state: ServerState, model: Literal["target", "draft"], source: Literal["held", "received"],
+                         algorithm: str | None = None) -> list[dict[str, Any]]:
+    return await call(state, ReadManifest(model, source, algorithm))
+
+
+def _checked(algorithm: str | None) -> str | None:
+    if algorithm is not None and algorithm not in ALGORITHMS:
+        raise ApiError(400, "InvalidRequestError", f"unknown checksum algorithm {algorithm!r} (supported: "
+                       f"{', '.join(map(repr, ALGORITHMS))})", "algorithm")
+    return algorithm
+
+
+def expected_algorithm(expected: Any) -> str | None:
+    """The rule that expected manifest(s) name when they are manifests that all name one; else None
+    (sender records name none)."""
+    if isinstance(expected, dict):
+        items = [expected] if "format" in expected else expected.get("tensors")
+    else:
+        items = expected
+    if not isinstance(items, list) or not items or not all(isinstance(x, dict) and "format" in x for x in items):
+        return None
+    rules = {x.get("algorithm") for x in items}
+    rule = rules.pop() if len(rules) == 1 else None
+    return rule if rule in ALGORITHMS else None
 
 
 def audit_manifests(actual: list[Manifest], expected: Any, source: str) -> Report:
     reports = [replica_report(actual, source)]
     if expected is not None:
-        reports.append(audit(parse_expected(expected, actual[0]), actual))
+        manifests = parse_expected(expected, actual[0])
+        try:
+            reports.append(audit(manifests, actual))
+        except ManifestError as e:  # e.g. two expected manifests for one rank
+            raise ApiError(400, "ManifestError", str(e), "expected") from None
     return Report.merge(reports)
 
 
@@ -73,7 +107,12 @@ def parse_expected(expected: Any, reference: Manifest) -> list[Manifest]:
                                f"expected[{i}]")
             shape = tuple(r["shape"]) if isinstance(r["shape"], list) else r["shape"]
             records.append(TensorRecord(r["name"], r["dtype"], shape, r["digest"]))
-        return [Manifest(reference.model, reference.weight_version, reference.rank, tuple(records))]
+        # Records name no rule: they are the sender's digests of the sync, so of the actual manifests' rule,
+        # unless the dict around them names one.
+        algorithm = reference.algorithm
+        if isinstance(expected, dict):
+            algorithm = expected.get("algorithm", algorithm)
+        return [Manifest(reference.model, reference.weight_version, reference.rank, tuple(records), algorithm)]
     except ManifestError as e:
         raise ApiError(400, "ManifestError", str(e), "expected") from None
 

@@ -46,6 +46,7 @@ class ServerState:
     plans: list[dict[str, Any]]
     metrics: Metrics
     tokenizer: Any = None  # inference.tokenizer.Tokenizer, for the token strings of OpenAI logprobs
+    intake: Any = None  # sidecar.server_intake.Intake: limits and tokenization of generation calls (create_app)
     started: float = field(default_factory=time.time)
     sync_started: dict[str, tuple[float, int]] = field(default_factory=dict)  # model -> (t0, bytes)
 
@@ -65,9 +66,19 @@ def error_response(status: int, type_: str, message: str, field: str | None = No
 
 
 def rank_error_to_api(e: RankError) -> ApiError:
+    """The HTTP error of a failed rank call. `rank` names every rank that failed (comma-separated), and
+    the message says what each found when they differ (a TP=2 checksum mismatch names both shards'
+    tensors); a bad value is the same on every rank, so its message is said once."""
     info = e.info
-    message = info.message if info.kind == "invalid" else str(e)  # a bad value is the same on every rank
-    return ApiError(STATUS_OF_KIND.get(info.kind, 500), info.type, message, info.field, info.rank, info.index,
+    failed = [err for err in e.errors if err.rank] or [info]
+    ranks = ", ".join(dict.fromkeys(str(err.rank) for err in failed if err.rank)) or None
+    if info.kind == "invalid":
+        message = info.message
+    elif len({err.message for err in failed}) == 1:
+        message = f"rank(s) {ranks}: {info.message}" if len(failed) > 1 else str(e)
+    else:
+        message = "; ".join(str(RankError(err)) for err in failed)
+    return ApiError(STATUS_OF_KIND.get(info.kind, 500), info.type, message, info.field, ranks, info.index,
                     info.kind)
 
 

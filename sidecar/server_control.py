@@ -13,6 +13,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from checksum import Report
 from sidecar.api_models import (
     SleepRequest,
     WakeRequest,
@@ -30,12 +31,13 @@ from sidecar.commands import (
     UpdateWeights,
     WakeUp,
 )
-from sidecar.server_audit import add_audit_routes
+from sidecar.server_audit import add_audit_routes, report_dict
 from sidecar.server_common import ApiError, ServerState, call
 
 # bytes per element of the dtypes a manifest may name (the wire's sizes; for the sync-bytes metric)
 _ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
              "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+_LAYOUTS_KEPT = 16
 
 
 def state_dict(state: ServerState) -> dict[str, Any]:
@@ -58,7 +60,8 @@ def state_dict(state: ServerState) -> dict[str, Any]:
         "tags": {t: a["state"] for t, a in head.get("arenas", {}).items()},
         "weight_versions": head.get("weight_versions", {}),
         "torn": {m: any(st.get("torn", {}).get(m, False) for st in statuses) for m in plan["models"]},
-        "queue_depth": d.queue_depth(), "engine_unfinished": head.get("unfinished", 0),
+        "queue_depth": d.queue_depth(), "queued_sequences": d.queued_sequences(),
+        "engine_unfinished": head.get("unfinished", 0),
         "tp": len(state.plans), "ranks": ranks,
         "model": {k: plan[k] for k in ("model", "draft_model", "models", "dtype", "vocab_size", "max_model_len",
                                        "block_size")},
@@ -68,8 +71,21 @@ def state_dict(state: ServerState) -> dict[str, Any]:
     }
 
 
-def _manifest_bytes(manifest: Any) -> int:
-    tensors = manifest.get("tensors", []) if isinstance(manifest, dict) else manifest
+def _manifest_bytes(manifest: Any, layouts: dict[str, int]) -> int:
+    """The bytes a start manifest describes; a manifest naming its layout alone (no "tensors") counts what
+    that layout counted when its tensors came (`layouts`, bounded: at most _LAYOUTS_KEPT)."""
+    layout = manifest.get("layout") if isinstance(manifest, dict) else None
+    if isinstance(manifest, dict) and "tensors" not in manifest:
+        return layouts.get(layout, 0) if isinstance(layout, str) else 0
+    total = _tensor_bytes(manifest.get("tensors", []) if isinstance(manifest, dict) else manifest)
+    if isinstance(layout, str):
+        layouts[layout] = total
+        while len(layouts) > _LAYOUTS_KEPT:
+            layouts.pop(next(iter(layouts)))
+    return total
+
+
+def _tensor_bytes(tensors: Any) -> int:
     total = 0
     for t in tensors if isinstance(tensors, list) else []:
         if isinstance(t, dict) and isinstance(t.get("shape"), list):
@@ -119,6 +135,8 @@ def _add_lifecycle_routes(router: APIRouter, state: ServerState) -> None:
 
 
 def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
+    layout_bytes: dict[str, int] = {}  # per manifest layout key, its bytes (for a layout-only start's metric)
+
     @router.post("/weights/init", summary="Join the trainer's transfer group (run while the sender connects)")
     async def weights_init(body: WeightsInitRequest) -> dict[str, Any]:
         backend = body.init_info.get("backend")
@@ -133,11 +151,15 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
         t0 = time.perf_counter()
         await call(state, StartWeightUpdate(body.model, body.version, body.manifest, body.allow_cast))
         state.metrics.sync_seconds.labels(body.model, "start").observe(time.perf_counter() - t0)
-        state.sync_started[body.model] = (t0, _manifest_bytes(body.manifest))
+        state.sync_started[body.model] = (t0, _manifest_bytes(body.manifest, layout_bytes))
         return {"model": body.model, "version": body.version, "started": True}
 
     @router.post("/weights/update", summary="Receive every bucket (blocks while the sender sends)")
     async def weights_update(body: WeightsUpdateRequest | None = None) -> dict[str, Any]:
+        info = body.update_info if body is not None else None
+        if isinstance(info, list) and len(info) != len(state.plans):
+            raise ApiError(400, "InvalidRequestError", f"a list needs one entry per rank ({len(state.plans)}), got "
+                           f"{len(info)}", "update_info")
         t0 = time.perf_counter()
         try:
             await call(state, UpdateWeights(body.update_info if body is not None else None))
@@ -160,12 +182,19 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
             raise
         now = time.perf_counter()
         state.metrics.sync_seconds.labels(model, "finish").observe(now - t0)
+        state.metrics.sync_seconds.labels(model, "audit").observe(max(r.audit_s for r in results))
         started, nbytes = state.sync_started.pop(model, (t0, 0))
         state.metrics.sync_seconds.labels(model, "total").observe(now - started)
         state.metrics.sync_bytes.labels(model).inc(nbytes)
         state.metrics.syncs.labels(model, "ok").inc()
+        # Every rank passed its comparison with the same digests, so every rank holds the sent bytes and
+        # the ranks agree with each other: that IS POST /audit's verdict for source=received with these
+        # digests expected, sent back here instead of in a second round trip.
+        audit = Report.build([], [r.rank for r in results], sum(r.tensors_checked for r in results))
         return {"model": results[0].model, "version": results[0].version, "ok": all(r.ok for r in results),
-                "ranks": [{"rank": r.rank, "ok": r.ok, "summary": r.summary} for r in results]}
+                "algorithm": results[0].algorithm,
+                "ranks": [{"rank": r.rank, "ok": r.ok, "summary": r.summary} for r in results],
+                "audit": {**report_dict(audit, results[0].model, "received"), "algorithm": results[0].algorithm}}
 
 
 def _open_model(state: ServerState) -> str:

@@ -1,4 +1,5 @@
-"""`sidecar status URL`: a running sidecar's state as a table.
+"""`sidecar status [URL]`: a running sidecar's state as a table (URL default: `sidecar launch`'s default
+address, http://127.0.0.1:8000).
 
 Exit status: 0 healthy, 1 reachable but unhealthy (a rank is dead or hung), 2 unreachable or an
 error response (one line on stderr).
@@ -13,12 +14,16 @@ from typing import Any
 
 from inference import envs
 from inference.core import SidecarError
+from sidecar.config import LaunchConfig
+
+DEFAULT_URL = f"http://{LaunchConfig.host}:{LaunchConfig.port}"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("url", metavar="URL", help="the sidecar's address, e.g. http://127.0.0.1:8000")
+    p.add_argument("url", metavar="URL", nargs="?", default=DEFAULT_URL,
+                   help="the sidecar's address (`sidecar launch` serves on this one unless told otherwise)")
     p.add_argument("--api-key", default=None, help="default: $SIDECAR_API_KEY")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds per request (default 10)")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds per request")
     p.add_argument("--json", action="store_true", help="print the raw /state JSON")
 
 
@@ -52,7 +57,7 @@ def format_state(url: str, s: dict[str, Any]) -> str:
         f"max_model_len {model.get('max_model_len')})" + (f", draft {model['draft_model']}"
                                                           if model.get("draft_model") else ""),
         f"weights    {versions or '-'}",
-        "memory     " + ", ".join(f"{t}: {st}" for t, st in s.get("tags", {}).items()),
+        "memory     " + (", ".join(f"{t}: {st}" for t, st in s.get("tags", {}).items()) or "-"),
         f"queue      {s.get('queue_depth', 0)} prompt(s) waiting or running; tp {s.get('tp')}",
         "",
     ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import queue
 import re
@@ -52,8 +53,9 @@ def launch(*args: str, env: dict[str, str] | None = None, timeout: float = START
            "--kv-cache-bytes", str(KV_BYTES), "--log-level", "warning", *args]
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
-    log = Path(tempfile.mkstemp(prefix="sidecar-test-", suffix=".log")[1])
-    with open(log, "w") as err:
+    fd, name = tempfile.mkstemp(prefix="sidecar-test-", suffix=".log", dir=_log_dir().name)
+    log = Path(name)
+    with os.fdopen(fd, "w") as err:
         proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=err, text=True)
     lines: queue.Queue[str | None] = queue.Queue()
 
@@ -77,6 +79,14 @@ def launch(*args: str, env: dict[str, str] | None = None, timeout: float = START
         proc.kill()
         proc.wait(10)
         raise
+
+
+@functools.cache
+def _log_dir() -> tempfile.TemporaryDirectory:
+    """Where this test process's sidecar logs go: one directory, removed with its logs when the process
+    exits (tests read a log after stopping its sidecar, so each log lives until then). Made on first
+    use, so processes that import this module and never launch (spawned helpers) make none."""
+    return tempfile.TemporaryDirectory(prefix="sidecar-test-logs-")
 
 
 def pid_exists(pid: int) -> bool:
@@ -178,8 +188,12 @@ def sync_replicas(clients: Sequence[Any], sender: Any, named: Mapping[str, Any],
 
 
 def digests_by_rank(client: Any, source: str = "held") -> dict[str, dict[str, str]]:
-    """{rank key: {tensor name: digest}} of one sidecar's target model."""
-    return {m["rank"]: {t["name"]: t["digest"] for t in m["tensors"]} for m in client.checksums(source=source)}
+    """{rank key: {tensor name: digest}} of one sidecar's target model; held digests by the host rule,
+    loader_digests' (a GPU rank's own default is the device rule)."""
+    from checksum import ALGORITHM
+
+    manifests = client.checksums(source=source, algorithm=ALGORITHM if source == "held" else None)
+    return {m["rank"]: {t["name"]: t["digest"] for t in m["tensors"]} for m in manifests}
 
 
 def loader_digests(model_dir: str | Path, tp_size: int = 1) -> dict[str, dict[str, str]]:

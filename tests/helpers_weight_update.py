@@ -61,9 +61,11 @@ def make_worker(dirs: dict[str, Path], draft: bool = True) -> Worker:
 class Link:
     """A sender on this process, connected to `worker` (the sender's calls run on a thread)."""
 
-    def __init__(self, worker: Worker, bucket_bytes: int = BUCKET, timeout_s: float = 20.0) -> None:
+    def __init__(self, worker: Worker, bucket_bytes: int = BUCKET, timeout_s: float = 20.0,
+                 digest_algorithm: str | None = None) -> None:
         self.worker = worker
-        self.sender = WeightSender("gloo", bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+        self.sender = WeightSender("gloo", bucket_bytes=bucket_bytes, timeout_s=timeout_s,
+                                   digest_algorithm=digest_algorithm)
         info = self.sender.init_info()
         with ThreadPoolExecutor(1) as pool:
             connecting = pool.submit(self.sender.connect)
@@ -71,12 +73,13 @@ class Link:
             connecting.result(timeout=30)
 
     def sync(self, state: dict[str, torch.Tensor], version: int, which: str = "target",
-             allow_cast: bool = False, sent: dict[str, torch.Tensor] | None = None) -> UpdateResult:
+             allow_cast: bool = False, sent: dict[str, torch.Tensor] | None = None,
+             held_manifest: bool = False) -> UpdateResult:
         manifest = self.sender.manifest(state, version)
         start = self.worker.start_weight_update if which == "target" else self.worker.start_draft_weight_update
         start(version, manifest, allow_cast=allow_cast)
         digests = self.transfer(sent if sent is not None else state)
-        return self.worker.finish_weight_update(digests)
+        return self.worker.finish_weight_update(digests, held_manifest=held_manifest)
 
     def transfer(self, state: dict[str, torch.Tensor]) -> Any:
         """send() beside update_weights(); the receiver's error wins, then the sender's."""

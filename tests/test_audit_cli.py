@@ -85,15 +85,21 @@ def bad_inputs(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     no_version.write_text(json.dumps(data))
     old_algorithm = tmp_path / "old_algorithm.json"  # written before per-segment digests
     old_algorithm.write_text(json.dumps({**manifest(weights()).to_dict(), "algorithm": "xxh3_128"}))
+    list_dtype = tmp_path / "list_dtype.json"  # raised TypeError inside checksum: a traceback, exit 1
+    data = manifest(weights()).to_dict()
+    data["tensors"][1]["dtype"] = ["bfloat16"]
+    list_dtype.write_text(json.dumps(data))
     return {
         "missing file": (tmp_path / "absent.json", "cannot read"),
         "malformed JSON": (not_json, "invalid JSON"),
         "missing field": (no_version, "weight_version: missing field"),
         "retired algorithm": (old_algorithm, "algorithm: 'xxh3_128' is no longer supported"),
+        "list as dtype": (list_dtype, ""),  # any one-line message naming the file
     }
 
 
-@pytest.mark.parametrize("case", ["missing file", "malformed JSON", "missing field", "retired algorithm"])
+@pytest.mark.parametrize("case", ["missing file", "malformed JSON", "missing field", "retired algorithm",
+                                  "list as dtype"])
 @pytest.mark.parametrize("side", ["expected", "actual"])
 def test_bad_input_exits_2_with_one_line(case: str, side: str, files: dict[str, Path], tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:

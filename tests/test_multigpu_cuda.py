@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checksum import digest_tensors
+from checksum import DEVICE_ALGORITHM, digest_tensors
 from inference.core import SamplingParams
 from inference.llm import LLM
 from inference.tiny import TinyModelSpec, random_weights, write_model_dir
@@ -147,7 +147,7 @@ def test_replicas_take_one_nccl_sync_and_agree(layout: tuple[str, ...], tmp_path
             connect_replicas(clients, sender)
             audits = sync_replicas(clients, sender, _on_gpu0(new), version=1)
             assert all(a["ok"] for a in audits), [a["table"] for a in audits]
-            sent = {r.name: r.digest for r in digest_tensors(list(new.items()))}
+            sent = {r.name: r.digest for r in digest_tensors(list(new.items()), algorithm=DEVICE_ALGORITHM)}  # cuda:0
             for c in clients:
                 assert all(per_tensor == sent for per_tensor in digests_by_rank(c, "received").values())
             held = [digests_by_rank(c) for c in clients]

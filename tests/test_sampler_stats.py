@@ -157,27 +157,32 @@ def test_ties_at_a_threshold_all_stay() -> None:
     assert int(sample(logits, greedy).token_ids[0]) == 7
 
 
-def unseeded_rows(runner_llm: LLM, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-    runner = runner_llm.worker.runner
+def unseeded_tokens(llm: LLM, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+    runner = llm.worker.runner
     return runner._sample(logits, runner._sampling_batch(seqs), False).pairs[:, 0].long().tolist()
 
 
 def test_runners_with_one_seed_pick_the_same_unseeded_tokens() -> None:
-    """TP ranks are runners with one seed over the same sequences: they pick the same unseeded tokens
-    step after step without exchanging anything; a runner with another seed picks others."""
+    """TP ranks are runners with one seed and one schedule: they pick the same unseeded tokens step
+    after step without exchanging anything, even over Sequence objects of their own (ids differ, as
+    between processes); the noise moves on with the position and with a new list of rows; a runner
+    with another seed picks other tokens."""
     a, b, c = (LLM(None, device="cpu", max_num_seqs=8, seed=s) for s in (7, 7, 8))
     vocab = a.model_config.vocab_size
-    seqs = [Sequence("r", i, [1, 2, 3], SamplingParams(temperature=1.0, top_p=0.95)) for i in range(6)]
+    params = SamplingParams(temperature=1.0, top_p=0.95)
+    seqs_a, seqs_b, seqs_c = ([Sequence("r", i, [1, 2, 3], params) for i in range(6)] for _ in range(3))
     picks_a, picks_c = [], []
-    for step in range(3):
-        logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(step))
-        picks_a.append(unseeded_rows(a, seqs, logits))
-        assert unseeded_rows(b, seqs, logits) == picks_a[-1]
-        picks_c.append(unseeded_rows(c, seqs, logits))
-        for seq, tok in zip(seqs, picks_a[-1]):
-            seq.append(tok, 0.0)
+    for step in range(4):
+        logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(step % 2))
+        rows = slice(None) if step < 3 else slice(1, None)  # step 3: sequence 0 has finished
+        picks_a.append(unseeded_tokens(a, seqs_a[rows], logits[rows]))
+        assert unseeded_tokens(b, seqs_b[rows], logits[rows]) == picks_a[-1]
+        picks_c.append(unseeded_tokens(c, seqs_c[rows], logits[rows]))
+        for seqs in (seqs_a, seqs_b, seqs_c):
+            for seq, tok in zip(seqs[rows], picks_a[-1]):
+                seq.append(tok, 0.0)
     assert picks_a != picks_c
-    assert len({tuple(p) for p in picks_a}) == 3  # the noise moves with the position
+    assert picks_a[0] != picks_a[2] and picks_a[1][1:] != picks_a[3]  # same logits, other positions / rows
 
 
 def test_runner_builds_row_tensors_once_per_list_of_rows() -> None:

@@ -155,22 +155,20 @@ def test_malformed_json_auth_and_unknown_routes(server: Sidecar) -> None:
     assert post(server, "/generate", {"prompts": ["still serving"]}).status_code == 200
 
 
-def test_sleep_holds_requests_until_wake(client: SidecarClient, engine: LLM) -> None:
+def test_sleep_refuses_requests_at_once_until_wake(client: SidecarClient, engine: LLM) -> None:
+    """While asleep a request is answered 409 at once, naming the state and how to wake it (holding it
+    until the client's timeout hung new users; --hold-while-asleep holds: tests/test_hardening.py)."""
     params = SamplingParams(temperature=0.0, max_tokens=5)
     slept = client.sleep(level=1)
     assert slept["state"]["sleeping"] is True
     assert set(slept["state"]["tags"].values()) == {"asleep_mirrored", "asleep_empty"}
-    with pytest.raises(SidecarStateError):
-        client.generate(["no waiting"], params, wait=False)
-    held: list = []
-    waiter = threading.Thread(target=lambda: held.extend(client.generate(["held prompt"], params)))
-    waiter.start()
-    wait_for_queue_depth(client, 1)
-    assert waiter.is_alive()  # held, not refused
+    for wait in (False, True):
+        with pytest.raises(SidecarStateError, match="asleep"):
+            client.generate(["no waiting"], params, wait=wait)
     woke = client.wake_up()
     assert woke["state"]["sleeping"] is False
-    waiter.join(60)
-    assert held[0].outputs[0].token_ids == engine.generate(["held prompt"], params)[0].outputs[0].token_ids
+    got = client.generate(["after the wake"], params)
+    assert got[0].outputs[0].token_ids == engine.generate(["after the wake"], params)[0].outputs[0].token_ids
 
 
 def test_pause_holds_steps_and_resume_continues(client: SidecarClient) -> None:

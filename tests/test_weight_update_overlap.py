@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-import inference.weight_update as weight_update
+import inference.transfer.digests as sync_digests
 from checksum import ChecksumMismatch
 from inference.core import StateError
 from inference.memory import ArenaState
@@ -50,7 +50,7 @@ class Gate:
 @pytest.fixture
 def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
     g = Gate()
-    monkeypatch.setattr(weight_update, "digest_tensors", g.wrap(weight_update.digest_tensors))
+    monkeypatch.setattr(sync_digests, "digest_tensors", g.wrap(sync_digests.digest_tensors))
     yield g
     g.opened.set()  # never leave a side thread parked behind a failed test
 

@@ -15,7 +15,11 @@ It lives with the trainer's side (the hook drives it); sidecar.client and `from 
 SidecarClient` re-export it.
 
 `sync_weights(sender, named_tensors, version)` runs one sync: start -> update (over HTTP, in a
-background thread, while `sender.send()` moves the bytes) -> finish(digests) -> audit.
+background thread, while `sender.send()` moves the bytes) -> finish(digests), whose answer carries the
+audit (every rank compared what it holds with the sender's digests), so no second round trip. Each
+control message stays small: after the first sync of a layout, start names it by key instead of
+listing every tensor (the sidecar answers an unknown key with a 400 on `manifest.layout`, and the
+client sends the tensors again), and finish sends the sender's records with the digest rule it picked.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ from trainer_hooks.client_errors import (
     SidecarUnavailableError,
     error_class,
 )
+
+LAYOUT_FIELD = "manifest.layout"  # the field of the sidecar's 400 for a layout key it does not know
 
 __all__ = [
     "SidecarAuthError",
@@ -84,9 +90,12 @@ class SidecarClient:
         self.url = url.rstrip("/")
         self.timeout, self.long_timeout, self.retries, self.backoff_s = timeout, long_timeout, retries, backoff_s
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport)
+        self._layouts: set[str] = set()  # manifest layouts this sidecar has parsed (start_weights)
+        self._update_pool = ThreadPoolExecutor(1, thread_name_prefix="sidecar-update")  # update beside send
 
     def close(self) -> None:
         self._http.close()
+        self._update_pool.shutdown(wait=True)
 
     def __enter__(self) -> SidecarClient:
         return self
@@ -133,10 +142,12 @@ class SidecarClient:
     def state(self) -> dict[str, Any]:
         return self._get("/state")
 
-    def checksums(self, model: str = "target", source: str = "held") -> list[dict[str, Any]]:
-        """Every rank's manifest (checksum.Manifest.from_dict reads each)."""
-        return self._get("/checksums", params={"model": model, "source": source},
-                         timeout=self.long_timeout)["manifests"]
+    def checksums(self, model: str = "target", source: str = "held",
+                  algorithm: str | None = None) -> list[dict[str, Any]]:
+        """Every rank's manifest (checksum.Manifest.from_dict reads each). `algorithm`: the digest rule of
+        "held" (default: the rank's, the device rule on a GPU)."""
+        params = {"model": model, "source": source, **({"algorithm": algorithm} if algorithm else {})}
+        return self._get("/checksums", params=params, timeout=self.long_timeout)["manifests"]
 
     def metrics(self) -> str:
         return self._request("GET", "/metrics").text
@@ -177,8 +188,22 @@ class SidecarClient:
 
     def start_weights(self, version: int, manifest: Any, *, model: str = "target", allow_cast: bool = False,
                       timeout: float | None = None) -> dict[str, Any]:
+        """Open a session. A manifest naming a "layout" this sidecar parsed before travels as that key
+        alone (see the module docstring)."""
         body = {"model": model, "version": version, "manifest": manifest, "allow_cast": allow_cast}
-        return self._post("/weights/start", body, timeout=timeout or self.long_timeout)
+        layout = manifest.get("layout") if isinstance(manifest, dict) and "tensors" in manifest else None
+        if layout is not None and layout in self._layouts:
+            short = {k: v for k, v in manifest.items() if k != "tensors"}
+            try:
+                return self._post("/weights/start", {**body, "manifest": short}, timeout=timeout or self.long_timeout)
+            except SidecarRequestError as e:
+                if e.field != LAYOUT_FIELD:
+                    raise
+                self._layouts.discard(layout)  # e.g. a restarted sidecar: send the tensors
+        reply = self._post("/weights/start", body, timeout=timeout or self.long_timeout)
+        if layout is not None:
+            self._layouts.add(layout)
+        return reply
 
     def update_weights(self, update_info: Any = None, *, timeout: float | None = None) -> dict[str, Any]:
         return self._post("/weights/update", {"update_info": update_info}, timeout=timeout or self.long_timeout)
@@ -187,10 +212,14 @@ class SidecarClient:
         return self._post("/weights/finish", {"digests": records_json(digests)}, timeout=timeout or self.long_timeout)
 
     def audit(self, model: str = "target", source: str = "held", expected: Any = None, *,
-              timeout: float | None = None) -> dict[str, Any]:
+              algorithm: str | None = None, timeout: float | None = None) -> dict[str, Any]:
+        """POST /audit. `algorithm`: the rule of "held" digests (default: the one `expected` manifests
+        name, else the rank's)."""
         body = {"model": model, "source": source,
                 "expected": records_json(expected) if expected is not None else None}
-        return self._post("/audit", body, timeout=timeout or self.long_timeout)
+        params = {"algorithm": algorithm} if algorithm else None
+        return self._request("POST", "/audit", json=body, params=params,
+                             timeout=timeout or self.long_timeout).json()
 
     # ---- a whole sync with inference.transfer.sender.WeightSender -----------------------------------
     def connect_sender(self, sender: Any) -> dict[str, Any]:
@@ -211,13 +240,15 @@ class SidecarClient:
         named = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         if not getattr(sender, "connected", True):
             self.connect_sender(sender)
-        self.start_weights(version, sender.manifest(named, version), model=model, allow_cast=allow_cast)
-        with ThreadPoolExecutor(1, thread_name_prefix="sidecar-update") as pool:
-            fut = pool.submit(self.update_weights)
-            records = _join_both(fut, lambda: sender.send(named))
-        digests = records_json(records)
-        self.finish_weights(digests)
-        return self.audit(model=model, source="received", expected=digests)
+        manifest = sender.manifest(named, version)
+        self.start_weights(version, manifest, model=model, allow_cast=allow_cast)
+        fut = self._update_pool.submit(self.update_weights)
+        records = _join_both(fut, lambda: sender.send(named))
+        digests = _finish_digests(manifest, records)
+        finish = self.finish_weights(digests)
+        if "audit" in finish:  # every rank's passing comparison with these digests: the audit itself
+            return finish["audit"]
+        return self.audit(model=model, source="received", expected=records_json(records))  # an older sidecar
 
 
 def _join_both(fut: Any, local: Any) -> Any:
@@ -232,6 +263,15 @@ def _join_both(fut: Any, local: Any) -> Any:
         raise
     fut.result()
     return result
+
+
+def _finish_digests(manifest: Any, records: Any) -> Any:
+    """What finish takes from the sender's records: {"algorithm": the rule the manifest named, "tensors":
+    the records}, or the bare records when the manifest names no rule (the sidecar then assumes the
+    session's)."""
+    algorithm = manifest.get("algorithm") if isinstance(manifest, dict) else None
+    tensors = records_json(records)
+    return {"algorithm": algorithm, "tensors": tensors} if algorithm is not None else tensors
 
 
 def records_json(records: Any) -> Any:

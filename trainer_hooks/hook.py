@@ -86,6 +86,7 @@ class WeightSyncHook:
         self.asleep = False
         self.weights_fresh = False  # weights woken and refilled since the last sleep
         self.stats: dict[str, Any] = {}  # the last step's figures (ms), see _timed
+        self._collected: dict[int, _ParameterViews] = {}  # id(model) -> its reusable views (plain modules)
 
     # ---- the RL step --------------------------------------------------------------------------
     def before_training(self) -> None:
@@ -111,8 +112,8 @@ class WeightSyncHook:
     def sync(self) -> dict[str, Any] | None:
         """Collect (every rank), then on the sending rank: wake weights, send + audit target (and draft)."""
         t0 = time.perf_counter()
-        target = collect_weights(self.model, keep=self.is_sender)
-        draft = collect_weights(self.draft_model, keep=self.is_sender) if self.draft_model is not None else None
+        target = self._collect(self.model)
+        draft = self._collect(self.draft_model) if self.draft_model is not None else None
         self.stats["collect_ms"] = _ms(t0)
         self.syncs += 1
         if not self.is_sender:
@@ -125,7 +126,8 @@ class WeightSyncHook:
         report = self._sync_model("target", target, version)
         if draft is not None:
             self._sync_model("draft", draft, self.version if self.version is not None else version)
-        self.stats.update(sync_ms=_ms(t0), version=self.version, audit="ok" if report.get("ok") else "mismatch")
+        self.stats.update(sync_ms=_ms(t0), version=self.version, audit="ok" if report.get("ok") else "mismatch",
+                          algorithm=report.get("algorithm"))
         self.weights_fresh = True
         return report
 
@@ -176,6 +178,19 @@ class WeightSyncHook:
         self.close()
 
     # ---- internals ----------------------------------------------------------------------------
+    def _collect(self, model: Any) -> list[tuple[str, torch.Tensor]]:
+        """collect_weights, except that a plain module's views are reused while they stay valid."""
+        cached = self._collected.get(id(model))
+        if cached is not None and cached.model is model and cached.valid():
+            return list(cached.named)
+        named = collect_weights(model, keep=self.is_sender)
+        views = _ParameterViews.of(model, named)
+        if views is not None:
+            self._collected[id(model)] = views
+        else:
+            self._collected.pop(id(model), None)
+        return named
+
     def _sync_model(self, model: str, named: list[tuple[str, torch.Tensor]], version: int) -> dict[str, Any]:
         attempts = 2 if self.retry_on_mismatch else 1
         for attempt in range(attempts):
@@ -240,6 +255,42 @@ class WeightSyncHook:
         except OSError as e:
             return f"\n(its log {self.log_path} is unreadable: {e})"
         return f"\n--- last {len(lines)} lines of {self.log_path} ---\n" + "\n".join(lines)
+
+
+class _ParameterViews:
+    """A plain module's collected weights (detached views of its live parameters: an optimizer step
+    updates them in place, so the views show the new values), reused while every module keeps the same
+    children and the same Parameter objects, on the same storage with the same shape. Checking that walks
+    a flat list instead of the module tree and skips re-normalizing every name and re-detaching every
+    parameter (~10 us per parameter). Anything that gathers, offloads or merges (ZeRO-3, FSDP2, LoRA)
+    yields copies, not views of parameters, and is collected afresh every time."""
+
+    def __init__(self, model: nn.Module, named: list[tuple[str, torch.Tensor]]) -> None:
+        self.model, self.named = model, named
+        modules = list(model.modules())
+        self._children = [(m, tuple(m._modules.values())) for m in modules]
+        self._counts = [(m, len(m._parameters)) for m in modules]
+        self._slots = [(m, n, p, _state(p)) for m in modules for n, p in m._parameters.items()]
+
+    @classmethod
+    def of(cls, model: Any, named: list[tuple[str, torch.Tensor]]) -> _ParameterViews | None:
+        if not isinstance(model, nn.Module) or not named:
+            return None
+        live = {(p.data_ptr(), p.dtype, p.shape) for p in model.parameters()}
+        if any(type(t) is not torch.Tensor or (t.data_ptr(), t.dtype, t.shape) not in live for _, t in named):
+            return None  # some weight is not a view of a parameter: nothing to reuse
+        return cls(model, named)
+
+    def valid(self) -> bool:
+        if not all(len(kids) == len(m._modules) and all(a is b for a, b in zip(kids, m._modules.values()))
+                   for m, kids in self._children):
+            return False
+        return (all(len(m._parameters) == n for m, n in self._counts)
+                and all(m._parameters.get(n) is p and _state(p) == state for m, n, p, state in self._slots))
+
+
+def _state(p: nn.Parameter | None) -> tuple[int, torch.Size] | None:
+    return None if p is None else (p.data_ptr(), p.shape)
 
 
 def _dist_rank() -> int:

@@ -167,17 +167,24 @@ def specs_from_manifest(manifest: object, where: str = "manifest") -> tuple[int 
     return version, _parse_tensors(tensors, where)
 
 
-def _split_manifest(manifest: object, where: str) -> tuple[int | None, list | tuple]:
-    """(version or None, the tensors list), with the dict-level fields validated."""
+# The fields of the start manifest's dict: "algorithm" (the sync's digest rule, read by the receiver's
+# session: inference/transfer/digests.py) and "layout" (`ParsedManifest.layout_key`; alone, without
+# "tensors", it names a layout this rank parsed before: ManifestCache.parse).
+MANIFEST_FIELDS = ("version", "tensors", "algorithm", "layout")
+
+
+def _split_manifest(manifest: object, where: str, *, layout_only: bool = False) -> tuple[int | None, list | tuple]:
+    """(version or None, the tensors list), with the dict-level fields validated. `layout_only`: a dict
+    naming a "layout" may leave "tensors" out (an empty tuple stands for them)."""
     version = None
     tensors = manifest
     if isinstance(manifest, dict):
-        unknown = sorted(set(manifest) - {"version", "tensors"})
+        unknown = sorted(set(manifest) - set(MANIFEST_FIELDS))
         if unknown:
-            raise InvalidRequestError(f"{where}.{unknown[0]}", "unknown field (known: version, tensors)")
-        if "tensors" not in manifest:
+            raise InvalidRequestError(f"{where}.{unknown[0]}", f"unknown field (known: {', '.join(MANIFEST_FIELDS)})")
+        if "tensors" not in manifest and not (layout_only and "layout" in manifest):
             raise InvalidRequestError(f"{where}.tensors", "missing field")
-        version, tensors = manifest.get("version"), manifest["tensors"]
+        version, tensors = manifest.get("version"), manifest.get("tensors", ())
         if version is not None and (not isinstance(version, int) or isinstance(version, bool) or version < 0):
             raise InvalidRequestError(f"{where}.version", f"must be an integer >= 0, got {version!r}")
     if not isinstance(tensors, (list, tuple)):
@@ -201,6 +208,7 @@ class ParsedManifest(Sequence[TensorSpec]):
         self.specs: tuple[TensorSpec, ...] = tuple(specs)
         self._plans: dict[int, tuple[Bucket, ...]] = {}
         self._digests: dict[tuple[int, str], bytes] = {}
+        self._layout_key: str | None = None
 
     @overload
     def __getitem__(self, index: int) -> TensorSpec: ...
@@ -223,6 +231,15 @@ class ParsedManifest(Sequence[TensorSpec]):
             plan = self._plans[bucket_bytes] = _plan(self.specs, bucket_bytes)
         return plan
 
+    @property
+    def layout_key(self) -> str:
+        """32 hex digits that name these specs (names, dtypes, shapes, order): a start manifest may send
+        this instead of the tensors once the receivers have parsed them (ManifestCache.parse)."""
+        if self._layout_key is None:
+            text = json.dumps([[s.name, s.dtype, list(s.shape)] for s in self.specs])
+            self._layout_key = hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+        return self._layout_key
+
     def fingerprint(self, version: int, bucket_bytes: int, backend: str) -> int:
         digest = self._digests.get((bucket_bytes, backend))
         if digest is None:
@@ -236,6 +253,10 @@ class ManifestCache:
     The key is the pickled tensors list: computed in C, and type-exact (a shape of 2.0 or True
     differs from 2), so a manifest parses from the cache only if parsing it afresh would give the
     same specs; anything else is parsed and validated in full. `parses` and `hits` count both paths.
+    A manifest dict may instead name a cached entry by its `layout` key alone (no "tensors"): the
+    sender's layout repeats every sync, so its tensor list need not travel again. Keys are computed
+    here from the parsed specs, never taken from a message: a "layout" sent beside the tensors is
+    ignored, so a wrong one can only miss later, never name another layout.
     """
 
     def __init__(self, size: int = 4) -> None:
@@ -246,24 +267,46 @@ class ManifestCache:
         self._entries: OrderedDict[bytes, ParsedManifest] = OrderedDict()
 
     def parse(self, manifest: object, where: str = "manifest") -> tuple[int | None, ParsedManifest]:
-        """(version or None, parsed specs) like specs_from_manifest, served from the cache when it can."""
-        version, tensors = _split_manifest(manifest, where)
+        """(version or None, parsed specs) like specs_from_manifest, served from the cache when it can.
+        UnknownLayoutError when a layout key alone names nothing cached (the caller sends the tensors)."""
+        version, tensors = _split_manifest(manifest, where, layout_only=True)
+        layout = manifest.get("layout") if isinstance(manifest, dict) else None
+        if layout is not None and not isinstance(layout, str):
+            raise InvalidRequestError(f"{where}.layout", f"must be a string, got {type(layout).__name__}")
+        if isinstance(manifest, dict) and "tensors" not in manifest:
+            return version, self._by_layout(layout, where)
+        return version, self._parse_tensors(tensors, where)
+
+    def _by_layout(self, layout: str | None, where: str) -> ParsedManifest:
+        for key, parsed in reversed(self._entries.items()):
+            if parsed.layout_key == layout:
+                self._entries.move_to_end(key)
+                self.hits += 1
+                return parsed
+        raise UnknownLayoutError(f"{where}.layout", f"no manifest with layout {layout!r} was parsed here "
+                                 "(or it left the cache): send the manifest's tensors")
+
+    def _parse_tensors(self, tensors: list | tuple, where: str) -> ParsedManifest:
         key = _content_key(tensors)
         parsed = self._entries.get(key) if key is not None else None
         if parsed is not None:
             self._entries.move_to_end(key)  # type: ignore[arg-type]
             self.hits += 1
-            return version, parsed
+            return parsed
         parsed = ParsedManifest(_parse_tensors(tensors, where))
         self.parses += 1
         if key is not None:
             self._entries[key] = parsed
             while len(self._entries) > self.size:
                 self._entries.popitem(last=False)
-        return version, parsed
+        return parsed
 
     def clear(self) -> None:
         self._entries.clear()
+
+
+class UnknownLayoutError(InvalidRequestError):
+    """A start manifest named its layout by key alone, and this rank has no such layout cached."""
 
 
 def _content_key(tensors: list | tuple) -> bytes | None:

@@ -5,28 +5,35 @@ Lifecycle: `init_info()` (starts the store; a JSON-able dict for the sidecar's
 init_weight_transfer_engine), `connect()` (blocks until every receiver joined; run it while the
 sidecar joins), then per sync: `manifest(named_tensors, version)` (for the sidecar's start),
 `send(named_tensors)` (concurrently with the sidecar's update_weights; returns the sender's digests
-for its finish), and at the end `close()`. After any TransferError the group is broken: call
-init_info() again (a new session id), give it to the sidecar, and connect() again; the store server
-is reused.
+for its finish, under the rule `manifest()` named), and at the end `close()`. After any TransferError
+the group is broken: call init_info() again (a new session id), give it to the sidecar, and connect()
+again; the store server is reused.
 
 Double buffering: gloo and nccl pack bucket k+1 while bucket k is on the wire (two buffers; on CUDA
 packing runs on its own stream, and NCCL orders each broadcast after its pack). The ipc backend is
-described in inference/transfer/ipc.py ("direct" mode decision). The sender's digests are computed
-on a side thread while the bytes move (xxhash releases the GIL; CUDA tensors stream through the
-checksum package's pinned buffers on its own copy stream).
+described in inference/transfer/ipc.py ("direct" mode decision).
+
+Digests: `manifest()` picks the sync's rule (inference/transfer/digests.py: the device rule for CUDA
+tensors, the host rule for CPU tensors, unless `digest_algorithm` fixes one) and names it in the
+manifest, so every receiver knows it at start. `send()` starts its digest once the trainer's writes
+have landed, before the plan agreement: CUDA tensors in ONE kernel launch on a digest stream of the
+sender's own (it only reads, so it runs beside the agreement, packing and the receivers' reads), CPU
+tensors on a side thread; it collects them after the transfer. A CUDA tensor never goes through host memory to be
+hashed. On CUDA, connect() compiles the kernel (seconds, once) while the receivers join.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from checksum import TensorRecord, digest_tensors
+from checksum import TensorRecord, pick_algorithm
 from inference.core import InvalidRequestError, StateError
 from inference.transfer.buckets import Packer
+from inference.transfer.digests import PendingRecords, RecordDigests, check_algorithm, kernel_device
 from inference.transfer.groups import (
     BACKENDS,
     InitInfo,
@@ -54,11 +61,15 @@ class WeightSender:
 
     def __init__(self, backend: str = "gloo", *, num_receivers: int = 1, master_host: str = "127.0.0.1",
                  master_port: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 120.0,
-                 device: torch.device | str | None = None, ipc_mode: str = "auto") -> None:
+                 device: torch.device | str | None = None, ipc_mode: str = "auto",
+                 digest_algorithm: str | None = None) -> None:
+        """`digest_algorithm`: the digest rule of every sync (None: picked per sync from the tensors)."""
         if backend not in BACKENDS:
             raise InvalidRequestError("backend", f"must be one of {list(BACKENDS)}, got {backend!r}")
         if ipc_mode not in IPC_MODES:
             raise InvalidRequestError("ipc_mode", f"must be one of {list(IPC_MODES)}, got {ipc_mode!r}")
+        if digest_algorithm is not None:
+            check_algorithm(digest_algorithm, "digest_algorithm")
         plan_buckets([], bucket_bytes)  # validates bucket_bytes
         self.backend, self.num_receivers, self.bucket_bytes = backend, num_receivers, bucket_bytes
         self.timeout_s, self.ipc_mode = timeout_s, ipc_mode
@@ -70,13 +81,19 @@ class WeightSender:
         self._store: Any = None
         self._next_info: InitInfo | None = None  # handed out by init_info(), consumed by connect()
         self._group: TransferGroup | None = None
-        self._pending: tuple[int, ParsedManifest] | None = None  # (version, specs) of manifest()
+        self.digest_algorithm = digest_algorithm
+        self._pending: tuple[int, ParsedManifest, str] | None = None  # (version, specs, algorithm) of manifest()
         self._last_specs: ParsedManifest | None = None  # reused while the layout repeats (memoized plan)
+        self._last_meta: list[tuple[str, torch.dtype, torch.Size, torch.device]] = []  # _last_specs' source
+        self._picked = ""  # pick_algorithm over the tensors _last_meta describes (their devices)
+        self._algorithm: str | None = None  # of the last manifest()
         self._eligible_key: tuple[ParsedManifest, list[int]] | None = None  # the last ipc direct check that passed
         self._buffers: list[torch.Tensor] = []
         self._pack_stream: Any = None
         self._ipc = IpcExporter() if backend == "ipc" else None
-        self._digest_pool = ThreadPoolExecutor(1, thread_name_prefix="sender-digest")
+        self._digests = RecordDigests("sender-digest")
+        self._digest_streams: dict[torch.device, Any] = {}
+        self._warmed = False  # the digest kernel is compiled for self.device (connect())
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def init_info(self) -> dict[str, Any]:
@@ -106,13 +123,20 @@ class WeightSender:
             self._group = None
         if self._ipc is not None:
             self._ipc = IpcExporter()  # a new session: receivers open every handle afresh
-        self._group = TransferGroup(info, 0, self.device, store=self._store, label="sender")
+        if self.device.type != "cuda" or self._warmed:
+            self._group = TransferGroup(info, 0, self.device, store=self._store, label="sender")
+            return
+        with ThreadPoolExecutor(1, thread_name_prefix="sender-warm-up") as pool:  # compiles while they join
+            warming = pool.submit(self._digests.warm_up, self.device)
+            self._group = TransferGroup(info, 0, self.device, store=self._store, label="sender")
+        warming.result()  # a kernel that cannot build fails here, not in the first sync
+        self._warmed = True
 
     def close(self) -> None:
         if self._group is not None:
             self._group.close()
         self._group, self._next_info, self._store, self._buffers = None, None, None, []
-        self._digest_pool.shutdown(wait=True)
+        self._digests.close()
 
     @property
     def connected(self) -> bool:
@@ -120,14 +144,28 @@ class WeightSender:
 
     # ---- one sync -----------------------------------------------------------------------------
     def manifest(self, named_tensors: NamedTensors, version: int) -> dict[str, Any]:
-        """What the sidecar's start_weight_update takes: {"version", "tensors": [spec dicts in send order]}."""
+        """What the sidecar's start_weight_update takes: {"version", "tensors": [spec dicts in send order],
+        "algorithm": the digest rule of this sync, "layout": the key that may stand for "tensors" once the
+        receivers parsed them (inference/transfer/plan.py ManifestCache)}. The dicts are fresh each call."""
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise InvalidRequestError("version", f"must be an integer >= 0, got {version!r}")
-        specs = tuple(TensorSpec.of(name, t) for name, t in _items(named_tensors))
-        if self._last_specs is None or self._last_specs.specs != specs:
-            self._last_specs = ParsedManifest(specs)
-        self._pending = (version, self._last_specs)
-        return {"version": version, "tensors": [s.to_dict() for s in specs]}
+        items = _items(named_tensors)
+        meta = [(name, t.dtype, t.shape, t.device) for name, t in items]
+        if self._last_specs is None or meta != self._last_meta:  # parse a layout once, not every sync
+            specs = tuple(TensorSpec.of(name, t) for name, t in items)
+            if self._last_specs is None or self._last_specs.specs != specs:
+                self._last_specs = ParsedManifest(specs)
+            self._last_meta, self._picked = meta, pick_algorithm(t for _, t in items)
+        fixed = self.digest_algorithm
+        algorithm = check_algorithm(fixed, "digest_algorithm") if fixed is not None else self._picked
+        self._pending, self._algorithm = (version, self._last_specs, algorithm), algorithm
+        return {"version": version, "tensors": [s.to_dict() for s in self._last_specs],
+                "algorithm": algorithm, "layout": self._last_specs.layout_key}
+
+    @property
+    def algorithm(self) -> str | None:
+        """The digest rule manifest() named last (None before the first call)."""
+        return self._algorithm
 
     def send(self, named_tensors: NamedTensors, *, digest: bool = True) -> list[TensorRecord]:
         """Move every byte to every receiver; returns the digests of the full tensors sent, in order
@@ -135,7 +173,7 @@ class WeightSender:
         group = self._require_group()
         if self._pending is None:
             raise StateError("send() before manifest(): the receivers need the manifest to start")
-        version, specs = self._pending
+        version, specs, algorithm = self._pending
         items = _items(named_tensors)
         tensors = [t for _, t in items]  # every reader (packer, exporter, digests) detaches on its own
         problem = _mismatch(specs, items)
@@ -145,16 +183,17 @@ class WeightSender:
                 offer = self._ipc_offer(specs, tensors)
             except InvalidRequestError as e:
                 problem = e
+        if self.device.type == "cuda":  # before the agreement: ipc receivers may read right after it
+            torch.cuda.current_stream(self.device).synchronize()  # the trainer's writes have landed
+        digests = self._start_digests(items, algorithm) if digest and problem is None else None
         agreed, layout_cached = self._agree(group, specs.fingerprint(version, self.bucket_bytes, self.backend),
                                             problem, offer)
         if not agreed:
+            if digests is not None:
+                digests.settle()  # nothing reads the tensors once we raise
             raise problem or TransferError(
                 "the receivers' plan differs from the sender's (a different manifest, version or bucket "
                 "size was started on the sidecar); nothing was written")
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # the trainer's writes have landed
-        digests: Future[list[TensorRecord]] | None = (
-            self._digest_pool.submit(digest_tensors, items) if digest else None)
         plan = specs.plan(self.bucket_bytes)
         try:
             if offer is not None:
@@ -165,6 +204,17 @@ class WeightSender:
             records = digests.result() if digests is not None else []
         self._pending = None
         return records
+
+    def _start_digests(self, items: list[tuple[str, torch.Tensor]], algorithm: str) -> PendingRecords:
+        """The digests of what is sent, started before the bytes move (see the module docstring)."""
+        device = kernel_device(items, algorithm)
+        stream = None
+        if device is not None and device.type == "cuda":
+            stream = self._digest_streams.get(device)
+            if stream is None:
+                stream = self._digest_streams[device] = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))  # after the trainer's last write
+        return self._digests.launch(items, algorithm, stream=stream)
 
     def _agree(self, group: TransferGroup, fingerprint: int, problem: Exception | None,
                offer: LayoutOffer | None) -> tuple[bool, bool]:

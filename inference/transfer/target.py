@@ -7,7 +7,8 @@ the audit requires its digest to equal the embedding's. Rotary tables are accept
 
 `UpdateTarget` is the receiver's sink: it loads each completed tensor through the naming module
 and the parameters' weight_loaders (TP slicing, fused qkv/gate_up, casts), and keeps the digests
-of what arrived (full tensors, trainer names).
+of what arrived (full tensors, trainer names), under the sync's digest rule (`algorithm`, named by the
+sender in the start manifest).
 
 Decision (one hashing pass at TP=1): when this rank holds a tensor whole, in the sent dtype (TP=1,
 no cast), its received digest is computed after the sync from the held parameter region it was
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from checksum import Manifest, Mismatch, Report, TensorRecord, digest_tensors
+from checksum import ALGORITHM, Manifest, Mismatch, Report, TensorRecord, digest_tensors
 from inference.config import ModelConfig
 from inference.core import InvalidRequestError
 from inference.loader import load_hf_tensor
@@ -140,8 +141,9 @@ class UpdateTarget:
     """The sink one session's bytes flow into (see the module docstring)."""
 
     def __init__(self, which: str, config: ModelConfig, routing: Routing, rank: str,
-                 fault: Fault | None = None) -> None:
+                 fault: Fault | None = None, algorithm: str = ALGORITHM) -> None:
         self.which, self.config, self.routes, self.rank = which, config, routing.routes, rank
+        self.algorithm = algorithm
         self._params = routing.params
         self._fault = fault
         self._destinations = routing.destinations
@@ -183,7 +185,7 @@ class UpdateTarget:
                     to_digest.append((route.spec.name, tensor))
                 self._written.add(index)
             copy_pairs(same_device)
-        for record in digest_tensors(to_digest):
+        for record in digest_tensors(to_digest, algorithm=self.algorithm):
             self._records[record.name] = record
 
     def held_items(self) -> list[tuple[str, torch.Tensor]] | None:
@@ -203,10 +205,11 @@ class UpdateTarget:
             unwritten = [r.spec.name for i, r in enumerate(self.routes) if i not in self._written]
             raise RuntimeError(f"rank {self.rank}: {len(unwritten)} tensor(s) of the session never arrived, "
                                f"first {unwritten[0]}")
-        held = digest_tensors(items) if held is None else held
+        held = digest_tensors(items, algorithm=self.algorithm) if held is None else held
         assert [r.name for r in held] == [name for name, _ in items]
         records = {**self._records, **{r.name: r for r in held}}
-        return Manifest(self.which, version, self.rank, tuple(records[r.spec.name] for r in self.routes))
+        return Manifest(self.which, version, self.rank, tuple(records[r.spec.name] for r in self.routes),
+                        self.algorithm)
 
     def tied_report(self, received: Manifest) -> Report:
         """A tied lm_head that was sent must carry the embedding's bytes (it is the same tensor)."""

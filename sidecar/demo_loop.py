@@ -1,0 +1,177 @@
+"""The trainer side of `sidecar demo` (sidecar/demo_cli.py starts the sidecar and calls `train`).
+
+A plain-torch copy of the served weights (trainer_hooks.toy_policy, independent of the engine) trained
+with a GRPO-style REINFORCE on a reward over token ids. Per step: sleep the sidecar, one Adam step on
+the last rollouts (group baseline over n samples per prompt, logprobs recomputed by the trainer), sync
++ audit, wake, rollouts at temperature 1. Kept apart from the CLI module because it imports torch,
+httpx and the trainer hooks: `sidecar demo --help` imports none of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from inference.core import SamplingParams
+from sidecar.client import SidecarClient
+from sidecar.demo_task import DemoSetup, TokenReward, make_prompts
+from trainer_hooks import WeightSyncHook
+from trainer_hooks.toy_policy import ToyPolicy, token_logprobs
+
+PROMPT_LEN = 8
+COLUMNS = ("step", "reward", "sync_ms", "audit", "sleep_ms", "wake_ms", "version")
+
+
+class _TimedClient(SidecarClient):
+    """A SidecarClient that adds the sidecar-side audit of each sync to `audit_ms`: finish (every rank
+    compares the digests of what it holds, taken as the bytes landed, with the sender's; its answer is
+    the audit) plus any separate audit call."""
+
+    audit_ms = 0.0
+
+    def finish_weights(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self._timed(super().finish_weights, *args, **kwargs)
+
+    def audit(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self._timed(super().audit, *args, **kwargs)
+
+    def _timed(self, call: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            self.audit_ms += _ms_since(t0)
+
+
+def train(args: argparse.Namespace, setup: DemoSetup, url: str, log_path: Path, t_start: float) -> int:
+    """Train against the sidecar at `url` for args.steps steps; print the table, the closing line and
+    the JSON summary. Returns 0 when every step's audit passed, else 1 (SidecarError propagates)."""
+    torch.manual_seed(args.seed)
+    with _TimedClient(url, timeout=60.0, long_timeout=300.0) as client:
+        return _train(args, setup, client, log_path, t_start)
+
+
+def _train(args: argparse.Namespace, setup: DemoSetup, client: _TimedClient, log_path: Path, t_start: float) -> int:
+    policy = ToyPolicy.from_dir(setup.model.path, device=setup.device)
+    optimizer = torch.optim.Adam(policy.parameters(), lr=setup.lr)
+    prompts = make_prompts(setup.reward, setup.model, args.batch, PROMPT_LEN, args.seed)
+    startup_s = round(time.perf_counter() - t_start, 2)
+    rows: list[dict[str, Any]] = []
+    diffs: list[float] = []
+    with WeightSyncHook(client, policy, sender=setup.backend, sleep_level=args.sleep_level,
+                        log_path=log_path) as hook:
+        batch = _rollouts(hook, prompts, args, step=0)
+        rows.append({"step": 0, "reward": _reward(batch, setup.reward), "sync_ms": None, "audit": "-",
+                     "sleep_ms": None, "wake_ms": None, "version": 0, "audit_ms": None})
+        progress = _progress(args.steps)
+        for step in range(1, args.steps + 1):
+            hook.stats.clear()
+            client.audit_ms = 0.0
+            with hook.training():
+                diffs.append(_train_step(policy, optimizer, batch, setup.reward, args.samples, setup.device))
+            batch = _rollouts(hook, prompts, args, step)
+            rows.append(_row(step, hook.stats, _reward(batch, setup.reward), client.audit_ms))
+            progress(rows[-1])
+    _print_table(rows)
+    ok = all(r["audit"] == "ok" for r in rows[1:])
+    print(f"reward: first {rows[0]['reward']} -> last {rows[-1]['reward']}; audits "
+          f"{'all ok' if ok else 'FAILED'}; sidecar and trainer logprobs differ by at most {max(diffs):.2g}")
+    summary = _summary(args, setup, rows, ok, policy)
+    summary.update(logprob_max_abs_diff=max(diffs), startup_s=startup_s,
+                   elapsed_s=round(time.perf_counter() - t_start, 2))
+    print(json.dumps(summary))
+    return 0 if ok else 1
+
+
+def _row(step: int, stats: dict[str, Any], reward: float, audit_ms: float) -> dict[str, Any]:
+    return {"step": step, "reward": reward, "sync_ms": stats.get("sync_ms"), "audit": stats.get("audit"),
+            "sleep_ms": stats.get("sleep_ms"),
+            "wake_ms": round(stats.get("wake_weights_ms", 0.0) + stats.get("wake_kv_ms", 0.0), 2),
+            "version": stats.get("version"), "audit_ms": round(audit_ms, 2), "algorithm": stats.get("algorithm")}
+
+
+def _summary(args: argparse.Namespace, setup: DemoSetup, rows: list[dict[str, Any]], ok: bool,
+             policy: torch.nn.Module) -> dict[str, Any]:
+    """The final JSON line: the run's settings, rewards, audits and median timings over the steps."""
+    steps = rows[1:]
+
+    def median(key: str) -> float:
+        return round(statistics.median(r[key] for r in steps), 2)
+
+    return {
+        "ok": ok, "model": setup.model.name, "params": sum(p.numel() for p in policy.parameters()),
+        "dtype": setup.model.dtype, "device": setup.device, "backend": setup.backend,
+        "sleep_level": args.sleep_level, "steps": args.steps, "rollouts_per_step": args.batch * args.samples,
+        "max_tokens": args.max_tokens, "lr": setup.lr, "reward_kind": setup.reward.kind,
+        "reward_first": rows[0]["reward"], "reward_last": rows[-1]["reward"],
+        "rewards": [r["reward"] for r in rows], "audits": [r["audit"] for r in steps],
+        "versions": [r["version"] for r in rows], "sync_ms_median": median("sync_ms"),
+        "audit_ms_median": median("audit_ms"), "audit_algorithm": steps[-1].get("algorithm"),
+        "sleep_ms_median": median("sleep_ms"),
+        "wake_ms_median": median("wake_ms"),
+        "sync_ms_mean": round(sum(r["sync_ms"] for r in steps) / len(steps), 2)}
+
+
+def _rollouts(hook: WeightSyncHook, prompts: list[list[int]], args: argparse.Namespace, step: int) -> list[Any]:
+    params = SamplingParams(n=args.samples, temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True,
+                            seed=args.seed * 100_003 + step)
+    return hook.rollouts(prompts, params)
+
+
+def _train_step(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: list[Any], reward: TokenReward,
+                samples: int, device: str) -> float:
+    """One GRPO-style step; returns max |sidecar logprob - trainer logprob| (both from the same weights)."""
+    seqs, sidecar_logp, rewards = [], [], []
+    for out in batch:
+        for c in out.outputs:
+            seqs.append(list(out.prompt_token_ids) + list(c.token_ids))
+            sidecar_logp.append(list(c.logprobs))
+            rewards.append(reward(c.token_ids))
+    r = torch.tensor(rewards, device=device).view(len(batch), samples)
+    advantage = (r - r.mean(dim=1, keepdim=True)).view(-1)  # the group baseline
+    logp = token_logprobs(policy, torch.tensor(seqs, device=device), len(batch[0].prompt_token_ids))
+    diff = (logp.detach().float().cpu() - torch.tensor(sidecar_logp, dtype=torch.float32)).abs().max().item()
+    loss = -(advantage[:, None] * logp).mean()
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return round(diff, 6)
+
+
+def _reward(batch: list[Any], reward: TokenReward) -> float:
+    values = [reward(c.token_ids) for out in batch for c in out.outputs]
+    return round(sum(values) / len(values), 4)
+
+
+def _ms_since(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1000.0
+
+
+def _progress(total: int) -> Any:
+    """A callable(row) advancing a progress bar on stderr (tqdm: a dependency of the server extra)."""
+    bar = tqdm(total=total, desc="demo", unit="step", file=sys.stderr)
+
+    def advance(row: dict[str, Any]) -> None:
+        bar.set_postfix(reward=row["reward"], audit=row["audit"], version=row["version"])
+        bar.update(1)
+        if row["step"] == total:
+            bar.close()
+
+    return advance
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    cells = [[str(c) for c in COLUMNS]] + [["-" if r[c] is None else str(r[c]) for c in COLUMNS] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
+    for k, row in enumerate(cells):
+        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+        if k == 0:
+            print("  ".join("-" * w for w in widths))
