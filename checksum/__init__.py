@@ -11,14 +11,8 @@ from __future__ import annotations
 from checksum.compare import KINDS, Mismatch, Report, audit, compare, compare_each, compare_ranks
 from checksum.definition import ALGORITHM, ALGORITHMS, DEVICE_ALGORITHM, SEGMENT_BYTES, digest_bytes
 from checksum.device_digest import DeviceDigester, KernelConfig, PendingDigests, can_hash_on, pick_algorithm
-from checksum.digest import (
-    DEFAULT_CHUNK_BYTES,
-    Digester,
-    TensorRecord,
-    digest_tensor,
-    digest_tensors,
-    dtype_name,
-)
+from checksum.digest import DEFAULT_CHUNK_BYTES, Digester, TensorRecord, digest_tensor, digest_tensors
+from checksum.dtypes import DTYPES, ITEMSIZE, UnknownDtypeError, dtype_from_name, dtype_name
 from checksum.errors import ChecksumError, ChecksumMismatch, ManifestError
 from checksum.manifest import (
     FORMAT_VERSION,
@@ -37,7 +31,9 @@ __all__ = [
     "ALGORITHMS",
     "DEFAULT_CHUNK_BYTES",
     "DEVICE_ALGORITHM",
+    "DTYPES",
     "FORMAT_VERSION",
+    "ITEMSIZE",
     "KINDS",
     "SEGMENT_BYTES",
     "ChecksumError",
@@ -51,6 +47,7 @@ __all__ = [
     "PendingDigests",
     "Report",
     "TensorRecord",
+    "UnknownDtypeError",
     "audit",
     "can_hash_on",
     "compare",
@@ -59,6 +56,7 @@ __all__ = [
     "digest_bytes",
     "digest_tensor",
     "digest_tensors",
+    "dtype_from_name",
     "dtype_name",
     "flat_bytes",
     "load_manifests",

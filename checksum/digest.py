@@ -29,6 +29,7 @@ import torch
 from checksum import definition, device_digest
 from checksum.definition import ALGORITHM, DEVICE_ALGORITHM, digest_bytes, get_algorithm
 from checksum.device_digest import DeviceDigester
+from checksum.dtypes import dtype_name
 from checksum.staging import Job, run_jobs
 from checksum.staging_buffers import CudaStaging, HostStaging, Staging
 
@@ -47,11 +48,6 @@ class TensorRecord:
     dtype: str
     shape: tuple[int, ...]
     digest: str
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """"bfloat16" for torch.bfloat16: the spelling manifests use."""
-    return str(dtype).removeprefix("torch.")
 
 
 def digest_tensor(tensor: torch.Tensor, algorithm: str = ALGORITHM) -> str:

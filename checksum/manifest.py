@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from checksum.definition import ALGORITHM, ALGORITHMS, RETIRED_ALGORITHMS
-from checksum.digest import Digester, NamedTensors, TensorRecord, digest_tensors, dtype_name
+from checksum.digest import Digester, NamedTensors, TensorRecord, digest_tensors
+from checksum.dtypes import dtype_name
 from checksum.errors import ManifestError
 
 FORMAT = "sidecar-checksum-manifest"
@@ -61,6 +62,9 @@ class Manifest:
     def __post_init__(self) -> None:
         _check_header("<manifest>", self.format_version, self.algorithm, self.model,
                       self.weight_version, self.rank)
+        if not isinstance(self.records, (tuple, list)):
+            raise ManifestError("<manifest>", "records", f"must be a tuple of TensorRecords, got "
+                                f"{_json_type(self.records)}")
         for i, record in enumerate(self.records):
             if not isinstance(record, TensorRecord):
                 raise ManifestError("<manifest>", f"records[{i}]", f"must be a TensorRecord, got {record!r}")
@@ -244,7 +248,8 @@ _VALID_DTYPES: set[str] = set()  # dtype names that passed the full check below
 
 def _check_record(source: str, where: str, record: TensorRecord) -> None:
     name, dtype, shape, digest = record.name, record.dtype, record.shape, record.digest
-    if (type(name) is str and name and dtype in _VALID_DTYPES and type(shape) is tuple
+    # type(dtype) before membership: a list or dict as a dtype is unhashable (a TypeError, not a ManifestError)
+    if (type(name) is str and name and type(dtype) is str and dtype in _VALID_DTYPES and type(shape) is tuple
             and all(type(s) is int and s >= 0 for s in shape)
             and type(digest) is str and _DIGEST_RE.fullmatch(digest) is not None):
         return  # the common case, decided without building a message

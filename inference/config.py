@@ -13,14 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from inference.core import InvalidRequestError
-
-# HF `architectures` entry -> our family name
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "MistralForCausalLM": "mistral",
-}
+from inference.models.registry import family_for_hf
 
 
 @dataclass(frozen=True)
@@ -68,26 +61,13 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        archs = d.get("architectures") or []
-        family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
-        if family is None:
-            family = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}.get(
-                d.get("model_type", ""))
-        if family is None:
-            raise InvalidRequestError(
-                "config.architectures",
-                f"unsupported model {archs or d.get('model_type')!r}; supported: {sorted(ARCHITECTURES)}")
+        family = family_for_hf(d)  # what differs by family (biases, qk norm, window) is read by its class
         num_heads = d["num_attention_heads"]
         head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        sliding = d.get("sliding_window")
-        if family == "qwen2" and not d.get("use_sliding_window", False):
-            sliding = None
-        if family == "qwen3" and not d.get("use_sliding_window", False):
-            sliding = None
         return cls(
-            family=family,
+            family=family.name,
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"],
@@ -99,9 +79,7 @@ class ModelConfig:
             rope=_rope_from_hf(d),
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2" or bool(d.get("attention_bias", False)),
-            qk_norm=family == "qwen3",
-            sliding_window=sliding,
+            **family.config_fields(d),
             eos_token_ids=eos_ids,
             bos_token_id=d.get("bos_token_id"),
             dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),

@@ -32,7 +32,6 @@ from inference.core import (
     SamplingParams,
     StateError,
 )
-from inference.memory import ArenaState
 from inference.parallel import TPInfo
 from inference.prompts import check_text, check_token_ids
 from inference.scheduler import ScheduledBatch, Scheduler, StepResult
@@ -41,7 +40,7 @@ from inference.sleep import TransitionStats
 from inference.spec_decode import SpecDecodeStats
 from inference.step_stats import StepLog
 from inference.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_search_start
-from inference.worker import ARENA_OF, Worker
+from inference.worker import Worker
 
 Prompt = str | Seq[int]
 
@@ -79,7 +78,7 @@ class LLM:
     """`LLM(model_dir).generate(prompts, SamplingParams(...))`; model_dir None is the embedded tiny model."""
 
     def __init__(self, model: str | Path | None = None, *, config: EngineConfig | None = None,
-                 tp: TPInfo | None = None, **overrides: Any) -> None:
+                 tp: TPInfo | None = None, dp_rank: int = 0, **overrides: Any) -> None:
         if config is None:
             if model is None:
                 from inference.tiny import default_model_dir
@@ -88,7 +87,7 @@ class LLM:
             config = build_engine_config(str(model), **overrides)
         check_tp_size(config, tp)
         self.config = config
-        self.worker = Worker(config, tp)
+        self.worker = Worker(config, tp, dp_rank=dp_rank)
         self.worker.init_device()
         self.worker.load_model()
         mc = self.worker.model_config
@@ -109,7 +108,6 @@ class LLM:
                                    self.worker.num_speculative_tokens)
         self.spec_stats = SpecDecodeStats()  # draft tokens proposed / accepted (speculative decoding)
         self.step_log: StepLog | None = None  # assign a StepLog to keep one record per step (benchmarks)
-        self.weight_version = 0
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._finished_while_draining: list[RequestOutput] = []  # finished outside step(): take_finished
@@ -187,7 +185,7 @@ class LLM:
         With async scheduling the step launched here stays in flight and the requests returned are
         those that finished in the step launched by the call before (read back after this launch);
         when nothing is left to run, the step in flight is read back too."""
-        if not self._can_step():
+        if not self.worker.is_ready():
             return self._settle()
         batch = self.scheduler.schedule()
         overlap = self._overlap
@@ -332,19 +330,14 @@ class LLM:
 
     # ---- sleep and wake -------------------------------------------------------------------
     def check_ready(self) -> None:
-        """Raise StateError saying why no step can run (asleep, or weights awaiting a sync)."""
-        assert self.worker.memory is not None
-        self.worker.memory.check_ready()
-        for which in self.worker.models:
-            if not self.worker.is_servable(which):
-                state = self.worker.weight_state(which)
-                why = state["torn_reason"] or ("an update session is open" if state["session_open"]
-                                               else "its weights were reset")
-                raise StateError(f"the {which} model is not servable ({why}); sync its weights first")
+        """Raise StateError saying why no step can run (asleep, or weights awaiting a sync); the worker
+        decides (Worker.check_ready)."""
+        self.worker.check_ready()
 
-    def _can_step(self) -> bool:
-        """Awake, weights valid, and no model torn or being written: a step may run."""
-        return self.worker.is_ready() and all(self.worker.is_servable(w) for w in self.worker.models)
+    @property
+    def weight_version(self) -> int:
+        """The live version of the target's weights (the weights component owns it)."""
+        return self.worker.weights.version("target")
 
     @property
     def is_sleeping(self) -> bool:
@@ -362,7 +355,7 @@ class LLM:
         if self.is_sleeping:
             raise StateError("sleep: already asleep; call wake_up first")
         # Requests that cannot run now (weights torn or awaiting a sync) are held, not waited for.
-        while in_flight == "finish" and self.has_unfinished() and self._can_step():
+        while in_flight == "finish" and self.has_unfinished() and self.worker.is_ready():
             self._finished_while_draining.extend(self.step())
         self._finished_while_draining.extend(self._settle())
         self.scheduler.preempt_all()
@@ -380,39 +373,24 @@ class LLM:
         out, self._finished_while_draining = self._finished_while_draining, []
         return out
 
-    # ---- weight updates (the sessions live on the worker: inference/weight_update.py) --------
+    # ---- weight updates (the worker's weights component runs them: inference/weights/) --------
     def start_weight_update(self, version: int, manifest: Any, *, allow_cast: bool = False) -> None:
         self._finished_while_draining.extend(self._settle())  # no step may read weights being written
-        self._check_awake("target")
         self.worker.start_weight_update(version, manifest, allow_cast=allow_cast)
 
     def start_draft_weight_update(self, version: int, manifest: Any, *, allow_cast: bool = False) -> None:
         self._finished_while_draining.extend(self._settle())
-        self._check_awake("draft")
         self.worker.start_draft_weight_update(version, manifest, allow_cast=allow_cast)
-
-    def _check_awake(self, which: str) -> None:
-        """Writing into released weights is an illegal address on CUDA: refuse before any byte moves."""
-        tag = ARENA_OF[which]
-        memory = self.worker.memory
-        if memory is not None and tag in memory.tags and memory.state(tag) is not ArenaState.AWAKE:
-            raise StateError(f"the {which} weights are {memory.state(tag).value}: call wake_up(['weights']) "
-                             "before a weight update")
 
     def update_weights(self, update_info: Any = None) -> None:
         self.worker.update_weights(update_info)
 
     def finish_weight_update(self, sender_digests: Any, **kwargs: Any) -> Any:
-        """Audit the update; on success the version goes live. A target update becomes the engine's
-        weight_version; any update drops the prefix cache and recomputes running sequences (their
+        """Audit the update; on success the version goes live (a target update is then the engine's
+        weight_version). Any update drops the prefix cache and recomputes running sequences (their
         KV came from the old weights). A mismatch raises (the model stays torn, nothing changes here)."""
         self._finished_while_draining.extend(self._settle())  # (settled at start: normally nothing)
         result = self.worker.finish_weight_update(sender_digests, **kwargs)
-        memory, tag = self.worker.memory, ARENA_OF[result.model]
-        if memory is not None and memory.state(tag) is ArenaState.AWAKE:
-            memory.mark_loaded(tag)  # audited: the contents are valid again (e.g. after a level-2 sleep)
-        if result.model == "target":
-            self.weight_version = result.version
         self.scheduler.preempt_all()
         self.block_manager.reset_prefix_cache()
         return result

@@ -3,7 +3,8 @@
 load_weights validates the whole checkpoint from the safetensors headers first (unknown names,
 wrong shapes, duplicates, missing tensors), so a bad directory fails with an InvalidRequestError
 naming the tensor before any parameter is written. Then each tensor goes through inference.naming
-and its parameter's weight_loader, which takes the FULL tensor and keeps this rank's slice.
+(the config's family says which parameter it fills) and that parameter's weight_loader, which takes
+the FULL tensor and keeps this rank's slice.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def load_hf_tensor(params: dict[str, nn.Parameter], config: ModelConfig, hf_name
     """
     if is_skipped(hf_name, config):
         return None
-    param_name, shard_id = hf_to_param(hf_name)
+    param_name, shard_id = hf_to_param(hf_name, config)
     if param_name not in params:
         raise InvalidRequestError(hf_name, f"maps to {param_name}, which this model does not have")
     param = params[param_name]
@@ -120,7 +121,7 @@ def load_named_tensors(model: nn.Module, named: Iterable[tuple[str, torch.Tensor
         key = load_hf_tensor(params, config, hf_name, tensor)
         if key is not None:
             written.add(key)
-    check_covered(params, written)
+    check_covered(params, written, config)
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
@@ -134,9 +135,10 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
                 p.normal_(0.0, 0.02, generator=g)
 
 
-def check_covered(params: dict[str, nn.Parameter], written: set[tuple[str, ShardId]]) -> None:
+def check_covered(params: dict[str, nn.Parameter], written: set[tuple[str, ShardId]],
+                  config: ModelConfig) -> None:
     """Raise InvalidRequestError naming the first HF tensor that no load wrote into its parameter."""
     for name in params:
-        for hf_name, shard_id in param_to_hf(name):
+        for hf_name, shard_id in param_to_hf(name, config):
             if (name, shard_id) not in written:
                 raise InvalidRequestError(hf_name, f"no tensor was loaded into {name} (shard {shard_id})")

@@ -10,10 +10,10 @@ Invariants:
   torch.Generator drawn in a fixed tensor order; the BPE trainer is deterministic.
 - A model directory appears whole or not at all: files are written to a temporary sibling
   directory which is then renamed into place.
-- Token ids: 0 <|endoftext|> (eos, pad), 1 <|startoftext|> (bos; prepended by the llama and
-  mistral tokenizers only, as real Llama checkpoints do), 2 <|im_start|>, 3 <|im_end|>
-  (a second eos in config.json and generation_config.json). Byte-level, so every string encodes
-  without unknown tokens.
+- Token ids: 0 <|endoftext|> (eos, pad), 1 <|startoftext|> (bos; prepended by the tokenizers of the
+  families whose class says tokenizer_adds_bos, llama and mistral, as real Llama checkpoints do),
+  2 <|im_start|>, 3 <|im_end|> (a second eos in config.json and generation_config.json). Byte-level,
+  so every string encodes without unknown tokens.
 """
 
 from __future__ import annotations
@@ -33,18 +33,18 @@ from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors, t
 from tokenizers.models import BPE
 
 from inference import envs
+from inference.config import ModelConfig
 from inference.core import InvalidRequestError
+from inference.models import family_names, get_family
+from inference.naming import expected_hf_tensors
 
 if TYPE_CHECKING:
     import torch
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
-_ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
-_TIED_BY_DEFAULT = {"llama": False, "qwen2": True, "qwen3": True, "mistral": False}
-# torch dtype names; torch itself is imported only where weights are drawn, so that `sidecar make-model
-# --help` and the demo's argument parsing stay fast (scripts/check_help_speed.py).
-_DTYPES = ("float32", "bfloat16", "float16")
+FAMILIES = family_names()  # the shipped ones; a family registered later can be written too
+# The dtypes a tiny model is written in. torch itself is imported only where weights are drawn, so that
+# `sidecar make-model --help` and the demo's argument parsing stay fast (scripts/check_help_speed.py).
+WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|startoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_ID, BOS_ID, IM_START_ID, IM_END_ID = 0, 1, 2, 3
@@ -120,10 +120,10 @@ class TinyModelSpec:
         def bad(name: str, msg: str) -> InvalidRequestError:
             return InvalidRequestError(f"tiny_model.{name}", msg)
 
-        if self.family not in FAMILIES:
-            raise bad("family", f"unknown family {self.family!r}; supported: {list(FAMILIES)}")
-        if self.dtype not in _DTYPES:
-            raise bad("dtype", f"unsupported dtype {self.dtype!r}; supported: {list(_DTYPES)}")
+        if self.family not in family_names():
+            raise bad("family", f"unknown family {self.family!r}; supported: {list(family_names())}")
+        if self.dtype not in WEIGHT_DTYPES:
+            raise bad("dtype", f"unsupported dtype {self.dtype!r}; supported: {list(WEIGHT_DTYPES)}")
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
                      "max_position_embeddings"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
@@ -151,7 +151,9 @@ class TinyModelSpec:
 
     @property
     def tied(self) -> bool:
-        return _TIED_BY_DEFAULT[self.family] if self.tie_word_embeddings is None else self.tie_word_embeddings
+        if self.tie_word_embeddings is None:
+            return get_family(self.family).tie_word_embeddings_default
+        return self.tie_word_embeddings
 
     def digest(self) -> str:
         """A short hash of the settings, the corpus and the format version (names the cached dir)."""
@@ -248,7 +250,7 @@ def _check_target(out: Path, overwrite: bool) -> bool:
 
 
 def _write_files(spec: TinyModelSpec, d: Path) -> None:
-    add_bos = spec.family in ("llama", "mistral")
+    add_bos = get_family(spec.family).tokenizer_adds_bos
     texts = {
         "config.json": _dump(hf_config(spec)),
         "generation_config.json": _dump(
@@ -292,11 +294,12 @@ def _tokenizer_config(spec: TinyModelSpec, add_bos: bool) -> dict[str, Any]:
 
 def hf_config(spec: TinyModelSpec) -> dict[str, Any]:
     """config.json as transformers writes it for the family, with 4.x and 5.x rope/dtype fields."""
+    family = get_family(spec.family)
     rope_parameters: dict[str, Any] = {"rope_theta": spec.rope_theta, "rope_type": "default"}
     if spec.rope_scaling is not None:
         rope_parameters = {**spec.rope_scaling, "rope_type": "llama3", "rope_theta": spec.rope_theta}
-    cfg: dict[str, Any] = {
-        "architectures": [_ARCHITECTURE[spec.family]], "model_type": spec.family,
+    return {
+        "architectures": [family.architectures[0]], "model_type": family.model_type,
         "vocab_size": spec.resolved_vocab_size, "hidden_size": spec.hidden_size,
         "intermediate_size": spec.intermediate_size, "num_hidden_layers": spec.num_layers,
         "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
@@ -309,43 +312,14 @@ def hf_config(spec: TinyModelSpec) -> dict[str, Any]:
         "rope_theta": spec.rope_theta,
         "rope_scaling": None if spec.rope_scaling is None else dict(rope_parameters),
         "rope_parameters": rope_parameters, "torch_dtype": spec.dtype, "dtype": spec.dtype,
+        **family.hf_config_fields(spec.num_layers),
     }
-    if spec.family in ("qwen2", "qwen3"):
-        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=spec.num_layers,
-                   layer_types=["full_attention"] * spec.num_layers)
-    if spec.family == "mistral":
-        cfg["sliding_window"] = None
-    if spec.family in ("llama", "qwen3"):
-        cfg["attention_bias"] = False
-    if spec.family == "llama":
-        cfg.update(mlp_bias=False, pretraining_tp=1)
-    return cfg
 
 
 def weight_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
-    """HF tensor names -> shapes, in the fixed order the random weights are drawn."""
-    h, hd, v = spec.hidden_size, spec.resolved_head_dim, spec.resolved_vocab_size
-    q, kv, inter = spec.num_heads * hd, spec.num_kv_heads * hd, spec.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
-    for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        for name, rows in (("q", q), ("k", kv), ("v", kv)):
-            shapes[f"{p}self_attn.{name}_proj.weight"] = (rows, h)
-            if spec.family == "qwen2":
-                shapes[f"{p}self_attn.{name}_proj.bias"] = (rows,)
-        if spec.family == "qwen3":
-            shapes[p + "self_attn.q_norm.weight"] = (hd,)
-            shapes[p + "self_attn.k_norm.weight"] = (hd,)
-        shapes[p + "self_attn.o_proj.weight"] = (h, q)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "mlp.gate_proj.weight"] = (inter, h)
-        shapes[p + "mlp.up_proj.weight"] = (inter, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, inter)
-    shapes["model.norm.weight"] = (h,)
-    if not spec.tied:
-        shapes["lm_head.weight"] = (v, h)
-    return shapes
+    """HF tensor names -> shapes, in the fixed order the random weights are drawn: what the engine
+    expects of the config.json this spec writes (the family's layout, inference/naming.py)."""
+    return expected_hf_tensors(ModelConfig.from_hf_dict(hf_config(spec)))
 
 
 def random_weights(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
@@ -359,6 +333,8 @@ def random_weights(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
     """
     import torch
 
+    from checksum.dtypes import dtype_from_name
+
     gen = torch.Generator().manual_seed(spec.seed)
     out: dict[str, torch.Tensor] = {}
     for name, shape in weight_shapes(spec).items():
@@ -371,7 +347,7 @@ def random_weights(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
             x = 0.1 * x
         else:
             x = x / math.sqrt(shape[1])
-        out[name] = x.to(getattr(torch, spec.dtype)).contiguous()
+        out[name] = x.to(dtype_from_name(spec.dtype)).contiguous()
     return out
 
 

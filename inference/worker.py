@@ -1,8 +1,10 @@
 """One rank of the inference worker, with the seed's lifecycle.
 
 init_device -> load_model -> determine_available_memory -> initialize_kv_cache -> warm_up ->
-execute_model* -> shutdown. Sleep/wake and weight-update sessions join this class in their issues;
-their state rules follow the seed (vLLM's GPU worker).
+execute_model* -> shutdown, with sleep/wake in between; the rules follow the seed (vLLM's GPU worker).
+The engine's half of weight syncs is one component the Worker owns, `self.weights`
+(inference/weights/updater.py): it alone knows each model's weight version, torn state and weights
+arena. The weight-update lifecycle methods below only delegate to it, so callers keep one entry point.
 """
 
 from __future__ import annotations
@@ -10,11 +12,10 @@ from __future__ import annotations
 import importlib.util
 import logging
 from pathlib import Path
-from typing import Literal, overload
+from typing import Any, Literal, overload
 
 import torch
 
-from checksum import digest_tensors
 from inference.config import EngineConfig, ModelConfig
 from inference.core import InvalidRequestError, StateError
 from inference.cuda_graphs import extended_ladder
@@ -27,12 +28,12 @@ from inference.runner import InFlightStep, ModelRunner
 from inference.scheduler import ScheduledBatch, StepResult
 from inference.sleep import MemoryManager, TransitionStats
 from inference.spec_decode import SpecDecoder
-from inference.weight_update import WeightUpdateMixin
+from inference.weights.state import UpdateResult
+from inference.weights.updater import WeightUpdater
 
 log = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 128 << 20
-ARENA_OF = {"target": "weights", "draft": "draft_weights"}
 # max_num_seqs "auto": a power of two in [MIN, MAX] (see auto_max_num_seqs)
 AUTO_MIN_NUM_SEQS = 256
 AUTO_MAX_NUM_SEQS = 1024
@@ -93,7 +94,7 @@ def _nccl_group(tp: TPInfo) -> bool:
         return False
 
 
-class Worker(WeightUpdateMixin):
+class Worker:
     def __init__(self, config: EngineConfig, tp: TPInfo | None = None, dp_rank: int = 0, pp_rank: int = 0) -> None:
         self.config = config
         self.tp = tp or TPInfo()
@@ -109,8 +110,8 @@ class Worker(WeightUpdateMixin):
         # "target" and, with config.draft_model, "draft": the models a weight sync can address
         self.models: dict[str, torch.nn.Module] = {}
         self.model_configs: dict[str, ModelConfig] = {}
-        self._init_weight_update_state()  # weight-update sessions: inference/weight_update.py
         self.memory: MemoryManager | None = None
+        self.weights = WeightUpdater(self)  # the weights' version, torn state, arenas and update sessions
         self.max_model_len = 0
         self.attention_backend = "reference"
 
@@ -161,7 +162,7 @@ class Worker(WeightUpdateMixin):
         model = build_model(config, self.tp, self.dtype, self.device, backend)
         # Parameters become views into a tagged arena first, so the loader writes straight into it.
         assert self.memory is not None
-        tag = ARENA_OF[which]
+        tag = self.weights.arena_tag(which)
         self.memory.adopt_module(tag, model)
         if self.config.load_format == "dummy":
             init_dummy_weights(model, self.config.seed)
@@ -262,9 +263,9 @@ class Worker(WeightUpdateMixin):
         """Capture the decode CUDA graphs (unless enforce_eager, on CPU, or with an attention backend
         that reads host values), with a draft also the draft's, up to the resolved max_num_seqs
         (at most MAX_GRAPH_BATCH). The eager path needs nothing. On CUDA the weight-audit digest kernel
-        is compiled first, so the first sync does not pay it (inference/weight_update.py)."""
+        is compiled first, so the first sync does not pay it (inference/weights/audit.py)."""
         assert self.runner is not None and self.device is not None
-        self.warm_up_weight_digest()
+        self.weights.warm_up()
         if self.config.enforce_eager or self.device.type != "cuda" or self.attention_backend == "reference":
             return
         if self.tp.size > 1 and self.device.type == "cuda" and not _nccl_group(self.tp):
@@ -309,7 +310,7 @@ class Worker(WeightUpdateMixin):
         The caller has stopped every step that could touch the arenas (LLM.sleep does).
         """
         assert self.memory is not None, "load_model first"
-        self.settle_weight_digest()  # an overlapped audit digest may still read the weights
+        self.weights.settle_digest()  # an overlapped audit digest may still read the weights
         return self.memory.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> TransitionStats:
@@ -317,12 +318,18 @@ class Worker(WeightUpdateMixin):
         assert self.memory is not None, "load_model first"
         return self.memory.wake_up(tags)
 
-    def is_ready(self) -> bool:
-        """Awake everywhere and holding valid weights: a step may run."""
+    def check_ready(self) -> None:
+        """StateError saying why no step may run: not loaded, an arena asleep or holding no valid
+        weights (MemoryManager), or a model torn, reset or being written (the weights component)."""
         if self.memory is None:
-            return False
+            raise StateError(f"rank {self.rank_key}: model not loaded")
+        self.memory.check_ready()
+        self.weights.check_servable()
+
+    def is_ready(self) -> bool:
+        """Awake everywhere, holding valid weights, every model servable: a step may run."""
         try:
-            self.memory.check_ready()
+            self.check_ready()
         except StateError:
             return False
         return True
@@ -332,7 +339,7 @@ class Worker(WeightUpdateMixin):
             raise StateError(f"rank {self.rank_key}: model not loaded")
 
     def shutdown(self) -> None:
-        self.close_weight_digests()
+        self.weights.close()
         self.runner = None
         self.spec = None
         self.models.clear()
@@ -342,14 +349,34 @@ class Worker(WeightUpdateMixin):
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    # ---- checksums ------------------------------------------------------------------------
     @property
     def rank_key(self) -> str:
         return f"dp{self.dp_rank}:pp{self.pp_rank}:tp{self.tp.rank}"
 
+    # ---- weight updates: the lifecycle, delegated to self.weights (inference/weights/updater.py) ----
+    def init_weight_transfer_engine(self, init_info: Any) -> None:
+        self.weights.init_transfer(init_info)
+
+    def close_weight_transfer_engine(self) -> None:
+        self.weights.close_transfer()
+
+    def start_weight_update(self, version: int, manifest: Any, *, allow_cast: bool = False) -> None:
+        self.weights.start("target", version, manifest, allow_cast=allow_cast)
+
+    def start_draft_weight_update(self, version: int, manifest: Any, *, allow_cast: bool = False) -> None:
+        self.weights.start("draft", version, manifest, allow_cast=allow_cast)
+
+    def update_weights(self, update_info: Any = None) -> None:
+        self.weights.update(update_info)
+
+    def finish_weight_update(self, sender_digests: Any, *, held_manifest: bool = False) -> UpdateResult:
+        return self.weights.finish(sender_digests, held_manifest=held_manifest)
+
+    def abort_weight_update(self, reason: str = "aborted by the caller") -> None:
+        self.weights.abort(reason)
+
+    def reset_weights(self, which: str | None = None) -> None:
+        self.weights.reset(which)
+
     def compute_weight_checksums(self, which: str = "target") -> dict[str, str]:
-        """Digests of the parameters this rank holds (its shards, engine names), keyed rank:name."""
-        if which not in self.models:
-            raise StateError(f"rank {self.rank_key}: no {which} model loaded")
-        records = digest_tensors(list(self.models[which].named_parameters()))
-        return {f"{self.rank_key}:{r.name}": r.digest for r in records}
+        return self.weights.checksums(which)

@@ -1,7 +1,7 @@
 """Benchmark one weight sync: ours, the raw ceiling, and two peer styles, measured in the same run.
 
 Two processes: this one is the receiver (a real DecoderForCausalLM built with build_model, TP=1,
-bf16, behind the WeightUpdateMixin), a spawned child is the trainer (WeightSender holding HF-named
+bf16, behind the engine's WeightUpdater), a spawned child is the trainer (WeightSender holding HF-named
 bf16 tensors). Timed on the receiver, after a warm-up, median of --iters:
 - sync_ms: start_weight_update + update_weights + a device synchronize, without digests: the new
   weights are in the parameters (update_weights returns after the final ack); the session is then
@@ -52,7 +52,7 @@ from inference.parallel import TPInfo
 from inference.tiny import TinyModelSpec, hf_config
 from inference.transfer.groups import TransferGroup
 from inference.transfer.sender import WeightSender
-from inference.weight_update import WeightUpdateMixin
+from inference.weights.updater import WeightUpdater
 
 SHAPES = {
     "tiny": dict(family="qwen2", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
@@ -84,16 +84,17 @@ def trainer_tensors(config: ModelConfig, device: torch.device) -> dict[str, torc
             for name, shape in expected_hf_tensors(config).items()}
 
 
-class BenchReceiver(WeightUpdateMixin):
-    """The worker's weight-update half around one model (no KV cache, no runner)."""
+class BenchReceiver:
+    """The worker's weight-update half around one model (no KV cache, no runner, no arenas): the host
+    a WeightUpdater reads (inference/weights/updater.py WeightHost)."""
 
     rank_key = "dp0:pp0:tp0"
 
     def __init__(self, config: ModelConfig, device: torch.device) -> None:
         self.models = {"target": build_model(config, TPInfo(), torch.bfloat16, device)}
         self.model_configs = {"target": config}
-        self.device, self.tp, self.dp_rank = device, TPInfo(), 0
-        self._init_weight_update_state()
+        self.device, self.tp, self.dp_rank, self.memory = device, TPInfo(), 0, None
+        self.weights = WeightUpdater(self)
 
 
 def sync_device(device: torch.device) -> None:
@@ -229,14 +230,14 @@ def timed(fn: Callable[[], Any], iters: int, device: torch.device, before: Calla
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = setup_device(args.device)
     # The no-digest iterations are aborted on purpose (their model is "torn"); keep stderr quiet.
-    logging.getLogger("inference.weight_update").setLevel(logging.CRITICAL)
+    logging.getLogger("inference.weights.updater").setLevel(logging.CRITICAL)
     ctx = mp.get_context("spawn")
     from_child, to_child = ctx.Queue(), ctx.Queue()
     child = ctx.Process(target=trainer, args=(args, from_child, to_child))
     child.start()
     config = model_config(args.shape)
     receiver = BenchReceiver(config, device)
-    receiver.init_weight_transfer_engine(from_child.get(timeout=600))
+    receiver.weights.init_transfer(from_child.get(timeout=600))
     manifest = {"version": 1, "tensors": [{"name": n, "dtype": "bfloat16", "shape": list(s)}
                                           for n, s in expected_hf_tensors(config).items()]}
     total = sum(torch.Size(t["shape"]).numel() * 2 for t in manifest["tensors"])
@@ -248,18 +249,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         audit = rule is not None
         from_child.get(timeout=600)  # the trainer is about to wait inside send()
         time.sleep(0.05)
-        receiver.overlap_audit_digest = audit and not args.serial_audit  # nothing to overlap without one
+        receiver.weights.overlap_audit_digest = audit and not args.serial_audit  # nothing to overlap without one
         with _profiling(profiler):
             t0 = time.perf_counter()
-            receiver.start_weight_update(1, {**manifest, "algorithm": rule or ALGORITHM})
+            receiver.weights.start("target", 1, {**manifest, "algorithm": rule or ALGORITHM})
             t1 = time.perf_counter()
-            receiver.update_weights()
+            receiver.weights.update()
             sync_device(device)
             t2 = time.perf_counter()
             if audit:
-                assert receiver.finish_weight_update(from_child.get(timeout=600), held_manifest=False).report.ok
+                assert receiver.weights.finish(from_child.get(timeout=600), held_manifest=False).report.ok
             else:
-                receiver.abort_weight_update("benchmark iteration without digests")
+                receiver.weights.abort("benchmark iteration without digests")
             sync_device(device)
             t3 = time.perf_counter()
         if rule is not None:
@@ -276,7 +277,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results[rule] = statistics.median(times[1:])
     if profiler is not None:
         profiler.dump_stats(Path(args.profile) / f"receiver-{args.shape}.prof")
-    group = receiver._wt_receiver.group  # peers reuse our group, as the trainer does
+    group = receiver.weights.receiver.group  # peers reuse our group, as the trainer does
     params = dict(receiver.models["target"].named_parameters())
     peers = {}
     for name, peer in (("ceiling", ceiling_recv), ("per_param", per_param_recv), ("bucket", bucket_recv)):

@@ -48,6 +48,15 @@ class ManifestJson(BaseModel):
     tensors: list[RecordJson]
 
 
+class CompactDigestsJson(BaseModel):
+    """The sender's digests in manifest order, one hex string per tensor, with the rule that made them:
+    what `SidecarClient.sync_weights` sends (names, dtypes and shapes are the start manifest's already)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    algorithm: str
+    digests: list[str]
+
+
 def _init_info_model() -> type[BaseModel]:
     hints = typing.get_type_hints(InitInfo)
     defined = {f.name: (hints[f.name], ... if f.default is dataclasses.MISSING else f.default)
@@ -59,6 +68,6 @@ def _init_info_model() -> type[BaseModel]:
 InitInfoModel = _init_info_model()
 
 InitInfoJson = Annotated[InitInfoModel, WrapValidator(_keep_json)]  # type: ignore[valid-type]
-DigestsJson = Annotated[list[RecordJson] | ManifestJson, WrapValidator(_keep_json)]
+DigestsJson = Annotated[list[RecordJson] | ManifestJson | CompactDigestsJson, WrapValidator(_keep_json)]
 ExpectedJson = Annotated[list[RecordJson] | list[ManifestJson] | ManifestJson | None, WrapValidator(_keep_json)]
 UpdateInfoJson = Annotated[dict[str, Any] | list[dict[str, Any] | None] | None, WrapValidator(_keep_json)]

@@ -207,7 +207,8 @@ class WeightsUpdateRequest(_Request):
 
 class WeightsFinishRequest(_Request):
     digests: DigestsJson = Field(
-        description="the sender's digests: records {name, dtype, shape, digest} or a manifest")
+        description="the sender's digests: records {name, dtype, shape, digest}, a manifest, or "
+                    "{algorithm, digests: [hex per start-manifest tensor, in its order]}")
 
 
 class AuditRequest(_Request):

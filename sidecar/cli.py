@@ -18,6 +18,8 @@ from sidecar.cli_common import HelpFormatter
 COMMANDS = {
     "audit": ("sidecar.audit_cli", "compare checksum manifests (expected vs actual)"),
     "demo": ("sidecar.demo_cli", "an end-to-end RL demo (tiny, Qwen2-0.5B shape or a model dir): train, sync, audit"),
+    "fleet": ("sidecar.fleet_cli", "start N replicas of `sidecar launch` on this machine (dp ranks, devices, ports) "
+                                   "and print their URLs; stopping it stops them all"),
     "generate": ("sidecar.generate_cli", "generate with an engine of its own, in this process (a running sidecar "
                                          "is not used; default model: the embedded tiny one)"),
     "make-model": ("sidecar.make_model_cli", "write a tiny random model directory (the embedded default)"),

@@ -72,6 +72,7 @@ class RankSpec:
     log_level: str
     dist_timeout_s: float
     parent_pid: int
+    dp_rank: int = 0  # this replica's place in a fleet: the dp{i} of its rank keys
 
 
 class UnknownCommandError(SidecarError):

@@ -33,9 +33,9 @@ from typing import Any
 from inference import envs
 from inference.config import ENGINE_SECTIONS, LOAD_FORMATS, EngineConfig, build_engine_config, engine_option_names
 from inference.core import InvalidRequestError
+from inference.transfer.backends import BACKEND_NAMES
 
 DEVICES = ("auto", "cuda", "cpu")
-TRANSFERS = ("nccl", "ipc", "gloo")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -73,6 +73,10 @@ class LaunchConfig:
     host: str = option("127.0.0.1", "address to bind", metavar="ADDR")
     port: int = option(8000, "port; 0 picks a free one (printed in the 'Sidecar serving on' line)", min=0,
                        max=65535)
+    dp_rank: int = option(0, "this replica's data-parallel rank in a fleet: replica I of `sidecar fleet` or of "
+                             "trainer_hooks.Fleet([...]) is launched with I. Under torchrun or Slurm take it "
+                             "from the launcher: SIDECAR_DP_RANK=$RANK (or $SLURM_PROCID); docs/fleet.md",
+                          min=0)
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY'. A key on the command line shows in "
                                        "`ps`: prefer --api-key-file or the SIDECAR_API_KEY variable",
                                  secret=True, metavar="KEY")
@@ -101,7 +105,7 @@ class LaunchConfig:
                                            engine="attention_backend")
     # ---- weight transfer ----
     transfer: str | None = option(None, "accept only this weight-transfer backend (unset: the one the "
-                                        "trainer's init_info names)", choices=TRANSFERS)
+                                        "trainer's init_info names)", choices=BACKEND_NAMES)
     bucket_mb: int = option(512, "bucket size advertised in /state to senders that ask", min=1)
     # ---- timeouts and limits ----
     startup_timeout_s: float = option(900.0, "seconds for every rank to load the model", gt=0.0)

@@ -10,7 +10,9 @@ Backends (--backend auto): gloo on CPU, ipc (one shared GPU) with --device cuda.
 checkpoint's dtype. The sidecar is stopped in every case (SIGTERM, then kill); its log (a temporary
 file) is removed unless the run failed and the log has something to say, in which case its path is
 printed. The last stdout line is one JSON object with the figures (medians for pasting); exit 0 when
-every step's audit passed, 1 on a failure, 2 on bad arguments.
+every step's audit passed, 1 on a failure, 2 on bad arguments. `--plot PATH` also draws the run (reward,
+sync, audit, sleep and wake per step; sidecar/demo_plot.py): a PNG with matplotlib (the `plot` extra),
+else an SVG written by hand.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from inference.core import InvalidRequestError, SidecarError
+from inference.transfer.backends import check_backend, default_backend, gpu_sharing_backends
 from sidecar.cli_common import resolve_device
 from sidecar.demo_task import MODELS, REWARDS, DemoSetup, kv_cache_bytes, make_reward, resolve_model
 
@@ -41,8 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "HF model directory")
     p.add_argument("--steps", type=int, default=8, help="training steps")
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto", help="auto: cuda when available")
-    p.add_argument("--backend", choices=("auto", "gloo", "ipc"), default="auto",
-                   help="weight wire (auto: ipc on cuda, gloo on cpu)")
+    p.add_argument("--backend", choices=("auto", *gpu_sharing_backends()), default="auto",
+                   help=f"weight wire (auto: {default_backend('cuda', shared_gpu=True)} on cuda, "
+                        f"{default_backend('cpu', shared_gpu=True)} on cpu)")
     p.add_argument("--sleep-level", type=int, choices=(1, 2), default=1,
                    help="1: the sidecar keeps its weights in host memory while asleep; 2: drops them (the "
                         "next sync refills them)")
@@ -57,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "size moves logits more per step)")
     p.add_argument("--seed", type=int, default=0, help="seeds the prompts, the trainer and the sidecar's sampling")
     p.add_argument("--start-timeout", type=float, default=180.0, help="seconds to wait for the sidecar to serve")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="also write a picture of the run (reward, sync, audit, sleep and wake per step): PATH.png "
+                        "with matplotlib (pip install 'sidecar[plot]'), else an SVG (PATH.svg, no dependency)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,12 +96,25 @@ def _setup(args: argparse.Namespace) -> DemoSetup:
     if min(args.steps, args.batch, args.samples, args.max_tokens) < 1 or args.samples < 2:
         raise InvalidRequestError("steps", "--steps, --batch, --max-tokens must be >= 1 and --samples >= 2")
     device = resolve_device(args.device)
-    backend = args.backend if args.backend != "auto" else ("ipc" if device == "cuda" else "gloo")
-    if backend == "ipc" and device != "cuda":
-        raise InvalidRequestError("backend", "--backend ipc shares GPU memory: it needs --device cuda")
+    backend = args.backend if args.backend != "auto" else default_backend(device, shared_gpu=True)
+    if check_backend(backend).cuda and device != "cuda":
+        raise InvalidRequestError("backend", f"--backend {backend} moves the weights through GPU memory: it needs "
+                                  "--device cuda")
+    _check_plot_path(args.plot)
     model = resolve_model(args.model)
     lr = args.lr if args.lr is not None else (1e-2 if model.name == "tiny" else 1e-3)
     return DemoSetup(model, make_reward(args.reward, model), device, backend, lr)
+
+
+def _check_plot_path(plot: str | None) -> None:
+    """--plot: a .png or .svg file in a directory that exists, checked before a minute of training."""
+    if plot is None:
+        return
+    path = Path(plot)
+    if path.suffix.lower() not in (".png", ".svg"):
+        raise InvalidRequestError("plot", f"--plot {plot}: the picture is a .png or an .svg file")
+    if not path.parent.is_dir():
+        raise InvalidRequestError("plot", f"--plot {plot}: the directory {path.parent} does not exist")
 
 
 @dataclass

@@ -3,8 +3,9 @@
 A plain-torch copy of the served weights (trainer_hooks.toy_policy, independent of the engine) trained
 with a GRPO-style REINFORCE on a reward over token ids. Per step: sleep the sidecar, one Adam step on
 the last rollouts (group baseline over n samples per prompt, logprobs recomputed by the trainer), sync
-+ audit, wake, rollouts at temperature 1. Kept apart from the CLI module because it imports torch,
-httpx and the trainer hooks: `sidecar demo --help` imports none of them.
++ audit, wake, rollouts at temperature 1 (with --plot, a picture of the run: sidecar/demo_plot.py).
+Kept apart from the CLI module because it imports torch, httpx and the trainer hooks: `sidecar demo
+--help` imports none of them.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ def _train(args: argparse.Namespace, setup: DemoSetup, client: _TimedClient, log
     summary = _summary(args, setup, rows, ok, policy)
     summary.update(logprob_max_abs_diff=max(diffs), startup_s=startup_s,
                    elapsed_s=round(time.perf_counter() - t_start, 2))
+    if args.plot is not None:
+        summary["plot"] = _plot(rows, args.plot)
     print(json.dumps(summary))
     return 0 if ok else 1
 
@@ -149,6 +152,16 @@ def _train_step(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
 def _reward(batch: list[Any], reward: TokenReward) -> float:
     values = [reward(c.token_ids) for out in batch for c in out.outputs]
     return round(sum(values) / len(values), 4)
+
+
+def _plot(rows: list[dict[str, Any]], path: str) -> str:
+    from sidecar.demo_plot import plot_run  # matplotlib (when installed) only when a picture is asked for
+
+    written = plot_run(rows, path)
+    if written != Path(path):
+        print(f"sidecar demo: matplotlib is not installed (pip install 'sidecar[plot]'): wrote an SVG, {written}",
+              file=sys.stderr)
+    return str(written)
 
 
 def _ms_since(t0: float) -> float:

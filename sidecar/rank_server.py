@@ -8,7 +8,9 @@ sidecar process; one the engine cannot serve now is refused or held as its `wait
 llm.step(); every rank returns the rejected groups (the same on every rank: validation is
 deterministic), rank 0 also the finished RequestOutputs. `Stop` ends the loop without a reply.
 Every reply carries this rank's status (sleep state per tag, weight versions, torn flags), so the
-parent always has a fresh snapshot without asking. Exceptions travel back as ErrorInfo.
+parent always has a fresh snapshot without asking. Exceptions travel back as ErrorInfo. What the
+weights are (versions, torn, received manifests) and whether a step may run are asked of the engine
+(`worker.weights`, `worker.is_ready()`) at each use; this server keeps no copy.
 
 The engine's modules (torch, the LLM) are imported inside the functions that run on the rank: the
 sidecar process imports this module for `rank_main` and stays free of them.
@@ -106,7 +108,7 @@ def _build_llm(spec: RankSpec) -> Any:
                                 world_size=spec.size, timeout=timedelta(seconds=spec.dist_timeout_s),
                                 device_id=device_id)
         tp = TPInfo(rank=spec.rank, size=spec.size, group=dist.group.WORLD)
-    return LLM(config=engine, tp=tp)
+    return LLM(config=engine, tp=tp, dp_rank=spec.dp_rank)
 
 
 def error_info(e: BaseException, rank: str | None = None, index: int | None = None) -> ErrorInfo:
@@ -152,7 +154,6 @@ class RankServer:
         self.conn = conn
         self.rank = rank
         self.request_ids: set[str] = set()
-        self.received: dict[str, Any] = {}  # model -> Manifest of what its last finished sync delivered
         self._finished: list[RequestOutput] = []  # finished by the current command's steps, not yet sent
         self.handlers: dict[type[Command], Callable[[Any], Any]] = {
             Step: self._step, Sleep: self._sleep, WakeUp: self._wake_up,
@@ -205,7 +206,7 @@ class RankServer:
             error = self._add_group(group)
             if error is not None:
                 rejected[group.group_id] = error
-        if cmd.run and self.request_ids and self.can_step():
+        if cmd.run and self.request_ids and self.llm.worker.is_ready():
             try:
                 self._finished += self.llm.step()
             except Exception:
@@ -248,11 +249,8 @@ class RankServer:
             raise StateError(f"the sidecar is asleep ({tags}): wake it first (POST /wake_up, SidecarClient.wake_up() "
                              "or WeightSyncHook.wake()); a sidecar launched with --hold-while-asleep holds "
                              "requests until then instead")
-        worker = llm.worker
-        for which in worker.models:
-            state = worker.weight_state(which)
-            if not state["servable"] and not state["session_open"]:  # torn, or waiting for a first sync
-                llm.check_ready()
+        if llm.worker.weights.needs_trainer():  # torn, or waiting for a first sync
+            llm.check_ready()
 
     def _take_finished(self) -> list[RequestOutput]:
         """What finished in this command: its steps' outputs, then those sleep() drained."""
@@ -260,11 +258,6 @@ class RankServer:
         for out in outs:
             self.request_ids.discard(out.request_id)
         return outs if self.rank == 0 else []
-
-    def can_step(self) -> bool:
-        """Awake, weights valid and servable: a step would generate (otherwise requests are held)."""
-        worker = self.llm.worker
-        return bool(worker.is_ready()) and all(worker.is_servable(m) for m in worker.models)
 
     def _abort_all(self) -> None:
         for rid in sorted(self.request_ids):
@@ -282,7 +275,7 @@ class RankServer:
         self.llm.worker.init_weight_transfer_engine(cmd.info)
 
     def _start_weight_update(self, cmd: StartWeightUpdate) -> None:
-        live = self.llm.worker.weight_versions.get(cmd.model)
+        live = self.llm.worker.weights.versions.get(cmd.model)
         check_version(cmd.version, live, cmd.model)
         if cmd.model == "target":
             self.llm.start_weight_update(cmd.version, cmd.manifest, allow_cast=cmd.allow_cast)
@@ -299,23 +292,16 @@ class RankServer:
         t0 = time.perf_counter()
         result = self.llm.finish_weight_update(cmd.digests, held_manifest=False)
         audit_s = time.perf_counter() - t0
-        self.received[result.model] = result.received
         report = result.report
         return SyncResult(result.model, result.version, result.rank, report.ok, report.summary(),
                           report.tensors_checked, result.received.algorithm, audit_s)
 
     def _read_manifest(self, cmd: ReadManifest) -> dict[str, Any]:
+        weights = self.llm.worker.weights
         if cmd.source == "held":
-            return dict(self.llm.worker.held_manifest(cmd.model, cmd.algorithm).to_dict())
+            return dict(weights.held_manifest(cmd.model, cmd.algorithm).to_dict())
         if cmd.source == "received":
-            if cmd.model not in self.received:
-                raise StateError(f"rank {self.rank_key}: no sync of the {cmd.model} model has finished on this rank")
-            received = self.received[cmd.model]
-            if cmd.algorithm is not None and cmd.algorithm != received.algorithm:
-                raise InvalidRequestError("algorithm", f"rank {self.rank_key}: the last sync's received digests are "
-                                          f"{received.algorithm!r}, not {cmd.algorithm!r} (the sender picks the "
-                                          f"rule of a sync); source=held digests what is held now by any rule")
-            return dict(received.to_dict())
+            return dict(weights.received_manifest(cmd.model, cmd.algorithm).to_dict())
         raise InvalidRequestError("source", f"must be 'held' or 'received', got {cmd.source!r}")
 
     def plan(self) -> dict[str, Any]:
@@ -345,11 +331,12 @@ class RankServer:
 
     def status(self) -> dict[str, Any]:
         worker = self.llm.worker
+        weights = worker.weights
         return {
-            "rank": self.rank_key, "pid": os.getpid(), "ready": self.can_step(), "sleeping": self.llm.is_sleeping,
+            "rank": self.rank_key, "pid": os.getpid(), "ready": worker.is_ready(), "sleeping": self.llm.is_sleeping,
             "arenas": worker.memory.states() if worker.memory is not None else {},
-            "weight_versions": dict(worker.weight_versions), "torn": dict(worker.torn),
-            "loaded": dict(worker.weights_loaded), "unfinished": len(self.request_ids),
+            "weight_versions": weights.versions, "torn": weights.torn,
+            "loaded": weights.loaded, "unfinished": len(self.request_ids),
         }
 
     def shutdown(self) -> None:

@@ -90,7 +90,8 @@ class RankPool:
         port = free_port() if self.size > 1 else 0
         engine = engine_config(cfg, model_dir, device)
         self._specs = [RankSpec(r, self.size, engine, port, "nccl" if device == "cuda" else "gloo", threads,
-                                cfg.log_level, max(cfg.rpc_timeout_s, cfg.step_timeout_s), os.getpid())
+                                cfg.log_level, max(cfg.rpc_timeout_s, cfg.step_timeout_s), os.getpid(),
+                                dp_rank=cfg.dp_rank)
                        for r in range(self.size)]
 
     # ---- lifecycle --------------------------------------------------------------------------

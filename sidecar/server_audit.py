@@ -21,7 +21,9 @@ from typing import Any, Literal
 
 from fastapi import APIRouter
 
-from checksum import ALGORITHMS, Manifest, ManifestError, Report, TensorRecord, audit
+from checksum import ALGORITHMS, Manifest, ManifestError, Report, audit
+from inference.core import InvalidRequestError
+from inference.transfer.digests import sender_records
 from sidecar.api_models import AuditRequest
 from sidecar.audit_rules import replica_report
 from sidecar.commands import ReadManifest
@@ -100,13 +102,10 @@ def parse_expected(expected: Any, reference: Manifest) -> list[Manifest]:
         if not isinstance(items, list):
             raise ApiError(400, "InvalidRequestError", "must be a manifest, a list of manifests, or a list of "
                            "records {name, dtype, shape, digest}", "expected")
-        records = []
-        for i, r in enumerate(items):
-            if not isinstance(r, dict) or not {"name", "dtype", "shape", "digest"} <= set(r):
-                raise ApiError(400, "InvalidRequestError", "a record needs name, dtype, shape and digest",
-                               f"expected[{i}]")
-            shape = tuple(r["shape"]) if isinstance(r["shape"], list) else r["shape"]
-            records.append(TensorRecord(r["name"], r["dtype"], shape, r["digest"]))
+        try:
+            records = sender_records(items, "expected")  # the parser a rank's finish uses too
+        except InvalidRequestError as e:
+            raise ApiError(400, "InvalidRequestError", e.message, e.field) from None
         # Records name no rule: they are the sender's digests of the sync, so of the actual manifests' rule,
         # unless the dict around them names one.
         algorithm = reference.algorithm

@@ -3,7 +3,7 @@
 Each control endpoint sends one declared command (sidecar/commands.py) to every rank between two
 generation steps (sidecar/driver.py) and answers with every rank's reply: Sleep, WakeUp, and the
 weight sync's InitWeightTransfer, StartWeightUpdate, UpdateWeights, FinishWeightUpdate (handled in
-sidecar/rank_server.py, which calls the engine's weight-update API, inference/weight_update.py).
+sidecar/rank_server.py, which calls the engine's weight-update API, inference/weights/updater.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from checksum import Report
+from checksum import ITEMSIZE, Report
 from sidecar.api_models import (
     SleepRequest,
     WakeRequest,
@@ -34,9 +34,6 @@ from sidecar.commands import (
 from sidecar.server_audit import add_audit_routes, report_dict
 from sidecar.server_common import ApiError, ServerState, call
 
-# bytes per element of the dtypes a manifest may name (the wire's sizes; for the sync-bytes metric)
-_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
-             "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
 _LAYOUTS_KEPT = 16
 
 
@@ -92,7 +89,7 @@ def _tensor_bytes(tensors: Any) -> int:
             n = 1
             for dim in t["shape"]:
                 n *= dim if isinstance(dim, int) else 0
-            total += n * _ITEMSIZE.get(str(t.get("dtype")), 0)
+            total += n * ITEMSIZE.get(str(t.get("dtype")), 0)
     return total
 
 

@@ -60,6 +60,34 @@ class Intake:
             out.append(TokenizedPrompt(text, ids))
         return out
 
+    # ---- chat (/v1/chat/completions, sidecar/server_openai.py): the same limits, one rendered prompt ----
+    def check_chat(self, n: int, chars: int) -> None:
+        """A chat call's cheap checks, before its template is rendered: the sequences it asks for (its
+        n; 400 naming n) and its messages' characters (400 naming messages). The rendered prompt is
+        checked again by `encode_chat`; this refuses a huge message before any template runs."""
+        if n > self.max_request_sequences:
+            raise ApiError(400, "InvalidRequestError", f"asks for {n} sequences; one call may ask for at most "
+                           f"{self.max_request_sequences} (the sidecar's --max-request-sequences): split it into "
+                           "several calls", "n")
+        if chars > self.max_prompt_chars:
+            raise ApiError(400, "InvalidRequestError", f"have {chars} characters; at most {self.max_prompt_chars} "
+                           "are accepted (the sidecar's --max-prompt-chars); send shorter messages", "messages")
+
+    def encode_chat(self, text: str) -> TokenizedPrompt:
+        """A rendered chat prompt checked as a completion's text prompt is (characters, Unicode, token ids)
+        and tokenized without adding special tokens (the template wrote them); ApiError 400 naming
+        messages. Runs in a worker thread, like `encode`."""
+        try:
+            check_text(text, "messages", self.max_prompt_chars)
+            if self.tokenizer is None:
+                raise InvalidRequestError("messages", "this model has no tokenizer.json: chat needs one (send "
+                                                      "token ids to /generate instead)")
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            check_token_ids(ids, self.vocab_size, "messages")
+        except InvalidRequestError as e:
+            raise ApiError(400, type(e).__name__, e.message, e.field) from None
+        return TokenizedPrompt(None, ids)  # None: the output carries no prompt text, as before
+
 
 async def encode_group(intake: Intake, prompts: Sequence[Any],
                        params: Sequence[SamplingParams]) -> list[TokenizedPrompt]:

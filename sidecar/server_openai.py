@@ -3,9 +3,12 @@
 A chat request is rendered with the served model's own chat template (tokenizer_config.json or
 chat_template.jinja; inference/chat_template.py), encoded without adding special tokens (the template
 wrote them), and submitted as token ids: the same tokens `LLM.generate` produces for the rendered
-text. So an OpenAI client, or an RL environment that speaks chat, can point at the sidecar unchanged
-and still get what RL needs: `weight_version` on the response, `token_ids` on each choice,
-`prompt_token_ids`, and logprobs.
+text. It passes the intake of /v1/completions (sidecar/server_intake.py, docs/limits.md): n against
+--max-request-sequences and the messages' characters against --max-prompt-chars before any template
+runs, then rendering and tokenization in a worker thread (never on the event loop), the rendered
+prompt checked as a text prompt is. So an OpenAI client, or an RL environment that speaks chat, can
+point at the sidecar unchanged and still get what RL needs: `weight_version` on the response,
+`token_ids` on each choice, `prompt_token_ids`, and logprobs.
 
 Errors are the API's usual ones: a bad value is a 400 naming the body's field (messages,
 max_tokens, top_logprobs, ...), a model without a tokenizer or a chat template a 400 naming
@@ -14,6 +17,7 @@ max_tokens, top_logprobs, ...), a model without a tokenizer or a chat template a
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any
 
@@ -21,6 +25,7 @@ from fastapi import APIRouter, Request
 
 from inference.core import InvalidRequestError, RequestOutput, SamplingParams
 from sidecar.api_models import ChatCompletionRequest
+from sidecar.commands import TokenizedPrompt
 from sidecar.openai_format import chat_response
 from sidecar.server_common import ApiError, ServerState, await_future
 
@@ -33,9 +38,10 @@ def add_openai_routes(router: APIRouter, state: ServerState) -> None:
     @router.post("/v1/chat/completions", summary="OpenAI-compatible chat completions, with the model's chat template")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> dict[str, Any]:
         _refuse_unsupported(body)
-        prompt_ids = render_prompt(state, body)
-        params = chat_params(state, body, len(prompt_ids))
-        out = await _run(request, state, prompt_ids, params, body)
+        state.intake.check_chat(body.n if body.n is not None else 1, message_chars(body))
+        prompt = await asyncio.to_thread(render_prompt, state, body)  # template + tokenizer off the loop
+        params = chat_params(state, body, len(prompt.token_ids))
+        out = await _run(request, state, prompt, params, body)
         return chat_response(out, state.served_model_name, bool(body.logprobs), state.tokenizer,
                              f"chatcmpl-{uuid.uuid4().hex}")
 
@@ -58,9 +64,18 @@ def _refuse_unsupported(body: Any) -> None:
         raise ApiError(400, "InvalidRequestError", "needs logprobs: true", "top_logprobs")
 
 
-def render_prompt(state: ServerState, body: Any) -> list[int]:
-    """The prompt's token ids: the messages under the model's chat template, encoded without adding
-    special tokens (the template wrote them)."""
+def message_chars(body: Any) -> int:
+    """The characters of every message's content: what the template will mostly copy into the prompt."""
+    total = 0
+    for m in body.messages:
+        parts = m.content if isinstance(m.content, list) else [m.content]
+        total += sum(len(p if isinstance(p, str) else p.text) for p in parts if p is not None)
+    return total
+
+
+def render_prompt(state: ServerState, body: Any) -> TokenizedPrompt:
+    """The prompt's token ids: the messages under the model's chat template, checked and encoded without
+    adding special tokens (the template wrote them) by the intake. Runs in a worker thread."""
     tokenizer = state.tokenizer
     if tokenizer is None:
         raise ApiError(400, "InvalidRequestError", "this model has no tokenizer.json: chat needs one (send token "
@@ -71,7 +86,7 @@ def render_prompt(state: ServerState, body: Any) -> list[int]:
                                              **(body.chat_template_kwargs or {}))
     except InvalidRequestError as e:
         raise ApiError(400, type(e).__name__, e.message, e.field) from None
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return state.intake.encode_chat(text)
 
 
 def chat_params(state: ServerState, body: Any, prompt_len: int) -> SamplingParams:
@@ -105,9 +120,9 @@ def _body_field(field: str | None, body: Any) -> str | None:
     return "top_logprobs" if name == "logprobs" else name
 
 
-async def _run(request: Request, state: ServerState, prompt_ids: list[int], params: SamplingParams,
+async def _run(request: Request, state: ServerState, prompt: TokenizedPrompt, params: SamplingParams,
                body: Any) -> RequestOutput:
-    fut = state.driver.submit([(prompt_ids, params)], wait=body.wait)
+    fut = state.driver.submit([(prompt, params)], wait=body.wait)
     try:
         outs = await await_future(request, fut, state.driver)
     except ApiError as e:

@@ -18,7 +18,7 @@ from inference.models import build_model
 from inference.parallel import TPInfo
 from inference.tiny import make_tiny_model
 from inference.transfer.sender import WeightSender
-from inference.weight_state import UpdateResult
+from inference.weights.state import UpdateResult
 from inference.worker import Worker
 
 DIMS = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96)

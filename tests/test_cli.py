@@ -21,8 +21,7 @@ from sidecar.config import LaunchConfig, build_config
 from sidecar.ranks import rank_threads
 from tests.helpers_sidecar import REPO, Sidecar, launch
 
-# audit_cli imports checksum (torch) at module level; its owner moves that import into run().
-TORCH_FREE_HELP = sorted(set(COMMANDS) - {"audit"})
+TORCH_FREE_HELP = sorted(COMMANDS)
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:

@@ -24,6 +24,7 @@ from trainer_hooks.client import (
     SidecarConnectionError,
     SidecarRequestError,
     SidecarStateError,
+    finish_digests,
     records_json,
 )
 from trainer_hooks.client_errors import CHECKSUM_MISMATCH
@@ -92,7 +93,7 @@ def _check_audit_cli(url: str, sent: Manifest, tmp_path: Path) -> None:
     Manifest.from_dict(data).save(bad)
     assert main(["audit", "--url", url, "--source", "received", str(good)]) == 0
     assert main(["audit", "--url", url, "--source", "received", str(bad)]) == 1
-    assert main(["audit", "--url", url]) == 0  # replicas only
+    assert main(["audit", "--url", url]) == 2  # one rank, nothing expected: nothing to compare, never "OK"
     assert main(["audit", "--url", "http://127.0.0.1:1", "--timeout", "2"]) == 2
 
 
@@ -107,14 +108,17 @@ def test_failed_audit_tears_the_model_until_a_good_sync(server: Sidecar, sender:
             c.start_weights(2, {"version": 2, "tensors": [{"name": "model.nope.weight", "dtype": "float32",
                                                          "shape": [2]}]})
         assert bad.value.field == "model.nope.weight" and bad.value.rank == RANK
-        c.start_weights(2, sender.manifest(weights, 2))
+        manifest = sender.manifest(weights, 2)
+        c.start_weights(2, manifest)
         update = threading.Thread(target=c.update_weights)
         update.start()
         records = records_json(sender.send(weights))
         update.join(60)
         records[0]["digest"] = "0" * 32
+        compact = finish_digests(manifest, records)  # what sync_weights sends: one hex digest per tensor
+        assert compact == {"algorithm": manifest["algorithm"], "digests": [r["digest"] for r in records]}
         with pytest.raises(SidecarChecksumError) as mismatch:
-            c.finish_weights(records)
+            c.finish_weights(compact)
         assert isinstance(mismatch.value, SidecarStateError) and mismatch.value.status == 409
         assert mismatch.value.type == "ChecksumMismatch" and records[0]["name"] in mismatch.value.message
         assert c.state()["torn"] == {"target": True}

@@ -16,13 +16,15 @@ import pytest
 
 from inference.tiny import TinyModelSpec, default_model_dir, weight_shapes, write_model_dir
 from sidecar.demo_task import QWEN2_05B, TARGET_EVERY, DemoModel, kv_cache_bytes, make_prompts, make_reward
+from tests.helpers_plot import plotted_points
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_demo_trains_syncs_audits_and_the_reward_rises() -> None:
+def test_demo_trains_syncs_audits_and_the_reward_rises(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.run([sys.executable, "-m", "sidecar.cli", "demo", "--steps", "5", "--device", "cpu"],
+    proc = subprocess.run([sys.executable, "-m", "sidecar.cli", "demo", "--steps", "5", "--device", "cpu",
+                           "--plot", str(tmp_path / "run.png")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -32,6 +34,12 @@ def test_demo_trains_syncs_audits_and_the_reward_rises() -> None:
     assert result["reward_last"] > result["reward_first"] + 0.2, result["rewards"]
     table = proc.stdout.splitlines()[0].split()
     assert table == ["step", "reward", "sync_ms", "audit", "sleep_ms", "wake_ms", "version"]
+    # --plot: a PNG with matplotlib, else the SVG beside it; either way one point per step, the run's numbers
+    plot = Path(result["plot"])
+    assert plot.parent == tmp_path and plot.name in ("run.png", "run.svg") and plot.is_file()
+    points = plotted_points(plot)
+    assert points["reward"] == list(enumerate(result["rewards"]))
+    assert all([s for s, _ in points[k]] == [1, 2, 3, 4, 5] for k in ("sync_ms", "audit_ms", "sleep_ms", "wake_ms"))
 
 
 def _run_demo(*args: str, home: Path | None = None, timeout: float = 300) -> tuple[subprocess.CompletedProcess, dict]:

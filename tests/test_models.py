@@ -87,8 +87,8 @@ def test_naming_round_trip_covers_the_checkpoint(checkpoint: tuple[str, Path, to
     model = build_model(config, TPInfo(), torch.float32, "cpu")
     covered: dict[str, tuple[str, object]] = {}
     for name, _ in model.named_parameters():
-        for hf_name, shard_id in param_to_hf(name):
-            assert hf_to_param(hf_name) == (name, shard_id)
+        for hf_name, shard_id in param_to_hf(name, config):
+            assert hf_to_param(hf_name, config) == (name, shard_id)
             covered[hf_name] = (name, shard_id)
     expected = expected_hf_tensors(config)
     assert set(covered) == set(expected)

@@ -113,7 +113,9 @@ def _check_audit_cli(url: str, new: dict[str, torch.Tensor], tmp_path: Path) -> 
     path = tmp_path / "sent.json"
     sent.save(path)
     assert main(["audit", "--url", url, "--source", "received", str(path)]) == 0
-    assert main(["audit", "--url", url, "--algorithm", DEVICE_ALGORITHM]) == 0  # replicas, held, device rule
+    assert main(["audit", "--url", url, "--algorithm", DEVICE_ALGORITHM]) == 2  # one rank: nothing to compare
+    # held, device rule: the synced weights are the checkpoint _check_held wrote
+    assert main(["audit", "--url", url, "--algorithm", DEVICE_ALGORITHM, "--checkpoint", str(tmp_path / "v1")]) == 0
 
 
 def test_an_unknown_layout_key_is_answered_by_sending_the_tensors(server: Sidecar) -> None:

@@ -225,7 +225,7 @@ def test_draft_sync_changes_acceptance_not_target_outputs(tmp_path: Path) -> Non
     state = dict(iter_hf_tensors(target))  # draft := the target's weights
     llm.start_draft_weight_update(1, link.sender.manifest(state, 1))
     result = llm.finish_weight_update(link.transfer(state))
-    assert result.model == "draft" and llm.worker.weight_versions == {"target": 0, "draft": 1}
+    assert result.model == "draft" and llm.worker.weights.versions == {"target": 0, "draft": 1}
 
     after = llm.generate(prompts, sampled)
     assert [o.outputs[0].token_ids for o in after] == [o.outputs[0].token_ids for o in before]

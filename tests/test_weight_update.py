@@ -43,26 +43,26 @@ def test_sync_makes_the_target_what_the_loader_makes_and_leaves_the_draft(dirs: 
             assert result.held is None  # nobody asked for the second pass over every byte
         else:
             assert {f"{RANK}:{r.name}": r.digest for r in result.held.records} == held(worker)
-    assert worker.weight_versions == {"target": 2, "draft": 0}
-    assert worker.is_servable("target") and worker.is_servable("draft")
+    assert worker.weights.versions == {"target": 2, "draft": 0}
+    assert worker.weights.is_servable("target") and worker.weights.is_servable("draft")
     assert held(worker, "draft") == draft_before
 
 
 def test_draft_only_update_leaves_the_target_untouched(dirs: dict[str, Path], tmp_path: Path) -> None:
     worker = make_worker(dirs)
     target_before = held(worker)
-    assert worker.supports_draft_weight_updates()
+    assert worker.weights.has_draft
     state = perturbed(dirs["draft"], 20)
     Link(worker).sync(state, 7, which="draft")
     assert held(worker, "draft") == loader_digests(dirs["draft"], state, tmp_path / "ref")
     assert held(worker) == target_before
-    assert worker.weight_versions == {"target": 0, "draft": 7}
+    assert worker.weights.versions == {"target": 0, "draft": 7}
 
 
 def test_draft_update_without_a_draft_model_is_refused(dirs: dict[str, Path]) -> None:
     worker = make_worker(dirs, draft=False)
     link = Link(worker)
-    assert not worker.supports_draft_weight_updates()
+    assert not worker.weights.has_draft
     with pytest.raises(InvalidRequestError, match=f"rank {RANK}: no draft model"):
         worker.start_draft_weight_update(1, link.sender.manifest(perturbed(dirs["draft"], 1), 1))
 
@@ -104,7 +104,7 @@ def test_bad_manifest_is_refused_before_anything_changes(dirs: dict[str, Path], 
         worker.start_weight_update(1, {"version": 1, "tensors": tensors})
     assert err.value.field == name and f"rank {RANK}" in str(err.value)
     assert held(worker) == before
-    assert worker.is_servable("target") and not worker.torn["target"]
+    assert worker.weights.is_servable("target") and not worker.weights.torn["target"]
     assert link.sync(state, 1).report.ok  # no session was left open; the group still works
 
 
@@ -130,23 +130,24 @@ def test_tied_lm_head_is_accepted_skipped_and_must_equal_the_embedding(dirs: dic
         link.sync(liar, 2)
     params = dict(worker.models["target"].named_parameters())
     assert torch.equal(params["model.embed_tokens.weight"], embed), "lm_head overwrote the embedding"
-    assert worker.torn["target"] and worker.weight_versions["target"] == 1
+    assert worker.weights.torn["target"] and worker.weights.versions["target"] == 1
 
 
 @pytest.mark.parametrize("name", [Q1, "model.embed_tokens.weight"])  # fused; split over buckets
 def test_flipped_byte_fails_the_audit_naming_tensor_and_rank(dirs: dict[str, Path], name: str) -> None:
     worker = make_worker(dirs)
     link = Link(worker)
-    worker.weight_transfer_fault = ("flip", name)
+    worker.weights.fault = ("flip", name)
     with pytest.raises(ChecksumMismatch) as err:
         link.sync(perturbed(dirs["target"], 60), 1)
     first = err.value.report.first_tensor
     assert (first.kind, first.tensor, first.rank) == ("digest", name, RANK)
     assert name in str(err.value) and RANK in str(err.value)
-    assert worker.torn["target"] and not worker.is_servable("target") and worker.weight_versions["target"] == 0
-    worker.weight_transfer_fault = None
+    weights = worker.weights
+    assert weights.torn["target"] and not weights.is_servable("target") and weights.versions["target"] == 0
+    worker.weights.fault = None
     assert link.sync(perturbed(dirs["target"], 61), 2).report.ok
-    assert worker.is_servable("target") and worker.weight_versions["target"] == 2
+    assert worker.weights.is_servable("target") and worker.weights.versions["target"] == 2
 
 
 def test_audit_fails_on_a_tensor_the_sender_did_not_vouch_for(dirs: dict[str, Path]) -> None:
@@ -159,7 +160,7 @@ def test_audit_fails_on_a_tensor_the_sender_did_not_vouch_for(dirs: dict[str, Pa
         worker.finish_weight_update(digests)
     first = err.value.report.first_tensor
     assert (first.kind, first.tensor, first.rank) == ("extra", Q1, RANK)
-    assert worker.torn["target"] and worker.weight_versions["target"] == 0
+    assert worker.weights.torn["target"] and worker.weights.versions["target"] == 0
 
 
 def test_a_repeated_manifest_is_parsed_and_routed_once_until_it_or_the_model_changes(
@@ -168,19 +169,19 @@ def test_a_repeated_manifest_is_parsed_and_routed_once_until_it_or_the_model_cha
     link = Link(worker)
     for version in (1, 2):
         assert link.sync(perturbed(dirs["target"], 80 + version), version).report.ok
-    assert (worker._wt_manifests.parses, worker._wt_manifests.hits, worker.routings_built) == (1, 1, 1)
+    assert (worker.weights.manifests.parses, worker.weights.manifests.hits, worker.weights.routings_built) == (1, 1, 1)
 
     qkv = worker.models["target"].model.layers[0].self_attn.qkv_proj
     qkv.weight.data = qkv.weight.data.clone()  # new storage: the cached regions point at the old one
     state = perturbed(dirs["target"], 83)
-    assert link.sync(state, 3).report.ok and worker.routings_built == 2
+    assert link.sync(state, 3).report.ok and worker.weights.routings_built == 2
     assert held(worker) == loader_digests(dirs["target"], state, tmp_path / "ref3")
     qkv.bias = torch.nn.Parameter(qkv.bias.detach().clone(), requires_grad=False)  # a new Parameter, same module
     qkv.bias.weight_loader = qkv.weight.weight_loader
     state = perturbed(dirs["target"], 84)
-    assert link.sync(state, 4).report.ok and worker.routings_built == 3
+    assert link.sync(state, 4).report.ok and worker.weights.routings_built == 3
     assert held(worker) == loader_digests(dirs["target"], state, tmp_path / "ref4")
-    assert worker._wt_manifests.parses == 1
+    assert worker.weights.manifests.parses == 1
 
     bad = link.sender.manifest(state, 5)
     bad["tensors"][0]["shape"] = [1, 2]  # a changed manifest is parsed and validated afresh
@@ -188,8 +189,8 @@ def test_a_repeated_manifest_is_parsed_and_routed_once_until_it_or_the_model_cha
         worker.start_weight_update(5, bad)
     with pytest.raises(InvalidRequestError, match="shape"):  # and refused again, never served from a cache
         worker.start_weight_update(5, bad)
-    assert worker._wt_manifests.parses == 2 and worker.routings_built == 3
-    assert link.sync(state, 5).report.ok and worker._wt_manifests.parses == 2
+    assert worker.weights.manifests.parses == 2 and worker.weights.routings_built == 3
+    assert link.sync(state, 5).report.ok and worker.weights.manifests.parses == 2
 
 
 def test_session_state_rules(dirs: dict[str, Path]) -> None:
@@ -208,17 +209,17 @@ def test_session_state_rules(dirs: dict[str, Path]) -> None:
         worker.start_draft_weight_update(1, manifest)
     with pytest.raises(StateError, match="session is open"):
         worker.reset_weights()
-    assert not worker.is_servable("target") and worker.is_servable("draft")
+    assert not worker.weights.is_servable("target") and worker.weights.is_servable("draft")
     digests = link.transfer(state)  # the first session is intact and completes
     with pytest.raises(StateError, match="twice"):
         worker.update_weights()
-    assert worker.torn["target"], "a session that failed after writing leaves the model torn"
+    assert worker.weights.torn["target"], "a session that failed after writing leaves the model torn"
     with pytest.raises(StateError, match="without a matching start"):
         worker.finish_weight_update(digests)
     worker.start_weight_update(2, link.sender.manifest(state, 2))
     with pytest.raises(StateError, match="before update_weights"):
         worker.finish_weight_update(digests)
-    assert link.sync(state, 3).report.ok and worker.is_servable("target")
+    assert link.sync(state, 3).report.ok and worker.weights.is_servable("target")
 
 
 def test_disagreeing_ends_stop_before_writing_and_the_group_survives(dirs: dict[str, Path]) -> None:
@@ -234,7 +235,7 @@ def test_disagreeing_ends_stop_before_writing_and_the_group_survives(dirs: dict[
     worker.start_weight_update(6, link.sender.manifest(state, 6))
     with pytest.raises((TransferError, InvalidRequestError)):  # send() got other tensors than announced
         link.transfer({n: t.double() for n, t in state.items()})
-    assert held(worker) == before and not worker.torn["target"]
+    assert held(worker) == before and not worker.weights.torn["target"]
     assert link.sync(state, 6).report.ok
 
 
@@ -245,10 +246,10 @@ def test_new_init_replaces_the_old_group_and_abandons_its_session(dirs: dict[str
     assert old.sync(state, 1).report.ok
     worker.start_weight_update(2, old.sender.manifest(state, 2))
     new = Link(worker)  # e.g. the trainer restarted: its old group must not linger
-    assert worker.is_servable("target"), "no byte moved in the abandoned session: not torn"
+    assert worker.weights.is_servable("target"), "no byte moved in the abandoned session: not torn"
     with pytest.raises(TransferError):
         old.sender.send(state)  # nobody listens on the old group any more
-    assert new.sync(state, 2).report.ok and worker.weight_versions["target"] == 2
+    assert new.sync(state, 2).report.ok and worker.weights.versions["target"] == 2
     info = new.sender.init_info()
     with ThreadPoolExecutor(1) as pool:  # the same sender re-inits the same worker: a fresh session
         connecting = pool.submit(new.sender.connect)
@@ -269,7 +270,7 @@ def test_update_needs_awake_weights_and_refills_a_level_2_sleep(dirs: dict[str, 
         worker.wake_up()
     assert not worker.is_ready(), "level 2 dropped the weights: nothing to serve until a sync"
     assert link.sync(state, 1).report.ok
-    assert worker.is_ready() and worker.is_servable("target")
+    assert worker.is_ready() and worker.weights.is_servable("target")
     assert held(worker) == loader_digests(dirs["target"], state, tmp_path / "ref")
 
 
@@ -277,10 +278,10 @@ def test_reset_weights_then_sync(dirs: dict[str, Path]) -> None:
     worker = make_worker(dirs)
     link = Link(worker)
     worker.reset_weights("target")
-    assert not worker.is_servable("target") and not worker.weights_loaded["target"]
+    assert not worker.weights.is_servable("target") and not worker.weights.loaded["target"]
     assert all(p.count_nonzero() == 0 for p in worker.models["target"].parameters())
     link.sync(perturbed(dirs["target"], 90), 1)
-    assert worker.is_servable("target") and worker.weights_loaded["target"]
+    assert worker.weights.is_servable("target") and worker.weights.loaded["target"]
 
 
 def test_sender_imports_no_engine_module() -> None:

@@ -51,7 +51,7 @@ def _ipc_sender(out: Any, inbox: Any, model_dir: str, mode: str, bucket_bytes: i
                 params[n].add_(d.cuda())  # an optimizer step: same storages, new values
         out.put(sender.manifest(params, version))
         records = sender.send(params)
-        out.put(([r.__dict__ for r in records], sender._ipc.exported_total))
+        out.put(([r.__dict__ for r in records], sender._end.exporter.exported_total))
         inbox.get(timeout=120)  # the receiver finished its audit
     inbox.get(timeout=120)  # the receiver released its mappings: our memory may go now
     sender.close()
@@ -77,12 +77,12 @@ def test_ipc_sync_between_two_processes_on_one_gpu(model_dir: Path, tmp_path: Pa
             worker.update_weights()
             records, exported = out.get(timeout=120)
             result = worker.finish_weight_update(records)
-            assert result.report.ok and worker.is_servable("target")
-            assert worker._wt_receiver.last_mode == mode
+            assert result.report.ok and worker.weights.is_servable("target")
+            assert worker.weights.receiver.backend.last_mode == mode
             ref = loader_digests(model_dir, expected, tmp_path / f"ref{version}")
             assert worker.compute_weight_checksums() == ref, f"version {version}: params differ from the loader's"
-            opened.append((worker._wt_receiver.ipc.opened_total, exported))
-            assert worker._wt_receiver.direct_plans_built == (mode == "direct"), "the copy plan was rebuilt"
+            opened.append((worker.weights.receiver.backend.importer.opened_total, exported))
+            assert worker.weights.receiver.backend.direct_plans_built == (mode == "direct"), "the copy plan was rebuilt"
             inbox.put("next")
         assert opened[0] == opened[1], "the second sync opened or exported handles again"
         assert opened[0][0] > 0
@@ -125,8 +125,8 @@ def test_ipc_layout_is_sent_only_when_it_changed(model_dir: Path, tmp_path: Path
             worker.start_weight_update(version, out.get(timeout=120))
             worker.update_weights()
             assert worker.finish_weight_update(out.get(timeout=120)).report.ok
-            receiver = worker._wt_receiver
-            seen.append((receiver.layouts_received, receiver.ipc.opened_total, receiver.direct_plans_built))
+            backend = worker.weights.receiver.backend
+            seen.append((backend.layouts_received, backend.importer.opened_total, backend.direct_plans_built))
             state = perturbed(model_dir, 1)
             expected = state if version < 3 else {n: t + 0.5 for n, t in state.items()}
             ref = loader_digests(model_dir, expected, tmp_path / f"ref{version}")

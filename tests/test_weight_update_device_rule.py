@@ -70,11 +70,11 @@ def test_a_device_rule_sync_is_audited_by_the_kernel_on_both_ends(dirs: dict[str
     assert {r.name: r.digest for r in result.received.records} == python_xxhash(state)
     assert len(launches) == 2, "one launch for the sender's tensors, one for the receiver's held regions"
     assert launches[0] == launches[1] == sum(-(-t.numel() * 4 // (64 << 10)) for t in state.values())
-    assert link.worker.weight_versions["target"] == 1 and link.worker.is_servable("target")
+    assert link.worker.weights.versions["target"] == 1 and link.worker.weights.is_servable("target")
     # held digests (GET /checksums' rank side) default to the host rule on a CPU rank; asked, they follow
-    held = link.worker.held_manifest("target", DEVICE_ALGORITHM)
+    held = link.worker.weights.held_manifest("target", DEVICE_ALGORITHM)
     assert held.algorithm == DEVICE_ALGORITHM and len(launches) == 3
-    assert link.worker.held_manifest("target").algorithm == ALGORITHM and len(launches) == 3
+    assert link.worker.weights.held_manifest("target").algorithm == ALGORITHM and len(launches) == 3
 
 
 def test_a_cpu_receiver_computes_the_device_rule_on_the_host(dirs: dict[str, Path],
@@ -116,14 +116,14 @@ def test_a_byte_flipped_on_the_senders_side_fails_naming_tensor_and_rank(dirs: d
         link.sync(state, 1)
     first = err.value.report.first_tensor
     assert (first.kind, first.tensor, first.rank) == ("digest", Q1, RANK) and Q1 in str(err.value)
-    assert link.worker.torn["target"] and link.worker.weight_versions["target"] == 0
+    assert link.worker.weights.torn["target"] and link.worker.weights.versions["target"] == 0
 
 
 def test_a_byte_flipped_in_the_held_weights_fails_naming_tensor_and_rank(dirs: dict[str, Path],
                                                                         launches: list[int]) -> None:
     link = device_link(dirs)
     worker = link.worker
-    worker.overlap_audit_digest = False  # finish digests what is held then, after the flip below
+    worker.weights.overlap_audit_digest = False  # finish digests what is held then, after the flip below
     state = perturbed(dirs["target"], 4)
     worker.start_weight_update(1, link.sender.manifest(state, 1))
     digests = link.transfer(state)
@@ -133,15 +133,15 @@ def test_a_byte_flipped_in_the_held_weights_fails_naming_tensor_and_rank(dirs: d
         worker.finish_weight_update(digests)
     first = err.value.report.first_tensor
     assert (first.kind, first.tensor, first.rank) == ("digest", Q1, RANK)
-    assert len(launches) == 2 and worker.torn["target"]
+    assert len(launches) == 2 and worker.weights.torn["target"]
 
 
 def test_a_byte_flipped_on_arrival_fails_under_the_device_rule(dirs: dict[str, Path], launches: list[int]) -> None:
     link = device_link(dirs)
-    link.worker.weight_transfer_fault = ("flip", Q1)  # through put(): digested from the received bytes
+    link.worker.weights.fault = ("flip", Q1)  # through put(): digested from the received bytes
     with pytest.raises(ChecksumMismatch, match=f"'{Q1}' on rank {RANK}"):
         link.sync(perturbed(dirs["target"], 5), 1)
-    link.worker.weight_transfer_fault = None
+    link.worker.weights.fault = None
     assert link.sync(perturbed(dirs["target"], 6), 2).report.ok  # the next sync repairs it
 
 
@@ -168,7 +168,7 @@ def test_finish_digests_of_another_rule_fail_naming_both(dirs: dict[str, Path]) 
     records = link.transfer(state)  # the sender's own manifest() said ALGORITHM: its records are of it
     with pytest.raises(ChecksumMismatch, match=f"expected {ALGORITHM}, got {DEVICE_ALGORITHM}") as err:
         worker.finish_weight_update({"algorithm": ALGORITHM, "tensors": [r.__dict__ for r in records]})
-    assert err.value.report.first.kind == "algorithm" and worker.torn["target"]
+    assert err.value.report.first.kind == "algorithm" and worker.weights.torn["target"]
     # Digests that name no rule are the session's; the compact form lists them in manifest order.
     worker.start_weight_update(2, {**link.sender.manifest(state, 2), "algorithm": DEVICE_ALGORITHM})
     link.transfer(state)
@@ -202,9 +202,9 @@ def test_a_layout_key_stands_for_the_tensors_once_parsed(dirs: dict[str, Path]) 
     assert unknown.value.field == "manifest.layout"
     link.worker.start_weight_update(1, full)
     link.worker.finish_weight_update(link.transfer(state))
-    parses = link.worker._wt_manifests.parses
+    parses = link.worker.weights.manifests.parses
     again = link.sender.manifest(state, 2)
     assert again["layout"] == full["layout"]
     link.worker.start_weight_update(2, {k: v for k, v in again.items() if k != "tensors"})
     assert link.worker.finish_weight_update(link.transfer(state)).report.ok
-    assert link.worker._wt_manifests.parses == parses
+    assert link.worker.weights.manifests.parses == parses

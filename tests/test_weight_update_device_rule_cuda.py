@@ -135,7 +135,7 @@ def test_a_byte_flipped_in_held_cuda_weights_fails_naming_tensor_and_rank(model_
     no_host_staging(monkeypatch)
     link = Link(worker, digest_algorithm=DEVICE_ALGORITHM)
     assert link.sync(perturbed(model_dir, 2), 1).report.ok  # host rule == kernel on the same bytes
-    worker.overlap_audit_digest = False
+    worker.weights.overlap_audit_digest = False
     state = perturbed(model_dir, 3)
     worker.start_weight_update(2, link.sender.manifest(state, 2))
     digests = link.transfer(state)
@@ -144,7 +144,7 @@ def test_a_byte_flipped_in_held_cuda_weights_fails_naming_tensor_and_rank(model_
     with pytest.raises(ChecksumMismatch) as err:
         worker.finish_weight_update(digests)
     first = err.value.report.first_tensor
-    assert (first.kind, first.tensor, first.rank) == ("digest", Q1, RANK) and worker.torn["target"]
+    assert (first.kind, first.tensor, first.rank) == ("digest", Q1, RANK) and worker.weights.torn["target"]
 
 
 def test_the_engine_warms_the_kernel_up_at_start(monkeypatch: pytest.MonkeyPatch) -> None:

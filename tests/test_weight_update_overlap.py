@@ -85,7 +85,7 @@ def test_finish_waits_for_the_side_digest_and_passes(dirs: dict[str, Path], gate
     assert finishing.is_alive(), "finish must wait for the digest it audits"
     gate.opened.set()
     finishing.join(30)
-    assert out["result"].report.ok and worker.is_servable("target")
+    assert out["result"].report.ok and worker.weights.is_servable("target")
     assert gate.threads == ["received-digest_0"]
 
 
@@ -107,9 +107,9 @@ def test_sleep_while_the_digest_runs_waits_and_finish_audits_what_is_held(dirs: 
     # taken before it must not vouch for them.
     with pytest.raises(StateError, match="put to sleep"):
         worker.finish_weight_update(digests)
-    assert worker.torn["target"]
+    assert worker.weights.torn["target"]
     worker.wake_up()
-    assert link.sync(state, 2).report.ok and worker.is_servable("target")
+    assert link.sync(state, 2).report.ok and worker.weights.is_servable("target")
 
 
 def test_a_digest_dropped_by_sleep_is_taken_again_from_the_held_bytes(dirs: dict[str, Path],
@@ -122,7 +122,7 @@ def test_a_digest_dropped_by_sleep_is_taken_again_from_the_held_bytes(dirs: dict
     worker.wake_up()  # the weights come back poisoned: nothing mirrored them
     with pytest.raises(ChecksumMismatch):
         worker.finish_weight_update(digests)
-    assert worker.torn["target"] and not worker.is_servable("target")
+    assert worker.weights.torn["target"] and not worker.weights.is_servable("target")
 
 
 def test_abort_waits_for_the_side_digest(dirs: dict[str, Path], gate: Gate) -> None:
@@ -136,7 +136,7 @@ def test_abort_waits_for_the_side_digest(dirs: dict[str, Path], gate: Gate) -> N
     assert aborting.is_alive(), "the session ended while its digest still read the model"
     gate.opened.set()
     aborting.join(30)
-    assert "error" not in out and worker.torn["target"]
+    assert "error" not in out and worker.weights.torn["target"]
     worker.reset_weights("target")  # nothing reads the model any more
     assert link.sync(state, 2).report.ok
 
@@ -151,4 +151,4 @@ def test_a_failed_finish_waits_for_the_side_digest(dirs: dict[str, Path], gate: 
     assert finishing.is_alive()
     gate.opened.set()
     finishing.join(30)
-    assert type(out["error"]).__name__ == "InvalidRequestError" and worker.torn["target"]
+    assert type(out["error"]).__name__ == "InvalidRequestError" and worker.weights.torn["target"]

@@ -89,13 +89,13 @@ def test_dead_sender_tears_the_model_and_a_new_init_recovers(dirs: dict[str, Pat
         proc.join(timeout=30)
     assert proc.exitcode == (17 if how == "exit" else -9)
     worker.check_health()  # alive
-    assert worker.torn["target"] and not worker.is_servable("target")
-    assert "failed" in worker.weight_state("target")["torn_reason"]
+    assert worker.weights.torn["target"] and not worker.weights.is_servable("target")
+    assert "failed" in worker.weights.state("target")["torn_reason"]
     with pytest.raises(StateError, match="broken"):
         worker.start_weight_update(1, [])
     state = perturbed(dirs["target"], 101)
     assert Link(worker).sync(state, 1).report.ok
-    assert worker.is_servable("target")
+    assert worker.weights.is_servable("target")
     assert held(worker) == loader_digests(dirs["target"], state, tmp_path / "ref")
 
 
@@ -109,7 +109,7 @@ def _tp_receiver(rank: int, port: int, info: dict, model_dir: str, inbox: Any, o
         worker.load_model()
         worker.init_weight_transfer_engine(info)
         for version, fault in ((1, None), (2, ("flip", Q1) if rank == 1 else None)):
-            worker.weight_transfer_fault = fault
+            worker.weights.fault = fault
             worker.start_weight_update(version, inbox.get(timeout=60))
             worker.update_weights()
             try:

@@ -1,4 +1,5 @@
-"""The trainer's side of Sidecar: weight sources, the sync hook, the HTTP client, framework callbacks.
+"""The trainer's side of Sidecar: weight sources, the sync hook, the HTTP client, a fleet of replicas,
+framework callbacks.
 
 Imports no engine module and nothing of sidecar/: torch, checksum, inference.core and the light
 sender only (tests/test_import_layers.py holds this). The names below load on first use, so that
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from trainer_hooks.client import SidecarClient
+    from trainer_hooks.fleet import Fleet, FleetError, FleetGoneError
     from trainer_hooks.hook import AuditError, SidecarGoneError, WeightSyncHook, sampling
     from trainer_hooks.sources import (
         collect_weights,
@@ -25,12 +27,16 @@ if TYPE_CHECKING:
     )
 
 _CLIENT = ("SidecarClient",)
+_FLEET = ("Fleet", "FleetError", "FleetGoneError")
 _HOOK = ("AuditError", "SidecarGoneError", "WeightSyncHook", "sampling")
 _SOURCES = ("collect_weights", "deepspeed_weights", "fsdp2_weights", "merged_lora_weights", "module_weights",
             "named_parameters", "normalize_name", "unwrap")
 
-__all__ = [  # the three groups above, spelled out for linters and readers
+__all__ = [  # the four groups above, spelled out for linters and readers
     "AuditError",
+    "Fleet",
+    "FleetError",
+    "FleetGoneError",
     "SidecarClient",
     "SidecarGoneError",
     "WeightSyncHook",
@@ -49,6 +55,8 @@ __all__ = [  # the three groups above, spelled out for linters and readers
 def __getattr__(name: str) -> Any:
     if name in _CLIENT:
         from trainer_hooks import client as module
+    elif name in _FLEET:
+        from trainer_hooks import fleet as module  # type: ignore[no-redef]
     elif name in _HOOK:
         from trainer_hooks import hook as module  # type: ignore[no-redef]
     elif name in _SOURCES:

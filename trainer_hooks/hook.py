@@ -18,14 +18,21 @@ Failure rules: an audit mismatch raises AuditError carrying the report table (or
 retry_on_mismatch, re-sends once first). A sidecar that cannot be reached or whose ranks died
 raises SidecarGoneError, with the tail of its log when the hook knows the log path. Every client
 call has a timeout (the client's), so nothing hangs forever.
+
+Fleets: `client` may be a trainer_hooks.fleet.Fleet of several replicas. The hook then hands the
+fleet a maker of WeightSenders instead of one sender (the receivers follow the replicas that take part
+in each sync), and a sync that leaves some replicas out of rotation (failed audit, missed sync) is a
+logged warning naming them (also in `stats["out_of_rotation"]`), not an error, while the others serve
+the new version; AuditError / SidecarGoneError only when no replica holds it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +40,10 @@ import torch
 from torch import nn
 
 from inference.core import SamplingParams, SidecarError, StateError
+from inference.transfer.backends import check_backend, default_backend
 from inference.transfer.sender import WeightSender
 from trainer_hooks.client_errors import SidecarChecksumError, SidecarConnectionError, SidecarUnavailableError
+from trainer_hooks.fleet import Fleet
 from trainer_hooks.sources import collect_weights
 
 log = logging.getLogger("trainer_hooks")
@@ -57,7 +66,7 @@ class SidecarGoneError(SidecarError):
 
 class WeightSyncHook:
     """See the module docstring. `client` is a trainer_hooks.client.SidecarClient (or anything with its
-    API that raises its errors, trainer_hooks/client_errors.py)."""
+    API that raises its errors, trainer_hooks/client_errors.py), or a trainer_hooks.fleet.Fleet."""
 
     def __init__(self, client: Any, model: Any, draft_model: Any = None, *, sender: WeightSender | str | None = None,
                  sleep_level: int = 1, sync_every: int = 1, grad_accum_steps: int = 1, audit: bool = True,
@@ -79,6 +88,7 @@ class WeightSyncHook:
         self._sender: WeightSender | None = sender if isinstance(sender, WeightSender) else None
         self._backend = sender if isinstance(sender, str) else None
         self._owns_sender = self._sender is None
+        self._make_sender: Callable[[int], WeightSender] | None = None  # what a Fleet builds its senders with
         self.calls = 0            # after_optimizer_step() calls (micro-steps when grad_accum_steps > 1)
         self.optimizer_steps = 0
         self.syncs = 0
@@ -170,6 +180,8 @@ class WeightSyncHook:
         if self._owns_sender and self._sender is not None:
             self._sender.close()
             self._sender = None
+        if self._make_sender is not None and isinstance(self.client, Fleet):
+            self.client.release_sender()  # the sender it built with our maker
 
     def __enter__(self) -> WeightSyncHook:
         return self
@@ -199,6 +211,7 @@ class WeightSyncHook:
                 if not report.get("ok"):
                     log.warning("audit of %s v%d failed (audit=False): %s", model, version, report.get("summary"))
                 self.version = version
+                self._note_rotation(model, version, report)
                 return report
             if attempt + 1 < attempts:
                 log.warning("audit of %s v%d failed; sending again:\n%s", model, version, report.get("table"))
@@ -206,7 +219,7 @@ class WeightSyncHook:
         raise AuditError(model, version, report)
 
     def _send_once(self, model: str, named: list[tuple[str, torch.Tensor]], version: int) -> dict[str, Any]:
-        sender = self._get_sender()
+        sender = self._get_sender()  # a Fleet takes the maker too
         try:
             return self._call(self.client.sync_weights, sender, named, version, model=model,
                               allow_cast=self.allow_cast)
@@ -219,19 +232,36 @@ class WeightSyncHook:
             self.version = int(live) if live is not None else 0
         return self.version + 1
 
-    def _get_sender(self) -> WeightSender:
-        if self._sender is None:
+    def _note_rotation(self, model: str, version: int, report: dict[str, Any]) -> None:
+        """A fleet's report names the replicas out of rotation after this sync: warn, naming each."""
+        if "out_of_rotation" not in report:
+            return
+        out = dict(report["out_of_rotation"])
+        self.stats["out_of_rotation"] = out
+        if out:
+            log.warning("weight sync of %s v%d: %d replica(s) out of rotation, the others serve it:\n%s", model,
+                        version, len(out), "\n".join(f"  {name}: {why}" for name, why in out.items()))
+
+    def _get_sender(self) -> WeightSender | Callable[[int], WeightSender]:
+        """The sender; for a Fleet (unless a WeightSender was given) a maker of one for N receivers."""
+        if self._sender is None and self._make_sender is None:
             transfer = self._call(self.client.state).get("transfer", {})
-            device = _model_device(self.model)
-            backend = self._backend or transfer.get("backend") or ("gloo" if device.type == "cpu" else "nccl")
-            kwargs: dict[str, Any] = {"num_receivers": int(transfer.get("num_receivers", 1)),
-                                      "timeout_s": self.transfer_timeout_s}
-            if transfer.get("bucket_bytes"):
-                kwargs["bucket_bytes"] = int(transfer["bucket_bytes"])
-            if backend in ("nccl", "ipc"):
-                kwargs["device"] = device if device.type == "cuda" else None
-            self._sender = WeightSender(backend, **kwargs)
-        return self._sender
+            make = functools.partial(self._new_sender, transfer)
+            if isinstance(self.client, Fleet):
+                self._make_sender = make
+            else:
+                self._sender = make(int(transfer.get("num_receivers", 1)))
+        return self._sender if self._sender is not None else self._make_sender  # type: ignore[return-value]
+
+    def _new_sender(self, transfer: dict[str, Any], num_receivers: int) -> WeightSender:
+        device = _model_device(self.model)
+        backend = self._backend or transfer.get("backend") or default_backend(device.type, shared_gpu=False)
+        kwargs: dict[str, Any] = {"num_receivers": num_receivers, "timeout_s": self.transfer_timeout_s}
+        if transfer.get("bucket_bytes"):
+            kwargs["bucket_bytes"] = int(transfer["bucket_bytes"])
+        if check_backend(backend).cuda:
+            kwargs["device"] = device if device.type == "cuda" else None
+        return WeightSender(backend, **kwargs)
 
     def _timed(self, key: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()

@@ -23,9 +23,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
+from checksum import DTYPES
 from inference.core import InvalidRequestError
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class _RMSNorm(nn.Module):
@@ -140,7 +139,7 @@ class ToyPolicy(nn.Module):
         """Build from an HF directory; every checkpoint tensor must fill a parameter and vice versa."""
         model_dir = Path(model_dir)
         cfg = json.loads((model_dir / "config.json").read_text())
-        dtype = _DTYPES.get(str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"), torch.float32)
+        dtype = DTYPES.get(str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"), torch.float32)
         with torch.device(device):  # parameters are initialised where they will live (0.5B in fp32: fast on a GPU)
             policy = cls(cfg)
         state = load_file(str(model_dir / "model.safetensors"))

@@ -126,11 +126,6 @@ _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"reference": ReferenceAt
                                                         "triton": _triton_backend}
 
 
-def register_attention_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:
-    """Make a backend selectable by name (fast backends register themselves on import)."""
-    _BACKENDS[name] = factory
-
-
 def get_attention_backend(name: str) -> AttentionBackend:
     if name not in _BACKENDS:
         raise InvalidRequestError(

@@ -127,10 +127,8 @@ def pick_config(m: int, n: int, k: int, num_sms: int, prologue: str = "") -> Gem
 
 def _one_row_prologue_config(n: int, k: int, prologue: str) -> GemvConfig:
     """One row of x formed in the kernel. Every program redoes the prologue (the norm's variance over all
-    of K; the activation of its K range), which favours more output rows per program and no tensor cores.
-    H200, Qwen2-0.5B (bench_gemv --sweep, us): qkv+norm 3.49 (lanes 8x512) against 4.45 with the plain
-    GEMV's shape; gate_up+norm 8.01 (lanes 16x128, 8 warps) against 11.94 (dot 32x128); down+silu 5.48
-    (lanes 4x1024, splits of two blocks) against 6.56 (lanes 2x512, split 4)."""
+    of K; the activation of its K range), which favours more output rows per program and no tensor cores
+    (the sweep that chose these shapes: docs/benchmarks.md, session 5)."""
     if prologue == "silu":
         block_k = min(1024, max(16, triton.next_power_of_2(k)))
         return GemvConfig(block_n=4, block_k=block_k, num_warps=4, split_k=min(4, -(-k // (2 * block_k))))
@@ -144,8 +142,8 @@ def use_silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the MLP should call silu_mul_gemv rather than silu_and_mul + gemv.
 
     Every program recomputes the activation of all rows over its K range, so the work grows with
-    rows x weight size. On the H200 the saved launch wins at one row of Qwen2-0.5B (7.3 us against 9.2)
-    and loses at one row of 7B (47 against 39) and at 2-8 rows of either.
+    rows x weight size: the saved launch wins at one row of a small model and loses at one row of 7B and
+    at 2-8 rows of either (docs/benchmarks.md), hence SILU_MUL_MAX_M and SILU_MUL_MAX_WEIGHT.
     """
     return (gate_up.dim() == 2 and gate_up.shape[0] <= SILU_MUL_MAX_M
             and weight.numel() <= SILU_MUL_MAX_WEIGHT and use_gemv(gate_up, weight))

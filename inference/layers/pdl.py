@@ -7,9 +7,9 @@ kernel wrote and before it writes anything (an earlier kernel may still read tha
 memory no kernel of the step writes (weights) may come first. `launch_dependents()` lets the next
 kernel be scheduled early. Both are no-ops when the kernel was launched without PDL.
 
-On by default (SIDECAR_PDL=0 turns it off): once the GEMV loaded its first weight tile before `wait`,
-PDL shortened the Qwen2-0.5B batch-1 decode step on the H200 by 8% (0.868 -> 0.797 ms in one run);
-results are the same bits either way (tests/test_pdl_cuda.py). See docs/benchmarks.md.
+On by default (SIDECAR_PDL=0 turns it off): with the GEMV loading its first weight tile before `wait`,
+it shortens the batch-1 decode step (docs/benchmarks.md, session 4), and results are the same bits
+either way (tests/test_pdl_cuda.py).
 Kernels take a `PDL: tl.constexpr` argument and their launches pass `**launch_kwargs(tensor)`.
 """
 

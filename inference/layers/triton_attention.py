@@ -18,10 +18,9 @@ of them to finish (an acq_rel counter per (sequence, kv head), reset by that spl
 choice is made per sequence on the device, so one graph captured for max_model_len serves both.
 Decode also stores the new token's k/v itself (split 0 writes them; every split takes key ctx - 1 from
 k/v rather than from the cache), so a decode layer is one launch instead of store + attention + merge.
-On an H200 (0.5B heads, batch 1) one pass over 4 KV tiles was slower than 4 splits of one tile each,
-over 2 tiles faster: hence decode_split_tiles = 2; a one-sequence launch (batch 1) does better still
-with 128-key tiles on 8 warps, one per split (tiles.single_decode_block_n, opt-in: see its comment);
-scripts/bench_decode_parts.py compares.
+decode_split_tiles = 2 is where one pass stopped losing to more splits, and a one-sequence launch may
+take longer tiles (tiles.single_decode_block_n, opt-in: see its comment); the measurements are in
+docs/benchmarks.md, scripts/bench_decode_parts.py repeats them.
 Several rows of one sequence in a decode launch (spec-decode verify, inference/decode_rows.py): row i + 1
 needs row i's new key, which row i's split 0 stores in this same launch, and programs run in no fixed
 order on a GPU. So no row reads another row's new k/v from the cache: for keys ctx - max_rows .. ctx - 2
@@ -36,7 +35,7 @@ Decode can also rotate (ROPE): the caller hands q and k over unrotated with thei
 rotates its q rows and the new key at the row's position (the other rows' keys of a verify launch at
 the key's position), rounding as rotary_qk does; the k cache receives the rotated key. One rotary launch a
 layer fewer; prefill rotates first (rotary_qk). Compiled, the two rotations may differ in a few elements
-by one rounding (H200: 13 of 45,056 cache elements), so every decode path uses the same one.
+by one rounding, so every decode path uses the same one.
 All three kernels take PDL (inference/layers/pdl.py): nothing is read or written before wait(PDL).
 
 Invariants:
@@ -99,10 +98,9 @@ class TritonAttentionTiles:
     max_splits: int = 32
     num_splits: int | None = None
     # Opt-in: a one-sequence decode launch (batch 1) is latency-bound and runs faster with longer KV tiles
-    # on more warps, one tile per split (H200, 0.5B heads, 128: 4.3 / 5.2 us a layer at 128 / 256 keys
-    # against 4.7 / 6.0 us with the tiles above; at batch 128 they are much slower). Off (0) by default:
-    # speculative decoding's verify rows run on the tiles above, and greedy output with a draft equals
-    # output without only while plain decode sums its keys in the same tiles (same bits).
+    # on more warps, one tile per split (128; much slower at large batches: docs/benchmarks.md, session 4).
+    # Off (0) by default: speculative decoding's verify rows run on the tiles above, and greedy output with
+    # a draft equals output without only while plain decode sums its keys in the same tiles (same bits).
     single_decode_block_n: int = 0
     single_decode_num_warps: int = 8
 

@@ -1,32 +1,29 @@
-"""Decoder-only model families behind one builder; every family is the generic decoder with flags."""
+"""Model families (one class each, declaring names, fused modules and layout) and the decoder they build.
+
+Light to import: inference/config.py and the tiny model writer read the family classes without torch;
+the decoder and build_model load on first use.
+"""
 
 from __future__ import annotations
 
-import torch
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from inference.config import ARCHITECTURES, ModelConfig
-from inference.core import InvalidRequestError
-from inference.layers.attention import AttentionBackend, ReferenceAttention
-from inference.models.decoder import DecoderForCausalLM, KVCacheSpec
-from inference.parallel import TPInfo
+from inference.models.family import ModelFamily, ShardId, WeightSlot
+from inference.models.registry import family_for_hf, family_names, get_family, register_family, unregister_family
 
-_FAMILIES = {"llama": DecoderForCausalLM, "qwen2": DecoderForCausalLM, "qwen3": DecoderForCausalLM,
-             "mistral": DecoderForCausalLM}
-assert set(_FAMILIES) == set(ARCHITECTURES.values())
+if TYPE_CHECKING:
+    from inference.models.build import build_model
+    from inference.models.decoder import DecoderForCausalLM, KVCacheSpec
 
+_LAZY = {"build_model": "inference.models.build", "DecoderForCausalLM": "inference.models.decoder",
+         "KVCacheSpec": "inference.models.decoder"}
 
-def build_model(config: ModelConfig, tp: TPInfo, dtype: torch.dtype, device: torch.device | str,
-                attention: AttentionBackend | None = None) -> DecoderForCausalLM:
-    """Build the model for config.family with uninitialized parameters (load_weights fills them).
-
-    `attention` defaults to ReferenceAttention. Raises InvalidRequestError when the family is unknown
-    or the head counts do not divide by tp.size.
-    """
-    if config.family not in _FAMILIES:
-        raise InvalidRequestError(
-            "config.family", f"unknown family {config.family!r}; known: {sorted(_FAMILIES)}")
-    cls = _FAMILIES[config.family]
-    return cls(config, tp, dtype, torch.device(device), attention or ReferenceAttention())
+__all__ = ["DecoderForCausalLM", "KVCacheSpec", "ModelFamily", "ShardId", "WeightSlot", "build_model",
+           "family_for_hf", "family_names", "get_family", "register_family", "unregister_family"]
 
 
-__all__ = ["DecoderForCausalLM", "KVCacheSpec", "build_model"]
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(name)

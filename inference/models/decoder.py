@@ -1,11 +1,12 @@
-"""One generic decoder-only transformer (Llama, Qwen2, Qwen3, Mistral), parametrized by ModelConfig.
+"""One generic decoder-only transformer, parametrized by ModelConfig; every registered family builds it.
 
-Family differences are flags: qkv_bias (Qwen2, or Llama/Qwen3 `attention_bias`, which also biases
-o_proj), qk_norm (Qwen3: RMSNorm per head on q and k before rotary), tie_word_embeddings (the LM
-head shares the embedding's Parameter), sliding_window (Mistral), rope (llama3 scaling).
+Family differences are flags of the config, which each family class reads from config.json
+(inference/models/<family>.py): qkv_bias, o_proj's bias (naming.o_proj_has_bias), qk_norm (RMSNorm per
+head on q and k before rotary), tie_word_embeddings (the LM head shares the embedding's Parameter),
+sliding_window, rope (llama3 scaling).
 
-Model math only: TPInfo comes in, no process group is created here. Parameter names are the HF
-names with q/k/v fused into qkv_proj and gate/up into gate_up_proj (see inference/naming.py).
+Model math only: TPInfo comes in, no process group is created here. Parameter names are fixed here
+(qkv_proj and gate_up_proj fused); the family maps its checkpoint's names onto them (inference/naming.py).
 """
 
 from __future__ import annotations
@@ -41,8 +42,7 @@ class KVCacheSpec:
         return (2, self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -186,7 +186,7 @@ class DecoderForCausalLM(nn.Module):
             attn.bind_kv_cache(kv[0, i], kv[1, i])
 
     def unbind_kv_cache(self) -> None:
-        """Drop every view of the KV cache (before its memory is freed, e.g. on sleep)."""
+        """Drop every view of the KV cache, so that freeing the cache tensor really frees its memory."""
         for attn in self.attention_layers():
             attn.bind_kv_cache(None, None)
 

@@ -180,18 +180,25 @@ def expected_manifest(sender_digests: Any, *, which: str, version: int, rank: st
         if "digests" in sender_digests:
             return _manifest(which, version, rank, _records_in_order(sender_digests["digests"], specs), algorithm)
     items = sender_digests.get("tensors") if isinstance(sender_digests, dict) else sender_digests
+    return _manifest(which, version, rank, sender_records(items, "sender_digests"), algorithm)
+
+
+def sender_records(items: object, where: str) -> list[TensorRecord]:
+    """The sender's records (TensorRecords, or their JSON dicts: name, dtype, shape, digest), as the one
+    parser of them (a rank's finish, and the sidecar's POST /audit `expected`). Values are checked by
+    the Manifest that holds them; InvalidRequestError naming `where` (and the index) when malformed."""
     if not isinstance(items, (list, tuple)):
-        raise InvalidRequestError("sender_digests", f"must be a list of records, got {type(items).__name__}")
+        raise InvalidRequestError(where, f"must be a list of records, got {type(items).__name__}")
     records = []
     for i, r in enumerate(items):
         if isinstance(r, TensorRecord):
             records.append(r)
-            continue
-        try:
-            records.append(TensorRecord(r["name"], r["dtype"], tuple(r["shape"]), r["digest"]))
-        except (KeyError, TypeError) as e:
-            raise InvalidRequestError(f"sender_digests[{i}]", f"needs name, dtype, shape, digest: {e}") from None
-    return _manifest(which, version, rank, records, algorithm)
+        elif isinstance(r, dict) and {"name", "dtype", "shape", "digest"} <= set(r):
+            shape = tuple(r["shape"]) if isinstance(r["shape"], (list, tuple)) else r["shape"]
+            records.append(TensorRecord(r["name"], r["dtype"], shape, r["digest"]))
+        else:
+            raise InvalidRequestError(f"{where}[{i}]", "a record needs name, dtype, shape and digest")
+    return records
 
 
 def _records_in_order(digests: Any, specs: Sequence[TensorSpec]) -> list[TensorRecord]:

@@ -1,4 +1,4 @@
-"""The trainer <-> sidecar group: its own TCPStore, gloo control plane, gloo or NCCL data plane.
+"""The trainer <-> sidecar group: its own TCPStore, a gloo control plane, and the backend's data plane.
 
 Never the default process group, never torch.distributed's global state: the backend objects are
 built directly on a PrefixStore keyed by a fresh session id, so a re-init after a crash never meets
@@ -8,8 +8,9 @@ Every operation has a timeout. A failed collective (timeout, peer gone) raises T
 marks the group broken: every later call fails at once, and the caller must build a new group (a
 new init_info with a new session id). Two ends that merely disagree on a plan (`agree` -> False)
 leave the group healthy. Control traffic (plan agreement, status, the
-ipc layout) always runs over gloo on the CPU; bulk bytes go over `data`, which is the same gloo
-group for "gloo" and "ipc" (ipc moves bytes through CUDA IPC, not the group) and NCCL for "nccl".
+ipc layout) always runs over gloo on the CPU; bulk bytes go over the backend's data plane when it
+builds one (`TransferBackend.data_plane`: NCCL's), else over the same gloo group. The group knows no
+backend by name: the backend's end hands its data plane in.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
@@ -26,12 +27,12 @@ import torch
 import torch.distributed as dist
 
 from inference.core import InvalidRequestError, SidecarError
+from inference.transfer.backends import check_backend
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("gloo", "nccl", "ipc")
 _KEY_PREFIX = "sidecar-transfer"
-_POLL_S = 2e-4  # NCCL completion polling interval: small next to any bucket's transfer time
+_POLL_S = 2e-4  # data plane completion polling interval: small next to any bucket's transfer time
 
 
 class TransferError(SidecarError, RuntimeError):
@@ -83,8 +84,7 @@ class InitInfo:
         def bad(name: str, msg: str) -> InvalidRequestError:
             return InvalidRequestError(f"init_info.{name}", msg)
 
-        if self.backend not in BACKENDS:
-            raise bad("backend", f"must be one of {list(BACKENDS)}, got {self.backend!r}")
+        check_backend(self.backend, "init_info.backend")
         if not isinstance(self.master_port, int) or not 0 < self.master_port < 65536:
             raise bad("master_port", f"must be a TCP port, got {self.master_port!r}")
         if not isinstance(self.world_size, int) or self.world_size < 2:
@@ -117,11 +117,16 @@ def master_store(host: str, port: int, world_size: int, timeout_s: float) -> dis
     return dist.TCPStore(host, port, world_size, True, timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
+DataPlane = Callable[[dist.Store, int, int, InitInfo, torch.device], Any]  # TransferBackend.data_plane
+
+
 class TransferGroup:
-    """One session's process groups. Construction blocks until every rank has joined (or times out)."""
+    """One session's process groups. Construction blocks until every rank has joined (or times out).
+    `data_plane`: builds the backend's group for the bytes from the session's store, or returns None
+    (the bytes then go over the gloo control group)."""
 
     def __init__(self, info: InitInfo, rank: int, device: torch.device, store: dist.Store | None = None,
-                 label: str | None = None) -> None:
+                 label: str | None = None, data_plane: DataPlane | None = None) -> None:
         self.info = info
         self.rank = rank
         self.label = f"{label} (group rank {rank})" if label else f"group rank {rank}"
@@ -136,17 +141,17 @@ class TransferGroup:
             self._store = store
             self._control = dist.ProcessGroupGloo(
                 dist.PrefixStore("control", session), rank, info.world_size, self.timeout)
-            if info.backend == "nccl":
-                self._data = _nccl_group(dist.PrefixStore("data", session), rank, info.world_size, info, device)
+            if data_plane is not None:
+                self._data = data_plane(dist.PrefixStore("data", session), rank, info.world_size, info, device)
         except Exception as e:
             self.broken = str(e)
             raise TransferError(f"{self.label} could not join session {info.session_id} at "
                                 f"{info.master_host}:{info.master_port}: {e}") from e
-        if self._data is not None:  # NCCL communicators start lazily: fail here, not mid-sync
-            self.wait(self.broadcast(torch.zeros(1, dtype=torch.uint8, device=device)), "NCCL warm-up")
+        if self._data is not None:  # communicators (NCCL's) start lazily: fail here, not mid-sync
+            self.wait(self.broadcast(torch.zeros(1, dtype=torch.uint8, device=device)), "data plane warm-up")
 
     @property
-    def is_nccl(self) -> bool:
+    def has_data_plane(self) -> bool:
         return self._data is not None
 
     # ---- data plane ---------------------------------------------------------------------------
@@ -156,7 +161,7 @@ class TransferGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, self.timeout
         try:
-            if self.is_nccl:
+            if self.has_data_plane:
                 with torch.cuda.device(self.device):
                     return self._data.broadcast([tensor], opts)
             return self._control.broadcast([tensor], opts)
@@ -167,7 +172,7 @@ class TransferGroup:
         """Block until `work` is done; TransferError after the timeout or if a peer failed."""
         self._check()
         try:
-            if self.is_nccl:
+            if self.has_data_plane:
                 self._poll(work, what)
             else:
                 work.wait(self.timeout)
@@ -177,7 +182,8 @@ class TransferGroup:
             raise self._fail(what, e) from e
 
     def _poll(self, work: Any, what: str) -> None:
-        # NCCL's wait() only orders streams unless blocking wait is on; poll so the timeout holds.
+        # A device work's wait() (NCCL's) only orders streams unless blocking wait is on; poll so the
+        # timeout holds.
         deadline = time.monotonic() + self.timeout.total_seconds()
         while not work.is_completed():
             if time.monotonic() > deadline:
@@ -235,7 +241,7 @@ class TransferGroup:
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def close(self) -> None:
-        """Drop the groups; NCCL communicators are aborted so no kernel waits on a dead peer."""
+        """Drop the groups; a data plane is aborted so no kernel waits on a dead peer."""
         self._abort_data()
         self._data = self._control = None
         self.broken = self.broken or "closed"
@@ -246,7 +252,7 @@ class TransferGroup:
         try:
             self._data.abort()
         except Exception as e:  # an already-failed communicator may refuse; the group is dropped anyway
-            log.warning("aborting the NCCL group of session %s failed: %s", self.info.session_id, e)
+            log.warning("aborting the data plane of session %s failed: %s", self.info.session_id, e)
 
     def _check(self) -> None:
         if self.broken is not None:
@@ -255,18 +261,7 @@ class TransferGroup:
 
     def _fail(self, what: str, e: BaseException) -> TransferError:
         self.broken = f"{what}: {e}"
-        self._abort_data()  # a timed-out NCCL kernel would spin forever: abort the communicator
+        self._abort_data()  # a timed-out device kernel (NCCL's) would spin forever: abort the communicator
         return TransferError(f"{what} failed on {self.label} (session {self.info.session_id}, "
                              f"timeout {self.timeout.total_seconds():g} s): {e}")
 
-
-def _nccl_group(store: dist.Store, rank: int, world: int, info: InitInfo, device: torch.device) -> Any:
-    if not hasattr(dist, "ProcessGroupNCCL"):
-        raise TransferError("backend 'nccl' needs a CUDA build of torch")
-    if device.type != "cuda":
-        raise InvalidRequestError("init_info.backend", f"'nccl' needs a CUDA device, this rank has {device}")
-    opts = dist.ProcessGroupNCCL.Options()
-    # Our own polling deadline fires first and aborts; the watchdog's timeout is only a backstop.
-    opts._timeout = timedelta(seconds=2 * float(info.timeout_s) + 30)
-    with torch.cuda.device(device):
-        return dist.ProcessGroupNCCL(store, rank, world, opts)

@@ -9,9 +9,10 @@ for its finish, under the rule `manifest()` named), and at the end `close()`. Af
 the group is broken: call init_info() again (a new session id), give it to the sidecar, and connect()
 again; the store server is reused.
 
-Double buffering: gloo and nccl pack bucket k+1 while bucket k is on the wire (two buffers; on CUDA
-packing runs on its own stream, and NCCL orders each broadcast after its pack). The ipc backend is
-described in inference/transfer/ipc.py ("direct" mode decision).
+How the bytes move is the backend's (inference/transfer/backends/: the registry names each one and
+its file): the sender builds its end from the registry by name and keeps it across sessions. gloo
+and nccl pack bucket k+1 while bucket k is on the wire; ipc lets the ranks copy straight from the
+trainer's GPU memory ("direct" mode decision: inference/transfer/ipc.py).
 
 Digests: `manifest()` picks the sync's rule (inference/transfer/digests.py: the device rule for CUDA
 tensors, the host rule for CPU tensors, unless `digest_algorithm` fixes one) and names it in the
@@ -24,7 +25,7 @@ hashed. On CUDA, connect() compiles the kernel (seconds, once) while the receive
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -32,20 +33,12 @@ import torch
 
 from checksum import TensorRecord, pick_algorithm
 from inference.core import InvalidRequestError, StateError
-from inference.transfer.buckets import Packer
+from inference.transfer.backends import backend_class, check_backend
+from inference.transfer.backends.base import TransferBackend
 from inference.transfer.digests import PendingRecords, RecordDigests, check_algorithm, kernel_device
-from inference.transfer.groups import (
-    BACKENDS,
-    InitInfo,
-    TransferError,
-    TransferGroup,
-    master_store,
-    new_session_id,
-)
-from inference.transfer.ipc import IpcExporter, LayoutOffer
+from inference.transfer.groups import InitInfo, TransferError, TransferGroup, master_store, new_session_id
 from inference.transfer.plan import (
     DEFAULT_BUCKET_BYTES,
-    Bucket,
     ParsedManifest,
     TensorSpec,
     dtype_name,
@@ -64,8 +57,7 @@ class WeightSender:
                  device: torch.device | str | None = None, ipc_mode: str = "auto",
                  digest_algorithm: str | None = None) -> None:
         """`digest_algorithm`: the digest rule of every sync (None: picked per sync from the tensors)."""
-        if backend not in BACKENDS:
-            raise InvalidRequestError("backend", f"must be one of {list(BACKENDS)}, got {backend!r}")
+        spec = check_backend(backend, "backend")
         if ipc_mode not in IPC_MODES:
             raise InvalidRequestError("ipc_mode", f"must be one of {list(IPC_MODES)}, got {ipc_mode!r}")
         if digest_algorithm is not None:
@@ -74,7 +66,7 @@ class WeightSender:
         self.backend, self.num_receivers, self.bucket_bytes = backend, num_receivers, bucket_bytes
         self.timeout_s, self.ipc_mode = timeout_s, ipc_mode
         self._host, self._port = master_host, master_port
-        default = "cuda" if backend in ("nccl", "ipc") else "cpu"
+        default = "cuda" if spec.cuda else "cpu"
         self.device = torch.device(device if device is not None else default)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -87,10 +79,7 @@ class WeightSender:
         self._last_meta: list[tuple[str, torch.dtype, torch.Size, torch.device]] = []  # _last_specs' source
         self._picked = ""  # pick_algorithm over the tensors _last_meta describes (their devices)
         self._algorithm: str | None = None  # of the last manifest()
-        self._eligible_key: tuple[ParsedManifest, list[int]] | None = None  # the last ipc direct check that passed
-        self._buffers: list[torch.Tensor] = []
-        self._pack_stream: Any = None
-        self._ipc = IpcExporter() if backend == "ipc" else None
+        self._end: TransferBackend = backend_class(spec)(spec, self.device, "sender", bucket_bytes, ipc_mode)
         self._digests = RecordDigests("sender-digest")
         self._digest_streams: dict[torch.device, Any] = {}
         self._warmed = False  # the digest kernel is compiled for self.device (connect())
@@ -121,21 +110,24 @@ class WeightSender:
         if self._group is not None:
             self._group.close()
             self._group = None
-        if self._ipc is not None:
-            self._ipc = IpcExporter()  # a new session: receivers open every handle afresh
+        self._end.new_session()
         if self.device.type != "cuda" or self._warmed:
-            self._group = TransferGroup(info, 0, self.device, store=self._store, label="sender")
+            self._group = self._join(info)
             return
         with ThreadPoolExecutor(1, thread_name_prefix="sender-warm-up") as pool:  # compiles while they join
             warming = pool.submit(self._digests.warm_up, self.device)
-            self._group = TransferGroup(info, 0, self.device, store=self._store, label="sender")
+            self._group = self._join(info)
         warming.result()  # a kernel that cannot build fails here, not in the first sync
         self._warmed = True
+
+    def _join(self, info: InitInfo) -> TransferGroup:
+        return TransferGroup(info, 0, self.device, store=self._store, label="sender", data_plane=self._end.data_plane)
 
     def close(self) -> None:
         if self._group is not None:
             self._group.close()
-        self._group, self._next_info, self._store, self._buffers = None, None, None, []
+        self._group, self._next_info, self._store = None, None, None
+        self._end.close()
         self._digests.close()
 
     @property
@@ -177,18 +169,21 @@ class WeightSender:
         items = _items(named_tensors)
         tensors = [t for _, t in items]  # every reader (packer, exporter, digests) detaches on its own
         problem = _mismatch(specs, items)
-        offer = None
-        if self._ipc is not None and problem is None:
+        keys, values = [0] * self._end.agreement_size[0], [0] * self._end.agreement_size[1]
+        if problem is None:
             try:
-                offer = self._ipc_offer(specs, tensors)
+                keys, values = self._end.prepare_send(specs, tensors)
             except InvalidRequestError as e:
                 problem = e
+            assert (len(keys), len(values)) == self._end.agreement_size, "every end adds the same to step 1"
         if self.device.type == "cuda":  # before the agreement: ipc receivers may read right after it
             torch.cuda.current_stream(self.device).synchronize()  # the trainer's writes have landed
         digests = self._start_digests(items, algorithm) if digest and problem is None else None
-        agreed, layout_cached = self._agree(group, specs.fingerprint(version, self.bucket_bytes, self.backend),
-                                            problem, offer)
-        if not agreed:
+        fingerprint = specs.fingerprint(version, self.bucket_bytes, self.backend)
+        # one all-reduce (inference/transfer/receiver.py); 0 never matches: on a problem the receivers stop cleanly
+        same, _ = group.agree_many([0 if problem else fingerprint, *keys], values)
+        if not same[0]:
+            self._end.withdraw()
             if digests is not None:
                 digests.settle()  # nothing reads the tensors once we raise
             raise problem or TransferError(
@@ -196,10 +191,7 @@ class WeightSender:
                 "size was started on the sidecar); nothing was written")
         plan = specs.plan(self.bucket_bytes)
         try:
-            if offer is not None:
-                self._send_ipc(group, offer, layout_cached, plan, tensors)
-            else:
-                self._send_broadcast(group, plan, tensors)
+            self._end.send(group, plan, tensors, same[1:])
         finally:
             records = digests.result() if digests is not None else []
         self._pending = None
@@ -216,18 +208,6 @@ class WeightSender:
             stream.wait_stream(torch.cuda.current_stream(device))  # after the trainer's last write
         return self._digests.launch(items, algorithm, stream=stream)
 
-    def _agree(self, group: TransferGroup, fingerprint: int, problem: Exception | None,
-               offer: LayoutOffer | None) -> tuple[bool, bool]:
-        """(agreed, every receiver holds this sync's ipc layout) from one all-reduce (see receiver.py).
-        0 never matches: on a problem the receivers stop cleanly."""
-        keys = [0 if problem else fingerprint]
-        if self._ipc is None:
-            return group.agree_many(keys)[0][0], False
-        same, _ = group.agree_many([*keys, offer.key if offer else 0], [len(offer.payload) if offer else 0])
-        if not same[0]:
-            self._ipc.rollback()  # its new handles never reached the receivers
-        return same[0], same[1]
-
     def _require_group(self) -> TransferGroup:
         if self._group is None:
             raise StateError("connect() first")
@@ -235,102 +215,6 @@ class WeightSender:
             raise TransferError(f"the transfer group is broken ({self._group.broken}); call init_info() and "
                                 "connect() again, and give the new init_info to the sidecar")
         return self._group
-
-    # ---- gloo / nccl ----------------------------------------------------------------------------
-    def _send_broadcast(self, group: TransferGroup, plan: Sequence[Bucket], tensors: list[torch.Tensor]) -> None:
-        on_gpu = self.backend == "nccl"
-        bufs = self._bucket_buffers(max((b.nbytes for b in plan), default=0),
-                                    self.device if on_gpu else torch.device("cpu"))
-        packer = Packer(tensors, plan)
-        stream = self._stream() if on_gpu or any(t.is_cuda for t in tensors) else None
-        works: list[Any] = [None, None]
-        for k, bucket in enumerate(plan):
-            slot = k % 2
-            if works[slot] is not None:
-                group.wait(works[slot], f"bucket {k - 2} of {len(plan)}")  # its buffer is free again
-            buf = bufs[slot][:bucket.nbytes]
-            if stream is None:
-                packer.pack(bucket, buf)
-                works[slot] = group.broadcast(buf)
-                continue
-            with torch.cuda.stream(stream):
-                packer.pack(bucket, buf, non_blocking=True)
-                if not on_gpu:
-                    stream.synchronize()  # gloo reads the host buffer from its own threads
-                works[slot] = group.broadcast(buf)  # NCCL orders it after the pack on this stream
-        for k, work in enumerate(works):
-            if work is not None:
-                group.wait(work, f"final bucket (slot {k})")
-        if group.all_max([0], "end-of-sync status")[0]:
-            raise TransferError("a receiver failed to unpack the update (see the sidecar's error for the "
-                                "rank and tensor); the model there is marked torn")
-
-    def _bucket_buffers(self, nbytes: int, device: torch.device) -> list[torch.Tensor]:
-        if not self._buffers or self._buffers[0].numel() < nbytes or self._buffers[0].device != device:
-            self._buffers = []
-            pin = device.type == "cpu" and torch.cuda.is_available()
-            self._buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
-                             for _ in range(2)]
-        return self._buffers
-
-    def _stream(self) -> Any:
-        if self._pack_stream is None:
-            self._pack_stream = torch.cuda.Stream(self.device)
-        self._pack_stream.wait_stream(torch.cuda.current_stream(self.device))
-        return self._pack_stream
-
-    # ---- ipc ----------------------------------------------------------------------------------
-    def _ipc_offer(self, specs: ParsedManifest, tensors: list[torch.Tensor]) -> LayoutOffer:
-        """This sync's mode and layout, decided before the agreement (which carries its key)."""
-        assert self._ipc is not None
-        eligible = self._direct_eligible(specs, tensors)
-        if self.ipc_mode == "direct" and not eligible:
-            raise InvalidRequestError("ipc_mode", "direct needs contiguous, non-empty CUDA tensors on "
-                                      f"{self.device}; use 'auto' to fall back to packing")
-        if eligible and self.ipc_mode != "packed":
-            return self._ipc.offer("direct", tensors)
-        return self._ipc.offer("packed", [], self._bucket_buffers(self.bucket_bytes, self.device))
-
-    def _send_ipc(self, group: TransferGroup, offer: LayoutOffer, cached: bool, plan: Sequence[Bucket],
-                  tensors: list[torch.Tensor]) -> None:
-        assert self._ipc is not None
-        if not cached:
-            group.broadcast_bytes(offer.payload, len(offer.payload))
-        self._ipc.commit()
-        if offer.mode == "direct":
-            failed = group.all_max([0], "end-of-sync status")[0]
-        else:
-            bufs = self._bucket_buffers(self.bucket_bytes, self.device)  # the offer's buffers
-            failed = self._send_packed(group, plan, tensors, bufs)
-        self._ipc.retire()
-        if failed:
-            raise TransferError("a receiver failed during the ipc transfer (see the sidecar's error for the "
-                                "rank and tensor); the model there is marked torn")
-
-    def _direct_eligible(self, specs: ParsedManifest, tensors: list[torch.Tensor]) -> bool:
-        """Contiguous, non-empty CUDA tensors on our device. Same manifest and same addresses as the
-        last passing check: the device and sizes are those checked then, only contiguity may differ."""
-        ptrs = [t.data_ptr() for t in tensors]
-        if self._eligible_key is not None and self._eligible_key[0] is specs and self._eligible_key[1] == ptrs:
-            return all(t.is_contiguous() for t in tensors)
-        device = self.device
-        eligible = all(t.is_cuda and t.device == device and t.is_contiguous() and t.numel() for t in tensors)
-        self._eligible_key = (specs, ptrs) if eligible else None
-        return eligible
-
-    def _send_packed(self, group: TransferGroup, plan: Sequence[Bucket], tensors: list[torch.Tensor],
-                     bufs: list[torch.Tensor]) -> int:
-        """Step j: bucket j is packed (ours) and bucket j-1 is unpacked (theirs); see receiver.py."""
-        packer = Packer(tensors, plan)
-        stream = self._stream()
-        for j in range(len(plan) + 1):
-            if j < len(plan):  # its buffer held bucket j-2, which every receiver confirmed at step j-1
-                with torch.cuda.stream(stream):
-                    packer.pack(plan[j], bufs[j % 2], non_blocking=True)
-                stream.synchronize()
-            if group.all_max([0], f"ipc bucket step {j}")[0]:
-                return 1
-        return 0
 
 
 def _items(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:

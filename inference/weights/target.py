@@ -5,10 +5,10 @@ names, wrong shapes, wrong dtypes (unless casting is allowed), duplicates, missi
 `lm_head.weight` sent alongside the embedding is accepted but never loaded (it IS the embedding);
 the audit requires its digest to equal the embedding's. Rotary tables are accepted and ignored.
 
-`UpdateTarget` is the receiver's sink: it loads each completed tensor through the naming module
-and the parameters' weight_loaders (TP slicing, fused qkv/gate_up, casts), and keeps the digests
-of what arrived (full tensors, trainer names), under the sync's digest rule (`algorithm`, named by the
-sender in the start manifest).
+`UpdateTarget` is the receiver's sink (`Sink` in inference/transfer/backends/base.py): it loads each
+completed tensor through the naming module and the parameters' weight_loaders (TP slicing, fused
+qkv/gate_up, casts), and keeps the digests of what arrived (full tensors, trainer names), under the
+sync's digest rule (`algorithm`, named by the sender in the start manifest).
 
 Decision (one hashing pass at TP=1): when this rank holds a tensor whole, in the sent dtype (TP=1,
 no cast), its received digest is computed after the sync from the held parameter region it was
@@ -108,7 +108,7 @@ def _route(spec: TensorSpec, params: dict[str, nn.Parameter], config: ModelConfi
         raise bad(f"unknown tensor for the {which} model ({config.family})")
     if spec.shape != expected[spec.name]:
         raise bad(f"shape {list(spec.shape)} does not match the {which} model's {list(expected[spec.name])}")
-    param_name, shard_id = hf_to_param(spec.name)
+    param_name, shard_id = hf_to_param(spec.name, config)
     if param_name not in params:
         raise bad(f"maps to {param_name}, which the {which} model does not have")
     param = params[param_name]
@@ -118,17 +118,17 @@ def _route(spec: TensorSpec, params: dict[str, nn.Parameter], config: ModelConfi
                   "(start with allow_cast=True to convert)")
     held = None
     if tp_size == 1 and spec.dtype == held_dtype:
-        held = _held_region(param, param_name, shard_id, spec.shape, expected)
+        held = _held_region(param, param_name, shard_id, spec.shape, expected, config)
     return Route(spec, param_name, shard_id, held)
 
 
 def _held_region(param: nn.Parameter, param_name: str, shard_id: ShardId, shape: tuple[int, ...],
-                 expected: dict[str, tuple[int, ...]]) -> torch.Tensor | None:
+                 expected: dict[str, tuple[int, ...]], config: ModelConfig) -> torch.Tensor | None:
     """At TP=1 a fused parameter is its parts stacked along dim 0, in naming order; None if not so."""
     data = param.detach()
     if shard_id is None:
         return data if tuple(data.shape) == shape and data.is_contiguous() else None
-    parts = param_to_hf(param_name)
+    parts = param_to_hf(param_name, config)
     rows = [expected[hf][0] for hf, _ in parts]
     if sum(rows) != data.shape[0] or not data.is_contiguous():
         return None

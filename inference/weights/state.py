@@ -1,5 +1,6 @@
-"""The data of weight-update sessions (inference/weight_update.py): per-model version and torn state,
-an open session, a passed audit's result, and the cached routing of the last manifest."""
+"""The data of the weight updater (inference/weights/updater.py): per-model version and torn state, an
+open session, a passed audit's result, and the cached routing of the last manifest. Plain records:
+the updater is their only writer, and nobody else keeps a copy of what they hold."""
 
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ from checksum import ALGORITHM, Manifest, Report
 from inference.config import ModelConfig
 from inference.transfer.digests import PendingRecords
 from inference.transfer.plan import ParsedManifest
-from inference.transfer.target import Routing, UpdateTarget
+from inference.weights.target import Routing, UpdateTarget
 
 
 @dataclass
 class ModelWeightState:
+    """One model's weights: the live version (advanced only by a passed audit), torn from the first
+    byte a sync may write until an audit passes, `loaded` False after reset_weights until then."""
+
     version: int = 0
     torn: bool = False
     torn_reason: str | None = None

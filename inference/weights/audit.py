@@ -1,0 +1,57 @@
+"""The digests a rank takes of the weights it holds: a sync's audit (overlapped with the sender's digest,
+or taken at finish) and, on request, a held manifest.
+
+`launch` starts digesting a session's held regions right behind the writes: under the device rule, on
+a GPU, ONE kernel launch queued on the writing stream (finish waits for its result); otherwise on a
+side thread, after an event recorded behind the writes. One RecordDigests per rank (its device
+digester keeps the segment tables of the layouts it saw, and launches from one thread at a time).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from checksum import Manifest, TensorRecord, pick_algorithm
+from inference.transfer.digests import PendingRecords, RecordDigests, check_algorithm, kernel_device
+from inference.weights.state import Session
+
+
+class HeldDigests:
+    """One rank's digests of what it holds (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._digests = RecordDigests("received-digest")
+
+    def launch(self, session: Session, device: torch.device | None) -> PendingRecords | None:
+        """Start digesting the session's held regions after the work that wrote them; None when some
+        tensor never arrived (finish reports it)."""
+        items = session.target.held_items()
+        if items is None:
+            return None
+        written = None  # a device launch is ordered behind the writes by its stream; the host path waits
+        if device is not None and device.type == "cuda" and kernel_device(items, session.algorithm) is None:
+            written = torch.cuda.Event()
+            written.record(torch.cuda.current_stream(device))
+        return self._digests.launch(items, session.algorithm, written=written)
+
+    def now(self, session: Session) -> list[TensorRecord] | None:
+        """The held regions' digests taken now (no overlapped digest ran); None if some tensor is missing."""
+        items = session.target.held_items()
+        return None if items is None else self._digests.digest(items, session.algorithm)
+
+    def manifest(self, model: nn.Module, which: str, version: int, rank: str, algorithm: str | None) -> Manifest:
+        """Every parameter `model` holds (engine names), by `algorithm` (None: checksum.pick_algorithm
+        over them, the device rule on a GPU)."""
+        params = [(name, p.detach()) for name, p in model.named_parameters()]
+        rule = pick_algorithm(t for _, t in params) if algorithm is None else check_algorithm(algorithm)
+        records = self._digests.digest(params, rule)
+        return Manifest(which, version, rank, tuple(records), rule)
+
+    def warm_up(self, device: torch.device) -> None:
+        """Compile the device digest for `device` now (seconds, once), so the first sync does not."""
+        if device.type == "cuda":
+            self._digests.warm_up(device)
+
+    def close(self) -> None:
+        self._digests.close()

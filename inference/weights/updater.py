@@ -1,0 +1,401 @@
+"""The engine's half of a weight sync: `WeightUpdater`, one per Worker (`Worker.weights`).
+
+It is the only owner of the facts of a model's weights: the live version, the torn flag and its
+reason, whether they are loaded, the manifest the last finished sync delivered, and which memory
+arena holds them (`ARENA_OF`). LLM, the Worker and the rank server ask it and keep no copy.
+
+Per sync: init_transfer(init_info) once (again after any wire failure), then start(which, version,
+manifest) -> update() -> finish(sender_digests). The Worker's lifecycle methods
+(start_weight_update, ...) delegate here. Rules:
+- start validates the whole manifest against the model before any byte moves (InvalidRequestError
+  naming the tensor and this rank); a failed start changes nothing.
+- A second start while a session is open, and update/finish without start, are StateErrors.
+- Any failure after start ends the session. The model is torn from the moment its first byte may be
+  overwritten until an audit passes: a failed or abandoned update leaves it torn, and a torn model
+  is not servable. The version advances only when the audit passes.
+- A TransferError breaks the group: the next start asks for a new init_transfer.
+- Weights are written or digested only while their arena is awake (`check_awake`: a released arena is
+  an illegal address on CUDA; a level-2 wake leaves it awake but empty, which a sync refills). The
+  arena's contents are marked invalid when the first byte may be written and valid again when the
+  audit passes, so the memory manager never mirrors half-written weights at a level-1 sleep.
+Digest rule: the sender names it in the start manifest ("algorithm"; inference/transfer/digests.py),
+and this rank digests what it holds under that rule, wherever its bytes are (a CPU rank computes the
+device rule on the host); finish digests that name another rule fail the audit with an "algorithm"
+mismatch naming both.
+Overlapped audit: when update has received every tensor it starts digesting the held regions
+(inference/weights/audit.py), which runs while the trainer still digests its own copy. Nothing
+writes the model between update and finish (no step runs on a model with an open session, and start,
+update and reset refuse), so the digest is of the bytes finish audits. What could release them waits
+for it first: sleep and shutdown (`settle_digest`, which also drops the result: a sleep loses
+unaudited bytes, so finish digests what the model holds after it), and every end of the session.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import nn
+
+from checksum import ChecksumMismatch, Manifest, Report, compare, digest_tensors
+from inference import envs
+from inference.config import ModelConfig
+from inference.core import InvalidRequestError, StateError
+from inference.memory import WEIGHT_TAGS, ArenaState
+from inference.parallel import TPInfo
+from inference.transfer.digests import expected_manifest, manifest_algorithm
+from inference.transfer.groups import InitInfo
+from inference.transfer.plan import ManifestCache, ParsedManifest
+from inference.transfer.receiver import WeightReceiver
+from inference.weights.audit import HeldDigests
+from inference.weights.state import ModelWeightState, RouteCache, Session, UpdateResult, parameter_slots
+from inference.weights.target import Fault, Routing, UpdateTarget, route_manifest
+
+if TYPE_CHECKING:
+    from inference.sleep import MemoryManager
+
+log = logging.getLogger(__name__)
+
+ARENA_OF = {"target": "weights", "draft": "draft_weights"}  # the memory arena of each model's weights
+assert set(ARENA_OF.values()) == set(WEIGHT_TAGS)
+
+
+class WeightHost(Protocol):
+    """What the updater reads of its Worker (inference/worker.py) at each use: the models it writes
+    are the Worker's, built and adopted into arenas there."""
+
+    models: dict[str, nn.Module]
+    model_configs: dict[str, ModelConfig]
+    device: torch.device | None
+    tp: TPInfo
+    dp_rank: int
+    memory: MemoryManager | None
+
+    @property
+    def rank_key(self) -> str: ...
+
+
+class WeightUpdater:
+    """See the module docstring. `fault` ("flip", tensor name) flips a byte of that tensor on arrival
+    (tests; SIDECAR_WEIGHT_FAULT); `overlap_audit_digest` False makes finish take the received digest
+    (benchmarks, A/B)."""
+
+    def __init__(self, host: WeightHost) -> None:
+        self._host = host
+        self.receiver: WeightReceiver | None = None
+        self._session: Session | None = None
+        self._states: dict[str, ModelWeightState] = {}
+        self._received: dict[str, Manifest] = {}  # model -> what its last finished sync delivered
+        self._routes: dict[str, RouteCache] = {}
+        self.manifests = ManifestCache()  # parsed manifests, reused while the sender's layout repeats
+        self.routings_built = 0  # route_manifest runs (tests check the route cache with it)
+        self.fault: Fault | None = _fault_from_env()
+        self.overlap_audit_digest = True
+        self._digests = HeldDigests()
+
+    # ---- what the weights are (asked by LLM, the Worker and the rank server) ------------------------
+    def _state(self, which: str) -> ModelWeightState:
+        state = self._states.get(which)  # asked every step: no throwaway default object
+        if state is None:
+            state = self._states[which] = ModelWeightState()
+        return state
+
+    def version(self, which: str = "target") -> int:
+        return self._state(which).version
+
+    @property
+    def versions(self) -> dict[str, int]:
+        return {w: self._state(w).version for w in self._host.models}
+
+    @property
+    def torn(self) -> dict[str, bool]:
+        return {w: self._state(w).torn for w in self._host.models}
+
+    @property
+    def loaded(self) -> dict[str, bool]:
+        return {w: self._state(w).loaded for w in self._host.models}
+
+    @property
+    def has_draft(self) -> bool:
+        return "draft" in self._host.models
+
+    def is_servable(self, which: str = "target") -> bool:
+        """Loaded, not torn, and no update session writing into it."""
+        state, session = self._state(which), self._session
+        return (which in self._host.models and state.loaded and not state.torn
+                and (session is None or session.which != which))
+
+    def state(self, which: str = "target") -> dict[str, Any]:
+        state, session = self._state(which), self._session
+        return {"model": which, "version": state.version, "torn": state.torn, "torn_reason": state.torn_reason,
+                "loaded": state.loaded, "servable": self.is_servable(which),
+                "session_open": session is not None and session.which == which}
+
+    def check_servable(self) -> None:
+        """StateError naming the first model that may not serve, and why."""
+        for which in self._host.models:
+            if not self.is_servable(which):
+                state, open_ = self._state(which), self._session is not None and self._session.which == which
+                why = state.torn_reason or ("an update session is open" if open_ else "its weights were reset")
+                raise StateError(f"the {which} model is not servable ({why}); sync its weights first")
+
+    def needs_trainer(self) -> bool:
+        """Some model is torn or awaits its first sync and no session is open to fix it: only the
+        trainer's next sync ends that (a session in progress ends by itself)."""
+        return any(not self.is_servable(w) and (self._session is None or self._session.which != w)
+                   for w in self._host.models)
+
+    def received_manifest(self, which: str = "target", algorithm: str | None = None) -> Manifest:
+        """The digests of what the last finished sync of `which` delivered (full tensors, trainer names)."""
+        rank = self._host.rank_key
+        if which not in self._received:
+            raise StateError(f"rank {rank}: no sync of the {which} model has finished on this rank")
+        received = self._received[which]
+        if algorithm is not None and algorithm != received.algorithm:
+            raise InvalidRequestError("algorithm", f"rank {rank}: the last sync's received digests are "
+                                      f"{received.algorithm!r}, not {algorithm!r} (the sender picks the rule "
+                                      "of a sync); source=held digests what is held now by any rule")
+        return received
+
+    def check_awake(self, which: str, before: str) -> None:
+        """StateError unless the arena of `which` is awake: reading or writing a released arena is an
+        illegal address on CUDA (a level-2 wake makes it usable again, empty)."""
+        asleep = self._asleep(which)
+        if asleep is not None:
+            raise StateError(f"rank {self._host.rank_key}: the {which} weights are asleep ({asleep}); "
+                             f"wake_up(['weights']) before {before}")
+
+    def arena_tag(self, which: str) -> str:
+        """The memory arena (inference/memory.py tag) that holds the weights of `which`."""
+        return ARENA_OF[which]
+
+    def _asleep(self, which: str) -> str | None:
+        """The state of the arena of `which` when it is not awake; None when awake (or not in an arena)."""
+        memory, tag = self._host.memory, ARENA_OF[which]
+        if memory is None or tag not in memory.tags or memory.state(tag) is ArenaState.AWAKE:
+            return None
+        return str(memory.state(tag).value)
+
+    def _set_arena_valid(self, which: str, valid: bool) -> None:
+        memory, tag = self._host.memory, ARENA_OF[which]
+        if memory is not None and tag in memory.tags:
+            (memory.mark_loaded if valid else memory.mark_not_loaded)(tag)
+
+    # ---- the group ----------------------------------------------------------------------------------
+    def init_transfer(self, init_info: Any) -> None:
+        """Join the sender's group (blocks until every rank joined). Replaces any previous group; an
+        open session on the old group is abandoned (its model stays torn if bytes had moved)."""
+        host = self._host
+        info = InitInfo.from_dict(init_info)
+        if host.device is None:
+            raise StateError(f"rank {host.rank_key}: init_device before init_weight_transfer_engine")
+        rank = info.receiver_rank(host.rank_key, host.dp_rank, host.tp.rank, host.tp.size)
+        if self._session is not None:
+            self._end_session(f"abandoned by a new init_weight_transfer_engine ({info.session_id})")
+        self.close_transfer()
+        self.receiver = WeightReceiver(info, rank, host.device, host.rank_key)
+        log.info("rank %s joined weight transfer session %s as group rank %d (%s)", host.rank_key,
+                 info.session_id, rank, info.backend)
+
+    def close_transfer(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
+
+    # ---- a session ----------------------------------------------------------------------------------
+    def start(self, which: str, version: int, manifest: Any, *, allow_cast: bool = False) -> None:
+        rank = self._host.rank_key
+        if which == "draft" and not self.has_draft:
+            raise InvalidRequestError("draft", f"rank {rank}: no draft model is loaded, so a draft weight update "
+                                      "has nothing to write; nothing was written")
+        if which in self._host.models:
+            self.check_awake(which, "a weight update")
+        if self._session is not None:
+            raise StateError(f"rank {rank}: a {self._session.which} weight update (version "
+                             f"{self._session.version}) is open; finish it first")
+        if self.receiver is None or self.receiver.broken is not None:
+            why = "was never initialized" if self.receiver is None else f"is broken ({self.receiver.broken})"
+            raise StateError(f"rank {rank}: the weight transfer group {why}; call init_weight_transfer_engine first")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise InvalidRequestError("version", f"must be an integer >= 0, got {version!r}")
+        if which not in self._host.models:
+            raise StateError(f"rank {rank}: no {which} model loaded")
+        manifest_version, specs = self.manifests.parse(manifest)
+        if manifest_version is not None and manifest_version != version:
+            raise InvalidRequestError("manifest.version", f"is {manifest_version}, but the update is for version "
+                                      f"{version}")
+        algorithm = manifest_algorithm(manifest)
+        routing = self._routing(which, specs, allow_cast)
+        fault = self.fault
+        if fault is not None and (len(fault) != 2 or fault[0] != "flip"):
+            raise InvalidRequestError("weight_transfer_fault", f"must be ('flip', tensor name), got {fault!r}")
+        target = UpdateTarget(which, self._host.model_configs[which], routing, rank, fault, algorithm)
+        self._session = Session(which, version, specs, target, algorithm)
+
+    def _routing(self, which: str, specs: ParsedManifest, allow_cast: bool) -> Routing:
+        """route_manifest (validation included), cached while the manifest and the parameters stay the same."""
+        host = self._host
+        model, config = host.models[which], host.model_configs[which]
+        cache = self._routes.get(which)
+        if cache is None or not cache.matches(specs, allow_cast, model, config):
+            self._routes.pop(which, None)  # a failed validation leaves no stale routing behind
+            routing = route_manifest(specs, model, config, which=which, rank=host.rank_key, tp_size=host.tp.size,
+                                     allow_cast=allow_cast)
+            self.routings_built += 1
+            cache = RouteCache(specs, allow_cast, model, config, parameter_slots(model), routing)
+            self._routes[which] = cache
+        return cache.routing
+
+    def update(self, update_info: Any = None) -> None:
+        """Receive every bucket of the open session. `update_info`: None or {} (or a list indexed by
+        dp_rank * tp_size + tp_rank, one entry per rank, for multi-rank drivers)."""
+        session = self._require_session("update_weights")
+        host = self._host
+        try:
+            if isinstance(update_info, list):
+                update_info = update_info[host.dp_rank * host.tp.size + host.tp.rank]
+            if update_info not in (None, {}):
+                raise InvalidRequestError("update_info", f"must be empty: one call receives the whole plan, "
+                                          f"got {update_info!r}")
+            if session.received:
+                raise StateError(f"rank {host.rank_key}: update_weights called twice in one session")
+            self.check_awake(session.which, "a weight update")
+            assert self.receiver is not None
+            self.receiver.receive(session.version, session.specs, session.target,
+                                  on_agreed=lambda: self._begin_writes(session))
+            session.received = True
+            if self.overlap_audit_digest:
+                session.held_digests = self._digests.launch(session, host.device)
+        except BaseException as e:
+            self._end_session(f"update to version {session.version} failed: {e}")
+            raise
+
+    def finish(self, sender_digests: Any, *, held_manifest: bool = False) -> UpdateResult:
+        """Audit what this rank received against the sender's digests; on success the version goes live.
+
+        `sender_digests`: see inference/transfer/digests.py `expected_manifest`. Raises ChecksumMismatch
+        (naming the first tensor and this rank) on a mismatch, a missing or an extra tensor, or digests
+        of another rule; the model is then torn. `held_manifest` adds the digests of the parameters
+        this rank holds (engine names, a second pass over every byte), for comparing replicas.
+        """
+        session = self._require_session("finish_weight_update")
+        rank = self._host.rank_key
+        try:
+            if not session.received:
+                raise StateError(f"rank {rank}: finish_weight_update before update_weights completed")
+            expected = expected_manifest(sender_digests, which=session.which, version=session.version,
+                                         rank=rank, specs=session.specs, algorithm=session.algorithm)
+            if self._asleep(session.which) is not None:
+                raise StateError(f"rank {rank}: the {session.which} weights were put to sleep during the update, "
+                                 "which dropped the received bytes; wake_up and sync again")
+            held = session.held_digests.result() if session.held_digests is not None else None
+            if held is None:
+                held = self._digests.now(session)
+            received = session.target.received_manifest(session.version, held)
+            report = Report.merge([compare(expected, received), session.target.tied_report(received)])
+            if not report.ok:
+                raise ChecksumMismatch(report)
+            held = self._held(session.which, session.version, session.algorithm) if held_manifest else None
+        except BaseException as e:
+            self._end_session(f"audit of version {session.version} failed: {e}")
+            raise
+        state = self._state(session.which)
+        state.version, state.torn, state.torn_reason, state.loaded = session.version, False, None, True
+        self._set_arena_valid(session.which, True)
+        self._received[session.which] = received
+        self._session = None
+        return UpdateResult(session.which, session.version, rank, report, received, held)
+
+    def abort(self, reason: str = "aborted by the caller") -> None:
+        """End the open session (if any); its model stays torn if any byte may have been written."""
+        if self._session is not None:
+            self._end_session(reason)
+
+    def reset(self, which: str | None = None) -> None:
+        """Zero the weights of `which` (default: every model); not servable until a sync passes."""
+        models = self._host.models
+        if self._session is not None:
+            raise StateError(f"rank {self._host.rank_key}: cannot reset weights while an update session is open")
+        for name in [which] if which is not None else list(models):
+            if name not in models:
+                raise StateError(f"rank {self._host.rank_key}: no {name} model loaded")
+            with torch.no_grad():
+                for p in models[name].parameters():
+                    p.zero_()
+            self._state(name).loaded = False
+
+    # ---- digests of what is held --------------------------------------------------------------------
+    def held_manifest(self, which: str = "target", algorithm: str | None = None) -> Manifest:
+        """The digests of the parameters this rank holds now (its shards, engine names) at its live
+        version, by `algorithm` (None: checksum.pick_algorithm over them, the device rule on a GPU)."""
+        if which not in self._host.models:
+            raise InvalidRequestError("model", f"rank {self._host.rank_key}: no {which} model loaded "
+                                      f"(models: {sorted(self._host.models)})")
+        self.check_awake(which, "digesting them")
+        return self._held(which, self._state(which).version, algorithm)
+
+    def checksums(self, which: str = "target") -> dict[str, str]:
+        """Digests of the parameters this rank holds (its shards, engine names), keyed rank:name."""
+        host = self._host
+        if which not in host.models:
+            raise StateError(f"rank {host.rank_key}: no {which} model loaded")
+        records = digest_tensors(list(host.models[which].named_parameters()))
+        return {f"{host.rank_key}:{r.name}": r.digest for r in records}
+
+    def settle_digest(self) -> None:
+        """Wait for the overlapped received digest, if one runs, and drop its result. Call before
+        anything releases or rewrites the weights' memory (Worker.sleep and shutdown do): finish then
+        digests the bytes the model holds after it."""
+        session = self._session
+        if session is not None and session.held_digests is not None:
+            pending, session.held_digests = session.held_digests, None
+            pending.settle()  # its outcome no longer matters: finish digests afresh
+
+    def warm_up(self) -> None:
+        """Compile the device digest for this rank's GPU now (seconds, once), so the first sync does not."""
+        if self._host.device is not None:
+            self._digests.warm_up(self._host.device)
+
+    def close(self) -> None:
+        """Settle the overlapped digest and stop its thread (the worker is shutting down)."""
+        self.settle_digest()
+        self._digests.close()
+
+    # ---- helpers ------------------------------------------------------------------------------------
+    def _held(self, which: str, version: int, algorithm: str | None) -> Manifest:
+        return self._digests.manifest(self._host.models[which], which, version, self._host.rank_key, algorithm)
+
+    def _require_session(self, what: str) -> Session:
+        if self._session is None:
+            raise StateError(f"rank {self._host.rank_key}: {what} without a matching start_weight_update")
+        return self._session
+
+    def _begin_writes(self, session: Session) -> None:
+        """Both ends agreed on the plan: from here on the model's bytes may change."""
+        session.bytes_moved = True
+        self._mark_torn(session.which, f"update to version {session.version} in progress")
+        self._set_arena_valid(session.which, False)
+
+    def _mark_torn(self, which: str, reason: str) -> None:
+        state = self._state(which)
+        state.torn, state.torn_reason = True, reason
+
+    def _end_session(self, reason: str) -> None:
+        session = self._session
+        assert session is not None
+        if session.held_digests is not None:
+            session.held_digests.settle()  # nobody reads the model after the session is gone
+        self._session = None
+        if session.bytes_moved:
+            self._mark_torn(session.which, reason)
+            log.error("rank %s: %s model torn: %s", self._host.rank_key, session.which, reason)
+
+
+def _fault_from_env() -> Fault | None:
+    """Test-only fault injection: SIDECAR_WEIGHT_FAULT="flip:<tensor name>"."""
+    spec = envs.WEIGHT_FAULT.get()
+    if not spec:
+        return None
+    kind, _, name = spec.partition(":")
+    return (kind, name)

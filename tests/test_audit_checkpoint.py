@@ -1,0 +1,108 @@
+"""`sidecar audit --url URL --checkpoint DIR` against a real `sidecar launch --model DIR` (CPU): the
+documented way to check that a sidecar holds a checkpoint, with no false mismatches from the fused
+qkv_proj / gate_up_proj, TP shards, a padded vocabulary or the served dtype; and `--url` with nothing
+to compare says so (exit 2) instead of "OK"."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from checksum import manifest_from_tensors
+from inference.loader import iter_hf_tensors
+from inference.tiny import make_tiny_model
+from sidecar.cli import main
+from tests.helpers_sidecar import REPO, Sidecar, launch
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("ckpt") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path) -> Iterator[Sidecar]:
+    proc = launch("--model", str(model_dir))
+    yield proc
+    assert proc.stop() == 0, proc.log
+
+
+def audit_process(*args: str) -> subprocess.CompletedProcess[str]:
+    """The command exactly as docs/checksums.md writes it, in a process of its own."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    return subprocess.run([sys.executable, "-m", "sidecar.cli", "audit", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_sidecar_serving_the_checkpoint_matches_it(server: Sidecar, model_dir: Path) -> None:
+    proc = audit_process("--url", server.url, "--checkpoint", str(model_dir))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # 3 layers x 7 parameters + embedding (tied: also the head) + final norm, under the sidecar's names
+    assert proc.stdout.startswith("OK: 23 tensors on 1 rank match"), proc.stdout
+
+
+def test_the_checkpoint_as_it_is_gives_the_false_mismatches_the_docs_warn_of(
+        server: Sidecar, model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    naive = manifest_from_tensors(dict(iter_hf_tensors(model_dir)), model="target", weight_version=0,
+                                  rank="dp0:pp0:tp0")
+    naive.save(tmp_path / "naive.json")
+    assert main(["audit", "--url", server.url, str(tmp_path / "naive.json")]) == 1
+    rows = [line.split()[:4] for line in capsys.readouterr().out.splitlines()[1:-1]]
+    assert ["dp0:pp0:tp0", "target", "missing", "model.layers.0.self_attn.q_proj.weight"] in rows
+    assert ["dp0:pp0:tp0", "target", "extra", "model.layers.0.self_attn.qkv_proj.weight"] in rows
+    assert ["dp0:pp0:tp0", "target", "extra", "model.layers.0.mlp.gate_up_proj.weight"] in rows
+
+
+def test_another_checkpoint_fails_naming_the_fused_tensor(server: Sidecar, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    other = make_tiny_model(tmp_path / "other", seed=1)
+    assert main(["audit", "--url", server.url, "--checkpoint", str(other), "--max-rows", "0"]) == 1
+    rows = [line.split()[:4] for line in capsys.readouterr().out.splitlines()[1:-1]]
+    assert ["dp0:pp0:tp0", "target", "digest", "model.layers.0.self_attn.qkv_proj.weight"] in rows
+    assert ["dp0:pp0:tp0", "target", "digest", "model.layers.2.mlp.gate_up_proj.weight"] in rows
+    assert {r[2] for r in rows} == {"digest"}  # same names, shapes and dtypes: only the bytes differ
+
+
+def test_the_device_rule_is_computed_on_the_host_for_the_comparison(
+        server: Sidecar, model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A GPU sidecar's held digests are of the device rule: --checkpoint digests by each rank's rule."""
+    assert main(["audit", "--url", server.url, "--checkpoint", str(model_dir), "--algorithm", "xxh3_64_seg64k"]) == 0
+    assert capsys.readouterr().out.startswith("OK: 23 tensors on 1 rank match")
+
+
+def test_url_with_nothing_to_compare_says_so(server: Sidecar) -> None:
+    proc = audit_process("--url", server.url)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("sidecar audit: error: ") and "nothing to compare" in proc.stderr
+    assert "--checkpoint" in proc.stderr and len(proc.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--checkpoint", "DIR"], "--checkpoint: needs --url"),
+    (["--url", "URL", "--checkpoint", "DIR", "--source", "received"], "--checkpoint: describes held weights"),
+    (["--url", "URL", "--checkpoint", "DIR", "e.json"], "--checkpoint: give EXPECTED.json or --checkpoint"),
+    (["--url", "URL", "--algorithm", "sha256"], "--algorithm: unknown digest rule 'sha256'"),
+])
+def test_meaningless_combinations_exit_2_before_any_request(argv: list[str], message: str,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["audit", *argv]) == 2  # "URL" is no address: reaching it would fail differently
+    assert message in capsys.readouterr().err
+
+
+def test_tp2_shards_a_padded_vocabulary_and_the_served_dtype(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Untied llama, vocabulary 513 (padded to 514 over 2 ranks), float32 checkpoint served in bfloat16."""
+    model = make_tiny_model(tmp_path / "llama", family="llama", vocab_size=513, tie_word_embeddings=False)
+    server = launch("--model", str(model), "--tp", "2", "--dtype", "bfloat16")
+    try:
+        assert main(["audit", "--url", server.url, "--checkpoint", str(model)]) == 0
+        assert capsys.readouterr().out.startswith("OK: 42 tensors on 2 ranks match")  # 21 a rank
+        assert main(["audit", "--url", server.url]) == 2  # two shards, no replica of either
+        assert "ranks: dp0:pp0:tp0, dp0:pp0:tp1" in capsys.readouterr().err
+    finally:
+        assert server.stop() == 0, server.log

@@ -1,0 +1,355 @@
+"""`Fleet`: several sidecar replicas behind one trainer, used wherever a SidecarClient is.
+
+`Fleet([url, ...])` has the client's API that `WeightSyncHook` uses (state, sleep, wake_up,
+sync_weights, generate), over every replica at once:
+- sleep and wake_up go to every replica concurrently (out-of-rotation ones too: a restarted replica
+  must free its memory with the rest). A replica whose call fails is taken out of rotation; the call
+  fails only when every replica fails (with the first one's error; FleetGoneError if all are gone).
+- sync_weights: one sync per step in which every rank of every replica joins ONE transfer group, so
+  the bytes go out in one broadcast (trainer_hooks/fleet_sync.py). The hook hands the fleet a maker of
+  WeightSenders, because the number of receivers follows the replicas that take part.
+- One weight version across the fleet: rollouts go only to replicas in rotation, and a replica is in
+  rotation only while it holds the fleet's version. One that fails its audit, misses a sync, dies, or
+  answers with another version is taken out, with its reason (`status()`, the sync's report), and
+  re-admitted by its next good sync, while the rest keep serving.
+- generate: each prompt, with its n samples, goes to the replica with the fewest outstanding
+  sequences; one call per replica, concurrently; results in prompt order, each output's `metrics`
+  carrying "replica" (its dp index) and "retries". A replica that dies mid-request (connection lost,
+  503) is taken out and its unfinished prompts are sent to the others at once, each at most
+  `max_retries` times; the call fails only when no replica is left for a prompt.
+
+Replica i is named "dp{i}" (its position in the list; fleet_replicas.py). Imports neither torch nor
+httpx at module level (clients are built from URLs on first use; `sidecar status` builds a Fleet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from typing import Any
+
+from inference.core import InvalidRequestError, RequestOutput, SidecarError
+from trainer_hooks.client_errors import SidecarConnectionError, SidecarUnavailableError
+from trainer_hooks.fleet_replicas import (
+    FleetError,
+    FleetGoneError,
+    Replica,
+    admissible,
+    check_dp_ranks,
+    pick_replicas,
+    sequences_of,
+)
+from trainer_hooks.fleet_sync import FleetGroup
+
+GONE = (SidecarConnectionError, SidecarUnavailableError)  # a replica that went away, not a bad request
+
+__all__ = ["Fleet", "FleetError", "FleetGoneError"]
+
+
+class Fleet:
+    """See the module docstring. `replicas`: URLs (or SidecarClient-like objects, used as given)."""
+
+    def __init__(self, replicas: Iterable[str | Any], api_key: str | None = None, *, timeout: float = 30.0,
+                 long_timeout: float = 900.0, retries: int = 1, max_retries: int = 1) -> None:
+        items = list(replicas)
+        if not items:
+            raise InvalidRequestError("replicas", "a fleet needs at least one replica URL")
+        if max_retries < 0:
+            raise InvalidRequestError("max_retries", f"must be >= 0, got {max_retries}")
+        clients = [self._client(x, api_key, timeout, long_timeout, retries) for x in items]
+        self.replicas = [Replica(i, c) for i, c in enumerate(clients)]
+        self.max_retries = max_retries
+        self.version: int | None = None  # the fleet's weight version; None until first contact finds one
+        self._lock = threading.Lock()  # rotation, outstanding counts, version
+        self._contacted = False
+        self.pool = ThreadPoolExecutor(max(4, 4 * len(items)), thread_name_prefix="fleet")
+        self._group = FleetGroup(self)
+
+    @staticmethod
+    def _client(item: str | Any, api_key: str | None, timeout: float, long_timeout: float, retries: int) -> Any:
+        if not isinstance(item, str):
+            return item
+        from trainer_hooks.client import SidecarClient  # httpx only when a fleet is built from URLs
+
+        return SidecarClient(item, api_key, timeout, long_timeout=long_timeout, retries=retries)
+
+    def close(self) -> None:
+        """Close the transfer group this fleet built and every client (the replicas keep running)."""
+        self._group.close()
+        self.pool.shutdown(wait=True)
+        for r in self.replicas:
+            close = getattr(r.client, "close", None)
+            if close is not None:
+                close()
+
+    def release_sender(self) -> None:
+        """Close the sender the fleet built from the hook's maker (the next sync builds a new one)."""
+        self._group.close()
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- rotation -------------------------------------------------------------------------------
+    @property
+    def in_rotation(self) -> list[int]:
+        with self._lock:
+            return [r.index for r in self.replicas if r.in_rotation]
+
+    def take_out(self, replica: Replica, reason: str) -> None:
+        with self._lock:
+            replica.take_out(reason)
+
+    def each(self, replicas: Sequence[Replica], fn: Callable[[Replica], Any]) -> dict[int, Any]:
+        """fn(replica) for every replica concurrently: {index: result, or the exception it raised}."""
+        futures = {r.index: self.pool.submit(fn, r) for r in replicas}
+        return {i: (f.exception() if f.exception() is not None else f.result()) for i, f in futures.items()}
+
+    def probe(self, replicas: Sequence[Replica] | None = None) -> dict[int, dict[str, Any] | BaseException]:
+        """Every replica's /state (or the error reaching it), concurrently; records its ranks and takes
+        out one that restarted while in rotation (its weights are the checkpoint's again)."""
+        targets = list(self.replicas if replicas is None else replicas)
+        found = self.each(targets, lambda r: r.client.state())
+        for r in targets:
+            s = found[r.index]
+            if isinstance(s, BaseException):
+                if not isinstance(s, SidecarError):
+                    raise s
+                continue
+            ranks = s.get("ranks", [])
+            keys, pids = tuple(str(x.get("rank")) for x in ranks), tuple(int(x.get("pid") or 0) for x in ranks)
+            with self._lock:
+                if r.pids and pids != r.pids and r.in_rotation:
+                    r.take_out("restarted (new rank processes); the next good sync re-admits it")
+                r.rank_keys, r.pids = keys, pids
+            check_dp_ranks(r)
+        self._first_contact(targets, found)
+        return found
+
+    def _first_contact(self, probed: Sequence[Replica], found: Mapping[int, Any]) -> None:
+        """Admit, once, the replicas that serve the newest healthy version (fleet_replicas.admissible)."""
+        states = {i: s for i, s in found.items() if not isinstance(s, BaseException)}
+        if self._contacted or len(probed) != len(self.replicas) or not states:
+            return  # with none reachable, first contact waits for one
+        newest, out = admissible(states)
+        with self._lock:
+            self._contacted = True
+            self.version = newest
+            for r in self.replicas:
+                if r.index in out:
+                    r.take_out(out[r.index])
+                elif r.index not in states:
+                    r.take_out(f"unreachable: {found[r.index]}")
+                else:
+                    r.admit(newest)
+
+    def _contact(self) -> None:
+        if not self._contacted:
+            self.probe()
+
+    def settle_sync(self, model: str, version: int, passed: Collection[int], out: Mapping[int, str]) -> None:
+        """After a sync: a target sync admits every replica that passed and sets the fleet's version; any
+        sync takes out the replicas in `out`."""
+        with self._lock:
+            for r in self.replicas:
+                if r.index in out:
+                    r.take_out(out[r.index])
+                elif model == "target" and r.index in passed:
+                    r.admit(version)
+            if model == "target" and passed:
+                self.version = version
+
+    # ---- what the hook calls -----------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """A fleet's /state as the hook reads it: the newest target version, the transfer settings, and
+        `replicas` (status())."""
+        found = self.probe()
+        states = [s for s in found.values() if not isinstance(s, BaseException)]
+        if not states:
+            raise FleetGoneError(self._reasons("every replica is unreachable", found))
+        backends = {s.get("transfer", {}).get("backend") for s in states} - {None}
+        if len(backends) > 1:
+            raise FleetError(f"the replicas were launched with different --transfer backends: {sorted(backends)}")
+        versions = [int(s.get("weight_versions", {}).get("target", 0)) for s in states]
+        return {"healthy": all(s.get("healthy") for s in states) and len(states) == len(self.replicas),
+                "weight_versions": {"target": max(versions)},
+                "transfer": {"backend": next(iter(backends), None),
+                             "bucket_bytes": states[0].get("transfer", {}).get("bucket_bytes"),
+                             "num_receivers": sum(len(s.get("ranks", [])) for s in states)},
+                "replicas": self._rows(found)}
+
+    def status(self) -> list[dict[str, Any]]:
+        """One row per replica: name, url, reachable, healthy, version, torn, sleeping, in_rotation, reason,
+        outstanding (this fleet's), queued_sequences (the replica's), ranks (fleet keys)."""
+        return self._rows(self.probe())
+
+    def _rows(self, found: Mapping[int, Any]) -> list[dict[str, Any]]:
+        rows = []
+        with self._lock:
+            for r in self.replicas:
+                s = found.get(r.index)
+                ok = isinstance(s, dict)
+                st: dict[str, Any] = s if isinstance(s, dict) else {}
+                rows.append({"replica": r.name, "url": r.url, "reachable": ok, "healthy": bool(st.get("healthy")),
+                             "error": None if ok else str(s), "version": st.get("weight_versions", {}).get("target"),
+                             "torn": st.get("torn", {}).get("target"), "sleeping": st.get("sleeping"),
+                             "in_rotation": r.in_rotation, "reason": r.reason, "outstanding": r.outstanding,
+                             "queued_sequences": st.get("queued_sequences"), "ranks": r.fleet_keys()})
+        return rows
+
+    def sleep(self, level: int = 1, in_flight: str = "finish", *, timeout: float | None = None) -> dict[str, Any]:
+        return self._control("sleep", lambda r: r.client.sleep(level, in_flight, timeout=timeout))
+
+    def wake_up(self, tags: list[str] | None = None, *, timeout: float | None = None) -> dict[str, Any]:
+        return self._control("wake_up", lambda r: r.client.wake_up(tags, timeout=timeout))
+
+    def _control(self, what: str, fn: Callable[[Replica], Any]) -> dict[str, Any]:
+        """fn on every replica; failures take their replica out (module docstring)."""
+        self._contact()
+        found = self.each(self.replicas, fn)
+        errors = {i: e for i, e in found.items() if isinstance(e, BaseException)}
+        for e in errors.values():
+            if not isinstance(e, SidecarError):
+                raise e
+        if len(errors) == len(self.replicas):
+            if all(isinstance(e, GONE) for e in errors.values()):
+                raise FleetGoneError(self._reasons(f"{what}: every replica is gone", errors))
+            raise next(iter(errors.values()))
+        for i, e in errors.items():
+            self.take_out(self.replicas[i], f"{what} failed: {e}")
+        return {"replicas": {self.replicas[i].name: v for i, v in found.items() if i not in errors},
+                "failed": {self.replicas[i].name: str(e) for i, e in errors.items()}}
+
+    def sync_weights(self, sender: Any, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
+                     version: int, model: str = "target", *, allow_cast: bool = False) -> dict[str, Any]:
+        """One sync of every reachable replica through one transfer group (trainer_hooks/fleet_sync.py).
+        `sender`: a callable num_receivers -> WeightSender (the fleet builds one per membership and owns
+        it), or a WeightSender whose num_receivers fits the replicas' ranks. Returns the fleet's audit
+        (fleet_replicas.sync_report); raises FleetGoneError when no replica could take part."""
+        self._contact()
+        named = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        return self._group.sync(sender, named, version, model, allow_cast)
+
+    # ---- rollouts -----------------------------------------------------------------------------------
+    def generate(self, prompts: Any, sampling_params: Any = None, *, wait: bool = True,
+                 timeout: float | None = None) -> list[RequestOutput]:
+        """RequestOutputs in prompt order; each output's metrics has "replica" and "retries" (module
+        docstring)."""
+        self._contact()
+        items = _prompt_list(prompts)
+        params = _params_list(sampling_params, len(items))
+        call = _Rollout(items, params, wait, timeout)
+        running: dict[Future, tuple[Replica, list[int]]] = {}
+        self._dispatch(call, range(len(items)), running)
+        while running:
+            done, _ = wait_first(running)
+            replica, idxs = running.pop(done)
+            error = done.exception()
+            if isinstance(error, GONE):
+                self.take_out(replica, f"died mid-request: {error}")
+                self._dispatch(call, idxs, running)
+                continue
+            if error is not None:
+                raise error
+            outs = done.result()
+            stale = self.version is not None and any(o.weight_version != self.version for o in outs)
+            if stale:
+                got = sorted({o.weight_version for o in outs})
+                self.take_out(replica, f"answered with weight version {got}, the fleet's is {self.version}")
+                self._dispatch(call, idxs, running)
+                continue
+            for i, o in zip(idxs, outs):
+                call.results[i] = dataclasses.replace(
+                    o, request_id=str(i), metrics={**o.metrics, "replica": replica.index,
+                                                   "retries": len(call.tried[i]) - 1})
+        return [o for o in call.results if o is not None]
+
+    def _dispatch(self, call: _Rollout, idxs: Iterable[int], running: dict[Future, tuple[Replica, list[int]]]) -> None:
+        """Place prompts `idxs` (least outstanding first) and start one call per replica."""
+        idxs = list(idxs)
+        if not idxs:
+            return
+        if not self.in_rotation:
+            with self._lock:
+                why = {r.index: r.reason for r in self.replicas}
+            raise FleetGoneError(self._reasons("no replica is left in rotation to serve this call", why))
+        for i in idxs:
+            if len(call.tried[i]) > self.max_retries:
+                names = ", ".join(f"dp{j}" for j in call.tried[i])
+                raise FleetError(f"prompt {i} failed on {names}; it was retried {self.max_retries} time(s) "
+                                 f"(max_retries)")
+        with self._lock:
+            loads = {r.index: r.outstanding for r in self.replicas if r.in_rotation}
+            picks = pick_replicas(loads, [call.costs[i] for i in idxs], [set(call.tried[i]) for i in idxs])
+            if any(p is None for p in picks):
+                raise FleetGoneError(self._reasons("no replica is left to serve this call",
+                                                   {r.index: r.reason or "tried already" for r in self.replicas}))
+            groups: dict[int, list[int]] = {}
+            for i, p in zip(idxs, picks):
+                assert p is not None
+                groups.setdefault(p, []).append(i)
+                call.tried[i].append(p)
+            for p, group in groups.items():
+                self.replicas[p].outstanding += sum(call.costs[i] for i in group)
+        for p, group in groups.items():
+            replica = self.replicas[p]
+            running[self.pool.submit(self._generate_on, replica, call, group)] = (replica, group)
+
+    def _generate_on(self, replica: Replica, call: _Rollout, group: list[int]) -> list[RequestOutput]:
+        try:
+            params = call.params if not isinstance(call.params, list) else [call.params[i] for i in group]
+            return replica.client.generate([call.items[i] for i in group], params, wait=call.wait,
+                                           timeout=call.timeout)
+        finally:
+            with self._lock:
+                replica.outstanding -= sum(call.costs[i] for i in group)
+
+    def _reasons(self, head: str, why: Mapping[int, Any]) -> str:
+        return head + "".join(f"\n  {self.replicas[i].label}: {w}" for i, w in sorted(why.items()))
+
+
+@dataclasses.dataclass
+class _Rollout:
+    """One generate call's prompts, their parameters (one object, or a list per prompt) and progress."""
+
+    items: list[Any]
+    params: Any
+    wait: bool
+    timeout: float | None
+    costs: list[int] = dataclasses.field(default_factory=list)
+    tried: list[list[int]] = dataclasses.field(default_factory=list)  # per prompt, the replicas it was sent to
+    results: list[RequestOutput | None] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        n = len(self.items)
+        per = self.params if isinstance(self.params, list) else [self.params] * n
+        self.costs = [sequences_of(p) for p in per]
+        self.tried = [[] for _ in range(n)]
+        self.results = [None] * n
+
+
+def wait_first(running: Mapping[Future, Any]) -> tuple[Future, set[Future]]:
+    done, pending = wait_futures(list(running), return_when=FIRST_COMPLETED)
+    return next(iter(done)), pending
+
+
+def _prompt_list(prompts: Any) -> list[Any]:
+    """The client's rule: a string or a list of token ids is one prompt."""
+    if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
+def _params_list(sampling_params: Any, n: int) -> Any:
+    """One params object for every prompt, or a list with one per prompt."""
+    if isinstance(sampling_params, Sequence) and not isinstance(sampling_params, (str, Mapping)):
+        if len(sampling_params) != n:
+            raise InvalidRequestError("sampling_params", f"a list needs one entry per prompt ({n}), got "
+                                      f"{len(sampling_params)}")
+        return list(sampling_params)
+    return sampling_params

@@ -1,0 +1,142 @@
+"""The training-inference logprob gap: the trainer's logprobs of the rollout tokens against the rollout's.
+
+An RL trainer weighs each rollout token by exp(trainer logprob - rollout logprob) (importance
+sampling); when the sidecar and the trainer compute different numbers for the same weights, that
+ratio drifts from 1 and the policy gradient is biased. `logprob_gap(model, rollouts)` measures it
+with one padded forward of the trainer's model; `WeightSyncHook(..., logprob_gap=True)` does it after
+every `rollouts()` call and keeps the figures in `hook.stats` (the `logprob_gap_*` keys of
+`LogprobGap.as_stats`), so a trainer logs them with its other step figures.
+
+Invariants:
+- The trainer's logprobs are "raw": log_softmax of the model's logits at temperature 1, in float32
+  from logits of the model's own dtype, what the engine reports by default (SamplingParams
+  logprobs_mode="raw", docs/architecture.md "Logprobs"). Rollouts sampled with
+  logprobs_mode="processed" carry another distribution; their gap means nothing.
+- Sequences (prompt + completion) are right-padded into one batch: under causal attention a
+  position never sees the padding after it, and positions still count from 0, so no attention mask
+  is needed (ToyPolicy's forward takes none; an HF model's default positions are the same).
+- The model runs under torch.no_grad in eval mode (dropout off), then gets its mode back.
+Imports torch and nothing of the engine (tests/test_import_layers.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+STATS_PREFIX = "logprob_gap_"
+
+
+@dataclass(frozen=True)
+class LogprobGap:
+    """The gap over `tokens` completion tokens; diff = trainer logprob - rollout logprob per token.
+
+    mean: mean of diff (signed: a systematic bias shows here, rounding noise averages out);
+    mean_abs / max_abs: mean and max of |diff|; ratio_minus_one: mean of exp(diff) - 1, the importance
+    weight's mean distance from 1. All 0.0 when tokens == 0.
+    """
+
+    tokens: int
+    mean: float
+    mean_abs: float
+    max_abs: float
+    ratio_minus_one: float
+
+    def as_stats(self) -> dict[str, float | int]:
+        """Flat `logprob_gap_<field>` keys, ready for a metrics logger."""
+        return {f"{STATS_PREFIX}{k}": v for k, v in self.__dict__.items()}
+
+
+def gap_of(trainer: Sequence[torch.Tensor], rollout: Sequence[Sequence[float]]) -> LogprobGap:
+    """The gap between per-completion trainer logprobs and the rollout's own (same lengths, pairwise)."""
+    if len(trainer) != len(rollout):
+        raise ValueError(f"trainer logprobs: {len(trainer)} completions, rollout logprobs: {len(rollout)}")
+    diffs = []
+    for i, (t, r) in enumerate(zip(trainer, rollout)):
+        if t.numel() != len(r):
+            raise ValueError(f"completion {i}: {t.numel()} trainer logprobs for {len(r)} rollout logprobs")
+        diffs.append(t.detach().double().cpu().view(-1) - torch.tensor(list(r), dtype=torch.float64))
+    d = torch.cat(diffs) if diffs else torch.zeros(0, dtype=torch.float64)
+    if d.numel() == 0:
+        return LogprobGap(0, 0.0, 0.0, 0.0, 0.0)
+    if not torch.isfinite(d).all():
+        bad = int((~torch.isfinite(d)).nonzero()[0])
+        raise ValueError(f"token {bad} of the flattened completions has a non-finite logprob difference")
+    return LogprobGap(tokens=d.numel(), mean=d.mean().item(), mean_abs=d.abs().mean().item(),
+                      max_abs=d.abs().max().item(), ratio_minus_one=torch.expm1(d).mean().item())
+
+
+def completions(rollouts: Sequence[Any]) -> list[tuple[list[int], list[int], list[float]]]:
+    """(prompt ids, completion ids, rollout logprobs) of every non-empty completion, in rollout order.
+
+    `rollouts` are RequestOutputs (or anything with .prompt_token_ids and .outputs of objects with
+    .token_ids and .logprobs); a completion whose logprobs do not match its tokens is a ValueError.
+    """
+    out = []
+    for i, req in enumerate(rollouts):
+        for c in req.outputs:
+            ids, logps = list(c.token_ids), list(c.logprobs)
+            if len(ids) != len(logps):
+                raise ValueError(f"rollout {i} completion {c.index}: {len(ids)} tokens but {len(logps)} logprobs")
+            if ids:
+                out.append((list(req.prompt_token_ids), ids, logps))
+    return out
+
+
+def trainer_logprobs(model: nn.Module, sequences: Sequence[tuple[Sequence[int], Sequence[int]]],
+                     pad_id: int = 0) -> list[torch.Tensor]:
+    """log p(completion token | everything before it) under `model`, one float32 tensor per
+    (prompt ids, completion ids) pair, from one right-padded forward (module docstring)."""
+    if not sequences:
+        return []
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    rows = [list(p) + list(c) for p, c in sequences]
+    if any(len(p) == 0 for p, _ in sequences):
+        raise ValueError("a rollout has an empty prompt: its first token has no logprob to compare")
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, :len(r)] = torch.tensor(r, dtype=torch.long)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = _logits(model(ids.to(device)))
+    finally:
+        model.train(was_training)
+    out = []
+    for b, (p, c) in enumerate(sequences):
+        start = len(p) - 1  # the logits at position t predict token t + 1
+        rows_logits = logits[b, start:start + len(c)].float()
+        target = torch.tensor(list(c), dtype=torch.long, device=rows_logits.device)
+        out.append(torch.log_softmax(rows_logits, dim=-1).gather(-1, target[:, None]).squeeze(-1).cpu())
+    return out
+
+
+def logprob_gap(model: nn.Module, rollouts: Sequence[Any], pad_id: int = 0) -> LogprobGap:
+    """The gap between `model`'s logprobs of the rollout tokens and the rollout's (module docstring)."""
+    items = completions(rollouts)
+    trainer = trainer_logprobs(model, [(p, c) for p, c, _ in items], pad_id)
+    return gap_of(trainer, [r for _, _, r in items])
+
+
+def _logits(out: Any) -> torch.Tensor:
+    """A forward's logits: the tensor itself (ToyPolicy), `.logits` (transformers) or the first item."""
+    if isinstance(out, torch.Tensor):
+        return out
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise TypeError(f"the model's forward returned {type(out).__name__}, not logits or an object with .logits")
+
+
+def is_finite_gap(gap: LogprobGap) -> bool:
+    """True when every figure is a finite number (a NaN weight shows up here first)."""
+    return all(math.isfinite(v) for v in (gap.mean, gap.mean_abs, gap.max_abs, gap.ratio_minus_one))
