@@ -21,6 +21,7 @@ Every case runs with async scheduling off and on ("async" in the JSON; --async-s
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import tempfile
@@ -140,6 +141,18 @@ def build_llm(model: str, device: str, max_batch: int, max_len: int, overlap: bo
 def run_case(model: str, device: str, batch: int, prompt_len: int, new_tokens: int,
              overlap: bool) -> dict[str, Any]:
     llm = build_llm(model, device, batch, prompt_len + new_tokens + 16, overlap)
+    try:
+        return _measure(llm, model, device, batch, prompt_len, new_tokens, overlap)
+    finally:  # each case builds its own engine: give its memory back before the next one sizes its KV cache
+        llm.worker.shutdown()
+        del llm
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _measure(llm: LLM, model: str, device: str, batch: int, prompt_len: int, new_tokens: int,
+             overlap: bool) -> dict[str, Any]:
     vocab = min(llm.model_config.vocab_size, 4096)
     g = torch.Generator().manual_seed(batch)
     prompts = torch.randint(4, vocab, (batch, prompt_len), generator=g).tolist()

@@ -274,8 +274,9 @@ def run_shape(shape: str, args: argparse.Namespace, rates: tuple[float, float]) 
         vocab = llm.model_config.vocab_size
         work = draw_workload(args, vocab, args.seed)
         warm = draw_workload(args, vocab, args.seed + 7)
-        warm = replace(warm, lengths=[[1 + (i + j) % min(16, args.len_cap) for j in range(args.samples)]
-                                      for i in range(args.prompts)])
+        if args.warmup == "short":
+            warm = replace(warm, lengths=[[1 + (i + j) % min(16, args.len_cap) for j in range(args.samples)]
+                                          for i in range(args.prompts)])
         cost = ModelCost.of(llm)
         device = llm.worker.device
         name = torch.cuda.get_device_name(device) if device is not None and device.type == "cuda" else "cpu"
@@ -307,6 +308,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--len-sigma", type=float, default=0.757, help="lognormal sigma (0.757: mean ~466)")
     ap.add_argument("--len-cap", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0, help="the workload RNG")
+    ap.add_argument("--warmup", choices=["full", "short"], default="full",
+                    help="full: an untimed run of a whole workload (other prompts, another draw of the lengths) before "
+                         "each timed one, so first-use costs (graph uploads at a size's first replay, late "
+                         "kernel specialisations) stay out of every mode's figure; short: samples of 1-16 tokens")
     ap.add_argument("--max-num-seqs", type=int, default=0, help="0: auto (chosen from the KV cache)")
     ap.add_argument("--kv-gib", type=float, default=0.0, help="0: size the KV cache from free memory")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)

@@ -1,40 +1,10 @@
 """Re-export of the trainer's-side client (trainer_hooks/client.py), where `SidecarClient` and its
-errors live now; `from sidecar.client import ...` keeps working."""
+errors live now; `from sidecar.client import ...` keeps working. The names are that module's `__all__`,
+declared there once."""
 
 from __future__ import annotations
 
-from trainer_hooks.client import (
-    SidecarAuthError,
-    SidecarBusyError,
-    SidecarChecksumError,
-    SidecarClient,
-    SidecarConnectionError,
-    SidecarHTTPError,
-    SidecarMemoryError,
-    SidecarNotFoundError,
-    SidecarRequestError,
-    SidecarServerError,
-    SidecarStateError,
-    SidecarTransferError,
-    SidecarUnavailableError,
-    error_from_response,
-    records_json,
-)
+from trainer_hooks import client as _client
+from trainer_hooks.client import *  # noqa: F403
 
-__all__ = [
-    "SidecarAuthError",
-    "SidecarBusyError",
-    "SidecarChecksumError",
-    "SidecarClient",
-    "SidecarConnectionError",
-    "SidecarHTTPError",
-    "SidecarMemoryError",
-    "SidecarNotFoundError",
-    "SidecarRequestError",
-    "SidecarServerError",
-    "SidecarStateError",
-    "SidecarTransferError",
-    "SidecarUnavailableError",
-    "error_from_response",
-    "records_json",
-]
+__all__ = list(_client.__all__)

@@ -194,6 +194,16 @@ class FinishWeightUpdate(Command):
 
 
 @dataclass(frozen=True)
+class AbortWeightUpdate(Command):
+    """End the open update session, if any (POST /weights/abort, or its lease ran out). The model is
+    torn if any byte may have been written (so nothing half-written is served), else it serves its
+    live version again. Reply: whether a session was open."""
+
+    reason: str = "aborted by the caller"
+    reply: ClassVar[type] = bool
+
+
+@dataclass(frozen=True)
 class ReadManifest(Command):
     """The digests of `model`: "held" (this rank's shards, engine names, digested now) or "received"
     (the last finished sync's full tensors, trainer names). `algorithm`: the digest rule of "held"
@@ -207,7 +217,7 @@ class ReadManifest(Command):
 
 
 COMMANDS: tuple[type[Command], ...] = (Step, Stop, Sleep, WakeUp, InitWeightTransfer, StartWeightUpdate,
-                                       UpdateWeights, FinishWeightUpdate, ReadManifest)
+                                       UpdateWeights, FinishWeightUpdate, AbortWeightUpdate, ReadManifest)
 
 
 def check_declared(command: object, where: str = "the rank pipe") -> None:

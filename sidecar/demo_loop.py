@@ -4,6 +4,8 @@ A plain-torch copy of the served weights (trainer_hooks.toy_policy, independent 
 with a GRPO-style REINFORCE on a reward over token ids. Per step: sleep the sidecar, one Adam step on
 the last rollouts (group baseline over n samples per prompt, logprobs recomputed by the trainer), sync
 + audit, wake, rollouts at temperature 1 (with --plot, a picture of the run: sidecar/demo_plot.py).
+The hook measures every step's training-inference logprob gap (WeightSyncHook(logprob_gap=True),
+trainer_hooks/logprob_gap.py: the one owner of that figure); the table and the summary show it.
 Kept apart from the CLI module because it imports torch, httpx and the trainer hooks: `sidecar demo
 --help` imports none of them.
 """
@@ -29,6 +31,8 @@ from trainer_hooks.toy_policy import ToyPolicy, token_logprobs
 
 PROMPT_LEN = 8
 COLUMNS = ("step", "reward", "sync_ms", "audit", "sleep_ms", "wake_ms", "version")
+GAP_KEYS = {"gap_max": "logprob_gap_max_abs", "gap_mean_abs": "logprob_gap_mean_abs",
+            "gap_ratio": "logprob_gap_ratio_minus_one", "gap_tokens": "logprob_gap_tokens"}
 
 
 class _TimedClient(SidecarClient):
@@ -66,28 +70,28 @@ def _train(args: argparse.Namespace, setup: DemoSetup, client: _TimedClient, log
     prompts = make_prompts(setup.reward, setup.model, args.batch, PROMPT_LEN, args.seed)
     startup_s = round(time.perf_counter() - t_start, 2)
     rows: list[dict[str, Any]] = []
-    diffs: list[float] = []
     with WeightSyncHook(client, policy, sender=setup.backend, sleep_level=args.sleep_level,
-                        log_path=log_path) as hook:
+                        log_path=log_path, logprob_gap=True) as hook:
         batch = _rollouts(hook, prompts, args, step=0)
         rows.append({"step": 0, "reward": _reward(batch, setup.reward), "sync_ms": None, "audit": "-",
-                     "sleep_ms": None, "wake_ms": None, "version": 0, "audit_ms": None})
+                     "sleep_ms": None, "wake_ms": None, "version": 0, "audit_ms": None, **_gap(hook.stats)})
         progress = _progress(args.steps)
         for step in range(1, args.steps + 1):
             hook.stats.clear()
             client.audit_ms = 0.0
             with hook.training():
-                diffs.append(_train_step(policy, optimizer, batch, setup.reward, args.samples, setup.device))
+                _train_step(policy, optimizer, batch, setup.reward, args.samples, setup.device)
             batch = _rollouts(hook, prompts, args, step)
             rows.append(_row(step, hook.stats, _reward(batch, setup.reward), client.audit_ms))
             progress(rows[-1])
-    _print_table(rows)
+    _print_table(rows, COLUMNS)
+    _print_table(rows, ("step", *GAP_KEYS))  # the trainer-vs-rollout logprob gap of each step's rollouts
     ok = all(r["audit"] == "ok" for r in rows[1:])
+    worst = max(r["gap_max"] for r in rows)
     print(f"reward: first {rows[0]['reward']} -> last {rows[-1]['reward']}; audits "
-          f"{'all ok' if ok else 'FAILED'}; sidecar and trainer logprobs differ by at most {max(diffs):.2g}")
+          f"{'all ok' if ok else 'FAILED'}; sidecar and trainer logprobs differ by at most {worst:.2g}")
     summary = _summary(args, setup, rows, ok, policy)
-    summary.update(logprob_max_abs_diff=max(diffs), startup_s=startup_s,
-                   elapsed_s=round(time.perf_counter() - t_start, 2))
+    summary.update(startup_s=startup_s, elapsed_s=round(time.perf_counter() - t_start, 2))
     if args.plot is not None:
         summary["plot"] = _plot(rows, args.plot)
     print(json.dumps(summary))
@@ -98,7 +102,14 @@ def _row(step: int, stats: dict[str, Any], reward: float, audit_ms: float) -> di
     return {"step": step, "reward": reward, "sync_ms": stats.get("sync_ms"), "audit": stats.get("audit"),
             "sleep_ms": stats.get("sleep_ms"),
             "wake_ms": round(stats.get("wake_weights_ms", 0.0) + stats.get("wake_kv_ms", 0.0), 2),
-            "version": stats.get("version"), "audit_ms": round(audit_ms, 2), "algorithm": stats.get("algorithm")}
+            "version": stats.get("version"), "audit_ms": round(audit_ms, 2), "algorithm": stats.get("algorithm"),
+            **_gap(stats)}
+
+
+def _gap(stats: dict[str, Any]) -> dict[str, Any]:
+    """The hook's logprob-gap figures of this step's rollouts, under the demo's short names."""
+    return {short: float(f"{stats[key]:.3g}") if isinstance(stats[key], float) else stats[key]
+            for short, key in GAP_KEYS.items()}
 
 
 def _summary(args: argparse.Namespace, setup: DemoSetup, rows: list[dict[str, Any]], ok: bool,
@@ -120,7 +131,10 @@ def _summary(args: argparse.Namespace, setup: DemoSetup, rows: list[dict[str, An
         "audit_ms_median": median("audit_ms"), "audit_algorithm": steps[-1].get("algorithm"),
         "sleep_ms_median": median("sleep_ms"),
         "wake_ms_median": median("wake_ms"),
-        "sync_ms_mean": round(sum(r["sync_ms"] for r in steps) / len(steps), 2)}
+        "sync_ms_mean": round(sum(r["sync_ms"] for r in steps) / len(steps), 2),
+        # the trainer-vs-rollout gap of every step's rollouts (step 0 included), hook.stats' logprob_gap_*
+        "logprob_max_abs_diff": max(r["gap_max"] for r in rows),
+        "logprob_gap": [{k: r[k] for k in GAP_KEYS} for r in rows]}
 
 
 def _rollouts(hook: WeightSyncHook, prompts: list[list[int]], args: argparse.Namespace, step: int) -> list[Any]:
@@ -130,23 +144,20 @@ def _rollouts(hook: WeightSyncHook, prompts: list[list[int]], args: argparse.Nam
 
 
 def _train_step(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: list[Any], reward: TokenReward,
-                samples: int, device: str) -> float:
-    """One GRPO-style step; returns max |sidecar logprob - trainer logprob| (both from the same weights)."""
-    seqs, sidecar_logp, rewards = [], [], []
+                samples: int, device: str) -> None:
+    """One GRPO-style step on the rollouts (their gap to the trainer is the hook's, see _gap)."""
+    seqs, rewards = [], []
     for out in batch:
         for c in out.outputs:
             seqs.append(list(out.prompt_token_ids) + list(c.token_ids))
-            sidecar_logp.append(list(c.logprobs))
             rewards.append(reward(c.token_ids))
     r = torch.tensor(rewards, device=device).view(len(batch), samples)
     advantage = (r - r.mean(dim=1, keepdim=True)).view(-1)  # the group baseline
     logp = token_logprobs(policy, torch.tensor(seqs, device=device), len(batch[0].prompt_token_ids))
-    diff = (logp.detach().float().cpu() - torch.tensor(sidecar_logp, dtype=torch.float32)).abs().max().item()
     loss = -(advantage[:, None] * logp).mean()
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
-    return round(diff, 6)
 
 
 def _reward(batch: list[Any], reward: TokenReward) -> float:
@@ -181,9 +192,9 @@ def _progress(total: int) -> Any:
     return advance
 
 
-def _print_table(rows: list[dict[str, Any]]) -> None:
-    cells = [[str(c) for c in COLUMNS]] + [["-" if r[c] is None else str(r[c]) for c in COLUMNS] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
+def _print_table(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> None:
+    cells = [[str(c) for c in columns]] + [["-" if r[c] is None else str(r[c]) for c in columns] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
     for k, row in enumerate(cells):
         print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
         if k == 0:

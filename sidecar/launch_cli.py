@@ -30,6 +30,11 @@ from sidecar.config import FIELD_TYPES, LaunchConfig, build_config, engine_defau
 log = logging.getLogger("sidecar.launch")
 
 SERVING_LINE = "Sidecar serving on {url}"
+# An idle kept-alive connection lives this long. Longer than clients' own idle expiry (httpx, and so
+# SidecarClient: 5 s; aiohttp: 15 s) so the client always closes first: at uvicorn's 5 s both closed at
+# once, and a POST sent on the connection as the server closed it failed (ReadError), which clients do
+# not retry (scripts/fault_load.py met it twice in 18k requests).
+KEEP_ALIVE_S = 75
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -250,7 +255,7 @@ def serve(cfg: LaunchConfig, sock: socket.socket, driver: Any, plans: list[dict[
         tokenizer = Tokenizer.from_dir(cfg.tokenizer or plans[0]["model"])
     state = ServerState(driver, cfg, plans, Metrics(driver), tokenizer=tokenizer)
     config = uvicorn.Config(create_app(state), log_config=None, log_level=cfg.log_level, access_log=False,
-                            lifespan="off", timeout_graceful_shutdown=5)
+                            lifespan="off", timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S)
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from inference.core import InvalidRequestError, RequestOutput, StateError
 from sidecar.commands import (
+    AbortWeightUpdate,
     Command,
     ErrorInfo,
     FinishWeightUpdate,
@@ -104,11 +105,22 @@ def _build_llm(spec: RankSpec) -> Any:
     tp = None
     if spec.size > 1:
         device_id = torch.device("cuda", spec.rank) if spec.backend == "nccl" else None  # bind NCCL to our GPU
-        dist.init_process_group(spec.backend, init_method=f"tcp://127.0.0.1:{spec.dist_port}", rank=spec.rank,
-                                world_size=spec.size, timeout=timedelta(seconds=spec.dist_timeout_s),
-                                device_id=device_id)
+        dist.init_process_group(spec.backend, store=_tp_store(spec), rank=spec.rank, world_size=spec.size,
+                                timeout=timedelta(seconds=spec.dist_timeout_s), device_id=device_id)
         tp = TPInfo(rank=spec.rank, size=spec.size, group=dist.group.WORLD)
     return LLM(config=engine, tp=tp, dp_rank=spec.dp_rank)
+
+
+def _tp_store(spec: RankSpec) -> Any:
+    """The TP group's store on loopback: rank 0 serves it on 127.0.0.1 only (torch's tcp:// init method
+    would listen on every interface, unauthenticated), the other ranks dial it."""
+    import torch.distributed as dist
+
+    from inference.transfer.groups import master_store
+
+    if spec.rank == 0:
+        return master_store("127.0.0.1", spec.dist_port, spec.size, spec.dist_timeout_s)
+    return dist.TCPStore("127.0.0.1", spec.dist_port, spec.size, False, timedelta(seconds=spec.dist_timeout_s))
 
 
 def error_info(e: BaseException, rank: str | None = None, index: int | None = None) -> ErrorInfo:
@@ -159,7 +171,7 @@ class RankServer:
             Step: self._step, Sleep: self._sleep, WakeUp: self._wake_up,
             InitWeightTransfer: self._init_weight_transfer, StartWeightUpdate: self._start_weight_update,
             UpdateWeights: self._update_weights, FinishWeightUpdate: self._finish_weight_update,
-            ReadManifest: self._read_manifest,
+            AbortWeightUpdate: self._abort_weight_update, ReadManifest: self._read_manifest,
         }
 
     # ---- the loop ---------------------------------------------------------------------------
@@ -296,13 +308,26 @@ class RankServer:
         return SyncResult(result.model, result.version, result.rank, report.ok, report.summary(),
                           report.tensors_checked, result.received.algorithm, audit_s)
 
+    def _abort_weight_update(self, cmd: AbortWeightUpdate) -> bool:
+        weights = self.llm.worker.weights
+        was_open = any(weights.state(m)["session_open"] for m in weights.versions)
+        weights.abort(cmd.reason)
+        return was_open
+
     def _read_manifest(self, cmd: ReadManifest) -> dict[str, Any]:
+        """A manifest of `cmd.model`; when the updater says the model is torn it carries `torn: true` and
+        `torn_reason`, and its weight_version is then the live version the bytes are NOT."""
         weights = self.llm.worker.weights
         if cmd.source == "held":
-            return dict(weights.held_manifest(cmd.model, cmd.algorithm).to_dict())
-        if cmd.source == "received":
-            return dict(weights.received_manifest(cmd.model, cmd.algorithm).to_dict())
-        raise InvalidRequestError("source", f"must be 'held' or 'received', got {cmd.source!r}")
+            out = dict(weights.held_manifest(cmd.model, cmd.algorithm).to_dict())
+        elif cmd.source == "received":
+            out = dict(weights.received_manifest(cmd.model, cmd.algorithm).to_dict())
+        else:
+            raise InvalidRequestError("source", f"must be 'held' or 'received', got {cmd.source!r}")
+        state = weights.state(cmd.model)
+        if state["torn"]:
+            out["torn"], out["torn_reason"] = True, state["torn_reason"]
+        return out
 
     def plan(self) -> dict[str, Any]:
         """This rank's device memory plan and model facts (reported once, at startup), and the torch

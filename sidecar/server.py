@@ -114,8 +114,10 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        kind = {404: "NotFound", 405: "MethodNotAllowed", 413: "PayloadTooLarge"}.get(e.status_code, "HTTPError")
-        return respond(e.status_code, kind, str(e.detail), "body" if e.status_code == 413 else None,
+        kind = {400: "MalformedBody", 404: "NotFound", 405: "MethodNotAllowed",
+                413: "PayloadTooLarge"}.get(e.status_code, "HTTPError")
+        # FastAPI's own 400 is a body it could not parse (bytes that are not JSON in the declared encoding)
+        return respond(e.status_code, kind, str(e.detail), "body" if e.status_code in (400, 413) else None,
                        headers=e.headers)
 
     # No handler for Exception here: sidecar/server_guard.py answers those (a handler here would run in

@@ -6,6 +6,11 @@ names). The replica rule is sidecar/audit_rules.py. `expected` adds the sidecar-
 expected manifest (or a list of the sender's records) applies to every rank, several are matched by
 rank key.
 
+Torn models (issue 20): the torn flag and version are the WeightUpdater's, read with the manifest in the
+same rank command, so /state, /checksums and /audit cannot disagree. A manifest of a torn model carries
+`torn: true` and `torn_reason` (its weight_version is the last good version, which these bytes are NOT),
+and an audit of a torn model is not ok, its summary naming each torn rank and why, whatever the digests.
+
 Digest rule (docs/checksums.md): "held" manifests are digested by the rank's default (the device rule on
 a GPU) or by `algorithm` (a query parameter of both routes); POST /audit with no `algorithm` follows the
 rule its expected manifest(s) name, so a manifest of either rule is checked against digests of its own
@@ -30,6 +35,7 @@ from sidecar.commands import ReadManifest
 from sidecar.server_common import ApiError, ServerState, call
 
 MAX_MISMATCH_ROWS = 1000
+TORN_KEYS = ("torn", "torn_reason")  # what a rank adds to the manifest of a torn model (rank_server.py)
 
 
 def add_audit_routes(router: APIRouter, state: ServerState) -> None:
@@ -44,11 +50,18 @@ def add_audit_routes(router: APIRouter, state: ServerState) -> None:
         t0 = time.perf_counter()
         rule = _checked(algorithm) or (expected_algorithm(body.expected) if body.source == "held" else None)
         dicts = await rank_manifests(state, body.model, body.source, rule)
-        actual = [Manifest.from_dict(d, f"rank {i}") for i, d in enumerate(dicts)]
+        torn = {str(d["rank"]): str(d.get("torn_reason")) for d in dicts if d.get("torn")}
+        actual = [Manifest.from_dict({k: v for k, v in d.items() if k not in TORN_KEYS}, f"rank {i}")
+                  for i, d in enumerate(dicts)]
         report = audit_manifests(actual, body.expected, body.source)
-        if not report.ok:
-            state.metrics.audit_failures.inc()
         out = report_dict(report, body.model, body.source)
+        if torn:  # the digests may even match: torn bytes are still not the version they claim
+            out["ok"] = False
+            out["summary"] = "; ".join(f"rank {r}: the {body.model} model is torn ({why}), so it holds no "
+                                       "weight version" for r, why in torn.items()) + "; " + out["summary"]
+        out["torn"] = torn
+        if not out["ok"]:
+            state.metrics.audit_failures.inc()
         out["algorithm"] = actual[0].algorithm if actual else None
         state.metrics.sync_seconds.labels(body.model, "audit").observe(time.perf_counter() - t0)
         return out

@@ -2,8 +2,10 @@
 
 Each control endpoint sends one declared command (sidecar/commands.py) to every rank between two
 generation steps (sidecar/driver.py) and answers with every rank's reply: Sleep, WakeUp, and the
-weight sync's InitWeightTransfer, StartWeightUpdate, UpdateWeights, FinishWeightUpdate (handled in
-sidecar/rank_server.py, which calls the engine's weight-update API, inference/weights/updater.py).
+weight sync's InitWeightTransfer, StartWeightUpdate, UpdateWeights, FinishWeightUpdate and
+AbortWeightUpdate (handled in sidecar/rank_server.py, which calls the engine's weight-update API,
+inference/weights/updater.py). An open session has a lease (sidecar/weight_lease.py): idle past
+--weight-session-lease-s, or at POST /weights/abort, it is aborted. docs/limits.md has the timeouts.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from sidecar.api_models import (
     WeightsUpdateRequest,
 )
 from sidecar.commands import (
+    AbortWeightUpdate,
+    Command,
     FinishWeightUpdate,
     InitWeightTransfer,
     Sleep,
@@ -32,7 +36,8 @@ from sidecar.commands import (
     WakeUp,
 )
 from sidecar.server_audit import add_audit_routes, report_dict
-from sidecar.server_common import ApiError, ServerState, call
+from sidecar.server_common import ApiError, ServerState, await_future, call
+from sidecar.weight_lease import SessionLease
 
 _LAYOUTS_KEPT = 16
 
@@ -131,22 +136,57 @@ def _add_lifecycle_routes(router: APIRouter, state: ServerState) -> None:
         return {"paused": False}
 
 
+async def _weight_call(state: ServerState, cmd: Command) -> list[Any]:
+    """A weight command on every rank. The driver waits --rpc-timeout-s plus the longest wire timeout a
+    trainer may choose (--max-transfer-timeout-s), so the rank's own wire timeout always fires first: a
+    dead or hung trainer is a TransferError (502, model torn, a re-init heals), never a rank that looks
+    hung (503 for good)."""
+    timeout = state.config.rpc_timeout_s + state.config.max_transfer_timeout_s
+    return await await_future(None, state.driver.call(cmd, timeout), state.driver)
+
+
+def _check_init_info(state: ServerState, init_info: dict[str, Any]) -> None:
+    """The client-chosen parts of init_info that the sidecar bounds (400 naming the field)."""
+    backend = init_info.get("backend")
+    if state.config.transfer is not None and backend != state.config.transfer:
+        raise ApiError(400, "InvalidRequestError", f"this sidecar was launched with --transfer "
+                       f"{state.config.transfer}, the sender uses {backend!r}", "init_info.backend")
+    if state.config.api_key is not None and not init_info.get("auth"):
+        raise ApiError(400, "InvalidRequestError", "this sidecar has an API key, so the weight transfer's store "
+                       "clients authenticate: the sender must name a session secret (WeightSender.init_info() "
+                       "does)", "init_info.auth")
+    timeout_s, limit = init_info.get("timeout_s"), state.config.max_transfer_timeout_s
+    if isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and timeout_s > limit:
+        raise ApiError(400, "InvalidRequestError", f"is {timeout_s:g} s, more than this sidecar allows "
+                       f"({limit:g} s, --max-transfer-timeout-s): a trainer that hangs must not hold the ranks "
+                       "longer", "init_info.timeout_s")
+
+
 def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
     layout_bytes: dict[str, int] = {}  # per manifest layout key, its bytes (for a layout-only start's metric)
 
+    async def expire() -> None:
+        opened = await _weight_call(state, AbortWeightUpdate(f"the session sat idle for {lease.lease_s:g} s "
+                                                             "(--weight-session-lease-s)"))
+        if any(opened):
+            _failed(state)
+
+    lease = SessionLease(state.config.weight_session_lease_s, expire)
+
     @router.post("/weights/init", summary="Join the trainer's transfer group (run while the sender connects)")
     async def weights_init(body: WeightsInitRequest) -> dict[str, Any]:
-        backend = body.init_info.get("backend")
-        if state.config.transfer is not None and backend != state.config.transfer:
-            raise ApiError(400, "InvalidRequestError", f"this sidecar was launched with --transfer "
-                           f"{state.config.transfer}, the sender uses {backend!r}", "init_info.backend")
-        ranks = await call(state, InitWeightTransfer(body.init_info))
+        _check_init_info(state, body.init_info)
+        with lease.call():
+            ranks = await _weight_call(state, InitWeightTransfer(body.init_info))
+        lease.closed()  # the ranks abandoned any open session for the new group
         return {"ranks": ranks}
 
     @router.post("/weights/start", summary="Open an update session: validate the whole manifest first")
     async def weights_start(body: WeightsStartRequest) -> dict[str, Any]:
         t0 = time.perf_counter()
-        await call(state, StartWeightUpdate(body.model, body.version, body.manifest, body.allow_cast))
+        with lease.call():
+            await _weight_call(state, StartWeightUpdate(body.model, body.version, body.manifest, body.allow_cast))
+        lease.opened()
         state.metrics.sync_seconds.labels(body.model, "start").observe(time.perf_counter() - t0)
         state.sync_started[body.model] = (t0, _manifest_bytes(body.manifest, layout_bytes))
         return {"model": body.model, "version": body.version, "started": True}
@@ -159,8 +199,10 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
                            f"{len(info)}", "update_info")
         t0 = time.perf_counter()
         try:
-            await call(state, UpdateWeights(body.update_info if body is not None else None))
+            with lease.call():
+                await _weight_call(state, UpdateWeights(body.update_info if body is not None else None))
         except ApiError:
+            lease.closed()  # a failed update ends the session on every rank
             _failed(state)
             raise
         state.metrics.sync_seconds.labels(_open_model(state), "update").observe(time.perf_counter() - t0)
@@ -171,12 +213,15 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
         model = _open_model(state)
         t0 = time.perf_counter()
         try:
-            results: list[SyncResult] = await call(state, FinishWeightUpdate(body.digests))
+            with lease.call():
+                results: list[SyncResult] = await _weight_call(state, FinishWeightUpdate(body.digests))
         except ApiError as e:
             if e.kind == "checksum":
                 state.metrics.audit_failures.inc()
             _failed(state)
             raise
+        finally:
+            lease.closed()  # finish ends the session, passed or failed
         now = time.perf_counter()
         state.metrics.sync_seconds.labels(model, "finish").observe(now - t0)
         state.metrics.sync_seconds.labels(model, "audit").observe(max(r.audit_s for r in results))
@@ -192,6 +237,14 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
                 "algorithm": results[0].algorithm,
                 "ranks": [{"rank": r.rank, "ok": r.ok, "summary": r.summary} for r in results],
                 "audit": {**report_dict(audit, results[0].model, "received"), "algorithm": results[0].algorithm}}
+
+    @router.post("/weights/abort", summary="End the open update session now; generation resumes")
+    async def weights_abort() -> dict[str, Any]:
+        lease.closed()
+        opened = await _weight_call(state, AbortWeightUpdate("aborted by POST /weights/abort"))
+        if any(opened):
+            _failed(state)
+        return {"aborted": any(opened), "state": state_dict(state)}
 
 
 def _open_model(state: ServerState) -> str:

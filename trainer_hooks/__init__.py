@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from trainer_hooks.client import SidecarClient
     from trainer_hooks.fleet import Fleet, FleetError, FleetGoneError
     from trainer_hooks.hook import AuditError, SidecarGoneError, WeightSyncHook, sampling
+    from trainer_hooks.logprob_gap import LogprobGap, measure_logprob_gap
     from trainer_hooks.sources import (
         collect_weights,
         deepspeed_weights,
@@ -29,20 +30,23 @@ if TYPE_CHECKING:
 _CLIENT = ("SidecarClient",)
 _FLEET = ("Fleet", "FleetError", "FleetGoneError")
 _HOOK = ("AuditError", "SidecarGoneError", "WeightSyncHook", "sampling")
+_GAP = ("LogprobGap", "measure_logprob_gap")
 _SOURCES = ("collect_weights", "deepspeed_weights", "fsdp2_weights", "merged_lora_weights", "module_weights",
             "named_parameters", "normalize_name", "unwrap")
 
-__all__ = [  # the four groups above, spelled out for linters and readers
+__all__ = [  # the five groups above, spelled out for linters and readers
     "AuditError",
     "Fleet",
     "FleetError",
     "FleetGoneError",
+    "LogprobGap",
     "SidecarClient",
     "SidecarGoneError",
     "WeightSyncHook",
     "collect_weights",
     "deepspeed_weights",
     "fsdp2_weights",
+    "measure_logprob_gap",
     "merged_lora_weights",
     "module_weights",
     "named_parameters",
@@ -59,6 +63,8 @@ def __getattr__(name: str) -> Any:
         from trainer_hooks import fleet as module  # type: ignore[no-redef]
     elif name in _HOOK:
         from trainer_hooks import hook as module  # type: ignore[no-redef]
+    elif name in _GAP:
+        from trainer_hooks import logprob_gap as module  # type: ignore[no-redef]
     elif name in _SOURCES:
         from trainer_hooks import sources as module  # type: ignore[no-redef]
     else:

@@ -211,6 +211,10 @@ class SidecarClient:
     def finish_weights(self, digests: Any, *, timeout: float | None = None) -> dict[str, Any]:
         return self._post("/weights/finish", {"digests": records_json(digests)}, timeout=timeout or self.long_timeout)
 
+    def abort_weights(self, *, timeout: float | None = None) -> dict[str, Any]:
+        """POST /weights/abort: end the open update session now ({"aborted": whether one was open})."""
+        return self._post("/weights/abort", timeout=timeout or self.long_timeout)
+
     def audit(self, model: str = "target", source: str = "held", expected: Any = None, *,
               algorithm: str | None = None, timeout: float | None = None) -> dict[str, Any]:
         """POST /audit. `algorithm`: the rule of "held" digests (default: the one `expected` manifests

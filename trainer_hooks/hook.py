@@ -44,6 +44,7 @@ from inference.transfer.backends import check_backend, default_backend
 from inference.transfer.sender import WeightSender
 from trainer_hooks.client_errors import SidecarChecksumError, SidecarConnectionError, SidecarUnavailableError
 from trainer_hooks.fleet import Fleet
+from trainer_hooks.logprob_gap import measure_logprob_gap
 from trainer_hooks.sources import collect_weights
 
 log = logging.getLogger("trainer_hooks")
@@ -72,7 +73,7 @@ class WeightSyncHook:
                  sleep_level: int = 1, sync_every: int = 1, grad_accum_steps: int = 1, audit: bool = True,
                  retry_on_mismatch: bool = False, rank: int | None = None, is_sender: bool | None = None,
                  sender_rank: int = 0, allow_cast: bool = False, log_path: str | Path | None = None,
-                 transfer_timeout_s: float = 120.0) -> None:
+                 transfer_timeout_s: float = 120.0, logprob_gap: bool = False) -> None:
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level!r}")
         if sync_every < 1 or grad_accum_steps < 1:
@@ -85,6 +86,7 @@ class WeightSyncHook:
         self.is_sender = is_sender if is_sender is not None else self.rank == sender_rank
         self.log_path = Path(log_path) if log_path is not None else None
         self.transfer_timeout_s = transfer_timeout_s
+        self.logprob_gap = logprob_gap  # measure the trainer-vs-rollout gap after each rollouts() call
         self._sender: WeightSender | None = sender if isinstance(sender, WeightSender) else None
         self._backend = sender if isinstance(sender, str) else None
         self._owns_sender = self._sender is None
@@ -145,6 +147,7 @@ class WeightSyncHook:
         """Wake the KV cache (and the weights if no sync refilled them) and generate on the sending rank.
 
         broadcast: also hand the outputs to every other rank (torch.distributed, the trainer's group).
+        With logprob_gap=True the hook then measures the trainer-vs-rollout logprob gap (stats).
         """
         outputs: list[Any] = []
         if self.is_sender:
@@ -154,7 +157,17 @@ class WeightSyncHook:
             box = [outputs]
             torch.distributed.broadcast_object_list(box, src=self.sender_rank)
             outputs = box[0]
+        if self.logprob_gap and outputs:
+            self._measure_gap(outputs)
         return outputs
+
+    def _measure_gap(self, outputs: list[Any]) -> None:
+        """stats["logprob_gap_*"]: self.model's logprobs of the rollout tokens against the rollout's
+        (trainer_hooks/logprob_gap.py). Runs on the ranks that hold the outputs: a sharded model's
+        forward is a collective, so such trainers pass broadcast=True."""
+        t0 = time.perf_counter()
+        self.stats.update(measure_logprob_gap(self.model, outputs).as_stats())
+        self.stats["logprob_gap_ms"] = _ms(t0)
 
     def wake(self) -> None:
         """Wake the KV cache, and the weights too when no sync refilled them (level 1 restores them

@@ -15,7 +15,11 @@ backend by name: the backend's end hands its data plane in.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import secrets
+import socket
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -48,7 +52,9 @@ class InitInfo:
     """What a receiver needs to join the sender's group (JSON-able; the sidecar forwards it).
 
     `ranks` optionally maps a rank key ("dp0:pp0:tp1") to its group rank; without it a receiver's
-    rank is 1 + dp_rank * tp_size + tp_rank.
+    rank is 1 + dp_rank * tp_size + tp_rank. `auth`: the session's secret (WeightSender makes a random
+    one per session). It travels only in this dict (over the sidecar's authenticated HTTP API), never
+    through the store: every rank proves it holds it before any group traffic (`authenticate`).
     """
 
     backend: str
@@ -59,6 +65,7 @@ class InitInfo:
     timeout_s: float
     session_id: str
     ranks: dict[str, int] | None = None
+    auth: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -73,7 +80,7 @@ class InitInfo:
         unknown = sorted(set(d) - known)
         if unknown:
             raise InvalidRequestError(f"init_info.{unknown[0]}", f"unknown field (known: {sorted(known)})")
-        missing = sorted(known - {"ranks"} - set(d))
+        missing = sorted(known - {"ranks", "auth"} - set(d))
         if missing:
             raise InvalidRequestError(f"init_info.{missing[0]}", "missing field")
         info = cls(**d)
@@ -95,6 +102,8 @@ class InitInfo:
             raise bad("timeout_s", f"must be a positive number, got {self.timeout_s!r}")
         if not isinstance(self.session_id, str) or not self.session_id:
             raise bad("session_id", "must be a non-empty string")
+        if self.auth is not None and (not isinstance(self.auth, str) or len(self.auth) < 16):
+            raise bad("auth", "must be the session's secret, a string of 16 or more characters")
 
     @property
     def timeout(self) -> timedelta:
@@ -112,9 +121,47 @@ def new_session_id() -> str:
     return uuid.uuid4().hex
 
 
+def new_session_secret() -> str:
+    return secrets.token_hex(16)
+
+
+def _proof(info: InitInfo, rank: int) -> str:
+    assert info.auth is not None
+    return hmac.new(info.auth.encode(), f"{info.session_id}/rank {rank}".encode(), hashlib.sha256).hexdigest()
+
+
+def authenticate(store: dist.Store, info: InitInfo, rank: int) -> None:
+    """Prove this rank holds the session's secret, and check its peers' proofs (the sender checks every
+    receiver's, a receiver the sender's), before any group traffic. A proof is an HMAC of the session id
+    and the rank under the secret: it reveals nothing a store reader could reuse, for another rank or
+    session. Raises TransferError naming the peer whose proof is wrong. docs/limits.md says what this
+    protects (a store client without the secret is never counted as a member) and what not."""
+    store.set(f"auth/{rank}", _proof(info, rank))
+    for peer in range(1, info.world_size) if rank == 0 else [0]:
+        store.wait([f"auth/{peer}"], info.timeout)
+        if not hmac.compare_digest(store.get(f"auth/{peer}"), _proof(info, peer).encode()):
+            raise TransferError(f"group rank {peer} of session {info.session_id} did not prove the session's "
+                                "secret (init_info.auth): a store client that is not the trainer's peer")
+
+
 def master_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
-    """The sender's store server; port 0 picks a free port (read it back from `.port`)."""
-    return dist.TCPStore(host, port, world_size, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+    """A store server listening on `host` only; port 0 picks a free port (read it back from `.port`).
+
+    torch's TCPStore server listens on every interface whatever host it is given, and its store has no
+    authentication: so the socket is bound here, to `host` (the address the peers dial: loopback for a
+    trainer beside its sidecar), and handed over (`master_listen_fd`)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(max(128, world_size))
+        bound = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    return dist.TCPStore(host, bound, world_size, True, timedelta(seconds=timeout_s), wait_for_workers=False,
+                         master_listen_fd=sock.detach())  # the store owns the socket from here
 
 
 DataPlane = Callable[[dist.Store, int, int, InitInfo, torch.device], Any]  # TransferBackend.data_plane
@@ -139,6 +186,8 @@ class TransferGroup:
                 store = dist.TCPStore(info.master_host, info.master_port, info.world_size, False, self.timeout)
             session = dist.PrefixStore(f"{_KEY_PREFIX}/{info.session_id}", store)
             self._store = store
+            if info.auth is not None:
+                authenticate(session, info, rank)
             self._control = dist.ProcessGroupGloo(
                 dist.PrefixStore("control", session), rank, info.world_size, self.timeout)
             if data_plane is not None:

@@ -36,7 +36,14 @@ from inference.core import InvalidRequestError, StateError
 from inference.transfer.backends import backend_class, check_backend
 from inference.transfer.backends.base import TransferBackend
 from inference.transfer.digests import PendingRecords, RecordDigests, check_algorithm, kernel_device
-from inference.transfer.groups import InitInfo, TransferError, TransferGroup, master_store, new_session_id
+from inference.transfer.groups import (
+    InitInfo,
+    TransferError,
+    TransferGroup,
+    master_store,
+    new_session_id,
+    new_session_secret,
+)
 from inference.transfer.plan import (
     DEFAULT_BUCKET_BYTES,
     ParsedManifest,
@@ -95,7 +102,8 @@ class WeightSender:
             self._store = master_store(self._host, self._port, self.num_receivers + 1, self.timeout_s)
         if self._next_info is None:
             self._next_info = InitInfo(self.backend, self._host, self._store.port, self.num_receivers + 1,
-                                       self.bucket_bytes, float(self.timeout_s), new_session_id())
+                                       self.bucket_bytes, float(self.timeout_s), new_session_id(),
+                                       auth=new_session_secret())
         return self._next_info.to_dict()
 
     def connect(self) -> None:

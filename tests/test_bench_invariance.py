@@ -1,0 +1,80 @@
+"""scripts/bench_invariance.py on the tiny model (CPU, float32, few prompts): every case and mode prints
+its JSON line; the comparison counts bit-level differences; and what the engine already guarantees on the
+CPU holds in the measured runs (greedy tokens never depend on the batch, the cache, preemption or a
+draft; seeded tokens never depend on the batch, the cache or preemption)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from inference.core import CompletionOutput, RequestOutput
+from scripts import bench_invariance as bench
+
+ARGS = ["--shape", "tiny", "--prompts", "6", "--new", "16", "--prompt-max", "24", "--prefix-len", "16"]
+
+
+def _out(tokens: list[int], logprobs: list[float]) -> RequestOutput:
+    return RequestOutput("r", [1], [CompletionOutput(0, tokens, logprobs)], weight_version=0)
+
+
+def test_compare_counts_bitwise_equality() -> None:
+    one_ulp = math.nextafter(-0.5, 0.0)
+    ref = bench.Run([_out([1, 2], [-0.5, -1.0]), _out([3], [-2.0]), _out([4, 5], [-0.1, -0.2]), None], 2.0)
+    run = bench.Run([_out([1, 2], [-0.5, -1.0]), _out([3], [one_ulp * 4]), _out([4, 6], [-0.1, -9.0]),
+                     _out([7], [0.0])], 2.0)
+    got = bench.compare(ref, run)
+    assert got["requests"] == 3  # the prompt ref did not generate is left out
+    assert got["tokens_equal"] == round(2 / 3, 4) and got["logprobs_equal"] == round(1 / 3, 4)
+    # over the positions before the first differing token only: |-2.0 - 4 * (-0.5 + ulp)|
+    assert got["logprob_max_abs_diff"] == pytest.approx(abs(-2.0 - one_ulp * 4))
+    assert got["tokens_per_s"] == 2.5  # 5 generated tokens in 2 s
+
+
+def test_shuffled_groups_cover_every_prompt_once() -> None:
+    groups = bench.shuffled_groups(64, seed=3)
+    assert sorted(i for g in groups for i in g) == list(range(64)) and len(groups) > 1
+    assert [i for g in groups for i in g] != list(range(64))
+
+
+@pytest.fixture(scope="module")
+def lines() -> dict[tuple[str, str], dict]:
+    return {(d["mode"], d["case"]): d for d in bench.run_all(bench.parse_args(ARGS))}
+
+
+def test_every_case_and_mode_is_measured(lines: dict[tuple[str, str], dict]) -> None:
+    assert set(lines) == {(m, c) for m in bench.MODES for c in bench.CASES}
+    for (_mode, case), d in lines.items():
+        assert d["shape"] == "tiny" and d["tokens_per_s"] > 0, d
+        assert d["requests"] == (3 if case == "prefix_cached" else 6), d
+        assert 0.0 <= d["logprobs_equal"] <= d["tokens_equal"] <= 1.0, d
+    for mode in bench.MODES:
+        assert lines[mode, "alone"]["tokens_equal"] == lines[mode, "alone"]["logprobs_equal"] == 1.0
+        assert lines[mode, "prefix_cached"]["cached_tokens"] == 3 * 16  # one cached block per sharing prompt
+        assert lines[mode, "preempted"]["preemptions"] >= 1  # the small KV cache really preempted
+        assert lines[mode, "batch"]["preemptions"] == 0
+
+
+@pytest.mark.parametrize("mode,cases", [("greedy", ("batch", "shuffled", "prefix_cached", "preempted", "draft")),
+                                        ("seeded", ("batch", "shuffled", "prefix_cached", "preempted"))])
+def test_tokens_the_engine_guarantees_are_equal(lines: dict[tuple[str, str], dict], mode: str,
+                                                cases: tuple[str, ...]) -> None:
+    for case in cases:
+        d = lines[mode, case]
+        assert d["tokens_equal"] == 1.0, d
+        assert d["logprob_max_abs_diff"] < 1e-4, d  # float32 rounding only, never another distribution
+
+
+def test_main_prints_one_json_line_per_case(capsys: pytest.CaptureFixture[str]) -> None:
+    bench.main([*ARGS, "--modes", "greedy", "--cases", "alone,batch"])
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(d["mode"], d["case"]) for d in printed] == [("greedy", "alone"), ("greedy", "batch")]
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(SystemExit):
+        bench.parse_args([*ARGS, "--cases", "batch"])  # no reference
+    with pytest.raises(SystemExit):
+        bench.parse_args([*ARGS, "--modes", "sampled"])

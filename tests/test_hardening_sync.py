@@ -1,0 +1,244 @@
+"""Issue 20, items 2, 3, 4 and 7, against a real `sidecar launch` (CPU, gloo): a trainer that hangs
+mid-sync with a wire timeout longer than the driver's RPC timeout is a 502 and a torn model that a
+re-init heals (never a dead rank), and a wire timeout past the sidecar's limit is a 400; an update
+session left open is aborted by its lease or by POST /weights/abort; a torn model is reported torn by
+/checksums and /audit; the weight transfer's stores listen on the address they are given only.
+Short timeouts come through launch flags; every wait is on an answer, none is a sleep."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from inference.core import SamplingParams
+from inference.tiny import TinyModelSpec, random_weights
+from inference.transfer.groups import master_store
+from inference.transfer.sender import WeightSender
+from sidecar.client import (
+    SidecarChecksumError,
+    SidecarClient,
+    SidecarRequestError,
+    SidecarStateError,
+    SidecarTransferError,
+    records_json,
+)
+from tests.helpers_sidecar import MID_UPDATE, Sidecar, dying_sender, launch
+
+RPC_TIMEOUT_S = 2.0
+WIRE_TIMEOUT_S = 5.0  # the hanging trainer's init_info.timeout_s: longer than the driver's RPC timeout
+MAX_WIRE_TIMEOUT_S = 30.0
+LEASE_S = 3.0
+GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+WEIGHTS = random_weights(TinyModelSpec(seed=21))
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Sidecar]:
+    server = launch("--transfer", "gloo", "--rpc-timeout-s", str(RPC_TIMEOUT_S), "--max-transfer-timeout-s",
+                    str(MAX_WIRE_TIMEOUT_S), "--weight-session-lease-s", str(LEASE_S))
+    try:
+        yield server
+    finally:
+        assert server.stop() == 0, server.log
+
+
+@pytest.fixture(scope="module")
+def sender() -> Iterator[WeightSender]:
+    sender = WeightSender("gloo", bucket_bytes=256 << 10, timeout_s=20)
+    try:
+        yield sender
+    finally:
+        sender.close()
+
+
+def _sync(c: SidecarClient, sender: WeightSender, version: int) -> None:
+    """A whole sync from a fresh group (whatever the last test left behind)."""
+    c.connect_sender(sender)
+    result = c.sync_weights(sender, WEIGHTS, version)
+    assert result["ok"], result["table"]
+    assert c.state()["torn"] == {"target": False}
+
+
+def _next_version(c: SidecarClient) -> int:
+    return int(c.state()["weight_versions"]["target"]) + 1
+
+
+# ---- item 2: every client-chosen timeout is bounded; a hung trainer is a 502, not a dead rank ----------
+def test_a_wire_timeout_past_the_limit_is_a_400_naming_the_field(server: Sidecar) -> None:
+    greedy_sender = WeightSender("gloo", timeout_s=MAX_WIRE_TIMEOUT_S + 1)
+    info = greedy_sender.init_info()
+    greedy_sender.close()  # the sidecar answers before any rank dials its store
+    with SidecarClient(server.url, timeout=30) as c:
+        with pytest.raises(SidecarRequestError) as bad:
+            c.init_weights(info)
+        assert bad.value.status == 400 and bad.value.field == "init_info.timeout_s", bad.value
+        assert "--max-transfer-timeout-s" in str(bad.value)
+        assert c.state()["healthy"]
+
+
+def test_a_trainer_hung_mid_sync_past_the_rpc_timeout_is_a_502_and_a_torn_model_a_re_init_heals(
+        server: Sidecar, sender: WeightSender) -> None:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    hung = ctx.Process(target=dying_sender, args=(out, "gloo", "cpu", random_weights(TinyModelSpec(seed=98)),
+                                                  256 << 10, WIRE_TIMEOUT_S), daemon=True)
+    hung.start()
+    try:
+        with SidecarClient(server.url, timeout=120) as c:
+            version = _next_version(c)
+            info = out.get(timeout=120)
+            assert info["timeout_s"] > RPC_TIMEOUT_S
+            c.init_weights(info)
+            manifest = out.get(timeout=120)
+            if isinstance(manifest, dict) and "version" in manifest:
+                manifest["version"] = version
+            c.start_weights(version, manifest)
+            with pytest.raises(SidecarTransferError) as failed:
+                c.update_weights()  # the trainer stops at its third bucket and never sends again
+            assert failed.value.status == 502, failed.value
+            assert out.get(timeout=10) == MID_UPDATE
+            state = c.state()
+            assert state["healthy"] and c.is_healthy() and all(r["alive"] for r in state["ranks"]), state
+            assert state["torn"] == {"target": True}
+            _sync(c, sender, version)
+            assert c.generate(["heal"], GREEDY)[0].weight_version == version
+    finally:
+        hung.kill()
+        hung.join(10)
+    assert hung.exitcode == -signal.SIGKILL
+
+
+# ---- item 3: a session left open ends by its lease or by POST /weights/abort --------------------------
+def test_an_idle_session_is_aborted_by_its_lease_and_held_generation_then_runs(
+        server: Sidecar, sender: WeightSender) -> None:
+    with SidecarClient(server.url, timeout=120) as c:
+        _sync(c, sender, _next_version(c))
+        live = c.state()["weight_versions"]["target"]
+        c.connect_sender(sender)
+        c.start_weights(live + 1, sender.manifest(WEIGHTS, live + 1))  # ... and the trainer never comes back
+        t0 = time.monotonic()
+        with pytest.raises(SidecarStateError):
+            c.generate(["held"], GREEDY, wait=False)
+        out = c.generate(["held"], GREEDY)  # held until the lease aborts the session
+        held_s = time.monotonic() - t0
+        assert out[0].weight_version == live and LEASE_S * 0.8 <= held_s < LEASE_S + 30, held_s
+        state = c.state()  # no byte had moved: the live version serves on, nothing torn
+        assert state["torn"] == {"target": False} and state["weight_versions"]["target"] == live, state
+        assert "weight-session-lease-s" in server.log
+        _sync(c, sender, live + 1)
+
+
+def test_abort_ends_an_open_session_at_once_and_a_new_sync_follows(server: Sidecar, sender: WeightSender) -> None:
+    with SidecarClient(server.url, timeout=120) as c:
+        live = c.state()["weight_versions"]["target"]
+        c.connect_sender(sender)
+        c.start_weights(live + 1, sender.manifest(WEIGHTS, live + 1))
+        body = c.abort_weights()
+        assert body["aborted"] is True and body["state"]["torn"] == {"target": False}, body
+        assert c.generate(["free"], GREEDY, wait=False)[0].weight_version == live
+        assert c.abort_weights()["aborted"] is False
+        with pytest.raises(SidecarStateError):
+            c.update_weights()  # the session is gone
+        _sync(c, sender, live + 1)
+
+
+# ---- item 4: one truth about torn weights ------------------------------------------------------------
+def test_checksums_and_audit_of_a_torn_model_say_it_is_torn(server: Sidecar, sender: WeightSender) -> None:
+    with SidecarClient(server.url, timeout=120) as c:
+        live = c.state()["weight_versions"]["target"]
+        c.connect_sender(sender)
+        manifest = sender.manifest(WEIGHTS, live + 1)
+        c.start_weights(live + 1, manifest)
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(c.update_weights)
+            records = sender.send(WEIGHTS)
+            fut.result()
+        wrong = records_json(records)
+        wrong[0]["digest"] = "0" * len(wrong[0]["digest"])
+        with pytest.raises(SidecarChecksumError):
+            c.finish_weights(wrong)
+        assert c.state()["torn"] == {"target": True}
+        for source in ("held", "received"):
+            manifests = c.checksums(source=source)
+            assert manifests and all(m["torn"] is True and m["torn_reason"] for m in manifests), manifests
+        report = c.audit()
+        assert report["ok"] is False and "torn" in report["summary"], report
+        assert set(report["torn"]) == {"dp0:pp0:tp0"}
+        _sync(c, sender, live + 1)
+        assert "torn" not in c.checksums()[0] and c.audit()["ok"] is True
+
+
+# ---- item 7: the stores listen where they are told -----------------------------------------------------
+def _listening_addresses(port: int) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp* writes them) of sockets listening on `port`."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, hexport = local.rsplit(":", 1)
+            if state == "0A" and int(hexport, 16) == port:  # 0A: LISTEN
+                found.add(addr)
+    return found
+
+
+def test_the_weight_senders_store_listens_on_its_master_host_only() -> None:
+    sender = WeightSender("gloo", master_host="127.0.0.1")
+    try:
+        port = sender.init_info()["master_port"]
+        assert _listening_addresses(port) == {"0100007F"}  # 127.0.0.1, not 0.0.0.0 or ::
+        with socket.create_connection(("127.0.0.1", port), timeout=10):
+            pass
+    finally:
+        sender.close()
+    store = master_store("localhost", 0, 2, 10.0)
+    assert _listening_addresses(store.port) <= {"0100007F", "00000000000000000000000001000000"}
+    assert store.port and _listening_addresses(store.port)
+
+
+def test_a_store_client_without_the_session_secret_is_never_counted_as_a_member() -> None:
+    import dataclasses
+
+    import torch
+
+    from inference.transfer.groups import InitInfo, TransferError, TransferGroup, new_session_id
+
+    store = master_store("127.0.0.1", 0, 2, 10.0)
+    info = InitInfo("gloo", "127.0.0.1", store.port, 2, 1 << 20, 5.0, new_session_id(), auth="s" * 32)
+    impostor = dataclasses.replace(info, auth="x" * 32)  # knows the session id, not the secret
+    with ThreadPoolExecutor(2) as pool:
+        sender = pool.submit(TransferGroup, info, 0, torch.device("cpu"), store)
+        joined = pool.submit(TransferGroup, impostor, 1, torch.device("cpu"))
+        with pytest.raises(TransferError, match=r"group rank 1 .*did not prove"):
+            sender.result(timeout=30)
+        with pytest.raises(TransferError, match=r"group rank 0 .*did not prove"):
+            joined.result(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def keyed() -> Iterator[Sidecar]:
+    server = launch("--transfer", "gloo", env={"SIDECAR_API_KEY": "k" * 24})
+    try:
+        yield server
+    finally:
+        assert server.stop() == 0, server.log
+
+
+def test_with_an_api_key_a_sync_authenticates_its_store_clients(keyed: Sidecar) -> None:
+    sender = WeightSender("gloo", bucket_bytes=256 << 10, timeout_s=20)
+    try:
+        with SidecarClient(keyed.url, api_key="k" * 24, timeout=120) as c:
+            bare = {k: v for k, v in sender.init_info().items() if k != "auth"}
+            with pytest.raises(SidecarRequestError) as bad:
+                c.init_weights(bare)
+            assert bad.value.status == 400 and bad.value.field == "init_info.auth", bad.value
+            _sync(c, sender, 1)
+            assert c.generate(["keyed"], GREEDY)[0].weight_version == 1
+    finally:
+        sender.close()
