@@ -6,6 +6,8 @@ then tensor name, then kind in KINDS order. A tensor's digest does not cover its
 dtype and shape are compared on their own: same bytes under another shape is still a mismatch.
 Manifests of two different algorithms have incomparable digests: that is one "algorithm" mismatch
 naming both, and their digests are not compared (names, dtypes and shapes still are).
+A torn actual manifest (a sync failed after its first byte may have been written) is always a "torn"
+mismatch, even where every digest matches: those bytes are not the weight version the manifest names.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from checksum.manifest import MODELS, Manifest, parse_rank_key
 
 # Rank-level, then manifest-level, then per-tensor kinds; the order is part of the canonical order.
 KINDS = (
-    "missing_rank", "extra_rank", "algorithm", "model", "weight_version",
+    "missing_rank", "extra_rank", "torn", "algorithm", "model", "weight_version",
     "missing", "extra", "dtype", "shape", "digest",
 )
 _TENSOR_KINDS = frozenset(("missing", "extra", "dtype", "shape", "digest"))
@@ -50,6 +52,9 @@ class Mismatch:
             return f"no manifest for {where} (expected {self.expected})"
         if self.kind == "extra_rank":
             return f"unexpected manifest for {where} ({self.actual})"
+        if self.kind == "torn":
+            return (f"the model on {where} is torn ({self.actual}): it holds no weight version (a re-sync "
+                    "heals it)")
         if self.kind == "algorithm":
             return (f"algorithm of manifest on {where}: expected {self.expected}, got {self.actual} "
                     "(digests of different algorithms cannot be compared: digest both sides with one)")
@@ -71,7 +76,8 @@ class Report:
 
     @classmethod
     def build(cls, mismatches: Iterable[Mismatch], ranks: Iterable[str], tensors_checked: int) -> Report:
-        return cls(tuple(sorted(mismatches, key=Mismatch.sort_key)),
+        # a fact two rules found (a torn rank: its replicas' and the expected digests') is listed once
+        return cls(tuple(sorted(set(mismatches), key=Mismatch.sort_key)),
                    tuple(sorted(set(ranks), key=_rank_order)), tensors_checked)
 
     @classmethod
@@ -131,6 +137,9 @@ def compare(expected: Manifest, actual: Manifest) -> Report:
     """Compare one rank's manifest with what was expected; mismatches name `actual.rank`."""
     rank, model = actual.rank, expected.model
     found: list[Mismatch] = []
+    if actual.torn:
+        found.append(Mismatch("torn", rank, model, "", f"weight version {expected.weight_version}",
+                              str(actual.torn_reason)))
     same_algorithm = expected.algorithm == actual.algorithm
     if not same_algorithm:
         found.append(Mismatch("algorithm", rank, model, "", expected.algorithm, actual.algorithm))

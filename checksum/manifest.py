@@ -28,6 +28,7 @@ MODELS = ("target", "draft")
 _RANK_RE = re.compile(r"dp(\d+):pp(\d+):tp(\d+)")
 _DIGEST_RE = re.compile(r"[0-9a-f]{32}")
 _KEYS = ("format", "format_version", "algorithm", "model", "weight_version", "rank", "tensors")
+_TORN_KEYS = ("torn", "torn_reason")  # optional: present (both) only in the manifest of a torn model
 _RECORD_KEYS = ("name", "dtype", "shape", "digest")
 
 
@@ -58,10 +59,16 @@ class Manifest:
     records: tuple[TensorRecord, ...]
     algorithm: str = ALGORITHM
     format_version: int = FORMAT_VERSION
+    # Set when the rank's model is torn (a sync failed or was abandoned after its first byte may have
+    # been written): these bytes are then NOT `weight_version` (the last good version), and any audit
+    # of the manifest fails with a "torn" mismatch, whatever its digests say.
+    torn_reason: str | None = None
 
     def __post_init__(self) -> None:
         _check_header("<manifest>", self.format_version, self.algorithm, self.model,
                       self.weight_version, self.rank)
+        if self.torn_reason is not None and (not isinstance(self.torn_reason, str) or not self.torn_reason):
+            raise ManifestError("<manifest>", "torn_reason", f"must be a non-empty string, got {self.torn_reason!r}")
         if not isinstance(self.records, (tuple, list)):
             raise ManifestError("<manifest>", "records", f"must be a tuple of TensorRecords, got "
                                 f"{_json_type(self.records)}")
@@ -77,19 +84,24 @@ class Manifest:
     def by_name(self) -> dict[str, TensorRecord]:
         return {r.name: r for r in self.records}
 
+    @property
+    def torn(self) -> bool:
+        return self.torn_reason is not None
+
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "format": FORMAT,
             "format_version": self.format_version,
             "algorithm": self.algorithm,
             "model": self.model,
             "weight_version": self.weight_version,
             "rank": self.rank,
-            "tensors": [
-                {"name": r.name, "dtype": r.dtype, "shape": list(r.shape), "digest": r.digest}
-                for r in self.records
-            ],
         }
+        if self.torn:  # only a torn model's manifest carries the keys: a good one's file is unchanged
+            out.update(torn=True, torn_reason=self.torn_reason)
+        out["tensors"] = [{"name": r.name, "dtype": r.dtype, "shape": list(r.shape), "digest": r.digest}
+                          for r in self.records]
+        return out
 
     def to_json(self) -> str:
         """Canonical text: fixed key order, one tensor per line (diff-friendly), trailing newline."""
@@ -112,8 +124,8 @@ class Manifest:
         if not isinstance(data, dict):
             raise ManifestError(source, "<root>", f"expected a JSON object, got {_json_type(data)}")
         for key in data:
-            if key not in _KEYS:
-                raise ManifestError(source, str(key), f"unknown field (known: {', '.join(_KEYS)})")
+            if key not in _KEYS and key not in _TORN_KEYS:
+                raise ManifestError(source, str(key), f"unknown field (known: {', '.join(_KEYS + _TORN_KEYS)})")
         for key in _KEYS:
             if key not in data:
                 raise ManifestError(source, key, "missing field")
@@ -122,8 +134,9 @@ class Manifest:
         _check_header(source, data["format_version"], data["algorithm"], data["model"],
                       data["weight_version"], data["rank"])
         records = _records_from_json(source, data["tensors"])
+        torn_reason = _torn_reason(source, data)
         return cls(data["model"], data["weight_version"], data["rank"], records,
-                   data["algorithm"], data["format_version"])
+                   data["algorithm"], data["format_version"], torn_reason)
 
     @classmethod
     def from_json(cls, text: str, source: str = "<string>") -> Manifest:
@@ -215,6 +228,18 @@ def _check_header(source: str, format_version: object, algorithm: object, model:
         raise ManifestError(source, "weight_version", f"must be an integer >= 0, got {weight_version!r}")
     if not isinstance(rank, str) or _RANK_RE.fullmatch(rank) is None:
         raise ManifestError(source, "rank", f"must be a rank key like 'dp0:pp0:tp0', got {rank!r}")
+
+
+def _torn_reason(source: str, data: dict) -> str | None:
+    """The torn reason of a parsed manifest: "torn" must be true and come with a non-empty reason."""
+    if "torn" not in data and "torn_reason" not in data:
+        return None
+    if data.get("torn") is not True:
+        raise ManifestError(source, "torn", f"must be true when present (with torn_reason), got {data.get('torn')!r}")
+    reason = data.get("torn_reason")
+    if not isinstance(reason, str) or not reason:
+        raise ManifestError(source, "torn_reason", f"must be a non-empty string with torn: true, got {reason!r}")
+    return reason
 
 
 def _records_from_json(source: str, tensors: object) -> list[TensorRecord]:

@@ -35,7 +35,6 @@ from sidecar.commands import ReadManifest
 from sidecar.server_common import ApiError, ServerState, call
 
 MAX_MISMATCH_ROWS = 1000
-TORN_KEYS = ("torn", "torn_reason")  # what a rank adds to the manifest of a torn model (rank_server.py)
 
 
 def add_audit_routes(router: APIRouter, state: ServerState) -> None:
@@ -50,16 +49,10 @@ def add_audit_routes(router: APIRouter, state: ServerState) -> None:
         t0 = time.perf_counter()
         rule = _checked(algorithm) or (expected_algorithm(body.expected) if body.source == "held" else None)
         dicts = await rank_manifests(state, body.model, body.source, rule)
-        torn = {str(d["rank"]): str(d.get("torn_reason")) for d in dicts if d.get("torn")}
-        actual = [Manifest.from_dict({k: v for k, v in d.items() if k not in TORN_KEYS}, f"rank {i}")
-                  for i, d in enumerate(dicts)]
+        actual = [Manifest.from_dict(d, f"rank {i}") for i, d in enumerate(dicts)]
         report = audit_manifests(actual, body.expected, body.source)
-        out = report_dict(report, body.model, body.source)
-        if torn:  # the digests may even match: torn bytes are still not the version they claim
-            out["ok"] = False
-            out["summary"] = "; ".join(f"rank {r}: the {body.model} model is torn ({why}), so it holds no "
-                                       "weight version" for r, why in torn.items()) + "; " + out["summary"]
-        out["torn"] = torn
+        out = report_dict(report, body.model, body.source)  # a torn rank is a "torn" mismatch: not ok
+        out["torn"] = {m.rank: m.torn_reason for m in actual if m.torn}
         if not out["ok"]:
             state.metrics.audit_failures.inc()
         out["algorithm"] = actual[0].algorithm if actual else None

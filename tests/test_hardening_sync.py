@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from checksum import Manifest, pick_algorithm
 from inference.core import SamplingParams
 from inference.tiny import TinyModelSpec, random_weights
 from inference.transfer.groups import master_store
@@ -29,6 +30,7 @@ from sidecar.client import (
     SidecarTransferError,
     records_json,
 )
+from sidecar.cli import main as cli_main
 from tests.helpers_sidecar import MID_UPDATE, Sidecar, dying_sender, launch
 
 RPC_TIMEOUT_S = 2.0
@@ -150,7 +152,8 @@ def test_abort_ends_an_open_session_at_once_and_a_new_sync_follows(server: Sidec
 
 
 # ---- item 4: one truth about torn weights ------------------------------------------------------------
-def test_checksums_and_audit_of_a_torn_model_say_it_is_torn(server: Sidecar, sender: WeightSender) -> None:
+def test_checksums_and_audit_of_a_torn_model_say_it_is_torn(server: Sidecar, sender: WeightSender, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
     with SidecarClient(server.url, timeout=120) as c:
         live = c.state()["weight_versions"]["target"]
         c.connect_sender(sender)
@@ -171,8 +174,15 @@ def test_checksums_and_audit_of_a_torn_model_say_it_is_torn(server: Sidecar, sen
         report = c.audit()
         assert report["ok"] is False and "torn" in report["summary"], report
         assert set(report["torn"]) == {"dp0:pp0:tp0"}
+        assert [m["kind"] for m in report["mismatches"]] == ["torn"], report  # once, though two rules saw it
+        # the CLI reads the torn manifest (it used to refuse it: "unknown field torn") and fails the audit
+        good = tmp_path / "sent.json"
+        Manifest("target", live + 1, "dp0:pp0:tp0", tuple(records), pick_algorithm(WEIGHTS.values())).save(good)
+        assert cli_main(["audit", "--url", server.url, "--source", "received", str(good)]) == 1
+        assert "is torn" in capsys.readouterr().out
         _sync(c, sender, live + 1)
         assert "torn" not in c.checksums()[0] and c.audit()["ok"] is True
+        assert cli_main(["audit", "--url", server.url, "--source", "received", str(good)]) == 0
 
 
 # ---- item 7: the stores listen where they are told -----------------------------------------------------
