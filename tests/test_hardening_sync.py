@@ -22,6 +22,7 @@ from inference.core import SamplingParams
 from inference.tiny import TinyModelSpec, random_weights
 from inference.transfer.groups import master_store
 from inference.transfer.sender import WeightSender
+from sidecar.cli import main as cli_main
 from sidecar.client import (
     SidecarChecksumError,
     SidecarClient,
@@ -30,7 +31,6 @@ from sidecar.client import (
     SidecarTransferError,
     records_json,
 )
-from sidecar.cli import main as cli_main
 from tests.helpers_sidecar import MID_UPDATE, Sidecar, dying_sender, launch
 
 RPC_TIMEOUT_S = 2.0
@@ -83,6 +83,23 @@ def test_a_wire_timeout_past_the_limit_is_a_400_naming_the_field(server: Sidecar
         assert bad.value.status == 400 and bad.value.field == "init_info.timeout_s", bad.value
         assert "--max-transfer-timeout-s" in str(bad.value)
         assert c.state()["healthy"]
+
+
+def test_connect_sender_raises_the_sidecars_refusal_at_once_not_a_join_timeout(server: Sidecar) -> None:
+    """The sender's wait for receivers that will never come is called off when the sidecar refuses the
+    init: the trainer sees the 400 naming the field in a second, not a TransferError after 200 s."""
+    greedy_sender = WeightSender("gloo", timeout_s=MAX_WIRE_TIMEOUT_S + 1)
+    try:
+        with SidecarClient(server.url, timeout=30) as c:
+            t0 = time.monotonic()
+            with pytest.raises(SidecarRequestError) as bad:
+                c.connect_sender(greedy_sender)
+            waited = time.monotonic() - t0
+            assert bad.value.status == 400 and bad.value.field == "init_info.timeout_s", bad.value
+            assert waited < 10, f"connect_sender waited {waited:.0f} s for receivers the sidecar refused"
+            assert not greedy_sender.connected and c.state()["healthy"]
+    finally:
+        greedy_sender.close()
 
 
 def test_a_trainer_hung_mid_sync_past_the_rpc_timeout_is_a_502_and_a_torn_model_a_re_init_heals(

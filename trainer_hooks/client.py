@@ -227,10 +227,15 @@ class SidecarClient:
 
     # ---- a whole sync with inference.transfer.sender.WeightSender -----------------------------------
     def connect_sender(self, sender: Any) -> dict[str, Any]:
-        """Join sender and sidecar: POST /weights/init in a thread while sender.connect() blocks."""
+        """Join sender and sidecar: POST /weights/init in a thread while sender.connect() blocks. When the
+        sidecar refuses the init (a 400 naming the field, a 409, a dead rank) the sender's wait for
+        receivers is called off at once and that error is raised, not a join timeout minutes later."""
         info = sender.init_info()
         with ThreadPoolExecutor(1, thread_name_prefix="sidecar-init") as pool:
             fut = pool.submit(self.init_weights, info)
+            if hasattr(sender, "call_off_connect"):
+                fut.add_done_callback(lambda f: f.exception() is not None and sender.call_off_connect(
+                    f"the sidecar refused the init: {f.exception()}"))
             _join_both(fut, sender.connect)
             return fut.result()
 

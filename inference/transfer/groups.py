@@ -130,7 +130,7 @@ def _proof(info: InitInfo, rank: int) -> str:
     return hmac.new(info.auth.encode(), f"{info.session_id}/rank {rank}".encode(), hashlib.sha256).hexdigest()
 
 
-def authenticate(store: dist.Store, info: InitInfo, rank: int) -> None:
+def authenticate(store: dist.Store, info: InitInfo, rank: int, cancelled: Cancelled | None = None) -> None:
     """Prove this rank holds the session's secret, and check its peers' proofs (the sender checks every
     receiver's, a receiver the sender's), before any group traffic. A proof is an HMAC of the session id
     and the rank under the secret: it reveals nothing a store reader could reuse, for another rank or
@@ -138,10 +138,29 @@ def authenticate(store: dist.Store, info: InitInfo, rank: int) -> None:
     protects (a store client without the secret is never counted as a member) and what not."""
     store.set(f"auth/{rank}", _proof(info, rank))
     for peer in range(1, info.world_size) if rank == 0 else [0]:
-        store.wait([f"auth/{peer}"], info.timeout)
+        _wait_key(store, f"auth/{peer}", info.timeout, cancelled)
         if not hmac.compare_digest(store.get(f"auth/{peer}"), _proof(info, peer).encode()):
             raise TransferError(f"group rank {peer} of session {info.session_id} did not prove the session's "
                                 "secret (init_info.auth): a store client that is not the trainer's peer")
+
+
+Cancelled = Callable[[], "str | None"]  # why the join was called off (the sidecar refused it), or None
+
+
+def _wait_key(store: dist.Store, key: str, timeout: timedelta, cancelled: Cancelled | None) -> None:
+    """store.wait, but a join the other side already refused (its /weights/init answered an error) is
+    called off within ~20 ms instead of waiting out the whole timeout."""
+    if cancelled is None:
+        store.wait([key], timeout)
+        return
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not store.check([key]):
+        reason = cancelled()
+        if reason is not None:
+            raise TransferError(f"the join was called off: {reason}")
+        if time.monotonic() > deadline:
+            store.wait([key], timedelta(milliseconds=1))  # the store's own timeout error
+        time.sleep(0.02)
 
 
 def master_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
@@ -173,7 +192,8 @@ class TransferGroup:
     (the bytes then go over the gloo control group)."""
 
     def __init__(self, info: InitInfo, rank: int, device: torch.device, store: dist.Store | None = None,
-                 label: str | None = None, data_plane: DataPlane | None = None) -> None:
+                 label: str | None = None, data_plane: DataPlane | None = None,
+                 cancelled: Cancelled | None = None) -> None:
         self.info = info
         self.rank = rank
         self.label = f"{label} (group rank {rank})" if label else f"group rank {rank}"
@@ -187,7 +207,7 @@ class TransferGroup:
             session = dist.PrefixStore(f"{_KEY_PREFIX}/{info.session_id}", store)
             self._store = store
             if info.auth is not None:
-                authenticate(session, info, rank)
+                authenticate(session, info, rank, cancelled)
             self._control = dist.ProcessGroupGloo(
                 dist.PrefixStore("control", session), rank, info.world_size, self.timeout)
             if data_plane is not None:

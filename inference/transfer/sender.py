@@ -72,6 +72,7 @@ class WeightSender:
         plan_buckets([], bucket_bytes)  # validates bucket_bytes
         self.backend, self.num_receivers, self.bucket_bytes = backend, num_receivers, bucket_bytes
         self.timeout_s, self.ipc_mode = timeout_s, ipc_mode
+        self._called_off: str | None = None  # set by call_off_connect: the join in progress is refused
         self._host, self._port = master_host, master_port
         default = "cuda" if spec.cuda else "cpu"
         self.device = torch.device(device if device is not None else default)
@@ -115,6 +116,7 @@ class WeightSender:
             raise StateError("call init_info() and give it to the sidecar's init_weight_transfer_engine "
                              "before connect()")
         info, self._next_info = self._next_info, None
+        self._called_off = None
         if self._group is not None:
             self._group.close()
             self._group = None
@@ -129,7 +131,13 @@ class WeightSender:
         self._warmed = True
 
     def _join(self, info: InitInfo) -> TransferGroup:
-        return TransferGroup(info, 0, self.device, store=self._store, label="sender", data_plane=self._end.data_plane)
+        return TransferGroup(info, 0, self.device, store=self._store, label="sender", data_plane=self._end.data_plane,
+                             cancelled=lambda: self._called_off)
+
+    def call_off_connect(self, reason: str) -> None:
+        """Make a connect() that waits for receivers fail now with TransferError(reason): the sidecar
+        refused the init_info (SidecarClient.connect_sender calls it), so nobody will join. Thread-safe."""
+        self._called_off = reason
 
     def close(self) -> None:
         if self._group is not None:
