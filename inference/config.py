@@ -129,6 +129,11 @@ class SchedulerConfig:
     # device (docs/architecture.md, Decisions). None: on for CUDA; True: also on CPU (tests); False: off.
     # Speculative decoding always runs synchronous steps.
     async_scheduling: bool | None = None
+    # Speculative decoding on the tail only (issue 24): decodes get draft tokens while at most this many
+    # decodes run; a fuller batch decodes plainly (the draft only mirrors its tokens into its cache),
+    # because verifying k + 1 rows per sequence pays off while a step is bound by reading the weights,
+    # not once the batch fills the device. 0: speculate at every batch size.
+    spec_max_batch: int = 64
 
 
 LOAD_FORMATS = ("auto", "dummy")  # EngineConfig.load_format

@@ -18,6 +18,9 @@ Speculative decoding (num_speculative_tokens = k > 0): a running decode also get
 to k draft tokens (fewer near max_tokens, max_model_len, the token budget or the free blocks; never a
 preemption for lookahead). Its blocks cover the k + 1 positions the target verifies; the budget is
 charged k + 1 tokens. Its result is a run of 1..k+1 tokens; tokens after a stop are dropped.
+Speculation is adaptive (SchedulerConfig.spec_max_batch): a step whose running decodes outnumber the
+bound schedules them without lookahead (the draft mirrors their tokens), so the draft works on the
+tail of a rollout, where the batch has drained and steps are bound by weight reads, not on a full batch.
 
 Async scheduling (the engine overlaps a step's host work with the previous step on the device):
 `advance(batch)` accounts a launched step before its tokens are known (computed tokens advance, full
@@ -129,6 +132,9 @@ class Scheduler:
                 "scheduler.max_num_batched_tokens", f"must be >= 1, got {config.max_num_batched_tokens}")
         if max_model_len < 2:
             raise InvalidRequestError("max_model_len", f"must be >= 2, got {max_model_len}")
+        if config.spec_max_batch < 0:
+            raise InvalidRequestError("scheduler.spec_max_batch", f"must be >= 0 (0: no bound), got "
+                                      f"{config.spec_max_batch}")
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -325,7 +331,8 @@ class Scheduler:
             (decodes if remaining == 1 else prefills).append(seq)
         # the common decode row, inlined (this loop runs for every row of every step): no lookahead,
         # and the blocks it holds already cover its new token, so nothing to allocate
-        plain, tokens_held, entries = not self.num_speculative_tokens, self.block_manager.block_size, plan.entries
+        speculate = self._speculates(len(decodes))
+        plain, tokens_held, entries = not speculate, self.block_manager.block_size, plan.entries
         for seq in decodes:
             if plan.budget == 0:
                 return
@@ -335,16 +342,21 @@ class Scheduler:
                 entries[seq.seq_id] = (seq, 1, 0)
                 plan.budget -= 1
             else:
-                self._schedule_one(plan, seq, True)
+                self._schedule_one(plan, seq, True, speculate)
         for seq in prefills:
             if plan.budget == 0:
                 return
             if seq.status is SequenceStatus.RUNNING:
                 self._schedule_one(plan, seq, False)
 
-    def _schedule_one(self, plan: _Plan, seq: Sequence, decodes: bool) -> None:
+    def _speculates(self, num_decodes: int) -> bool:
+        """Whether this step's decodes get draft tokens: a draft, and a batch small enough to gain."""
+        bound = self.config.spec_max_batch
+        return self.num_speculative_tokens > 0 and (bound == 0 or num_decodes <= bound)
+
+    def _schedule_one(self, plan: _Plan, seq: Sequence, decodes: bool, speculate: bool = False) -> None:
         remaining = len(seq.token_ids) - seq.num_computed_tokens
-        if decodes and self.num_speculative_tokens:
+        if decodes and speculate:
             n = self._reserve(seq, 1 + self._lookahead(seq, plan.budget - 1), plan)
             if n:
                 plan.add(seq, 1, n - 1)

@@ -211,15 +211,19 @@ def build_llm(shape: str, args: argparse.Namespace, max_len: int) -> LLM:
     if args.kv_gib:
         kw["kv_cache_bytes"] = int(args.kv_gib * 2**30)
     if shape == "tiny":
-        if args.draft_layers:
-            raise SystemExit("--draft-layers needs a Qwen shape")
+        if args.draft_layers:  # the tiny model drafts for itself (every draft token accepted): CPU smoke runs
+            from inference.tiny import default_model_dir
+
+            kw.update(draft_model=str(default_model_dir()), num_speculative_tokens=args.k,
+                      spec_max_batch=args.spec_max_batch)
         return LLM(None, device=args.device, **kw)
     from scripts.bench_generate import SHAPES
     from scripts.bench_spec import config_dir, tie_draft
 
     target = config_dir(shape, SHAPES[shape]["num_hidden_layers"], max_len)
     if args.draft_layers:
-        kw.update(draft_model=str(config_dir(shape, args.draft_layers, max_len)), num_speculative_tokens=args.k)
+        kw.update(draft_model=str(config_dir(shape, args.draft_layers, max_len)), num_speculative_tokens=args.k,
+                  spec_max_batch=args.spec_max_batch)
     llm = LLM(target, device=args.device, dtype="bfloat16", load_format="dummy",
               gpu_memory_utilization=args.gpu_memory_utilization, **kw)
     if args.draft_layers:
@@ -237,7 +241,7 @@ def run_case(llm: LLM, mode: str, work: Workload, warm: Workload, cost: ModelCos
     run(llm, warm, mode)
     llm.block_manager.reset_prefix_cache()
     preempted = llm.scheduler.preempted
-    spec_before = (llm.spec_stats.proposed, llm.spec_stats.accepted)
+    spec_before = (llm.spec_stats.proposed, llm.spec_stats.accepted, llm.spec_stats.steps)
     llm.step_log = StepLog()
     sync(device)
     t0 = time.perf_counter()
@@ -259,7 +263,8 @@ def run_case(llm: LLM, mode: str, work: Workload, warm: Workload, cost: ModelCos
     row.update(roofline_ms_per_step=1e3 * roof["roofline_s"] / max(1, steps),
                time_over_roofline=wall / roof["roofline_s"], hbm_gbps=rates[0] / 1e9,
                matmul_tflops=rates[1] / 1e12, preempted=llm.scheduler.preempted - preempted,
-               spec_acceptance=(llm.spec_stats.accepted - spec_before[1]) / proposed if proposed else None)
+               spec_acceptance=(llm.spec_stats.accepted - spec_before[1]) / proposed if proposed else None,
+               spec_steps=llm.spec_stats.steps - spec_before[2])  # steps that carried draft tokens
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
 
 
@@ -282,7 +287,8 @@ def run_shape(shape: str, args: argparse.Namespace, rates: tuple[float, float]) 
         name = torch.cuda.get_device_name(device) if device is not None and device.type == "cuda" else "cpu"
         for mode in args.modes:
             row: dict[str, object] = {"bench": "rollout", "shape": shape, "mode": mode, "prompts": args.prompts,
-                                      "samples": args.samples, "draft_layers": args.draft_layers}
+                                      "samples": args.samples, "draft_layers": args.draft_layers,
+                                      "spec_max_batch": args.spec_max_batch if args.draft_layers else None}
             row.update(run_case(llm, mode, work, warm, cost, rates))
             row.update(setup_s=round(setup_s, 2), device=name)
             print(json.dumps(row), flush=True)
@@ -317,6 +323,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--draft-layers", type=int, default=0, help="0: no draft; else a draft of that many layers")
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step (with --draft-layers)")
+    ap.add_argument("--spec-max-batch", type=int, default=64,
+                    help="with --draft-layers: speculate only while at most this many sequences decode (0: always)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--enforce-eager", action="store_true")
     args = ap.parse_args(argv)

@@ -100,6 +100,9 @@ class LaunchConfig:
     async_scheduling: bool | None = option(None, "overlap each step's host work with the previous step on the "
                                                  "GPU; unset: on for CUDA (never with a draft)",
                                            engine="async_scheduling")
+    spec_max_batch: int | None = option(None, "with --draft-model: speculate only while at most this many "
+                                              "sequences decode (the tail of a rollout); 0: at every batch size; "
+                                              "unset: the engine's 64", engine="spec_max_batch", min=0)
     enforce_eager: bool | None = option(None, "no CUDA graphs", engine="enforce_eager")
     attention_backend: str | None = option(None, "auto (per device), reference (eager torch) or triton",
                                            engine="attention_backend")

@@ -61,3 +61,12 @@ def test_model_cost_counts_the_tiny_model() -> None:
     params = sum(p.numel() * 4 for p in llm.worker.models["target"].parameters())
     embed = 0 if mc.tie_word_embeddings else mc.vocab_size * h * 4
     assert cost.weight_bytes == params - embed
+
+
+def test_a_draft_speculates_on_the_tail_only(capsys: pytest.CaptureFixture[str]) -> None:
+    """--draft-layers with --spec-max-batch 2: some steps speculate (the drained tail), not all of them,
+    and the tokens generated are the workload's."""
+    (row,) = main([*SMOKE, "--modes", "greedy", "--draft-layers", "1", "--k", "2", "--spec-max-batch", "2"])
+    work = draw_workload(parse_args(SMOKE), 512, seed=0)
+    assert row["generated_tokens"] == work.num_tokens and row["spec_max_batch"] == 2
+    assert 0 < row["spec_steps"] < row["steps"] and row["spec_acceptance"] is not None

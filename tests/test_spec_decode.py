@@ -246,3 +246,39 @@ def test_more_verify_rows_than_the_attention_backend_handles_are_refused(models:
     assert SpecDecoder(runner, draft, 3).k == 3
     with pytest.raises(ValueError, match=r"num_speculative_tokens: 4 needs 5 decode rows.*limited.*at most 4"):
         SpecDecoder(runner, draft, 4)
+
+
+def test_speculation_runs_on_the_tail_only_and_stays_lossless(models: dict[str, Path], greedy_ref: tuple) -> None:
+    """spec_max_batch=2 (issue 24): while more than two sequences decode, their steps carry no draft
+    tokens (the draft only mirrors them); once the batch drains to two, speculation starts, on the
+    tail, and greedy output is target-only's, token for token."""
+    prompts, _ = greedy_ref
+    lengths = [4, 8, 16, 28]  # a long-tailed batch: the longest sample decodes alone at the end
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    ref = token_ids(engine(models["target"]).generate(prompts, params))
+    llm = engine(models["target"], models["close"], 3, spec_max_batch=2)
+    seen: list[tuple[int, int]] = []  # (decodes in the step, draft tokens proposed in it)
+    execute = llm.worker.execute_model
+
+    def counting(batch: object, overlap: bool = False) -> object:
+        decodes = sum(1 for n in batch.num_new_tokens if n == 1)
+        seen.append((decodes, sum(batch.num_lookahead)))
+        return execute(batch, overlap)
+
+    llm.worker.execute_model = counting
+    assert token_ids(llm.generate(prompts, params)) == ref
+    assert any(proposed for _, proposed in seen), seen
+    assert all(proposed == 0 for decodes, proposed in seen if decodes > 2), seen
+    assert all(proposed > 0 for decodes, proposed in seen if 0 < decodes <= 2), seen
+    assert llm.spec_stats.proposed > 0
+    always = engine(models["target"], models["close"], 3, spec_max_batch=0)
+    assert token_ids(always.generate(prompts, params)) == ref
+    assert always.spec_stats.proposed > llm.spec_stats.proposed  # 0: every batch size speculates
+
+
+def test_spec_max_batch_below_zero_is_refused_naming_it(models: dict[str, Path]) -> None:
+    from inference.core import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as bad:
+        engine(models["target"], models["close"], 3, spec_max_batch=-1)
+    assert bad.value.field == "scheduler.spec_max_batch"

@@ -17,6 +17,8 @@ sync_weights, generate), over every replica at once:
   carrying "replica" (its dp index) and "retries". A replica that dies mid-request (connection lost,
   503) is taken out and its unfinished prompts are sent to the others at once, each at most
   `max_retries` times; the call fails only when no replica is left for a prompt.
+- rotation() and metrics_text(): what the fleet itself holds (rotation, versions, outstanding sequences,
+  counters), read without contacting a replica; trainer_hooks/fleet_metrics.py exports it to Prometheus.
 
 Replica i is named "dp{i}" (its position in the list; fleet_replicas.py). Imports neither torch nor
 httpx at module level (clients are built from URLs on first use; `sidecar status` builds a Fleet).
@@ -202,6 +204,22 @@ class Fleet:
                              "queued_sequences": st.get("queued_sequences"), "ranks": r.fleet_keys()})
         return rows
 
+    def rotation(self) -> list[dict[str, Any]]:
+        """What this fleet itself holds of each replica, read without contacting any: replica, url,
+        in_rotation, reason, version (the target version it was admitted at), outstanding, ranks (how
+        many), and the counters times_out, retried (prompts moved off it) and served (sequences)."""
+        with self._lock:
+            return [{"replica": r.name, "url": r.url, "in_rotation": r.in_rotation, "reason": r.reason,
+                     "version": r.version, "outstanding": r.outstanding, "ranks": len(r.rank_keys),
+                     "times_out": r.times_out, "retried": r.retried, "served": r.served} for r in self.replicas]
+
+    def metrics_text(self) -> str:
+        """rotation() and the fleet's version in Prometheus' text format (trainer_hooks/fleet_metrics.py;
+        needs prometheus-client). To serve them, register `FleetCollector(fleet)` instead."""
+        from trainer_hooks.fleet_metrics import metrics_text
+
+        return metrics_text(self)
+
     def sleep(self, level: int = 1, in_flight: str = "finish", *, timeout: float | None = None) -> dict[str, Any]:
         return self._control("sleep", lambda r: r.client.sleep(level, in_flight, timeout=timeout))
 
@@ -251,8 +269,7 @@ class Fleet:
             replica, idxs = running.pop(done)
             error = done.exception()
             if isinstance(error, GONE):
-                self.take_out(replica, f"died mid-request: {error}")
-                self._dispatch(call, idxs, running)
+                self._retry_elsewhere(call, replica, idxs, running, f"died mid-request: {error}")
                 continue
             if error is not None:
                 raise error
@@ -260,14 +277,23 @@ class Fleet:
             stale = self.version is not None and any(o.weight_version != self.version for o in outs)
             if stale:
                 got = sorted({o.weight_version for o in outs})
-                self.take_out(replica, f"answered with weight version {got}, the fleet's is {self.version}")
-                self._dispatch(call, idxs, running)
+                self._retry_elsewhere(call, replica, idxs, running,
+                                      f"answered with weight version {got}, the fleet's is {self.version}")
                 continue
+            with self._lock:
+                replica.served += sum(call.costs[i] for i in idxs)
             for i, o in zip(idxs, outs):
                 call.results[i] = dataclasses.replace(
                     o, request_id=str(i), metrics={**o.metrics, "replica": replica.index,
                                                    "retries": len(call.tried[i]) - 1})
         return [o for o in call.results if o is not None]
+
+    def _retry_elsewhere(self, call: _Rollout, replica: Replica, idxs: list[int],
+                         running: dict[Future, tuple[Replica, list[int]]], reason: str) -> None:
+        with self._lock:
+            replica.take_out(reason)
+            replica.retried += len(idxs)
+        self._dispatch(call, idxs, running)
 
     def _dispatch(self, call: _Rollout, idxs: Iterable[int], running: dict[Future, tuple[Replica, list[int]]]) -> None:
         """Place prompts `idxs` (least outstanding first) and start one call per replica."""

@@ -59,6 +59,10 @@ class Replica:
     rank_keys: tuple[str, ...] = ()  # as the replica names its ranks (its /state), in rank order
     pids: tuple[int, ...] = ()  # its rank processes: new pids mean a restarted replica
     version: int | None = None  # the target version its last good sync made live
+    # counters since the fleet was built (trainer_hooks/fleet_metrics.py exports them)
+    times_out: int = 0  # times it left rotation
+    retried: int = 0  # prompts moved from it to other replicas (it died or answered another version)
+    served: int = 0  # sequences it returned to this fleet's generate calls
 
     @property
     def name(self) -> str:
@@ -73,6 +77,8 @@ class Replica:
         return f"{self.name} ({self.url})"
 
     def take_out(self, reason: str) -> None:
+        if self.in_rotation:
+            self.times_out += 1
         self.in_rotation, self.reason = False, reason
 
     def admit(self, version: int | None) -> None:
