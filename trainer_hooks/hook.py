@@ -46,6 +46,7 @@ from trainer_hooks.client_errors import SidecarChecksumError, SidecarConnectionE
 from trainer_hooks.fleet import Fleet
 from trainer_hooks.logprob_gap import measure_logprob_gap
 from trainer_hooks.sources import collect_weights
+from trainer_hooks.trainer_host import trainer_host
 
 log = logging.getLogger("trainer_hooks")
 LOG_TAIL_LINES = 40
@@ -73,7 +74,8 @@ class WeightSyncHook:
                  sleep_level: int = 1, sync_every: int = 1, grad_accum_steps: int = 1, audit: bool = True,
                  retry_on_mismatch: bool = False, rank: int | None = None, is_sender: bool | None = None,
                  sender_rank: int = 0, allow_cast: bool = False, log_path: str | Path | None = None,
-                 transfer_timeout_s: float = 120.0, logprob_gap: bool = False) -> None:
+                 transfer_timeout_s: float = 120.0, logprob_gap: bool = False,
+                 trainer_host: str | None = None) -> None:
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level!r}")
         if sync_every < 1 or grad_accum_steps < 1:
@@ -86,6 +88,9 @@ class WeightSyncHook:
         self.is_sender = is_sender if is_sender is not None else self.rank == sender_rank
         self.log_path = Path(log_path) if log_path is not None else None
         self.transfer_timeout_s = transfer_timeout_s
+        # where the sidecars dial the transfer's store; None: loopback, or the address that routes to a
+        # sidecar on another machine (trainer_hooks/trainer_host.py)
+        self.trainer_host = trainer_host
         self.logprob_gap = logprob_gap  # measure the trainer-vs-rollout gap after each rollouts() call
         self._sender: WeightSender | None = sender if isinstance(sender, WeightSender) else None
         self._backend = sender if isinstance(sender, str) else None
@@ -269,7 +274,10 @@ class WeightSyncHook:
     def _new_sender(self, transfer: dict[str, Any], num_receivers: int) -> WeightSender:
         device = _model_device(self.model)
         backend = self._backend or transfer.get("backend") or default_backend(device.type, shared_gpu=False)
-        kwargs: dict[str, Any] = {"num_receivers": num_receivers, "timeout_s": self.transfer_timeout_s}
+        urls = [r.url for r in self.client.replicas] if isinstance(self.client, Fleet) else [
+            str(getattr(self.client, "url", ""))]
+        kwargs: dict[str, Any] = {"num_receivers": num_receivers, "timeout_s": self.transfer_timeout_s,
+                                  "master_host": self.trainer_host or trainer_host(urls)}
         if transfer.get("bucket_bytes"):
             kwargs["bucket_bytes"] = int(transfer["bucket_bytes"])
         if check_backend(backend).cuda:
