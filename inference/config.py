@@ -127,7 +127,8 @@ class SchedulerConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     # Overlap each step's host work (schedule, input staging, commit) with the previous step on the
     # device (docs/architecture.md, Decisions). None: on for CUDA; True: also on CPU (tests); False: off.
-    # Speculative decoding always runs synchronous steps.
+    # With a draft model only True turns it on (its plain steps overlap, the draft follows them; the
+    # speculative ones run synchronously: docs/architecture.md, "Speculation on the tail").
     async_scheduling: bool | None = None
     # Speculative decoding on the tail only (issue 24): decodes get draft tokens while at most this many
     # decodes run; a fuller batch decodes plainly (the draft only mirrors its tokens into its cache),
@@ -154,6 +155,10 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     draft_model: str | None = None
     num_speculative_tokens: int = 4
+    # Batch-invariant mode (docs/invariance.md): a request's tokens and logprobs have the same bits
+    # whatever runs beside it (batch, prefill or decode, prefix hits, chunking, preemption, a draft).
+    # Off by default until the H200 shows its cost under 5% (issue 23; scripts/bench_invariance.py).
+    batch_invariant: bool = False
 
 
 ENGINE_SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig}

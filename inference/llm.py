@@ -187,15 +187,22 @@ class LLM:
         when nothing is left to run, the step in flight is read back too."""
         if not self.worker.is_ready():
             return self._settle()
-        batch = self.scheduler.schedule()
         overlap = self._overlap
+        # a speculative step (the drained tail, with a draft) runs synchronously: settle the step in
+        # flight first, so the scheduler sees every token
+        settled = bool(overlap is not None and overlap.in_flight is not None and self.scheduler.speculates_next()
+                       and overlap.finish())
+        batch = self.scheduler.schedule()
         if batch.is_empty and (overlap is None or overlap.in_flight is None):
-            if self.scheduler.has_unfinished():
+            if self.scheduler.has_unfinished() and not settled:
                 raise StateError("scheduler made no progress with requests pending (KV cache too small?)")
-            return []
-        finished = overlap.step(batch, self.step_log) if overlap is not None else self._step_sync(batch)
+            return self._collect_finished() if settled else []
+        if overlap is not None and not any(batch.num_lookahead):
+            finished = overlap.step(batch, self.step_log)
+        else:
+            finished = self._step_sync(batch)
         # a request completes only when one of its sequences finishes (abort drops it at once)
-        return self._collect_finished() if finished else []
+        return self._collect_finished() if finished or settled else []
 
     def _step_sync(self, batch: ScheduledBatch) -> list[Sequence]:
         steps = self.step_log

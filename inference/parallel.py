@@ -29,6 +29,20 @@ class TPInfo:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def all_reduce_ordered(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of x, added in rank order on every rank (a new tensor). The batch-invariant
+        mode's all-reduce: a collective picks its algorithm, and so its order of additions, by message
+        size, which follows the batch; gathering the parts and adding them here fixes the order for a
+        given TP size, at TP times the bytes of the all-reduce."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part
+        return total
+
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's x along the last dimension, in rank order."""
         if self.size == 1:

@@ -2,6 +2,8 @@
 
 It owns the model, the KV cache tensor and the sampling generator of one rank. It knows nothing
 about requests beyond the Sequence fields it reads (tokens, computed count, block table, params).
+`batch_invariant` (EngineConfig.batch_invariant): the sampling batches and graphs it builds reduce each
+row alone (SamplingBatch.invariant); the model's layers were built for the mode by the worker.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import operator
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
+from functools import partial
+from typing import Protocol
 
 import torch
 
@@ -35,10 +39,23 @@ class StepInputs:
     last_token_index: torch.Tensor  # [len(sample_rows)] flattened index of each row's last token
 
 
+class Follower(Protocol):
+    """A second model whose KV cache follows the runner's tokens in a launched step (the draft under
+    async scheduling, inference/spec_decode.py): it computes the KV of every token the step computes,
+    from the same resolved input ids, and nothing else."""
+
+    def follow(self, inp: StepInputs) -> None: ...
+
+    def graphs_fit(self, num_rows: int, max_blocks: int) -> bool: ...
+
+    def follow_rows(self, rows: tuple[torch.Tensor, ...]) -> None: ...
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, tp: TPInfo,
-                 device: torch.device, dtype: torch.dtype, seed: int = 0) -> None:
+                 device: torch.device, dtype: torch.dtype, seed: int = 0, batch_invariant: bool = False) -> None:
         self.model = model
+        self.batch_invariant = batch_invariant
         self.model_config = model_config
         self.tp = tp
         self.device = device
@@ -59,6 +76,7 @@ class ModelRunner:
         # async scheduling: the sampled pairs of the step launched last, where the next step's
         # placeholder input ids are read on the device (inference/pending_tokens.py)
         self._pending_pairs: torch.Tensor | None = None
+        self._follow: Callable[[], None] | None = None  # a Follower's part of the step being launched
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -119,16 +137,20 @@ class ModelRunner:
         return results
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch) -> InFlightStep:
+    def launch(self, batch: ScheduledBatch, follower: Follower | None = None) -> InFlightStep:
         """Launch one step and return without waiting for the device (async scheduling).
 
         Placeholder input ids are read on the device from the sampled pairs of the step launched
         before this one (the caller resolved the older ones). The step's results are copied to host
         memory behind its sampling, before the next step can overwrite a sampling graph's output;
-        `InFlightStep.results()` then waits for this step alone."""
-        sampled, sample_rows, seqs = self._run(batch, self._pending_pairs)
+        `InFlightStep.results()` then waits for this step alone. A `follower` (the draft) computes the
+        step's tokens' KV after that copy is queued, so reading the results back never waits for it."""
+        sampled, sample_rows, seqs = self._run(batch, self._pending_pairs, follower)
         self._pending_pairs = sampled.pairs if sampled is not None else None
         host, ready = _copy_to_host(sampled) if sampled is not None else (None, None)
+        follow, self._follow = self._follow, None
+        if follow is not None:
+            follow()
         return InFlightStep(len(batch.seqs), sample_rows, seqs, host, ready, self.collect)
 
     def collect(self, step: InFlightStep) -> list[SampleResult | None]:
@@ -142,18 +164,21 @@ class ModelRunner:
                 results[row] = res
         return results
 
-    def _run(self, batch: ScheduledBatch, pending: torch.Tensor | None
+    def _run(self, batch: ScheduledBatch, pending: torch.Tensor | None, follower: Follower | None = None
              ) -> tuple[_Sampled | None, list[int], list[Sequence]]:
         """Launch a step's forward and sampling: (the sampled pairs on the device, None when no row
-        samples; the batch rows that sample; their sequences). `pending`: see `prepare`."""
+        samples; the batch rows that sample; their sequences). `pending`: see `prepare`. A follower's
+        part is left in self._follow (launch runs it), its inputs resolved now, while `pending` holds."""
         assert self.kv_cache is not None, "bind_kv_cache first"
-        logits = self._graph_decode(batch, pending) if self.graphs is not None else None
+        logits = self._graph_decode(batch, pending, follower) if self.graphs is not None else None
         graphed = logits is not None
         if logits is not None:
             sample_rows = list(range(len(batch.seqs)))
             seqs = batch.seqs
         else:
             inp = self.prepare(batch, pending)
+            if follower is not None:
+                self._follow = partial(follower.follow, inp)
             sample_rows = inp.sample_rows
             if not sample_rows:
                 self.model(inp.input_ids, inp.positions, inp.meta)
@@ -178,7 +203,7 @@ class ModelRunner:
                      for row, s in enumerate(seqs)]
             self._sb_builds += 1
             self._sb_rows = SamplingBatch.build_rows([s.params for s in seqs], seeds, self.model_config.vocab_size,
-                                                     self.device)
+                                                     self.device, self.batch_invariant)
             self._sb_key, self._sb, self._sb_positions = key, None, None
         if self._sb_rows.all_greedy:
             return self._sb_rows
@@ -226,30 +251,40 @@ class ModelRunner:
         self.graphs = CUDAGraphRunner(self.model, max_batch, max_blocks, self.block_size, self.device, self.dtype,
                                       sizes)
         self.graphs.capture()
-        self.greedy_graphs = GreedyGraphs(self.graphs)
+        self.greedy_graphs = GreedyGraphs(self.graphs, self.batch_invariant)
         self.greedy_graphs.capture()
         # compile the placeholder kernel now rather than in the first async step (the ids of a
         # padding row are 0: nothing is written)
         resolve_pending(self.graphs.inputs.views(1)[0], self.greedy_graphs.out[:1])
-        self.sampling_graphs = SamplingGraphs(self.graphs, self.model_config.vocab_size)
+        self.sampling_graphs = SamplingGraphs(self.graphs, self.model_config.vocab_size, self.batch_invariant)
         self.sampling_graphs.capture()
 
-    def _graph_decode(self, batch: ScheduledBatch, pending: torch.Tensor | None = None) -> torch.Tensor | None:
+    def _graph_decode(self, batch: ScheduledBatch, pending: torch.Tensor | None = None,
+                      follower: Follower | None = None) -> torch.Tensor | None:
         """Logits of a decode-only step replayed from a graph, or None when no graph fits. `pending`:
-        see `prepare`."""
+        see `prepare`. A follower replays its own graph from this graph's staged (resolved) rows,
+        which stay put until the next step stages; without a graph of its size, its eager inputs
+        are prepared now, while `pending` still holds the previous step's tokens."""
         assert self.graphs is not None
         seqs = batch.seqs
         # every n is >= 1, so the sum equals the row count only when each row computes one token
         if sum(batch.num_new_tokens) != len(seqs) or not all(batch.sample):
             return None
         tables = [s.block_table for s in seqs]
-        if not self.graphs.can_use(len(seqs), max(map(len, tables))):
+        n, max_blocks = len(seqs), max(map(len, tables))
+        if not self.graphs.can_use(n, max_blocks):
             return None
         bs = self.block_size
         pos = [s.num_computed_tokens for s in seqs]
-        return self.graphs.replay_staged([s.token_ids[p] for s, p in zip(seqs, pos)], pos,
-                                         [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)],
-                                         [p + 1 for p in pos], tables, pending)
+        logits = self.graphs.replay_staged([s.token_ids[p] for s, p in zip(seqs, pos)], pos,
+                                           [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)],
+                                           [p + 1 for p in pos], tables, pending)
+        if follower is not None and follower.graphs_fit(n, max_blocks):
+            views = self.graphs.inputs.views(self.graphs.size_for(n))
+            self._follow = partial(follower.follow_rows, tuple(v[:n] for v in views))
+        elif follower is not None:
+            self._follow = partial(follower.follow, self.prepare(batch, pending))
+        return logits
 
 
 @dataclass
@@ -303,11 +338,13 @@ class GreedyGraphs:
     without top logprobs samples with one replay instead of a dozen launches. Rows past the batch
     are the decode graph's padding; their results are never read. The per-row statistics reduce
     each row alone, so a row's token is the one `sample` picks; its logprob may differ from an
-    eager `sample` over n rows in the last float32 bits (the reduction splits a row by batch size).
+    eager `sample` over n rows in the last float32 bits (the reduction splits a row by batch size), except
+    in the batch-invariant mode (`invariant`), where every row is reduced as a lone row is.
     """
 
-    def __init__(self, graphs: CUDAGraphRunner) -> None:
+    def __init__(self, graphs: CUDAGraphRunner, invariant: bool = False) -> None:
         self.decode = graphs
+        self.invariant = invariant
         self.out = torch.empty(graphs.sizes[-1], 2, dtype=torch.float64, device=graphs.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
@@ -315,7 +352,7 @@ class GreedyGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         def rows(bs: int) -> None:
-            greedy_rows(self.decode.outputs[bs], self.out[:bs])
+            greedy_rows(self.decode.outputs[bs], self.out[:bs], self.invariant)
 
         def warm_up(bs: int) -> None:  # Triton compiles before capture
             rows(bs)

@@ -18,6 +18,13 @@ otherwise one CTA's work), the thresholds (only when a row has top-k or top-p; a
 and the race (per (row, chunk) programs, then a merge that picks the token and writes its logprob).
 Elsewhere the torch twins run. No [B, V] log_softmax is materialized: a reported logprob is
 (x[i] - max) - log_sum for the few ids reported.
+
+Batch invariance (SamplingBatch.invariant, the engine's batch-invariant mode): the raw statistics'
+chunking follows the batch size on CUDA (fewer chunks per row when more rows fill the device), so in the
+mode every row is cut as a lone row would be (`row_stats_triton(invariant=True)`); the thresholds and the
+race chunk a row by the vocabulary alone already. The torch twins reduce each row alone in every mode
+(layers/invariant.row_sum: a long row in fixed chunks, as torch would otherwise split a lone row's sum
+across threads).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from functools import lru_cache
 
 import torch
 
+from inference.layers.invariant import row_sum
 from inference.sampler_batch import SamplingBatch
 from inference.sampler_batch import position_seed as position_seed  # re-exported: spec decoding seeds with it
 from inference.sampler_batch import unseeded_seed as unseeded_seed  # re-exported for the runner
@@ -64,7 +72,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, generator: torch.Generator |
     """Sample one token per row of `logits` [B, V] (any float dtype; computed in fp32). use_triton: the
     kernels (also on CPU tensors under TRITON_INTERPRET=1) or the torch twins; None: Triton on CUDA."""
     use_triton = _triton_for(logits) if use_triton is None else use_triton
-    raw = _row_stats(logits, use_triton)
+    raw = _row_stats(logits, use_triton, sb.invariant)
     thr = None
     if sb.all_greedy:
         tokens = raw.argmax
@@ -80,7 +88,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, generator: torch.Generator |
             x = masked_logits(logits, raw.max, sb, thr)
             rows = sb.processed_logprobs
             src = torch.where(rows[:, None], x, logits.float())
-            stats = raw.where(rows, _row_stats(x, use_triton))
+            stats = raw.where(rows, _row_stats(x, use_triton, sb.invariant))
         top_x, top_ids = src.topk(sb.num_top_logprobs, dim=-1)
         top_lp = stats.logprobs(top_x)
     return SamplerOutput(tokens, logprobs, top_ids, top_lp)
@@ -93,19 +101,19 @@ def sample_pairs(logits: torch.Tensor, sb: SamplingBatch, out: torch.Tensor, gen
     one transfer. A graph needs rows that all have seeds (`unseeded` draws from the generator)."""
     assert sb.num_top_logprobs == 0, "top logprobs go through sample"
     if sb.all_greedy:
-        return greedy_rows(logits, out)
+        return greedy_rows(logits, out, sb.invariant)
     use_triton = _triton_for(logits) if use_triton is None else use_triton
-    raw = _row_stats(logits, use_triton)
+    raw = _row_stats(logits, use_triton, sb.invariant)
     thr = _thresholds(logits, raw.max, sb, use_triton)
     _draw(logits, raw, sb, thr, _noise_seeds(sb, generator), use_triton, out)
     return out
 
 
-def greedy_rows(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def greedy_rows(logits: torch.Tensor, out: torch.Tensor, invariant: bool = False) -> torch.Tensor:
     """The all-greedy case of `sample` without top logprobs, written into out [B, 2] float64 as
     (token id, its raw logprob) per row: the same math as `sample`, in a form a CUDA graph can
-    capture and the host reads with one transfer."""
-    stats = row_stats(logits)
+    capture and the host reads with one transfer. invariant: see row_stats."""
+    stats = row_stats(logits, invariant)
     token_logprobs = stats.logprobs(logits.gather(-1, stats.argmax[:, None])).squeeze(-1)
     out[:, 0].copy_(stats.argmax)
     out[:, 1].copy_(token_logprobs)
@@ -156,8 +164,8 @@ def _triton_for(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda
 
 
-def _row_stats(x: torch.Tensor, use_triton: bool) -> RowStats:
-    return row_stats_triton(x) if use_triton else row_stats_torch(x)
+def _row_stats(x: torch.Tensor, use_triton: bool, invariant: bool = False) -> RowStats:
+    return row_stats_triton(x, invariant) if use_triton else row_stats_torch(x)
 
 
 def _thresholds(logits: torch.Tensor, row_max: torch.Tensor, sb: SamplingBatch,
@@ -226,18 +234,20 @@ class RowStats:
                         torch.where(rows, other.log_sum, self.log_sum))
 
 
-def row_stats(x: torch.Tensor) -> RowStats:
-    """Max, first argmax and log-sum-exp offset per row; the Triton kernels on CUDA, torch elsewhere."""
+def row_stats(x: torch.Tensor, invariant: bool = False) -> RowStats:
+    """Max, first argmax and log-sum-exp offset per row; the Triton kernels on CUDA, torch elsewhere.
+    invariant: each row's bits independent of the number of rows (the torch twin's always are)."""
     if triton is not None and x.is_cuda:
-        return row_stats_triton(x)
+        return row_stats_triton(x, invariant)
     return row_stats_torch(x)
 
 
 def row_stats_torch(x: torch.Tensor) -> RowStats:
+    """Each row reduced alone (row_sum), whatever the number of rows."""
     x = x.float()
     m = x.amax(dim=-1)
     m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
-    return RowStats(m, x.argmax(dim=-1), (x - m_safe[:, None]).exp().sum(dim=-1).log())
+    return RowStats(m, x.argmax(dim=-1), row_sum((x - m_safe[:, None]).exp()).log())
 
 
 _ROW_BLOCK = 2048
@@ -255,14 +265,15 @@ def row_chunks(rows: int, cols: int, target: int, block: int = _ROW_BLOCK) -> tu
     return triton.cdiv(cols, span), span
 
 
-def row_stats_triton(x: torch.Tensor) -> RowStats:
+def row_stats_triton(x: torch.Tensor, invariant: bool = False) -> RowStats:
     """Stage 1: each (row, chunk) program reduces its columns to (max, first argmax, sum exp(x - max));
-    stage 2: one program per row merges its chunks. Reads x in its own dtype, once."""
+    stage 2: one program per row merges its chunks. Reads x in its own dtype, once. invariant: every row
+    is chunked as a lone row is (the chunking depends on the vocabulary and the device only)."""
     assert x.dim() == 2, x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
     rows, cols = x.shape
-    chunks, span = row_chunks(rows, cols, _target_programs(x.device))
+    chunks, span = row_chunks(1 if invariant else rows, cols, _target_programs(x.device))
     # one float32 allocation for both partial sums and one for max and log_sum: each launch of this
     # function sits on the decode step's host path, where every allocation costs microseconds
     part_m, part_s = torch.empty((2, rows, chunks), dtype=torch.float32, device=x.device)

@@ -57,20 +57,22 @@ class SamplingBatch:
     any_processed: bool  # never set on an all-greedy batch (it reports raw logprobs)
     any_unseeded: bool
     num_top_logprobs: int  # max over rows; 0 for none
+    # the engine's batch-invariant mode: every reduction of a row as if it were alone (inference/sampler.py)
+    invariant: bool = False
 
     @classmethod
     def build(cls, params: list, seeds: list[int | None], positions: list[int], vocab_size: int,
-              device: torch.device | str) -> SamplingBatch:
+              device: torch.device | str, invariant: bool = False) -> SamplingBatch:
         """params: SamplingParams per row; seeds: the rows' noise seeds (None: from the generator);
-        positions: output positions."""
-        rows = cls.build_rows(params, seeds, vocab_size, device)
+        positions: output positions; invariant: the batch-invariant mode."""
+        rows = cls.build_rows(params, seeds, vocab_size, device, invariant)
         if rows.all_greedy:
             return rows
         return rows.at(torch.tensor(positions, dtype=torch.int64).to(device, non_blocking=True))
 
     @classmethod
     def build_rows(cls, params: list, seeds: list[int | None], vocab_size: int,
-                   device: torch.device | str) -> SamplingBatch:
+                   device: torch.device | str, invariant: bool = False) -> SamplingBatch:
         """The row tensors of `build`, without positions."""
         all_greedy = all(p.greedy for p in params)
         top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
@@ -78,7 +80,7 @@ class SamplingBatch:
                      any_top_p=any(p.top_p < 1.0 for p in params), any_min_p=any(p.min_p > 0.0 for p in params),
                      any_processed=not all_greedy and any(p.logprobs_mode == "processed" for p in params),
                      any_unseeded=not all_greedy and any(s is None for s in seeds),
-                     num_top_logprobs=max((p.logprobs for p in params), default=0))
+                     num_top_logprobs=max((p.logprobs for p in params), default=0), invariant=invariant)
         if all_greedy:  # the common RL-eval case needs no per-row tensors at all
             return cls(None, None, None, None, None, None, None, None, None, **flags)
         tensors = _to_device(torch.device(device), [

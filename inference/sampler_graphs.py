@@ -29,10 +29,12 @@ class SamplingGraphs:
     thresholds and the race reduce each row alone, in a chunking fixed by the vocabulary); a raw
     logprob may differ in the last float32 bits (the raw log-sum-exp splits a row by batch size)."""
 
-    def __init__(self, graphs: CUDAGraphRunner, vocab_size: int) -> None:
+    def __init__(self, graphs: CUDAGraphRunner, vocab_size: int, invariant: bool = False) -> None:
+        """invariant: the batch-invariant mode (SamplingBatch.invariant), fixed at capture."""
         self.decode = graphs
         cap = graphs.sizes[-1]
-        rows = SamplingBatch.build_rows([SamplingParams(temperature=1.0)] * cap, [0] * cap, vocab_size, graphs.device)
+        rows = SamplingBatch.build_rows([SamplingParams(temperature=1.0)] * cap, [0] * cap, vocab_size, graphs.device,
+                                        invariant)
         self.static = dataclasses.replace(
             rows.at(torch.zeros(cap, dtype=torch.int64, device=graphs.device)),
             any_top_k=True, any_top_p=True, any_min_p=True, any_processed=True)

@@ -38,6 +38,8 @@ from typing import NamedTuple
 
 import torch
 
+from inference.layers.invariant import row_sum  # the twins sum each row alone, whatever the batch
+
 try:
     import triton
     import triton.language as tl
@@ -111,7 +113,7 @@ def thresholds_torch(logits: torch.Tensor, row_max: torch.Tensor, inv_temps: tor
     # mass strictly above a value: the exclusive sum at the first entry of its tie group
     group_start = torch.searchsorted(-vals, -vals, right=False)
     above = before.gather(1, group_start)
-    kept = above < top_ps[:, None] * w.sum(-1, keepdim=True)
+    kept = above < top_ps[:, None] * row_sum(w)[:, None]
     kept[:, 0] = True  # the top token always stays
     thr_p = vals.gather(1, kept.sum(-1, keepdim=True) - 1).squeeze(1)
     thr_p = torch.where(top_ps < 1.0, thr_p, float("-inf"))
@@ -134,7 +136,7 @@ def race_torch(x: torch.Tensor, keep: torch.Tensor, seeds: torch.Tensor,
     """(token [B] int64, mass [B] float32): the race's winner and the sum of exp(x) over kept entries."""
     log_e = log_exponential_torch(uniforms_torch(seeds, positions, x.shape[-1]))
     score = torch.where(keep, x - log_e, float("-inf"))
-    return score.argmax(dim=-1), torch.where(keep, x.exp(), 0.0).sum(-1)
+    return score.argmax(dim=-1), row_sum(torch.where(keep, x.exp(), 0.0))
 
 
 # ---- Triton ----------------------------------------------------------------------------------------------

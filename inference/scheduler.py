@@ -141,6 +141,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         assert num_speculative_tokens >= 0
         self.num_speculative_tokens = num_speculative_tokens
+        self.in_flight = 0  # steps `advance` accounted whose tokens commit_pending has not applied yet
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._requests: dict[str, list[Sequence]] = {}  # live sequences by request id
@@ -262,8 +263,10 @@ class Scheduler:
 
         Call it after the previous step's commit_pending (so every token its chunks cover is known)
         and before the next schedule(). Rows of sequences finished since schedule() are skipped."""
-        assert not self.num_speculative_tokens, "speculative steps commit synchronously"
+        assert not any(batch.num_lookahead), "speculative steps commit synchronously"
+        self.in_flight += 1
         block_size = self.block_manager.block_size
+        drafted = self.num_speculative_tokens > 0  # the draft followed the step (ModelRunner.launch)
         row = -1  # the current row's index among the batch's sampled rows (finished ones count too)
         for seq, n, do_sample in zip(batch.seqs, batch.num_new_tokens, batch.sample):
             row += do_sample
@@ -271,6 +274,8 @@ class Scheduler:
                 continue
             seq.num_computed_tokens += n
             assert seq.num_computed_tokens <= len(seq.token_ids), f"{seq} computed past its tokens"
+            if drafted:
+                seq.num_draft_computed = seq.num_computed_tokens
             if len(seq.cache_keys) < seq.num_computed_tokens // block_size:
                 self.block_manager.commit(seq)
             if do_sample:
@@ -281,6 +286,7 @@ class Scheduler:
         token-level stop rules. Return the sequences that finished. A preempted sequence takes its
         token too (it was sampled before the preemption); a finished one's is dropped."""
         assert len(sampled) == len(batch.seqs), (len(sampled), len(batch.seqs))
+        self.in_flight -= 1
         finished: list[Sequence] = []
         for seq, do_sample, out in zip(batch.seqs, batch.sample, sampled):
             assert (out is not None) == do_sample, f"{seq}: sampled output given iff the step samples it"
@@ -331,7 +337,9 @@ class Scheduler:
             (decodes if remaining == 1 else prefills).append(seq)
         # the common decode row, inlined (this loop runs for every row of every step): no lookahead,
         # and the blocks it holds already cover its new token, so nothing to allocate
-        speculate = self._speculates(len(decodes))
+        # never while a step is in flight: a speculative step needs every token known and runs
+        # synchronously (LLM.step settles first when speculates_next says so)
+        speculate = self._speculates(len(decodes)) and not self.in_flight
         plain, tokens_held, entries = not speculate, self.block_manager.block_size, plan.entries
         for seq in decodes:
             if plan.budget == 0:
@@ -348,6 +356,11 @@ class Scheduler:
                 return
             if seq.status is SequenceStatus.RUNNING:
                 self._schedule_one(plan, seq, False)
+
+    def speculates_next(self) -> bool:
+        """Whether the next schedule() may give draft tokens (at most spec_max_batch running): an
+        engine with a step in flight settles it first, so that step's tokens are known."""
+        return self._speculates(len(self.running))
 
     def _speculates(self, num_decodes: int) -> bool:
         """Whether this step's decodes get draft tokens: a draft, and a batch small enough to gain."""

@@ -24,7 +24,9 @@ Invariants: the draft and the target share block ids and tables (one BlockManage
 lives in a tensor of its own shape, bound once. seq.token_ids never holds a proposal: proposals live
 on the device until the accepted run comes back in the step's one host transfer. Seeded rows draw
 every uniform and noise from generators seeded by (seed, output position, stream), so a seeded
-completion does not depend on the rest of the batch. Reported logprobs are the target's.
+completion does not depend on the rest of the batch. Reported logprobs are the target's. In the
+batch-invariant mode (EngineConfig.batch_invariant) steps 1 and 3 are exact-match instead
+(inference/spec_exact.py): the output is then the target-only engine's, bit for bit.
 """
 
 from __future__ import annotations
@@ -37,10 +39,11 @@ from torch import nn
 from inference.batch import AttentionMetadata
 from inference.cuda_graphs import CUDAGraphRunner
 from inference.decode_rows import DecodeRows, decode_logits
-from inference.runner import ModelRunner, SampleResult, top_dicts
+from inference.runner import ModelRunner, SampleResult, StepInputs, top_dicts
 from inference.sampler import SamplingBatch, position_seed, process_logits
 from inference.scheduler import ScheduledBatch, StepResult
 from inference.sequence import Sequence
+from inference.spec_exact import ExactSpeculation
 
 # stream salts of a seeded row's random draws, so the three never share a generator seed
 _DRAFT, _ACCEPT, _RESIDUAL = 1, 2, 3
@@ -95,6 +98,8 @@ class SpecDecoder:
         self.vocab_size = vocab
         self.block_size = 0
         self.graphs: CUDAGraphRunner | None = None  # the draft's decode graphs (capture_graphs)
+        # the batch-invariant mode verifies by exact match, so a draft never changes a token or logprob
+        self.exact = ExactSpeculation(self) if runner.batch_invariant else None
 
     def bind_draft_kv(self, kv: torch.Tensor, block_size: int) -> None:
         self.draft.bind_kv_cache(kv)
@@ -119,6 +124,22 @@ class SpecDecoder:
     @property
     def generator(self) -> torch.Generator:
         return self.runner.generator  # one generator per rank: TP ranks draw the same values
+
+    # ---- async scheduling: the draft follows plain steps (runner.Follower) -----------------------
+    # A step without draft tokens (a full batch: SchedulerConfig.spec_max_batch) launches as the
+    # target's plain step; the draft computes the same tokens' KV behind it, from the same resolved
+    # input ids, so its cache stays complete (num_draft_computed advances with the target's) and a
+    # later speculative step needs no catch-up.
+    def follow(self, inp: StepInputs) -> None:
+        self.draft(inp.input_ids, inp.positions, inp.meta)
+
+    def graphs_fit(self, num_rows: int, max_blocks: int) -> bool:
+        return self.graphs is not None and self.graphs.can_use(num_rows, max_blocks)
+
+    def follow_rows(self, rows: tuple[torch.Tensor, ...]) -> None:
+        """(input_ids, positions, slots, context_lens, block_tables) of a target decode graph's rows."""
+        assert self.graphs is not None
+        self.graphs.replay(*rows)
 
     # ---- one step -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -183,6 +204,8 @@ class SpecDecoder:
         return model(ids, _to(positions, self.device), meta)
 
     def _speculate(self, seqs: list[Sequence], ks: list[int], logits: torch.Tensor) -> list[list[SampleResult]]:
+        if self.exact is not None:  # inference/spec_exact.py
+            return self.exact.speculate(seqs, ks, logits)
         drafts, q = self._propose(seqs, ks, logits)
         p_logits = self.verify_logits(seqs, ks, drafts)
         return self._accept(seqs, ks, drafts, q, p_logits)

@@ -20,6 +20,7 @@ from inference.config import EngineConfig, ModelConfig
 from inference.core import InvalidRequestError, StateError
 from inference.cuda_graphs import extended_ladder
 from inference.layers.attention import get_attention_backend
+from inference.layers.attention_invariant import batch_invariant_backend
 from inference.loader import init_dummy_weights, load_weights
 from inference.memory import DEFAULT_ALIGN, KV_TAG, round_up
 from inference.models import build_model
@@ -136,7 +137,8 @@ class Worker:
         model = self._load("target", self.config.model)
         if self.config.draft_model:
             self._load("draft", self.config.draft_model)
-        self.runner = ModelRunner(model, self.model_config, self.tp, self.device, self.dtype, self.config.seed)
+        self.runner = ModelRunner(model, self.model_config, self.tp, self.device, self.dtype, self.config.seed,
+                                  batch_invariant=self.config.batch_invariant)
         if "draft" in self.models and self._speculates():
             self.spec = SpecDecoder(self.runner, self.models["draft"], self.config.num_speculative_tokens)
         log.info("rank %s loaded %s (%s, %s)", self.rank_key, self.config.model, self.dtype, self.device)
@@ -159,7 +161,9 @@ class Worker:
         if which == "target" and not self._speculates() and hasattr(backend, "for_decode_rows"):
             # Without a draft, decode launches hold one row per sequence: no row can own another's keys.
             backend = backend.for_decode_rows(1)
-        model = build_model(config, self.tp, self.dtype, self.device, backend)
+        if self.config.batch_invariant:  # docs/invariance.md
+            backend = batch_invariant_backend(backend)
+        model = build_model(config, self.tp, self.dtype, self.device, backend, self.config.batch_invariant)
         # Parameters become views into a tagged arena first, so the loader writes straight into it.
         assert self.memory is not None
         tag = self.weights.arena_tag(which)
@@ -290,14 +294,15 @@ class Worker:
         """Per scheduled sequence: its sampled result, None (mid-prefill), or with speculative
         decoding a list (the accepted run) for rows the scheduler gave a lookahead.
 
-        overlap=True (async scheduling, never with a draft): launch the step and return at once; its
-        InFlightStep.results() waits for it. Placeholder input ids are resolved on the device from
-        the step launched before (ModelRunner.launch)."""
+        overlap=True (async scheduling): launch the step and return at once; its InFlightStep.results()
+        waits for it. Placeholder input ids are resolved on the device from the step launched before
+        (ModelRunner.launch). With a draft such a step carries no draft tokens and the draft follows it
+        (its KV of the same tokens); speculative steps run synchronously."""
         assert self.runner is not None and self.memory is not None, "load_model first"
         self.memory.check_ready()  # never touch a released arena: that is an illegal address on CUDA
         if overlap:
-            assert self.spec is None, "speculative decoding runs synchronous steps"
-            return self.runner.launch(batch)
+            assert not any(batch.num_lookahead), "speculative steps run synchronously"
+            return self.runner.launch(batch, self.spec)
         if self.spec is not None:
             return self.spec.execute(batch)
         assert not any(batch.num_lookahead), "lookahead scheduled without a draft model"

@@ -9,12 +9,16 @@ on the client:
 - sync_audit_ms: the whole sync_weights call: start -> update beside sender.send() -> finish, whose
   answer carries the audit (every rank compared what it holds with the sender's digests);
 - sync_ms: the same call without its finish (the bytes in place on every rank, the sender's digest,
-  which runs beside the transfer, included);
-- per phase: each HTTP call's client-side time and sender.send();
+  which runs beside the transfer, included; the client sends finish as soon as send() returned, so the
+  update's answer travels beside it and finish's client time may include its tail);
+- per phase: each HTTP call's client-side time and sender.send() ("start" only against a sidecar without
+  start_in_update: otherwise the start rides on the update);
+- requests_per_sync: the HTTP requests one sync made (2: update carrying the start, then finish);
 - server_*_ms: the mean time the sidecar's handlers report for the same calls (its Prometheus histogram
   sidecar_weight_sync_seconds: start, update, finish; "audit" is the ranks' part of finish), i.e. the
   same bytes moved and checked with no HTTP or client in the way; `control_ms` is client minus server per
-  call (HTTP, JSON, the rank pipe: what the user-facing path adds), `ratio` is client / server.
+  call (HTTP, JSON, the rank pipe: what the user-facing path adds; the update's counts the server's start
+  too when the start rode on it), `ratio` is client / server.
 Prints one JSON line: the picked rule's figures at the top level, every rule's under "by_algorithm".
 CPU: --model tiny --backend gloo --device cpu (the defaults); H200: --model qwen2-0.5b --backend ipc
 --device cuda.
@@ -61,8 +65,10 @@ class TimedClient(SidecarClient):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.times: dict[str, list[float]] = defaultdict(list)
+        self.requests = 0
 
     def _request(self, method: str, path: str, **kw: Any) -> Any:
+        self.requests += 1
         t0 = time.perf_counter()
         try:
             return super()._request(method, path, **kw)
@@ -140,6 +146,7 @@ def measure(args: argparse.Namespace, client: TimedClient, sender: WeightSender,
         client.sync_weights(sender, weights, version=version)
     client.times.clear()
     before = server_sums(client)
+    requests = client.requests
     totals, syncs = [], []
     with timed_send(sender, client.times):
         for _ in range(args.iters):
@@ -150,8 +157,9 @@ def measure(args: argparse.Namespace, client: TimedClient, sender: WeightSender,
             syncs.append(totals[-1] - client.times["finish"][-1])
             if not result["ok"] or result.get("algorithm") != sender.digest_algorithm:
                 raise SystemExit(f"audit failed or of another rule:\n{result.get('table')}")
+    per_sync = (client.requests - requests) / args.iters
     after = server_sums(client)
-    return summary(args, client.times, totals, syncs, before, after), version
+    return {**summary(args, client.times, totals, syncs, before, after), "requests_per_sync": per_sync}, version
 
 
 def summary(args: argparse.Namespace, times: dict[str, list[float]], totals: list[float], syncs: list[float],
@@ -166,10 +174,19 @@ def summary(args: argparse.Namespace, times: dict[str, list[float]], totals: lis
         "server_sync_ms": round(server_sync, 2), "server_sync_audit_ms": round(server_audit, 2),
         "ratio_sync": round(sync_ms / server_sync, 3) if server_sync else None,
         "ratio_sync_audit": round(sync_audit_ms / server_audit, 3) if server_audit else None,
-        "control_ms": {p: round(med[p] - server[p], 3) for p in ("start", "finish") if p in med},
+        "control_ms": control_ms(med, server),
         "client_phase_ms": {k: round(v, 2) for k, v in med.items()},
         "server_phase_ms": {k: round(v, 2) for k, v in server.items()},
     }
+
+
+def control_ms(client: dict[str, float], server: dict[str, float]) -> dict[str, float]:
+    """Client minus server per HTTP call; an update that carried the start is compared with both."""
+    out = {p: round(client[p] - server[p], 3) for p in ("start", "finish") if p in client}
+    if "update" in client:
+        carried = server["start"] if "start" not in client else 0.0
+        out["update"] = round(client["update"] - server["update"] - carried, 3)
+    return out
 
 
 def main() -> None:

@@ -203,6 +203,11 @@ class WeightsStartRequest(_Request):
 
 class WeightsUpdateRequest(_Request):
     update_info: UpdateInfoJson = Field(None, description="null or {}; or one of those per rank, in rank order")
+    start: WeightsStartRequest | None = Field(
+        None, description="a /weights/start body: open the session first, in this same call (one round trip "
+                          "fewer per sync; sidecars whose /weights/init answer has start_in_update: true). A "
+                          "start the ranks refuse is answered as /weights/start answers it, and the sender's "
+                          "send() fails at once (the plan agreement is refused)")
 
 
 class WeightsFinishRequest(_Request):

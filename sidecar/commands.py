@@ -180,9 +180,14 @@ class StartWeightUpdate(Command):
 
 @dataclass(frozen=True)
 class UpdateWeights(Command):
-    """Receive every bucket of the open session (blocks while the sender sends)."""
+    """Receive every bucket of the open session (blocks while the sender sends). With `start`, open that
+    session first, in this same command (POST /weights/update with "start": one round trip fewer per
+    sync); a start that fails refuses the sender's plan agreement, so the trainer's send() stops at once
+    instead of waiting out its timeout. Reply: the seconds the start took (0.0 without one)."""
 
     info: Any = None
+    start: StartWeightUpdate | None = None
+    reply: ClassVar[type] = float
 
 
 @dataclass(frozen=True)

@@ -98,7 +98,7 @@ class LaunchConfig:
     max_model_len: int | None = option(None, "prompt plus completion tokens; unset: the model's "
                                              "max_position_embeddings", engine="max_model_len", min=1)
     async_scheduling: bool | None = option(None, "overlap each step's host work with the previous step on the "
-                                                 "GPU; unset: on for CUDA (never with a draft)",
+                                                 "GPU; unset: on for CUDA (with a draft only when set)",
                                            engine="async_scheduling")
     spec_max_batch: int | None = option(None, "with --draft-model: speculate only while at most this many "
                                               "sequences decode (the tail of a rollout); 0: at every batch size; "
@@ -106,6 +106,9 @@ class LaunchConfig:
     enforce_eager: bool | None = option(None, "no CUDA graphs", engine="enforce_eager")
     attention_backend: str | None = option(None, "auto (per device), reference (eager torch) or triton",
                                            engine="attention_backend")
+    batch_invariant: bool | None = option(None, "batch-invariant mode: a request's tokens and logprobs are the "
+                                                "same bits whatever runs beside it (docs/invariance.md)",
+                                          engine="batch_invariant")
     # ---- weight transfer ----
     transfer: str | None = option(None, "accept only this weight-transfer backend (unset: the one the "
                                         "trainer's init_info names)", choices=BACKEND_NAMES)

@@ -296,8 +296,24 @@ class RankServer:
         else:
             raise InvalidRequestError("model", f"must be 'target' or 'draft', got {cmd.model!r}")
 
-    def _update_weights(self, cmd: UpdateWeights) -> None:
+    def _update_weights(self, cmd: UpdateWeights) -> float:
+        start_s = 0.0
+        if cmd.start is not None:
+            t0 = time.perf_counter()
+            try:
+                self._start_weight_update(cmd.start)
+            except Exception as e:
+                # The trainer's send() waits in the plan agreement: refuse it, so it fails now, not at its timeout.
+                try:
+                    self.llm.worker.weights.refuse_update()
+                except Exception as refusal:  # the group is broken now; the start's error is the answer
+                    log.warning("rank %d: refusing the update after its failed start failed too: %s", self.rank,
+                                refusal)
+                    e.add_note(f"refusing the sender's plan agreement failed too: {refusal}")
+                raise
+            start_s = time.perf_counter() - t0
         self.llm.update_weights(cmd.info)
+        return start_s
 
     def _finish_weight_update(self, cmd: FinishWeightUpdate) -> SyncResult:
         # The audit is the whole of finish; nobody reads a held manifest here (GET /checksums digests afresh).

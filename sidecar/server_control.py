@@ -4,8 +4,10 @@ Each control endpoint sends one declared command (sidecar/commands.py) to every 
 generation steps (sidecar/driver.py) and answers with every rank's reply: Sleep, WakeUp, and the
 weight sync's InitWeightTransfer, StartWeightUpdate, UpdateWeights, FinishWeightUpdate and
 AbortWeightUpdate (handled in sidecar/rank_server.py, which calls the engine's weight-update API,
-inference/weights/updater.py). An open session has a lease (sidecar/weight_lease.py): idle past
---weight-session-lease-s, or at POST /weights/abort, it is aborted. docs/limits.md has the timeouts.
+inference/weights/updater.py). POST /weights/update may carry the start (UpdateWeights(start=...)): one
+round trip fewer per sync, what SidecarClient sends when /weights/init answered `start_in_update`. An open
+session has a lease (sidecar/weight_lease.py): idle past --weight-session-lease-s, or at POST
+/weights/abort, it is aborted. docs/limits.md has the timeouts.
 """
 
 from __future__ import annotations
@@ -179,7 +181,7 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
         with lease.call():
             ranks = await _weight_call(state, InitWeightTransfer(body.init_info))
         lease.closed()  # the ranks abandoned any open session for the new group
-        return {"ranks": ranks}
+        return {"ranks": ranks, "start_in_update": True}  # /weights/update takes a "start" (SidecarClient uses it)
 
     @router.post("/weights/start", summary="Open an update session: validate the whole manifest first")
     async def weights_start(body: WeightsStartRequest) -> dict[str, Any]:
@@ -191,22 +193,41 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
         state.sync_started[body.model] = (t0, _manifest_bytes(body.manifest, layout_bytes))
         return {"model": body.model, "version": body.version, "started": True}
 
-    @router.post("/weights/update", summary="Receive every bucket (blocks while the sender sends)")
+    @router.post("/weights/update", summary="Receive every bucket (blocks while the sender sends); with "
+                 "\"start\", open the session first in the same call")
     async def weights_update(body: WeightsUpdateRequest | None = None) -> dict[str, Any]:
-        info = body.update_info if body is not None else None
+        body = body or WeightsUpdateRequest()
+        info, start = body.update_info, body.start
         if isinstance(info, list) and len(info) != len(state.plans):
             raise ApiError(400, "InvalidRequestError", f"a list needs one entry per rank ({len(state.plans)}), got "
                            f"{len(info)}", "update_info")
+        opening = None if start is None else StartWeightUpdate(start.model, start.version, start.manifest,
+                                                               start.allow_cast)
         t0 = time.perf_counter()
+        # A start opens its session here, before the ranks run it: the trainer may send finish as soon as its
+        # send() returned, and that finish may be handled before this update's answer (SidecarClient does).
+        # While a session is open the ranks refuse a second start: its lease and start time stay untouched.
+        opens = False
+        if start is not None and not lease.is_open:
+            opens = True
+            lease.opened()
+            state.sync_started[start.model] = (t0, _manifest_bytes(start.manifest, layout_bytes))
+        model = _open_model(state) if start is None else start.model
         try:
             with lease.call():
-                await _weight_call(state, UpdateWeights(body.update_info if body is not None else None))
+                start_s = max(await _weight_call(state, UpdateWeights(info, opening)))
         except ApiError:
-            lease.closed()  # a failed update ends the session on every rank
-            _failed(state)
+            if start is None or opens:  # a failed update ends the session on every rank
+                lease.closed()
+                _failed(state)
+            else:
+                state.metrics.syncs.labels(model, "failed").inc()
             raise
-        state.metrics.sync_seconds.labels(_open_model(state), "update").observe(time.perf_counter() - t0)
-        return {"received": True}
+        if start is not None:
+            state.metrics.sync_seconds.labels(model, "start").observe(start_s)
+        state.metrics.sync_seconds.labels(model, "update").observe(time.perf_counter() - t0 - start_s)
+        return {"received": True} if start is None else {"received": True, "model": model,
+                                                         "version": start.version, "started": True}
 
     @router.post("/weights/finish", summary="Audit received digests against the sender's; make the version live")
     async def weights_finish(body: WeightsFinishRequest) -> dict[str, Any]:

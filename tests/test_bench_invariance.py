@@ -1,14 +1,18 @@
-"""scripts/bench_invariance.py on the tiny model (CPU, float32, few prompts): every case and mode prints
-its JSON line; the comparison counts bit-level differences; and what the engine already guarantees on the
-CPU holds in the measured runs (greedy tokens never depend on the batch, the cache, preemption or a
-draft; seeded tokens never depend on the batch, the cache or preemption)."""
+"""scripts/bench_invariance.py on the tiny model (CPU, float32, few prompts): every engine mode, case and
+sampling mode prints its JSON line; the comparison counts bit-level differences; the batch-invariant mode
+is bitwise equal in every case; what the default engine guarantees on the CPU holds in the measured runs
+(greedy tokens never depend on the batch, the cache, preemption or a draft; seeded tokens never depend on
+the batch, the cache or preemption); the speed lines time both modes. One torch thread (restored after):
+the runs are the same, and much faster on a shared machine."""
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 
 import pytest
+import torch
 
 from inference.core import CompletionOutput, RequestOutput
 from scripts import bench_invariance as bench
@@ -39,38 +43,70 @@ def test_shuffled_groups_cover_every_prompt_once() -> None:
     assert [i for g in groups for i in g] != list(range(64))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
-def lines() -> dict[tuple[str, str], dict]:
-    return {(d["mode"], d["case"]): d for d in bench.run_all(bench.parse_args(ARGS))}
+def all_lines() -> list[dict]:
+    return bench.run_all(bench.parse_args(ARGS))
 
 
-def test_every_case_and_mode_is_measured(lines: dict[tuple[str, str], dict]) -> None:
-    assert set(lines) == {(m, c) for m in bench.MODES for c in bench.CASES}
-    for (_mode, case), d in lines.items():
+@pytest.fixture(scope="module")
+def lines(all_lines: list[dict]) -> dict[tuple[str, str, str], dict]:
+    return {(d["engine"], d["mode"], d["case"]): d for d in all_lines if d["bench"] == "invariance"}
+
+
+def test_every_case_and_mode_is_measured(lines: dict[tuple[str, str, str], dict]) -> None:
+    assert set(lines) == {(e, m, c) for e in bench.ENGINES for m in bench.MODES for c in bench.CASES}
+    for (_engine, _mode, case), d in lines.items():
         assert d["shape"] == "tiny" and d["tokens_per_s"] > 0, d
         assert d["requests"] == (3 if case == "prefix_cached" else 6), d
         assert 0.0 <= d["logprobs_equal"] <= d["tokens_equal"] <= 1.0, d
-    for mode in bench.MODES:
-        assert lines[mode, "alone"]["tokens_equal"] == lines[mode, "alone"]["logprobs_equal"] == 1.0
-        assert lines[mode, "prefix_cached"]["cached_tokens"] == 3 * 16  # one cached block per sharing prompt
-        assert lines[mode, "preempted"]["preemptions"] >= 1  # the small KV cache really preempted
-        assert lines[mode, "batch"]["preemptions"] == 0
+        if case == "alone":
+            assert d["tokens_equal"] == d["logprobs_equal"] == 1.0
+        if case == "prefix_cached":
+            assert d["cached_tokens"] == 3 * 16  # one cached block per sharing prompt
+        if case == "preempted":
+            assert d["preemptions"] >= 1  # the small KV cache really preempted
+        if case == "batch":
+            assert d["preemptions"] == 0
+
+
+def test_the_batch_invariant_mode_is_bitwise_equal_in_every_case(lines: dict[tuple[str, str, str], dict]) -> None:
+    for (engine, _mode, _case), d in lines.items():
+        if engine == "invariant":
+            assert d["tokens_equal"] == d["logprobs_equal"] == 1.0 and d["logprob_max_abs_diff"] == 0.0, d
+    assert lines["invariant", "greedy", "draft"]["draft_acceptance"] > 0  # the draft really proposed
 
 
 @pytest.mark.parametrize("mode,cases", [("greedy", ("batch", "shuffled", "prefix_cached", "preempted", "draft")),
                                         ("seeded", ("batch", "shuffled", "prefix_cached", "preempted"))])
-def test_tokens_the_engine_guarantees_are_equal(lines: dict[tuple[str, str], dict], mode: str,
-                                                cases: tuple[str, ...]) -> None:
+def test_tokens_the_default_engine_guarantees_are_equal(lines: dict[tuple[str, str, str], dict], mode: str,
+                                                        cases: tuple[str, ...]) -> None:
     for case in cases:
-        d = lines[mode, case]
+        d = lines["default", mode, case]
         assert d["tokens_equal"] == 1.0, d
         assert d["logprob_max_abs_diff"] < 1e-4, d  # float32 rounding only, never another distribution
 
 
+def test_the_speed_lines_time_both_modes(all_lines: list[dict]) -> None:
+    speed = {(d["engine"], d["batch"]): d for d in all_lines if d["bench"] == "invariance_speed"}
+    assert set(speed) == {(e, b) for e in bench.ENGINES for b in (1, 8)}
+    assert all(d["tokens_per_s"] > 0 and d["prompt_len"] == 16 for d in speed.values())
+    costs = {d["batch"]: d for d in all_lines if d["bench"] == "invariance_cost"}
+    assert set(costs) == {1, 8} and all(d["mode_over_default"] > 0 for d in costs.values())
+
+
 def test_main_prints_one_json_line_per_case(capsys: pytest.CaptureFixture[str]) -> None:
-    bench.main([*ARGS, "--modes", "greedy", "--cases", "alone,batch"])
+    bench.main([*ARGS, "--modes", "greedy", "--cases", "alone,batch", "--engines", "invariant", "--speed-batches", "0"])
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [(d["mode"], d["case"]) for d in printed] == [("greedy", "alone"), ("greedy", "batch")]
+    assert [(d["engine"], d["mode"], d["case"]) for d in printed] == [("invariant", "greedy", "alone"),
+                                                                        ("invariant", "greedy", "batch")]
 
 
 def test_bad_arguments_are_refused() -> None:
@@ -78,3 +114,5 @@ def test_bad_arguments_are_refused() -> None:
         bench.parse_args([*ARGS, "--cases", "batch"])  # no reference
     with pytest.raises(SystemExit):
         bench.parse_args([*ARGS, "--modes", "sampled"])
+    with pytest.raises(SystemExit):
+        bench.parse_args([*ARGS, "--engines", "fast"])

@@ -154,6 +154,30 @@ def test_an_idle_session_is_aborted_by_its_lease_and_held_generation_then_runs(
         _sync(c, sender, live + 1)
 
 
+def test_a_session_opened_inside_an_update_has_the_same_lease(server: Sidecar, sender: WeightSender) -> None:
+    """The start that rides on /weights/update (what sync_weights sends) opens a session under the same
+    lease: a trainer gone after its send() and before finish leaves received, unaudited bytes, so the
+    model is torn once the lease ends the session, until the next sync heals it."""
+    with SidecarClient(server.url, timeout=120) as c:
+        _sync(c, sender, _next_version(c))
+        live = c.state()["weight_versions"]["target"]
+        start = {"model": "target", "version": live + 1, "manifest": sender.manifest(WEIGHTS, live + 1),
+                 "allow_cast": False}
+        expired = server.log.count("weight-session-lease-s")
+        with ThreadPoolExecutor(1) as pool:
+            update = pool.submit(c.update_weights, start=start)
+            sender.send(WEIGHTS)
+            assert update.result()["started"] is True
+        t0 = time.monotonic()
+        while server.log.count("weight-session-lease-s") == expired:  # ... and the trainer never finishes
+            assert time.monotonic() - t0 < LEASE_S + 30, "the lease never ended the session"
+            time.sleep(0.05)
+        assert c.abort_weights()["aborted"] is False  # the lease did
+        state = c.state()
+        assert state["torn"] == {"target": True} and state["weight_versions"]["target"] == live, state
+        _sync(c, sender, live + 1)
+
+
 def test_abort_ends_an_open_session_at_once_and_a_new_sync_follows(server: Sidecar, sender: WeightSender) -> None:
     with SidecarClient(server.url, timeout=120) as c:
         live = c.state()["weight_versions"]["target"]

@@ -5,6 +5,7 @@ weights by the rule asked for, or the one the expected manifest names; received 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,12 @@ class RecordingClient(SidecarClient):
         return super()._request(method, path, **kw)
 
 
+def started_manifests(c: RecordingClient) -> list[Any]:
+    """The start manifests sync_weights sent: each rides on its /weights/update."""
+    assert "/weights/start" not in [p for p, _ in c.sent], "the start rides on the update"
+    return [body["start"]["manifest"] for p, body in c.sent if p == "/weights/update"]
+
+
 def device_digests(named: dict[str, torch.Tensor]) -> dict[str, str]:
     return {n: digest_bytes(flat_bytes(t).numpy().tobytes(), DEVICE_ALGORITHM) for n, t in named.items()}
 
@@ -62,7 +69,7 @@ def test_a_device_rule_sync_then_checksums_and_audits_by_rule(server: Sidecar, t
                 assert result["ranks"] == [RANK] and result["tensors_checked"] == len(new)
             paths = [p for p, _ in c.sent]
             assert "/audit" not in paths, "finish answers with the audit"
-            starts = [body["manifest"] for p, body in c.sent if p == "/weights/start"]
+            starts = started_manifests(c)
             assert "tensors" in starts[0] and "tensors" not in starts[1], "a repeated layout travels as its key"
             assert starts[1]["layout"] == starts[0]["layout"] and starts[1]["algorithm"] == DEVICE_ALGORITHM
             _check_received(c, new)
@@ -127,8 +134,11 @@ def test_an_unknown_layout_key_is_answered_by_sending_the_tensors(server: Sideca
             c.connect_sender(sender)
             version = c.state()["weight_versions"]["target"] + 1
             c._layouts.add(sender.manifest(half, version)["layout"])
+            t0 = time.monotonic()
             assert c.sync_weights(sender, half, version=version, allow_cast=True)["ok"]
-            starts = [body["manifest"] for p, body in c.sent if p == "/weights/start"]
-            assert ["tensors" in m for m in starts] == [False, True]
+            assert ["tensors" in m for m in started_manifests(c)] == [False, True]
+            # the first update's start was refused on the rank, which refused the sender's plan agreement too:
+            # send() failed at once (not at its 60 s timeout) and the group stayed usable for the second
+            assert time.monotonic() - t0 < 30 and sender.connected
     finally:
         sender.close()

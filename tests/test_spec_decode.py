@@ -282,3 +282,38 @@ def test_spec_max_batch_below_zero_is_refused_naming_it(models: dict[str, Path])
     with pytest.raises(InvalidRequestError) as bad:
         engine(models["target"], models["close"], 3, spec_max_batch=-1)
     assert bad.value.field == "scheduler.spec_max_batch"
+
+
+def test_async_steps_with_a_draft_that_follows_them(models: dict[str, Path], greedy_ref: tuple) -> None:
+    """async_scheduling=True with a draft: the full batch's steps launch asynchronously and the draft
+    follows each (its KV of the same tokens), the tail speculates synchronously. The target as its
+    own draft accepts every token only if the draft's cache is complete: the followed positions,
+    prefix-cache hits of n samples, and recomputes after preemption included. Greedy output is
+    target-only's."""
+    prompts, _ = greedy_ref
+    lengths = [6, 10, 18, 30]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    ref = token_ids(engine(models["target"]).generate(prompts, params))
+    per_block = engine(models["target"], models["same"], 3, block_size=2).worker.kv_bytes_per_block(2)
+    for kw in ({}, {"block_size": 2, "kv_cache_bytes": 26 * per_block}):  # 26 blocks of 2: preemption
+        llm = engine(models["target"], models["same"], 3, spec_max_batch=2, async_scheduling=True, **kw)
+        kinds: list[str] = []
+        execute = llm.worker.execute_model
+
+        def counting(batch: object, overlap: bool = False, kinds: list[str] = kinds,
+                     execute: object = execute) -> object:
+            kinds.append("async" if overlap else "spec" if any(batch.num_lookahead) else "sync")
+            return execute(batch, overlap)
+
+        llm.worker.execute_model = counting
+        outs = llm.generate(prompts, params)
+        assert token_ids(outs) == ref, kw
+        assert "async" in kinds and "spec" in kinds, kinds
+        assert llm.spec_stats.proposed > 0 and llm.spec_stats.accepted == llm.spec_stats.proposed, kw
+    assert llm.scheduler.preempted > 0  # the small cache of the second run
+    n_params = SamplingParams(n=4, temperature=0.0, max_tokens=16, ignore_eos=True)
+    llm = engine(models["target"], models["same"], 3, spec_max_batch=2, async_scheduling=True)
+    (out,) = llm.generate([prompts[3]], n_params)
+    assert out.num_cached_tokens > 0 and llm.spec_stats.accepted == llm.spec_stats.proposed > 0
+    assert [c.token_ids for c in out.outputs] == [token_ids(engine(models["target"]).generate([prompts[3]],
+                                                                                              n_params))[0]] * 4

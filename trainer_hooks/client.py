@@ -14,12 +14,16 @@
 It lives with the trainer's side (the hook drives it); sidecar.client and `from sidecar import
 SidecarClient` re-export it.
 
-`sync_weights(sender, named_tensors, version)` runs one sync: start -> update (over HTTP, in a
-background thread, while `sender.send()` moves the bytes) -> finish(digests), whose answer carries the
-audit (every rank compared what it holds with the sender's digests), so no second round trip. Each
-control message stays small: after the first sync of a layout, start names it by key instead of
-listing every tensor (the sidecar answers an unknown key with a 400 on `manifest.layout`, and the
-client sends the tensors again), and finish sends the sender's records with the digest rule it picked.
+`sync_weights(sender, named_tensors, version)` runs one sync in two round trips: update carrying the
+start (over HTTP, in a background thread, while `sender.send()` moves the bytes) -> finish(digests),
+sent as soon as send() returns (the update's answer may still be on its way; the ranks run the two in
+order), whose answer carries the audit (every rank compared what it holds with the sender's digests). A start
+the sidecar refuses makes the ranks refuse the sender's plan agreement, so send() fails at once and
+the sidecar's error is raised. A sidecar that did not say `start_in_update` at /weights/init (an older
+one, or a sender joined through another client) gets a separate start first. Each control message
+stays small: after the first sync of a layout, the start names it by key instead of listing every
+tensor (the sidecar answers an unknown key with a 400 on `manifest.layout`, and the client sends the
+tensors again), and finish sends one hex digest per tensor with the rule the sender picked.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -91,6 +95,7 @@ class SidecarClient:
         self.timeout, self.long_timeout, self.retries, self.backoff_s = timeout, long_timeout, retries, backoff_s
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport)
         self._layouts: set[str] = set()  # manifest layouts this sidecar has parsed (start_weights)
+        self._start_in_update = False  # the sidecar's /weights/init said /weights/update takes a "start"
         self._update_pool = ThreadPoolExecutor(1, thread_name_prefix="sidecar-update")  # update beside send
 
     def close(self) -> None:
@@ -190,23 +195,24 @@ class SidecarClient:
                       timeout: float | None = None) -> dict[str, Any]:
         """Open a session. A manifest naming a "layout" this sidecar parsed before travels as that key
         alone (see the module docstring)."""
-        body = {"model": model, "version": version, "manifest": manifest, "allow_cast": allow_cast}
-        layout = manifest.get("layout") if isinstance(manifest, dict) and "tensors" in manifest else None
-        if layout is not None and layout in self._layouts:
-            short = {k: v for k, v in manifest.items() if k != "tensors"}
-            try:
-                return self._post("/weights/start", {**body, "manifest": short}, timeout=timeout or self.long_timeout)
-            except SidecarRequestError as e:
-                if e.field != LAYOUT_FIELD:
-                    raise
-                self._layouts.discard(layout)  # e.g. a restarted sidecar: send the tensors
-        reply = self._post("/weights/start", body, timeout=timeout or self.long_timeout)
-        if layout is not None:
-            self._layouts.add(layout)
+        body = self._start_body(version, manifest, model, allow_cast, short=True)
+        try:
+            reply = self._post("/weights/start", body, timeout=timeout or self.long_timeout)
+        except SidecarRequestError as e:
+            if body["manifest"] is manifest or e.field != LAYOUT_FIELD:
+                raise
+            self._layouts.discard(manifest["layout"])  # e.g. a restarted sidecar: send the tensors
+            body = self._start_body(version, manifest, model, allow_cast, short=False)
+            reply = self._post("/weights/start", body, timeout=timeout or self.long_timeout)
+        self._parsed(manifest)
         return reply
 
-    def update_weights(self, update_info: Any = None, *, timeout: float | None = None) -> dict[str, Any]:
-        return self._post("/weights/update", {"update_info": update_info}, timeout=timeout or self.long_timeout)
+    def update_weights(self, update_info: Any = None, *, start: Mapping[str, Any] | None = None,
+                       timeout: float | None = None) -> dict[str, Any]:
+        """POST /weights/update. `start`: a /weights/start body, to open the session in this same call (a
+        sidecar whose init answer has "start_in_update"); run the sender's send() beside it."""
+        body = {"update_info": update_info, **({"start": dict(start)} if start is not None else {})}
+        return self._post("/weights/update", body, timeout=timeout or self.long_timeout)
 
     def finish_weights(self, digests: Any, *, timeout: float | None = None) -> dict[str, Any]:
         return self._post("/weights/finish", {"digests": records_json(digests)}, timeout=timeout or self.long_timeout)
@@ -237,11 +243,14 @@ class SidecarClient:
                 fut.add_done_callback(lambda f: f.exception() is not None and sender.call_off_connect(
                     f"the sidecar refused the init: {f.exception()}"))
             _join_both(fut, sender.connect)
-            return fut.result()
+            reply = fut.result()
+        self._start_in_update = reply.get("start_in_update") is True
+        return reply
 
     def sync_weights(self, sender: Any, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
                      version: int, model: str = "target", *, allow_cast: bool = False) -> dict[str, Any]:
-        """start -> update (HTTP, background thread) while sender.send() -> finish(digests) -> audit.
+        """update carrying the start (HTTP, background thread) while sender.send() -> finish(digests), whose
+        answer is the audit (an older sidecar: start first, and a separate audit after finish).
 
         Returns the audit of what every rank received against the sender's digests (its "ok" is
         True on success; a mismatch at finish raises SidecarStateError naming tensor and rank).
@@ -250,14 +259,65 @@ class SidecarClient:
         if not getattr(sender, "connected", True):
             self.connect_sender(sender)
         manifest = sender.manifest(named, version)
-        self.start_weights(version, manifest, model=model, allow_cast=allow_cast)
-        fut = self._update_pool.submit(self.update_weights)
-        records = _join_both(fut, lambda: sender.send(named))
-        digests = finish_digests(manifest, records)
-        finish = self.finish_weights(digests)
+        if self._start_in_update:
+            update, records = self._start_and_send(sender, named, manifest, version, model, allow_cast)
+            # send() returned, so every rank holds the bytes and runs finish after this update: send finish now,
+            # while the update's answer is still on its way (its error, the cause, wins).
+            finish = _join_both(update, lambda: self.finish_weights(finish_digests(manifest, records)))
+        else:
+            self.start_weights(version, manifest, model=model, allow_cast=allow_cast)
+            update = self._update_pool.submit(self.update_weights)
+            records = _join_both(update, lambda: sender.send(named))
+            finish = self.finish_weights(finish_digests(manifest, records))
         if "audit" in finish:  # every rank's passing comparison with these digests: the audit itself
             return finish["audit"]
         return self.audit(model=model, source="received", expected=records_json(records))  # an older sidecar
+
+    def _start_and_send(self, sender: Any, named: list[tuple[str, Any]], manifest: Any, version: int, model: str,
+                        allow_cast: bool) -> tuple[Future, Any]:
+        """An update carrying the start, in the background, while sender.send() runs here: (the update's
+        future, maybe still running; the sender's records). send() returning means every rank started and
+        received. A layout key the sidecar does not know (400 on manifest.layout; the ranks refused the
+        send) is sent again with the tensors."""
+        for short in (True, False):
+            start = self._start_body(version, manifest, model, allow_cast, short=short)
+            update = self._update_pool.submit(self.update_weights, start=start)
+            try:
+                records = sender.send(named)
+            except BaseException:
+                try:
+                    update.result()
+                except SidecarRequestError as e:
+                    if start["manifest"] is manifest or e.field != LAYOUT_FIELD:
+                        raise e from None
+                    self._layouts.discard(manifest["layout"])  # e.g. a restarted sidecar: send the tensors
+                    manifest = sender.manifest(named, version)  # arm the sender again for the second send()
+                    continue
+                except SidecarError as remote:
+                    raise remote from None  # the sidecar's error names the field and the rank
+                raise
+            self._parsed(manifest)
+            return update, records
+        raise AssertionError("unreachable: the full manifest is never answered on manifest.layout")
+
+    def _start_body(self, version: int, manifest: Any, model: str, allow_cast: bool, *, short: bool) -> dict[str, Any]:
+        """The /weights/start body; with `short`, a manifest whose layout this sidecar parsed travels as that
+        key alone (the same dict otherwise: callers test `body["manifest"] is manifest`)."""
+        layout = _layout(manifest)
+        if short and layout is not None and layout in self._layouts:
+            manifest = {k: v for k, v in manifest.items() if k != "tensors"}
+        return {"model": model, "version": version, "manifest": manifest, "allow_cast": allow_cast}
+
+    def _parsed(self, manifest: Any) -> None:
+        """The sidecar accepted `manifest`: its layout may travel as the key from now on."""
+        layout = _layout(manifest)
+        if layout is not None:
+            self._layouts.add(layout)
+
+
+def _layout(manifest: Any) -> str | None:
+    """The layout key of a manifest that lists its tensors (None otherwise)."""
+    return manifest.get("layout") if isinstance(manifest, dict) and "tensors" in manifest else None
 
 
 def _join_both(fut: Any, local: Any) -> Any:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inference.layers.gemm_invariant import invariant_linear
 from inference.layers.linear import ShardId, new_param
 from inference.parallel import TPInfo
 
@@ -73,12 +74,16 @@ class ParallelLMHead(nn.Module):
 
     With `tied_to`, the weight IS the embedding's Parameter (same storage): named_parameters()
     lists it once, under the embedding's name, and a weight update of one updates both.
+    `invariant` (the batch-invariant mode): the product is gemm_invariant.invariant_linear, so a row's
+    logits do not depend on how many rows the step computes.
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TPInfo, dtype: torch.dtype,
-                 device: torch.device | str, tied_to: VocabParallelEmbedding | None = None) -> None:
+                 device: torch.device | str, tied_to: VocabParallelEmbedding | None = None,
+                 invariant: bool = False) -> None:
         super().__init__()
         self.tp = tp
+        self.invariant = invariant
         self.shard = VocabShard.of(vocab_size, tp)
         if tied_to is not None:
             assert tied_to.shard == self.shard
@@ -92,9 +97,13 @@ class ParallelLMHead(nn.Module):
         With `out` ([N, vocab_size]) the logits are written there (straight from the matmul at TP=1),
         which is how a CUDA graph leaves them in a static buffer.
         """
-        if out is not None and self.tp.size == 1:
+        if self.invariant:
+            local = invariant_linear(hidden, self.weight)
+        elif out is not None and self.tp.size == 1:
             return torch.mm(hidden, self.weight.t(), out=out)
-        logits = self.tp.all_gather_last_dim(F.linear(hidden, self.weight))
+        else:
+            local = F.linear(hidden, self.weight)
+        logits = self.tp.all_gather_last_dim(local)
         if self.shard.padded_vocab_size != self.shard.vocab_size:
             logits = logits[..., :self.shard.vocab_size]
         return logits if out is None else out.copy_(logits)

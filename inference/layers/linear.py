@@ -10,6 +10,9 @@ Layouts (out_features is dim 0, as in nn.Linear):
 - RowParallelLinear: rank r holds columns [r*n/tp, (r+1)*n/tp); outputs are summed over ranks
   (all_reduce) and the bias is added once, after the sum.
 Parameters are created with torch.empty: the loader (or the weight receiver) fills them.
+`invariant` (EngineConfig.batch_invariant): the product runs as gemm_invariant.invariant_linear, each row's
+bits independent of the other rows; with TP, RowParallelLinear then sums the ranks' partials in rank order
+(TPInfo.all_reduce_ordered) rather than in the collective's own order.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from torch import nn
 
 from inference.core import InvalidRequestError
+from inference.layers.gemm_invariant import invariant_linear
 from inference.layers.gemv import linear
 from inference.parallel import TPInfo
 
@@ -54,9 +58,10 @@ class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W split by output rows; the output stays sharded (no communication)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPInfo,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, invariant: bool = False) -> None:
         super().__init__()
         self.tp = tp
+        self.invariant = invariant
         self.in_features = in_features
         self.out_features_local = tp_divide(out_features, tp, "output features")
         self.weight = new_param((self.out_features_local, in_features), dtype, device, self.weight_loader)
@@ -72,6 +77,8 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(self._row_shard(loaded, self.out_features_local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.invariant:
+            return invariant_linear(x, self.weight, self.bias)
         return linear(x, self.weight, self.bias)
 
 
@@ -79,9 +86,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs fused in one matmul (gate_up: output_sizes = [I, I])."""
 
     def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool, tp: TPInfo,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, invariant: bool = False) -> None:
         self.output_sizes = list(output_sizes)
-        super().__init__(in_features, sum(self.output_sizes), bias, tp, dtype, device)
+        super().__init__(in_features, sum(self.output_sizes), bias, tp, dtype, device, invariant)
         self.local_sizes = [tp_divide(n, tp, "fused output part") for n in self.output_sizes]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
@@ -96,12 +103,12 @@ class QKVParallelLinear(ColumnParallelLinear):
     """Fused q, k, v projections, split by heads. Both head counts must divide by the TP size."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
-                 tp: TPInfo, dtype: torch.dtype, device: torch.device | str) -> None:
+                 tp: TPInfo, dtype: torch.dtype, device: torch.device | str, invariant: bool = False) -> None:
         self.head_dim = head_dim
         self.num_heads_local = tp_divide(num_heads, tp, "num_attention_heads")
         self.num_kv_heads_local = tp_divide(num_kv_heads, tp, "num_key_value_heads")
         out = (num_heads + 2 * num_kv_heads) * head_dim
-        super().__init__(hidden_size, out, bias, tp, dtype, device)
+        super().__init__(hidden_size, out, bias, tp, dtype, device, invariant)
         self.q_size_local = self.num_heads_local * head_dim
         self.kv_size_local = self.num_kv_heads_local * head_dim
 
@@ -125,9 +132,10 @@ class RowParallelLinear(nn.Module):
     """y = sum_r x_r W_r^T + b, with x sharded on its last dim; all_reduce makes y whole on every rank."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPInfo,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, invariant: bool = False) -> None:
         super().__init__()
         self.tp = tp
+        self.invariant = invariant
         self.in_features_local = tp_divide(in_features, tp, "input features")
         self.out_features = out_features
         self.weight = new_param((out_features, self.in_features_local), dtype, device, self.weight_loader)
@@ -141,11 +149,15 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, self.tp.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        product = invariant_linear if self.invariant else linear
         if self.tp.size == 1:
-            return linear(x, self.weight, self.bias)
-        return self.reduce(linear(x, self.weight))
+            return product(x, self.weight, self.bias)
+        return self.reduce(product(x, self.weight))
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """This rank's bias-free product x_r W_r^T -> the layer's output (sum over ranks, plus bias)."""
-        y = partial if self.tp.size == 1 else self.tp.all_reduce(partial)
+        if self.tp.size == 1:
+            y = partial
+        else:
+            y = self.tp.all_reduce_ordered(partial) if self.invariant else self.tp.all_reduce(partial)
         return y if self.bias is None else y + self.bias

@@ -14,11 +14,16 @@ class RMSNorm(nn.Module):
     """y = weight * (x / sqrt(mean(x^2) + eps)) over the last dim; replicated on every TP rank.
 
     Also used per head (Qwen3 q_norm/k_norm) on [T, heads, head_dim] with size = head_dim.
+    `invariant` (the batch-invariant mode): `linear` never fuses the norm into the projection (norm_gemv's
+    one-row shapes differ from the mode's fixed GEMM); the norm itself reduces each row alone already
+    (one Triton program per row; torch sums a row under 32768 elements serially, see layers/invariant.py).
     """
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device | str,
+                 invariant: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.invariant = invariant
         self.weight = new_param((size,), dtype, device, replicated_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -37,7 +42,7 @@ class RMSNorm(nn.Module):
         bits); otherwise add_rms_norm, then the projection. proj is column-parallel, so its forward is
         the bare matmul and no reduction follows.
         """
-        if use_norm_gemv(x, proj.weight, self.weight, residual):
+        if not self.invariant and use_norm_gemv(x, proj.weight, self.weight, residual):
             return norm_gemv(x, residual, self.weight, self.eps, proj.weight, proj.bias)
         h, residual = (self(x), x) if residual is None else self.add_forward(x, residual)
         return proj(h), residual

@@ -104,6 +104,18 @@ class TritonAttentionTiles:
     single_decode_block_n: int = 0
     single_decode_num_warps: int = 8
 
+    def batch_invariant(self) -> TritonAttentionTiles:
+        """The tiles of the batch-invariant mode (docs/invariance.md): a query sums its keys in the same
+        tiles, in the same order, with the same dot shapes, in prefill, decode at any batch size and
+        spec-decode verify. One KV split (the split count follows the batch, and a split-KV merge sums
+        otherwise than one pass); one key tile size everywhere; prefill tiles of 16 rows, which is what
+        a decode tile holds (its group padded to 16), so both dots run on [max(16, group), head_dim]
+        operands; no in-kernel rotation (it may round otherwise than rotary_qk, and the k cache would
+        then hold other bits for a token computed in decode than in prefill); no long batch-1 tiles."""
+        n = self.decode_block_n
+        return replace(self, prefill_block_m=16, fp32_prefill_block_m=16, prefill_block_n=n, fp32_prefill_block_n=n,
+                       num_splits=1, fused_decode_rope=False, single_decode_block_n=0)
+
     def for_decode(self, num_seqs: int) -> TritonAttentionTiles:
         """The tiles a decode launch of num_seqs sequences uses (a static shape: graph-safe)."""
         if num_seqs != 1 or not self.single_decode_block_n:
@@ -195,6 +207,10 @@ class TritonAttention:
         speculative decoding), so the multi-row owner check compiles out of every decode launch at 1.
         SpecDecoder refuses a k whose verify rows exceed it."""
         return TritonAttention(replace(self.tiles, decode_max_rows=max(1, rows)))
+
+    def batch_invariant(self) -> TritonAttention:
+        """This backend in the batch-invariant mode (TritonAttentionTiles.batch_invariant)."""
+        return TritonAttention(self.tiles.batch_invariant())
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,

@@ -5,6 +5,9 @@ Family differences are flags of the config, which each family class reads from c
 head on q and k before rotary), tie_word_embeddings (the LM head shares the embedding's Parameter),
 sliding_window, rope (llama3 scaling).
 
+`batch_invariant` (EngineConfig.batch_invariant) reaches every layer through _Build: products, norms, the
+activation and the LM head then compute each row alone (docs/invariance.md); attention is the backend's.
+
 Model math only: TPInfo comes in, no process group is created here. Parameter names are fixed here
 (qkv_proj and gate_up_proj fused); the family maps its checkpoint's names onto them (inference/naming.py).
 """
@@ -53,6 +56,7 @@ class _Build:
     tp: TPInfo
     dtype: torch.dtype
     device: torch.device | str
+    invariant: bool = False  # the batch-invariant mode
 
 
 class DecoderAttention(nn.Module):
@@ -60,12 +64,12 @@ class DecoderAttention(nn.Module):
         super().__init__()
         c, tp = b.config, b.tp
         self.qkv_proj = QKVParallelLinear(c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads,
-                                          c.qkv_bias, tp, b.dtype, b.device)
+                                          c.qkv_bias, tp, b.dtype, b.device, b.invariant)
         self.o_proj = RowParallelLinear(c.num_heads * c.head_dim, c.hidden_size, o_proj_has_bias(c),
-                                        tp, b.dtype, b.device)
+                                        tp, b.dtype, b.device, b.invariant)
         if c.qk_norm:
-            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, b.dtype, b.device)
-            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, b.dtype, b.device)
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, b.dtype, b.device, b.invariant)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, b.dtype, b.device, b.invariant)
         self.qk_norm = c.qk_norm
         self.attn = Attention(self.qkv_proj.num_heads_local, self.qkv_proj.num_kv_heads_local,
                               c.head_dim, c.head_dim ** -0.5, c.sliding_window, backend)
@@ -87,16 +91,19 @@ class DecoderMLP(nn.Module):
         super().__init__()
         c = b.config
         self.gate_up_proj = MergedColumnParallelLinear(
-            c.hidden_size, [c.intermediate_size] * 2, False, b.tp, b.dtype, b.device)
-        self.down_proj = RowParallelLinear(c.intermediate_size, c.hidden_size, False, b.tp, b.dtype, b.device)
-        self.act_fn = get_activation(c.hidden_act)
+            c.hidden_size, [c.intermediate_size] * 2, False, b.tp, b.dtype, b.device, b.invariant)
+        self.down_proj = RowParallelLinear(c.intermediate_size, c.hidden_size, False, b.tp, b.dtype, b.device,
+                                           b.invariant)
+        self.act_fn = get_activation(c.hidden_act, b.invariant)
+        self.invariant = b.invariant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.activate_down(self.gate_up_proj(x))
 
     def activate_down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """forward after the gate_up projection (DecoderLayer fuses the post-attention norm into it)."""
-        if isinstance(self.act_fn, SiluAndMul) and use_silu_mul_gemv(gate_up, self.down_proj.weight):
+        if (not self.invariant and isinstance(self.act_fn, SiluAndMul)
+                and use_silu_mul_gemv(gate_up, self.down_proj.weight)):
             # One row: the down projection forms silu(gate) * up itself (one launch fewer per layer).
             return self.down_proj.reduce(silu_mul_gemv(gate_up, self.down_proj.weight))
         return self.down_proj(self.act_fn(gate_up))
@@ -106,9 +113,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, b: _Build, backend: AttentionBackend) -> None:
         super().__init__()
         c = b.config
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, b.dtype, b.device)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, b.dtype, b.device, b.invariant)
         self.self_attn = DecoderAttention(b, backend)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, b.dtype, b.device)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, b.dtype, b.device, b.invariant)
         self.mlp = DecoderMLP(b)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
@@ -130,7 +137,7 @@ class DecoderModel(nn.Module):
         c = b.config
         self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, b.tp, b.dtype, b.device)
         self.layers = nn.ModuleList(DecoderLayer(b, backend) for _ in range(c.num_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, b.dtype, b.device)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, b.dtype, b.device, b.invariant)
         self.rotary_emb = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope, b.device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -152,15 +159,16 @@ class DecoderForCausalLM(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, tp: TPInfo, dtype: torch.dtype, device: torch.device | str,
-                 backend: AttentionBackend) -> None:
+                 backend: AttentionBackend, batch_invariant: bool = False) -> None:
         super().__init__()
         self.config = config
         self.tp = tp
-        b = _Build(config, tp, dtype, device)
+        b = _Build(config, tp, dtype, device, batch_invariant)
         # `model` is registered before `lm_head` so that a tied weight is named model.embed_tokens.weight.
         self.model = DecoderModel(b, backend)
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype, device, tied_to=tied)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype, device, tied_to=tied,
+                                      invariant=batch_invariant)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -62,3 +62,10 @@ class WeightReceiver:
         if on_agreed is not None:
             on_agreed()
         self.backend.receive(self.group, plan, parsed, sink, same[1:], maxima)
+
+    def refuse(self) -> None:
+        """Take part in step (1) of a sync this rank cannot receive, with the fingerprint that never
+        agrees (0): every end then stops before a byte moves and the group stays usable, so a sender
+        already waiting in the agreement fails at once instead of at its timeout."""
+        keys, values = self.backend.receiver_agreement()
+        self.group.agree_many([0, *keys], values)

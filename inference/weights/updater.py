@@ -271,6 +271,17 @@ class WeightUpdater:
             self._end_session(f"update to version {session.version} failed: {e}")
             raise
 
+    def refuse_update(self) -> bool:
+        """Refuse the plan agreement of an update whose start failed in the same call (POST
+        /weights/update with "start"), so the waiting sender's send() fails at once and the group stays
+        usable. Touches no session. False without a usable group (the sender's collective then fails on
+        its own, at worst at its timeout); TransferError if the agreement fails (the group breaks)."""
+        receiver = self.receiver
+        if receiver is None or receiver.broken is not None:
+            return False
+        receiver.refuse()
+        return True
+
     def finish(self, sender_digests: Any, *, held_manifest: bool = False) -> UpdateResult:
         """Audit what this rank received against the sender's digests; on success the version goes live.
 
