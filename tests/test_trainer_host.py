@@ -53,7 +53,7 @@ def test_the_hook_gives_its_sender_the_trainer_host(monkeypatch: pytest.MonkeyPa
     class Remote:  # only what _new_sender reads
         url = "http://203.0.113.9:8000"
 
-    monkeypatch.setattr("trainer_hooks.hook.trainer_host", lambda urls: f"routed-to-{list(urls)[0]}")
+    monkeypatch.setattr("trainer_hooks.hook.trainer_host", lambda urls: f"routed-to-{next(iter(urls))}")
     hook = WeightSyncHook(Remote(), torch.nn.Linear(2, 2), rank=0)
     sender = hook._new_sender({"backend": "gloo"}, 1)
     try:
