@@ -24,19 +24,15 @@ import torch
 
 from inference import envs
 from inference.layers import gemv as gemv_mod
-from inference.layers.gemv import GemvConfig, merge_counters, pick_config
+from inference.layers.gemv import GemvConfig, pick_config
 from inference.layers.invariant import tiled_linear
-from inference.layers.pdl import launch_kwargs
 
 try:
     import triton
-
-    from inference.layers.gemv_kernels import _gemv_kernel, _split_sum_kernel
 except ImportError:  # the torch path serves without Triton
     triton = None
 
 BLOCK_M = 16  # rows of x per program: tl.dot's minimum, so a decode batch of 1 pads the least
-_KIND_DOT = 2
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -70,30 +66,5 @@ def invariant_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                    config: GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias) in one launch (two with split-K and without the fused merge),
     fp32 accumulation; `config` (tests) overrides invariant_config."""
-    m, k = x.shape
-    n = weight.shape[0]
-    assert weight.shape[1] == k and x.stride(-1) == 1 and weight.is_contiguous(), (x.shape, weight.shape)
-    assert bias is None or (bias.shape == (n,) and bias.is_contiguous()), None if bias is None else bias.shape
-    cfg = config or invariant_config(n, k, x.device)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_k = cfg.block_k
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), block_k) * block_k
-    split = triton.cdiv(k, k_per_split)
-    partial = split > 1
-    dest = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if partial else out
-    b = bias if bias is not None else out
-    blocks, m_blocks = triton.cdiv(n, cfg.block_n), triton.cdiv(m, BLOCK_M)
-    merge = partial and gemv_mod.FUSED_SPLIT
-    counters = merge_counters(x.device, blocks * m_blocks) if merge else out
-    pdl = launch_kwargs(x)
-    _gemv_kernel[(blocks, split, m_blocks)](
-        x, weight, b, out, dest, counters, x, x, x, m, n, k, x.stride(0), x.stride(0), k_per_split, 0.0,
-        HAS_BIAS=bias is not None, SILU_MUL=False, NORM=False, HAS_RES=False, PARTIAL=partial, MERGE=merge,
-        SPLIT=split if merge else 1, KIND=_KIND_DOT, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-        NORM_ROWS=1, NORM_BLOCK=1, PREFETCH=gemv_mod.PREFETCH, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl)
-    if partial and not merge:
-        mn = m * n
-        _split_sum_kernel[(triton.cdiv(mn, 1024),)](dest, b, out, mn, n, SPLIT=split,
-                                                   HAS_BIAS=bias is not None, BLOCK=1024, **pdl)
-    return out
+    cfg = config or invariant_config(weight.shape[0], x.shape[1], x.device)
+    return gemv_mod._launch(x, weight, bias, x.shape[1], False, cfg, row_block=BLOCK_M)
