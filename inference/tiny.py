@@ -216,6 +216,23 @@ def make_tiny_model(
     return write_model_dir(spec, out_dir, overwrite=overwrite)
 
 
+def first_layers(src: str | Path, dst: str | Path, layers: int) -> Path:
+    """A draft made of a model directory's first `layers` decoder layers, with its embedding, final norm
+    and head (so it agrees with the source often): a copy of `src` at `dst` with the config and the
+    weights cut. Returns `dst`."""
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["num_hidden_layers"] = layers
+    (dst / "config.json").write_text(json.dumps(cfg))
+    state = load_file(str(src / "model.safetensors"))
+    keep = {n: t for n, t in state.items() if not n.startswith("model.layers.") or int(n.split(".")[2]) < layers}
+    save_file(keep, str(dst / "model.safetensors"))
+    return dst
+
+
 def write_model_dir(spec: TinyModelSpec, out_dir: str | Path, *, overwrite: bool = False) -> Path:
     """Write `spec` into out_dir atomically (temporary sibling directory, then rename)."""
     spec.validate()

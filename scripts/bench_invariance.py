@@ -35,7 +35,6 @@ import argparse
 import gc
 import json
 import random
-import shutil
 import tempfile
 import time
 from array import array
@@ -44,10 +43,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from inference.core import RequestOutput, SamplingParams
 from inference.llm import LLM
+from inference.tiny import first_layers
 from scripts import bench_invariance_speed as speed
 
 SHAPES = ("tiny", "qwen2-0.5b", "qwen2.5-7b")
@@ -155,15 +154,7 @@ def release(llm: LLM) -> None:
 
 def tiny_draft_dir(model_dir: Path, layers: int) -> Path:
     """A copy of the tiny checkpoint keeping its first `layers` layers (embedding, norm and head too)."""
-    out = Path(tempfile.mkdtemp(prefix="bench-inv-draft-")) / "draft"
-    shutil.copytree(model_dir, out)
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["num_hidden_layers"] = layers
-    (out / "config.json").write_text(json.dumps(cfg))
-    state = load_file(str(model_dir / "model.safetensors"))
-    keep = {n: t for n, t in state.items() if not n.startswith("model.layers.") or int(n.split(".")[2]) < layers}
-    save_file(keep, str(out / "model.safetensors"))
-    return out
+    return first_layers(model_dir, Path(tempfile.mkdtemp(prefix="bench-inv-draft-")) / "draft", layers)
 
 
 def build(args: argparse.Namespace, *, invariant: bool, kv_bytes: int | None = None, draft: bool = False) -> LLM:

@@ -26,13 +26,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from inference.core import InvalidRequestError, SidecarError
 from inference.transfer.backends import check_backend, default_backend, gpu_sharing_backends
+from sidecar.child_process import stdout_lines
 from sidecar.cli_common import resolve_device
 from sidecar.demo_task import MODELS, REWARDS, DemoSetup, kv_cache_bytes, make_reward, resolve_model
 
@@ -137,8 +137,7 @@ class SidecarProcess:
         log_path = Path(name)
         with os.fdopen(fd, "w") as err:
             proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
-        lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=_pump, args=(proc, lines), daemon=True).start()
+        lines = stdout_lines(proc)
         deadline = time.monotonic() + timeout
         try:
             while True:
@@ -175,10 +174,3 @@ class SidecarProcess:
                 print(f"sidecar demo: the sidecar's log is kept at {self.log_path}", file=sys.stderr)
                 return
             self.log_path.unlink()
-
-
-def _pump(proc: subprocess.Popen, lines: queue.Queue[str | None]) -> None:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        lines.put(line)
-    lines.put(None)

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import IO
 
 from inference.core import InvalidRequestError
+from sidecar.child_process import die_with_parent, stdout_lines
 from sidecar.config import DEVICES, LaunchConfig
 
 STOP_TIMEOUT_S = 60.0
@@ -181,12 +182,12 @@ class _Replicas:
             try:
                 self.procs.append(subprocess.Popen(plan.command(self.host, self.device, self.extra),
                                                    stdout=subprocess.PIPE, stderr=log, text=True,
-                                                   preexec_fn=functools.partial(_die_with_parent, os.getpid())))
+                                                   preexec_fn=functools.partial(die_with_parent, os.getpid())))
             finally:
                 if log is not None:
                     log.close()
         for proc in self.procs:
-            self.lines.append(_pump(proc))
+            self.lines.append(stdout_lines(proc))
         deadline = time.monotonic() + timeout
         urls = []
         for plan, proc, lines in zip(self.plans, self.procs, self.lines):
@@ -234,19 +235,6 @@ class _Replicas:
                 proc.wait(10)
 
 
-def _pump(proc: subprocess.Popen) -> queue.Queue[str | None]:
-    """A queue of the child's stdout lines (None at its end), drained by a daemon thread."""
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def read(out: IO[str] | None) -> None:
-        for line in out or ():
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=read, args=(proc.stdout,), daemon=True, name=f"fleet-out-{proc.pid}").start()
-    return lines
-
-
 def _serving_url(lines: queue.Queue[str | None], deadline: float, stop: threading.Event) -> str | None:
     """The URL of the child's "Sidecar serving on" line (launch_cli.SERVING_LINE), None if it ended,
     the deadline passed or a signal came first."""
@@ -264,15 +252,3 @@ def _serving_url(lines: queue.Queue[str | None], deadline: float, stop: threadin
         if match:
             return match.group(1)
     return None
-
-
-def _die_with_parent(parent: int) -> None:
-    """In the child before exec: Linux sends it SIGTERM when this command dies (PR_SET_PDEATHSIG)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-    except OSError:
-        pass  # not Linux: a SIGKILLed fleet command leaves its replicas running
-    if os.getppid() != parent:  # it died before the request took effect
-        os._exit(1)

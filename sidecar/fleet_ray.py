@@ -44,8 +44,9 @@ from pathlib import Path
 from typing import Any
 
 from inference.core import InvalidRequestError
+from sidecar.child_process import die_with_parent, stdout_lines
 from sidecar.config import LaunchConfig
-from sidecar.fleet_cli import STOP_TIMEOUT_S, ReplicaPlan, _die_with_parent, _pump, launch_flags, plan_replicas
+from sidecar.fleet_cli import STOP_TIMEOUT_S, ReplicaPlan, launch_flags, plan_replicas
 from trainer_hooks.fleet import Fleet
 from trainer_hooks.fleet_replicas import FleetError
 
@@ -94,8 +95,8 @@ class ReplicaProcess:
         self.log_path = folder / f"replica{plan.dp_rank}.log"
         with open(self.log_path, "a") as err:
             self.proc = subprocess.Popen(plan.command(self.node, device, extra), stdout=subprocess.PIPE, stderr=err,
-                                         text=True, preexec_fn=functools.partial(_die_with_parent, os.getpid()))
-        self.lines = _pump(self.proc)
+                                         text=True, preexec_fn=functools.partial(die_with_parent, os.getpid()))
+        self.lines = stdout_lines(self.proc)
 
     def started(self) -> dict[str, Any]:
         return {"node": self.node, "pid": self.proc.pid, "actor_pid": os.getpid()}

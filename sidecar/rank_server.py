@@ -29,6 +29,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from inference.core import InvalidRequestError, RequestOutput, StateError
+from sidecar.child_process import die_with_parent
 from sidecar.commands import (
     AbortWeightUpdate,
     Command,
@@ -58,7 +59,7 @@ MAX_WEIGHT_VERSION = 2**63 - 1  # an int64, as trainers count steps and metrics 
 
 def rank_main(spec: RankSpec, conn: Connection) -> None:
     """Entry point of a rank process (multiprocessing spawn)."""
-    _die_with_parent(spec.parent_pid)
+    die_with_parent(spec.parent_pid, signal.SIGKILL)  # else the closed Pipe ends the command loop
     # Ctrl-C in a terminal signals the whole process group: the parent decides how the ranks stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=spec.log_level.upper(),
@@ -75,19 +76,6 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
         server.serve()
     finally:
         server.shutdown()
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL this process when its parent dies, so a killed sidecar leaves no orphan."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        return  # not Linux: the closed Pipe still ends the command loop
-    if os.getppid() != parent_pid:  # the parent died before the request took effect
-        os._exit(1)
 
 
 def _build_llm(spec: RankSpec) -> Any:

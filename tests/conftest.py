@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -28,3 +29,13 @@ def small_segments(monkeypatch: pytest.MonkeyPatch) -> int:
     from tests.helpers_checksum import shrink_segments  # here: nothing may import triton before the env above
 
     return shrink_segments(monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """torch on one thread for a module: on this 2-core box two threads contend many times slower, and
+    the batch-invariance facts are stated for one thread (inference/layers/invariant.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -16,20 +16,15 @@ Triton kernels to the same promise at two threads and in Triton's interpreter.
 
 from __future__ import annotations
 
-import json
 import random
-import shutil
 from array import array
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
 from inference.core import RequestOutput, SamplingParams
 from inference.llm import LLM
-from inference.tiny import make_tiny_model
+from inference.tiny import first_layers, make_tiny_model
 
 NEW = 12
 PREFIX = 12  # three blocks of 4: the shared prefix a cache hit covers
@@ -40,11 +35,8 @@ Result = tuple[list[int], bytes, object]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread: None) -> None:
+    """the conftest fixture, for every test of this module"""
 
 
 @pytest.fixture(scope="module")
@@ -52,19 +44,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("invariant")
     target = make_tiny_model(root / "target", family="qwen2", seed=3, hidden_size=64, num_layers=2, num_heads=4,
                              num_kv_heads=2, intermediate_size=128)
-    return {"target": target, "draft": cut_layers(target, root / "draft", 1)}
-
-
-def cut_layers(src: Path, dst: Path, layers: int) -> Path:
-    """A draft: src's first `layers` layers with its embedding, final norm and head (close to src)."""
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["num_hidden_layers"] = layers
-    (dst / "config.json").write_text(json.dumps(cfg))
-    state = load_file(str(src / "model.safetensors"))
-    keep = {n: t for n, t in state.items() if not n.startswith("model.layers.") or int(n.split(".")[2]) < layers}
-    save_file(keep, str(dst / "model.safetensors"))
-    return dst
+    return {"target": target, "draft": first_layers(target, root / "draft", 1)}
 
 
 def engine(models: dict[str, Path], invariant: bool = True, **kw: object) -> LLM:

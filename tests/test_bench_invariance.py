@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
 
 import pytest
-import torch
 
 from inference.core import CompletionOutput, RequestOutput
 from scripts import bench_invariance as bench
@@ -44,11 +42,8 @@ def test_shuffled_groups_cover_every_prompt_once() -> None:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread: None) -> None:
+    """the conftest fixture, for every test of this module"""
 
 
 @pytest.fixture(scope="module")

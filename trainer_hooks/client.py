@@ -239,9 +239,12 @@ class SidecarClient:
         info = sender.init_info()
         with ThreadPoolExecutor(1, thread_name_prefix="sidecar-init") as pool:
             fut = pool.submit(self.init_weights, info)
-            if hasattr(sender, "call_off_connect"):
-                fut.add_done_callback(lambda f: f.exception() is not None and sender.call_off_connect(
-                    f"the sidecar refused the init: {f.exception()}"))
+
+            def refused(done: Any) -> None:
+                if done.exception() is not None:
+                    sender.call_off_connect(f"the sidecar refused the init: {done.exception()}")
+
+            fut.add_done_callback(refused)
             _join_both(fut, sender.connect)
             reply = fut.result()
         self._start_in_update = reply.get("start_in_update") is True
