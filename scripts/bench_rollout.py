@@ -208,6 +208,8 @@ def build_llm(shape: str, args: argparse.Namespace, max_len: int) -> LLM:
     (and, with --draft-layers, a draft made of the target's first layers: scripts/bench_spec.py)."""
     kw: dict[str, object] = {"max_num_seqs": args.max_num_seqs or None, "max_model_len": max_len,
                              "enforce_eager": args.enforce_eager}
+    if args.async_scheduling != "auto":
+        kw["async_scheduling"] = args.async_scheduling == "on"
     if args.kv_gib:
         kw["kv_cache_bytes"] = int(args.kv_gib * 2**30)
     if shape == "tiny":
@@ -288,7 +290,8 @@ def run_shape(shape: str, args: argparse.Namespace, rates: tuple[float, float]) 
         for mode in args.modes:
             row: dict[str, object] = {"bench": "rollout", "shape": shape, "mode": mode, "prompts": args.prompts,
                                       "samples": args.samples, "draft_layers": args.draft_layers,
-                                      "spec_max_batch": args.spec_max_batch if args.draft_layers else None}
+                                      "spec_max_batch": args.spec_max_batch if args.draft_layers else None,
+                                      "async_scheduling": llm._overlap is not None}
             row.update(run_case(llm, mode, work, warm, cost, rates))
             row.update(setup_s=round(setup_s, 2), device=name)
             print(json.dumps(row), flush=True)
@@ -325,6 +328,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step (with --draft-layers)")
     ap.add_argument("--spec-max-batch", type=int, default=64,
                     help="with --draft-layers: speculate only while at most this many sequences decode (0: always)")
+    ap.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
+                    help="overlap each step's host work with the device (auto: the engine's default)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--enforce-eager", action="store_true")
     args = ap.parse_args(argv)
