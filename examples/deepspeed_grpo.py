@@ -70,11 +70,15 @@ def _grpo_step(engine: Any, batch: list[Any], digits: set[int]) -> None:
         seqs = [list(out.prompt_token_ids) + list(c.token_ids) for c in out.outputs]
         r = torch.tensor([reward(c.token_ids, digits) for c in out.outputs], device=engine.device)
         adv = r - r.mean()
-        ids = torch.tensor(seqs, device=engine.device)
+        # samples end at different lengths (a stop token): pad on the right and mask the padding out
+        width = max(len(s) for s in seqs)
+        ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs], device=engine.device)
+        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=engine.device)
         n = len(out.prompt_token_ids)
-        logits = engine(ids[:, :-1]).logits.float()[:, n - 1:]
+        logits = engine(ids[:, :-1], attention_mask=mask[:, :-1]).logits.float()[:, n - 1:]
         logp = torch.log_softmax(logits, -1).gather(-1, ids[:, n:, None]).squeeze(-1)
-        engine.backward(-(adv[:, None] * logp).mean())
+        completion = mask[:, n:].float()
+        engine.backward(-(adv[:, None] * logp * completion).sum() / completion.sum().clamp(min=1.0))
     engine.step()
 
 

@@ -14,6 +14,7 @@ workspace of the captured GEMMs inside the graphs' pool (see there).
 
 from __future__ import annotations
 
+import gc
 import logging
 import operator
 import time
@@ -45,21 +46,29 @@ def capture_ladder(sizes: list[int], device: torch.device, warm_up: Callable[[in
     workspace inside `pool`: a clear hands it back to that pool, which stays mapped while its graphs
     live and serves no other allocation. No one else's workspace is touched. The capture stream is one
     of our own (`new_capture_stream`), not one from torch's pool, which any code may have run GEMMs on."""
+    gc.collect()  # another engine's graphs, freed by the collector mid-capture, would void the capture
     pool = torch.cuda.graph_pool_handle()
     current = torch.cuda.current_stream(device)
     warm, capture = torch.cuda.Stream(device), new_capture_stream(device)
     warm.wait_stream(current)
     graphs: dict[int, torch.cuda.CUDAGraph] = {}
     outputs: dict[int, T] = {}
-    for bs in sorted(sizes, reverse=True):
-        with torch.cuda.stream(warm):
-            warm_up(bs)
-        capture.wait_stream(warm)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=capture):
-            outputs[bs] = record(bs)
-        graphs[bs] = graph
-        warm.wait_stream(capture)
+    collecting = gc.isenabled()
+    gc.disable()  # nor may the collector destroy one (cudaGraphExecDestroy) while this thread captures
+    try:
+        for bs in sorted(sizes, reverse=True):
+            with torch.cuda.stream(warm):
+                warm_up(bs)
+            capture.wait_stream(warm)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: another thread of the process (a rank's pipe, a hasher) may free memory meanwhile
+            with torch.cuda.graph(graph, pool=pool, stream=capture, capture_error_mode="thread_local"):
+                outputs[bs] = record(bs)
+            graphs[bs] = graph
+            warm.wait_stream(capture)
+    finally:
+        if collecting:
+            gc.enable()
     current.wait_stream(warm)
     torch.cuda.synchronize(device)
     return pool, graphs, outputs

@@ -77,3 +77,23 @@ def test_graphs_survive_a_neighbour_freeing_cublas_workspaces(model_dir: Path,
     again = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     torch.cuda.synchronize()
     assert before == after == again
+
+
+def test_capture_survives_a_dead_engine_collected_meanwhile(model_dir: Path) -> None:
+    """An engine that became cyclic garbage (a test's or a notebook's) may be collected at any allocation;
+    destroying its graphs while a new engine captures would void the capture (seen on the H200). With
+    the collector set to run at every allocation, a new engine still captures and matches the first."""
+    import gc
+
+    want, first = run(model_dir, "bfloat16")
+    cycle: list = [first]
+    cycle.append(cycle)
+    del first, cycle
+    threshold = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        got, llm = run(model_dir, "bfloat16")
+    finally:
+        gc.set_threshold(*threshold)
+    assert llm.worker.runner.graphs is not None and llm.worker.runner.graphs.graphs
+    assert got == want

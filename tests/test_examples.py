@@ -57,3 +57,52 @@ def test_deepspeed_example_trains_with_zero3_on_one_gpu(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "weight version 2 after 2 steps" in proc.stdout, proc.stdout[-4000:]
     assert code == 0, server.log
+
+
+def test_deepspeed_example_step_takes_samples_of_different_lengths(tmp_path: Path) -> None:
+    """The GRPO step pads a group's samples (they stop at different lengths) and masks the padding out:
+    the loss is the mean over completion tokens only, so padding never changes a gradient."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    spec = importlib.util.spec_from_file_location("deepspeed_grpo", REPO / "examples" / "deepspeed_grpo.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "model"), dtype=torch.float32)
+
+    class Engine:  # the three things _grpo_step uses of a DeepSpeed engine
+        device = torch.device("cpu")
+
+        def __call__(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> object:
+            return model(ids, attention_mask=attention_mask)
+
+        def backward(self, loss: torch.Tensor) -> None:
+            loss.backward()
+
+        def step(self) -> None:
+            pass
+
+    prompt, digits = [5, 6, 7], {9}
+    samples = [[9, 3, 9, 4, 9], [2, 9], [4, 4, 9, 4]]  # stopped at different lengths
+
+    model.zero_grad()
+    outs = [SimpleNamespace(token_ids=t) for t in samples]
+    example._grpo_step(Engine(), [SimpleNamespace(prompt_token_ids=prompt, outputs=outs)], digits)
+    padded = [p.grad.clone() for p in model.parameters()]
+
+    # the same loss, one unpadded sample at a time: -sum(adv * logp over completion tokens) / their count
+    model.zero_grad()
+    r = torch.tensor([example.reward(t, digits) for t in samples])
+    adv = r - r.mean()
+    loss = torch.zeros(())
+    for t, a in zip(samples, adv, strict=True):
+        ids = torch.tensor([prompt + t])
+        logits = model(ids[:, :-1]).logits.float()[:, len(prompt) - 1:]
+        loss = loss - a * torch.log_softmax(logits, -1).gather(-1, ids[:, len(prompt):, None]).sum()
+    (loss / sum(map(len, samples))).backward()
+    assert any(p.grad.abs().sum() > 0 for p in model.parameters())
+    for got, want in zip(padded, (p.grad for p in model.parameters()), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)

@@ -57,7 +57,9 @@ def test_cuda_engine_sleep_frees_its_memory_and_level1_is_bit_identical(tmp_path
     freed = min(freed, _free() - free_awake)
     print(f"engine used {used / 1e9:.2f} GB beyond the context; sleep freed {freed / 1e9:.2f} GB "
           f"({freed / used:.1%})")
-    assert freed >= 0.95 * used, f"sleep freed {freed} of the {used} bytes the engine holds"
+    held = (f"torch reserves {torch.cuda.memory_reserved()} bytes, {torch.cuda.memory_allocated()} allocated, "
+            f"{llm.worker.runner.graphs is not None and len(llm.worker.runner.graphs.graphs)} graphs")
+    assert freed >= 0.95 * used, f"sleep freed {freed} of the {used} bytes the engine holds; {held}"
     llm.wake_up()
     with pytest.raises(StateError, match="sync"):
         llm.generate(PROMPTS, PARAMS)
