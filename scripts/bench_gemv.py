@@ -10,6 +10,12 @@ silu_mul_gemv against silu_and_mul followed by F.linear (two launches); the `+no
 
     python3 scripts/bench_gemv.py                         # Qwen2-0.5B and 7B shapes, M = 1 and 8
     python3 scripts/bench_gemv.py --sweep --models 0.5b   # best (kind, block_n, block_k, warps, split_k)
+    python3 scripts/bench_gemv.py --invariant --m 1,128   # the batch-invariant GEMM (gemm_invariant.py)
+    python3 scripts/bench_gemv.py --invariant --m 1,128,4096 --inv-tiles 64x32x64,64x64x64,128x64x64
+
+--invariant times gemm_invariant's products instead of the GEMV (`+norm`: invariant_norm_gemm, `+silu`:
+invariant_silu_mul_gemm) against the same cuBLAS rows, at any M; --inv-tiles adds one time per tile shape
+BMxBNxBK (split-K as pick_tiles gives it for that BLOCK_N/BLOCK_K) or BMxBNxBKxSPLIT.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from inference.layers import gemm_invariant as inv
 from inference.layers.fused import add_rms_norm, silu_and_mul
 from inference.layers.gemv import GemvConfig, gemv, norm_gemv, pick_config, silu_mul_gemv
 
@@ -104,6 +111,15 @@ class Case:
             return lambda i: norm_gemv(self.x, self.residual, self.norm_weight, 1e-6, self.weights[i], self.bias,
                                        config=config)[0]
         return lambda i: gemv(self.x, self.weights[i], self.bias, config=config)
+
+    def invariant(self, tiles: inv.InvariantTiles | None = None) -> Callable[[int], object]:
+        """The batch-invariant product of this case (fused prologues as the mode's layers run them)."""
+        if self.silu:
+            return lambda i: inv.invariant_silu_mul_gemm(self.x, self.weights[i], tiles)
+        if self.norm:
+            return lambda i: inv.invariant_norm_gemm(self.x, self.residual, self.norm_weight, 1e-6, self.weights[i],
+                                                     self.bias, tiles)[0]
+        return lambda i: inv.invariant_gemm(self.x, self.weights[i], self.bias, tiles)
 
     def cublas(self) -> Callable[[int], object]:
         if self.silu:
@@ -210,10 +226,47 @@ def run_case(model: str, name: str, m: int, n: int, k: int, args: argparse.Names
     return row
 
 
+def parse_tiles(text: str, n: int, k: int, num_sms: int) -> list[inv.InvariantTiles]:
+    """--inv-tiles: BMxBNxBK (pick_tiles' split for that BLOCK_N and BLOCK_K) or BMxBNxBKxSPLIT, comma-separated."""
+    out = []
+    for spec in filter(None, text.split(",")):
+        bm, bn, bk, *split = (int(v) for v in spec.split("x"))
+        split_k = split[0] if split else inv.split_for(n, k, bn, bk, num_sms)
+        out.append(inv.InvariantTiles(block_n=bn, block_k=bk, split_k=split_k, block_m=bm))
+    return out
+
+
+def run_invariant_case(model: str, name: str, m: int, n: int, k: int, args: argparse.Namespace, bw: float,
+                       num_sms: int) -> dict:
+    """One row of --invariant: the mode's product (its default tiles, then each of --inv-tiles) and cuBLAS."""
+    case = Case(name, m, n, k, torch.bfloat16)
+    got, ref = case.invariant()(0), case.cublas()(0)
+    torch.testing.assert_close(got.float(), ref.float(), atol=5e-2, rtol=2e-2)
+    tiles = inv.invariant_tiles(n, k, torch.device("cuda"))
+    ours, theirs = case.time(case.invariant()), case.time(case.cublas())
+    roof = case.weight_bytes / bw * 1e6
+    row = {"bench": "invariant_gemm", "model": model, "proj": name, "m": m, "n": n, "k": k,
+           "weight_mb": round(case.weight_bytes / 2**20, 2), "invariant_us": round(ours, 2),
+           "cublas_us": round(theirs, 2), "roofline_us": round(roof, 2),
+           "invariant_over_cublas": round(ours / theirs, 2),
+           "tiles": [tiles.block_m, tiles.block_n, tiles.block_k, tiles.split_k]}
+    others = []
+    for t in parse_tiles(args.inv_tiles, n, k, num_sms):
+        others.append([t.block_m, t.block_n, t.block_k, t.split_k, round(case.time(case.invariant(t)), 2)])
+    if others:
+        row["other_tiles_us"] = others
+    del case
+    torch.cuda.empty_cache()
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="0.5b,7b", help="comma list of " + ",".join(MODELS))
-    p.add_argument("--m", default="1,8", help="comma list of row counts (<= 8)")
+    p.add_argument("--m", default="1,8", help="comma list of row counts (<= 8; any with --invariant)")
+    p.add_argument("--invariant", action="store_true",
+                   help="time the batch-invariant GEMM (gemm_invariant.py) against cuBLAS instead of the GEMV")
+    p.add_argument("--inv-tiles", default="", help="--invariant: also time these tiles, BMxBNxBK[xSPLIT],...")
     p.add_argument("--proj", default="", help="comma list of projection names (default: all)")
     p.add_argument("--sweep", action="store_true", help="also try block shapes and print the best per shape")
     p.add_argument("--jobs", type=int, default=8, help="sweep: processes that compile the configs first")
@@ -238,8 +291,9 @@ def main() -> None:
     bw = max(copy_bw, read_bw)
     print(json.dumps({"device": torch.cuda.get_device_name(0), "sms": num_sms, "copy_gbs": round(copy_bw / 1e9),
                       "read_gbs": round(read_bw / 1e9), "roofline_gbs": round(bw / 1e9)}), flush=True)
+    run = run_invariant_case if args.invariant else run_case
     for model, name, m, n, k in cases(args):
-        print(json.dumps(run_case(model, name, m, n, k, args, bw, num_sms)), flush=True)
+        print(json.dumps(run(model, name, m, n, k, args, bw, num_sms)), flush=True)
 
 
 if __name__ == "__main__":

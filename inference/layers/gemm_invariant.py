@@ -4,40 +4,93 @@
 on the weight's shape only, never on the number of rows, so a token's projections have the same bits in
 a prefill of 8192 tokens, a decode batch of 128, a batch of 1 and a spec-decode verify:
 
-- Triton (CUDA bf16/fp16, or CPU tensors in Triton's interpreter when gemv.FORCE_ON_CPU): the GEMV
-  kernel of gemv_kernels.py as a GEMM, its "dot" kind over row blocks of a fixed BLOCK_M (grid axis 2),
-  with the tiles and split-K that `pick_config` gives several rows of this weight shape (fixed per
-  shape and device, never per row count). Each output element is summed over K in BLOCK_K steps in
-  order, split-K partials merged in split order. Every row block runs the same instructions on the
-  same tile shape, so a row's bits do not depend on its block or its neighbours.
+- Triton (CUDA bf16/fp16, or CPU tensors in Triton's interpreter when gemv.FORCE_ON_CPU): the GEMM of
+  gemm_invariant_kernels.py. Its tiles (`InvariantTiles`: BLOCK_M x BLOCK_N x BLOCK_K, split-K) are a
+  function of the weight shape and the device's SM count only (`pick_tiles`), so the tl.dot instruction
+  shape, the K order (BLOCK_K steps in order, split-K partials merged in split order) and hence a row's
+  bits are the same in any row block at any M; the kernel is not even specialized on M. BLOCK_M = 64
+  (one Hopper warpgroup's wgmma): a decode batch of 1 pads 63 rows, which costs tensor-core work only
+  (no bytes), and a batch of 128 is two row blocks. Programs are ordered so that the row blocks that
+  read one weight tile run side by side (groups of 8 row blocks, row block fastest): the weight comes
+  from HBM about once per step, not once per row block.
 - Elsewhere (CPU, fp32 on CUDA, Triton missing or SIDECAR_GEMV=0): `invariant.tiled_linear`, products
   of a fixed number of rows per call (the facts it rests on: inference/layers/invariant.py).
 
-The fused prologues of the GEMV (norm_gemv, silu_mul_gemv) are not used in the mode: their one-row
-configurations differ from the several-row one, so the layers run add_rms_norm and silu_and_mul (one
-program per row, or elementwise) in their own launches.
+Fused prologues, same tiles: `invariant_norm_gemm` forms add_rms_norm's output in registers (the
+residual add and the products round as add_rms_norm rounds; the variance is summed in BLOCK_K chunks
+per row, so its bits differ from add_rms_norm's but not between row counts), `invariant_silu_mul_gemm`
+forms silu(gate) * up (elementwise: the same bits as silu_and_mul). Whether a layer fuses depends on
+dtypes, devices and layouts, never on M, so prefill, decode and verify take the same path.
+
+Launches per decoder layer in the mode, besides attention (rotary_qk + the attention kernel, unchanged),
+at any row count: 7 before (add_rms_norm, qkv, o_proj, add_rms_norm, gate_up, silu_and_mul, down),
+4 now (norm+qkv, o_proj, norm+gate_up, silu+down), as many as the default at batch 1 (norm_gemv,
+gemv, norm_gemv, silu_mul_gemv); SIDECAR_GEMV_FUSED_SPLIT=0 adds one per split-K product.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from inference import envs
 from inference.layers import gemv as gemv_mod
-from inference.layers.gemv import GemvConfig, pick_config
 from inference.layers.invariant import tiled_linear
+from inference.layers.pdl import launch_kwargs
 
 try:
     import triton
+
+    from inference.layers.gemm_invariant_kernels import _invariant_gemm_kernel
+    from inference.layers.gemv_kernels import _split_sum_kernel
 except ImportError:  # the torch path serves without Triton
     triton = None
 
-BLOCK_M = 16  # rows of x per program: tl.dot's minimum, so a decode batch of 1 pads the least
+BLOCK_M = 64  # rows of x per program, for every M (see the module note)
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
+@dataclass(frozen=True)
+class InvariantTiles:
+    """Launch shape of one weight: grid (row blocks x column blocks, split_k). Everything here fixes a
+    row's bits except num_stages and group_m (scheduling only); none of it may depend on M."""
+
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    block_m: int = BLOCK_M
+    num_warps: int = 4
+    num_stages: int = 4
+    group_m: int = 8
+
+
+def pick_tiles(n: int, k: int, num_sms: int) -> InvariantTiles:
+    """64-wide column blocks for wide outputs (gate_up, LM head, 7B projections), 32 below 4096 outputs
+    so that decode has more programs; K split (into at most 4, each split at least two BLOCK_K steps)
+    while the column blocks of one row block leave SMs idle: decode streams each weight once, spread over
+    the SMs. The split is paid at prefill too (fp32 partials), only on the narrow projections."""
+    block_n = 64 if n >= 4096 else 32
+    block_k = 64
+    return InvariantTiles(block_n, block_k, split_for(n, k, block_n, block_k, num_sms))
+
+
+def split_for(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int:
+    """pick_tiles' K split for these blocks (also what scripts/bench_gemv.py --inv-tiles gives a tile)."""
+    blocks = triton.cdiv(n, block_n)
+    split = 1
+    while split < 4 and blocks * split < num_sms and k >= 2 * (2 * split) * block_k:
+        split *= 2
+    return split
+
+
+def invariant_tiles(n: int, k: int, device: torch.device) -> InvariantTiles:
+    """The tiles of weight [n, k] on `device` (its SM count; the interpreter assumes gemv's _CPU_SMS)."""
+    return pick_tiles(n, k, gemv_mod._num_sms(device))
+
+
 def use_invariant_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether invariant_gemm takes x [M, K] @ weight [N, K]^T (the GEMV's conditions, any M)."""
+    """Whether invariant_gemm takes x [M, K] @ weight [N, K]^T (the GEMV's conditions, any M > 0)."""
     if triton is None or not gemv_mod.ENABLED:
         return False
     if not (x.is_cuda or (gemv_mod.FORCE_ON_CPU and envs.TRITON_INTERPRET.get())):
@@ -47,12 +100,20 @@ def use_invariant_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.device == weight.device)
 
 
-def invariant_config(n: int, k: int, device: torch.device) -> GemvConfig:
-    """The launch shape of weight [n, k] on `device`: pick_config's several-row ("dot") shape, which
-    depends on (n, k) and the device's SM count only."""
-    cfg = pick_config(2, n, k, gemv_mod._num_sms(device))
-    assert cfg.kind == "dot" and cfg.block_n >= 16, cfg
-    return cfg
+def use_invariant_norm_gemm(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor,
+                            residual: torch.Tensor | None) -> bool:
+    """Whether invariant_norm_gemm takes (x [+ residual]) -> RMSNorm -> x W^T; nothing here reads M."""
+    return (use_invariant_gemm(x, weight) and weight.shape[1] == x.shape[1]
+            and norm_weight.shape == (x.shape[1],) and norm_weight.dtype == x.dtype
+            and norm_weight.is_contiguous() and norm_weight.device == x.device
+            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
+                                      and residual.stride(-1) == 1 and residual.device == x.device)))
+
+
+def use_invariant_silu_mul_gemm(gate_up: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether invariant_silu_mul_gemm takes gate_up [M, 2I] = [gate; up] and weight [N, I]."""
+    return (use_invariant_gemm(gate_up, weight) and weight.dim() == 2
+            and gate_up.shape[1] == 2 * weight.shape[1])
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -63,8 +124,68 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def invariant_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   config: GemvConfig | None = None) -> torch.Tensor:
+                   tiles: InvariantTiles | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias) in one launch (two with split-K and without the fused merge),
-    fp32 accumulation; `config` (tests) overrides invariant_config."""
-    cfg = config or invariant_config(weight.shape[0], x.shape[1], x.device)
-    return gemv_mod._launch(x, weight, bias, x.shape[1], False, cfg, row_block=BLOCK_M)
+    fp32 accumulation; `tiles` (tests, benchmarks) overrides invariant_tiles."""
+    return _launch(x, weight, bias, x.shape[1], tiles)
+
+
+def invariant_silu_mul_gemm(gate_up: torch.Tensor, weight: torch.Tensor,
+                            tiles: InvariantTiles | None = None) -> torch.Tensor:
+    """F.linear(silu_and_mul(gate_up), weight) for gate_up [M, 2I], weight [N, I]; the activation is formed
+    per x tile (recomputed by every column block) and never written out."""
+    assert gate_up.shape[1] == 2 * weight.shape[1], (gate_up.shape, weight.shape)
+    return _launch(gate_up, weight, None, weight.shape[1], tiles, silu_mul=True)
+
+
+def invariant_norm_gemm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                        weight: torch.Tensor, bias: torch.Tensor | None = None,
+                        tiles: InvariantTiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(F.linear(h, weight, bias), s) for (h, s) = add_rms_norm(x, residual, norm_weight, eps) in one launch;
+    s has add_rms_norm's bits, h differs from it only through the variance's summation order (module note).
+
+    s is a fresh [M, K] tensor (x itself when residual is None): the inputs are never written.
+    """
+    m, k = x.shape
+    assert norm_weight.shape == (k,) and norm_weight.is_contiguous() and norm_weight.dtype == x.dtype
+    if residual is None:
+        res_out = x
+    else:
+        assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
+        res_out = torch.empty(m, k, dtype=x.dtype, device=x.device)
+    y = _launch(x, weight, bias, k, tiles, norm=(residual, norm_weight, eps, res_out))
+    return y, res_out
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int, tiles: InvariantTiles | None,
+            silu_mul: bool = False,
+            norm: tuple[torch.Tensor | None, torch.Tensor, float, torch.Tensor] | None = None) -> torch.Tensor:
+    """One launch of _invariant_gemm_kernel over row blocks x column blocks (x split-K); `norm` is
+    (residual or None, RMSNorm weight, eps, res_out)."""
+    m, n = x.shape[0], weight.shape[0]
+    assert weight.shape[1] == k and x.stride(-1) == 1 and weight.is_contiguous(), (x.shape, weight.shape)
+    assert bias is None or (bias.shape == (n,) and bias.is_contiguous()), None if bias is None else bias.shape
+    t = tiles or invariant_tiles(n, k, x.device)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    k_per_split = triton.cdiv(triton.cdiv(k, t.split_k), t.block_k) * t.block_k
+    split = triton.cdiv(k, k_per_split)
+    partial = split > 1
+    merge = partial and gemv_mod.FUSED_SPLIT
+    dest = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if partial else out
+    b = bias if bias is not None else out
+    tiles_mn = triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n)
+    counters = gemv_mod.merge_counters(x.device, tiles_mn) if merge else out
+    residual, norm_weight, eps, res_out = norm if norm is not None else (None, x, 0.0, x)
+    res = residual if residual is not None else x
+    pdl = launch_kwargs(x)
+    _invariant_gemm_kernel[(tiles_mn, split)](
+        x, weight, b, out, dest, counters, res, norm_weight, res_out, m, n, k, x.stride(0), res.stride(0),
+        k_per_split, eps, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None,
+        HAS_RES=residual is not None, PARTIAL=partial, MERGE=merge, SPLIT=split if merge else 1,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m, num_warps=t.num_warps,
+        num_stages=t.num_stages, **pdl)
+    if partial and not merge:
+        mn = m * n
+        _split_sum_kernel[(triton.cdiv(mn, 1024),)](dest, b, out, mn, n, SPLIT=split, HAS_BIAS=bias is not None,
+                                                   BLOCK=1024, **pdl)
+    return out

@@ -174,9 +174,7 @@ class _Norm:
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int, silu_mul: bool,
-            config: GemvConfig | None, norm: _Norm | None = None, row_block: int | None = None) -> torch.Tensor:
-    """`row_block` (the batch-invariant GEMM, gemm_invariant.py): programs over fixed blocks of that
-    many rows (grid axis 2) instead of one block of every row."""
+            config: GemvConfig | None, norm: _Norm | None = None) -> torch.Tensor:
     m, n = x.shape[0], weight.shape[0]
     prologue = "silu" if silu_mul else "norm" if norm is not None else ""
     assert weight.shape[1] == k and x.stride(-1) == 1 and weight.is_contiguous(), (x.shape, weight.shape)
@@ -193,16 +191,15 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k:
     res = norm.residual if norm is not None and norm.residual is not None else x
     pdl = launch_kwargs(x)
     blocks = triton.cdiv(n, cfg.block_n)
-    m_blocks = 1 if row_block is None else triton.cdiv(m, row_block)
     merge = partial and FUSED_SPLIT
-    counters = merge_counters(x.device, blocks * m_blocks) if merge else out
-    _gemv_kernel[(blocks, split, m_blocks)](
+    counters = merge_counters(x.device, blocks) if merge else out
+    _gemv_kernel[(blocks, split)](
         x, weight, b, out, dest, counters, res, x if norm is None else norm.weight, x if norm is None else norm.res_out,
         m, n, k, x.stride(0), res.stride(0), k_per_split, 0.0 if norm is None else norm.eps,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None,
         HAS_RES=norm is not None and norm.residual is not None, PARTIAL=partial, MERGE=merge,
         SPLIT=split if merge else 1, KIND=_KINDS[cfg.kind],
-        BLOCK_M=cfg.block_m(m) if row_block is None else row_block, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+        BLOCK_M=cfg.block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         NORM_ROWS=triton.next_power_of_2(m) if norm is not None else 1,
         NORM_BLOCK=triton.next_power_of_2(k) if norm is not None else 1,
         PREFETCH=PREFETCH, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)

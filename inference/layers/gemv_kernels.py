@@ -70,9 +70,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, r_ptr, nw_
     pid_k = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rows < N
-    # Grid axis 2 walks row blocks of x (the batch-invariant GEMM, gemm_invariant.py); the GEMV has one
-    # (NORM assumes it: _rows_rstd reads rows from 0).
-    ms = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ms = tl.arange(0, BLOCK_M)  # every row of x in one block (NORM's _rows_rstd reads rows from 0)
     ks = tl.arange(0, BLOCK_K)
     m_mask = ms < M
     k_start = pid_k * k_per_split
@@ -122,9 +120,9 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, r_ptr, nw_
     out_mask = m_mask[:, None] & n_mask[None, :]
     if PARTIAL:
         tl.store(part_ptr + pid_k * M * N + offs, y, mask=out_mask)
-        if MERGE:  # the last split of this row block to finish sums all of them, in split order
+        if MERGE:  # the last split of this column block to finish sums all of them, in split order
             tl.debug_barrier()  # every thread's partial is stored before the release
-            count = counter_ptr + tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
+            count = counter_ptr + tl.program_id(0)
             ticket = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
             if ticket == SPLIT - 1:
                 _merge_splits(part_ptr, b_ptr, out_ptr, offs, rows, n_mask, out_mask, M * N,
