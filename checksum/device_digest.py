@@ -225,11 +225,6 @@ def _one_device(tensors: Sequence[torch.Tensor]) -> torch.device:
     return device
 
 
-def _reads_in_place(t: torch.Tensor, nbytes: int) -> bool:
-    return (nbytes % PAIR_BYTES == 0 and t.is_contiguous() and not t.is_conj() and not t.is_neg()
-            and t.data_ptr() % PAIR_BYTES == 0)
-
-
 # (where, nbytes, in_scratch): `where` is the bytes' address, or their offset in the launch's scratch
 # buffer; a layout is keyed by these, so copies made afresh each launch still find their table.
 Source = tuple[int, int, bool]
@@ -241,10 +236,15 @@ def _sources(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[lis
     sources: list[Source] = []
     copies: list[torch.Tensor] = []
     total = 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if nbytes == 0 or _reads_in_place(t, nbytes):
-            sources.append((t.data_ptr() if nbytes else 0, nbytes, False))
+    for t in tensors:  # per tensor per launch: kept to a few C calls (290 tensors a sync)
+        nbytes = t.nbytes
+        if nbytes == 0:
+            sources.append((0, 0, False))
+            continue
+        ptr = t.data_ptr()
+        # read in place: address and size in whole pairs, contiguous, no lazy conjugate/negative bit
+        if not (nbytes | ptr) % PAIR_BYTES and t.is_contiguous() and not t.is_conj() and not t.is_neg():
+            sources.append((ptr, nbytes, False))
         else:
             sources.append((total, nbytes, True))
             copies.append(t)

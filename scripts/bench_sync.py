@@ -17,7 +17,8 @@ bf16 tensors). Timed on the receiver, after a warm-up, median of --iters:
 - peer_bucket_ms: one reused 2 GiB bucket (IPC or broadcast), packed and unpacked tensor by tensor,
   without overlap (verl style).
 Prints one JSON line per (shape, backend), with the receiver's median per phase (start, update,
-finish) of the audited syncs of each rule. Smoke test: --shape tiny --backend gloo --device cpu.
+finish) of the audited syncs of each rule, and finer timers of them (`LAPS`, as audit_<lap>_ms).
+Smoke test: --shape tiny --backend gloo --device cpu.
 --profile DIR writes cProfile stats of the timed syncs: DIR/receiver-<shape>.prof (this process)
 and DIR/sender-<shape>.prof (the trainer's manifest() and send() calls); read them with pstats.
 """
@@ -66,6 +67,16 @@ SHAPES = {
                        head_dim=128, intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
 }
 PEER_BUCKET_BYTES = 2 << 30
+# Finer timers of each audited sync, ms (the sender's measured in the trainer, sent with its digests):
+# receive: the receiver's transfer (agreement, copy, status step) inside update; held_launch: starting the
+# receiver's digest (host time); sender_send: the trainer's whole send() (from before the receiver's
+# start: it waits there); sender_digest_launch and
+# sender_digest_wait: see _clock_digests; sender_digests_get: finish's wait for the trainer's digests
+# (from update's end); held_wait: collecting the receiver's digest in finish; compare: the rest of
+# finish (building the manifests, comparing). held_launch runs inside receive when the backend calls
+# the sink's landed() before its status step (ipc direct, gloo, nccl).
+LAPS = ("receive", "held_launch", "sender_send", "sender_digest_launch", "sender_digest_wait",
+        "sender_digests_get", "held_wait", "compare")
 
 
 def rules(args: argparse.Namespace) -> list[str]:
@@ -123,15 +134,20 @@ def trainer(args: argparse.Namespace, to_parent: Any, from_parent: Any) -> None:
     group = sender._group  # the peers below reuse our group's control and data planes
     profiler = cProfile.Profile() if args.profile else None
     rounds = [None] * (args.iters + 1) + [rule for rule in rules(args) for _ in range(args.iters + 1)]
+    laps: dict[str, float] = {}
+    _clock_digests(sender, laps)
     for rule in rounds:  # None: a sync without digests
         sender.digest_algorithm = rule
         with _profiling(profiler):
             sender.manifest(named, 1)
         to_parent.put("ready")
+        laps.clear()
         with _profiling(profiler):
+            t0 = time.perf_counter()
             records = sender.send(named, digest=rule is not None)
-        if rule is not None:
-            to_parent.put({"algorithm": rule, "digests": [r.digest for r in records]})  # in manifest order
+            laps["sender_send"] = (time.perf_counter() - t0) * 1e3
+        if rule is not None:  # digests in manifest order, and the sender's laps for the report
+            to_parent.put({"algorithm": rule, "digests": [r.digest for r in records], "laps": dict(laps)})
     if profiler is not None:
         profiler.dump_stats(Path(args.profile) / f"sender-{args.shape}.prof")
     for peer in (ceiling_send, per_param_send, bucket_send):
@@ -193,6 +209,32 @@ def bucket_send(args: argparse.Namespace, group: TransferGroup, named: dict, dev
 _SCRATCH: dict[tuple[int, str], torch.Tensor] = {}
 
 
+def _clock(obj: Any, attr: str, laps: dict[str, float], key: str, then: Callable[[Any], None] | None = None) -> None:
+    """Replace obj.attr (a method) on this instance by one that adds its milliseconds to laps[key];
+    `then` sees each result (to clock what it returns)."""
+    inner = getattr(obj, attr)
+
+    def timed_call(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            out = inner(*args, **kwargs)
+        finally:
+            laps[key] = laps.get(key, 0.0) + (time.perf_counter() - t0) * 1e3
+        if then is not None:
+            then(out)
+        return out
+
+    setattr(obj, attr, timed_call)
+
+
+def _clock_digests(sender: WeightSender, laps: dict[str, float]) -> None:
+    """sender_digest_launch: the host time of starting the sender's digest (inside send(), after the
+    agreement); sender_digest_wait: collecting it after the status step (the kernel's tail and the
+    host combine of the segment digests)."""
+    _clock(sender, "_start_digests", laps, "sender_digest_launch",
+           then=lambda pending: _clock(pending, "result", laps, "sender_digest_wait"))
+
+
 @contextlib.contextmanager
 def _profiling(profiler: cProfile.Profile | None) -> Any:
     if profiler is None:
@@ -243,29 +285,43 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     total = sum(torch.Size(t["shape"]).numel() * 2 for t in manifest["tensors"])
 
     profiler = cProfile.Profile() if args.profile else None
-    phases = {rule: {"start": [], "update": [], "finish": []} for rule in rules(args)}  # ms per audited sync
+    phases: dict[str, dict[str, list[float]]] = {rule: {"start": [], "update": [], "finish": []}
+                                                 for rule in rules(args)}  # ms per audited sync
+    laps: dict[str, float] = {}  # this sync's finer timers (see LAPS)
+    _clock(receiver.weights.receiver, "receive", laps, "receive")
+    _clock(receiver.weights._digests, "launch", laps, "held_launch")
 
     def one_sync(rule: str | None) -> float:
         audit = rule is not None
         from_child.get(timeout=600)  # the trainer is about to wait inside send()
         time.sleep(0.05)
         receiver.weights.overlap_audit_digest = audit and not args.serial_audit  # nothing to overlap without one
+        laps.clear()
         with _profiling(profiler):
             t0 = time.perf_counter()
             receiver.weights.start("target", 1, {**manifest, "algorithm": rule or ALGORITHM})
             t1 = time.perf_counter()
             receiver.weights.update()
+            session = receiver.weights._session
+            if audit and session is not None and session.held_digests is not None:
+                _clock(session.held_digests, "result", laps, "held_wait")
             sync_device(device)
             t2 = time.perf_counter()
             if audit:
-                assert receiver.weights.finish(from_child.get(timeout=600), held_manifest=False).report.ok
+                sender_digests = from_child.get(timeout=600)
+                laps["sender_digests_get"] = (time.perf_counter() - t2) * 1e3
+                assert receiver.weights.finish(sender_digests, held_manifest=False).report.ok
             else:
                 receiver.weights.abort("benchmark iteration without digests")
             sync_device(device)
             t3 = time.perf_counter()
         if rule is not None:
-            for phase, dt in zip(phases[rule], (t1 - t0, t2 - t1, t3 - t2)):
+            laps.update(sender_digests.pop("laps", {}))
+            laps["compare"] = (t3 - t2) * 1e3 - laps["sender_digests_get"] - laps.get("held_wait", 0.0)
+            for phase, dt in zip(("start", "update", "finish"), (t1 - t0, t2 - t1, t3 - t2)):
                 phases[rule][phase].append(dt * 1e3)
+            for key in LAPS:
+                phases[rule].setdefault(key, []).append(laps.get(key, 0.0))
             return (t3 - t0) * 1e3
         aborts.append((t3 - t2) * 1e3)
         return (t2 - t0) * 1e3  # the weights are in place; the abort only ends the benchmark's session

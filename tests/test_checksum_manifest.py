@@ -205,6 +205,24 @@ def test_constructing_an_invalid_manifest_raises() -> None:
                               weight_version=0, rank="dp0:pp0:tp0")
 
 
+@pytest.mark.parametrize("field, bad", [
+    ("digest", DIGEST[:31]), ("digest", DIGEST + "0"), ("digest", DIGEST.upper()), ("digest", None),
+    ("shape", (2, True)), ("shape", (2, -1)), ("shape", [2]), ("dtype", "bf16"), ("name", ""),
+])
+def test_one_bad_record_among_hundreds_is_named(field: str, bad: Any) -> None:
+    """Records are checked in bulk (hundreds a sync); a single bad one still fails, naming its field
+    and tensor, wherever it sits. A 31- and a 33-digit digest side by side are still two bad ones."""
+    fields = {"dtype": "bfloat16", "shape": (2, 3), "digest": DIGEST}
+    records = [TensorRecord(f"layer{i}.w", **fields) for i in range(300)]
+    culprit = dict(name="layer7.w", **fields) | {field: bad}
+    records[7] = TensorRecord(**culprit)
+    if field == "digest" and bad == DIGEST[:31]:
+        records[8] = TensorRecord("layer8.w", "bfloat16", (2, 3), DIGEST + "0")
+    with pytest.raises(ManifestError, match=rf"records\[7\]\.{field}"):
+        Manifest("target", 1, "dp0:pp0:tp0", tuple(records))
+    assert len(Manifest("target", 1, "dp0:pp0:tp0", tuple(records[9:])).records) == 291  # the rest pass
+
+
 # -- comparison -----------------------------------------------------------------------------------
 
 

@@ -152,3 +152,27 @@ def test_a_failed_finish_waits_for_the_side_digest(dirs: dict[str, Path], gate: 
     gate.opened.set()
     finishing.join(30)
     assert type(out["error"]).__name__ == "InvalidRequestError" and worker.weights.torn["target"]
+
+
+def test_the_received_digest_starts_before_the_status_step(dirs: dict[str, Path], gate: Gate,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backend tells the sink its bytes landed before the ranks report, so the received digest runs
+    while they do (and while the trainer collects its own), not after update_weights returns."""
+    from inference.transfer.groups import TransferGroup
+
+    worker = make_worker(dirs, draft=False)
+    link = Link(worker)
+    seen: list[bool] = []
+    all_max = TransferGroup.all_max
+
+    def watched(self: TransferGroup, values: Any, what: str) -> Any:
+        if self.rank != 0 and what == "end-of-sync status":
+            session = worker.weights._session
+            seen.append(session is not None and session.held_digests is not None)
+        return all_max(self, values, what)
+
+    monkeypatch.setattr(TransferGroup, "all_max", watched)
+    digests = received(worker, link, perturbed(dirs["target"], 1), 1)
+    assert seen == [True]
+    gate.opened.set()
+    assert worker.finish_weight_update(digests).report.ok

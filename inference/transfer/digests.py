@@ -79,20 +79,21 @@ def kernel_device(items: NamedTensorList, algorithm: str) -> torch.device | None
 
 
 class PendingRecords:
-    """Digests in flight (one device launch, or a host future); `result()` gives the records in input order."""
+    """Digests in flight (one device launch, or a host future); `result()` gives the records in input order.
+    `specs`: what each record names (name, dtype, shape), one per item, e.g. the manifest's TensorSpecs."""
 
-    def __init__(self, items: NamedTensorList, device: PendingDigests | None = None,
+    def __init__(self, specs: Sequence[TensorSpec] | None, device: PendingDigests | None = None,
                  host: Future[list[TensorRecord]] | None = None) -> None:
         assert (device is None) != (host is None), "one launch or one future"
-        self._meta = [(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in items] if device else []
-        self._device, self._host = device, host
+        assert device is None or specs is not None, "a device launch needs its records' specs"
+        self._specs, self._device, self._host = specs, device, host
 
     def result(self) -> list[TensorRecord]:
         if self._host is not None:
             return self._host.result()
-        assert self._device is not None
+        assert self._device is not None and self._specs is not None
         digests = self._device.result()
-        return [TensorRecord(name, dtype, shape, d) for (name, dtype, shape), d in zip(self._meta, digests)]
+        return [TensorRecord(s.name, s.dtype, s.shape, d) for s, d in zip(self._specs, digests, strict=True)]
 
     def settle(self) -> None:
         """Wait until nothing reads the tensors any more; the outcome (even an error) is left for result()."""
@@ -115,19 +116,25 @@ class RecordDigests:
         self._device = DeviceDigester()
 
     def launch(self, items: NamedTensorList, algorithm: str, *, stream: Any = None,
-               written: torch.cuda.Event | None = None) -> PendingRecords:
+               written: torch.cuda.Event | None = None,
+               specs: Sequence[TensorSpec] | None = None) -> PendingRecords:
         """Start digesting `items` under `algorithm`; see the module docstring for where each runs.
-        `stream`: the CUDA stream of a device launch (default: the current one); `written`: an event the
-        host path waits for before reading (a device launch is ordered by its stream instead)."""
+        `stream`: the CUDA stream of a device launch on its device (default: the current one); `written`:
+        an event the host path waits for before reading (a device launch is ordered by its stream
+        instead); `specs`: each item's (name, dtype, shape) when the caller holds them already (its
+        manifest's), which spares reading them off the tensors every sync (host time, per tensor)."""
         items = list(items)
         device = kernel_device(items, algorithm)
         if device is None:
-            return PendingRecords(items, host=self._executor().submit(_host_records, items, algorithm, written))
-        tensors = [t.detach() for _, t in items]
-        if device.type == "cuda" and stream is not None:
+            return PendingRecords(None, host=self._executor().submit(_host_records, items, algorithm, written))
+        if specs is None:
+            specs = [TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in items]
+        assert len(specs) == len(items), (len(specs), len(items))
+        tensors = [t for _, t in items]  # the kernel reads addresses only: no detach needed
+        if device.type == "cuda" and stream is not None and stream.device == device:
             with torch.cuda.stream(stream):
-                return PendingRecords(items, device=self._device.launch(tensors))
-        return PendingRecords(items, device=self._device.launch(tensors))
+                return PendingRecords(specs, device=self._device.launch(tensors))
+        return PendingRecords(specs, device=self._device.launch(tensors))
 
     def digest(self, items: NamedTensorList, algorithm: str) -> list[TensorRecord]:
         """The records of `items` now (a device launch waited for, or the host path on this thread)."""

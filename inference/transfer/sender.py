@@ -16,9 +16,9 @@ trainer's GPU memory ("direct" mode decision: inference/transfer/ipc.py).
 
 Digests: `manifest()` picks the sync's rule (inference/transfer/digests.py: the device rule for CUDA
 tensors, the host rule for CPU tensors, unless `digest_algorithm` fixes one) and names it in the
-manifest, so every receiver knows it at start. `send()` starts its digest once the trainer's writes
-have landed, before the plan agreement: CUDA tensors in ONE kernel launch on a digest stream of the
-sender's own (it only reads, so it runs beside the agreement, packing and the receivers' reads), CPU
+manifest, so every receiver knows it at start. `send()` starts its digest right after the plan
+agreement (the trainer's writes have landed before it): CUDA tensors in ONE kernel launch on a digest
+stream of the sender's own (it only reads, so it runs beside packing and the receivers' reads), CPU
 tensors on a side thread; it collects them after the transfer. A CUDA tensor never goes through host memory to be
 hashed. On CUDA, connect() compiles the kernel (seconds, once) while the receivers join.
 """
@@ -35,7 +35,7 @@ from checksum import TensorRecord, pick_algorithm
 from inference.core import InvalidRequestError, StateError
 from inference.transfer.backends import backend_class, check_backend
 from inference.transfer.backends.base import TransferBackend
-from inference.transfer.digests import PendingRecords, RecordDigests, check_algorithm, kernel_device
+from inference.transfer.digests import PendingRecords, RecordDigests, check_algorithm
 from inference.transfer.groups import (
     InitInfo,
     TransferError,
@@ -194,35 +194,43 @@ class WeightSender:
             assert (len(keys), len(values)) == self._end.agreement_size, "every end adds the same to step 1"
         if self.device.type == "cuda":  # before the agreement: ipc receivers may read right after it
             torch.cuda.current_stream(self.device).synchronize()  # the trainer's writes have landed
-        digests = self._start_digests(items, algorithm) if digest and problem is None else None
         fingerprint = specs.fingerprint(version, self.bucket_bytes, self.backend)
         # one all-reduce (inference/transfer/receiver.py); 0 never matches: on a problem the receivers stop cleanly
         same, _ = group.agree_many([0 if problem else fingerprint, *keys], values)
         if not same[0]:
             self._end.withdraw()
-            if digests is not None:
-                digests.settle()  # nothing reads the tensors once we raise
             raise problem or TransferError(
                 "the receivers' plan differs from the sender's (a different manifest, version or bucket "
                 "size was started on the sidecar); nothing was written")
-        plan = specs.plan(self.bucket_bytes)
+        # Started after the agreement: its host work (a few us per tensor) then runs while the receivers
+        # copy, instead of holding every rank at the agreement. A failure to start is raised after the
+        # status step, so the receivers are never left waiting in it.
+        digests, failure = None, None
+        if digest:
+            try:
+                digests = self._start_digests(items, algorithm, specs)
+            except Exception as e:
+                failure = e
         try:
-            self._end.send(group, plan, tensors, same[1:])
+            self._end.send(group, specs.plan(self.bucket_bytes), tensors, same[1:])
         finally:
             records = digests.result() if digests is not None else []
+        if failure is not None:
+            raise failure
         self._pending = None
         return records
 
-    def _start_digests(self, items: list[tuple[str, torch.Tensor]], algorithm: str) -> PendingRecords:
-        """The digests of what is sent, started before the bytes move (see the module docstring)."""
-        device = kernel_device(items, algorithm)
+    def _start_digests(self, items: list[tuple[str, torch.Tensor]], algorithm: str,
+                       specs: ParsedManifest) -> PendingRecords:
+        """The digests of what is sent, started as the bytes move (see the module docstring). `specs`
+        describe `items` (send() checked them), so the records are named from them."""
         stream = None
-        if device is not None and device.type == "cuda":
-            stream = self._digest_streams.get(device)
+        if self.device.type == "cuda":  # the launch uses it when the tensors are on self.device
+            stream = self._digest_streams.get(self.device)
             if stream is None:
-                stream = self._digest_streams[device] = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))  # after the trainer's last write
-        return self._digests.launch(items, algorithm, stream=stream)
+                stream = self._digest_streams[self.device] = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # after the trainer's last write
+        return self._digests.launch(items, algorithm, stream=stream, specs=specs.specs)
 
     def _require_group(self) -> TransferGroup:
         if self._group is None:

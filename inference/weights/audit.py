@@ -26,14 +26,16 @@ class HeldDigests:
     def launch(self, session: Session, device: torch.device | None) -> PendingRecords | None:
         """Start digesting the session's held regions after the work that wrote them; None when some
         tensor never arrived (finish reports it)."""
-        items = session.target.held_items()
-        if items is None:
+        routes = session.target.held_routes()
+        if routes is None:
             return None
+        items = [(r.spec.name, r.held) for r in routes]
         written = None  # a device launch is ordered behind the writes by its stream; the host path waits
         if device is not None and device.type == "cuda" and kernel_device(items, session.algorithm) is None:
             written = torch.cuda.Event()
             written.record(torch.cuda.current_stream(device))
-        return self._digests.launch(items, session.algorithm, written=written)
+        # each held region is exactly its spec's dtype and shape (inference/weights/target.py _route)
+        return self._digests.launch(items, session.algorithm, written=written, specs=[r.spec for r in routes])
 
     def now(self, session: Session) -> list[TensorRecord] | None:
         """The held regions' digests taken now (no overlapped digest ran); None if some tensor is missing."""

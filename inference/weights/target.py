@@ -20,7 +20,7 @@ reused.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -152,6 +152,7 @@ class UpdateTarget:
                                        for r, d in zip(routing.routes, routing.destinations))
         self._records: dict[str, TensorRecord] = {}  # digested from received bytes
         self._written: set[int] = set()
+        self.on_landed: Callable[[], None] | None = None  # see landed()
 
     def direct_destinations(self) -> Sequence[torch.Tensor | None]:
         """Per manifest index, the region a direct copy may write, or None to go through `put`."""
@@ -191,11 +192,23 @@ class UpdateTarget:
     def held_items(self) -> list[tuple[str, torch.Tensor]] | None:
         """(name, held region) of every tensor whose digest is taken from the model, or None while
         some tensor has not arrived."""
+        held = self.held_routes()
+        return None if held is None else [(r.spec.name, r.held) for r in held]  # type: ignore[misc]
+
+    def held_routes(self) -> list[Route] | None:
+        """The routes of `held_items()` (their specs name the records), or None likewise."""
         if len(self._written) != len(self.routes):
             return None
-        held = [(r.spec.name, r.held) for r in self.routes if r.spec.name not in self._records]
-        assert all(t is not None for _, t in held)
-        return held  # type: ignore[return-value]
+        records = self._records
+        held = [r for r in self.routes if r.spec.name not in records] if records else list(self.routes)
+        assert all(r.held is not None for r in held)
+        return held
+
+    def landed(self) -> None:
+        """The backend wrote every byte of the sync (queued on the current stream) and is about to
+        report success in the status step: `on_landed` (the updater's overlapped digest) runs now."""
+        if self.on_landed is not None:
+            self.on_landed()
 
     def received_manifest(self, version: int, held: Sequence[TensorRecord] | None = None) -> Manifest:
         """Digests of every tensor received (trainer names). Raises if any tensor never arrived.

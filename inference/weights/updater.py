@@ -22,8 +22,9 @@ Digest rule: the sender names it in the start manifest ("algorithm"; inference/t
 and this rank digests what it holds under that rule, wherever its bytes are (a CPU rank computes the
 device rule on the host); finish digests that name another rule fail the audit with an "algorithm"
 mismatch naming both.
-Overlapped audit: when update has received every tensor it starts digesting the held regions
-(inference/weights/audit.py), which runs while the trainer still digests its own copy. Nothing
+Overlapped audit: once every tensor landed (the backend's `landed` call, before the status step;
+else when update returns) this rank starts digesting the held regions (inference/weights/audit.py),
+which runs while the ranks report and the trainer still digests its own copy. Nothing
 writes the model between update and finish (no step runs on a model with an open session, and start,
 update and reset refuse), so the digest is of the bytes finish audits. What could release them waits
 for it first: sleep and shutdown (`settle_digest`, which also drops the result: a sleep loses
@@ -262,11 +263,13 @@ class WeightUpdater:
                 raise StateError(f"rank {host.rank_key}: update_weights called twice in one session")
             self.check_awake(session.which, "a weight update")
             assert self.receiver is not None
+            if self.overlap_audit_digest:  # queued once the bytes landed, while the ranks report
+                session.target.on_landed = lambda: self._launch_held_digest(session)
             self.receiver.receive(session.version, session.specs, session.target,
                                   on_agreed=lambda: self._begin_writes(session))
             session.received = True
-            if self.overlap_audit_digest:
-                session.held_digests = self._digests.launch(session, host.device)
+            if self.overlap_audit_digest and session.held_digests is None:  # a backend without landed()
+                self._launch_held_digest(session)
         except BaseException as e:
             self._end_session(f"update to version {session.version} failed: {e}")
             raise
@@ -381,6 +384,10 @@ class WeightUpdater:
         if self._session is None:
             raise StateError(f"rank {self._host.rank_key}: {what} without a matching start_weight_update")
         return self._session
+
+    def _launch_held_digest(self, session: Session) -> None:
+        if session.held_digests is None:
+            session.held_digests = self._digests.launch(session, self._host.device)
 
     def _begin_writes(self, session: Session) -> None:
         """Both ends agreed on the plan: from here on the model's bytes may change."""

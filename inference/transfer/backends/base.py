@@ -45,6 +45,11 @@ class Sink(Protocol):
 
     def put(self, items: Sequence[tuple[int, torch.Tensor]]) -> None: ...
 
+    def landed(self) -> None:
+        """Every byte of the sync is written (queued on the current stream); the status step follows.
+        Work that reads what was written may be queued here, to run while the ranks report."""
+        ...
+
 
 class TransferBackend(ABC):
     """One end of one backend (see the module docstring). `label` names the end in errors ("sender",
@@ -122,9 +127,12 @@ class TransferBackend(ABC):
         self._pack_stream.wait_stream(torch.cuda.current_stream(self.device))
         return self._pack_stream
 
-    def finish_receiving(self, group: TransferGroup, failure: BaseException | None) -> None:
-        """The receiver's status step: report `failure` (or success), then raise it, or TransferError
-        when another rank failed."""
+    def finish_receiving(self, group: TransferGroup, failure: BaseException | None, sink: Sink) -> None:
+        """The receiver's status step: tell `sink` its bytes landed (unless this rank failed; a failure
+        there is this rank's), report `failure` (or success), then raise it, or TransferError when
+        another rank failed."""
+        if failure is None:
+            failure = self.guard(sink.landed)
         status = group.all_max([int(failure is not None)], "end-of-sync status")[0]
         if failure is not None:
             raise failure

@@ -79,4 +79,4 @@ class BroadcastBackend(TransferBackend):
                     failure = e
         if failure is None and unpacker.incomplete:
             failure = RuntimeError(f"{self.label}: tensors left incomplete: {unpacker.incomplete[:3]}")
-        self.finish_receiving(group, failure)
+        self.finish_receiving(group, failure, sink)

@@ -132,7 +132,7 @@ class IpcBackend(TransferBackend):
         if layout["mode"] == "direct":
             if failure is None:
                 failure = self.guard(lambda: self._copy_direct(layout, specs, sink))
-            self.finish_receiving(group, failure)
+            self.finish_receiving(group, failure, sink)
         else:
             self._receive_packed(group, plan, specs, sink, layout, failure)
 
