@@ -41,11 +41,11 @@ def hf_model(shape: str, max_len: int) -> torch.nn.Module:
     return model.eval()
 
 
-def our_llm(hf: torch.nn.Module, max_batch: int, max_len: int, enforce_eager: bool) -> LLM:
+def our_llm(hf: torch.nn.Module, max_batch: int, max_len: int, enforce_eager: bool, **engine: object) -> LLM:
     d = Path(tempfile.mkdtemp(prefix="bench-gen-"))
     hf.config.save_pretrained(d)  # config.json only: the weights come from the HF model itself
     llm = LLM(d, device="cuda", dtype="bfloat16", load_format="dummy", max_num_seqs=max_batch,
-              max_model_len=max_len, enforce_eager=enforce_eager, gpu_memory_utilization=0.6)
+              max_model_len=max_len, enforce_eager=enforce_eager, gpu_memory_utilization=0.6, **engine)
     load_named_tensors(llm.worker.models["target"], hf.state_dict().items())
     return llm
 

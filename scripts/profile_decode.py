@@ -74,9 +74,11 @@ def main() -> None:
     ap.add_argument("--graph", action="store_true", help="profile the captured decode graph's replays")
     ap.add_argument("--trace", default="", help="write a chrome trace here")
     ap.add_argument("--pdl", action="store_true", help="keep programmatic dependent launch on")
+    ap.add_argument("--batch-invariant", action="store_true", help="the engine in the batch-invariant mode")
     args = ap.parse_args()
     pdl.ENABLED = pdl.ENABLED and args.pdl
-    llm = our_llm(hf_model(args.shape, 512), args.batch, 512, enforce_eager=not args.graph)
+    llm = our_llm(hf_model(args.shape, 512), args.batch, 512, enforce_eager=not args.graph,
+                  batch_invariant=args.batch_invariant)
     prompts = [[1 + i] * 128 for i in range(args.batch)]
     params = SamplingParams(temperature=0.0, max_tokens=1 + 2 * args.steps, ignore_eos=True)
     ids = [llm.add_request(p, params) for p in prompts]

@@ -22,10 +22,10 @@ per row, so its bits differ from add_rms_norm's but not between row counts), `in
 forms silu(gate) * up (elementwise: the same bits as silu_and_mul). Whether a layer fuses depends on
 dtypes, devices and layouts, never on M, so prefill, decode and verify take the same path.
 
-Launches per decoder layer in the mode, besides attention (rotary_qk + the attention kernel, unchanged),
-at any row count: 7 before (add_rms_norm, qkv, o_proj, add_rms_norm, gate_up, silu_and_mul, down),
-4 now (norm+qkv, o_proj, norm+gate_up, silu+down), as many as the default at batch 1 (norm_gemv,
-gemv, norm_gemv, silu_mul_gemv); SIDECAR_GEMV_FUSED_SPLIT=0 adds one per split-K product.
+Launches per decoder layer in the mode, besides attention (rotary_qk + the attention kernel): 7
+(add_rms_norm, qkv, o_proj, add_rms_norm, gate_up, silu_and_mul, down). With FUSE_PROLOGUES, 4 (norm+qkv,
+o_proj, norm+gate_up, silu+down), as many as the default at batch 1, but slower on the H200 (see there).
+SIDECAR_GEMV_FUSED_SPLIT=0 adds one launch per split-K product.
 """
 
 from __future__ import annotations
@@ -48,6 +48,11 @@ except ImportError:  # the torch path serves without Triton
     triton = None
 
 BLOCK_M = 64  # rows of x per program, for every M (see the module note)
+# Whether the mode routes the pre-norms and SiLU*up through the fused prologues. Off: measured on the H200
+# (bench_gemv --invariant, 0.5B, us at 1 / 128 rows) the prologues cost more than the launches they save:
+# qkv+norm 13.3 / 16.7 against 5.4 / 6.6 plain, gate_up+norm 19.8 / 38.8 against 8.7 / 9.0, down+silu
+# 46.0 / 47.2 against 11.6 / 12.4 (every program re-forms its rows over all of K, 64 rows wide).
+FUSE_PROLOGUES = False
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -103,7 +108,7 @@ def use_invariant_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def use_invariant_norm_gemm(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor,
                             residual: torch.Tensor | None) -> bool:
     """Whether invariant_norm_gemm takes (x [+ residual]) -> RMSNorm -> x W^T; nothing here reads M."""
-    return (use_invariant_gemm(x, weight) and weight.shape[1] == x.shape[1]
+    return (FUSE_PROLOGUES and use_invariant_gemm(x, weight) and weight.shape[1] == x.shape[1]
             and norm_weight.shape == (x.shape[1],) and norm_weight.dtype == x.dtype
             and norm_weight.is_contiguous() and norm_weight.device == x.device
             and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
@@ -112,7 +117,7 @@ def use_invariant_norm_gemm(x: torch.Tensor, weight: torch.Tensor, norm_weight: 
 
 def use_invariant_silu_mul_gemm(gate_up: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether invariant_silu_mul_gemm takes gate_up [M, 2I] = [gate; up] and weight [N, I]."""
-    return (use_invariant_gemm(gate_up, weight) and weight.dim() == 2
+    return (FUSE_PROLOGUES and use_invariant_gemm(gate_up, weight) and weight.dim() == 2
             and gate_up.shape[1] == 2 * weight.shape[1])
 
 
