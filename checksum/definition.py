@@ -27,6 +27,7 @@ items, hashes one item, and combines the items' digests. Manifests name the rule
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -154,6 +155,19 @@ def combine_seg64k(segment_digests: Sequence[bytes | memoryview], nbytes: int) -
         hasher.update(part)
     hasher.update(nbytes.to_bytes(8, "big"))
     return hasher.hexdigest()
+
+
+def seg64k_length_word(nbytes: int) -> int:
+    """The int64 whose bytes in memory are `nbytes` as 8 big-endian bytes: the suffix of a
+    DEVICE_ALGORITHM digest's input, stored as one more word after segment digests kept as int64s."""
+    return int.from_bytes(nbytes.to_bytes(8, "big"), sys.byteorder, signed=True)
+
+
+def combine_seg64k_packed(packed: memoryview, spans: Sequence[slice]) -> list[str]:
+    """DEVICE_ALGORITHM's digests of many tensors in one C-level pass: `packed[span]` holds one tensor's
+    8-byte segment digests followed by its `seg64k_length_word`, i.e. exactly what `combine_seg64k`
+    hashes, so the digests are the same."""
+    return list(map(xxhash.xxh3_128_hexdigest, map(packed.__getitem__, spans)))
 
 
 class SegmentStream:

@@ -3,7 +3,8 @@
 A launch hashes every 64 KiB segment of every tensor (checksum/device_kernels.py) into one int64
 per segment holding its canonical 8-byte xxh3-64 digest; those come to the host in ONE copy (8 bytes
 per 64 KiB), and each tensor's digest is the xxh3-128 of its segments' digests and its length there
-(checksum/definition.py, `combine_seg64k`). No byte of a tensor leaves the device, and nothing waits
+(checksum/definition.py, `combine_seg64k`), all tensors in one pass over spans precomputed per layout
+(`combine_seg64k_packed`). No byte of a tensor leaves the device, and nothing waits
 on the device before `PendingDigests.result()`.
 
 - The kernel reads each tensor in place when it is contiguous, its address and byte count are
@@ -34,7 +35,13 @@ from types import ModuleType
 
 import torch
 
-from checksum.definition import ALGORITHM, DEVICE_ALGORITHM, SEG64K_BYTES, combine_seg64k
+from checksum.definition import (
+    ALGORITHM,
+    DEVICE_ALGORITHM,
+    SEG64K_BYTES,
+    combine_seg64k_packed,
+    seg64k_length_word,
+)
 from checksum.tensor_bytes import flat_bytes, host_view
 
 # Tests set this (with TRITON_INTERPRET=1 in the environment before Triton is imported) to run the
@@ -88,20 +95,32 @@ def pick_algorithm(tensors: Iterable[torch.Tensor]) -> str:
 
 
 @dataclass(frozen=True)
+class _Packing:
+    """How one layout's segment digests become its tensors' digests on the host, in O(1) Python calls:
+    `template` (int64, on the CPU) holds each source's segment slots followed by its length word
+    (`seg64k_length_word`, filled in once); the segment digests go to the slots `slots` (one
+    index_copy), and `spans` (byte slices of the template) are each source's xxh3-128 input."""
+
+    template: torch.Tensor
+    slots: torch.Tensor  # int64 [n_segments]: where segment i goes in `template`
+    spans: tuple[slice, ...]
+
+
+@dataclass(frozen=True)
 class _Layout:
     """The segment table of one list of (address, nbytes) sources on one device."""
 
     table: torch.Tensor  # int64 [2, n_segments] on the device (row 0 offsets, row 1 lengths, in pairs)
-    first: tuple[int, ...]  # per source: the index of its first segment
+    packing: _Packing
     n_segments: int
 
 
 class PendingDigests:
     """One launch's digests in flight; `result()` waits for them (once) and finishes on the host."""
 
-    def __init__(self, host: torch.Tensor, event: torch.cuda.Event | None, first: tuple[int, ...],
-                 nbytes: tuple[int, ...], keep_alive: tuple[object, ...]) -> None:
-        self._host, self._event, self._first, self._nbytes = host, event, first, nbytes
+    def __init__(self, host: torch.Tensor, event: torch.cuda.Event | None, packing: _Packing,
+                 keep_alive: tuple[object, ...]) -> None:
+        self._host, self._event, self._packing = host, event, packing
         self._keep_alive: tuple[object, ...] | None = keep_alive  # device buffers the launch uses
         self._digests: list[str] | None = None
 
@@ -118,11 +137,10 @@ class PendingDigests:
         if self._digests is None:
             if self._event is not None:
                 self._event.synchronize()
-            raw = host_view(self._host.view(torch.uint8))
-            self._digests = [
-                combine_seg64k([raw[8 * first : 8 * (first + _segments(n))]], n)
-                for first, n in zip(self._first, self._nbytes)
-            ]
+            packing = self._packing
+            packed = packing.template.clone()
+            packed.index_copy_(0, packing.slots, self._host)
+            self._digests = combine_seg64k_packed(host_view(packed.view(torch.uint8)), packing.spans)
             self._keep_alive = None
         return self._digests
 
@@ -145,7 +163,7 @@ class DeviceDigester:
     def launch(self, tensors: Sequence[torch.Tensor]) -> PendingDigests:
         """Queue the hashing of `tensors` (all on one device) on the current stream."""
         if not tensors:
-            return PendingDigests(torch.empty(0, dtype=torch.int64), None, (), (), ())
+            return PendingDigests(torch.empty(0, dtype=torch.int64), None, _packing([], [], []), ())
         kernels = _kernels()
         device = _one_device(tensors)
         if kernels is None or not can_hash_on(device):
@@ -166,14 +184,13 @@ class DeviceDigester:
             copies = keys if scratch is None else scratch.view(torch.int64)
             kernels.launch(keys, copies, layout.table, keys, out, self._block_s(layout.n_segments),
                            self.config.num_warps)
-        nbytes = tuple(n for _, n, _ in sources)
         if device.type != "cuda":
-            return PendingDigests(out, None, layout.first, nbytes, ())
+            return PendingDigests(out, None, layout.packing, ())
         host = torch.empty(layout.n_segments, dtype=torch.int64, pin_memory=True)
         host.copy_(out, non_blocking=True)
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
-        return PendingDigests(host, event, layout.first, nbytes, (out, scratch, tensors))
+        return PendingDigests(host, event, layout.packing, (out, scratch, tensors))
 
     @property
     def cached_layouts(self) -> int:
@@ -282,4 +299,18 @@ def _build_layout(device: torch.device, base: int, sources: list[Source]) -> _La
     k = torch.arange(n_segments, device=device) - first[owner]
     lengths = (pairs[owner] - _PAIRS_PER_SEGMENT * k).clamp(max=_PAIRS_PER_SEGMENT) * sign[owner]
     table = torch.stack([start[owner] + _PAIRS_PER_SEGMENT * k, lengths])
-    return _Layout(table, tuple(firsts), n_segments)
+    return _Layout(table, _packing(counts, firsts, [n for _, n, _ in sources]), n_segments)
+
+
+def _packing(counts: list[int], firsts: list[int], nbytes: list[int]) -> _Packing:
+    """Source i's segments go to template words firsts[i] + i ..., its length word right after them."""
+    n_segments = sum(counts)
+    owner = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.int64),
+                                    output_size=n_segments)
+    slots = torch.arange(n_segments) + owner
+    ends = [first + i + count for i, (first, count) in enumerate(zip(firsts, counts))]
+    template = torch.zeros(n_segments + len(counts), dtype=torch.int64)
+    template[torch.tensor(ends, dtype=torch.int64)] = torch.tensor([seg64k_length_word(n) for n in nbytes],
+                                                                   dtype=torch.int64)
+    spans = tuple(slice(8 * (end - count), 8 * (end + 1)) for end, count in zip(ends, counts))
+    return _Packing(template, slots, spans)

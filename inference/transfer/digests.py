@@ -21,6 +21,7 @@ thread-safe, so an owner launches from one thread at a time.
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
@@ -46,6 +47,7 @@ from inference.transfer.plan import TensorSpec
 log = logging.getLogger(__name__)
 
 NamedTensorList = Sequence[tuple[str, torch.Tensor]]
+_SPEC_FIELDS = operator.attrgetter("name", "dtype", "shape")
 # Segment counts whose kernel variants Triton compiles apart (it specializes an int argument on == 1 and
 # on divisibility by 16): one launch of each at warm-up, so no sync pays a compile.
 _WARM_SEGMENTS = (1, 2, 16)
@@ -92,8 +94,7 @@ class PendingRecords:
         if self._host is not None:
             return self._host.result()
         assert self._device is not None and self._specs is not None
-        digests = self._device.result()
-        return [TensorRecord(s.name, s.dtype, s.shape, d) for s, d in zip(self._specs, digests, strict=True)]
+        return _records(self._specs, self._device.result())
 
     def settle(self) -> None:
         """Wait until nothing reads the tensors any more; the outcome (even an error) is left for result()."""
@@ -213,7 +214,14 @@ def _records_in_order(digests: Any, specs: Sequence[TensorSpec]) -> list[TensorR
         got = f"{len(digests)} digests" if isinstance(digests, (list, tuple)) else type(digests).__name__
         raise InvalidRequestError("sender_digests.digests", f"must be one digest per manifest tensor "
                                   f"({len(specs)}), got {got}")
-    return [TensorRecord(s.name, s.dtype, s.shape, d) for s, d in zip(specs, digests)]
+    return _records(specs, digests)
+
+
+def _records(specs: Sequence[TensorSpec], digests: Sequence[str]) -> list[TensorRecord]:
+    """One record per (spec, digest), built in C-level passes (hundreds per sync on each end)."""
+    assert len(specs) == len(digests), (len(specs), len(digests))
+    names, dtypes, shapes = zip(*map(_SPEC_FIELDS, specs)) if specs else ((), (), ())
+    return list(map(TensorRecord, names, dtypes, shapes, digests))
 
 
 def _manifest(which: str, version: int, rank: str, records: Sequence[TensorRecord], algorithm: str) -> Manifest:
