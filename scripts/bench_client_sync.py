@@ -16,9 +16,14 @@ on the client:
 - requests_per_sync: the HTTP requests one sync made (2: update carrying the start, then finish);
 - server_*_ms: the mean time the sidecar's handlers report for the same calls (its Prometheus histogram
   sidecar_weight_sync_seconds: start, update, finish; "audit" is the ranks' part of finish), i.e. the
-  same bytes moved and checked with no HTTP or client in the way; `control_ms` is client minus server per
-  call (HTTP, JSON, the rank pipe: what the user-facing path adds; the update's counts the server's start
-  too when the start rode on it), `ratio` is client / server.
+  same bytes moved and checked with no HTTP or client in the way; `ratio` is client / server;
+- control_ms: per call, the client's time minus the handler's own time that the sidecar reports on that
+  answer (its Server-Timing header, `handler`: the same span its histogram observes, the start included
+  when it rode on the update), median: what HTTP, JSON and the framework add to a control message
+  (against a sidecar without that header: the client's median minus the histogram's mean);
+- wire_ms: per call, the client's time minus the app's time in the same header (framework, body and
+  handler), median: the client's HTTP code, TCP and the server's HTTP parser. control_ms minus wire_ms
+  is the server framework's share (routing, validation, the answer's JSON).
 Prints one JSON line: the picked rule's figures at the top level, every rule's under "by_algorithm".
 CPU: --model tiny --backend gloo --device cpu (the defaults); H200: --model qwen2-0.5b --backend ipc
 --device cuda.
@@ -33,7 +38,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -65,16 +70,40 @@ class TimedClient(SidecarClient):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.times: dict[str, list[float]] = defaultdict(list)
+        self.wire: dict[str, list[float]] = defaultdict(list)  # per call: client time minus Server-Timing app
+        self.control: dict[str, list[float]] = defaultdict(list)  # per call: client time minus the handler's
         self.requests = 0
 
-    def _request(self, method: str, path: str, **kw: Any) -> Any:
+    def _send_later(self, method: str, path: str, *args: Any) -> Callable[[], Any]:
+        """Every request passes here: timed from its write to its answer read (an update is written before
+        send() starts and read in the update thread)."""
         self.requests += 1
         t0 = time.perf_counter()
-        try:
-            return super()._request(method, path, **kw)
-        finally:
-            if path in _PATHS:
-                self.times[_PATHS[path]].append((time.perf_counter() - t0) * 1e3)
+        read = super()._send_later(method, path, *args)
+
+        def timed() -> Any:
+            resp = None
+            try:
+                resp = read()
+                return resp
+            finally:
+                if path in _PATHS:
+                    ms = (time.perf_counter() - t0) * 1e3
+                    self.times[_PATHS[path]].append(ms)
+                    app, handler = _server_timing(resp)
+                    if app is not None:
+                        self.wire[_PATHS[path]].append(ms - app)
+                    if handler is not None:
+                        self.control[_PATHS[path]].append(ms - handler)
+
+        return timed
+
+
+def _server_timing(resp: Any) -> tuple[float | None, float | None]:
+    """The sidecar's `Server-Timing` app and handler durations (ms; sidecar/server_guard.py), None if absent."""
+    header = resp.headers.get("server-timing", "") if resp is not None else ""
+    found = dict(re.findall(r"(app|handler);dur=([0-9.]+)", header))
+    return tuple(float(found[k]) if k in found else None for k in ("app", "handler"))  # type: ignore[return-value]
 
 
 @contextmanager
@@ -145,6 +174,8 @@ def measure(args: argparse.Namespace, client: TimedClient, sender: WeightSender,
         version += 1
         client.sync_weights(sender, weights, version=version)
     client.times.clear()
+    client.wire.clear()
+    client.control.clear()
     before = server_sums(client)
     requests = client.requests
     totals, syncs = [], []
@@ -159,7 +190,11 @@ def measure(args: argparse.Namespace, client: TimedClient, sender: WeightSender,
                 raise SystemExit(f"audit failed or of another rule:\n{result.get('table')}")
     per_sync = (client.requests - requests) / args.iters
     after = server_sums(client)
-    return {**summary(args, client.times, totals, syncs, before, after), "requests_per_sync": per_sync}, version
+    out = summary(args, client.times, totals, syncs, before, after)
+    if client.control:  # per call, median: robust where the histogram's mean is not (one slow call)
+        out["control_ms"] = {k: round(statistics.median(v), 3) for k, v in client.control.items() if v}
+    out["wire_ms"] = {k: round(statistics.median(v), 3) for k, v in client.wire.items() if v}
+    return {**out, "requests_per_sync": per_sync}, version
 
 
 def summary(args: argparse.Namespace, times: dict[str, list[float]], totals: list[float], syncs: list[float],

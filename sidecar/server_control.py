@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from checksum import ITEMSIZE, Report
 from sidecar.api_models import (
@@ -39,6 +39,7 @@ from sidecar.commands import (
 )
 from sidecar.server_audit import add_audit_routes, report_dict
 from sidecar.server_common import ApiError, ServerState, await_future, call
+from sidecar.server_guard import note_handler_time
 from sidecar.weight_lease import SessionLease
 
 _LAYOUTS_KEPT = 16
@@ -184,18 +185,19 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
         return {"ranks": ranks, "start_in_update": True}  # /weights/update takes a "start" (SidecarClient uses it)
 
     @router.post("/weights/start", summary="Open an update session: validate the whole manifest first")
-    async def weights_start(body: WeightsStartRequest) -> dict[str, Any]:
+    async def weights_start(body: WeightsStartRequest, request: Request) -> dict[str, Any]:
         t0 = time.perf_counter()
         with lease.call():
             await _weight_call(state, StartWeightUpdate(body.model, body.version, body.manifest, body.allow_cast))
         lease.opened()
         state.metrics.sync_seconds.labels(body.model, "start").observe(time.perf_counter() - t0)
         state.sync_started[body.model] = (t0, _manifest_bytes(body.manifest, layout_bytes))
+        note_handler_time(request.scope, t0)
         return {"model": body.model, "version": body.version, "started": True}
 
     @router.post("/weights/update", summary="Receive every bucket (blocks while the sender sends); with "
                  "\"start\", open the session first in the same call")
-    async def weights_update(body: WeightsUpdateRequest | None = None) -> dict[str, Any]:
+    async def weights_update(request: Request, body: WeightsUpdateRequest | None = None) -> dict[str, Any]:
         body = body or WeightsUpdateRequest()
         info, start = body.update_info, body.start
         if isinstance(info, list) and len(info) != len(state.plans):
@@ -226,11 +228,12 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
         if start is not None:
             state.metrics.sync_seconds.labels(model, "start").observe(start_s)
         state.metrics.sync_seconds.labels(model, "update").observe(time.perf_counter() - t0 - start_s)
+        note_handler_time(request.scope, t0)
         return {"received": True} if start is None else {"received": True, "model": model,
                                                          "version": start.version, "started": True}
 
     @router.post("/weights/finish", summary="Audit received digests against the sender's; make the version live")
-    async def weights_finish(body: WeightsFinishRequest) -> dict[str, Any]:
+    async def weights_finish(body: WeightsFinishRequest, request: Request) -> dict[str, Any]:
         model = _open_model(state)
         t0 = time.perf_counter()
         try:
@@ -250,6 +253,7 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
         state.metrics.sync_seconds.labels(model, "total").observe(now - started)
         state.metrics.sync_bytes.labels(model).inc(nbytes)
         state.metrics.syncs.labels(model, "ok").inc()
+        note_handler_time(request.scope, t0)
         # Every rank passed its comparison with the same digests, so every rank holds the sent bytes and
         # the ranks agree with each other: that IS POST /audit's verdict for source=received with these
         # digests expected, sent back here instead of in a second round trip.

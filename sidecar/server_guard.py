@@ -4,6 +4,9 @@ every route, whatever its handler does.
 - A body larger than --max-body-mb is refused with 413 before it is read: at once when Content-Length
   says so, else as soon as the bytes received pass the limit (a chunked body). Nothing of it is parsed
   or kept, so one client cannot make the process hold gigabytes.
+- Every answer the app writes carries `Server-Timing: app;dur=MS` (the app's time on the request; the
+  weight calls add `handler;dur=MS`), so a client can split its own time into the wire's, the framework's
+  and the handler's.
 - An exception that no handler took becomes a JSON 500 here. Why not an `exception_handler(Exception)`:
   Starlette runs that one in ServerErrorMiddleware, which re-raises after answering, and uvicorn then
   closes the connection without saying so; the caller's next request on that kept-alive connection
@@ -13,6 +16,7 @@ every route, whatever its handler does.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -22,6 +26,7 @@ from sidecar.server_common import error_response
 
 log = logging.getLogger(__name__)
 
+TIMING_KEY = "sidecar.timing"  # the scope key of a request's timing notes (an ASGI extension key)
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -69,10 +74,15 @@ class RequestGuard:
             return message
 
         started = False
+        t0 = time.perf_counter()
+        timing: dict[str, float] = {}
+        scope[TIMING_KEY] = timing  # a handler may note its own time here (note_handler_time)
 
         async def tracking_send(message: Message) -> None:
             nonlocal started
-            started = started or message["type"] == "http.response.start"
+            if message["type"] == "http.response.start" and not started:
+                started = True
+                message = {**message, "headers": [*message.get("headers", ()), _server_timing(t0, timing)]}
             await send(message)
 
         try:
@@ -88,6 +98,25 @@ class RequestGuard:
         self.on_error(status)
         field = "body" if status == 413 else None
         await error_response(status, type_, message, field, headers=headers)(scope, receive, send)
+
+
+def note_handler_time(scope: Scope, t0: float) -> None:
+    """A handler's own time (since `t0`, perf_counter) for this request's Server-Timing `handler` entry."""
+    timing = scope.get(TIMING_KEY)
+    if timing is not None:
+        timing["handler_ms"] = (time.perf_counter() - t0) * 1e3
+
+
+def _server_timing(t0: float, timing: dict[str, float]) -> tuple[bytes, bytes]:
+    """`Server-Timing: app;dur=MS[, handler;dur=MS]`: this app's time on the request, from this middleware's
+    entry (the headers parsed by the server) to the answer's start (the framework, the body and the
+    handler), and the handler's own time where it noted one (the weight calls: what the sidecar's
+    sync_seconds histogram observes). A client subtracts them from its own time per call to see what the
+    wire and its HTTP code cost, and the framework (scripts/bench_client_sync.py reports both)."""
+    value = f"app;dur={(time.perf_counter() - t0) * 1e3:.3f}"
+    if "handler_ms" in timing:
+        value += f", handler;dur={timing['handler_ms']:.3f}"
+    return b"server-timing", value.encode()
 
 
 def _content_length(scope: Scope) -> int | None:

@@ -8,6 +8,7 @@ gets the separate start, as before."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -31,10 +32,13 @@ class CountingTransport(httpx.HTTPTransport):
     def __init__(self) -> None:
         super().__init__()
         self.paths: list[str] = []
+        self.timings: dict[str, str] = {}  # path -> its last answer's Server-Timing header
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         self.paths.append(request.url.path)
-        return super().handle_request(request)
+        resp = super().handle_request(request)
+        self.timings[request.url.path] = resp.headers.get("server-timing", "")
+        return resp
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +79,9 @@ def test_a_sync_is_two_requests_update_with_start_then_finish(server: Sidecar, s
             result = c.sync_weights(sender, WEIGHTS, version=version)
             assert result["ok"] and result["tensors_checked"] == len(WEIGHTS), result["table"]
             assert wire.paths == ["/weights/update", "/weights/finish"]
+            for path in wire.paths:  # what scripts/bench_client_sync.py splits a control message's time by
+                found = dict(re.findall(r"(app|handler);dur=([0-9.]+)", wire.timings[path]))
+                assert 0 < float(found["handler"]) <= float(found["app"]), (path, wire.timings[path])
         assert _live(c) == version
         metrics = c.metrics()
         for phase in ("start", "update", "finish"):  # the server still reports each phase

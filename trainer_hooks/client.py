@@ -1,7 +1,10 @@
-"""`SidecarClient`: the HTTP API from Python (httpx), with typed errors, timeouts and safe retries.
+"""`SidecarClient`: the HTTP API from Python, with typed errors, timeouts and safe retries.
 
 - Every call has a timeout (the client's default, or the call's `timeout=`); generation and weight
   updates default to the longer `long_timeout` because the server answers only when they are done.
+- A plain-http sidecar is reached over kept-alive http.client connections (trainer_hooks/client_http.py:
+  httpx's per-request Python was most of a control message's cost); https, a proxy from the environment,
+  or a caller's `transport` go through httpx.
 - Only idempotent calls (GET: health, state, checksums, metrics) are retried, on connection errors
   and timeouts, with exponential backoff. generate, completions, sleep, wake_up and every weight
   call are sent once: a retry could run them twice.
@@ -15,7 +18,8 @@ It lives with the trainer's side (the hook drives it); sidecar.client and `from 
 SidecarClient` re-export it.
 
 `sync_weights(sender, named_tensors, version)` runs one sync in two round trips: update carrying the
-start (over HTTP, in a background thread, while `sender.send()` moves the bytes) -> finish(digests),
+start (written before `sender.send()` starts, its answer awaited in a background thread while send() moves
+the bytes) -> finish(digests),
 sent as soon as send() returns (the update's answer may still be on its way; the ranks run the two in
 order), whose answer carries the audit (every rank compared what it holds with the sender's digests). A start
 the sidecar refuses makes the ranks refuse the sender's plan agreement, so send() fails at once and
@@ -29,8 +33,9 @@ tensors again), and finish sends one hex digest per tensor with the rule the sen
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -52,7 +57,9 @@ from trainer_hooks.client_errors import (
     SidecarUnavailableError,
     error_class,
 )
+from trainer_hooks.client_http import KeepAliveWire, lean_wire_applies
 
+_TRANSPORT_ERRORS = (httpx.TransportError, OSError, http.client.HTTPException)  # the request or its answer is lost
 LAYOUT_FIELD = "manifest.layout"  # the field of the sidecar's 400 for a layout key it does not know
 
 __all__ = [
@@ -94,12 +101,17 @@ class SidecarClient:
         self.url = url.rstrip("/")
         self.timeout, self.long_timeout, self.retries, self.backoff_s = timeout, long_timeout, retries, backoff_s
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport)
+        # Plain http to a sidecar (no proxy, no caller's transport): the lean kept-alive wire, ~0.35 ms less
+        # Python per control message than httpx (trainer_hooks/client_http.py says why).
+        self._wire = KeepAliveWire(self.url, headers) if transport is None and lean_wire_applies(self.url) else None
         self._layouts: set[str] = set()  # manifest layouts this sidecar has parsed (start_weights)
         self._start_in_update = False  # the sidecar's /weights/init said /weights/update takes a "start"
         self._update_pool = ThreadPoolExecutor(1, thread_name_prefix="sidecar-update")  # update beside send
 
     def close(self) -> None:
         self._http.close()
+        if self._wire is not None:
+            self._wire.close()
         self._update_pool.shutdown(wait=True)
 
     def __enter__(self) -> SidecarClient:
@@ -110,22 +122,51 @@ class SidecarClient:
 
     # ---- transport ----------------------------------------------------------------------------
     def _request(self, method: str, path: str, *, json: Any = None, params: dict[str, Any] | None = None,
-                 timeout: float | None = None, ok_statuses: tuple[int, ...] = ()) -> httpx.Response:
+                 timeout: float | None = None, ok_statuses: tuple[int, ...] = (), deferred: bool = False) -> Any:
+        """The checked httpx.Response of one call (every request passes here). `deferred` (a call sent once,
+        never retried): the request is written now and a callable returned that reads its checked answer."""
+        if deferred:
+            assert method != "GET", "a deferred call is sent once; GETs are retried"
+            return self._deferred(method, path, json, timeout)
         idempotent = method == "GET"
         attempts = 1 + (self.retries if idempotent else 0)
         for attempt in range(attempts):
             try:
-                resp = self._http.request(method, path, json=json, params=params,
-                                          timeout=timeout if timeout is not None else self.timeout)
-            except httpx.TransportError as e:
+                resp = self._send_later(method, path, json, params, timeout)()
+            except _TRANSPORT_ERRORS as e:
                 if attempt + 1 < attempts:
                     time.sleep(self.backoff_s * 2**attempt)
                     continue
-                raise SidecarConnectionError(f"{method} {self.url}{path}: {type(e).__name__}: {e}") from e
-            if resp.is_error and resp.status_code not in ok_statuses:
-                raise error_from_response(resp)
-            return resp
+                raise self._gone(method, path, e) from e
+            return _checked(resp, ok_statuses)
         raise AssertionError("unreachable")
+
+    def _send_later(self, method: str, path: str, json: Any, params: dict[str, Any] | None,
+                    timeout: float | None) -> Callable[[], httpx.Response]:
+        """Write the request now when the lean wire carries it (httpx writes when the callable runs); the
+        callable returns the answer. Raises what the transport raises (_TRANSPORT_ERRORS)."""
+        t = timeout if timeout is not None else self.timeout
+        if self._wire is not None:
+            return self._wire.begin(method, path, json=json, params=params, timeout=t)
+        return lambda: self._http.request(method, path, json=json, params=params, timeout=t)
+
+    def _deferred(self, method: str, path: str, json: Any, timeout: float | None) -> Callable[[], httpx.Response]:
+        try:
+            read = self._send_later(method, path, json, None, timeout)
+        except _TRANSPORT_ERRORS as e:
+            raise self._gone(method, path, e) from e
+
+        def answer() -> httpx.Response:
+            try:
+                resp = read()
+            except _TRANSPORT_ERRORS as e:
+                raise self._gone(method, path, e) from e
+            return _checked(resp, ())
+
+        return answer
+
+    def _gone(self, method: str, path: str, e: BaseException) -> SidecarConnectionError:
+        return SidecarConnectionError(f"{method} {self.url}{path}: {type(e).__name__}: {e}")
 
     def _get(self, path: str, **kw: Any) -> Any:
         return self._request("GET", path, **kw).json()
@@ -211,8 +252,16 @@ class SidecarClient:
                        timeout: float | None = None) -> dict[str, Any]:
         """POST /weights/update. `start`: a /weights/start body, to open the session in this same call (a
         sidecar whose init answer has "start_in_update"); run the sender's send() beside it."""
+        return self._update_later(update_info, start=start, timeout=timeout)()
+
+    def _update_later(self, update_info: Any = None, *, start: Mapping[str, Any] | None = None,
+                      timeout: float | None = None) -> Callable[[], dict[str, Any]]:
+        """update_weights written now, its answer read by the returned callable (sync_weights reads it in
+        the update thread, while send() runs here)."""
         body = {"update_info": update_info, **({"start": dict(start)} if start is not None else {})}
-        return self._post("/weights/update", body, timeout=timeout or self.long_timeout)
+        read = self._request("POST", "/weights/update", json=body, timeout=timeout or self.long_timeout,
+                             deferred=True)
+        return lambda: read().json()
 
     def finish_weights(self, digests: Any, *, timeout: float | None = None) -> dict[str, Any]:
         return self._post("/weights/finish", {"digests": records_json(digests)}, timeout=timeout or self.long_timeout)
@@ -284,7 +333,8 @@ class SidecarClient:
         send) is sent again with the tensors."""
         for short in (True, False):
             start = self._start_body(version, manifest, model, allow_cast, short=short)
-            update = self._update_pool.submit(self.update_weights, start=start)
+            # Written here, before send() starts; the pool thread only waits for the answer (_update_later).
+            update = self._update_pool.submit(self._update_later(start=start))
             try:
                 records = sender.send(named)
             except BaseException:
@@ -316,6 +366,12 @@ class SidecarClient:
         layout = _layout(manifest)
         if layout is not None:
             self._layouts.add(layout)
+
+
+def _checked(resp: httpx.Response, ok_statuses: tuple[int, ...]) -> httpx.Response:
+    if resp.is_error and resp.status_code not in ok_statuses:
+        raise error_from_response(resp)
+    return resp
 
 
 def _layout(manifest: Any) -> str | None:
