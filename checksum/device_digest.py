@@ -15,6 +15,11 @@ on the device before `PendingDigests.result()`.
   launch's scratch buffer, and its length) is built on the host once per layout, i.e. per (device,
   tensors' addresses and sizes), and kept (LRU, `max_layouts`): a sync's tensors keep their
   addresses from one sync to the next.
+- A launch over the same tensors as a recent one (same device and, per tensor, the same address, byte
+  count, contiguity and conj/neg bits, all read in C-level passes) reuses that launch's sources and
+  table without per-tensor Python; only launches that need no scratch copy are kept so. The key holds
+  every address, so tensors that moved (a sleep/wake, a reallocation) miss and are hashed where they
+  are now; only ints are kept, never the tensors (a sleep must be able to free them).
 - Work runs on the caller's current stream, after whatever the caller queued there (a digest right
   after a write sees it). Tensors must stay alive and unchanged until `result()`; writes queued later
   on the same stream are ordered after the kernel.
@@ -27,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import operator
 import os
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -49,6 +55,8 @@ from checksum.tensor_bytes import flat_bytes, host_view
 FORCE_ON_CPU = False
 PAIR_BYTES = 16  # the segment table's unit (see device_kernels._segments_kernel)
 _PAIRS_PER_SEGMENT = SEG64K_BYTES // PAIR_BYTES
+_NBYTES = operator.attrgetter("nbytes")
+_DEVICE = operator.attrgetter("device")
 
 
 @dataclass(frozen=True)
@@ -156,16 +164,19 @@ class DeviceDigester:
         self.max_layouts = max_layouts
         self._keys: dict[torch.device, torch.Tensor] = {}
         self._layouts: OrderedDict[tuple, _Layout] = OrderedDict()
+        self._launches: OrderedDict[tuple, _Layout] = OrderedDict()  # see _launch_key
 
     def digest(self, tensors: Sequence[torch.Tensor]) -> list[str]:
         return self.launch(tensors).result()
 
-    def launch(self, tensors: Sequence[torch.Tensor]) -> PendingDigests:
-        """Queue the hashing of `tensors` (all on one device) on the current stream."""
+    def launch(self, tensors: Sequence[torch.Tensor], device: torch.device | None = None) -> PendingDigests:
+        """Queue the hashing of `tensors` (all on one device) on the current stream. `device`: their one
+        device (with its index) when the caller checked that already, sparing a pass over them."""
         if not tensors:
             return PendingDigests(torch.empty(0, dtype=torch.int64), None, _packing([], [], []), ())
         kernels = _kernels()
-        device = _one_device(tensors)
+        if device is None or (device.type == "cuda" and device.index is None):
+            device = _one_device(tensors)
         if kernels is None or not can_hash_on(device):
             raise RuntimeError(f"cannot hash tensors on {device} on the device (can_hash_on is False)")
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
@@ -173,8 +184,18 @@ class DeviceDigester:
 
     def _launch(self, kernels: ModuleType, device: torch.device, tensors: Sequence[torch.Tensor]) -> PendingDigests:
         keys = self._keys_on(device, kernels)
-        sources, scratch = _sources(tensors, device)
-        layout = self._layout(device, keys.data_ptr(), sources)
+        launch_key = _launch_key(device, keys.data_ptr(), tensors)
+        layout = self._launches.get(launch_key)
+        scratch = None
+        if layout is not None:
+            self._launches.move_to_end(launch_key)
+        else:
+            sources, scratch = _sources(tensors, device)
+            layout = self._layout(device, keys.data_ptr(), sources)
+            if scratch is None:  # a scratch copy is made afresh every launch: such launches stay uncached
+                self._launches[launch_key] = layout
+                while len(self._launches) > self.max_layouts:
+                    self._launches.popitem(last=False)
         out = torch.empty(layout.n_segments, dtype=torch.int64, device=device)
         if layout.n_segments:
             if device.type == "cuda":  # the cached tables may be freed while this launch still runs
@@ -201,6 +222,7 @@ class DeviceDigester:
         """Drop the key and segment tables (they are rebuilt on the next launch)."""
         self._keys.clear()
         self._layouts.clear()
+        self._launches.clear()
 
     def _block_s(self, n_segments: int) -> int:
         if not interpreting():
@@ -232,8 +254,16 @@ def _segments(nbytes: int) -> int:
     return -(-nbytes // SEG64K_BYTES)
 
 
+def _launch_key(device: torch.device, base: int, tensors: Sequence[torch.Tensor]) -> tuple:
+    """What decides a launch's sources: per tensor its address, byte count, contiguity and lazy conj/neg
+    bits (the dtype does not: the kernel hashes bytes). Ints and bools only: no tensor is kept alive."""
+    return (device, base, tuple(map(torch.Tensor.data_ptr, tensors)), tuple(map(_NBYTES, tensors)),
+            tuple(map(torch.Tensor.is_contiguous, tensors)), tuple(map(torch.Tensor.is_conj, tensors)),
+            tuple(map(torch.Tensor.is_neg, tensors)))
+
+
 def _one_device(tensors: Sequence[torch.Tensor]) -> torch.device:
-    devices = {t.device for t in tensors}
+    devices = set(map(_DEVICE, tensors))
     if len(devices) != 1:
         raise ValueError(f"one launch hashes tensors of one device, got {sorted(map(str, devices))}")
     device = devices.pop()

@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 
 NamedTensorList = Sequence[tuple[str, torch.Tensor]]
 _SPEC_FIELDS = operator.attrgetter("name", "dtype", "shape")
+_DIGEST = operator.attrgetter("digest")
+_TENSOR = operator.itemgetter(1)
+_DEVICE = operator.attrgetter("device")
 # Segment counts whose kernel variants Triton compiles apart (it specializes an int argument on == 1 and
 # on divisibility by 16): one launch of each at warm-up, so no sync pays a compile.
 _WARM_SEGMENTS = (1, 2, 16)
@@ -73,7 +76,7 @@ def kernel_device(items: NamedTensorList, algorithm: str) -> torch.device | None
     """The one device whose kernel hashes `items` under `algorithm`, or None (they go to the host path)."""
     if algorithm != DEVICE_ALGORITHM or not items:
         return None
-    devices = {t.device for _, t in items}
+    devices = set(map(_DEVICE, map(_TENSOR, items)))
     if len(devices) != 1:
         return None
     device = devices.pop()
@@ -131,11 +134,11 @@ class RecordDigests:
         if specs is None:
             specs = [TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in items]
         assert len(specs) == len(items), (len(specs), len(items))
-        tensors = [t for _, t in items]  # the kernel reads addresses only: no detach needed
+        tensors = list(map(_TENSOR, items))  # the kernel reads addresses only: no detach needed
         if device.type == "cuda" and stream is not None and stream.device == device:
             with torch.cuda.stream(stream):
-                return PendingRecords(specs, device=self._device.launch(tensors))
-        return PendingRecords(specs, device=self._device.launch(tensors))
+                return PendingRecords(specs, device=self._device.launch(tensors, device))
+        return PendingRecords(specs, device=self._device.launch(tensors, device))
 
     def digest(self, items: NamedTensorList, algorithm: str) -> list[TensorRecord]:
         """The records of `items` now (a device launch waited for, or the host path on this thread)."""
@@ -189,6 +192,26 @@ def expected_manifest(sender_digests: Any, *, which: str, version: int, rank: st
             return _manifest(which, version, rank, _records_in_order(sender_digests["digests"], specs), algorithm)
     items = sender_digests.get("tensors") if isinstance(sender_digests, dict) else sender_digests
     return _manifest(which, version, rank, sender_records(items, "sender_digests"), algorithm)
+
+
+def plain_digests(sender_digests: Any, algorithm: str, n: int) -> list[str] | None:
+    """The sender's digest list when it sent the plain form ({"digests": [n strings]}, of `algorithm`),
+    else None. Nothing is validated here: a list only ever stands for a Manifest after
+    `digests_match` found it equal to validated records; otherwise expected_manifest judges it."""
+    if not isinstance(sender_digests, dict) or set(sender_digests) - {"digests", "algorithm"}:
+        return None
+    digests = sender_digests.get("digests")
+    if sender_digests.get("algorithm", algorithm) != algorithm or type(digests) is not list or len(digests) != n:
+        return None
+    return digests
+
+
+def digests_match(digests: Sequence[str], specs: Sequence[TensorSpec], records: Sequence[TensorRecord]) -> bool:
+    """Whether `records` (one per spec, in spec order) are exactly the records expected_manifest would
+    build from `digests` and `specs`, in C-level passes; False sends the caller to the full compare (which
+    names each differing tensor), so a False here is never wrong, only slower."""
+    return (list(map(_DIGEST, records)) == digests
+            and list(map(_SPEC_FIELDS, records)) == list(map(_SPEC_FIELDS, specs)))
 
 
 def sender_records(items: object, where: str) -> list[TensorRecord]:

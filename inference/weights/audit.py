@@ -9,11 +9,22 @@ digester keeps the segment tables of the layouts it saw, and launches from one t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 from torch import nn
 
-from checksum import Manifest, TensorRecord, pick_algorithm
-from inference.transfer.digests import PendingRecords, RecordDigests, check_algorithm, kernel_device
+from checksum import Manifest, Report, TensorRecord, compare, pick_algorithm
+from inference.transfer.digests import (
+    PendingRecords,
+    RecordDigests,
+    check_algorithm,
+    digests_match,
+    expected_manifest,
+    kernel_device,
+    plain_digests,
+)
 from inference.weights.state import Session
 
 
@@ -57,3 +68,30 @@ class HeldDigests:
 
     def close(self) -> None:
         self._digests.close()
+
+
+def early_expected(sender_digests: Any, session: Session, rank: str) -> Manifest | None:
+    """The sender's digests as this rank's expected Manifest, built (and so validated) at once; None when
+    they are the plain list of the session's rule and length, which `audit_report` compares directly
+    (building 2 x hundreds of records per sync only on a mismatch)."""
+    if plain_digests(sender_digests, session.algorithm, len(session.specs)) is not None:
+        return None
+    return _expected(sender_digests, session, rank)
+
+
+def audit_report(sender_digests: Any, expected: Manifest | None, session: Session, rank: str,
+                 records: Sequence[TensorRecord], received: Manifest) -> Report:
+    """compare(expected, received), with `expected` as early_expected gave it. `records`: received's
+    records in manifest order. Equal plain lists give the Report compare gives when all is equal;
+    anything else builds the expected Manifest and compares in full (naming each tensor and the rank)."""
+    if expected is None:
+        plain = plain_digests(sender_digests, session.algorithm, len(session.specs))
+        if plain is not None and digests_match(plain, session.specs, records):
+            return Report.build((), [rank], len(records))
+        expected = _expected(sender_digests, session, rank)
+    return compare(expected, received)
+
+
+def _expected(sender_digests: Any, session: Session, rank: str) -> Manifest:
+    return expected_manifest(sender_digests, which=session.which, version=session.version, rank=rank,
+                             specs=session.specs, algorithm=session.algorithm)

@@ -213,6 +213,14 @@ class UpdateTarget:
     def received_manifest(self, version: int, held: Sequence[TensorRecord] | None = None) -> Manifest:
         """Digests of every tensor received (trainer names). Raises if any tensor never arrived.
         `held`: the digests of `held_items()` if already taken, else they are taken now."""
+        return self.manifest_of(version, self.received_records(held))
+
+    def manifest_of(self, version: int, records: Sequence[TensorRecord]) -> Manifest:
+        """The Manifest of `received_records()` at `version`."""
+        return Manifest(self.which, version, self.rank, tuple(records), self.algorithm)
+
+    def received_records(self, held: Sequence[TensorRecord] | None = None) -> list[TensorRecord]:
+        """The record of every tensor received, in route (manifest) order; see received_manifest."""
         items = self.held_items()
         if items is None:
             unwritten = [r.spec.name for i, r in enumerate(self.routes) if i not in self._written]
@@ -220,9 +228,10 @@ class UpdateTarget:
                                f"first {unwritten[0]}")
         held = digest_tensors(items, algorithm=self.algorithm) if held is None else held
         assert [r.name for r in held] == [name for name, _ in items]
+        if not self._records:  # every tensor digested where it is held: `held` is in route order already
+            return list(held)
         records = {**self._records, **{r.name: r for r in held}}
-        return Manifest(self.which, version, self.rank, tuple(records[r.spec.name] for r in self.routes),
-                        self.algorithm)
+        return [records[r.spec.name] for r in self.routes]
 
     def tied_report(self, received: Manifest) -> Report:
         """A tied lm_head that was sent must carry the embedding's bytes (it is the same tensor)."""

@@ -39,17 +39,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-from checksum import ChecksumMismatch, Manifest, Report, compare, digest_tensors
+from checksum import ChecksumMismatch, Manifest, Report, digest_tensors
 from inference import envs
 from inference.config import ModelConfig
 from inference.core import InvalidRequestError, StateError
 from inference.memory import WEIGHT_TAGS, ArenaState
 from inference.parallel import TPInfo
-from inference.transfer.digests import expected_manifest, manifest_algorithm
+from inference.transfer.digests import manifest_algorithm
 from inference.transfer.groups import InitInfo
 from inference.transfer.plan import ManifestCache, ParsedManifest
 from inference.transfer.receiver import WeightReceiver
-from inference.weights.audit import HeldDigests
+from inference.weights.audit import HeldDigests, audit_report, early_expected
 from inference.weights.state import ModelWeightState, RouteCache, Session, UpdateResult, parameter_slots
 from inference.weights.target import Fault, Routing, UpdateTarget, route_manifest
 
@@ -298,16 +298,17 @@ class WeightUpdater:
         try:
             if not session.received:
                 raise StateError(f"rank {rank}: finish_weight_update before update_weights completed")
-            expected = expected_manifest(sender_digests, which=session.which, version=session.version,
-                                         rank=rank, specs=session.specs, algorithm=session.algorithm)
+            expected = early_expected(sender_digests, session, rank)
             if self._asleep(session.which) is not None:
                 raise StateError(f"rank {rank}: the {session.which} weights were put to sleep during the update, "
                                  "which dropped the received bytes; wake_up and sync again")
             held = session.held_digests.result() if session.held_digests is not None else None
             if held is None:
                 held = self._digests.now(session)
-            received = session.target.received_manifest(session.version, held)
-            report = Report.merge([compare(expected, received), session.target.tied_report(received)])
+            records = session.target.received_records(held)
+            received = session.target.manifest_of(session.version, records)
+            checked = audit_report(sender_digests, expected, session, rank, records, received)
+            report = Report.merge([checked, session.target.tied_report(received)])
             if not report.ok:
                 raise ChecksumMismatch(report)
             held = self._held(session.which, session.version, session.algorithm) if held_manifest else None
