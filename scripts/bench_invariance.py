@@ -18,7 +18,9 @@ fraction must be 1, and "default", the engine without it. Modes: greedy, and tem
 per prompt (seeded sampling must not depend on the batch either). One JSON line per (engine, mode, case):
 the fraction of requests with bitwise-equal token ids and with bitwise-equal logprobs (as float64 bytes)
 against that engine's "alone", the largest |logprob difference| over the positions before a request's
-first differing token, and tokens/s of the case's generate calls. Then the cost of the mode
+first differing token, and tokens/s of the case's generate calls. With --fp32-error (default on), each
+engine's alone-case logprobs against an fp32 forward of its own weights (scripts/bench_invariance_fp32.py).
+Then the cost of the mode
 (scripts/bench_invariance_speed.py): tokens/s of both engines at fixed batch sizes and the mode's time per
 token over the default's. Shapes: "tiny" (the embedded model, float32, CPU: the smoke test),
 "qwen2-0.5b" and "qwen2.5-7b" (random bf16 weights, load_format="dummy", CUDA; every engine of a run
@@ -47,6 +49,7 @@ import torch
 from inference.core import RequestOutput, SamplingParams
 from inference.llm import LLM
 from inference.tiny import first_layers
+from scripts import bench_invariance_fp32 as fp32
 from scripts import bench_invariance_speed as speed
 
 SHAPES = ("tiny", "qwen2-0.5b", "qwen2.5-7b")
@@ -224,9 +227,12 @@ def warm_up(llm: LLM, prompts: list[list[int]], args: argparse.Namespace) -> Non
     llm.block_manager.reset_prefix_cache()
 
 
-def engine_runs(args: argparse.Namespace, invariant: bool, prints: list[list[float]]) -> dict[str, dict[str, Run]]:
-    """Every case of one engine mode, per sampling mode. `prints` holds the weights' fingerprint of the
-    first engine built in the run (every later engine must hold the same weights)."""
+def engine_runs(args: argparse.Namespace, invariant: bool, prints: list[list[float]]
+                ) -> tuple[dict[str, dict[str, Run]], dict[str, torch.Tensor]]:
+    """Every case of one engine mode, per sampling mode, and (--fp32-error) per sampling mode the
+    |logprob error| of the alone case's tokens against an fp32 forward of the main engine's weights.
+    `prints` holds the weights' fingerprint of the first engine built in the run (every later engine
+    must hold the same weights)."""
     main = build(args, invariant=invariant)
     prompts = make_prompts(args, main.model_config.vocab_size)
     if not prints:
@@ -235,6 +241,8 @@ def engine_runs(args: argparse.Namespace, invariant: bool, prints: list[list[flo
         raise RuntimeError("the engines of this run hold other weights (dummy init drifted)")
     warm_up(main, prompts, args)
     runs = {mode: main_engine_cases(main, prompts, args, mode) for mode in args.modes}
+    errors = {mode: fp32.abs_errors(main, runs[mode]["alone"].outs, args.max_len)
+              for mode in args.modes if args.fp32_error}
     kv_small = small_kv_bytes(main, prompts, args.new)
     release(main)
     del main
@@ -253,17 +261,19 @@ def engine_runs(args: argparse.Namespace, invariant: bool, prints: list[list[flo
             runs[mode][case] = generate(llm, prompts, params, groups, before=before)
         release(llm)
         del llm
-    return runs
+    return runs, errors
 
 
 def run_all(args: argparse.Namespace) -> list[dict[str, object]]:
-    """The case lines of every engine mode, then the speed lines (bench_invariance_speed)."""
+    """The case lines of every engine mode, the fp32 error lines (bench_invariance_fp32), then the speed
+    lines (bench_invariance_speed)."""
     t0 = time.perf_counter()
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     prints: list[list[float]] = []
     lines: list[dict[str, object]] = []
+    errors: dict[str, dict[str, torch.Tensor]] = {}
     for engine in args.engines:
-        runs = engine_runs(args, engine == "invariant", prints)
+        runs, errors[engine] = engine_runs(args, engine == "invariant", prints)
         for mode in args.modes:
             for case in args.cases:
                 if case not in runs[mode]:
@@ -272,6 +282,11 @@ def run_all(args: argparse.Namespace) -> list[dict[str, object]]:
                 lines.append({"bench": "invariance", "shape": args.shape, "engine": engine, "mode": mode,
                               "case": case, **compare(runs[mode]["alone"], run), "new_tokens": args.new,
                               **run.extra, "device": device, "run_wall_s": round(time.perf_counter() - t0, 1)})
+    for engine, by_mode in errors.items():
+        lines += [{**fp32.error_line(engine, mode, errs), "shape": args.shape} for mode, errs in by_mode.items()]
+    if args.fp32_error and set(ENGINES) <= set(errors):
+        lines += [{**fp32.cmp_line(mode, errors["invariant"][mode], errors["default"][mode]), "shape": args.shape}
+                  for mode in args.modes]
     return lines + speed.speed_lines(args, build, release, device)
 
 
@@ -293,6 +308,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--engines", default=",".join(ENGINES), help="batch-invariant mode on (invariant), off (default)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--fp32-error", action=argparse.BooleanOptionalAction, default=True,
+                    help="the alone case's logprob error against an fp32 forward of the same weights")
     speed.add_arguments(ap)
     args = ap.parse_args(argv)
     args.device = args.device or ("cpu" if args.shape == "tiny" else "cuda")

@@ -2,7 +2,8 @@
 sampling mode prints its JSON line; the comparison counts bit-level differences; the batch-invariant mode
 is bitwise equal in every case; what the default engine guarantees on the CPU holds in the measured runs
 (greedy tokens never depend on the batch, the cache, preemption or a draft; seeded tokens never depend on
-the batch, the cache or preemption); the speed lines time both modes. One torch thread (restored after):
+the batch, the cache or preemption); the fp32 error lines measure each engine's logprobs against an fp32
+forward of its weights; the speed lines time both modes. One torch thread (restored after):
 the runs are the same, and much faster on a shared machine."""
 
 from __future__ import annotations
@@ -11,9 +12,13 @@ import json
 import math
 
 import pytest
+import torch
 
-from inference.core import CompletionOutput, RequestOutput
+from inference.core import CompletionOutput, RequestOutput, SamplingParams
+from inference.llm import LLM
+from inference.tiny import default_model_dir
 from scripts import bench_invariance as bench
+from scripts import bench_invariance_fp32 as fp32
 
 ARGS = ["--shape", "tiny", "--prompts", "6", "--new", "16", "--prompt-max", "24", "--prefix-len", "16"]
 
@@ -97,11 +102,55 @@ def test_the_speed_lines_time_both_modes(all_lines: list[dict]) -> None:
     assert set(costs) == {1, 8} and all(d["mode_over_default"] > 0 for d in costs.values())
 
 
+def test_fp32_error_lines_cover_both_engines(all_lines: list[dict]) -> None:
+    errors = {(d["engine"], d["mode"]): d for d in all_lines if d["bench"] == "invariance_fp32_error"}
+    assert set(errors) == {(e, m) for e in bench.ENGINES for m in bench.MODES}
+    alone = {(d["engine"], d["mode"]): d for d in all_lines if d["bench"] == "invariance" and d["case"] == "alone"}
+    for key, d in errors.items():
+        assert d["tokens"] == alone[key]["requests"] * 16, d  # every generated token of the alone case
+        # the tiny model is float32: the fp32 forward differs from the engine's by summation order only
+        assert math.isfinite(d["mean_abs"]) and 0.0 <= d["mean_abs"] <= d["max_abs"] < 5e-5, d
+        assert d["mean_abs"] < 1e-5, d
+    cmps = {d["mode"]: d for d in all_lines if d["bench"] == "invariance_fp32_error_cmp"}
+    assert set(cmps) == set(bench.MODES)
+    for mode, d in cmps.items():
+        assert d["mode_mean_abs"] == errors["invariant", mode]["mean_abs"], d
+        assert d["default_mean_abs"] == errors["default", mode]["mean_abs"], d
+        assert d["tolerance"] > 0 and isinstance(d["within"], bool), d
+
+
+def test_fp32_error_of_a_bf16_engine_is_its_rounding() -> None:
+    """On bf16 weights the reference is the exact upcast, and the engine's bf16 error shows (the fp32
+    engine's is under 1e-5, above): the measurement sees what it is meant to."""
+    llm = LLM(default_model_dir(), device="cpu", dtype="bfloat16", max_model_len=128)
+    try:
+        src = dict(llm.worker.models["target"].named_parameters())
+        copy = fp32.fp32_copy(llm)
+        assert all(p.dtype == torch.float32 and torch.equal(p, src[n].float()) for n, p in copy.named_parameters())
+        outs = llm.generate([[5, 6, 7, 8, 9, 10], [11, 12, 13]],
+                            [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)] * 2)
+        errs = fp32.abs_errors(llm, outs, 128)
+        assert errs.numel() == 32 and 1e-3 < errs.mean().item() < 0.1, errs
+    finally:
+        llm.worker.shutdown()
+
+
+def test_fp32_cmp_allows_noise_but_not_a_worse_mode() -> None:
+    base = torch.full((1000,), 0.02, dtype=torch.float64)
+    assert fp32.cmp_line("greedy", base * 1.04, base)["within"]  # inside the 5% floor
+    assert not fp32.cmp_line("greedy", base * 1.2, base)["within"]
+    noisy = torch.tensor([0.0, 0.04] * 5, dtype=torch.float64)  # 10 tokens: a large standard error
+    assert fp32.cmp_line("seeded", noisy * 1.2, noisy)["within"]
+
+
 def test_main_prints_one_json_line_per_case(capsys: pytest.CaptureFixture[str]) -> None:
     bench.main([*ARGS, "--modes", "greedy", "--cases", "alone,batch", "--engines", "invariant", "--speed-batches", "0"])
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [(d["engine"], d["mode"], d["case"]) for d in printed] == [("invariant", "greedy", "alone"),
-                                                                        ("invariant", "greedy", "batch")]
+    assert [(d["engine"], d["mode"], d["case"]) for d in printed[:2]] == [("invariant", "greedy", "alone"),
+                                                                            ("invariant", "greedy", "batch")]
+    # one engine: its fp32 error line, no comparison line
+    assert [(d["bench"], d["engine"], d["mode"]) for d in printed[2:]] == [
+        ("invariance_fp32_error", "invariant", "greedy")]
 
 
 def test_bad_arguments_are_refused() -> None:
