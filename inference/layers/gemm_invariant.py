@@ -26,6 +26,14 @@ Launches per decoder layer in the mode, besides attention (rotary_qk + the atten
 (add_rms_norm, qkv, o_proj, add_rms_norm, gate_up, silu_and_mul, down). With FUSE_PROLOGUES, 4 (norm+qkv,
 o_proj, norm+gate_up, silu+down), as many as the default at batch 1, but slower on the H200 (see there).
 SIDECAR_GEMV_FUSED_SPLIT=0 adds one launch per split-K product.
+
+Prologue latency (issue 23): the norm's variance pass (a loop of reductions over all of K before the main
+loop, which Triton does not pipeline) read 64 rows at M = 1, and the prologues' main loop was suspected of
+waiting on its loads every K step. Now the prologues double-buffer their loads in registers and load the
+first weight tile before PDL's wait (InvariantTiles.prefetch, to be measured against False), and the
+variance pass skips the 16-row sub-blocks past M, each summed on a fixed [16, BLOCK_K] tile (NORM_SUB_M): a
+row's variance bits changed from the 64-row version but are the same at every M. FUSE_PROLOGUES stays off
+until measured.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ except ImportError:  # the torch path serves without Triton
     triton = None
 
 BLOCK_M = 64  # rows of x per program, for every M (see the module note)
+NORM_SUB_M = 16  # rows per sub-block of the norm's variance pass (skipped past M; fixes a row's variance bits)
 # Whether the mode routes the pre-norms and SiLU*up through the fused prologues. Off: measured on the H200
 # (bench_gemv --invariant, 0.5B, us at 1 / 128 rows) the prologues cost more than the launches they save:
 # qkv+norm 13.3 / 16.7 against 5.4 / 6.6 plain, gate_up+norm 19.8 / 38.8 against 8.7 / 9.0, down+silu
@@ -59,7 +68,9 @@ _DTYPES = (torch.bfloat16, torch.float16)
 @dataclass(frozen=True)
 class InvariantTiles:
     """Launch shape of one weight: grid (row blocks x column blocks, split_k). Everything here fixes a
-    row's bits except num_stages and group_m (scheduling only); none of it may depend on M."""
+    row's bits except num_stages, group_m and prefetch (scheduling only); none of it may depend on M.
+    prefetch: the fused prologues double-buffer their loads in registers instead of leaving them to Triton's
+    pipeliner (cp.async through shared memory); the plain product always leaves them to the pipeliner."""
 
     block_n: int
     block_k: int
@@ -68,6 +79,7 @@ class InvariantTiles:
     num_warps: int = 4
     num_stages: int = 4
     group_m: int = 8
+    prefetch: bool = True
 
 
 def pick_tiles(n: int, k: int, num_sms: int) -> InvariantTiles:
@@ -171,6 +183,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k:
     assert weight.shape[1] == k and x.stride(-1) == 1 and weight.is_contiguous(), (x.shape, weight.shape)
     assert bias is None or (bias.shape == (n,) and bias.is_contiguous()), None if bias is None else bias.shape
     t = tiles or invariant_tiles(n, k, x.device)
+    assert t.block_m % NORM_SUB_M == 0, t
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, t.split_k), t.block_k) * t.block_k
     split = triton.cdiv(k, k_per_split)
@@ -187,8 +200,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k:
         x, weight, b, out, dest, counters, res, norm_weight, res_out, m, n, k, x.stride(0), res.stride(0),
         k_per_split, eps, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None,
         HAS_RES=residual is not None, PARTIAL=partial, MERGE=merge, SPLIT=split if merge else 1,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m, num_warps=t.num_warps,
-        num_stages=t.num_stages, **pdl)
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SUB_M=NORM_SUB_M, GROUP_M=t.group_m,
+        PREFETCH=t.prefetch and (silu_mul or norm is not None), num_warps=t.num_warps, num_stages=t.num_stages,
+        **pdl)
     if partial and not merge:
         mn = m * n
         _split_sum_kernel[(triton.cdiv(mn, 1024),)](dest, b, out, mn, n, SPLIT=split, HAS_BIAS=bias is not None,
