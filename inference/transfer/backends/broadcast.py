@@ -53,6 +53,11 @@ class BroadcastBackend(TransferBackend):
         for k, work in enumerate(works):
             if work is not None:
                 group.wait(work, f"final bucket (slot {k})")
+        self.finish_sending(group)
+
+    @staticmethod
+    def finish_sending(group: TransferGroup) -> None:
+        """The sender's status step; TransferError if any receiver failed."""
         if group.all_max([0], "end-of-sync status")[0]:
             raise TransferError("a receiver failed to unpack the update (see the sidecar's error for the "
                                 "rank and tensor); the model there is marked torn")
