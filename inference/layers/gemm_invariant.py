@@ -51,7 +51,6 @@ try:
     import triton
 
     from inference.layers.gemm_invariant_kernels import _invariant_gemm_kernel
-    from inference.layers.gemv_kernels import _split_sum_kernel
 except ImportError:  # the torch path serves without Triton
     triton = None
 
@@ -185,8 +184,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k:
     t = tiles or invariant_tiles(n, k, x.device)
     assert t.block_m % NORM_SUB_M == 0, t
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    k_per_split = triton.cdiv(triton.cdiv(k, t.split_k), t.block_k) * t.block_k
-    split = triton.cdiv(k, k_per_split)
+    k_per_split, split = gemv_mod.split_k_plan(k, t.split_k, t.block_k)
     partial = split > 1
     merge = partial and gemv_mod.FUSED_SPLIT
     dest = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if partial else out
@@ -204,7 +202,5 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k:
         PREFETCH=t.prefetch and (silu_mul or norm is not None), num_warps=t.num_warps, num_stages=t.num_stages,
         **pdl)
     if partial and not merge:
-        mn = m * n
-        _split_sum_kernel[(triton.cdiv(mn, 1024),)](dest, b, out, mn, n, SPLIT=split, HAS_BIAS=bias is not None,
-                                                   BLOCK=1024, **pdl)
+        gemv_mod.sum_splits(dest, bias, out, pdl)
     return out

@@ -182,8 +182,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k:
     cfg = config or pick_config(m, n, k, _num_sms(x.device), prologue)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_k = cfg.block_k
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), block_k) * block_k
-    split = triton.cdiv(k, k_per_split)
+    k_per_split, split = split_k_plan(k, cfg.split_k, block_k)
     partial = split > 1
     dest = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if partial else out
     b = bias if bias is not None else out
@@ -204,10 +203,22 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k:
         NORM_BLOCK=triton.next_power_of_2(k) if norm is not None else 1,
         PREFETCH=PREFETCH, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
     if partial and not merge:
-        mn = m * n
-        _split_sum_kernel[(triton.cdiv(mn, 1024),)](dest, b, out, mn, n, SPLIT=split,
-                                                   HAS_BIAS=bias is not None, BLOCK=1024, **pdl)
+        sum_splits(dest, bias, out, pdl)
     return out
+
+
+def split_k_plan(k: int, split_k: int, block_k: int) -> tuple[int, int]:
+    """(K per split, a whole number of block_k steps; the splits that makes) for up to split_k splits."""
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    return k_per_split, triton.cdiv(k, k_per_split)
+
+
+def sum_splits(dest: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, pdl: dict) -> None:
+    """out = the fp32 partials dest [split, M, N] summed in split order (+ bias), in their own launch
+    (when the kernel did not merge them itself: SIDECAR_GEMV_FUSED_SPLIT=0)."""
+    mn, n = out.numel(), out.shape[1]
+    _split_sum_kernel[(triton.cdiv(mn, 1024),)](dest, bias if bias is not None else out, out, mn, n,
+                                               SPLIT=dest.shape[0], HAS_BIAS=bias is not None, BLOCK=1024, **pdl)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

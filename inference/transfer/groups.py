@@ -237,6 +237,17 @@ class TransferGroup:
         except Exception as e:
             raise self._fail("broadcast", e) from e
 
+    def exchange(self, send: bool, tensor: torch.Tensor, peer: int, what: str) -> Any:
+        """Start sending `tensor` (contiguous, on the host) to group rank `peer`, or receiving it from
+        there, on the control group; returns the work to `wait` on. A pair's messages arrive in order.
+        `what` names the operation in the error that breaks the group if it cannot start."""
+        self._check()
+        try:
+            op = self._control.send if send else self._control.recv
+            return op([tensor], peer, 0)
+        except Exception as e:
+            raise self._fail(what, e) from e
+
     def wait(self, work: Any, what: str) -> None:
         """Block until `work` is done; TransferError after the timeout or if a peer failed."""
         self._check()

@@ -33,7 +33,6 @@ from inference.transfer.plan import Bucket, TensorSpec
 # next to a bucket, so the last receiver lags the first by only (n - 1) short chunk times.
 CHUNK_BYTES = 4 << 20
 MIN_RECEIVERS = 2  # with one receiver a chain is the broadcast itself: gloo keeps its broadcast path
-_TAG = 0  # one stream of messages per pair of neighbours; gloo delivers a pair's messages of one tag in order
 
 Pending = tuple[Any, str]  # (a started send or receive, what to name in its error)
 
@@ -49,15 +48,8 @@ def chunk_bounds(nbytes: int) -> list[tuple[int, int]]:
 
 
 def _start(group: TransferGroup, send: bool, chunk: torch.Tensor, peer: int, what: str) -> Pending:
-    """Start sending `chunk` to group rank `peer` (or receiving it from there) on the control group.
-    TransferGroup has no point-to-point call of its own, so this reaches its gloo group and reports a
-    failure to start through the group, as its broadcast does (the group is then broken)."""
-    group._check()
-    try:
-        op = group._control.send if send else group._control.recv
-        return op([chunk], peer, _TAG), what
-    except Exception as e:
-        raise group._fail(what, e) from e
+    """Start sending `chunk` to group rank `peer` (or receiving it from there), with its error's name."""
+    return group.exchange(send, chunk, peer, what), what
 
 
 def _settle(group: TransferGroup, pending: list[Pending]) -> None:
