@@ -100,7 +100,7 @@ def test_a_connection_the_server_closed_while_idle_is_replaced(server: _Server) 
 
 def test_a_deferred_post_is_written_before_its_answer_is_read(server: _Server) -> None:
     with _client(server) as c:
-        read = c._request("POST", "/slow", json={"start": 1}, deferred=True)
+        read = c._deferred("POST", "/slow", {"start": 1}, None)
         assert server.arrived.wait(5), "the request reached the server before anyone read its answer"
         server.release.set()
         assert read().json() == {"echo": {"start": 1}, "path": "/slow"}

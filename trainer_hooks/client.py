@@ -122,12 +122,8 @@ class SidecarClient:
 
     # ---- transport ----------------------------------------------------------------------------
     def _request(self, method: str, path: str, *, json: Any = None, params: dict[str, Any] | None = None,
-                 timeout: float | None = None, ok_statuses: tuple[int, ...] = (), deferred: bool = False) -> Any:
-        """The checked httpx.Response of one call (every request passes here). `deferred` (a call sent once,
-        never retried): the request is written now and a callable returned that reads its checked answer."""
-        if deferred:
-            assert method != "GET", "a deferred call is sent once; GETs are retried"
-            return self._deferred(method, path, json, timeout)
+                 timeout: float | None = None, ok_statuses: tuple[int, ...] = ()) -> httpx.Response:
+        """The checked httpx.Response of one call (every request but a deferred one passes here)."""
         idempotent = method == "GET"
         attempts = 1 + (self.retries if idempotent else 0)
         for attempt in range(attempts):
@@ -151,6 +147,9 @@ class SidecarClient:
         return lambda: self._http.request(method, path, json=json, params=params, timeout=t)
 
     def _deferred(self, method: str, path: str, json: Any, timeout: float | None) -> Callable[[], httpx.Response]:
+        """A call sent once, never retried (not a GET): the request is written now, and the returned
+        callable reads its checked answer."""
+        assert method != "GET", "a deferred call is sent once; GETs are retried"
         try:
             read = self._send_later(method, path, json, None, timeout)
         except _TRANSPORT_ERRORS as e:
@@ -259,8 +258,7 @@ class SidecarClient:
         """update_weights written now, its answer read by the returned callable (sync_weights reads it in
         the update thread, while send() runs here)."""
         body = {"update_info": update_info, **({"start": dict(start)} if start is not None else {})}
-        read = self._request("POST", "/weights/update", json=body, timeout=timeout or self.long_timeout,
-                             deferred=True)
+        read = self._deferred("POST", "/weights/update", body, timeout or self.long_timeout)
         return lambda: read().json()
 
     def finish_weights(self, digests: Any, *, timeout: float | None = None) -> dict[str, Any]:
