@@ -6,7 +6,7 @@ weights by the rule asked for, or the one the expected manifest names; received 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,10 @@ class RecordingClient(SidecarClient):
     def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
         self.sent.append((path, kw.get("json")))
         return super()._request(method, path, **kw)
+
+    def _deferred(self, method: str, path: str, json: Any, timeout: float | None) -> Callable[[], httpx.Response]:
+        self.sent.append((path, json))
+        return super()._deferred(method, path, json, timeout)
 
 
 def started_manifests(c: RecordingClient) -> list[Any]:
