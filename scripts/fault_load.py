@@ -213,7 +213,7 @@ async def drive_http(url: str, tally: Tally, cfg: LoadConfig, deadline: float) -
 
 
 def dying_sender(out: Any, version: int, bucket_bytes: int, timeout_s: float) -> None:
-    """Spawned: join the sidecar as a sender, send other weights, and stall after the second bucket
+    """Spawned: join the sidecar as a sender, send other weights, and stall after two bucket messages
     until the parent SIGKILLs this process."""
     from inference.tiny import TinyModelSpec, random_weights
     from inference.transfer.sender import WeightSender
@@ -224,16 +224,16 @@ def dying_sender(out: Any, version: int, bucket_bytes: int, timeout_s: float) ->
     named = random_weights(TinyModelSpec(seed=99))
     out.put(sender.manifest(named, version))
     group, calls = sender._group, [0]
-    real = group.broadcast
+    real = group.exchange
 
-    def broadcast(t: Any) -> Any:
+    def exchange(*args: Any, **kwargs: Any) -> Any:  # gloo's buckets go point to point (backends/chain.py)
         calls[0] += 1
         if calls[0] == 3:
             out.put("mid-send")
             time.sleep(600)
-        return real(t)
+        return real(*args, **kwargs)
 
-    group.broadcast = broadcast
+    group.exchange = exchange
     sender.send(named)
 
 

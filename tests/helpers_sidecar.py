@@ -13,7 +13,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -236,18 +236,28 @@ def dying_sender(out: Any, backend: str, device: str, weights: Mapping[str, Any]
     sender.connect()
     named = {k: v.to(device) for k, v in weights.items()}
     out.put(sender.manifest(named, 1))
-    group = sender._group
-    real, calls = group.broadcast, [0]
+    def third_message() -> None:  # bucket messages are under way: stall mid-send
+        out.put(MID_UPDATE)
+        time.sleep(600)
 
-    def broadcast(t: Any) -> Any:
-        calls[0] += 1
-        if calls[0] == 3:  # bucket 0 has landed: the sender waited for it before reusing its buffer
-            out.put(MID_UPDATE)
-            time.sleep(600)
-        return real(t)
-
-    group.broadcast = broadcast
+    on_bucket_message(sender._group, 3, third_message)
     sender.send(named)
+
+
+def on_bucket_message(group: Any, n: int, act: Callable[[], None]) -> None:
+    """Run `act` when the sender starts its n-th bucket message, whichever way its backend moves
+    buckets: a broadcast (nccl) or a point-to-point send (gloo's chain, inference/transfer/backends/chain.py)."""
+    calls = [0]
+
+    def counted(real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == n:
+                act()
+            return real(*args, **kwargs)
+        return call
+
+    group.broadcast, group.exchange = counted(group.broadcast), counted(group.exchange)
 
 
 def kill_when_told(out: Any, pid: int, timeout: float = 120.0) -> threading.Thread:

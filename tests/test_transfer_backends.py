@@ -166,7 +166,7 @@ def test_a_registered_backend_carries_a_sync_end_to_end(fake: BackendSpec, tmp_p
         assert worker.finish_weight_update(digests).report.ok and worker.weights.version() == 1
         assert held(worker) == loader_digests(dirs["target"], state, tmp_path / "ref")
         sent, received = CountingBackend.ends
-        assert (sent.sent, received.received, received.last_mode) == (1, 1, "broadcast")
+        assert (sent.sent, received.received, received.last_mode) == (1, 1, "chain")
         assert received.seen == ([True], [len(state)]), "its agreement key and value rode the one all-reduce"
         assert worker.weights.receiver is not None and worker.weights.receiver.backend is received
     finally:

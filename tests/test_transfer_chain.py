@@ -1,7 +1,8 @@
-"""The gloo backend's pipelined chain (inference/transfer/backends/chain.py), between real processes on
-the CPU: with a sender and three receivers every receiver gets the sender's exact bytes through the
-chain (buckets a multiple of the chunk, not a multiple, smaller than one chunk, and empty); with one
-receiver the bytes still go by the broadcast; a receiver that dies mid-group ends every other rank in a
+"""The gloo backend's chain (inference/transfer/backends/chain.py), between real processes on the CPU:
+with a sender and one or three receivers every receiver ends with the sender's exact bytes, whether a
+bucket went in place (one piece of a tensor, sent from the sender's tensor, received into a host
+destination the sink gave) or through the ring (shared buckets, a non-contiguous sender tensor, a
+tensor without a destination); a receiver that dies mid-group ends every other rank in a
 TransferError naming it, within the group's timeout, never a hang."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import queue
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,25 +22,31 @@ import torch
 from inference.transfer.backends import chain, check_backend
 from inference.transfer.backends.gloo import GlooBackend
 from inference.transfer.groups import InitInfo, TransferError, TransferGroup, master_store, new_session_id
-from inference.transfer.plan import Bucket, Segment, TensorSpec, plan_buckets
+from inference.transfer.plan import Bucket, ParsedManifest, Segment, TensorSpec
+from tests.helpers_weight_update import Link, held, loader_digests, make_worker, perturbed, tiny_model_dirs
 
 BACKEND = check_backend(GlooBackend.__module__.rpartition(".")[2])  # the registry's gloo entry
-CHUNK = 16 << 10  # small chunks, so a few KiB of tensors cover every case of the chunking
-BUCKET = 64 << 10  # four chunks exactly
+STREAM = 16 << 10  # small buckets, so a few KiB of tensors cover every case
+ALONE = 4 << 10
+BUCKET = 64 << 10  # the session's bucket size: the chain plans at STREAM below it
 TIMEOUT_S = 10.0
+WITH_DESTINATION = (0, 2, 5)  # tensors the receivers' sink gives a host destination
 
 
 def _tensors() -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(7)
-    return [torch.randn(25_000, generator=g),  # 100,000 B: a full bucket, then a bucket of 2 chunks and a bit
-            torch.randn(10, generator=g),  # rides in the open bucket of the one before
-            torch.randint(0, 255, (BUCKET,), dtype=torch.uint8, generator=g),  # a bucket of its own
-            torch.randn(3, generator=g),  # 12 B: a bucket smaller than one chunk
+    return [torch.randn(25_000, generator=g),  # 100,000 B: alone, in 7 pieces, the last one short
+            torch.randn(10, generator=g),  # a shared bucket
+            torch.randint(0, 255, (STREAM,), dtype=torch.uint8, generator=g),  # alone, one piece
+            torch.randn(3, generator=g),  # shares the shared bucket
+            torch.randn(60, 100, generator=g).t(),  # alone but not contiguous: the sender packs it
+            torch.randn(3000, generator=g).to(torch.bfloat16),  # alone, in place at both ends
+            torch.randn(5000, generator=g),  # alone, no destination: received into the ring
             torch.empty(0)]  # an empty bucket (planned by hand below)
 
 
 def _plan(specs: Sequence[TensorSpec]) -> list[Bucket]:
-    plan = plan_buckets(specs[:-1], BUCKET)
+    plan = list(chain.plan(ParsedManifest(specs[:-1]), BUCKET))
     return [*plan, Bucket(len(plan), 0, (Segment(len(specs) - 1, 0, 0, 0),))]
 
 
@@ -47,40 +55,40 @@ def _digest(t: torch.Tensor) -> str:
 
 
 class _Sink:
-    """Keeps a copy of every tensor it is given (the receiver's view of the sync)."""
+    """A receiver's view of the sync: host destinations for WITH_DESTINATION, a copy of every tensor put."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.dests = [torch.full_like(t.contiguous(), 0) if i in WITH_DESTINATION else None
+                      for i, t in enumerate(tensors)]
         self.got: dict[int, torch.Tensor] = {}
-        self.n = n
+        self.direct: list[int] = []
         self.landed_once = False
 
     def direct_destinations(self) -> Sequence[torch.Tensor | None]:
-        return [None] * self.n
+        return self.dests
 
     def mark_direct(self, indices: Sequence[int]) -> None:
-        raise AssertionError("the broadcast backends never copy directly")
+        assert not set(indices) & set(self.direct), "a tensor marked twice"
+        self.direct.extend(indices)
 
     def put(self, items: Sequence[tuple[int, torch.Tensor]]) -> None:
         for i, t in items:
             assert i not in self.got, f"tensor {i} put twice"
-            self.got[i] = t.clone()
+            dst = self.dests[i]
+            if dst is not None:
+                dst.copy_(t)
+            self.got[i] = dst if dst is not None else t.clone()
 
     def landed(self) -> None:
         self.landed_once = True
-
-
-def _refuse_chain(*args: object, **kwargs: object) -> None:
-    raise AssertionError("a group of one receiver must keep the broadcast path")
 
 
 def _end(info: dict[str, Any], rank: int, die: int | None, stall: bool, out: Any) -> None:
     """One group rank in a process of its own: sends or receives `_tensors()` through GlooBackend and
     puts (rank, outcome, detail, seconds) on `out`. Rank `die` joins the group, then exits at once (or,
     with `stall`, stays silent past everyone's timeout)."""
-    chain.CHUNK_BYTES = CHUNK
+    chain.STREAM_BYTES, chain.ALONE_BYTES = STREAM, ALONE
     full = InitInfo(**info)
-    if full.world_size == 2:
-        chain.send_chain = chain.receive_chain = _refuse_chain  # type: ignore[assignment]
     tensors = _tensors()
     specs = [TensorSpec.of(f"t{i}", t) for i, t in enumerate(tensors)]
     end = GlooBackend(BACKEND, torch.device("cpu"), "sender" if rank == 0 else f"rank {rank}", BUCKET)
@@ -95,11 +103,11 @@ def _end(info: dict[str, Any], rank: int, die: int | None, stall: bool, out: Any
             end.send(group, _plan(specs), tensors, [])
             out.put((rank, "ok", [_digest(t) for t in tensors], time.monotonic() - start))
         else:
-            sink = _Sink(len(specs))
+            sink = _Sink(tensors)
             end.receive(group, _plan(specs), specs, sink, [], [])
-            assert sink.landed_once and sorted(sink.got) == list(range(len(specs)))
-            digests = [_digest(sink.got[i]) for i in range(len(specs))]
-            out.put((rank, end.last_mode, digests, time.monotonic() - start))
+            assert sink.landed_once and sorted([*sink.got, *sink.direct]) == list(range(len(specs)))
+            digests = [_digest(sink.got[i] if i in sink.got else sink.dests[i]) for i in range(len(specs))]
+            out.put((rank, end.last_mode, (digests, sorted(sink.direct)), time.monotonic() - start))
     except TransferError as e:
         out.put((rank, "TransferError", str(e), time.monotonic() - start))
     finally:
@@ -132,36 +140,34 @@ def _run_group(world: int, die: int | None = None, stall: bool = False) -> dict[
     return results
 
 
-def test_chunks_cover_a_bucket_in_order_and_an_empty_one_has_none() -> None:
-    n = chain.CHUNK_BYTES
-    assert chain.chunk_bounds(0) == []
-    assert chain.chunk_bounds(5) == [(0, 5)]
-    assert chain.chunk_bounds(2 * n) == [(0, n), (n, 2 * n)]
-    assert chain.chunk_bounds(2 * n + 1) == [(0, n), (n, 2 * n), (2 * n, 2 * n + 1)]
+def test_the_plan_covers_every_case_of_the_chain(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(chain, "STREAM_BYTES", STREAM)
+    monkeypatch.setattr(chain, "ALONE_BYTES", ALONE)
+    tensors = _tensors()
+    specs = [TensorSpec.of(f"t{i}", t) for i, t in enumerate(tensors)]
+    plan = _plan(specs)
+    alone = {i for i, sp in enumerate(specs) if sp.nbytes >= ALONE}
+    assert alone == {0, 2, 4, 5, 6}
+    for b in plan:
+        assert b.nbytes <= STREAM
+        tensors_in = {seg.tensor for seg in b.segments}
+        assert len(tensors_in) == 1 or not tensors_in & alone, "an alone tensor shares a bucket"
+    shared = [b for b in plan if len(b.segments) > 1]
+    assert [[seg.tensor for seg in b.segments] for b in shared] == [[1, 3]]
+    assert sum(seg.tensor == 0 for b in plan for seg in b.segments) == 7 and plan[-1].nbytes == 0
 
 
-def test_plan_covers_every_chunking_case() -> None:
-    specs = [TensorSpec.of(f"t{i}", t) for i, t in enumerate(_tensors())]
-    sizes = [b.nbytes for b in _plan(specs)]
-    assert sizes[0] == BUCKET and BUCKET % CHUNK == 0
-    assert any(s > CHUNK and s % CHUNK for s in sizes), sizes
-    assert any(0 < s < CHUNK for s in sizes) and sizes[-1] == 0, sizes
-
-
-def test_three_receivers_get_the_senders_exact_bytes_through_the_chain() -> None:
-    results = _run_group(4)
+@pytest.mark.parametrize("world", [2, 4], ids=["one-receiver", "three-receivers"])
+def test_every_receiver_gets_the_senders_exact_bytes_in_place_or_through_the_ring(world: int) -> None:
+    results = _run_group(world)
     outcome, sent, _ = results[0]
     assert outcome == "ok", sent
-    for rank in (1, 2, 3):
-        mode, got, _ = results[rank]
+    for rank in range(1, world):
+        mode, (got, direct), _ = results[rank]
         assert mode == "chain", (rank, got)
         assert got == sent, f"rank {rank} received other bytes than were sent"
-
-
-def test_one_receiver_keeps_the_broadcast() -> None:
-    results = _run_group(2)
-    assert results[0][0] == "ok", results[0]
-    assert results[1][:2] == ("broadcast", results[0][1])
+        # every tensor with a destination that is alone went in place (or its pieces straight there)
+        assert direct == [0, 2, 5], (rank, direct)
 
 
 @pytest.mark.parametrize("stall", [False, True], ids=["exits", "stalls"])
@@ -173,3 +179,27 @@ def test_a_dead_receiver_ends_its_neighbours_in_an_error_naming_it(stall: bool) 
         assert seconds < 2 * TIMEOUT_S + 5, (rank, seconds)
     for rank in (1, 3):  # its two neighbours name it: one could not forward to it, one heard nothing from it
         assert "group rank 2" in results[rank][1], results[rank][1]
+
+
+def test_a_sender_that_plans_otherwise_is_stopped_before_a_byte_moves(tmp_path: Path) -> None:
+    """Another release of the chain (other constants) at one end: the agreement fails cleanly on both
+    ends, nothing is written, the group stays usable and the next sync from a matching sender passes."""
+    dirs = tiny_model_dirs(tmp_path / "models")
+    worker = make_worker(dirs, draft=False)
+    link = Link(worker)
+    end = link.sender._end
+    try:
+        before = held(worker)
+        state = perturbed(dirs["target"], 5)
+        end.plan_id = lambda: f"gloo/chain/{2 * chain.STREAM_BYTES}/{chain.ALONE_BYTES}"  # type: ignore[method-assign]
+        worker.start_weight_update(1, link.sender.manifest(state, 1))
+        with pytest.raises(TransferError, match=r"plan .*differs"):
+            link.transfer(state)
+        assert held(worker) == before, "a byte was written before the ends agreed"
+        worker.abort_weight_update()
+        del end.plan_id  # the class's own again
+        assert link.sync(state, 2).report.ok
+        assert held(worker) == loader_digests(dirs["target"], state, tmp_path / "ref")
+    finally:
+        link.sender.close()
+        worker.close_weight_transfer_engine()

@@ -43,9 +43,15 @@ def random_specs(seed: int, n: int = 40, max_numel: int = 5000) -> list[TensorSp
 
 @pytest.mark.parametrize("seed", range(5))
 @pytest.mark.parametrize("bucket_bytes", [ALIGN, 1024, 4096, 1 << 20])
-def test_every_byte_is_covered_exactly_once_within_bucket_limits(seed: int, bucket_bytes: int) -> None:
+@pytest.mark.parametrize("alone_bytes", [None, 512], ids=["packed", "alone"])
+def test_every_byte_is_covered_exactly_once_within_bucket_limits(seed: int, bucket_bytes: int,
+                                                                 alone_bytes: int | None) -> None:
     specs = random_specs(seed)
-    plan = plan_buckets(specs, bucket_bytes)
+    plan = plan_buckets(specs, bucket_bytes, alone_bytes)
+    if alone_bytes is not None:  # a tensor of alone_bytes or more never shares a bucket
+        for bucket in plan:
+            big = [s for s in bucket.segments if specs[s.tensor].nbytes >= alone_bytes]
+            assert not big or len(bucket.segments) == 1, [specs[s.tensor].name for s in bucket.segments]
     covered: dict[int, list[tuple[int, int]]] = {i: [] for i in range(len(specs))}
     for k, bucket in enumerate(plan):
         assert bucket.index == k
@@ -210,3 +216,24 @@ def test_pack_then_unpack_rebuilds_every_tensor_bit_exactly(bucket_bytes: int) -
     for i, t in enumerate(tensors):
         assert rebuilt[i].dtype == t.dtype and rebuilt[i].shape == t.shape
         assert torch.equal(flat_bytes(rebuilt[i]), flat_bytes(t)), specs[i].name
+
+
+def test_split_tensors_with_a_destination_are_written_there_piece_by_piece() -> None:
+    gen = torch.Generator().manual_seed(1)
+    specs = random_specs(4)
+    tensors = [_random_tensor(s, gen) for s in specs]
+    plan = plan_buckets(specs, 1024)
+    split = {seg.tensor for b in plan for seg in b.segments if seg.nbytes != specs[seg.tensor].nbytes}
+    assert split, "the plan must split some tensor for this test"
+    dests = [torch.zeros(s.nbytes, dtype=torch.uint8) if i in split or i % 2 else None for i, s in enumerate(specs)]
+    packer, unpacker = Packer(tensors, plan), Unpacker(specs, torch.device("cpu"), dests)
+    buf = torch.empty(1024, dtype=torch.uint8)
+    handed: set[int] = set()
+    for bucket in plan:
+        packer.pack(bucket, buf)
+        handed.update(i for i, _ in unpacker.tensors(bucket, buf))
+    assert sorted(unpacker.direct_done) == sorted(split), "every split tensor lands in its destination"
+    assert not handed & split and handed | split == set(range(len(specs)))
+    assert not unpacker.incomplete
+    for i in split:
+        assert torch.equal(dests[i], flat_bytes(tensors[i])), specs[i].name

@@ -5,6 +5,11 @@ bucket buffer; the unpacker hands back, per bucket, the tensors completed by it:
 into the buffer when a tensor is whole in one bucket, else the tensor assembled in a staging buffer
 from its pieces (so a fused or split tensor is never loaded half-written). Views are valid only
 until the buffer is reused: the consumer must load and digest them before that.
+
+A split tensor whose final home is known (`destinations`: a flat byte view of the region the tensor's
+loader would write, on the buffers' device) skips the staging buffer: each piece is copied straight
+to its place there, and the tensor is reported in `direct_done` once its last byte landed. Pieces that
+arrived in that region by other means (received into it) are counted with `landed_in_place`.
 """
 
 from __future__ import annotations
@@ -52,13 +57,18 @@ class Packer:
 class Unpacker:
     """Turns received buckets back into whole tensors (see the module docstring)."""
 
-    def __init__(self, specs: Sequence[TensorSpec], device: torch.device) -> None:
+    def __init__(self, specs: Sequence[TensorSpec], device: torch.device,
+                 destinations: Sequence[torch.Tensor | None] | None = None) -> None:
         self._specs = specs
         self._device = device
+        self._destinations = destinations
         self._staging: dict[int, tuple[torch.Tensor, int]] = {}  # tensor index -> (bytes, bytes received)
+        self._in_place: dict[int, int] = {}  # tensor index -> bytes landed in its destination so far
+        self.direct_done: list[int] = []  # split tensors completed in their destinations (see module doc)
 
     def tensors(self, bucket: Bucket, buf: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-        """(tensor index, tensor) for every tensor this bucket completes, in plan order."""
+        """(tensor index, tensor) for every tensor this bucket completes, in plan order (split tensors
+        with a destination excepted: they are written there and listed in `direct_done`)."""
         done: list[tuple[int, torch.Tensor]] = []
         for seg in bucket.segments:
             spec = self._specs[seg.tensor]
@@ -66,6 +76,11 @@ class Unpacker:
             if seg.nbytes == spec.nbytes:
                 assert seg.src_offset == 0 and seg.tensor not in self._staging
                 done.append((seg.tensor, as_tensor(piece, spec)))
+                continue
+            dst = self._destinations[seg.tensor] if self._destinations is not None else None
+            if dst is not None:
+                dst[seg.src_offset:seg.src_offset + seg.nbytes].copy_(piece)
+                self.landed_in_place(seg.tensor, seg.nbytes)
                 continue
             staged, got = self._staging.get(seg.tensor) or (
                 torch.empty(spec.nbytes, dtype=torch.uint8, device=self._device), 0)
@@ -79,7 +94,17 @@ class Unpacker:
                 self._staging[seg.tensor] = (staged, got)
         return done
 
+    def landed_in_place(self, index: int, nbytes: int) -> None:
+        """Count `nbytes` more of tensor `index` as written in its destination."""
+        got = self._in_place.get(index, 0) + nbytes
+        assert got <= self._specs[index].nbytes, (self._specs[index].name, got)
+        if got == self._specs[index].nbytes:
+            self._in_place.pop(index, None)
+            self.direct_done.append(index)
+        else:
+            self._in_place[index] = got
+
     @property
     def incomplete(self) -> list[str]:
         """Names of tensors that have received some but not all of their bytes."""
-        return [self._specs[i].name for i in self._staging]
+        return [self._specs[i].name for i in (*self._staging, *self._in_place)]

@@ -237,14 +237,15 @@ class TransferGroup:
         except Exception as e:
             raise self._fail("broadcast", e) from e
 
-    def exchange(self, send: bool, tensor: torch.Tensor, peer: int, what: str) -> Any:
+    def exchange(self, send: bool, tensor: torch.Tensor, peer: int, what: str, tag: int = 0) -> Any:
         """Start sending `tensor` (contiguous, on the host) to group rank `peer`, or receiving it from
-        there, on the control group; returns the work to `wait` on. A pair's messages arrive in order.
-        `what` names the operation in the error that breaks the group if it cannot start."""
+        there, on the control group; returns the work to `wait` on. A send pairs with the receive of
+        the same `tag` (>= 0); a pair's messages of one tag arrive in order. `what` names the operation
+        in the error that breaks the group if it cannot start."""
         self._check()
         try:
             op = self._control.send if send else self._control.recv
-            return op([tensor], peer, 0)
+            return op([tensor], peer, tag)
         except Exception as e:
             raise self._fail(what, e) from e
 

@@ -109,18 +109,22 @@ class Bucket:
     segments: tuple[Segment, ...]
 
 
-def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[Bucket]:
+def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int, alone_bytes: int | None = None) -> list[Bucket]:
     """Deterministic layout of `specs` into buckets of at most bucket_bytes.
 
-    Cached on (specs, bucket_bytes): an RL loop sends the same manifest every step.
+    `alone_bytes`: a tensor of at least this size never shares a bucket: its pieces (of at most
+    bucket_bytes) are buckets of their own, so each can be written straight from and into the tensor;
+    the smaller ones fill shared buckets in manifest order around them. None: tensors are laid out
+    back to back, a large one split at the bucket boundaries.
+    Cached on (specs, bucket_bytes, alone_bytes): an RL loop sends the same manifest every step.
     """
     if isinstance(specs, ParsedManifest):
-        return list(specs.plan(bucket_bytes))
-    return list(_plan(tuple(specs), bucket_bytes))
+        return list(specs.plan(bucket_bytes, alone_bytes))
+    return list(_plan(tuple(specs), bucket_bytes, alone_bytes))
 
 
 @functools.lru_cache(maxsize=8)
-def _plan(specs: tuple[TensorSpec, ...], bucket_bytes: int) -> tuple[Bucket, ...]:
+def _plan(specs: tuple[TensorSpec, ...], bucket_bytes: int, alone_bytes: int | None = None) -> tuple[Bucket, ...]:
     if bucket_bytes < ALIGN or bucket_bytes % ALIGN:
         raise InvalidRequestError("bucket_bytes", f"must be a positive multiple of {ALIGN}, got {bucket_bytes}")
     buckets: list[Bucket] = []
@@ -135,6 +139,12 @@ def _plan(specs: tuple[TensorSpec, ...], bucket_bytes: int) -> tuple[Bucket, ...
 
     for i, spec in enumerate(specs):
         size = spec.nbytes
+        if alone_bytes is not None and size >= alone_bytes:
+            piece = bucket_bytes - bucket_bytes % spec.torch_dtype.itemsize
+            for off in range(0, size, piece):  # the open shared bucket stays open around them
+                n = min(piece, size - off)
+                buckets.append(Bucket(len(buckets), n, (Segment(i, off, 0, n),)))
+            continue
         start = _align(used)
         if size <= bucket_bytes:
             if start + size > bucket_bytes:
@@ -206,7 +216,7 @@ class ParsedManifest(Sequence[TensorSpec]):
 
     def __init__(self, specs: Sequence[TensorSpec]) -> None:
         self.specs: tuple[TensorSpec, ...] = tuple(specs)
-        self._plans: dict[int, tuple[Bucket, ...]] = {}
+        self._plans: dict[tuple[int, int | None], tuple[Bucket, ...]] = {}
         self._digests: dict[tuple[int, str], bytes] = {}
         self._layout_key: str | None = None
 
@@ -225,10 +235,10 @@ class ParsedManifest(Sequence[TensorSpec]):
     def __iter__(self) -> Iterator[TensorSpec]:
         return iter(self.specs)
 
-    def plan(self, bucket_bytes: int) -> tuple[Bucket, ...]:
-        plan = self._plans.get(bucket_bytes)
+    def plan(self, bucket_bytes: int, alone_bytes: int | None = None) -> tuple[Bucket, ...]:
+        plan = self._plans.get((bucket_bytes, alone_bytes))
         if plan is None:
-            plan = self._plans[bucket_bytes] = _plan(self.specs, bucket_bytes)
+            plan = self._plans[(bucket_bytes, alone_bytes)] = _plan(self.specs, bucket_bytes, alone_bytes)
         return plan
 
     @property

@@ -51,14 +51,15 @@ class WeightReceiver:
         `on_agreed` runs once both ends agreed on the plan, just before the first byte may be written.
         """
         parsed = specs if isinstance(specs, ParsedManifest) else ParsedManifest(specs)
-        fingerprint = parsed.fingerprint(version, self.info.bucket_bytes, self.info.backend)
+        fingerprint = parsed.fingerprint(version, self.info.bucket_bytes, self.backend.plan_id())
         keys, values = self.backend.receiver_agreement()
         assert (len(keys), len(values)) == self.backend.agreement_size, "every end adds the same to step 1"
         same, maxima = self.group.agree_many([fingerprint, *keys], values)
         if not same[0]:
-            raise TransferError(f"rank {self.rank_key}: the sender's plan (version, manifest or bucket size) "
+            raise TransferError(f"rank {self.rank_key}: the sender's plan (version, manifest, bucket size or the "
+                                f"backend's release) "
                                 f"differs from this rank's for version {version}; nothing was written")
-        plan = parsed.plan(self.info.bucket_bytes)
+        plan = self.backend.plan(parsed)
         if on_agreed is not None:
             on_agreed()
         self.backend.receive(self.group, plan, parsed, sink, same[1:], maxima)

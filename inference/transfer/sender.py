@@ -194,14 +194,15 @@ class WeightSender:
             assert (len(keys), len(values)) == self._end.agreement_size, "every end adds the same to step 1"
         if self.device.type == "cuda":  # before the agreement: ipc receivers may read right after it
             torch.cuda.current_stream(self.device).synchronize()  # the trainer's writes have landed
-        fingerprint = specs.fingerprint(version, self.bucket_bytes, self.backend)
+        fingerprint = specs.fingerprint(version, self.bucket_bytes, self._end.plan_id())
         # one all-reduce (inference/transfer/receiver.py); 0 never matches: on a problem the receivers stop cleanly
         same, _ = group.agree_many([0 if problem else fingerprint, *keys], values)
         if not same[0]:
             self._end.withdraw()
             raise problem or TransferError(
                 "the receivers' plan differs from the sender's (a different manifest, version or bucket "
-                "size was started on the sidecar); nothing was written")
+                "size was started on the sidecar, or it runs another release of the backend); nothing was "
+                "written")
         # Started after the agreement: its host work (a few us per tensor) then runs while the receivers
         # copy, instead of holding every rank at the agreement. A failure to start is raised after the
         # status step, so the receivers are never left waiting in it.
@@ -212,7 +213,7 @@ class WeightSender:
             except Exception as e:
                 failure = e
         try:
-            self._end.send(group, specs.plan(self.bucket_bytes), tensors, same[1:])
+            self._end.send(group, self._end.plan(specs), tensors, same[1:])
         finally:
             records = digests.result() if digests is not None else []
         if failure is not None:

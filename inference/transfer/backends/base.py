@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from inference.transfer.backends import BackendSpec
 from inference.transfer.groups import InitInfo, TransferError, TransferGroup
-from inference.transfer.plan import Bucket, TensorSpec
+from inference.transfer.plan import Bucket, ParsedManifest, TensorSpec
 
 Agreement = tuple[list[int], list[int]]  # (keys every end must pass equal, values whose max every end learns)
 
@@ -112,12 +112,28 @@ class TransferBackend(ABC):
         TransferError when another rank failed."""
 
     # ---- shared -----------------------------------------------------------------------------------
+    def plan(self, specs: ParsedManifest) -> Sequence[Bucket]:
+        """The buckets of a sync of `specs` (every end of a group derives the same from the agreed
+        bucket size and the backend)."""
+        return specs.plan(self.bucket_bytes)
+
+    def plan_id(self) -> str:
+        """What the plan depends on beyond the manifest and the bucket size: the backend's name and any
+        constant of its own planning. It enters the agreed fingerprint, so two ends that would plan
+        differently (another release of the backend) stop before a byte moves instead of mismatching."""
+        return self.spec.name
+
     def double_buffer(self, nbytes: int, device: torch.device, pin: bool) -> list[torch.Tensor]:
         """Two byte buffers of at least `nbytes` on `device`, reused while they fit."""
-        if not self._buffers or self._buffers[0].numel() < nbytes or self._buffers[0].device != device:
-            self._buffers = []  # free the old pair before allocating the larger one
+        return self.ring(2, nbytes, device, pin)
+
+    def ring(self, count: int, nbytes: int, device: torch.device, pin: bool) -> list[torch.Tensor]:
+        """`count` byte buffers of at least `nbytes` on `device`, reused while they fit."""
+        bufs = self._buffers
+        if len(bufs) != count or bufs[0].numel() < nbytes or bufs[0].device != device:
+            self._buffers = []  # free the old ones before allocating the new
             self._buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
-                             for _ in range(2)]
+                             for _ in range(count)]
         return self._buffers
 
     def pack_stream(self) -> Any:

@@ -1,126 +1,178 @@
-"""A pipelined chain of point-to-point sends: how the gloo backend moves a bucket to two or more receivers.
+"""How the gloo backend moves a sync's bytes: a chain of point-to-point messages, one per small bucket,
+written in place wherever both ends allow it and posted all at once where no buffer is needed.
 
-gloo's broadcast on the host is one-to-all: the sender writes every byte once per receiver, so its one
-stream is the bottleneck and a sync of n receivers costs about n times one receiver's. In the chain the
-sender (group rank 0) sends each bucket, in chunks of CHUNK_BYTES, to rank 1 only; receiver r receives
-its chunks from r - 1 and forwards each to r + 1 (the last forwards nothing) while the next chunk is in
-flight. Every process then moves each byte about once in and once out, in parallel, and a bucket's
-wall time is about its bytes over one link's bandwidth plus (n - 1) chunk times.
+The plan (`plan`): buckets of STREAM_BYTES at most, and a tensor of ALONE_BYTES or more never shares
+one: each of its pieces is a bucket of its own (plan_buckets' `alone_bytes`); the smaller tensors
+share buckets around them. One bucket is one message, tagged with its index, so either end may post
+its messages in any order and gloo pairs them by tag.
 
-Invariants: every end derives the same chunks from the agreed plan (an empty bucket has none), the
-bytes of each chunk land unchanged at every receiver (the same bytes as the broadcast puts there), and
-the point-to-point traffic runs on the session's gloo control group, between steps (1) and (3) of the
-protocol, so it never overlaps a collective. Both ends keep two bucket buffers: the sender packs
-bucket k+1 while bucket k's chunks are on the wire; a receiver posts bucket k+1's receives before it
-unpacks bucket k, and reuses a buffer only after its forwards from it completed. Every wait has the
-group's timeout, and names the bucket, the chunk and the peer; a failed wait breaks the group
-(TransferGroup.wait), as a failed broadcast does.
+In place: a bucket that is one piece of one tensor is sent straight from the sender's tensor when that
+is contiguous on the host, and received straight into the receiver's parameter when the sink gives
+the tensor a host destination (`Sink.direct_destinations`; TP=1, same dtype). Those bytes are never
+packed or unpacked, and their messages are all posted at the start: gloo's threads then move them
+back to back, without this thread between two messages (on this box, 4 MiB messages all posted at
+once move about twice the bytes per second of a window of a few, or of one 512 MiB broadcast). The
+other buckets (the shared ones, a CUDA trainer's, a rank that shards or casts) go through a ring of
+DEPTH host buffers. Either end decides for itself; the messages are the same.
+
+The chain: the sender (group rank 0) sends each bucket to rank 1 only; receiver r receives from r - 1
+and forwards each bucket to r + 1 (the last forwards nothing) as it lands. gloo's host broadcast is
+one-to-all: there the sender would write every byte once per receiver. In the chain every process
+moves each byte about once in and once out, in parallel. One receiver is a chain of one.
+
+Invariants: every end derives the same buckets from the agreed plan; each non-empty bucket is one
+message tagged with its index (an empty one is none); every receiver ends with the sender's exact
+bytes. A ring buffer is reused only after its bucket was unpacked and forwarded (a receiver) or sent
+(the sender). The traffic runs on the session's gloo control group, between steps (1) and (3) of the
+protocol, so it never overlaps a collective. Every wait has the group's timeout and names the bucket
+and the peer; a failed wait breaks the group (TransferGroup.wait), as a failed broadcast does. A
+receiver whose unpack failed keeps receiving and forwarding to the end, so no other rank hangs.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from checksum import flat_bytes
 from inference.transfer.backends.base import Sink, TransferBackend
 from inference.transfer.buckets import Packer, Unpacker
 from inference.transfer.groups import TransferGroup
-from inference.transfer.plan import Bucket, TensorSpec
+from inference.transfer.plan import Bucket, ParsedManifest, TensorSpec
 
-# A chunk is the unit a receiver forwards: large next to one message's fixed cost (tens of us), small
-# next to a bucket, so the last receiver lags the first by only (n - 1) short chunk times.
-CHUNK_BYTES = 4 << 20
-MIN_RECEIVERS = 2  # with one receiver a chain is the broadcast itself: gloo keeps its broadcast path
+STREAM_BYTES = 4 << 20  # the largest bucket: small enough to pipeline, large next to a message's cost
+ALONE_BYTES = 1 << 20  # a tensor this large is sent in buckets of its own (in place where it can be)
+DEPTH = 4  # ring buffers at each end, for the buckets that are packed or unpacked
 
 Pending = tuple[Any, str]  # (a started send or receive, what to name in its error)
 
 
-def chained(group: TransferGroup) -> bool:
-    """Whether this group's buckets go through the chain (a sender and MIN_RECEIVERS or more)."""
-    return group.info.world_size - 1 >= MIN_RECEIVERS
+def plan(specs: ParsedManifest, bucket_bytes: int) -> Sequence[Bucket]:
+    """The buckets of a gloo sync of `specs` in a session agreed on `bucket_bytes`."""
+    size = min(bucket_bytes, STREAM_BYTES)
+    return specs.plan(size, min(ALONE_BYTES, size))
 
 
-def chunk_bounds(nbytes: int) -> list[tuple[int, int]]:
-    """The [start, stop) byte ranges of a bucket of `nbytes`, in order; none for an empty bucket."""
-    return [(start, min(start + CHUNK_BYTES, nbytes)) for start in range(0, nbytes, CHUNK_BYTES)]
+def _start(group: TransferGroup, send: bool, buf: torch.Tensor, peer: int, k: int, n: int) -> Pending:
+    """Start sending bucket k (of n), which is `buf`, to group rank `peer` (or receiving it from there)."""
+    what = f"bucket {k} of {n} {'to' if send else 'from'} group rank {peer}"
+    return group.exchange(send, buf, peer, what, tag=k), what
 
 
-def _start(group: TransferGroup, send: bool, chunk: torch.Tensor, peer: int, what: str) -> Pending:
-    """Start sending `chunk` to group rank `peer` (or receiving it from there), with its error's name."""
-    return group.exchange(send, chunk, peer, what), what
+def _settle(group: TransferGroup, pending: deque[Pending], keep: int = 0) -> None:
+    """Wait for the oldest operations in `pending` (each with the group's timeout) until `keep` remain."""
+    while len(pending) > keep:
+        group.wait(*pending.popleft())
 
 
-def _settle(group: TransferGroup, pending: list[Pending]) -> None:
-    """Wait for every started operation in `pending` (each with the group's timeout), then forget them."""
-    for work, what in pending:
-        group.wait(work, what)
-    pending.clear()
-
-
-def _start_bucket(group: TransferGroup, send: bool, buf: torch.Tensor, peer: int, k: int, n: int) -> list[Pending]:
-    """Start every chunk of bucket k (of n), which is `buf`, to or from `peer`."""
-    way = "to" if send else "from"
-    return [_start(group, send, buf[a:b], peer, f"chunk {c} of bucket {k} of {n} {way} group rank {peer}")
-            for c, (a, b) in enumerate(chunk_bounds(buf.numel()))]
+def _in_place(plan: Sequence[Bucket], tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Per bucket, the bytes it is in `tensors` when it is one piece of one tensor that is contiguous on
+    the host (a view: sent from or received into there), else None (through a ring buffer)."""
+    flats: dict[int, torch.Tensor | None] = {}
+    out: list[torch.Tensor | None] = []
+    for b in plan:
+        seg = b.segments[0] if len(b.segments) == 1 and b.nbytes == b.segments[0].nbytes > 0 else None
+        if seg is None:
+            out.append(None)
+            continue
+        if seg.tensor not in flats:
+            t = tensors[seg.tensor]
+            flats[seg.tensor] = flat_bytes(t) if t is not None and t.device.type == "cpu" and t.is_contiguous() \
+                else None
+        flat = flats[seg.tensor]
+        out.append(None if flat is None else flat[seg.src_offset:seg.src_offset + seg.nbytes])
+    return out
 
 
 def send_chain(end: TransferBackend, group: TransferGroup, plan: Sequence[Bucket],
                tensors: list[torch.Tensor]) -> None:
-    """The sender's bytes: every bucket, packed into a host buffer, goes to group rank 1 in chunks.
-    Returns once every chunk left this process; the status step follows (the caller's)."""
-    pin = torch.cuda.is_available()
-    bufs = end.double_buffer(max((b.nbytes for b in plan), default=0), torch.device("cpu"), pin)
+    """The sender's bytes: every non-empty bucket to group rank 1, the in-place ones posted at once, the
+    others packed into the ring in order. Returns once every message left; the status step follows
+    (the caller's)."""
+    n = len(plan)
+    sources = _in_place(plan, tensors)
+    packed = [k for k, (b, s) in enumerate(zip(plan, sources)) if s is None and b.nbytes]
+    ring = end.ring(DEPTH, max((plan[k].nbytes for k in packed), default=0), torch.device("cpu"),
+                    torch.cuda.is_available())
+    direct = deque(_start(group, True, s, 1, k, n) for k, s in enumerate(sources) if s is not None)
     packer = Packer(tensors, plan)
     stream = end.pack_stream() if any(t.is_cuda for t in tensors) else None
-    sends: list[list[Pending]] = [[], []]
-    for k, bucket in enumerate(plan):
-        slot = k % 2
-        _settle(group, sends[slot])  # bucket k-2 left this buffer
-        buf = bufs[slot][:bucket.nbytes]
+    sends: deque[Pending] = deque()
+    for j, k in enumerate(packed):
+        _settle(group, sends, DEPTH - 1)  # the slot's last bucket has left
+        buf = ring[j % DEPTH][:plan[k].nbytes]
         if stream is None:
-            packer.pack(bucket, buf)
+            packer.pack(plan[k], buf)
         else:
             with torch.cuda.stream(stream):
-                packer.pack(bucket, buf, non_blocking=True)
+                packer.pack(plan[k], buf, non_blocking=True)
             stream.synchronize()  # gloo reads the host buffer from its own threads
-        sends[slot] = _start_bucket(group, True, buf, 1, k, len(plan))
-    for pending in sends:
-        _settle(group, pending)
+        sends.append(_start(group, True, buf, 1, k, n))
+    _settle(group, sends)
+    _settle(group, direct)
 
 
 def receive_chain(end: TransferBackend, group: TransferGroup, plan: Sequence[Bucket],
                   specs: Sequence[TensorSpec], sink: Sink) -> BaseException | None:
-    """A receiver's bytes: every bucket from group rank r - 1, each chunk forwarded to r + 1 as it
-    lands (not by the last rank), each bucket unpacked into `sink` while the next one arrives. Returns
-    the sink's failure, if any: a rank whose unpack failed keeps receiving and forwarding to the end,
-    so its neighbours are not left hanging, and reports it at the status step (the caller's)."""
-    src, dst = group.rank - 1, group.rank + 1
+    """A receiver's bytes: every non-empty bucket from group rank r - 1, forwarded to r + 1 as it lands
+    (not by the last rank); the in-place ones posted at once, the others into the ring as it frees, and
+    unpacked into `sink` in order. Returns the sink's failure, if any: a rank whose unpack failed keeps
+    receiving and forwarding to the end, so its neighbours are not left hanging, and reports it at the
+    status step (the caller's)."""
+    n, src, dst = len(plan), group.rank - 1, group.rank + 1
     forwards = dst < group.info.world_size
-    pin = end.device.type == "cuda"
-    bufs = end.double_buffer(max((b.nbytes for b in plan), default=0), torch.device("cpu"), pin)
-    unpacker = Unpacker(specs, torch.device("cpu"))
+    dests = [flat_bytes(d) if d is not None and d.device.type == "cpu" and d.is_contiguous() else None
+             for d in sink.direct_destinations()]
+    places = _in_place(plan, dests)
+    ringed = [k for k, p in enumerate(places) if p is None]  # in order; empty ones need no message
+    ring = end.ring(DEPTH, max((plan[k].nbytes for k in ringed), default=0), torch.device("cpu"),
+                    end.device.type == "cuda")
+    recvs: dict[int, tuple[Pending | None, torch.Tensor]] = {
+        k: (_start(group, False, p, src, k, n), p) for k, p in enumerate(places) if p is not None}
+    slot_sends: list[deque[Pending]] = [deque() for _ in range(DEPTH)]
+    direct_sends: deque[Pending] = deque()
+    slot = {kk: j % DEPTH for j, kk in enumerate(ringed)}
+    posted = 0  # of `ringed`
+
+    def post_ringed(k: int) -> None:
+        """Post the next ring receives whose slot is free: its last bucket (DEPTH ring buckets back) was
+        unpacked, i.e. comes before bucket k, and has left for the next rank."""
+        nonlocal posted
+        while posted < len(ringed) and (posted < DEPTH or ringed[posted - DEPTH] < k):
+            kk = ringed[posted]
+            _settle(group, slot_sends[slot[kk]])
+            view = ring[slot[kk]][:plan[kk].nbytes]
+            recvs[kk] = (_start(group, False, view, src, kk, n) if plan[kk].nbytes else None, view)
+            posted += 1
+
+    unpacker = Unpacker(specs, torch.device("cpu"), dests)
     failure: BaseException | None = None
-    n = len(plan)
-    recvs = _start_bucket(group, False, bufs[0][:plan[0].nbytes], src, 0, n) if plan else []
-    sends: list[list[Pending]] = [[], []]
     for k, bucket in enumerate(plan):
-        buf = bufs[k % 2][:bucket.nbytes]
-        for c, ((work, what), (a, b)) in enumerate(zip(recvs, chunk_bounds(bucket.nbytes))):
-            group.wait(work, what)
-            if forwards:  # on the wire while chunk c+1 still arrives
-                sends[k % 2].append(_start(group, True, buf[a:b], dst, f"chunk {c} of bucket {k} of {n} to "
-                                           f"group rank {dst}"))
-        if k + 1 < n:  # its buffer held bucket k-1: unpacked already, and forwarded once these complete
-            _settle(group, sends[(k + 1) % 2])
-            recvs = _start_bucket(group, False, bufs[(k + 1) % 2][:plan[k + 1].nbytes], src, k + 1, n)
+        post_ringed(k)
+        work, view = recvs.pop(k)
+        if work is not None:
+            group.wait(*work)
+            if forwards:
+                sends = direct_sends if places[k] is not None else slot_sends[slot[k]]
+                sends.append(_start(group, True, view, dst, k, n))
         if failure is None:
             try:
-                sink.put(unpacker.tensors(bucket, bufs[k % 2]))
+                if places[k] is not None:
+                    unpacker.landed_in_place(bucket.segments[0].tensor, bucket.nbytes)
+                    items = []
+                else:
+                    items = unpacker.tensors(bucket, view)
+                if unpacker.direct_done:
+                    sink.mark_direct(unpacker.direct_done)
+                    unpacker.direct_done.clear()
+                if items:
+                    sink.put(items)
             except Exception as e:  # keep receiving and forwarding so no other rank is left hanging
                 failure = e
-    for pending in sends:
+    for pending in (*slot_sends, direct_sends):
         _settle(group, pending)
     if failure is None and unpacker.incomplete:
         failure = RuntimeError(f"{end.label}: tensors left incomplete: {unpacker.incomplete[:3]}")

@@ -2,10 +2,10 @@
 end: CUDA tensors are packed into pinned host buckets on the sender and copied to the device from
 them on a receiver.
 
-With one receiver a bucket is one broadcast (inference/transfer/backends/broadcast.py). With two or
-more it goes down a pipelined chain of point-to-point sends (inference/transfer/backends/chain.py):
-gloo's host broadcast is one-to-all, so there the sender's single stream would carry every byte once
-per receiver. The steps around the bytes (agreement, status) are the same either way."""
+The bytes go down a pipelined chain of small point-to-point messages, written in place where both
+ends allow it (inference/transfer/backends/chain.py), for any number of receivers: gloo's host
+broadcast is one-to-all, and one large message per bucket moves about half the bytes per second of a
+stream of small ones. The steps around the bytes (agreement, status) are the broadcast backends'."""
 
 from __future__ import annotations
 
@@ -17,25 +17,25 @@ from inference.transfer.backends import chain
 from inference.transfer.backends.base import Sink
 from inference.transfer.backends.broadcast import BroadcastBackend
 from inference.transfer.groups import TransferGroup
-from inference.transfer.plan import Bucket, TensorSpec
+from inference.transfer.plan import Bucket, ParsedManifest, TensorSpec
 
 
 class GlooBackend(BroadcastBackend):
     """The bytes go over the control group itself: no data plane, buckets on the host."""
 
+    def plan(self, specs: ParsedManifest) -> Sequence[Bucket]:
+        return chain.plan(specs, self.bucket_bytes)
+
+    def plan_id(self) -> str:
+        return f"{self.spec.name}/chain/{chain.STREAM_BYTES}/{chain.ALONE_BYTES}"
+
     def send(self, group: TransferGroup, plan: Sequence[Bucket], tensors: list[torch.Tensor],
              agreed: Sequence[bool]) -> None:
-        if not chain.chained(group):
-            super().send(group, plan, tensors, agreed)
-            return
         chain.send_chain(self, group, plan, tensors)
         self.finish_sending(group)
 
     def receive(self, group: TransferGroup, plan: Sequence[Bucket], specs: Sequence[TensorSpec], sink: Sink,
                 agreed: Sequence[bool], values: Sequence[int]) -> None:
-        if not chain.chained(group):
-            super().receive(group, plan, specs, sink, agreed, values)
-            return
         self.last_mode = "chain"
         failure = chain.receive_chain(self, group, plan, specs, sink)
         self.finish_receiving(group, failure, sink)
