@@ -106,6 +106,10 @@ WEIGHT_FAULT = _switch("SIDECAR_WEIGHT_FAULT", str, None,
                        "arrival, so the audit must fail naming it", "call")
 
 # ---- clients ------------------------------------------------------------------------------------------
+FAST_HTTP = _switch("SIDECAR_FAST_HTTP", bool, True,
+                    "`sidecar launch` serves on uvloop's event loop and httptools' HTTP parser when they are "
+                    "installed (the server extra brings both); 0 keeps asyncio's loop and h11 (A/B benchmarks)",
+                    "call")
 API_KEY = _switch("SIDECAR_API_KEY", str, None,
                   "the API key: `sidecar launch` requires it (the api_key field's SIDECAR_<FIELD> variable), "
                   "`sidecar status` and `sidecar audit --url` send it; unlike --api-key it does not show "

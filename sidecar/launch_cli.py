@@ -241,6 +241,21 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
+def event_loop() -> tuple[asyncio.AbstractEventLoop, str]:
+    """The server's event loop and uvicorn's HTTP protocol: uvloop's loop and httptools' parser when both
+    are installed and SIDECAR_FAST_HTTP is on (a control message's HTTP share on the CPU: see
+    docs/benchmarks.md), else asyncio's loop and h11 (pure Python, always there)."""
+    if envs.FAST_HTTP.get():
+        try:
+            import httptools  # noqa: F401
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            return uvloop.new_event_loop(), "httptools"
+    return asyncio.new_event_loop(), "h11"
+
+
 def serve(cfg: LaunchConfig, sock: socket.socket, driver: Any, plans: list[dict[str, Any]]) -> None:
     """Serve until a signal; returns (or raises _Stop) after uvicorn has shut down."""
     import uvicorn
@@ -254,8 +269,9 @@ def serve(cfg: LaunchConfig, sock: socket.socket, driver: Any, plans: list[dict[
 
         tokenizer = Tokenizer.from_dir(cfg.tokenizer or plans[0]["model"])
     state = ServerState(driver, cfg, plans, Metrics(driver), tokenizer=tokenizer)
+    loop, http = event_loop()
     config = uvicorn.Config(create_app(state), log_config=None, log_level=cfg.log_level, access_log=False,
-                            lifespan="off", timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S)
+                            lifespan="off", timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S, http=http)
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
@@ -276,7 +292,6 @@ def serve(cfg: LaunchConfig, sock: socket.socket, driver: Any, plans: list[dict[
             print(SERVING_LINE.format(url=url), flush=True)
         await task
 
-    loop = asyncio.new_event_loop()
     try:
         loop.run_until_complete(main())
     finally:
