@@ -1,5 +1,10 @@
 """Continuous batching: which sequences compute how many tokens in the next step. Pure Python.
 
+This file holds the policy (Scheduler: queues, admission, chunking, preemption, lookahead). The
+step's data types are in scheduler_batch.py (ScheduledBatch, StepResult, Sampled: re-exported here)
+and applying a step's results to the sequences in scheduler_commit.py (StepCommit, Scheduler's base:
+commit, advance / commit_pending, the stop rules).
+
 One step mixes decodes and prefill chunks under a token budget (max_num_batched_tokens) and a
 sequence cap (max_num_seqs), in this order:
 1. running decodes (1 token each), oldest arrival first;
@@ -23,15 +28,12 @@ bound schedules them without lookahead (the draft mirrors their tokens), so the 
 tail of a rollout, where the batch has drained and steps are bound by weight reads, not on a full batch.
 
 Async scheduling (the engine overlaps a step's host work with the previous step on the device):
-`advance(batch)` accounts a launched step before its tokens are known (computed tokens advance, full
-blocks register: stream order puts every reader of their KV after the step that writes it) and gives
-each row that samples a placeholder token (sequence.py); the next schedule() then counts that token
-as if it were known, except that a sequence whose pending token is its last by length (max_tokens,
-max_model_len) is not scheduled again, and admission does not count it against max_num_seqs.
-`commit_pending(batch, sampled)` replaces the placeholders with the sampled tokens and applies the
-stop rules. A sequence that finished on its pending token (EOS, a stop token) has one wasted row in
-the step launched meanwhile; its result is dropped. A preempted sequence keeps its placeholder until
-that commit (a step that preempts admits nothing, so it is not admitted with one).
+`advance(batch)` accounts a launched step before its tokens are known and gives each row that samples
+a placeholder token (scheduler_commit.py); the next schedule() then counts that token as if it were
+known, except that a sequence whose pending token is its last by length (max_tokens, max_model_len)
+is not scheduled again, and admission does not count it against max_num_seqs. A preempted sequence
+keeps its placeholder until `commit_pending` (a step that preempts admits nothing, so it is not
+admitted with one).
 
 Invariants: every live sequence is in exactly one of `waiting` and `running`; waiting sequences hold
 no blocks; `running` is sorted by arrival; scheduling is deterministic (every TP rank runs the same
@@ -47,47 +49,11 @@ from dataclasses import dataclass, field
 from inference.block_manager import BlockManager
 from inference.config import SchedulerConfig
 from inference.core import FinishReason, InvalidRequestError, SamplingParams
+from inference.scheduler_batch import Sampled, ScheduledBatch, StepResult
+from inference.scheduler_commit import StepCommit
 from inference.sequence import Sequence, SequenceStatus
 
-# (token id, logprob, top logprobs or None) for a sequence that sampled, None for one that did not
-Sampled = tuple[int, float, dict[int, float] | None]
-# a speculative row's accepted run: the accepted draft tokens then the target's own token
-StepResult = Sampled | list[Sampled] | None
-
-
-@dataclass
-class ScheduledBatch:
-    """One step: seqs[i] computes tokens [c, c + num_new_tokens[i]) where c = its num_computed_tokens
-    at schedule time. sample[i] is True when that chunk reaches the end of its tokens, i.e. the step
-    produces its next token. Computed at construction, before commit() advances the sequences.
-    num_lookahead[i] > 0 (a decode row only) asks for that many draft tokens verified in this step."""
-
-    seqs: list[Sequence] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    num_lookahead: list[int] = field(default_factory=list)  # empty: no speculation in this step
-    sample: list[bool] = field(init=False)
-
-    def __post_init__(self) -> None:
-        if not self.num_lookahead:
-            self.num_lookahead = [0] * len(self.seqs)
-        assert len(self.seqs) == len(self.num_new_tokens) == len(self.num_lookahead)
-        assert not any(self.num_lookahead) or all(
-            k == 0 or n == 1 for n, k in zip(self.num_new_tokens, self.num_lookahead))
-        assert min(self.num_new_tokens, default=1) > 0
-        self.sample = [
-            s.num_computed_tokens + n == len(s.token_ids) for s, n in zip(self.seqs, self.num_new_tokens)]
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.seqs
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seqs)
+__all__ = ["Sampled", "ScheduledBatch", "Scheduler", "StepResult"]
 
 
 @dataclass
@@ -114,8 +80,9 @@ def _arrival(seq: Sequence) -> int:
     return seq.arrival
 
 
-class Scheduler:
-    """Owns the waiting queue and the running set; the block manager owns the blocks."""
+class Scheduler(StepCommit):
+    """Owns the waiting queue and the running set; the block manager owns the blocks. Applying a
+    step's results (commit, advance, commit_pending, the stop rules) is StepCommit's."""
 
     def __init__(
         self,
@@ -199,107 +166,6 @@ class Scheduler:
             self._admit(plan)
         return plan.batch()
 
-    def commit(self, batch: ScheduledBatch, sampled: list[StepResult]) -> list[Sequence]:
-        """Apply a finished step: advance computed tokens, register full blocks in the prefix cache,
-        append sampled tokens and apply the token-level stop rules. Return the sequences that finished.
-
-        sampled[i] is given exactly when batch.sample[i]; it is a list (an accepted run) exactly when
-        batch.num_lookahead[i] > 0. Sequences finished or aborted since schedule() are skipped (their
-        blocks are already free).
-        """
-        assert len(sampled) == len(batch.seqs), (len(sampled), len(batch.seqs))
-        finished: list[Sequence] = []
-        block_size = self.block_manager.block_size
-        for seq, n, k, do_sample, out in zip(batch.seqs, batch.num_new_tokens, batch.num_lookahead,
-                                             batch.sample, sampled):
-            if seq.status is not SequenceStatus.RUNNING:
-                continue
-            if k:
-                assert isinstance(out, list), f"{seq}: a speculative row returns its accepted run"
-                if self._commit_run(seq, k, out):
-                    finished.append(seq)
-                continue
-            seq.num_computed_tokens += n
-            assert seq.num_computed_tokens <= len(seq.token_ids), f"{seq} computed past its tokens"
-            if self.num_speculative_tokens:
-                seq.num_draft_computed = seq.num_computed_tokens  # the draft mirrored this chunk
-            if len(seq.cache_keys) < seq.num_computed_tokens // block_size:  # a full block to register
-                self.block_manager.commit(seq)
-            assert (out is not None) == do_sample, f"{seq}: sampled output given iff the step samples it"
-            if out is None:
-                continue
-            assert not isinstance(out, list)
-            token_id, logprob, top = out
-            seq.append(token_id, logprob, top)
-            reason, stop_reason = self._stop_rule(seq, token_id)
-            if reason is not None:
-                self._finish(seq, reason, stop_reason)
-                finished.append(seq)
-        return finished
-
-    def _commit_run(self, seq: Sequence, lookahead: int, run: list[Sampled]) -> bool:
-        """Apply a speculative row: 1 + (accepted draft tokens) tokens, cut at the first stop. Each
-        appended token makes one more position's KV final. The draft wrote positions up to
-        start + lookahead - 1, so a fully accepted run leaves one draft position for the next step
-        to fill; only the prefix final in both caches is registered. Returns True if it finished."""
-        start = seq.num_computed_tokens
-        assert start + 1 == seq.num_tokens and 1 <= len(run) <= lookahead + 1, (seq, len(run), lookahead)
-        seq.spec_proposed += lookahead
-        seq.spec_accepted += len(run) - 1
-        for token_id, logprob, top in run:
-            seq.append(token_id, logprob, top)
-            seq.num_computed_tokens += 1
-            reason, stop_reason = self._stop_rule(seq, token_id)
-            if reason is not None:
-                self._finish(seq, reason, stop_reason)
-                return True
-        seq.num_draft_computed = min(seq.num_computed_tokens, start + lookahead)
-        self.block_manager.commit(seq, seq.num_draft_computed)
-        return False
-
-    def advance(self, batch: ScheduledBatch) -> None:
-        """Account a launched step whose tokens are not read yet (async scheduling): computed tokens
-        advance, newly full blocks register, and the row that samples r-th gets placeholder(r).
-
-        Call it after the previous step's commit_pending (so every token its chunks cover is known)
-        and before the next schedule(). Rows of sequences finished since schedule() are skipped."""
-        assert not any(batch.num_lookahead), "speculative steps commit synchronously"
-        self.in_flight += 1
-        block_size = self.block_manager.block_size
-        drafted = self.num_speculative_tokens > 0  # the draft followed the step (ModelRunner.launch)
-        row = -1  # the current row's index among the batch's sampled rows (finished ones count too)
-        for seq, n, do_sample in zip(batch.seqs, batch.num_new_tokens, batch.sample):
-            row += do_sample
-            if seq.status is not SequenceStatus.RUNNING:
-                continue
-            seq.num_computed_tokens += n
-            assert seq.num_computed_tokens <= len(seq.token_ids), f"{seq} computed past its tokens"
-            if drafted:
-                seq.num_draft_computed = seq.num_computed_tokens
-            if len(seq.cache_keys) < seq.num_computed_tokens // block_size:
-                self.block_manager.commit(seq)
-            if do_sample:
-                seq.add_pending(row)
-
-    def commit_pending(self, batch: ScheduledBatch, sampled: list[StepResult]) -> list[Sequence]:
-        """Apply the tokens of a step `advance` accounted: each placeholder becomes its token, then the
-        token-level stop rules. Return the sequences that finished. A preempted sequence takes its
-        token too (it was sampled before the preemption); a finished one's is dropped."""
-        assert len(sampled) == len(batch.seqs), (len(sampled), len(batch.seqs))
-        self.in_flight -= 1
-        finished: list[Sequence] = []
-        for seq, do_sample, out in zip(batch.seqs, batch.sample, sampled):
-            assert (out is not None) == do_sample, f"{seq}: sampled output given iff the step samples it"
-            if out is None or seq.status is SequenceStatus.FINISHED:
-                continue
-            assert not isinstance(out, list)
-            token_id, logprob, top = out
-            seq.resolve_pending(token_id, logprob, top)
-            reason, stop_reason = self._stop_rule(seq, token_id)
-            if reason is not None:
-                self._finish(seq, reason, stop_reason)
-                finished.append(seq)
-        return finished
 
     # ---- requests out ---------------------------------------------------------------------------
     def finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
@@ -437,21 +303,6 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
-
-    def _stop_rule(self, seq: Sequence, token_id: int) -> tuple[FinishReason | None, int | None]:
-        params = seq.params
-        if token_id in self.eos_token_ids and not params.ignore_eos:
-            return FinishReason.STOP, None
-        if params.stop_token_ids and token_id in params.stop_token_ids:
-            return FinishReason.STOP, token_id
-        if self._reaches_length(seq):
-            return FinishReason.LENGTH, None
-        return None, None
-
-    def _reaches_length(self, seq: Sequence) -> bool:
-        """Its tokens (a pending one counted) reach max_tokens or max_model_len: no token follows."""
-        num_tokens = len(seq.token_ids)
-        return num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens or num_tokens >= self.max_model_len
 
     def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None) -> None:
         if seq.num_pending:

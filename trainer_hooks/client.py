@@ -13,6 +13,9 @@
   InvalidRequestError and 409 errors StateError (inference.core), so callers can catch those; a
   failed per-rank audit at finish is SidecarChecksumError. The classes live in
   trainer_hooks/client_errors.py (no httpx), so the hook catches them without importing httpx.
+- The JSON shapes of the bodies (sampling params, digest records, finish's compact digests, the
+  RequestOutputs of /generate) are built and read in trainer_hooks/client_codec.py; `records_json` and
+  `finish_digests` are re-exported here.
 
 It lives with the trainer's side (the hook drives it); sidecar.client and `from sidecar import
 SidecarClient` re-export it.
@@ -32,7 +35,6 @@ tensors again), and finish sends one hex digest per tensor with the rule the sen
 
 from __future__ import annotations
 
-import dataclasses
 import http.client
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -41,7 +43,8 @@ from typing import Any
 
 import httpx
 
-from inference.core import CompletionOutput, FinishReason, RequestOutput, SamplingParams, SidecarError
+from inference.core import RequestOutput, SamplingParams, SidecarError
+from trainer_hooks.client_codec import finish_digests, manifest_layout, params_dict, records_json, request_output
 from trainer_hooks.client_errors import (
     SidecarAuthError,
     SidecarBusyError,
@@ -206,10 +209,10 @@ class SidecarClient:
             prompts = [prompts]  # type: ignore[list-item]
         body: dict[str, Any] = {"prompts": [p if isinstance(p, str) else list(p) for p in prompts], "wait": wait}
         if sampling_params is not None:
-            body["sampling_params"] = ([_params_dict(p) for p in sampling_params]
-                                       if isinstance(sampling_params, Sequence) else _params_dict(sampling_params))
+            body["sampling_params"] = ([params_dict(p) for p in sampling_params]
+                                       if isinstance(sampling_params, Sequence) else params_dict(sampling_params))
         data = self._post("/generate", body, timeout=timeout or self.long_timeout)
-        return [_request_output(i, o) for i, o in enumerate(data["outputs"])]
+        return [request_output(i, o) for i, o in enumerate(data["outputs"])]
 
     def completions(self, prompt: Any, *, timeout: float | None = None, **fields: Any) -> dict[str, Any]:
         """POST /v1/completions with OpenAI fields (model, max_tokens, temperature, n, stop, seed, ...)."""
@@ -354,14 +357,14 @@ class SidecarClient:
     def _start_body(self, version: int, manifest: Any, model: str, allow_cast: bool, *, short: bool) -> dict[str, Any]:
         """The /weights/start body; with `short`, a manifest whose layout this sidecar parsed travels as that
         key alone (the same dict otherwise: callers test `body["manifest"] is manifest`)."""
-        layout = _layout(manifest)
+        layout = manifest_layout(manifest)
         if short and layout is not None and layout in self._layouts:
             manifest = {k: v for k, v in manifest.items() if k != "tensors"}
         return {"model": model, "version": version, "manifest": manifest, "allow_cast": allow_cast}
 
     def _parsed(self, manifest: Any) -> None:
         """The sidecar accepted `manifest`: its layout may travel as the key from now on."""
-        layout = _layout(manifest)
+        layout = manifest_layout(manifest)
         if layout is not None:
             self._layouts.add(layout)
 
@@ -370,11 +373,6 @@ def _checked(resp: httpx.Response, ok_statuses: tuple[int, ...]) -> httpx.Respon
     if resp.is_error and resp.status_code not in ok_statuses:
         raise error_from_response(resp)
     return resp
-
-
-def _layout(manifest: Any) -> str | None:
-    """The layout key of a manifest that lists its tensors (None otherwise)."""
-    return manifest.get("layout") if isinstance(manifest, dict) and "tensors" in manifest else None
 
 
 def _join_both(fut: Any, local: Any) -> Any:
@@ -389,49 +387,3 @@ def _join_both(fut: Any, local: Any) -> Any:
         raise
     fut.result()
     return result
-
-
-def finish_digests(manifest: Any, records: Any) -> Any:
-    """What finish takes from the sender's records. With the rule the manifest named: the compact form
-    {"algorithm", "digests": one hex string per tensor in manifest order} (the start manifest already
-    carried names, dtypes and shapes; about a quarter of the bytes to encode, check and rebuild), or the
-    full records when the records are not the manifest's tensors in order. Without a rule: the bare
-    records (the sidecar then assumes the session's)."""
-    algorithm = manifest.get("algorithm") if isinstance(manifest, dict) else None
-    tensors = records_json(records)
-    if algorithm is None:
-        return tensors
-    specs = manifest.get("tensors")
-    names = [t.get("name") for t in specs if isinstance(t, dict)] if isinstance(specs, list) else None
-    if isinstance(tensors, list) and names == [r.get("name") for r in tensors]:
-        return {"algorithm": algorithm, "digests": [r["digest"] for r in tensors]}
-    return {"algorithm": algorithm, "tensors": tensors}
-
-
-def records_json(records: Any) -> Any:
-    """TensorRecords (or a Manifest) -> JSON dicts; dicts and lists of dicts pass through."""
-    if hasattr(records, "to_dict"):
-        return records.to_dict()
-    if isinstance(records, (list, tuple)):
-        return [{"name": r.name, "dtype": r.dtype, "shape": list(r.shape), "digest": r.digest}
-                if dataclasses.is_dataclass(r) else r for r in records]
-    return records
-
-
-def _params_dict(p: Any) -> dict[str, Any]:
-    if isinstance(p, SamplingParams):
-        d = dataclasses.asdict(p)
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
-    return dict(p)
-
-
-def _request_output(i: int, o: dict[str, Any]) -> RequestOutput:
-    outs = [CompletionOutput(
-        index=c["index"], token_ids=c["token_ids"], logprobs=c["logprobs"],
-        finish_reason=FinishReason(c["finish_reason"]) if c["finish_reason"] else None, text=c["text"],
-        top_logprobs=[{int(k): v for k, v in d.items()} for d in c["top_logprobs"]] if c["top_logprobs"] else None,
-        stop_reason=c.get("stop_reason"),
-        weight_version_spans=[tuple(s) for s in c.get("weight_version_spans", [])]) for c in o["completions"]]
-    return RequestOutput(request_id=str(i), prompt_token_ids=o["prompt_token_ids"], outputs=outs,
-                         weight_version=o["weight_version"], prompt=o["prompt"],
-                         num_cached_tokens=o["num_cached_tokens"])
