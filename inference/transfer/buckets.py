@@ -7,9 +7,10 @@ from its pieces (so a fused or split tensor is never loaded half-written). Views
 until the buffer is reused: the consumer must load and digest them before that.
 
 A split tensor whose final home is known (`destinations`: a flat byte view of the region the tensor's
-loader would write, on the buffers' device) skips the staging buffer: each piece is copied straight
-to its place there, and the tensor is reported in `direct_done` once its last byte landed. Pieces that
-arrived in that region by other means (received into it) are counted with `landed_in_place`.
+loader would write, on any device) skips the staging buffer: each piece is copied straight to its
+place there (a blocking copy, so the buffer may be reused after `tensors` returns), and the tensor is
+reported in `direct_done` once its last byte landed. Pieces that arrived in that region by other
+means (received into it) are counted with `landed_in_place`.
 """
 
 from __future__ import annotations

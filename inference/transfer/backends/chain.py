@@ -124,8 +124,9 @@ def receive_chain(end: TransferBackend, group: TransferGroup, plan: Sequence[Buc
     status step (the caller's)."""
     n, src, dst = len(plan), group.rank - 1, group.rank + 1
     forwards = dst < group.info.world_size
-    dests = [flat_bytes(d) if d is not None and d.device.type == "cpu" and d.is_contiguous() else None
-             for d in sink.direct_destinations()]
+    # Destinations as flat byte views: on the host a one-piece bucket is received straight into its own;
+    # on a GPU rank the Unpacker copies each piece of a split tensor into its own from the (pinned) ring.
+    dests = [flat_bytes(d) if d is not None and d.is_contiguous() else None for d in sink.direct_destinations()]
     places = _in_place(plan, dests)
     ringed = [k for k, p in enumerate(places) if p is None]  # in order; empty ones need no message
     ring = end.ring(DEPTH, max((plan[k].nbytes for k in ringed), default=0), torch.device("cpu"),
