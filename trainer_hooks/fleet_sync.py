@@ -28,6 +28,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from inference.core import SidecarError
+from trainer_hooks.client_codec import finish_digests, records_json
 from trainer_hooks.client_errors import SidecarChecksumError, SidecarConnectionError, SidecarUnavailableError
 from trainer_hooks.fleet_replicas import (
     FleetError,
@@ -125,8 +126,6 @@ class FleetGroup:
         updates = {r.index: fleet.pool.submit(r.client.update_weights) for r in members}
         records, error = _run(lambda: sender.send(named))
         self._check("update", members, _outcomes(updates), error)
-        from trainer_hooks.client import finish_digests, records_json  # httpx: a sync has clients anyway
-
         digests = finish_digests(manifest, records)
         finished = fleet.each(members, lambda r: r.client.finish_weights(digests))
         outcome = SyncOutcome(model, version)
