@@ -166,7 +166,6 @@ class Scheduler(StepCommit):
             self._admit(plan)
         return plan.batch()
 
-
     # ---- requests out ---------------------------------------------------------------------------
     def finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         """Finish a live sequence from outside (a stop string found by the detokenizer, ...)."""

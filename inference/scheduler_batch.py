@@ -51,4 +51,3 @@ class ScheduledBatch:
     @property
     def num_seqs(self) -> int:
         return len(self.seqs)
-

@@ -48,7 +48,6 @@ class StepCommit:
         """
         assert len(sampled) == len(batch.seqs), (len(sampled), len(batch.seqs))
         finished: list[Sequence] = []
-        block_size = self.block_manager.block_size
         for seq, n, k, do_sample, out in zip(batch.seqs, batch.num_new_tokens, batch.num_lookahead,
                                              batch.sample, sampled):
             if seq.status is not SequenceStatus.RUNNING:
@@ -58,21 +57,14 @@ class StepCommit:
                 if self._commit_run(seq, k, out):
                     finished.append(seq)
                 continue
-            seq.num_computed_tokens += n
-            assert seq.num_computed_tokens <= len(seq.token_ids), f"{seq} computed past its tokens"
-            if self.num_speculative_tokens:
-                seq.num_draft_computed = seq.num_computed_tokens  # the draft mirrored this chunk
-            if len(seq.cache_keys) < seq.num_computed_tokens // block_size:  # a full block to register
-                self.block_manager.commit(seq)
+            self._account(seq, n)
             assert (out is not None) == do_sample, f"{seq}: sampled output given iff the step samples it"
             if out is None:
                 continue
             assert not isinstance(out, list)
             token_id, logprob, top = out
             seq.append(token_id, logprob, top)
-            reason, stop_reason = self._stop_rule(seq, token_id)
-            if reason is not None:
-                self._finish(seq, reason, stop_reason)
+            if self._stops(seq, token_id):
                 finished.append(seq)
         return finished
 
@@ -88,9 +80,7 @@ class StepCommit:
         for token_id, logprob, top in run:
             seq.append(token_id, logprob, top)
             seq.num_computed_tokens += 1
-            reason, stop_reason = self._stop_rule(seq, token_id)
-            if reason is not None:
-                self._finish(seq, reason, stop_reason)
+            if self._stops(seq, token_id):
                 return True
         seq.num_draft_computed = min(seq.num_computed_tokens, start + lookahead)
         self.block_manager.commit(seq, seq.num_draft_computed)
@@ -104,19 +94,12 @@ class StepCommit:
         and before the next schedule(). Rows of sequences finished since schedule() are skipped."""
         assert not any(batch.num_lookahead), "speculative steps commit synchronously"
         self.in_flight += 1
-        block_size = self.block_manager.block_size
-        drafted = self.num_speculative_tokens > 0  # the draft followed the step (ModelRunner.launch)
         row = -1  # the current row's index among the batch's sampled rows (finished ones count too)
         for seq, n, do_sample in zip(batch.seqs, batch.num_new_tokens, batch.sample):
             row += do_sample
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            seq.num_computed_tokens += n
-            assert seq.num_computed_tokens <= len(seq.token_ids), f"{seq} computed past its tokens"
-            if drafted:
-                seq.num_draft_computed = seq.num_computed_tokens
-            if len(seq.cache_keys) < seq.num_computed_tokens // block_size:
-                self.block_manager.commit(seq)
+            self._account(seq, n)
             if do_sample:
                 seq.add_pending(row)
 
@@ -134,11 +117,27 @@ class StepCommit:
             assert not isinstance(out, list)
             token_id, logprob, top = out
             seq.resolve_pending(token_id, logprob, top)
-            reason, stop_reason = self._stop_rule(seq, token_id)
-            if reason is not None:
-                self._finish(seq, reason, stop_reason)
+            if self._stops(seq, token_id):
                 finished.append(seq)
         return finished
+
+    def _account(self, seq: Sequence, n: int) -> None:
+        """A chunk of n tokens was computed: they count as computed (mirrored by the draft, which
+        follows every non-speculative step), and a newly full block registers in the prefix cache."""
+        seq.num_computed_tokens += n
+        assert seq.num_computed_tokens <= len(seq.token_ids), f"{seq} computed past its tokens"
+        if self.num_speculative_tokens:
+            seq.num_draft_computed = seq.num_computed_tokens
+        if len(seq.cache_keys) < seq.num_computed_tokens // self.block_manager.block_size:
+            self.block_manager.commit(seq)
+
+    def _stops(self, seq: Sequence, token_id: int) -> bool:
+        """Apply the stop rules to seq's newest token `token_id`; finish it (and say so) if one holds."""
+        reason, stop_reason = self._stop_rule(seq, token_id)
+        if reason is None:
+            return False
+        self._finish(seq, reason, stop_reason)
+        return True
 
     def _stop_rule(self, seq: Sequence, token_id: int) -> tuple[FinishReason | None, int | None]:
         params = seq.params
