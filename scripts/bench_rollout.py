@@ -27,6 +27,7 @@ import argparse
 import gc
 import json
 import math
+import os
 import random
 import time
 from dataclasses import dataclass, replace
@@ -92,16 +93,76 @@ def submit(llm: LLM, work: Workload, mode: str) -> None:
             seq.params = replace(seq.params, max_tokens=wanted[seq.request_id][seq.index])
 
 
-def run(llm: LLM, work: Workload, mode: str) -> int:
+def run(llm: LLM, work: Workload, mode: str, probe: StepProbe | None = None) -> int:
     """Generate the workload; returns the generated tokens (checked against the drawn lengths)."""
     submit(llm, work, mode)
-    generated = 0
+    generated = step = 0
     while llm.has_unfinished():
+        if probe is not None:
+            probe.at(step)
         for out in llm.step():
             generated += sum(len(c.token_ids) for c in out.outputs)
+        step += 1
+    if probe is not None:
+        probe.close()
     if generated != work.num_tokens:
         raise RuntimeError(f"generated {generated} tokens, the workload draws {work.num_tokens}")
     return generated
+
+
+class StepProbe:
+    """torch.profiler over windows of `length` steps starting at the given step indices (--profile):
+    writes each window's GPU kernel table (per step) to DIR/<name>_step<start>.txt. A diagnostic: the
+    profiled steps run slower, so a row taken with it says "profiled"."""
+
+    def __init__(self, out_dir: str, name: str, starts: list[int], length: int = 16) -> None:
+        self.out_dir, self.name, self.starts, self.length = out_dir, name, set(starts), length
+        self.prof: torch.profiler.profile | None = None
+        self.start = 0
+
+    def at(self, step: int) -> None:
+        if self.prof is not None and step == self.start + self.length:
+            self.close()
+        if self.prof is None and step in self.starts:
+            self.start = step
+            acts = [torch.profiler.ProfilerActivity.CUDA if torch.cuda.is_available()
+                    else torch.profiler.ProfilerActivity.CPU]
+            self.prof = torch.profiler.profile(activities=acts)
+            self.prof.__enter__()
+
+    def close(self) -> None:
+        if self.prof is None:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.prof.__exit__(None, None, None)
+        key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        table = self.prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70)
+        os.makedirs(self.out_dir, exist_ok=True)
+        with open(os.path.join(self.out_dir, f"{self.name}_step{self.start}.txt"), "w") as f:
+            f.write(f"{self.length} steps from step {self.start}\n{table}\n")
+        self.prof = None
+
+
+def by_batch(records: list[StepRecord], cost: ModelCost, rates: tuple[float, float], t0: float
+             ) -> dict[str, list[float]]:
+    """Where the wall time goes by running batch: {"lo-hi": [steps, ms per step, roofline ms per step]};
+    a step's time is the gap between its commit and the previous one's (the throughput period, which
+    async scheduling overlaps)."""
+    edges = (1, 9, 33, 129, 513, 1 << 30)
+    out: dict[str, list[float]] = {}
+    prev = t0
+    for r in records:
+        lo = max(e for e in edges if e <= r.num_seqs)
+        hi = edges[edges.index(lo) + 1] - 1
+        key = f"{lo}-{hi}" if hi < 1 << 29 else f"{lo}+"
+        nbytes, flops = cost.step_bytes_flops(r)
+        cell = out.setdefault(key, [0, 0.0, 0.0])
+        cell[0] += 1
+        cell[1] += r.end_s - prev
+        cell[2] += max(nbytes / rates[0], flops / rates[1])
+        prev = r.end_s
+    return {k: [n, round(1e3 * w / n, 3), round(1e3 * roof / n, 3)] for k, (n, w, roof) in out.items()}
 
 
 def sync(device: torch.device) -> None:
@@ -234,7 +295,7 @@ def build_llm(shape: str, args: argparse.Namespace, max_len: int) -> LLM:
 
 
 def run_case(llm: LLM, mode: str, work: Workload, warm: Workload, cost: ModelCost,
-             rates: tuple[float, float]) -> dict[str, object]:
+             rates: tuple[float, float], probe: StepProbe | None = None) -> dict[str, object]:
     """Warm up (this mode's sampling kernels compile at the batch sizes a drain passes), then time the
     workload with a StepLog attached; no prompt block of an earlier run is in the prefix cache."""
     device = llm.worker.device
@@ -247,7 +308,7 @@ def run_case(llm: LLM, mode: str, work: Workload, warm: Workload, cost: ModelCos
     llm.step_log = StepLog()
     sync(device)
     t0 = time.perf_counter()
-    generated = run(llm, work, mode)
+    generated = run(llm, work, mode, probe)
     sync(device)
     t1 = time.perf_counter()
     records, llm.step_log = llm.step_log.records, None
@@ -266,7 +327,8 @@ def run_case(llm: LLM, mode: str, work: Workload, warm: Workload, cost: ModelCos
                time_over_roofline=wall / roof["roofline_s"], hbm_gbps=rates[0] / 1e9,
                matmul_tflops=rates[1] / 1e12, preempted=llm.scheduler.preempted - preempted,
                spec_acceptance=(llm.spec_stats.accepted - spec_before[1]) / proposed if proposed else None,
-               spec_steps=llm.spec_stats.steps - spec_before[2])  # steps that carried draft tokens
+               spec_steps=llm.spec_stats.steps - spec_before[2],  # steps that carried draft tokens
+               by_batch=by_batch(records, cost, rates, t0), profiled=probe is not None)
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
 
 
@@ -292,7 +354,8 @@ def run_shape(shape: str, args: argparse.Namespace, rates: tuple[float, float]) 
                                       "samples": args.samples, "draft_layers": args.draft_layers,
                                       "spec_max_batch": args.spec_max_batch if args.draft_layers else None,
                                       "async_scheduling": llm._overlap is not None}
-            row.update(run_case(llm, mode, work, warm, cost, rates))
+            probe = (StepProbe(args.profile, f"{shape}_{mode}", args.profile_steps) if args.profile else None)
+            row.update(run_case(llm, mode, work, warm, cost, rates, probe))
             row.update(setup_s=round(setup_s, 2), device=name)
             print(json.dumps(row), flush=True)
             rows.append(row)
@@ -332,9 +395,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="overlap each step's host work with the device (auto: the engine's default)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--profile", default="", help="write kernel tables of a few step windows to this folder")
+    ap.add_argument("--profile-steps", default="100,1200", help="with --profile: comma list of first steps")
     args = ap.parse_args(argv)
     args.shapes = [s for s in args.shapes.split(",") if s]
     args.modes = [m for m in args.modes.split(",") if m]
+    args.profile_steps = [int(x) for x in args.profile_steps.split(",") if x]
     for s in args.shapes:
         if s not in SHAPE_NAMES:
             ap.error(f"--shapes: unknown shape {s!r}")
