@@ -39,7 +39,19 @@ VARIANTS = {"previous": {"decode_split_tiles": 1, "fused_combine": False, "fused
             "split4": {"decode_split_tiles": 4},
             "single": {"single_decode_block_n": 128},  # batch 1: 128-key tiles on 8 warps, one per split
             "rows1": {"decode_max_rows": 1},  # the multi-row owner check compiled out
-            "auto": {}}
+            "auto": {},
+            # issue 24's sweep: more programs per SM (more splits), longer tiles, deeper pipelines, more warps
+            "sm4": {"decode_programs_per_sm": 4},
+            "sm8": {"decode_programs_per_sm": 8},
+            "sm8_t1": {"decode_programs_per_sm": 8, "decode_split_tiles": 1},
+            "sm16": {"decode_programs_per_sm": 16},
+            "n128": {"decode_block_n": 128},
+            "n128_sm8": {"decode_block_n": 128, "decode_programs_per_sm": 8, "decode_split_tiles": 1},
+            "st3": {"num_stages": 3},
+            "st3_sm8": {"num_stages": 3, "decode_programs_per_sm": 8},
+            "w8": {"num_warps": 8},
+            "n32_sm8": {"decode_block_n": 32, "decode_programs_per_sm": 8}}
+VARIANT_NAMES = list(VARIANTS)
 
 
 def widen(meta: AttentionMetadata, width: int) -> AttentionMetadata:
@@ -84,13 +96,15 @@ def attention_rows(args: argparse.Namespace) -> list[dict]:
                 want = ReferenceAttention().forward(q, k, v, kc.clone(), vc.clone(), meta, scale, None).float()
                 row: dict = {"bench": "decode_attention", "shape": args.shape, "batch": batch, "context": context,
                              "max_model_len": max_len, "layers": args.layers}
-                for name, overrides in VARIANTS.items():
+                for name in args.variants:
+                    overrides = VARIANTS[name]
                     backend = ta.TritonAttention(ta.TritonAttentionTiles(**overrides))
                     step = layer_stack(backend, [q, k, v, kc, vc], meta, scale, args.layers)
                     row[f"{name}_err"] = (step()[0].float() - want).abs().max().item()
                     row[f"{name}_us_per_layer"] = round(measure(graph_replay(step)) * 1e3 / args.layers, 2)
                     row[f"{name}_splits"] = backend.plan(q, kc, meta).splits
-                row["speedup_auto_vs_previous"] = round(row["previous_us_per_layer"] / row["auto_us_per_layer"], 2)
+                if "previous" in args.variants and "auto" in args.variants:
+                    row["speedup_auto_vs_previous"] = round(row["previous_us_per_layer"] / row["auto_us_per_layer"], 2)
                 rows.append(row)
     return rows
 
@@ -130,6 +144,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, nargs="+", default=[272, 4096],
                     help="graph table widths (272: bench_generate's 128 + 128 + 16)")
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--variants", nargs="+", default=["previous", "split1", "split4", "single", "rows1", "auto"],
+                    choices=VARIANT_NAMES)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--parts", nargs="+", default=["attention", "sampler"], choices=["attention", "sampler"])

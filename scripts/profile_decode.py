@@ -71,15 +71,17 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen2-0.5b", choices=sorted(SHAPES))
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--context", type=int, default=128, help="prompt tokens per row (the decode context)")
     ap.add_argument("--graph", action="store_true", help="profile the captured decode graph's replays")
     ap.add_argument("--trace", default="", help="write a chrome trace here")
     ap.add_argument("--pdl", action="store_true", help="keep programmatic dependent launch on")
     ap.add_argument("--batch-invariant", action="store_true", help="the engine in the batch-invariant mode")
     args = ap.parse_args()
     pdl.ENABLED = pdl.ENABLED and args.pdl
-    llm = our_llm(hf_model(args.shape, 512), args.batch, 512, enforce_eager=not args.graph,
+    max_len = max(512, args.context + 2 * args.steps + 16)
+    llm = our_llm(hf_model(args.shape, max_len), args.batch, max_len, enforce_eager=not args.graph,
                   batch_invariant=args.batch_invariant)
-    prompts = [[1 + i] * 128 for i in range(args.batch)]
+    prompts = [[1 + i] * args.context for i in range(args.batch)]
     params = SamplingParams(temperature=0.0, max_tokens=1 + 2 * args.steps, ignore_eos=True)
     ids = [llm.add_request(p, params) for p in prompts]
     llm.step()  # prefill

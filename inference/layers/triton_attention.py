@@ -97,6 +97,8 @@ class TritonAttentionTiles:
     num_stages: int = 2
     max_splits: int = 32
     num_splits: int | None = None
+    # decode_num_splits aims at this many (sequence, kv head, split) programs per SM
+    decode_programs_per_sm: int = 2
     # Opt-in: a one-sequence decode launch (batch 1) is latency-bound and runs faster with longer KV tiles
     # on more warps, one tile per split (128; much slower at large batches: docs/benchmarks.md, session 4).
     # Off (0) by default: speculative decoding's verify rows run on the tiles above, and greedy output with
@@ -129,6 +131,7 @@ class TritonAttentionTiles:
         assert all(b >= 16 and b & (b - 1) == 0 for b in blocks), blocks
         assert self.num_splits is None or (self.num_splits >= 1 and self.num_splits & (self.num_splits - 1) == 0)
         assert self.decode_split_tiles >= 1, self.decode_split_tiles
+        assert self.decode_programs_per_sm >= 1, self.decode_programs_per_sm
         assert self.decode_max_rows >= 1, self.decode_max_rows
 
 
@@ -159,7 +162,8 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_blocks: int, block_s
                       tiles: TritonAttentionTiles, num_sms: int) -> int:
     """Splits of the KV range per (sequence, kv head) in decode, a power of two.
 
-    Aims at about two programs per SM, never more splits than KV tiles a full block table holds.
+    Aims at tiles.decode_programs_per_sm programs per SM, never more splits than KV tiles a full block
+    table holds.
     Depends only on static shapes, so a captured CUDA graph keeps it; at run time each split takes
     max(cdiv(tiles of the actual context, splits), tiles.decode_split_tiles) tiles, so short contexts
     leave the later splits idle, and a context within one split runs in a single pass.
@@ -167,7 +171,7 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_blocks: int, block_s
     if tiles.num_splits is not None:
         return tiles.num_splits
     max_tiles = triton.cdiv(max_blocks * block_size, tiles.decode_block_n)
-    want = triton.cdiv(2 * num_sms, max(1, num_seqs * num_kv_heads))
+    want = triton.cdiv(tiles.decode_programs_per_sm * num_sms, max(1, num_seqs * num_kv_heads))
     cap = min(tiles.max_splits, max_tiles, want)
     return 1 << (max(1, cap).bit_length() - 1)  # the largest power of two <= cap
 
