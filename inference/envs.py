@@ -82,6 +82,9 @@ GEMV = _switch("SIDECAR_GEMV", bool, True,
 NORM_GEMV = _switch("SIDECAR_NORM_GEMV", bool, True,
                     "the residual add and RMSNorm formed in the GEMV's prologue; 0 keeps them in their own "
                     "add_rms_norm launch", "import")
+GEMV_MAX_ROWS = _switch("SIDECAR_GEMV_MAX_ROWS", int, 1,
+                         "the most rows (1-8) a linear sends to the Triton GEMV; more go to cuBLAS, which the "
+                         "H200 measured faster at 2-8 rows (docs/benchmarks.md, session 13)", "import")
 GEMV_PREFETCH = _switch("SIDECAR_GEMV_PREFETCH", bool, True,
                         "load the first weight tile before PDL's wait; 0 loads each tile in its own K step "
                         "(A/B benchmarks)", "import")

@@ -22,6 +22,7 @@ from inference.parallel import TPInfo
 def _force(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gemv_mod, "FORCE_ON_CPU", True)
     monkeypatch.setattr(gemv_mod, "ENABLED", True)
+    monkeypatch.setattr(gemv_mod, "ROUTE_MAX_M", gemv_mod.MAX_M)  # the kernel's whole row range
 
 
 def _rand(*shape: int, dtype: torch.dtype, device: str, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -129,6 +130,17 @@ def test_silu_mul_gemv_matches_unfused(m: int, split_k: int, kind: str) -> None:
     # The interpreter truncates the rounded activation (eager rounds to nearest): a bias of up to one
     # bf16 ulp per activation that does not cancel in the sum.
     close(silu_mul_gemv(gate_up, w, config=cfg), _reference(silu_and_mul_torch(gate_up), w, None), atol=6e-2)
+
+
+def test_decode_routes_only_one_row_to_the_gemv_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIDECAR_GEMV_MAX_ROWS (default 1): 2-8 rows go to cuBLAS, which ran them faster on the H200."""
+    from inference import envs
+
+    monkeypatch.setattr(gemv_mod, "ROUTE_MAX_M", min(gemv_mod.MAX_M, envs.GEMV_MAX_ROWS.get()))
+    x, w, _ = _operands(2, 16, 32)
+    assert use_gemv(x[:1], w) and not use_gemv(x, w)
+    monkeypatch.setenv("SIDECAR_GEMV_MAX_ROWS", "4")
+    assert envs.GEMV_MAX_ROWS.get() == 4
 
 
 def test_use_gemv_guards(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,6 +24,7 @@ EPS = 1e-6
 def _force(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gemv_mod, "FORCE_ON_CPU", True)
     monkeypatch.setattr(gemv_mod, "ENABLED", True)
+    monkeypatch.setattr(gemv_mod, "ROUTE_MAX_M", gemv_mod.MAX_M)  # the kernel's whole row range
     monkeypatch.setattr(gemv_mod, "NORM_ENABLED", True)
     monkeypatch.setattr(fused, "FORCE_ON_CPU", True)
 

@@ -36,7 +36,10 @@ try:
 except ImportError:  # the engine runs without Triton, on cuBLAS
     triton = None
 
-MAX_M = 8
+MAX_M = 8  # the kernel's most rows
+# The most rows a linear routes to it (SIDECAR_GEMV_MAX_ROWS): at 2-8 decode rows cuBLAS ran the rollout's
+# steps faster on the H200 (session 13: the norm prologue and the "dot" tiles lose there), so 1 by default.
+ROUTE_MAX_M = min(MAX_M, max(1, envs.GEMV_MAX_ROWS.get()))
 SILU_MUL_MAX_M = 1
 SILU_MUL_MAX_WEIGHT = 1 << 23  # elements of the down projection (Qwen2-0.5B: 4.4M; 7B: 68M)
 # SIDECAR_GEMV=0 keeps every linear on cuBLAS (benchmarks compare both paths).
@@ -79,7 +82,7 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if not (x.is_cuda or (FORCE_ON_CPU and envs.TRITON_INTERPRET.get())):
         return False
-    return (x.dim() == 2 and weight.dim() == 2 and 0 < x.shape[0] <= MAX_M and x.dtype in _DTYPES
+    return (x.dim() == 2 and weight.dim() == 2 and 0 < x.shape[0] <= ROUTE_MAX_M and x.dtype in _DTYPES
             and weight.dtype == x.dtype and weight.is_contiguous() and x.stride(-1) == 1
             and x.device == weight.device)
 
