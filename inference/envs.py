@@ -85,6 +85,9 @@ NORM_GEMV = _switch("SIDECAR_NORM_GEMV", bool, True,
 GEMV_MAX_ROWS = _switch("SIDECAR_GEMV_MAX_ROWS", int, 1,
                          "the most rows (1-8) a linear sends to the Triton GEMV; more go to cuBLAS, which the "
                          "H200 measured faster at 2-8 rows (docs/benchmarks.md, session 13)", "import")
+DECODE_LONG_TILES = _switch("SIDECAR_DECODE_LONG_TILES", bool, True,
+                             "decode attention takes 128-key tiles from 32 sequences (models without a draft); "
+                             "0 keeps 64-key tiles (A/B benchmarks)", "import")
 GEMV_PREFETCH = _switch("SIDECAR_GEMV_PREFETCH", bool, True,
                         "load the first weight tile before PDL's wait; 0 loads each tile in its own K step "
                         "(A/B benchmarks)", "import")

@@ -56,6 +56,7 @@ from functools import lru_cache
 import torch
 import triton
 
+from inference import envs
 from inference.batch import AttentionMetadata
 from inference.core import StateError
 from inference.layers.merge_counters import MergeCounters
@@ -110,7 +111,7 @@ class TritonAttentionTiles:
     # at short contexts (bench_decode_parts, session 13). Only when decode launches hold one row per
     # sequence (decode_max_rows 1: no speculative decoding), so a draft's verify rows and plain decode
     # keep summing their keys in the same tiles.
-    long_decode_block_n: int = 128
+    long_decode_block_n: int = 128 if envs.DECODE_LONG_TILES.get() else 0  # SIDECAR_DECODE_LONG_TILES
     long_decode_min_seqs: int = 32
 
     def batch_invariant(self) -> TritonAttentionTiles:
