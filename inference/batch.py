@@ -47,31 +47,49 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str,
     ) -> AttentionMetadata:
-        """Build from host lists (the runner's path and the tests'); slot_mapping may already be an
-        int64 tensor on the device. The int32 parts (prefix sums, context lengths, block tables) go
-        to the device in one copy."""
-        num_seqs = len(query_lens)
-        assert num_seqs == len(context_lens) == len(block_tables)
+        """Build from host lists (the tests' path and speculative decoding's); slot_mapping may already
+        be an int64 tensor on the device."""
+        assert len(query_lens) == len(context_lens) == len(block_tables)
         assert sum(query_lens) == len(slot_mapping)
         width = max(map(len, block_tables), default=0) or 1
-        packed = np.zeros(2 * num_seqs + 1 + num_seqs * width, dtype=np.int32)
-        packed[1: num_seqs + 1] = list(accumulate(query_lens))
-        packed[num_seqs + 1: 2 * num_seqs + 1] = context_lens
-        tables = packed[2 * num_seqs + 1:].reshape(num_seqs, width)
+        tables = np.zeros((len(block_tables), width), dtype=np.int32)
         for row, table in zip(tables, block_tables):
             row[:len(table)] = table
-        dev = torch.from_numpy(packed).to(device, non_blocking=True)
         if not isinstance(slot_mapping, torch.Tensor):
             slot_mapping = torch.tensor(slot_mapping, dtype=torch.int64).to(device, non_blocking=True)
+        return cls.from_table_rows(list(query_lens), list(context_lens), slot_mapping, tables, block_size, device)
+
+    @classmethod
+    def from_table_rows(
+        cls,
+        query_lens: list[int],
+        context_lens: list[int],
+        slot_mapping: torch.Tensor,
+        block_tables: np.ndarray,
+        block_size: int,
+        device: torch.device | str,
+    ) -> AttentionMetadata:
+        """Build from the block tables as an int32 [B, max_blocks] array padded with 0 (the runner's
+        path: inference/step_rows.py keeps them) and the slots on the device. The int32 parts (prefix
+        sums, context lengths, block tables) go to the device in one copy. The lists are kept."""
+        num_seqs = len(query_lens)
+        assert len(context_lens) == num_seqs and block_tables.shape[0] == num_seqs
+        is_decode = query_lens.count(1) == num_seqs
+        packed = np.empty(2 * num_seqs + 1 + block_tables.size, dtype=np.int32)
+        packed[0] = 0
+        packed[1: num_seqs + 1] = np.arange(1, num_seqs + 1) if is_decode else list(accumulate(query_lens))
+        packed[num_seqs + 1: 2 * num_seqs + 1] = context_lens
+        packed[2 * num_seqs + 1:].reshape(block_tables.shape)[:] = block_tables
+        dev = torch.from_numpy(packed).to(device, non_blocking=True)
         return cls(
-            query_lens=list(query_lens),
-            context_lens_host=list(context_lens),
+            query_lens=query_lens,
+            context_lens_host=context_lens,
             cu_query_lens=dev[: num_seqs + 1],
             context_lens=dev[num_seqs + 1: 2 * num_seqs + 1],
             slot_mapping=slot_mapping,
-            block_tables=dev[2 * num_seqs + 1:].view(num_seqs, width),
+            block_tables=dev[2 * num_seqs + 1:].view(num_seqs, block_tables.shape[1]),
             block_size=block_size,
-            max_query_len=max(query_lens, default=0),
+            max_query_len=min(num_seqs, 1) if is_decode else max(query_lens),
             max_context_len=max(context_lens, default=0),
-            is_decode=all(q == 1 for q in query_lens),
+            is_decode=is_decode,
         )

@@ -34,10 +34,12 @@ def block_hash(parent: int | None, token_ids: Seq[int]) -> int:
     """Chained content hash of one full block: xxh3_64 over little-endian int64s.
 
     The root block hashes its tokens only; a child prepends its parent's hash. The byte lengths differ
-    (block_size vs block_size + 1 words), so a root can never alias a child.
+    (block_size vs block_size + 1 words), so a root can never alias a child. A token packs as a signed
+    word: the bytes of its value modulo 2**64 as an unsigned one, without a Python-level mask per token.
     """
-    words = list(token_ids) if parent is None else [parent, *token_ids]
-    return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(words)}Q", *(w & 0xFFFFFFFFFFFFFFFF for w in words)))
+    if parent is None:
+        return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return xxhash.xxh3_64_intdigest(struct.pack(f"<Q{len(token_ids)}q", parent, *token_ids))
 
 
 @dataclass
@@ -168,6 +170,14 @@ class BlockManager:
         assert needed <= len(self._free), f"{seq} needs {needed} blocks, {len(self._free)} free"
         for _ in range(needed):
             seq.block_table.append(self._take_fresh())
+
+    def append_free_block(self, seq: Sequence) -> bool:
+        """One more block for seq if one is free (a decode row whose blocks are full: `append`'s
+        result for its one new token); False, and nothing changes, if none is."""
+        if not self._free:
+            return False
+        seq.block_table.append(self._take_fresh())
+        return True
 
     def commit(self, seq: Sequence, num_tokens: int | None = None) -> None:
         """Register the blocks that became full and computed since the last commit.

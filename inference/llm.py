@@ -242,10 +242,9 @@ class LLM:
     def _record_versions(self, seqs: list[Sequence], results: list) -> None:
         """Before a commit: the step's tokens start a span when the weight version changed."""
         version = self.weight_version
-        for seq, res in zip(seqs, results):
-            spans = seq.version_spans
-            if res is not None and (not spans or spans[-1][1] != version) and not seq.is_finished:
-                spans.append((seq.num_generated - seq.num_pending, version))
+        for seq, res in zip(seqs, results):  # runs for every row of every step: reads the sequence only
+            if seq.span_version != version and res is not None and not seq.is_finished:
+                seq.start_span(seq.num_generated - seq.num_pending, version)
 
     def _apply_stop_strings(self, seqs: list[Sequence], results: list, before: list[int]) -> list[Sequence]:
         """Finish sequences whose new text completes a stop string (detection only; see _output);

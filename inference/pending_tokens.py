@@ -42,10 +42,9 @@ def resolve_pending(ids: torch.Tensor, pairs: torch.Tensor, use_triton: bool | N
 
 def resolve_pending_torch(ids: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
     """The eager twin of the kernel: the definition of `resolve_pending`."""
-    pending = ids < 0
-    rows = (-1 - ids).clamp_(min=0)  # 0 on the rows that keep their id (a valid row to gather)
-    tokens = pairs[:, 0].index_select(0, rows).to(torch.int64)
-    return ids.copy_(torch.where(pending, tokens, ids))
+    rows = torch.bitwise_not(ids).clamp_(min=0)  # ~id = -1 - id; 0 on the rows that keep their id (a valid row)
+    tokens = pairs.select(1, 0).index_select(0, rows).to(torch.int64)
+    return ids.copy_(torch.where(ids < 0, tokens, ids))
 
 
 if triton is not None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields, replace
 from functools import partial
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from inference.batch import AttentionMetadata
@@ -26,6 +27,7 @@ from inference.sampler import SamplingBatch, greedy_rows, sample, sample_pairs, 
 from inference.sampler_graphs import SamplingGraphs
 from inference.scheduler import ScheduledBatch
 from inference.sequence import Sequence
+from inference.step_rows import BlockTables, build_step_rows, decode_rows
 
 SampleResult = tuple[int, float, "dict[int, float] | None"]
 
@@ -68,7 +70,8 @@ class ModelRunner:
         self.graphs: CUDAGraphRunner | None = None  # set by capture_graphs
         self.greedy_graphs: GreedyGraphs | None = None
         self.sampling_graphs: SamplingGraphs | None = None
-        self._sb_key: tuple[int, ...] = ()  # seq ids of the cached SamplingBatch's rows
+        self._tables = BlockTables()  # eager steps' block tables (the decode graphs stage their own)
+        self._sb_seqs: list[Sequence] = []  # the cached SamplingBatch's rows
         self._sb_builds = 0  # lists of sampling rows built so far: the unseeded rows' seeds count them
         self._sb_rows: SamplingBatch | None = None  # their row tensors
         self._sb_positions: array | None = None  # the output positions of the last batch built on them
@@ -97,44 +100,29 @@ class ModelRunner:
         """Eager-path inputs: ids, positions, slots and last-token indices travel in one int64 copy,
         the attention metadata's int32 parts in another. Placeholder ids (async scheduling) are
         replaced on the device with the tokens of `pending`, the previous step's sampled pairs."""
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        context_lens: list[int] = []
-        sample_rows: list[int] = []
-        last_index: list[int] = []
-        bs = self.block_size
-        for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            start = seq.num_computed_tokens
-            end = start + n
-            ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            table = seq.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            context_lens.append(end)
-            if end == seq.num_tokens:
-                sample_rows.append(row)
-                last_index.append(len(ids) - 1)
-        t = len(ids)
-        packed = torch.tensor(ids + positions + slots + last_index, dtype=torch.int64).to(
-            self.device, non_blocking=True)
-        if min(ids) < 0:
+        rows, table_rows = build_step_rows(batch, self.block_size, self._tables)
+        t = len(rows.ids)
+        packed = np.empty(3 * t + len(rows.sample_rows), dtype=np.int64)
+        packed[:t] = rows.ids
+        packed[t: 2 * t] = rows.positions
+        packed[2 * t: 3 * t] = rows.slots
+        packed[3 * t:] = rows.last_index
+        dev = torch.from_numpy(packed).to(self.device, non_blocking=True)
+        if min(rows.ids) < 0:
             assert pending is not None, "placeholder input ids without the previous step's sampled tokens"
-            resolve_pending(packed[:t], pending)
-        meta = AttentionMetadata.build(batch.num_new_tokens, context_lens, packed[2 * t: 3 * t],
-                                       [s.block_table for s in batch.seqs], bs, self.device)
-        return StepInputs(input_ids=packed[:t], positions=packed[t: 2 * t], meta=meta, sample_rows=sample_rows,
-                          last_token_index=packed[3 * t:])
+            resolve_pending(dev[:t], pending)
+        meta = AttentionMetadata.from_table_rows(rows.query_lens, rows.context_lens, dev[2 * t: 3 * t], table_rows,
+                                                 self.block_size, self.device)
+        return StepInputs(input_ids=dev[:t], positions=dev[t: 2 * t], meta=meta, sample_rows=rows.sample_rows,
+                          last_token_index=dev[3 * t:])
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[SampleResult | None]:
         """Run one step; returns per scheduled sequence its sampled result, or None (mid-prefill)."""
         sampled, sample_rows, seqs = self._run(batch, None)
-        results: list[SampleResult | None] = [None] * len(batch.seqs)
-        if sampled is not None:
-            for row, res in zip(sample_rows, self._to_host(sampled, seqs)):
-                results[row] = res
-        return results
+        if sampled is None:
+            return [None] * len(batch.seqs)
+        return _by_row(len(batch.seqs), sample_rows, self._to_host(sampled, seqs))
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, follower: Follower | None = None) -> InFlightStep:
@@ -156,13 +144,11 @@ class ModelRunner:
     def collect(self, step: InFlightStep) -> list[SampleResult | None]:
         """Per scheduled sequence of a launched step, its sampled result or None: the step's one
         host sync (it waits for that step's copy only)."""
-        results: list[SampleResult | None] = [None] * step.num_rows
-        if step.sampled is not None:
-            if step.ready is not None:
-                step.ready.synchronize()
-            for row, res in zip(step.sample_rows, self._to_host(step.sampled, step.seqs)):
-                results[row] = res
-        return results
+        if step.sampled is None:
+            return [None] * step.num_rows
+        if step.ready is not None:
+            step.ready.synchronize()
+        return _by_row(step.num_rows, step.sample_rows, self._to_host(step.sampled, step.seqs))
 
     def _run(self, batch: ScheduledBatch, pending: torch.Tensor | None, follower: Follower | None = None
              ) -> tuple[_Sampled | None, list[int], list[Sequence]]:
@@ -184,7 +170,7 @@ class ModelRunner:
                 self.model(inp.input_ids, inp.positions, inp.meta)
                 return None, [], []
             logits = self._forward(inp)
-            seqs = [batch.seqs[r] for r in sample_rows]
+            seqs = batch.seqs if len(sample_rows) == len(batch.seqs) else [batch.seqs[r] for r in sample_rows]
         return self._sample(logits, self._sampling_batch(seqs), graphed), sample_rows, seqs
 
     def _forward(self, inp: StepInputs) -> torch.Tensor:
@@ -197,14 +183,13 @@ class ModelRunner:
         the same in another order, sample; a step of the same rows sends just their output positions
         (one small copy, no per-row Python), and unchanged positions give back the same batch. An
         all-greedy batch needs no positions."""
-        key = tuple(map(_SEQ_ID, seqs))
-        if key != self._sb_key or self._sb_rows is None:
+        if seqs != self._sb_seqs or self._sb_rows is None:  # Sequence compares by identity
             seeds = [unseeded_seed(self.seed, self._sb_builds, row) if s.seed is None else s.seed
                      for row, s in enumerate(seqs)]
             self._sb_builds += 1
             self._sb_rows = SamplingBatch.build_rows([s.params for s in seqs], seeds, self.model_config.vocab_size,
                                                      self.device, self.batch_invariant)
-            self._sb_key, self._sb, self._sb_positions = key, None, None
+            self._sb_seqs, self._sb, self._sb_positions = list(seqs), None, None
         if self._sb_rows.all_greedy:
             return self._sb_rows
         positions = array("q", map(operator.sub, map(len, map(_TOKEN_IDS, seqs)), map(_NUM_PROMPT, seqs)))
@@ -268,17 +253,14 @@ class ModelRunner:
         assert self.graphs is not None
         seqs = batch.seqs
         # every n is >= 1, so the sum equals the row count only when each row computes one token
-        if sum(batch.num_new_tokens) != len(seqs) or not all(batch.sample):
+        if batch.num_tokens != len(seqs) or not all(batch.sample):
             return None
-        tables = [s.block_table for s in seqs]
-        n, max_blocks = len(seqs), max(map(len, tables))
+        rows = decode_rows(seqs, self.block_size)
+        n, max_blocks = len(seqs), max(map(len, rows.tables))
         if not self.graphs.can_use(n, max_blocks):
             return None
-        bs = self.block_size
-        pos = [s.num_computed_tokens for s in seqs]
-        logits = self.graphs.replay_staged([s.token_ids[p] for s, p in zip(seqs, pos)], pos,
-                                           [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)],
-                                           [p + 1 for p in pos], tables, pending)
+        logits = self.graphs.replay_staged(rows.ids, rows.positions, rows.slots, rows.context_lens, rows.tables,
+                                           pending)
         if follower is not None and follower.graphs_fit(n, max_blocks):
             views = self.graphs.inputs.views(self.graphs.size_for(n))
             self._follow = partial(follower.follow_rows, tuple(v[:n] for v in views))
@@ -310,6 +292,16 @@ class InFlightStep:
         return self.collect(self)
 
 
+def _by_row(num_rows: int, sample_rows: list[int], results: list[SampleResult]) -> list[SampleResult | None]:
+    """Per row of a step its sampled result, None for the rows that do not sample."""
+    if len(sample_rows) == num_rows:  # every row samples (decode steps): the rows in order
+        return list(results)
+    by_row: list[SampleResult | None] = [None] * num_rows
+    for row, res in zip(sample_rows, results):
+        by_row[row] = res
+    return by_row
+
+
 def _copy_to_host(sampled: _Sampled) -> tuple[_Sampled, torch.cuda.Event | None]:
     """Every tensor of `sampled` copied to pinned host memory in stream order, without waiting, and an
     event recorded after the copies. On CPU `sampled` as it is (no event): only CUDA has sampling
@@ -328,7 +320,6 @@ def _copy_to_host(sampled: _Sampled) -> tuple[_Sampled, torch.cuda.Event | None]
     return copied, ready
 
 
-_SEQ_ID = operator.attrgetter("seq_id")
 _TOKEN_IDS = operator.attrgetter("token_ids")
 _NUM_PROMPT = operator.attrgetter("num_prompt_tokens")
 

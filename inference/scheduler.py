@@ -43,6 +43,7 @@ scheduler over the same calls and must choose the same batch).
 from __future__ import annotations
 
 import bisect
+import operator
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -58,22 +59,48 @@ __all__ = ["Sampled", "ScheduledBatch", "Scheduler", "StepResult"]
 
 @dataclass
 class _Plan:
-    """The step being built; entries can be dropped again when their sequence is preempted."""
+    """The step being built, row by row in batch order. A row is never dropped again: preemption only
+    takes sequences not planned yet."""
 
     budget: int
-    # seq_id -> (seq, tokens, lookahead)
-    entries: dict[int, tuple[Sequence, int, int]] = field(default_factory=dict)
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    num_lookahead: list[int] = field(default_factory=list)
+    sample: list[bool] = field(default_factory=list)
     preempted: bool = False
     num_ending: int = 0  # running sequences not scheduled: their pending token is their last
+    _planned: set[int] | None = None  # seq ids of `seqs`, built at the first preemption of the step
 
     def add(self, seq: Sequence, num_tokens: int, lookahead: int = 0) -> None:
-        assert 0 < num_tokens + lookahead <= self.budget and seq.seq_id not in self.entries
-        self.entries[seq.seq_id] = (seq, num_tokens, lookahead)
+        assert 0 < num_tokens + lookahead <= self.budget
+        assert self._planned is None or seq.seq_id not in self._planned, f"{seq} planned twice"
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_tokens)
+        self.num_lookahead.append(lookahead)
+        self.sample.append(seq.num_computed_tokens + num_tokens == len(seq.token_ids))
+        if self._planned is not None:
+            self._planned.add(seq.seq_id)
         self.budget -= num_tokens + lookahead
 
+    def add_decodes(self, seqs: list[Sequence]) -> None:
+        """Plain decode rows (one token each, the last one: they sample), the budget already charged."""
+        self.seqs += seqs
+        self.num_new_tokens += [1] * len(seqs)
+        self.num_lookahead += [0] * len(seqs)
+        self.sample += [True] * len(seqs)
+        if self._planned is not None:
+            self._planned.update(map(_SEQ_ID, seqs))
+
+    def has(self, seq: Sequence) -> bool:
+        if self._planned is None:
+            self._planned = set(map(_SEQ_ID, self.seqs))
+        return seq.seq_id in self._planned
+
     def batch(self) -> ScheduledBatch:
-        values = self.entries.values()
-        return ScheduledBatch([s for s, _, _ in values], [n for _, n, _ in values], [k for _, _, k in values])
+        return ScheduledBatch(self.seqs, self.num_new_tokens, self.num_lookahead, self.sample)
+
+
+_SEQ_ID = operator.attrgetter("seq_id")
 
 
 def _arrival(seq: Sequence) -> int:
@@ -189,38 +216,57 @@ class Scheduler(StepCommit):
 
     # ---- internals ------------------------------------------------------------------------------
     def _schedule_running(self, plan: _Plan) -> None:
-        """Schedule running decodes (remaining == 1), then running prefills (remaining > 1). A sequence
-        whose pending token is its last is left out (async scheduling: it finishes at commit)."""
-        decodes: list[Sequence] = []
-        prefills: list[Sequence] = []
-        for seq in self.running:
-            remaining = len(seq.token_ids) - seq.num_computed_tokens
-            assert remaining >= 1, f"{seq} has nothing to compute"
-            if seq.num_pending and self._reaches_length(seq):
-                plan.num_ending += 1
-                continue
-            (decodes if remaining == 1 else prefills).append(seq)
-        # the common decode row, inlined (this loop runs for every row of every step): no lookahead,
-        # and the blocks it holds already cover its new token, so nothing to allocate
+        """Schedule running decodes (remaining == 1) in arrival order, then running prefills
+        (remaining > 1). A sequence whose pending token is its last is left out (async scheduling: it
+        finishes at commit).
+
+        The common decode row is planned inline: no lookahead, and the blocks it holds cover its new
+        token, or a free block does (no preemption). Runs of such rows join the plan together; any
+        other decode goes through _schedule_one, in order. One pass over `running` (a copy: preemption
+        removes from it) sorts and plans, and stops once the budget is spent; num_ending is then
+        short, but only admission reads it, and a step without budget admits nothing."""
         # never while a step is in flight: a speculative step needs every token known and runs
         # synchronously (LLM.step settles first when speculates_next says so)
-        speculate = self._speculates(len(decodes)) and not self.in_flight
-        plain, tokens_held, entries = not speculate, self.block_manager.block_size, plan.entries
-        for seq in decodes:
-            if plan.budget == 0:
-                return
-            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
+        speculate = bool(self.num_speculative_tokens) and not self.in_flight and self._speculates(self._num_decodes())
+        prefills: list[Sequence] = []
+        run: list[Sequence] = []  # plain decode rows, not in the plan yet
+        bm, max_len, running = self.block_manager, self.max_model_len, SequenceStatus.RUNNING
+        budget, tokens_held = plan.budget, bm.block_size
+        for seq in list(self.running):  # this loop runs for every row of every step: kept lean
+            if seq.status is not running:  # preempted earlier in this step
                 continue
-            if plain and seq.num_computed_tokens < len(seq.block_table) * tokens_held:
-                entries[seq.seq_id] = (seq, 1, 0)
-                plan.budget -= 1
-            else:
-                self._schedule_one(plan, seq, True, speculate)
+            num_tokens, computed = len(seq.token_ids), seq.num_computed_tokens
+            assert num_tokens > computed, f"{seq} has nothing to compute"
+            if seq.num_pending and (num_tokens >= max_len  # _reaches_length, inlined
+                                    or num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens):
+                plan.num_ending += 1
+                continue
+            if num_tokens - computed > 1:
+                prefills.append(seq)
+                continue
+            if budget == 0:
+                break
+            if not speculate and (computed < len(seq.block_table) * tokens_held or bm.append_free_block(seq)):
+                run.append(seq)
+                budget -= 1
+                continue
+            plan.budget = budget
+            plan.add_decodes(run)
+            run = []
+            self._schedule_one(plan, seq, True, speculate)
+            budget = plan.budget
+        plan.budget = budget
+        plan.add_decodes(run)
         for seq in prefills:
             if plan.budget == 0:
                 return
-            if seq.status is SequenceStatus.RUNNING:
+            if seq.status is running:
                 self._schedule_one(plan, seq, False)
+
+    def _num_decodes(self) -> int:
+        """Running sequences that decode in the next step: one token left to compute, and not ending."""
+        return sum(len(s.token_ids) - s.num_computed_tokens == 1 and not (s.num_pending and self._reaches_length(s))
+                   for s in self.running)
 
     def speculates_next(self) -> bool:
         """Whether the next schedule() may give draft tokens (at most spec_max_batch running): an
@@ -259,7 +305,7 @@ class Scheduler(StepCommit):
             if fit > 0:
                 self.block_manager.append(seq, fit)
                 return fit
-            victim = next(s for s in reversed(self.running) if s.seq_id not in plan.entries)
+            victim = next(s for s in reversed(self.running) if not plan.has(s))
             self._preempt(victim)
             self.preempted += 1
             plan.preempted = True

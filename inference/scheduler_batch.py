@@ -23,12 +23,13 @@ class ScheduledBatch:
     """One step: seqs[i] computes tokens [c, c + num_new_tokens[i]) where c = its num_computed_tokens
     at schedule time. sample[i] is True when that chunk reaches the end of its tokens, i.e. the step
     produces its next token. Computed at construction, before commit() advances the sequences.
-    num_lookahead[i] > 0 (a decode row only) asks for that many draft tokens verified in this step."""
+    num_lookahead[i] > 0 (a decode row only) asks for that many draft tokens verified in this step.
+    The scheduler passes `sample` (it knows each row's chunk as it plans it); left out, it is computed."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     num_lookahead: list[int] = field(default_factory=list)  # empty: no speculation in this step
-    sample: list[bool] = field(init=False)
+    sample: list[bool] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.num_lookahead:
@@ -37,8 +38,10 @@ class ScheduledBatch:
         assert not any(self.num_lookahead) or all(
             k == 0 or n == 1 for n, k in zip(self.num_new_tokens, self.num_lookahead))
         assert min(self.num_new_tokens, default=1) > 0
-        self.sample = [
-            s.num_computed_tokens + n == len(s.token_ids) for s, n in zip(self.seqs, self.num_new_tokens)]
+        if len(self.sample) != len(self.seqs):
+            assert not self.sample, "sample has one entry per row"
+            self.sample = [
+                s.num_computed_tokens + n == len(s.token_ids) for s, n in zip(self.seqs, self.num_new_tokens)]
 
     @property
     def is_empty(self) -> bool:

@@ -47,10 +47,11 @@ class StepCommit:
         blocks are already free).
         """
         assert len(sampled) == len(batch.seqs), (len(sampled), len(batch.seqs))
+        assert [out is not None for out in sampled] == batch.sample, "sampled output given iff the row samples"
         finished: list[Sequence] = []
-        for seq, n, k, do_sample, out in zip(batch.seqs, batch.num_new_tokens, batch.num_lookahead,
-                                             batch.sample, sampled):
-            if seq.status is not SequenceStatus.RUNNING:
+        eos, max_len, running = self.eos_token_ids, self.max_model_len, SequenceStatus.RUNNING
+        for seq, n, k, out in zip(batch.seqs, batch.num_new_tokens, batch.num_lookahead, sampled):
+            if seq.status is not running:
                 continue
             if k:
                 assert isinstance(out, list), f"{seq}: a speculative row returns its accepted run"
@@ -58,13 +59,15 @@ class StepCommit:
                     finished.append(seq)
                 continue
             self._account(seq, n)
-            assert (out is not None) == do_sample, f"{seq}: sampled output given iff the step samples it"
             if out is None:
                 continue
             assert not isinstance(out, list)
             token_id, logprob, top = out
             seq.append(token_id, logprob, top)
-            if self._stops(seq, token_id):
+            num_tokens = len(seq.token_ids)  # below: _stop_rule's screen
+            params = seq.params
+            if (token_id in eos or params.stop_token_ids or num_tokens - seq.num_prompt_tokens >= params.max_tokens
+                    or num_tokens >= max_len) and self._stops(seq, token_id):
                 finished.append(seq)
         return finished
 
@@ -95,29 +98,52 @@ class StepCommit:
         assert not any(batch.num_lookahead), "speculative steps commit synchronously"
         self.in_flight += 1
         row = -1  # the current row's index among the batch's sampled rows (finished ones count too)
+        running = SequenceStatus.RUNNING
+        bm, draft = self.block_manager, bool(self.num_speculative_tokens)
+        block_size, caching = bm.block_size, bm.enable_prefix_caching
+        # the loops below run for every row of every step: _account and the Sequence methods that
+        # keep a placeholder are inlined (change both together)
         for seq, n, do_sample in zip(batch.seqs, batch.num_new_tokens, batch.sample):
             row += do_sample
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue
-            self._account(seq, n)
-            if do_sample:
-                seq.add_pending(row)
+            computed = seq.num_computed_tokens = seq.num_computed_tokens + n
+            assert computed <= len(seq.token_ids), f"{seq} computed past its tokens"
+            if draft:
+                seq.num_draft_computed = computed
+            if caching and len(seq.cache_keys) < computed // block_size:
+                bm.commit(seq)
+            if do_sample:  # Sequence.add_pending, inlined: placeholder(row) stands for the token
+                assert not seq.num_pending, f"{seq} already has a pending token"
+                seq.token_ids.append(-1 - row)
+                seq.logprobs.append(0.0)
+                if seq.top_logprobs is not None:
+                    seq.top_logprobs.append({})
+                seq.num_pending = 1
 
     def commit_pending(self, batch: ScheduledBatch, sampled: list[StepResult]) -> list[Sequence]:
         """Apply the tokens of a step `advance` accounted: each placeholder becomes its token, then the
         token-level stop rules. Return the sequences that finished. A preempted sequence takes its
         token too (it was sampled before the preemption); a finished one's is dropped."""
         assert len(sampled) == len(batch.seqs), (len(sampled), len(batch.seqs))
+        assert [out is not None for out in sampled] == batch.sample, "sampled output given iff the row samples"
         self.in_flight -= 1
         finished: list[Sequence] = []
-        for seq, do_sample, out in zip(batch.seqs, batch.sample, sampled):
-            assert (out is not None) == do_sample, f"{seq}: sampled output given iff the step samples it"
-            if out is None or seq.status is SequenceStatus.FINISHED:
+        eos, max_len, finished_status = self.eos_token_ids, self.max_model_len, SequenceStatus.FINISHED
+        for seq, out in zip(batch.seqs, sampled):
+            if out is None or seq.status is finished_status:
                 continue
-            assert not isinstance(out, list)
-            token_id, logprob, top = out
-            seq.resolve_pending(token_id, logprob, top)
-            if self._stops(seq, token_id):
+            token_id, logprob, top = out  # (int, float, dict or None): ModelRunner._to_host's types
+            assert seq.num_pending, f"{seq} has no pending token"
+            seq.token_ids[-1] = token_id  # Sequence.resolve_pending, inlined
+            seq.logprobs[-1] = logprob
+            if top is not None:
+                seq.top_logprobs[-1] = top  # type: ignore[index]
+            seq.num_pending = 0
+            num_tokens = len(seq.token_ids)  # below: _stop_rule's screen
+            params = seq.params
+            if (token_id in eos or params.stop_token_ids or num_tokens - seq.num_prompt_tokens >= params.max_tokens
+                    or num_tokens >= max_len) and self._stops(seq, token_id):
                 finished.append(seq)
         return finished
 
@@ -140,6 +166,9 @@ class StepCommit:
         return True
 
     def _stop_rule(self, seq: Sequence, token_id: int) -> tuple[FinishReason | None, int | None]:
+        """Why seq stops at its newest token `token_id`, if it does. The commit loops screen every row
+        with a cheap superset of these rules first (an EOS id even under ignore_eos, any stop token
+        ids, the length bounds) and call _stops only for the rows it lets through: change both."""
         params = seq.params
         if token_id in self.eos_token_ids and not params.ignore_eos:
             return FinishReason.STOP, None

@@ -100,8 +100,11 @@ class Sequence:
         self.num_pending = 0  # 1 while the last token is a placeholder (see the module docstring)
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
-        # (index of the first completion token, weight version) for each run of tokens of one version
+        # (index of the first completion token, weight version) for each run of tokens of one version;
+        # span_version repeats the last run's version (None before the first) so that the engine's
+        # per-step check reads the sequence alone: start_span keeps the two together
         self.version_spans: list[tuple[int, int]] = []
+        self.span_version: int | None = None
 
     @classmethod
     def group(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[Sequence]:
@@ -146,7 +149,8 @@ class Sequence:
 
     def add_pending(self, row: int) -> None:
         """Stand in for the token that row `row` of the step just launched samples (async scheduling):
-        lengths, output positions and block reservations count it from now on."""
+        lengths, output positions and block reservations count it from now on. (StepCommit.advance
+        inlines this for its rows: change both.)"""
         assert not self.num_pending and row >= 0, (self, row)
         self.token_ids.append(-1 - row)  # placeholder(row), inlined: this runs for every row of a step
         self.logprobs.append(0.0)
@@ -156,7 +160,7 @@ class Sequence:
 
     def resolve_pending(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None = None) -> None:
         """Replace the placeholder with the sampled token, in place: the same result as `append`
-        without one."""
+        without one. (StepCommit.commit_pending inlines this for its rows: change both.)"""
         assert self.num_pending and (top_logprobs is not None) == (self.top_logprobs is not None), (
             f"{self}: no pending token, or top_logprobs given iff params.logprobs > 0 broken")
         self.token_ids[-1] = int(token_id)
@@ -173,6 +177,11 @@ class Sequence:
         if self.top_logprobs is not None:
             self.top_logprobs.pop()
         self.num_pending = 0
+
+    def start_span(self, index: int, version: int) -> None:
+        """Completion tokens from `index` on were sampled with weights of `version`."""
+        self.version_spans.append((index, version))
+        self.span_version = version
 
     def truncate(self, num_tokens: int) -> None:
         """Drop tokens beyond `num_tokens` of a FINISHED sequence (a stop string inside a multi-token
