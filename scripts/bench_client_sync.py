@@ -24,6 +24,8 @@ on the client:
 - wire_ms: per call, the client's time minus the app's time in the same header (framework, body and
   handler), median: the client's HTTP code, TCP and the server's HTTP parser. control_ms minus wire_ms
   is the server framework's share (routing, validation, the answer's JSON).
+- round_trip_ms: median client time of a bare control message with no sync around it (GET /health,
+  GET /state), the floor of what any control message costs end to end.
 Prints one JSON line: the picked rule's figures at the top level, every rule's under "by_algorithm".
 CPU: --model tiny --backend gloo --device cpu (the defaults); H200: --model qwen2-0.5b --backend ipc
 --device cuda.
@@ -160,11 +162,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 runs[algorithm], version = measure(args, client, sender, weights, version)
             out = {"bench": "client_sync", "model": args.model, "backend": args.backend, "device": args.device,
                    "tensors": len(weights), "bytes": sum(t.numel() * t.element_size() for t in weights.values()),
-                   "iters": args.iters, "algorithm": picked, **runs[picked], "by_algorithm": runs}
+                   "iters": args.iters, "algorithm": picked, **runs[picked], "by_algorithm": runs,
+                   "round_trip_ms": round_trips(client)}
             return out
     finally:
         sender.close()
         server.stop()
+
+
+def round_trips(client: SidecarClient, n: int = 50) -> dict[str, float]:
+    """Median client ms of a bare control message with no sync around it: GET /health (no engine work)
+    and GET /state (the engine's state, through the driver): what HTTP, the framework and the hop to the
+    driver cost a message on their own, apart from the sender's work an update's time includes."""
+    out = {}
+    for name, call in (("health", client.health), ("state", client.state)):
+        call()
+        laps = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            call()
+            laps.append((time.perf_counter() - t0) * 1e3)
+        out[name] = round(statistics.median(laps), 3)
+    return out
 
 
 def measure(args: argparse.Namespace, client: TimedClient, sender: WeightSender, weights: dict[str, torch.Tensor],

@@ -50,7 +50,11 @@ VARIANTS = {"previous": {"decode_split_tiles": 1, "fused_combine": False, "fused
             "st3": {"num_stages": 3},
             "st3_sm8": {"num_stages": 3, "decode_programs_per_sm": 8},
             "w8": {"num_warps": 8},
-            "n32_sm8": {"decode_block_n": 32, "decode_programs_per_sm": 8}}
+            "n32_sm8": {"decode_block_n": 32, "decode_programs_per_sm": 8},
+            # next: occupancy at large batches (two stages of 128-key K and V tiles leave one program a SM)
+            "n128_st1": {"decode_block_n": 128, "num_stages": 1},
+            "n64_st1": {"num_stages": 1},
+            "n256": {"decode_block_n": 256, "decode_split_tiles": 1}}
 VARIANT_NAMES = list(VARIANTS)
 
 
