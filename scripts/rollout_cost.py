@@ -1,0 +1,169 @@
+"""What bench_rollout measures a run against: the device's rates, the roofline of the schedule the
+engine ran (per StepRecord: weights + context KV bytes over the HBM rate, FLOPs over the matmul peak),
+the schedule's tail and batch statistics, the wall time by running batch, and --profile's kernel tables."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from inference.llm import LLM
+from inference.step_stats import StepRecord
+
+
+class StepProbe:
+    """torch.profiler over windows of `length` steps starting at the given step indices (--profile):
+    writes each window's GPU kernel table (per step) to DIR/<name>_step<start>.txt. A diagnostic: the
+    profiled steps run slower, so a row taken with it says "profiled"."""
+
+    def __init__(self, out_dir: str, name: str, starts: list[int], length: int = 16) -> None:
+        self.out_dir, self.name, self.starts, self.length = out_dir, name, set(starts), length
+        self.prof: torch.profiler.profile | None = None
+        self.start = 0
+
+    def at(self, step: int) -> None:
+        if self.prof is not None and step == self.start + self.length:
+            self.close()
+        if self.prof is None and step in self.starts:
+            self.start = step
+            acts = [torch.profiler.ProfilerActivity.CUDA if torch.cuda.is_available()
+                    else torch.profiler.ProfilerActivity.CPU]
+            self.prof = torch.profiler.profile(activities=acts)
+            self.prof.__enter__()
+
+    def close(self) -> None:
+        if self.prof is None:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.prof.__exit__(None, None, None)
+        key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        table = self.prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70)
+        os.makedirs(self.out_dir, exist_ok=True)
+        with open(os.path.join(self.out_dir, f"{self.name}_step{self.start}.txt"), "w") as f:
+            f.write(f"{self.length} steps from step {self.start}\n{table}\n")
+        self.prof = None
+
+
+def by_batch(records: list[StepRecord], cost: ModelCost, rates: tuple[float, float], t0: float
+             ) -> dict[str, list[float]]:
+    """Where the wall time goes by running batch: {"lo-hi": [steps, ms per step, roofline ms per step]};
+    a step's time is the gap between its commit and the previous one's (the throughput period, which
+    async scheduling overlaps)."""
+    edges = (1, 9, 33, 129, 513, 1 << 30)
+    out: dict[str, list[float]] = {}
+    prev = t0
+    for r in records:
+        lo = max(e for e in edges if e <= r.num_seqs)
+        hi = edges[edges.index(lo) + 1] - 1
+        key = f"{lo}-{hi}" if hi < 1 << 29 else f"{lo}+"
+        nbytes, flops = cost.step_bytes_flops(r)
+        cell = out.setdefault(key, [0, 0.0, 0.0])
+        cell[0] += 1
+        cell[1] += r.end_s - prev
+        cell[2] += max(nbytes / rates[0], flops / rates[1])
+        prev = r.end_s
+    return {k: [n, round(1e3 * w / n, 3), round(1e3 * roof / n, 3)] for k, (n, w, roof) in out.items()}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def best_seconds(fn: object, device: torch.device, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()  # type: ignore[operator]
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def copy_rate(device: torch.device) -> float:
+    """Bytes/s of a large device-to-device copy, counting read and write (best of 5, after one)."""
+    x = torch.empty((1 << 31) if device.type == "cuda" else (64 << 20), dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    return 2 * x.numel() / best_seconds(lambda: y.copy_(x), device, 5)
+
+
+def matmul_rate(device: torch.device) -> float:
+    """FLOP/s of an 8192^3 bf16 GEMM (512^3 float32 on CPU), best of 10 after one."""
+    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (512, torch.float32)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    a @ b
+    return 2 * n**3 / best_seconds(lambda: a @ b, device, 10)
+
+
+def measure_rates(device: torch.device) -> tuple[float, float]:
+    """(HBM bytes/s, matmul FLOP/s) of this device, before any engine holds memory."""
+    rates = copy_rate(device), matmul_rate(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rates
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What one step of the target reads and computes, per unit of the StepRecord counts (TP 1)."""
+
+    weight_bytes: int  # read once per step (an untied embedding is gathered by row: not counted)
+    kv_bytes_per_token: int  # K and V of one position across layers
+    matmul_params: int  # 2-D weights of the decoder layers (each query token multiplies them once)
+    head_params: int  # LM head (once per sampled row)
+    attn_flops_per_pair: int  # 4 x heads x head_dim x layers: QK^T and PV for one (query, key) pair
+
+    @classmethod
+    def of(cls, llm: LLM) -> ModelCost:
+        model, mc = llm.worker.models["target"], llm.model_config
+        params = dict(model.named_parameters())
+        total = sum(p.numel() * p.element_size() for p in params.values())
+        embed = params["model.embed_tokens.weight"]
+        gathered = 0 if mc.tie_word_embeddings else embed.numel() * embed.element_size()
+        layers = sum(p.numel() for name, p in params.items() if name.startswith("model.layers.") and p.dim() == 2)
+        assert llm.worker.runner is not None
+        return cls(total - gathered, llm.worker.runner.kv_bytes_per_block(1), layers,
+                   mc.vocab_size * mc.hidden_size, 4 * mc.num_heads * mc.head_dim * mc.num_layers)
+
+    def step_bytes_flops(self, r: StepRecord) -> tuple[int, int]:
+        bytes_read = self.weight_bytes + self.kv_bytes_per_token * r.context_tokens
+        flops = (2 * self.matmul_params * (r.decode_tokens + r.prefill_tokens) + 2 * self.head_params * r.num_sampled
+                 + self.attn_flops_per_pair * r.attended_pairs)
+        return bytes_read, flops
+
+
+def roofline(records: list[StepRecord], cost: ModelCost, hbm: float, peak: float) -> dict[str, float]:
+    """Seconds of the schedule at the rates: per step the slower of its bytes and its FLOPs."""
+    total = bytes_bound = flops_bound = 0.0
+    for r in records:
+        nbytes, flops = cost.step_bytes_flops(r)
+        t_bytes, t_flops = nbytes / hbm, flops / peak
+        total += max(t_bytes, t_flops)
+        bytes_bound += t_bytes
+        flops_bound += t_flops
+    return {"roofline_s": total, "roofline_bytes_s": bytes_bound, "roofline_flops_s": flops_bound}
+
+
+def schedule_stats(records: list[StepRecord], t0: float, t1: float, num_samples: int) -> dict[str, float]:
+    """Tail share (wall time after ceil(90%) of the samples finished over the whole), the mean running
+    batch (rows per step) and the mean decode batch (decode rows per step that had any)."""
+    target = math.ceil(0.9 * num_samples)
+    done, t90 = 0, t1
+    for r in records:
+        done += r.num_finished
+        if done >= target:
+            t90 = r.end_s
+            break
+    decode_steps = [r.num_decode for r in records if r.num_decode]
+    return {"tail_share": (t1 - t90) / (t1 - t0),
+            "mean_running_batch": sum(r.num_seqs for r in records) / max(1, len(records)),
+            "mean_decode_batch": sum(decode_steps) / max(1, len(decode_steps)),
+            "prefill_steps": sum(1 for r in records if r.prefill_tokens)}
