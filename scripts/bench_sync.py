@@ -31,7 +31,6 @@ import cProfile
 import json
 import logging
 import os
-import pickle
 import statistics
 import sys
 import time
@@ -46,14 +45,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from checksum import ALGORITHM, DEVICE_ALGORITHM, can_hash_on
 from inference.config import ModelConfig
-from inference.loader import load_hf_tensor
 from inference.models import build_model
 from inference.naming import expected_hf_tensors
 from inference.parallel import TPInfo
 from inference.tiny import TinyModelSpec, hf_config
-from inference.transfer.groups import TransferGroup
 from inference.transfer.sender import WeightSender
 from inference.weights.updater import WeightUpdater
+from scripts.sync_peers import (
+    bucket_recv,
+    bucket_send,
+    ceiling_recv,
+    ceiling_send,
+    per_param_recv,
+    per_param_send,
+    reset_peers,
+    sync_device,
+)
 
 SHAPES = {
     "tiny": dict(family="qwen2", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
@@ -66,7 +73,6 @@ SHAPES = {
     "qwen2.5-7b": dict(family="qwen2", hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4,
                        head_dim=128, intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
 }
-PEER_BUCKET_BYTES = 2 << 30
 # Finer timers of each audited sync, ms (the sender's measured in the trainer, sent with its digests):
 # receive: the receiver's transfer (agreement, copy, status step) inside update; held_launch: starting the
 # receiver's digest (host time); sender_send: the trainer's whole send() (from before the receiver's
@@ -106,11 +112,6 @@ class BenchReceiver:
         self.model_configs = {"target": config}
         self.device, self.tp, self.dp_rank, self.memory = device, TPInfo(), 0, None
         self.weights = WeightUpdater(self)
-
-
-def sync_device(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def setup_device(name: str) -> torch.device:
@@ -158,57 +159,6 @@ def trainer(args: argparse.Namespace, to_parent: Any, from_parent: Any) -> None:
     sender.close()
 
 
-def ceiling_send(args: argparse.Namespace, group: TransferGroup, named: dict, device: torch.device) -> None:
-    if args.backend == "ipc":
-        return  # the receiver measures its own device copy
-    total = sum(t.numel() * t.element_size() for t in named.values())
-    buf = _scratch(min(args.bucket_mb << 20, total), device if args.backend == "nccl" else torch.device("cpu"))
-    for off in range(0, total, buf.numel()):
-        group.wait(group.broadcast(buf[:min(buf.numel(), total - off)]), "ceiling")
-
-
-def per_param_send(args: argparse.Namespace, group: TransferGroup, named: dict, device: torch.device) -> None:
-    if args.backend == "ipc":
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        group.broadcast_bytes(pickle.dumps([reduce_tensor(t)[1] for t in named.values()]))
-    else:
-        for t in named.values():
-            src = t if args.backend == "nccl" else t.cpu()
-            group.wait(group.broadcast(src.contiguous().view(-1).view(torch.uint8)), "per-param")
-    group.all_max([0], "ack")
-
-
-def bucket_send(args: argparse.Namespace, group: TransferGroup, named: dict, device: torch.device) -> None:
-    total = sum(t.numel() * t.element_size() for t in named.values())
-    bucket_device = device if args.backend in ("ipc", "nccl") else torch.device("cpu")
-    buf = _scratch(min(PEER_BUCKET_BYTES, total), bucket_device)
-    if args.backend == "ipc" and not getattr(bucket_send, "shared", False):
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        group.broadcast_bytes(pickle.dumps(reduce_tensor(buf)[1]))
-        bucket_send.shared = True  # type: ignore[attr-defined]
-    entries: list[tuple[str, int]] = []
-    used = 0
-    for name, t in [*named.items(), ("", None)]:
-        nbytes = 0 if t is None else t.numel() * t.element_size()
-        if t is None or used + nbytes > buf.numel():
-            sync_device(bucket_device)
-            group.broadcast_bytes(json.dumps(entries).encode())
-            if args.backend != "ipc":
-                group.wait(group.broadcast(buf[:used]), "peer bucket")
-            group.all_max([0], "peer bucket ack")
-            entries, used = [], 0
-        if t is not None:
-            buf[used:used + nbytes].copy_(t.contiguous().view(-1).view(torch.uint8))
-            entries.append((name, used))
-            used += nbytes
-    group.broadcast_bytes(json.dumps([]).encode())
-
-
-_SCRATCH: dict[tuple[int, str], torch.Tensor] = {}
-
-
 def _clock(obj: Any, attr: str, laps: dict[str, float], key: str, then: Callable[[Any], None] | None = None) -> None:
     """Replace obj.attr (a method) on this instance by one that adds its milliseconds to laps[key];
     `then` sees each result (to clock what it returns)."""
@@ -245,13 +195,6 @@ def _profiling(profiler: cProfile.Profile | None) -> Any:
         yield
     finally:
         profiler.disable()
-
-
-def _scratch(nbytes: int, device: torch.device) -> torch.Tensor:
-    key = (nbytes, str(device))
-    if key not in _SCRATCH:
-        _SCRATCH[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    return _SCRATCH[key]
 
 
 # ---- the receiver (this process) ---------------------------------------------------------------
@@ -346,9 +289,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         peers[name] = timed(once, args.iters, device, before=lambda: group.all_max([0], "barrier"))
     to_child.put("done")
     child.join(timeout=600)
-    _SCRATCH.clear()  # the next shape has its own sizes and its own trainer
-    if hasattr(bucket_recv, "buf"):
-        del bucket_recv.buf
+    reset_peers()  # the next shape has its own sizes and its own trainer
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     picked = rules(args)[0]
     by_rule = {rule: {"sync_audit_ms": round(results[rule], 3),
@@ -363,59 +304,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "abort_ms": round(statistics.median(aborts[1:]), 3),
             "audit_overlap": not args.serial_audit, "by_algorithm": by_rule,
             "device": device_name}
-
-
-def ceiling_recv(args: argparse.Namespace, group: TransferGroup, config: ModelConfig, params: dict,
-                 manifest: dict, total: int, device: torch.device) -> None:
-    if args.backend == "ipc":
-        src, dst = _scratch(total, device), _scratch(total + 1, device)[:total]
-        dst.copy_(src)
-        return
-    buf = _scratch(min(args.bucket_mb << 20, total), device if args.backend == "nccl" else torch.device("cpu"))
-    for off in range(0, total, buf.numel()):
-        group.wait(group.broadcast(buf[:min(buf.numel(), total - off)]), "ceiling")
-
-
-def per_param_recv(args: argparse.Namespace, group: TransferGroup, config: ModelConfig, params: dict,
-                   manifest: dict, total: int, device: torch.device) -> None:
-    specs = manifest["tensors"]
-    if args.backend == "ipc":
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-        handles = pickle.loads(group.broadcast_bytes(None))
-        for spec, h in zip(specs, handles):
-            load_hf_tensor(params, config, spec["name"], rebuild_cuda_tensor(*h))
-        sync_device(device)
-        del handles
-    else:
-        recv_device = device if args.backend == "nccl" else torch.device("cpu")
-        for spec in specs:
-            t = torch.empty(spec["shape"], dtype=torch.bfloat16, device=recv_device)
-            group.wait(group.broadcast(t.view(-1).view(torch.uint8)), "per-param")
-            load_hf_tensor(params, config, spec["name"], t)
-    group.all_max([0], "ack")
-
-
-def bucket_recv(args: argparse.Namespace, group: TransferGroup, config: ModelConfig, params: dict,
-                manifest: dict, total: int, device: torch.device) -> None:
-    shapes = {t["name"]: t["shape"] for t in manifest["tensors"]}
-    if args.backend == "ipc":
-        if not hasattr(bucket_recv, "buf"):
-            from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-            bucket_recv.buf = rebuild_cuda_tensor(*pickle.loads(group.broadcast_bytes(None)))  # type: ignore[attr-defined]
-        buf = bucket_recv.buf  # type: ignore[attr-defined]
-    else:
-        buf = _scratch(min(PEER_BUCKET_BYTES, total), device if args.backend == "nccl" else torch.device("cpu"))
-    while entries := json.loads(group.broadcast_bytes(None)):
-        used = max(off + torch.Size(shapes[n]).numel() * 2 for n, off in entries)
-        if args.backend != "ipc":
-            group.wait(group.broadcast(buf[:used]), "peer bucket")
-        for name, off in entries:
-            n = torch.Size(shapes[name]).numel() * 2
-            load_hf_tensor(params, config, name, buf[off:off + n].view(torch.bfloat16).view(shapes[name]))
-        sync_device(device)
-        group.all_max([0], "peer bucket ack")
 
 
 def main() -> None:
