@@ -200,7 +200,8 @@ def run_shape(shape: str, args: argparse.Namespace, rates: tuple[float, float]) 
                                       "samples": args.samples, "draft_layers": args.draft_layers,
                                       "spec_max_batch": args.spec_max_batch if args.draft_layers else None,
                                       "async_scheduling": llm._overlap is not None}
-            probe = (StepProbe(args.profile, f"{shape}_{mode}", args.profile_steps) if args.profile else None)
+            probe = (StepProbe(args.profile, f"{shape}_{mode}", args.profile_steps, args.profile_length)
+                     if args.profile else None)
             row.update(run_case(llm, mode, work, warm, cost, rates, probe))
             row.update(setup_s=round(setup_s, 2), device=name)
             print(json.dumps(row), flush=True)
@@ -243,6 +244,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--profile", default="", help="write kernel tables of a few step windows to this folder")
     ap.add_argument("--profile-steps", default="100,1200", help="with --profile: comma list of first steps")
+    ap.add_argument("--profile-length", type=int, default=16, help="with --profile: steps per window")
     args = ap.parse_args(argv)
     args.shapes = [s for s in args.shapes.split(",") if s]
     args.modes = [m for m in args.modes.split(",") if m]

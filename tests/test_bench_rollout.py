@@ -48,6 +48,21 @@ def test_smoke_run_prints_one_row_per_mode(capsys: pytest.CaptureFixture[str]) -
         assert max(r["roofline_bytes_s"], r["roofline_flops_s"]) <= r["roofline_s"] * 1.001
         assert r["roofline_s"] <= (r["roofline_bytes_s"] + r["roofline_flops_s"]) * 1.001
         assert r["time_over_roofline"] > 0 and r["hbm_gbps"] > 0 and r["matmul_tflops"] > 0
+        # by running batch: every step in one range, each range's times positive
+        assert sum(n for n, _, _ in r["by_batch"].values()) == r["steps"] and not r["profiled"]
+        assert all(ms > 0 and roof > 0 for _, ms, roof in r["by_batch"].values())
+        assert set(r["by_batch"]) <= {"1-8", "9-32", "33-128", "129-512", "513+"}
+
+
+def test_profile_writes_a_kernel_table_per_window(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    rows = main([*SMOKE, "--modes", "seeded", "--profile", str(tmp_path), "--profile-steps", "0,8",
+                 "--profile-length", "4"])
+    capsys.readouterr()
+    assert rows[0]["profiled"]
+    tables = sorted(p.name for p in tmp_path.iterdir())
+    assert tables == ["tiny_seeded_step0.txt", "tiny_seeded_step8.txt"]
+    text = (tmp_path / "tiny_seeded_step8.txt").read_text()
+    assert text.startswith("4 steps from step 8") and "Name" in text
 
 
 def test_model_cost_counts_the_tiny_model() -> None:
