@@ -110,6 +110,18 @@ def run(llm: LLM, work: Workload, mode: str, probe: StepProbe | None = None) -> 
     return generated
 
 
+@torch.no_grad()
+def damp_tail(target: torch.nn.Module, draft_layers: int, scale: float) -> None:
+    """Scale o_proj and down_proj of the target's layers beyond the draft's by `scale` (--tail-scale), so a
+    draft of the first layers agrees with the target as a trained draft does (bench_spec's damping): the
+    damped layers still cost their full compute. 1.0 leaves random layers (a poor guesser)."""
+    if scale != 1.0:
+        from scripts.bench_spec import tail
+
+        for p in tail(target, draft_layers).values():
+            p.mul_(scale)
+
+
 def build_llm(shape: str, args: argparse.Namespace, max_len: int) -> LLM:
     """The engine for a shape: the tiny model as shipped, or a Qwen shape with random bf16 weights
     (and, with --draft-layers, a draft made of the target's first layers: scripts/bench_spec.py)."""
@@ -137,6 +149,7 @@ def build_llm(shape: str, args: argparse.Namespace, max_len: int) -> LLM:
               gpu_memory_utilization=args.gpu_memory_utilization, **kw)
     if args.draft_layers:
         tie_draft(llm, args.draft_layers)
+        damp_tail(llm.worker.models["target"], args.draft_layers, args.tail_scale)
     return llm
 
 
@@ -198,6 +211,7 @@ def run_shape(shape: str, args: argparse.Namespace, rates: tuple[float, float]) 
         for mode in args.modes:
             row: dict[str, object] = {"bench": "rollout", "shape": shape, "mode": mode, "prompts": args.prompts,
                                       "samples": args.samples, "draft_layers": args.draft_layers,
+                                      "tail_scale": args.tail_scale if args.draft_layers else None,
                                       "spec_max_batch": args.spec_max_batch if args.draft_layers else None,
                                       "async_scheduling": llm._overlap is not None}
             probe = (StepProbe(args.profile, f"{shape}_{mode}", args.profile_steps, args.profile_length)
@@ -236,6 +250,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--draft-layers", type=int, default=0, help="0: no draft; else a draft of that many layers")
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step (with --draft-layers)")
+    ap.add_argument("--tail-scale", type=float, default=1.0,
+                    help="with --draft-layers: damp the target's later layers so the draft agrees (bench_spec)")
     ap.add_argument("--spec-max-batch", type=int, default=64,
                     help="with --draft-layers: speculate only while at most this many sequences decode (0: always)")
     ap.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",

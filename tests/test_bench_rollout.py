@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from inference.llm import LLM
 from scripts.bench_rollout import ModelCost, draw_workload, main, parse_args, submit
@@ -85,3 +86,19 @@ def test_a_draft_speculates_on_the_tail_only(capsys: pytest.CaptureFixture[str])
     work = draw_workload(parse_args(SMOKE), 512, seed=0)
     assert row["generated_tokens"] == work.num_tokens and row["spec_max_batch"] == 2
     assert 0 < row["spec_steps"] < row["steps"] and row["spec_acceptance"] is not None
+
+
+def test_tail_scale_damps_only_the_layers_beyond_the_draft() -> None:
+    """--tail-scale: o_proj and down_proj of the target's layers past the draft's scale; nothing else moves."""
+    from scripts.bench_rollout import damp_tail
+
+    model = LLM(None, device="cpu").worker.models["target"]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    damp_tail(model, 1, 0.5)
+    for name, p in model.named_parameters():
+        layer = int(name.split(".")[2]) if name.startswith("model.layers.") else -1
+        damped = layer >= 1 and name.endswith(("o_proj.weight", "down_proj.weight"))
+        torch.testing.assert_close(p, before[name] * 0.5 if damped else before[name], rtol=0, atol=0)
+    assert any(n.endswith("o_proj.weight") and ".1." in n for n in before)  # the tiny model has a layer 1
+    damp_tail(model, 1, 1.0)  # the default leaves the weights alone
+    torch.testing.assert_close(dict(model.named_parameters())["model.norm.weight"], before["model.norm.weight"])
