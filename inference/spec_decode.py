@@ -22,9 +22,10 @@ the draft's own decode graphs. The host waits on the device once per step, for t
 
 Invariants: the draft and the target share block ids and tables (one BlockManager); the draft's KV
 lives in a tensor of its own shape, bound once. seq.token_ids never holds a proposal: proposals live
-on the device until the accepted run comes back in the step's one host transfer. Seeded rows draw
-every uniform and noise from generators seeded by (seed, output position, stream), so a seeded
-completion does not depend on the rest of the batch. Reported logprobs are the target's. In the
+on the device until the accepted run comes back in the step's one host transfer. Every uniform and
+noise comes from the sampler's counter-based generator, all rows in one launch; a seeded row's key is
+(stream_seed(seed, output position, stream), output position), so a seeded completion does not depend
+on the rest of the batch. Reported logprobs are the target's. In the
 batch-invariant mode (EngineConfig.batch_invariant) steps 1 and 3 are exact-match instead
 (inference/spec_exact.py): the output is then the target-only engine's, bit for bit.
 """
@@ -41,9 +42,13 @@ from inference.cuda_graphs import CUDAGraphRunner
 from inference.decode_rows import DecodeRows, decode_logits
 from inference.runner import ModelRunner, SampleResult, StepInputs, top_dicts
 from inference.sampler import SamplingBatch, position_seed, process_logits
+from inference.sampler_kernels import triton, uniforms_torch
 from inference.scheduler import ScheduledBatch, StepResult
 from inference.sequence import Sequence
 from inference.spec_exact import ExactSpeculation
+
+if triton is not None:
+    from inference.sampler_kernels import uniforms_triton
 
 # stream salts of a seeded row's random draws, so the three never share a generator seed
 _DRAFT, _ACCEPT, _RESIDUAL = 1, 2, 3
@@ -356,24 +361,30 @@ class SpecDecoder:
 
     def _exponential(self, shape: tuple[int, ...] | torch.Size, seqs: list[Sequence], positions: list[int],
                      stream: int) -> torch.Tensor:
-        out = torch.empty(tuple(shape), dtype=torch.float32, device=self.device).exponential_(
-            generator=self.generator)
-        return self._reseed(out, seqs, positions, stream, lambda t, g: t.exponential_(generator=g))
+        """E ~ Exp(1), [rows, n]: row i from the counter-based noise of its key (see _keys)."""
+        return torch.log1p(self._uniforms(seqs, positions, stream, shape[-1]).neg_()).neg_()
 
     def _uniform(self, shape: tuple[int, ...], seqs: list[Sequence], positions: list[int],
                  stream: int) -> torch.Tensor:
-        out = torch.empty(shape, dtype=torch.float32, device=self.device).uniform_(generator=self.generator)
-        return self._reseed(out, seqs, positions, stream, lambda t, g: t.uniform_(generator=g))
+        """One uniform in (0, 1) per row, [rows]."""
+        return self._uniforms(seqs, positions, stream, 1).view(shape)
 
-    def _reseed(self, out: torch.Tensor, seqs: list[Sequence], positions: list[int], stream: int,
-                fill: object) -> torch.Tensor:
-        """Redraw row i of a seeded, sampled sequence from its own (seed, position, stream) generator."""
-        for i, (seq, pos) in enumerate(zip(seqs, positions)):
-            if seq.seed is not None and not seq.params.greedy:
-                g = torch.Generator(device=self.device)
-                g.manual_seed(stream_seed(seq.seed, pos, stream))
-                fill(out[i : i + 1], g)  # type: ignore[operator]
-        return out
+    def _uniforms(self, seqs: list[Sequence], positions: list[int], stream: int, n_cols: int) -> torch.Tensor:
+        """[rows, n_cols] uniforms of the sampler's counter-based generator (inference/sampler_kernels.py),
+        all rows in one launch: no per-row generator. A seeded, sampled row is keyed by
+        (stream_seed(seed, position, stream), position), so its draw depends only on its own seed and
+        position, never on the batch; every other row takes a seed drawn once per call from the rank's
+        generator (TP ranks draw the same)."""
+        rows = len(seqs)
+        own = [stream_seed(q.seed, pos, stream) if q.seed is not None and not q.params.greedy else -1
+               for q, pos in zip(seqs, positions)]
+        seeds = _to(own, self.device)
+        if min(own, default=0) < 0:
+            drawn = torch.randint(0, 1 << 62, (rows,), dtype=torch.int64, device=self.device, generator=self.generator)
+            seeds = torch.where(seeds >= 0, seeds, drawn)
+        pos = _to(positions, self.device)
+        uniforms = uniforms_triton if (triton is not None and self.device.type == "cuda") else uniforms_torch
+        return uniforms(seeds, pos, n_cols)
 
 
 def _race(logprobs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
