@@ -64,10 +64,7 @@ class StepCommit:
             assert not isinstance(out, list)
             token_id, logprob, top = out
             seq.append(token_id, logprob, top)
-            num_tokens = len(seq.token_ids)  # below: _stop_rule's screen
-            params = seq.params
-            if (token_id in eos or params.stop_token_ids or num_tokens - seq.num_prompt_tokens >= params.max_tokens
-                    or num_tokens >= max_len) and self._stops(seq, token_id):
+            if _may_stop(seq, token_id, eos, max_len) and self._stops(seq, token_id):
                 finished.append(seq)
         return finished
 
@@ -140,10 +137,7 @@ class StepCommit:
             if top is not None:
                 seq.top_logprobs[-1] = top  # type: ignore[index]
             seq.num_pending = 0
-            num_tokens = len(seq.token_ids)  # below: _stop_rule's screen
-            params = seq.params
-            if (token_id in eos or params.stop_token_ids or num_tokens - seq.num_prompt_tokens >= params.max_tokens
-                    or num_tokens >= max_len) and self._stops(seq, token_id):
+            if _may_stop(seq, token_id, eos, max_len) and self._stops(seq, token_id):
                 finished.append(seq)
         return finished
 
@@ -186,3 +180,11 @@ class StepCommit:
     def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None) -> None:
         """Take seq out of its queue and free its blocks: Scheduler's, as it owns the queues."""
         raise NotImplementedError
+
+
+def _may_stop(seq: Sequence, token_id: int, eos: frozenset[int], max_len: int) -> bool:
+    """The cheap screen before _stops (which applies the stop rules in full): False only for a token that
+    no rule can stop on, so the common row of a commit costs no more than this."""
+    num_tokens, params = len(seq.token_ids), seq.params
+    return (token_id in eos or bool(params.stop_token_ids) or num_tokens - seq.num_prompt_tokens >= params.max_tokens
+            or num_tokens >= max_len)
