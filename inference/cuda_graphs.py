@@ -266,20 +266,26 @@ class CUDAGraphRunner:
     """Decode graphs of one model over the KV cache bound to it (the target's, or the draft's).
 
     `sizes` overrides the ladder (speculative decoding captures extended_ladder); a row of a replay
-    is one token with its own position, slot, context length and block table row.
+    is one token with its own position, slot, context length and block table row. `logits_max`: sizes
+    above the smallest one holding that many rows capture the forward without the LM head, and replay
+    the hidden states (a draft following a full batch's plain step writes its KV and needs no logits);
+    None: every size computes logits.
     """
 
     def __init__(self, model: torch.nn.Module, max_batch: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, sizes: list[int] | None = None) -> None:
+                 device: torch.device, dtype: torch.dtype, sizes: list[int] | None = None,
+                 logits_max: int | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.max_blocks = max_blocks_per_seq
         self.device = device
         self.sizes = sorted(set(sizes)) if sizes else batch_ladder(max_batch)
         n = self.sizes[-1]
+        # the largest size that computes logits
+        self.logits_top = n if logits_max is None or logits_max >= n else self.size_for(max(1, logits_max))
         self.inputs = DecodeInputs(n, max_blocks_per_seq, device)
         self.cu_query_lens = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.logits = torch.empty(n, model.config.vocab_size, dtype=dtype, device=device)
+        self.logits = torch.empty(self.logits_top, model.config.vocab_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -295,6 +301,8 @@ class CUDAGraphRunner:
     def _forward(self, bs: int) -> torch.Tensor:
         input_ids, positions = self.inputs.views(bs)[:2]
         hidden = self.model(input_ids, positions, self._meta(bs))
+        if bs > self.logits_top:
+            return hidden
         return self.model.compute_logits(hidden, out=self.logits[:bs])
 
     def _warm_up(self, bs: int) -> None:
@@ -310,8 +318,10 @@ class CUDAGraphRunner:
         log.info("captured %d decode graphs (batch %d..%d) in %.2f s", len(self.graphs), self.sizes[0],
                  self.sizes[-1], self.capture_seconds)
 
-    def can_use(self, num_seqs: int, max_blocks: int) -> bool:
-        return bool(self.graphs) and num_seqs <= self.sizes[-1] and max_blocks <= self.max_blocks
+    def can_use(self, num_seqs: int, max_blocks: int, logits: bool = True) -> bool:
+        """Whether a replay holds num_seqs rows of max_blocks-wide tables (with logits: and gives them)."""
+        top = self.logits_top if logits else self.sizes[-1]
+        return bool(self.graphs) and num_seqs <= top and max_blocks <= self.max_blocks
 
     def size_for(self, num_seqs: int) -> int:
         """The captured batch size that replays num_seqs rows."""
@@ -319,7 +329,8 @@ class CUDAGraphRunner:
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                context_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-        """Logits [n, vocab] of one decode step of n sequences (inputs on the device or pinned)."""
+        """Logits [n, vocab] of one decode step of n sequences (inputs on the device or pinned); hidden
+        states [n, hidden] from a size above logits_top."""
         n = input_ids.shape[0]
         bs = self.size_for(n)
         self.inputs.write(bs, input_ids, positions, slots, context_lens, block_tables)

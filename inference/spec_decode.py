@@ -114,12 +114,15 @@ class SpecDecoder:
         """Rows of the largest decode graph speculation wants: a verify of max_batch rows of k + 1."""
         return min(max_batch * (self.k + 1), max(max_batch, MAX_GRAPH_ROWS))
 
-    def capture_graphs(self, sizes: list[int], max_model_len: int) -> None:
-        """Capture the draft's decode graphs at `sizes` over its bound KV (bind_draft_kv first)."""
+    def capture_graphs(self, sizes: list[int], max_model_len: int, spec_max_batch: int = 0) -> None:
+        """Capture the draft's decode graphs at `sizes` over its bound KV (bind_draft_kv first). Sizes
+        beyond what a speculating step runs (spec_max_batch sequences of k + 1 rows; 0: no bound) only
+        follow plain steps: they are captured without the LM head (a full vocabulary GEMM per step)."""
         assert self.block_size, "bind_draft_kv first"
         max_blocks = -(-max_model_len // self.block_size)
+        logits_max = spec_max_batch * (self.k + 1) if spec_max_batch else None
         self.graphs = CUDAGraphRunner(self.draft, max(sizes), max_blocks, self.block_size, self.device,
-                                      self.runner.dtype, sizes)
+                                      self.runner.dtype, sizes, logits_max=logits_max)
         self.graphs.capture()
 
     @property
@@ -139,7 +142,7 @@ class SpecDecoder:
         self.draft(inp.input_ids, inp.positions, inp.meta)
 
     def graphs_fit(self, num_rows: int, max_blocks: int) -> bool:
-        return self.graphs is not None and self.graphs.can_use(num_rows, max_blocks)
+        return self.graphs is not None and self.graphs.can_use(num_rows, max_blocks, logits=False)
 
     def follow_rows(self, rows: tuple[torch.Tensor, ...]) -> None:
         """(input_ids, positions, slots, context_lens, block_tables) of a target decode graph's rows."""

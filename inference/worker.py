@@ -282,7 +282,7 @@ class Worker:
         # speculation verifies as decode rows (k + 1 per sequence) and steps the draft one token at a time
         sizes = extended_ladder(max_batch, self.spec.graph_rows(max_batch))
         self.runner.capture_graphs(max_batch, self.max_model_len, sizes)
-        self.spec.capture_graphs(sizes, self.max_model_len)
+        self.spec.capture_graphs(sizes, self.max_model_len, self.config.scheduler.spec_max_batch)
 
     @overload
     def execute_model(self, batch: ScheduledBatch, overlap: Literal[False] = False) -> list[StepResult]: ...
