@@ -16,6 +16,15 @@ import numpy as np
 import torch
 
 
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor's copy on `device`, queued without waiting: a CUDA copy goes through pinned memory
+    (torch caches pinned blocks and keeps one until its copy ran), since a pageable source may make the
+    driver wait for all the work queued on the stream first (a step in flight, or a draft's launches)."""
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 @dataclass
 class AttentionMetadata:
     query_lens: list[int]  # host copy: new tokens per sequence
@@ -80,7 +89,7 @@ class AttentionMetadata:
         packed[1: num_seqs + 1] = np.arange(1, num_seqs + 1) if is_decode else list(accumulate(query_lens))
         packed[num_seqs + 1: 2 * num_seqs + 1] = context_lens
         packed[2 * num_seqs + 1:].reshape(block_tables.shape)[:] = block_tables
-        dev = torch.from_numpy(packed).to(device, non_blocking=True)
+        dev = to_device(torch.from_numpy(packed), device)
         return cls(
             query_lens=query_lens,
             context_lens_host=context_lens,

@@ -18,7 +18,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from inference.batch import AttentionMetadata
+from inference.batch import AttentionMetadata, to_device
 from inference.config import ModelConfig
 from inference.cuda_graphs import CUDAGraphRunner, capture_ladder
 from inference.parallel import TPInfo
@@ -107,7 +107,7 @@ class ModelRunner:
         packed[t: 2 * t] = rows.positions
         packed[2 * t: 3 * t] = rows.slots
         packed[3 * t:] = rows.last_index
-        dev = torch.from_numpy(packed).to(self.device, non_blocking=True)
+        dev = to_device(torch.from_numpy(packed), self.device)
         if min(rows.ids) < 0:
             assert pending is not None, "placeholder input ids without the previous step's sampled tokens"
             resolve_pending(dev[:t], pending)
@@ -194,12 +194,8 @@ class ModelRunner:
             return self._sb_rows
         positions = array("q", map(operator.sub, map(len, map(_TOKEN_IDS, seqs)), map(_NUM_PROMPT, seqs)))
         if positions != self._sb_positions or self._sb is None:
-            # pinned (torch caches pinned blocks), so the copy is queued without waiting for the step in
-            # flight, as a pageable source could make it do under async scheduling
-            host = torch.frombuffer(positions, dtype=torch.int64)
-            if self.device.type == "cuda":
-                host = host.pin_memory()
-            self._sb = self._sb_rows.at(host.to(self.device, non_blocking=True))
+            # queued without waiting for the step in flight (to_device)
+            self._sb = self._sb_rows.at(to_device(torch.frombuffer(positions, dtype=torch.int64), self.device))
             self._sb_positions = positions
         return self._sb
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from inference.batch import to_device
 from inference.sampler_kernels import MAX_INV_TEMP
 
 _MIX = 0x9E3779B97F4A7C15
@@ -68,7 +69,7 @@ class SamplingBatch:
         rows = cls.build_rows(params, seeds, vocab_size, device, invariant)
         if rows.all_greedy:
             return rows
-        return rows.at(torch.tensor(positions, dtype=torch.int64).to(device, non_blocking=True))
+        return rows.at(to_device(torch.tensor(positions, dtype=torch.int64), device))
 
     @classmethod
     def build_rows(cls, params: list, seeds: list[int | None], vocab_size: int,

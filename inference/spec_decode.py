@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from inference.batch import AttentionMetadata
+from inference.batch import AttentionMetadata, to_device
 from inference.cuda_graphs import CUDAGraphRunner
 from inference.decode_rows import DecodeRows, decode_logits
 from inference.runner import ModelRunner, SampleResult, StepInputs, top_dicts
@@ -396,4 +396,4 @@ def _race(logprobs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 
 def _to(values: list, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    return to_device(torch.tensor(values, dtype=dtype), device)

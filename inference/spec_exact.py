@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from inference.batch import to_device
 from inference.decode_rows import DecodeRows, decode_logits
 from inference.runner import SampleResult, top_dicts
 from inference.sampler import SamplingBatch, sample, unseeded_seed
@@ -105,4 +106,4 @@ class ExactSpeculation:
 
 
 def _to(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+    return to_device(torch.tensor(values, dtype=torch.int64), device)

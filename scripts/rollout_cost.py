@@ -41,11 +41,13 @@ class StepProbe:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.prof.__exit__(None, None, None)
-        key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
-        table = self.prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70)
+        averages = self.prof.key_averages()
+        keys = ["self_cuda_time_total"] if torch.cuda.is_available() else []
+        tables = [averages.table(sort_by=key, row_limit=40, max_name_column_width=70)
+                  for key in [*keys, "self_cpu_time_total"]]  # the device's kernels, then the host's calls
         os.makedirs(self.out_dir, exist_ok=True)
         with open(os.path.join(self.out_dir, f"{self.name}_step{self.start}.txt"), "w") as f:
-            f.write(f"{self.length} steps from step {self.start}\n{table}\n")
+            f.write(f"{self.length} steps from step {self.start}\n" + "\n".join(tables) + "\n")
         self.prof = None
 
 
