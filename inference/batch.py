@@ -37,6 +37,9 @@ class AttentionMetadata:
     max_query_len: int
     max_context_len: int
     is_decode: bool  # every query_len is 1 (the CUDA-graph case)
+    # decode: the most rows of one sequence this launch may hold (1: plain decode; k + 1: a spec-decode
+    # verify); 0: as many as the attention backend allows (its tiles.decode_max_rows). Static per graph.
+    rows_per_seq: int = 0
 
     @property
     def num_seqs(self) -> int:
@@ -65,7 +68,7 @@ class AttentionMetadata:
         for row, table in zip(tables, block_tables):
             row[:len(table)] = table
         if not isinstance(slot_mapping, torch.Tensor):
-            slot_mapping = torch.tensor(slot_mapping, dtype=torch.int64).to(device, non_blocking=True)
+            slot_mapping = to_device(torch.tensor(slot_mapping, dtype=torch.int64), device)
         return cls.from_table_rows(list(query_lens), list(context_lens), slot_mapping, tables, block_size, device)
 
     @classmethod

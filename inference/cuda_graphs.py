@@ -269,13 +269,15 @@ class CUDAGraphRunner:
     is one token with its own position, slot, context length and block table row. `logits_max`: sizes
     above the smallest one holding that many rows capture the forward without the LM head, and replay
     the hidden states (a draft following a full batch's plain step writes its KV and needs no logits);
-    None: every size computes logits.
+    None: every size computes logits. `rows_per_seq`: the most rows of one sequence a replay holds
+    (AttentionMetadata.rows_per_seq: 1 for plain decode, k + 1 for spec-decode verify; 0: the backend's).
     """
 
     def __init__(self, model: torch.nn.Module, max_batch: int, max_blocks_per_seq: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, sizes: list[int] | None = None,
-                 logits_max: int | None = None) -> None:
+                 logits_max: int | None = None, rows_per_seq: int = 0) -> None:
         self.model = model
+        self.rows_per_seq = rows_per_seq
         self.block_size = block_size
         self.max_blocks = max_blocks_per_seq
         self.device = device
@@ -296,7 +298,8 @@ class CUDAGraphRunner:
         return AttentionMetadata(
             query_lens=[1] * bs, context_lens_host=[1] * bs, cu_query_lens=self.cu_query_lens[: bs + 1],
             context_lens=context_lens, slot_mapping=slots, block_tables=tables, block_size=self.block_size,
-            max_query_len=1, max_context_len=self.max_blocks * self.block_size, is_decode=True)
+            max_query_len=1, max_context_len=self.max_blocks * self.block_size, is_decode=True,
+            rows_per_seq=self.rows_per_seq)
 
     def _forward(self, bs: int) -> torch.Tensor:
         input_ids, positions = self.inputs.views(bs)[:2]

@@ -68,6 +68,7 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.block_size = 0
         self.graphs: CUDAGraphRunner | None = None  # set by capture_graphs
+        self.verify_graphs: CUDAGraphRunner | None = None  # spec-decode verify rows (capture_graphs)
         self.greedy_graphs: GreedyGraphs | None = None
         self.sampling_graphs: SamplingGraphs | None = None
         self._tables = BlockTables()  # eager steps' block tables (the decode graphs stage their own)
@@ -224,14 +225,21 @@ class ModelRunner:
         return [(int(tok), lp, top) for (tok, lp), top in zip(pairs, tops)]
 
     # ---- CUDA graphs ----------------------------------------------------------------------
-    def capture_graphs(self, max_batch: int, max_model_len: int, sizes: list[int] | None = None) -> None:
-        """Decode graphs for batch_ladder(max_batch), or for `sizes` (speculative decoding adds the
-        sizes of its expanded-row verify batches; see inference/spec_decode.py), and per size a greedy
-        and a sampling graph over their logits."""
+    def capture_graphs(self, max_batch: int, max_model_len: int, verify_rows: int = 0,
+                       verify_rows_per_seq: int = 0) -> None:
+        """Decode graphs for batch_ladder(max_batch), one row per sequence, and per size a greedy and a
+        sampling graph over their logits. With speculative decoding (verify_rows > 0) also the verify
+        graphs: batch_ladder(verify_rows) of expanded rows, at most verify_rows_per_seq (k + 1) of one
+        sequence (inference/spec_decode.py). Apart, so a plain step's attention compiles the multi-row
+        check out and a verify's takes more KV splits (inference/layers/triton_attention.py)."""
         max_blocks = -(-max_model_len // self.block_size)
         self.graphs = CUDAGraphRunner(self.model, max_batch, max_blocks, self.block_size, self.device, self.dtype,
-                                      sizes)
+                                      rows_per_seq=1)
         self.graphs.capture()
+        if verify_rows:
+            self.verify_graphs = CUDAGraphRunner(self.model, verify_rows, max_blocks, self.block_size, self.device,
+                                                 self.dtype, rows_per_seq=verify_rows_per_seq)
+            self.verify_graphs.capture()
         self.greedy_graphs = GreedyGraphs(self.graphs, self.batch_invariant)
         self.greedy_graphs.capture()
         # compile the placeholder kernel now rather than in the first async step (the ids of a

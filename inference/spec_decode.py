@@ -15,10 +15,11 @@ Rows without lookahead (prefill chunks, decodes at their last token) run through
 ModelRunner as usual, and the draft mirrors the same chunk so its cache follows the target's.
 
 Graphs: the verify runs as a decode batch of sum(k_r + 1) single-token rows (inference/decode_rows.py),
-which replays the target's decode graphs (captured at extended_ladder sizes) and gives each position
-the attention kernel of a plain decode step. The draft's one-token steps and its catch-up pass replay
-the draft's own decode graphs. The host waits on the device once per step, for the accepted runs
-(plus the target's own transfer when plain rows sample in the same step).
+which replays the target's verify graphs (ModelRunner.verify_graphs, up to spec_max_batch sequences of
+k + 1 rows) and gives each position the attention tiles of a plain decode step (the same bits). The
+draft's one-token steps and its catch-up pass replay the draft's own decode graphs. The host waits on
+the device once per step, for the accepted runs (plus the target's own transfer when plain rows sample
+in the same step).
 
 Invariants: the draft and the target share block ids and tables (one BlockManager); the draft's KV
 lives in a tensor of its own shape, bound once. seq.token_ids never holds a proposal: proposals live
@@ -113,6 +114,11 @@ class SpecDecoder:
     def graph_rows(self, max_batch: int) -> int:
         """Rows of the largest decode graph speculation wants: a verify of max_batch rows of k + 1."""
         return min(max_batch * (self.k + 1), max(max_batch, MAX_GRAPH_ROWS))
+
+    def verify_rows(self, max_batch: int, spec_max_batch: int) -> int:
+        """Rows of the largest verify graph: spec_max_batch sequences (0: no bound) of k + 1 rows."""
+        rows = self.graph_rows(max_batch)
+        return min(rows, spec_max_batch * (self.k + 1)) if spec_max_batch else rows
 
     def capture_graphs(self, sizes: list[int], max_model_len: int, spec_max_batch: int = 0) -> None:
         """Capture the draft's decode graphs at `sizes` over its bound KV (bind_draft_kv first). Sizes
@@ -268,7 +274,7 @@ class SpecDecoder:
             verify = DecodeRows(self.block_size)
             for s, n in zip(seqs, lens):
                 verify.add(s.block_table, s.num_computed_tokens, n)
-            logits = decode_logits(model, self.runner.graphs, ids, verify, self.device)
+            logits = decode_logits(model, self.runner.verify_graphs, ids, verify, self.device)
         else:
             hidden = self._forward(model, ids, [s.num_computed_tokens for s in seqs], lens,
                                    [s.block_table for s in seqs])

@@ -235,6 +235,20 @@ def completions(outs: list[RequestOutput]) -> list[tuple]:
              c.text, c.weight_version_spans) for o in outs for c in o.outputs]
 
 
+def assert_completions_equal(got: list[RequestOutput], want: list[RequestOutput]) -> None:
+    """Everything equal but the logprob values, which agree to 1e-5: with stops mid-batch, async rows of
+    finished sequences are wasted, so steps run at other row counts, and the CPU's GEMMs may round a
+    row otherwise (seen: 8e-7 on one CPU model, exact on another)."""
+    for a, b in zip(completions(got), completions(want), strict=True):
+        assert (a[:3], a[5:]) == (b[:3], b[5:])
+        torch.testing.assert_close(torch.tensor(a[3]), torch.tensor(b[3]), atol=1e-5, rtol=0)
+        assert (a[4] is None) == (b[4] is None)
+        for top_a, top_b in zip(a[4] or [], b[4] or [], strict=True):
+            assert list(top_a) == list(top_b)
+            torch.testing.assert_close(torch.tensor(list(top_a.values())), torch.tensor(list(top_b.values())),
+                                       atol=1e-5, rtol=0)
+
+
 def mixed_params() -> list[SamplingParams]:
     return [SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=STOPS[::2]),
             SamplingParams(temperature=1.0, seed=3, max_tokens=25, n=3, stop_token_ids=STOPS),
@@ -252,7 +266,7 @@ def test_engine_async_equals_sync(qwen2: Path, monkeypatch: pytest.MonkeyPatch) 
     for llm in (sync, fast):
         llm.scheduler.eos_token_ids = frozenset({7, 150})  # some greedy run meets an EOS
     want, got = sync.generate(prompts, mixed_params()), fast.generate(prompts, mixed_params())
-    assert completions(got) == completions(want)
+    assert_completions_equal(got, want)
     reasons = {c[5] for c in completions(want)}
     assert reasons == {FinishReason.STOP, FinishReason.LENGTH}
     assert probe.resolved > 0 and probe.wasted > 0
@@ -270,7 +284,7 @@ def test_stop_strings_async_equals_sync(monkeypatch: pytest.MonkeyPatch) -> None
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[text[2:4]]), plain,
               SamplingParams(temperature=1.0, seed=1, max_tokens=12, stop=["e", "a"]), plain]
     want, got = sync.generate(prompts, params), fast.generate(prompts, params)
-    assert completions(got) == completions(want)
+    assert_completions_equal(got, want)
     assert want[0].outputs[0].finish_reason is FinishReason.STOP
     assert probe.resolved > 0 and fast._num_with_stops == 0
 

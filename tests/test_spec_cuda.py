@@ -64,8 +64,9 @@ def test_bf16_greedy_output_is_identical_with_the_draft(pair: tuple[Path, Path],
     ref = generate(base, prompts)
     spec = engine(target, draft, "bfloat16", k)
     runner, decoder = spec.worker.runner, spec.worker.spec
-    assert runner.graphs is not None and decoder is not None and decoder.graphs is not None
-    verify, steps = count_replays(runner.graphs), count_replays(decoder.graphs)
+    assert runner.verify_graphs is not None and decoder is not None and decoder.graphs is not None
+    assert runner.graphs is not None and runner.graphs.rows_per_seq == 1 and runner.verify_graphs.rows_per_seq == k + 1
+    verify, steps = count_replays(runner.verify_graphs), count_replays(decoder.graphs)
     got = generate(spec, prompts)
     assert [g[0] for g in got] == [r[0] for r in ref]
     for g, r in zip(got, ref):
@@ -84,7 +85,8 @@ def test_spec_graph_path_equals_eager_path(pair: tuple[Path, Path], dtype: str) 
     eager = engine(target, draft, dtype, enforce_eager=True)
     assert eager.worker.runner.graphs is None and eager.worker.spec.graphs is None
     graphs = engine(target, draft, dtype)
-    assert 20 in graphs.worker.runner.graphs.sizes and 20 in graphs.worker.spec.graphs.sizes  # 4 rows x (k+1)
+    # 4 rows x (k + 1): the target's verify graphs and the draft's graphs
+    assert 20 in graphs.worker.runner.verify_graphs.sizes and 20 in graphs.worker.spec.graphs.sizes
     a, b = generate(eager, prompts), generate(graphs, prompts)
     for x, y in zip(a, b):
         assert x[0] == y[0]

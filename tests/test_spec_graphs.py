@@ -80,22 +80,31 @@ class _Replay:
             self.runner._forward(self.bs)
 
 
-def install_graphs(llm: LLM, max_batch: int) -> tuple[EagerGraphs, EagerGraphs | None]:
+def install_graphs(llm: LLM, max_batch: int) -> tuple[EagerGraphs, EagerGraphs | None, EagerGraphs | None]:
+    """The graphs Worker.capture_graphs would capture: the target's plain decode graphs (one row per
+    sequence), with a draft also the target's verify graphs and the draft's graphs; returns
+    (plain, verify, draft)."""
     worker = llm.worker
     runner = worker.runner
     assert runner is not None
     max_blocks = -(-worker.max_model_len // runner.block_size)
     spec = worker.spec
-    sizes = extended_ladder(max_batch, spec.graph_rows(max_batch)) if spec is not None else None
-    target = EagerGraphs(runner.model, max_batch, max_blocks, runner.block_size, runner.device, runner.dtype, sizes)
+    target = EagerGraphs(runner.model, max_batch, max_blocks, runner.block_size, runner.device, runner.dtype,
+                         rows_per_seq=1)
     target.capture()
     runner.graphs = target
     if spec is None:
-        return target, None
+        return target, None, None
+    rows = spec.verify_rows(max_batch, worker.config.scheduler.spec_max_batch)
+    verify = EagerGraphs(runner.model, rows, max_blocks, runner.block_size, runner.device, runner.dtype,
+                         rows_per_seq=spec.k + 1)
+    verify.capture()
+    runner.verify_graphs = verify
+    sizes = extended_ladder(max_batch, spec.graph_rows(max_batch))
     draft = EagerGraphs(spec.draft, max_batch, max_blocks, runner.block_size, runner.device, runner.dtype, sizes)
     draft.capture()
     spec.graphs = draft
-    return target, draft
+    return target, verify, draft
 
 
 def test_graph_path_keeps_greedy_output_identical(pair: tuple[Path, Path]) -> None:
@@ -103,16 +112,17 @@ def test_graph_path_keeps_greedy_output_identical(pair: tuple[Path, Path]) -> No
     prompts = random_prompts([5, 11], VOCAB, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
     base = engine(target, attention_backend="triton", max_model_len=64)
-    base_graphs, _ = install_graphs(base, 2)
+    base_graphs, _, _ = install_graphs(base, 2)
     ref = base.generate(prompts, params)
     spec = engine(target, draft, 3, attention_backend="triton", max_model_len=64)
-    verify_graphs, draft_graphs = install_graphs(spec, 2)
+    plain_graphs, verify_graphs, draft_graphs = install_graphs(spec, 2)
     outs = spec.generate(prompts, params)
     for r, o in zip(ref, outs):
         assert o.outputs[0].token_ids == r.outputs[0].token_ids
         torch.testing.assert_close(o.outputs[0].logprobs, r.outputs[0].logprobs, rtol=1e-4, atol=1e-4)
     assert base_graphs.replays and set(base_graphs.replays) <= {1, 2}
-    assert max(verify_graphs.replays) == 8  # two sequences of 4 verify rows
+    assert verify_graphs is not None and max(verify_graphs.replays) == 8  # two sequences of 4 verify rows
+    assert verify_graphs.sizes[-1] == 8 and plain_graphs.sizes == [1, 2]
     assert draft_graphs is not None and draft_graphs.replays[2] > 0  # both rows' one-token steps
     assert spec.spec_stats.proposed > 0
 

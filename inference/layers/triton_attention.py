@@ -26,7 +26,8 @@ needs row i's new key, which row i's split 0 stores in this same launch, and pro
 order on a GPU. So no row reads another row's new k/v from the cache: for keys ctx - max_rows .. ctx - 2
 (only the last KV tile or two) a program finds the launch row that writes each key (row seq -/+ j whose
 slot equals the key's slot; the rows of a sequence are consecutive, ascending or descending) and takes
-that row's k and v from the inputs. max_rows = min(T, tiles.decode_max_rows) is a launch argument; a
+that row's k and v from the inputs. max_rows = min(T, meta.rows_per_seq or tiles.decode_max_rows) is a
+launch argument (rows_per_seq 1: a plain decode graph of a model with a draft compiles the check out); a
 launch holding more rows of one sequence than that is not supported (SpecDecoder refuses such a k). The
 extra loads are masked, so where no row matches (plain decode) they read nothing; a batch-1 launch
 compiles the check out (MULTI_ROW), and so does every launch of a target without a draft model (the
@@ -100,6 +101,9 @@ class TritonAttentionTiles:
     num_splits: int | None = None
     # decode_num_splits aims at this many (sequence, kv head, split) programs per SM
     decode_programs_per_sm: int = 2
+    # ... and this many in a launch holding several rows of one sequence (spec-decode verify: few rows
+    # with long contexts, whose k + 1 rows read the same keys, so more splits cost little traffic)
+    verify_programs_per_sm: int = envs.VERIFY_PROGRAMS_PER_SM.get()  # SIDECAR_VERIFY_PROGRAMS_PER_SM
     # Opt-in: a one-sequence decode launch (batch 1) is latency-bound and runs faster with longer KV tiles
     # on more warps, one tile per split (128; much slower at large batches: docs/benchmarks.md, session 4).
     # Off (0) by default: speculative decoding's verify rows run on the tiles above, and greedy output with
@@ -142,7 +146,7 @@ class TritonAttentionTiles:
         assert all(b >= 16 and b & (b - 1) == 0 for b in blocks), blocks
         assert self.num_splits is None or (self.num_splits >= 1 and self.num_splits & (self.num_splits - 1) == 0)
         assert self.decode_split_tiles >= 1, self.decode_split_tiles
-        assert self.decode_programs_per_sm >= 1, self.decode_programs_per_sm
+        assert self.decode_programs_per_sm >= 1 and self.verify_programs_per_sm >= 1, self
         assert self.decode_max_rows >= 1, self.decode_max_rows
 
 
@@ -254,6 +258,10 @@ class TritonAttention:
                 and rope.cache.dtype == torch.float32 and rope.cache.is_contiguous() and rope.cache.shape[1] == dim
                 and rope.positions.shape == (q.shape[0],) and rope.positions.device == q.device)
 
+    def max_rows(self, num_tokens: int, meta: AttentionMetadata) -> int:
+        """The most rows of one sequence a fused-store decode launch holds (static: graph-safe)."""
+        return min(num_tokens, meta.rows_per_seq or self.tiles.decode_max_rows, self.tiles.decode_max_rows)
+
     def plan(self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> LaunchPlan:
         """The launch shape; in decode it depends only on static shapes (CUDA-graph safe)."""
         num_tokens, num_heads, _ = q.shape
@@ -265,6 +273,8 @@ class TritonAttention:
             assert num_seqs == num_tokens, (num_seqs, num_tokens)
             sms = _num_sms(q.device.index or 0) if q.is_cuda else 4
             tiles = tiles.for_decode(num_seqs)
+            if tiles.fused_decode_store and self.max_rows(num_tokens, meta) > 1:
+                tiles = replace(tiles, decode_programs_per_sm=tiles.verify_programs_per_sm)
             splits = decode_num_splits(num_seqs, num_kv_heads, meta.block_tables.shape[1], page, tiles, sms)
             # A decode tile is one token: its group's heads are padded to 16 rows for tl.dot.
             return LaunchPlan(num_seqs, _pow2_at_least(group, 16), 1, tiles.decode_block_n, splits, 1,
@@ -299,7 +309,7 @@ class TritonAttention:
         fused = plan.splits > 1 and self.tiles.fused_combine
         counters = self.merge_counters(q.device, plan.grid0 * k_cache.shape[2]) if fused else out
         # Static (T and the tiles), so a captured graph keeps it; 1: no row can own another's keys.
-        max_rows = min(num_tokens, self.tiles.decode_max_rows) if new_kv is not None else 1
+        max_rows = self.max_rows(num_tokens, meta) if new_kv is not None else 1
         _paged_attention_kernel[(plan.grid0, k_cache.shape[2], plan.splits)](
             q, k_cache, v_cache, out, part_m, part_l, part_acc, counters, k, v, meta.slot_mapping,
             meta.cu_query_lens, meta.context_lens, meta.block_tables,
