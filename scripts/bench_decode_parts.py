@@ -54,7 +54,10 @@ VARIANTS = {"previous": {"decode_split_tiles": 1, "fused_combine": False, "fused
             # next: occupancy at large batches (two stages of 128-key K and V tiles leave one program a SM)
             "n128_st1": {"decode_block_n": 128, "num_stages": 1},
             "n64_st1": {"num_stages": 1},
-            "n256": {"decode_block_n": 256, "decode_split_tiles": 1}}
+            "n256": {"decode_block_n": 256, "decode_split_tiles": 1},
+            # session 14: more KV splits at few rows and long contexts, the multi-row check compiled out
+            "rows1_sm4": {"decode_max_rows": 1, "decode_programs_per_sm": 4},
+            "rows1_sm8": {"decode_max_rows": 1, "decode_programs_per_sm": 8}}
 VARIANT_NAMES = list(VARIANTS)
 
 

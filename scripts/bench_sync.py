@@ -19,8 +19,9 @@ bf16 tensors). Timed on the receiver, after a warm-up, median of --iters:
 Prints one JSON line per (shape, backend), with the receiver's median per phase (start, update,
 finish) of the audited syncs of each rule, and finer timers of them (`LAPS`, as audit_<lap>_ms).
 Smoke test: --shape tiny --backend gloo --device cpu.
---profile DIR writes cProfile stats of the timed syncs: DIR/receiver-<shape>.prof (this process)
-and DIR/sender-<shape>.prof (the trainer's manifest() and send() calls); read them with pstats.
+--profile DIR writes cProfile stats of the audited syncs of the picked rule: DIR/receiver-<shape>.prof
+(this process) and DIR/sender-<shape>.prof (the trainer's manifest() and send() calls); read them with
+pstats.
 """
 
 from __future__ import annotations
@@ -139,11 +140,11 @@ def trainer(args: argparse.Namespace, to_parent: Any, from_parent: Any) -> None:
     _clock_digests(sender, laps)
     for rule in rounds:  # None: a sync without digests
         sender.digest_algorithm = rule
-        with _profiling(profiler):
+        with _profiling(profiler if rule == rules(args)[0] else None):
             sender.manifest(named, 1)
         to_parent.put("ready")
         laps.clear()
-        with _profiling(profiler):
+        with _profiling(profiler if rule == rules(args)[0] else None):
             t0 = time.perf_counter()
             records = sender.send(named, digest=rule is not None)
             laps["sender_send"] = (time.perf_counter() - t0) * 1e3
@@ -241,7 +242,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         receiver.weights.overlap_audit_digest = audit and not args.serial_audit  # nothing to overlap without one
         laps.clear()
         sender_laps: dict[str, float] = {}
-        with _profiling(profiler):
+        with _profiling(profiler if rule == rules(args)[0] else None):
             t0 = time.perf_counter()
             receiver.weights.start("target", 1, {**manifest, "algorithm": rule or ALGORITHM})
             t1 = time.perf_counter()
