@@ -25,14 +25,14 @@ ApplyResults = Callable[[ScheduledBatch, list[StepResult], Callable[..., list[Se
 
 
 def uses_async_scheduling(config: EngineConfig, worker: Worker) -> bool:
-    """async_scheduling None: on for CUDA; True: on (CPU too); False: off. With a draft only when asked
-    for (True): its plain steps then overlap and the draft follows them, its speculative steps run
-    synchronously; the default stays off with a draft until the H200 measures the mix (docs/status.md).
-    Every TP rank decides the same from the same config."""
+    """async_scheduling None: on for CUDA; True: on (CPU too); False: off. With a draft the plain steps
+    overlap and the draft follows them, the speculative steps run synchronously (the H200 measured the
+    mix faster: 7B rollout with a draft 9.5k -> 10.3k tok/s, docs/benchmarks.md, session 14). Every TP
+    rank decides the same from the same config."""
     wanted = config.scheduler.async_scheduling
-    if wanted is False or (worker.spec is not None and wanted is not True):
-        return False
-    return wanted is True or (worker.device is not None and worker.device.type == "cuda")
+    if wanted is not None:
+        return wanted
+    return worker.device is not None and worker.device.type == "cuda"
 
 
 @dataclass

@@ -127,14 +127,15 @@ class SchedulerConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     # Overlap each step's host work (schedule, input staging, commit) with the previous step on the
     # device (docs/architecture.md, Decisions). None: on for CUDA; True: also on CPU (tests); False: off.
-    # With a draft model only True turns it on (its plain steps overlap, the draft follows them; the
-    # speculative ones run synchronously: docs/architecture.md, "Speculation on the tail").
+    # With a draft model too: its plain steps overlap, the draft follows them; the speculative ones run
+    # synchronously (docs/architecture.md, "Speculation on the tail").
     async_scheduling: bool | None = None
     # Speculative decoding on the tail only (issue 24): decodes get draft tokens while at most this many
     # decodes run; a fuller batch decodes plainly (the draft only mirrors its tokens into its cache),
     # because verifying k + 1 rows per sequence pays off while a step is bound by reading the weights,
-    # not once the batch fills the device. 0: speculate at every batch size.
-    spec_max_batch: int = 64
+    # not once the batch fills the device. 0: speculate at every batch size. 16: the H200's 7B rollout
+    # with a draft ran 11.9-13.1k tok/s at 16 against 10.3-11.3k at 64 (docs/benchmarks.md, session 14).
+    spec_max_batch: int = 16
 
 
 LOAD_FORMATS = ("auto", "dummy")  # EngineConfig.load_format

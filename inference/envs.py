@@ -88,9 +88,10 @@ GEMV_MAX_ROWS = _switch("SIDECAR_GEMV_MAX_ROWS", int, 1,
 DECODE_LONG_TILES = _switch("SIDECAR_DECODE_LONG_TILES", bool, True,
                              "decode attention takes 128-key tiles from 32 sequences (models without a draft); "
                              "0 keeps 64-key tiles (A/B benchmarks)", "import")
-VERIFY_PROGRAMS_PER_SM = _switch("SIDECAR_VERIFY_PROGRAMS_PER_SM", int, 8,
+VERIFY_PROGRAMS_PER_SM = _switch("SIDECAR_VERIFY_PROGRAMS_PER_SM", int, 4,
                                   "decode launches holding several rows of one sequence (spec-decode verify) "
-                                  "choose their KV splits for this many programs a SM (plain decode: 2)", "import")
+                                  "choose their KV splits for this many programs a SM (plain decode: 2; "
+                                  "docs/benchmarks.md, session 14)", "import")
 GEMV_PREFETCH = _switch("SIDECAR_GEMV_PREFETCH", bool, True,
                         "load the first weight tile before PDL's wait; 0 loads each tile in its own K step "
                         "(A/B benchmarks)", "import")

@@ -252,7 +252,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step (with --draft-layers)")
     ap.add_argument("--tail-scale", type=float, default=1.0,
                     help="with --draft-layers: damp the target's later layers so the draft agrees (bench_spec)")
-    ap.add_argument("--spec-max-batch", type=int, default=64,
+    ap.add_argument("--spec-max-batch", type=int, default=16,
                     help="with --draft-layers: speculate only while at most this many sequences decode (0: always)")
     ap.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                     help="overlap each step's host work with the device (auto: the engine's default)")

@@ -98,7 +98,7 @@ class LaunchConfig:
     max_model_len: int | None = option(None, "prompt plus completion tokens; unset: the model's "
                                              "max_position_embeddings", engine="max_model_len", min=1)
     async_scheduling: bool | None = option(None, "overlap each step's host work with the previous step on the "
-                                                 "GPU; unset: on for CUDA (with a draft only when set)",
+                                                 "GPU; unset: on for CUDA (with a draft too)",
                                            engine="async_scheduling")
     spec_max_batch: int | None = option(None, "with --draft-model: speculate only while at most this many "
                                               "sequences decode (the tail of a rollout); 0: at every batch size; "

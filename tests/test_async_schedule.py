@@ -60,7 +60,7 @@ def test_placeholders_encode_the_sampled_row() -> None:
     assert (seq.token_ids, seq.logprobs, seq.top_logprobs, seq.num_pending) == ([4, 5, 9], [-0.5], [{9: -0.5}], 0)
 
 
-def test_async_is_on_for_cuda_and_with_a_draft_only_when_asked() -> None:
+def test_async_is_on_for_cuda_with_or_without_a_draft() -> None:
     def decide(wanted: bool | None, device: str, spec: object = None) -> bool:
         config = SimpleNamespace(scheduler=SimpleNamespace(async_scheduling=wanted))
         return uses_async_scheduling(config, SimpleNamespace(spec=spec, device=torch.device(device)))  # type: ignore[arg-type]
@@ -68,7 +68,8 @@ def test_async_is_on_for_cuda_and_with_a_draft_only_when_asked() -> None:
     assert decide(None, "cuda") and not decide(None, "cpu")
     assert decide(True, "cpu") and not decide(False, "cuda")
     assert decide(True, "cuda", spec=object()) and decide(True, "cpu", spec=object())
-    assert not decide(None, "cuda", spec=object()) and not decide(False, "cuda", spec=object())
+    assert decide(None, "cuda", spec=object()) and not decide(None, "cpu", spec=object())
+    assert not decide(False, "cuda", spec=object())
 
 
 # ---- the scheduler with a fake runner -------------------------------------------------------------

@@ -102,7 +102,10 @@ class TritonAttentionTiles:
     # decode_num_splits aims at this many (sequence, kv head, split) programs per SM
     decode_programs_per_sm: int = 2
     # ... and this many in a launch holding several rows of one sequence (spec-decode verify: few rows
-    # with long contexts, whose k + 1 rows read the same keys, so more splits cost little traffic)
+    # with long contexts, whose k + 1 rows read the same keys, so more splits cost little traffic). 4:
+    # 40 rows x 2048 keys (8 sequences' verify) took 84 -> 74 us a layer with 4 splits instead of 2
+    # (7B heads, H200, session 14); 8 and 32 rows lost 6-11% with more splits. Not yet A/B-tested in a
+    # rollout (SIDECAR_VERIFY_PROGRAMS_PER_SM=2 gives the plain decode's choice).
     verify_programs_per_sm: int = envs.VERIFY_PROGRAMS_PER_SM.get()  # SIDECAR_VERIFY_PROGRAMS_PER_SM
     # Opt-in: a one-sequence decode launch (batch 1) is latency-bound and runs faster with longer KV tiles
     # on more warps, one tile per split (128; much slower at large batches: docs/benchmarks.md, session 4).
