@@ -24,9 +24,8 @@ in the same step).
 Invariants: the draft and the target share block ids and tables (one BlockManager); the draft's KV
 lives in a tensor of its own shape, bound once. seq.token_ids never holds a proposal: proposals live
 on the device until the accepted run comes back in the step's one host transfer. Every uniform and
-noise comes from the sampler's counter-based generator, all rows in one launch; a seeded row's key is
-(stream_seed(seed, output position, stream), output position), so a seeded completion does not depend
-on the rest of the batch. Reported logprobs are the target's. In the
+noise comes from the sampler's counter-based generator, all rows in one launch (inference/spec_noise.py),
+so a seeded completion does not depend on the rest of the batch. Reported logprobs are the target's. In the
 batch-invariant mode (EngineConfig.batch_invariant) steps 1 and 3 are exact-match instead
 (inference/spec_exact.py): the output is then the target-only engine's, bit for bit.
 """
@@ -42,18 +41,12 @@ from inference.batch import AttentionMetadata, to_device
 from inference.cuda_graphs import CUDAGraphRunner
 from inference.decode_rows import DecodeRows, decode_logits
 from inference.runner import ModelRunner, SampleResult, StepInputs, top_dicts
-from inference.sampler import SamplingBatch, position_seed, process_logits
-from inference.sampler_kernels import triton, uniforms_torch
+from inference.sampler import SamplingBatch, process_logits
 from inference.scheduler import ScheduledBatch, StepResult
 from inference.sequence import Sequence
 from inference.spec_exact import ExactSpeculation
+from inference.spec_noise import ACCEPT, DRAFT, RESIDUAL, exponential, race, uniforms
 
-if triton is not None:
-    from inference.sampler_kernels import uniforms_triton
-
-# stream salts of a seeded row's random draws, so the three never share a generator seed
-_DRAFT, _ACCEPT, _RESIDUAL = 1, 2, 3
-_MASK63 = (1 << 63) - 1
 # expanded-row verify batches up to this many rows replay graphs (when max_num_seqs * (k + 1) exceeds it)
 MAX_GRAPH_ROWS = 512
 
@@ -69,11 +62,6 @@ class SpecDecodeStats:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.proposed if self.proposed else 0.0
-
-
-def stream_seed(seed: int, position: int, stream: int) -> int:
-    """The generator seed of one random draw of a seeded row (stable across runs and processes)."""
-    return position_seed((seed + stream * 0x632BE59BD9B4E019) & _MASK63, position)
 
 
 def _check_decode_rows(model: nn.Module, num_speculative_tokens: int) -> None:
@@ -241,7 +229,7 @@ class SpecDecoder:
                 act_seqs = [seqs[r] for r in active]
                 positions = [s.num_generated + j for s in act_seqs]
                 probs, _, _ = self._probs(logits, act_seqs, positions)
-                tokens = _race(probs.log(), self._exponential(probs.shape, act_seqs, positions, _DRAFT))
+                tokens = race(probs.log(), exponential(act_seqs, positions, DRAFT, probs.shape[-1], self.generator))
                 q[sel, j] = probs
             drafts[sel, j] = tokens
             nxt = [i for i, r in enumerate(active) if ks[r] > j + 1]
@@ -323,14 +311,14 @@ class SpecDecoder:
         d[:, : width - 1] = drafts
         p_d = p.gather(-1, d[..., None]).squeeze(-1)
         q_d = q.gather(-1, d[..., None]).squeeze(-1)
-        u = self._uniform((rows * width,), flat_seqs, positions, _ACCEPT).view(rows, width)
+        u = uniforms(flat_seqs, positions, ACCEPT, 1, self.generator).view(rows, width)
         accepted = (u * q_d < p_d) & valid  # u < p/q without dividing; q(d) > 0 for a drawn d
         num_acc = accepted.long().cumprod(-1).sum(-1)  # leading accepted draft tokens
         residual = (p - q).clamp_min(0.0)
         mass = residual.sum(-1, keepdim=True)
         residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)  # p == q: never rejected
-        noise = self._exponential((rows * width, vocab), flat_seqs, positions, _RESIDUAL)
-        fallback = _race(residual.view(rows * width, vocab).log(), noise).view(rows, width)
+        noise = exponential(flat_seqs, positions, RESIDUAL, vocab, self.generator)
+        fallback = race(residual.view(rows * width, vocab).log(), noise).view(rows, width)
         final = fallback.gather(1, num_acc[:, None])
         cols = torch.arange(width, device=self.device)
         tokens = torch.where(cols[None, :] < num_acc[:, None], d, final)
@@ -367,38 +355,6 @@ class SpecDecoder:
             return [None] * len(seqs)
         top_lp, top_ids = dist.topk(max(wanted), dim=-1)
         return top_dicts(top_ids, top_lp, wanted)
-
-    def _exponential(self, shape: tuple[int, ...] | torch.Size, seqs: list[Sequence], positions: list[int],
-                     stream: int) -> torch.Tensor:
-        """E ~ Exp(1), [rows, n]: row i from the counter-based noise of its key (see _keys)."""
-        return torch.log1p(self._uniforms(seqs, positions, stream, shape[-1]).neg_()).neg_()
-
-    def _uniform(self, shape: tuple[int, ...], seqs: list[Sequence], positions: list[int],
-                 stream: int) -> torch.Tensor:
-        """One uniform in (0, 1) per row, [rows]."""
-        return self._uniforms(seqs, positions, stream, 1).view(shape)
-
-    def _uniforms(self, seqs: list[Sequence], positions: list[int], stream: int, n_cols: int) -> torch.Tensor:
-        """[rows, n_cols] uniforms of the sampler's counter-based generator (inference/sampler_kernels.py),
-        all rows in one launch: no per-row generator. A seeded, sampled row is keyed by
-        (stream_seed(seed, position, stream), position), so its draw depends only on its own seed and
-        position, never on the batch; every other row takes a seed drawn once per call from the rank's
-        generator (TP ranks draw the same)."""
-        rows = len(seqs)
-        own = [stream_seed(q.seed, pos, stream) if q.seed is not None and not q.params.greedy else -1
-               for q, pos in zip(seqs, positions)]
-        seeds = _to(own, self.device)
-        if min(own, default=0) < 0:
-            drawn = torch.randint(0, 1 << 62, (rows,), dtype=torch.int64, device=self.device, generator=self.generator)
-            seeds = torch.where(seeds >= 0, seeds, drawn)
-        pos = _to(positions, self.device)
-        uniforms = uniforms_triton if (triton is not None and self.device.type == "cuda") else uniforms_torch
-        return uniforms(seeds, pos, n_cols)
-
-
-def _race(logprobs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """argmax(log p - log E), E ~ Exp(1): an exact draw from p (rows with zeros allowed)."""
-    return (logprobs - noise.log()).argmax(dim=-1)
 
 
 def _to(values: list, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
