@@ -2,7 +2,7 @@
 # One H200 call, unattended: install the carried wheels, then the cuda tests of the paths this
 # session touched (tests) and/or the benchmarks (bench). Logs and JSON lines go to OUTDIR.
 #
-#   scripts/device_check.sh OUTDIR tests|bench|all
+#   scripts/device_check.sh OUTDIR tests FILES...|bench|draft
 set -uo pipefail
 out="${1:-${OUT:-./check-out}}"; what="${2:-all}"
 cd "$(dirname "$0")/.."
@@ -30,8 +30,21 @@ run_bench() {
         | tee -a "$out/bench.jsonl"
 }
 
+# Issue 24's draft on the tail: the 7B rollout with the 2-layer draft (verify programs a SM 4, then 2) and
+# without one, in one call; each 7B run with a draft needs about 150 s (setup captures the verify ladder).
+run_draft() {
+    : >"$out/draft.jsonl"
+    local r="python3 -m scripts.bench_rollout --shapes qwen2.5-7b --modes seeded"
+    for ppsm in 4 2; do
+        SIDECAR_VERIFY_PROGRAMS_PER_SM=$ppsm timeout 200 $r --draft-layers 2 --tail-scale 0.1 2>>"$out/draft.log" \
+            | sed "s/^{/{\"verify_programs_per_sm\": $ppsm, /" | tee -a "$out/draft.jsonl"
+    done
+    timeout 120 $r 2>>"$out/draft.log" | tee -a "$out/draft.jsonl"
+}
+
 case "$what" in
     tests) shift 2; run_tests "$@" ;;
     bench) run_bench ;;
-    *) echo "usage: $0 OUTDIR tests FILES...|bench"; exit 2 ;;
+    draft) run_draft ;;
+    *) echo "usage: $0 OUTDIR tests FILES...|bench|draft"; exit 2 ;;
 esac
