@@ -154,3 +154,29 @@ def test_without_a_draft_decode_launches_take_one_row_per_sequence(pair: tuple[P
     plain_out = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     spec_out = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
     assert plain_out == spec_out
+
+
+def test_draft_graphs_above_the_speculating_rows_leave_the_lm_head_out(pair: tuple[Path, Path]) -> None:
+    """A graph runner's sizes above logits_max (the draft's: spec_max_batch * (k + 1)) compute the hidden
+    states only: a follow of a full batch's plain step needs the draft's KV, not its logits. Its logits
+    buffer holds only the sizes that compute them, and can_use says which replays give logits."""
+    target, draft = pair
+    llm = engine(target, draft)
+    runner, spec = llm.worker.runner, llm.worker.spec
+    assert runner is not None and spec is not None
+    max_blocks = -(-llm.worker.max_model_len // runner.block_size)
+    graphs = CUDAGraphRunner(spec.draft, 8, max_blocks, runner.block_size, runner.device, runner.dtype,
+                             [1, 2, 4, 8], logits_max=3)
+    assert graphs.logits_top == 4 and graphs.logits.shape[0] == 4
+    hidden, vocab = spec.draft.config.hidden_size, spec.draft.config.vocab_size
+    with torch.inference_mode():
+        graphs.inputs.reset(8)
+        assert graphs._forward(8).shape == (8, hidden)
+        graphs.inputs.reset(4)
+        assert graphs._forward(4).shape == (4, vocab)
+    graphs.graphs = dict.fromkeys(graphs.sizes)  # as if captured: can_use only asks that some exist
+    assert graphs.can_use(3, 1) and graphs.can_use(4, 1) and not graphs.can_use(5, 1)
+    assert graphs.can_use(8, 1, logits=False) and not graphs.can_use(9, 1, logits=False)
+    full = CUDAGraphRunner(spec.draft, 8, max_blocks, runner.block_size, runner.device, runner.dtype, [1, 2, 4, 8])
+    assert full.logits_top == 8  # no logits_max: every size computes logits
+    assert spec.verify_rows(16, 2) == 2 * (spec.k + 1) and spec.verify_rows(16, 0) == spec.graph_rows(16)
