@@ -16,10 +16,13 @@ import numpy as np
 import torch
 
 
-def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """A host tensor's copy on `device`, queued without waiting: a CUDA copy goes through pinned memory
-    (torch caches pinned blocks and keeps one until its copy ran), since a pageable source may make the
-    driver wait for all the work queued on the stream first (a step in flight, or a draft's launches)."""
+def to_device(host: torch.Tensor | list, device: torch.device | str, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A host tensor's (or a list's, as `dtype`) copy on `device`, queued without waiting: a CUDA copy goes
+    through pinned memory (torch caches pinned blocks and keeps one until its copy ran), since a pageable
+    source may make the driver wait for all the work queued on the stream first (a step in flight, or a
+    draft's launches)."""
+    if not isinstance(host, torch.Tensor):
+        host = torch.tensor(host, dtype=dtype)
     if torch.device(device).type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
@@ -68,7 +71,7 @@ class AttentionMetadata:
         for row, table in zip(tables, block_tables):
             row[:len(table)] = table
         if not isinstance(slot_mapping, torch.Tensor):
-            slot_mapping = to_device(torch.tensor(slot_mapping, dtype=torch.int64), device)
+            slot_mapping = to_device(slot_mapping, device)
         return cls.from_table_rows(list(query_lens), list(context_lens), slot_mapping, tables, block_size, device)
 
     @classmethod

@@ -55,10 +55,9 @@ def decode_logits(model: nn.Module, graphs: CUDAGraphRunner | None, input_ids: t
     n, width = len(rows), rows.width
     assert input_ids.shape == (n,), (input_ids.shape, n)
     if graphs is not None and graphs.can_use(n, width):
-        packed = to_device(torch.tensor([rows.positions, rows.slots, rows.context_lens], dtype=torch.int64), device)
-        tables = to_device(torch.tensor([t + [0] * (width - len(t)) for t in rows.tables], dtype=torch.int32),
-                           device)
+        packed = to_device([rows.positions, rows.slots, rows.context_lens], device)
+        tables = to_device([t + [0] * (width - len(t)) for t in rows.tables], device, torch.int32)
         return graphs.replay(input_ids, packed[0], packed[1], packed[2].to(torch.int32), tables)
     meta = AttentionMetadata.build([1] * n, rows.context_lens, rows.slots, rows.tables, rows.block_size, device)
-    positions = to_device(torch.tensor(rows.positions, dtype=torch.int64), device)
+    positions = to_device(rows.positions, device)
     return model.compute_logits(model(input_ids, positions, meta))

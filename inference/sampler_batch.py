@@ -69,7 +69,7 @@ class SamplingBatch:
         rows = cls.build_rows(params, seeds, vocab_size, device, invariant)
         if rows.all_greedy:
             return rows
-        return rows.at(to_device(torch.tensor(positions, dtype=torch.int64), device))
+        return rows.at(to_device(positions, device))
 
     @classmethod
     def build_rows(cls, params: list, seeds: list[int | None], vocab_size: int,

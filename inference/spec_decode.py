@@ -108,13 +108,12 @@ class SpecDecoder:
         rows = self.graph_rows(max_batch)
         return min(rows, spec_max_batch * (self.k + 1)) if spec_max_batch else rows
 
-    def capture_graphs(self, sizes: list[int], max_model_len: int, spec_max_batch: int = 0) -> None:
+    def capture_graphs(self, sizes: list[int], max_model_len: int, logits_max: int | None = None) -> None:
         """Capture the draft's decode graphs at `sizes` over its bound KV (bind_draft_kv first). Sizes
-        beyond what a speculating step runs (spec_max_batch sequences of k + 1 rows; 0: no bound) only
-        follow plain steps: they are captured without the LM head (a full vocabulary GEMM per step)."""
+        beyond `logits_max` rows (what a speculating step runs: verify_rows) only follow plain steps:
+        they are captured without the LM head (a full vocabulary GEMM per step)."""
         assert self.block_size, "bind_draft_kv first"
         max_blocks = -(-max_model_len // self.block_size)
-        logits_max = spec_max_batch * (self.k + 1) if spec_max_batch else None
         self.graphs = CUDAGraphRunner(self.draft, max(sizes), max_blocks, self.block_size, self.device,
                                       self.runner.dtype, sizes, logits_max=logits_max)
         self.graphs.capture()
@@ -182,13 +181,13 @@ class SpecDecoder:
             rows = DecodeRows(self.block_size)
             for seq, (start, end) in zip(batch.seqs, chunks):
                 rows.add(seq.block_table, start, end - start)
-            logits = decode_logits(self.draft, self.graphs, _to(ids, self.device), rows, self.device)
-            return logits.index_select(0, _to(last, self.device)) if spec else None
-        hidden = self._forward(self.draft, _to(ids, self.device), [c[0] for c in chunks],
+            logits = decode_logits(self.draft, self.graphs, to_device(ids, self.device), rows, self.device)
+            return logits.index_select(0, to_device(last, self.device)) if spec else None
+        hidden = self._forward(self.draft, to_device(ids, self.device), [c[0] for c in chunks],
                                [e - s for s, e in chunks], [seq.block_table for seq in batch.seqs])
         if not spec:
             return None
-        return self.draft.compute_logits(hidden.index_select(0, _to(last, self.device)))
+        return self.draft.compute_logits(hidden.index_select(0, to_device(last, self.device)))
 
     def _graph_fits(self, seqs: list[Sequence], chunks: list[tuple[int, int]]) -> bool:
         """Whether the draft's pass over these short chunks replays a graph as expanded rows."""
@@ -203,7 +202,7 @@ class SpecDecoder:
         positions = [p for s, n in zip(starts, lens) for p in range(s, s + n)]
         slots = [t[p // bs] * bs + p % bs for s, n, t in zip(starts, lens, tables) for p in range(s, s + n)]
         meta = AttentionMetadata.build(lens, [s + n for s, n in zip(starts, lens)], slots, tables, bs, self.device)
-        return model(ids, _to(positions, self.device), meta)
+        return model(ids, to_device(positions, self.device), meta)
 
     def _speculate(self, seqs: list[Sequence], ks: list[int], logits: torch.Tensor) -> list[list[SampleResult]]:
         if self.exact is not None:  # inference/spec_exact.py
@@ -222,7 +221,7 @@ class SpecDecoder:
         q = None if greedy else torch.zeros(rows, kmax, self.vocab_size, dtype=torch.float32, device=self.device)
         active = list(range(rows))
         for j in range(kmax):
-            sel = slice(None) if len(active) == rows else _to(active, self.device)
+            sel = slice(None) if len(active) == rows else to_device(active, self.device)
             if q is None:
                 tokens = logits.argmax(dim=-1)
             else:
@@ -236,7 +235,7 @@ class SpecDecoder:
             if not nxt:
                 break
             if len(nxt) < len(active):
-                tokens = tokens.index_select(0, _to(nxt, self.device))
+                tokens = tokens.index_select(0, to_device(nxt, self.device))
                 active = [active[i] for i in nxt]
             step = DecodeRows(self.block_size)
             for r in active:
@@ -251,11 +250,11 @@ class SpecDecoder:
         expanded: the positions run as decode rows (graph-replayed when a graph fits); else as one
         varlen forward (the reference the tests hold the expanded rows to)."""
         rows, kmax = drafts.shape
-        pool = torch.cat([_to([s.last_token_id for s in seqs], self.device), drafts.flatten()])
+        pool = torch.cat([to_device([s.last_token_id for s in seqs], self.device), drafts.flatten()])
         index: list[int] = []
         for r, k in enumerate(ks):
             index += [r] + [rows + r * kmax + j for j in range(k)]
-        ids = pool.index_select(0, _to(index, self.device))
+        ids = pool.index_select(0, to_device(index, self.device))
         lens = [k + 1 for k in ks]
         model = self.runner.model
         if expanded:
@@ -269,7 +268,7 @@ class SpecDecoder:
             logits = model.compute_logits(hidden)
         offsets = [sum(lens[:r]) for r in range(rows)]
         padded = [offsets[r] + min(j, ks[r]) for r in range(rows) for j in range(kmax + 1)]
-        return logits.index_select(0, _to(padded, self.device)).view(rows, kmax + 1, -1)
+        return logits.index_select(0, to_device(padded, self.device)).view(rows, kmax + 1, -1)
 
     def _accept(self, seqs: list[Sequence], ks: list[int], drafts: torch.Tensor, q_draft: torch.Tensor | None,
                 p_logits: torch.Tensor) -> list[list[SampleResult]]:
@@ -278,7 +277,7 @@ class SpecDecoder:
         flat_seqs = [s for s in seqs for _ in range(width)]
         positions = [s.num_generated + j for s in seqs for j in range(width)]
         cols = torch.arange(width, device=self.device)
-        valid = cols[None, :] < _to(ks, self.device)[:, None]
+        valid = cols[None, :] < to_device(ks, self.device)[:, None]
         if q_draft is None:  # every row greedy: accept while the proposal is the target's argmax
             logits = p_logits.reshape(rows * width, vocab).float()
             tokens = logits.argmax(dim=-1).view(rows, width)
@@ -338,7 +337,7 @@ class SpecDecoder:
         greedy = [s.params.greedy for s in seqs]
         if any(greedy):
             one_hot = torch.nn.functional.one_hot(logits.argmax(-1), self.vocab_size).float()
-            probs = torch.where(_to(greedy, self.device, torch.bool)[:, None], one_hot, probs)
+            probs = torch.where(to_device(greedy, self.device, torch.bool)[:, None], one_hot, probs)
         return probs, x, sb
 
     def _report_dist(self, logits: torch.Tensor, processed: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
@@ -356,6 +355,3 @@ class SpecDecoder:
         top_lp, top_ids = dist.topk(max(wanted), dim=-1)
         return top_dicts(top_ids, top_lp, wanted)
 
-
-def _to(values: list, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    return to_device(torch.tensor(values, dtype=dtype), device)

@@ -73,13 +73,13 @@ class ExactSpeculation:
             act = [seqs[r] for r in active]
             sb = self._batch(act, [seeds[r] for r in active], [j] * len(act))
             tokens = sample(logits, sb, spec.generator).token_ids
-            sel = slice(None) if len(active) == rows else _to(active, device)
+            sel = slice(None) if len(active) == rows else to_device(active, device)
             drafts[sel, j] = tokens
             nxt = [i for i, r in enumerate(active) if ks[r] > j + 1]
             if not nxt:
                 break
             if len(nxt) < len(active):
-                tokens = tokens.index_select(0, _to(nxt, device))
+                tokens = tokens.index_select(0, to_device(nxt, device))
                 active = [active[i] for i in nxt]
             step = DecodeRows(spec.block_size)
             for r in active:
@@ -95,7 +95,7 @@ class ExactSpeculation:
         sb = self._batch(flat, [seeds[r] for r in range(rows) for _ in range(width)], list(range(width)) * rows)
         out = sample(p_logits.reshape(rows * width, vocab), sb, self.spec.generator)
         tokens = out.token_ids.view(rows, width)
-        valid = torch.arange(width - 1, device=drafts.device)[None, :] < _to(ks, drafts.device)[:, None]
+        valid = torch.arange(width - 1, device=drafts.device)[None, :] < to_device(ks, drafts.device)[:, None]
         num_acc = ((drafts == tokens[:, : width - 1]) & valid).long().cumprod(-1).sum(-1)
         host = torch.stack((tokens.double(), out.logprobs.view(rows, width).double(),
                             num_acc[:, None].expand(rows, width).double()))
@@ -104,6 +104,3 @@ class ExactSpeculation:
         return [[(int(tok_l[r][j]), lp_l[r][j], tops[r * width + j]) for j in range(int(acc_l[r][0]) + 1)]
                 for r in range(rows)]
 
-
-def _to(values: list[int], device: torch.device) -> torch.Tensor:
-    return to_device(torch.tensor(values, dtype=torch.int64), device)

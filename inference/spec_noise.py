@@ -35,11 +35,11 @@ def uniforms(seqs: list[Sequence], positions: list[int], stream: int, n_cols: in
     device = generator.device
     own = [stream_seed(q.seed, pos, stream) if q.seed is not None and not q.params.greedy else -1
            for q, pos in zip(seqs, positions)]
-    seeds = to_device(torch.tensor(own, dtype=torch.int64), device)
+    seeds = to_device(own, device)
     if min(own, default=0) < 0:
         drawn = torch.randint(0, 1 << 62, (len(seqs),), dtype=torch.int64, device=device, generator=generator)
         seeds = torch.where(seeds >= 0, seeds, drawn)
-    pos = to_device(torch.tensor(positions, dtype=torch.int64), device)
+    pos = to_device(positions, device)
     draw = uniforms_triton if (triton is not None and device.type == "cuda") else uniforms_torch
     return draw(seeds, pos, n_cols)
 

@@ -280,11 +280,11 @@ class Worker:
             self.runner.capture_graphs(max_batch, self.max_model_len)
             return
         # speculation verifies as decode rows (k + 1 per sequence) and steps the draft one token at a time
-        spec_max_batch = self.config.scheduler.spec_max_batch
-        self.runner.capture_graphs(max_batch, self.max_model_len, self.spec.verify_rows(max_batch, spec_max_batch),
-                                   self.spec.k + 1)
+        # (the rows of a speculating step: the target's verify ladder, and the draft's sizes with logits)
+        verify_rows = self.spec.verify_rows(max_batch, self.config.scheduler.spec_max_batch)
+        self.runner.capture_graphs(max_batch, self.max_model_len, verify_rows, self.spec.k + 1)
         sizes = extended_ladder(max_batch, self.spec.graph_rows(max_batch))
-        self.spec.capture_graphs(sizes, self.max_model_len, spec_max_batch)
+        self.spec.capture_graphs(sizes, self.max_model_len, logits_max=verify_rows)
 
     @overload
     def execute_model(self, batch: ScheduledBatch, overlap: Literal[False] = False) -> list[StepResult]: ...
