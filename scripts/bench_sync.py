@@ -22,6 +22,8 @@ Smoke test: --shape tiny --backend gloo --device cpu.
 --profile DIR writes cProfile stats of the audited syncs of the picked rule: DIR/receiver-<shape>.prof
 (this process) and DIR/sender-<shape>.prof (the trainer's manifest() and send() calls); read them with
 pstats.
+--trace DIR writes torch.profiler chrome traces (host and CUDA kernels) of the last 3 audited syncs of the
+picked rule: DIR/receiver-<shape>.json and DIR/sender-<shape>.json (each process sees its own kernels).
 """
 
 from __future__ import annotations
@@ -138,13 +140,15 @@ def trainer(args: argparse.Namespace, to_parent: Any, from_parent: Any) -> None:
     rounds = [None] * (args.iters + 1) + [rule for rule in rules(args) for _ in range(args.iters + 1)]
     laps: dict[str, float] = {}
     _clock_digests(sender, laps)
+    tracer = _Tracer(args.trace, f"sender-{args.shape}.json")
     for rule in rounds:  # None: a sync without digests
         sender.digest_algorithm = rule
-        with _profiling(profiler if rule == rules(args)[0] else None):
+        picked = rule == rules(args)[0]
+        with _profiling(profiler if picked else None):
             sender.manifest(named, 1)
         to_parent.put("ready")
         laps.clear()
-        with _profiling(profiler if rule == rules(args)[0] else None):
+        with _profiling(profiler if picked else None), tracer.window(picked, args.iters + 1):
             t0 = time.perf_counter()
             records = sender.send(named, digest=rule is not None)
             laps["sender_send"] = (time.perf_counter() - t0) * 1e3
@@ -198,6 +202,31 @@ def _profiling(profiler: cProfile.Profile | None) -> Any:
         profiler.disable()
 
 
+class _Tracer:
+    """torch.profiler over the last `count` audited syncs of the picked rule (`--trace`), one trace file."""
+
+    def __init__(self, directory: str | None, path: str, count: int = 3) -> None:
+        self.path, self.count, self.seen = (Path(directory) / path if directory else None), count, 0
+        self.prof: Any = None
+
+    @contextlib.contextmanager
+    def window(self, active: bool, total: int) -> Any:
+        """Trace this sync when it is one of the last `count` of `total` traced candidates."""
+        if self.path is None or not active:
+            yield
+            return
+        self.seen += 1
+        if self.seen == total - self.count + 1:
+            from torch.profiler import ProfilerActivity, profile
+            self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            self.prof.__enter__()
+        yield
+        if self.seen == total and self.prof is not None:
+            self.prof.__exit__(None, None, None)
+            self.prof.export_chrome_trace(str(self.path))
+            self.prof = None
+
+
 # ---- the receiver (this process) ---------------------------------------------------------------
 def timed(fn: Callable[[], Any], iters: int, device: torch.device, before: Callable[[], Any]) -> float:
     """Median milliseconds of fn over iters runs, after one warm-up run; `before` runs untimed."""
@@ -232,6 +261,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     phases: dict[str, dict[str, list[float]]] = {rule: {"start": [], "update": [], "finish": []}
                                                  for rule in rules(args)}  # ms per audited sync
     laps: dict[str, float] = {}  # this sync's finer timers (see LAPS)
+    tracer = _Tracer(args.trace, f"receiver-{args.shape}.json")
     _clock(receiver.weights.receiver, "receive", laps, "receive")
     _clock(receiver.weights._digests, "launch", laps, "held_launch")
 
@@ -242,7 +272,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         receiver.weights.overlap_audit_digest = audit and not args.serial_audit  # nothing to overlap without one
         laps.clear()
         sender_laps: dict[str, float] = {}
-        with _profiling(profiler if rule == rules(args)[0] else None):
+        picked = rule == rules(args)[0]
+        with _profiling(profiler if picked else None), tracer.window(picked, args.iters + 1):
             t0 = time.perf_counter()
             receiver.weights.start("target", 1, {**manifest, "algorithm": rule or ALGORITHM})
             t1 = time.perf_counter()
@@ -318,9 +349,11 @@ def main() -> None:
     parser.add_argument("--serial-audit", action="store_true",
                         help="the receiver digests only in finish, after the sender's digest (the old order)")
     parser.add_argument("--profile", default=None, metavar="DIR", help="write cProfile stats of both ends here")
+    parser.add_argument("--trace", default=None, metavar="DIR", help="write torch.profiler traces of both ends here")
     args = parser.parse_args()
-    if args.profile:
-        Path(args.profile).mkdir(parents=True, exist_ok=True)
+    for directory in (args.profile, args.trace):
+        if directory:
+            Path(directory).mkdir(parents=True, exist_ok=True)
     if args.sender_device is None:
         args.sender_device = "cuda:1" if args.backend == "nccl" else args.device
     for shape in SHAPES if args.shape == "all" else [args.shape]:
