@@ -128,7 +128,7 @@ def setup_device(name: str) -> torch.device:
 
 
 # ---- the trainer (child process) ---------------------------------------------------------------
-def trainer(args: argparse.Namespace, to_parent: Any, from_parent: Any) -> None:
+def trainer(args: argparse.Namespace, to_parent: Any, from_parent: Any, digests_out: Any) -> None:
     device = setup_device(args.sender_device)
     config = model_config(args.shape)
     named = trainer_tensors(config, device)
@@ -153,7 +153,7 @@ def trainer(args: argparse.Namespace, to_parent: Any, from_parent: Any) -> None:
             records = sender.send(named, digest=rule is not None)
             laps["sender_send"] = (time.perf_counter() - t0) * 1e3
         if rule is not None:  # digests in manifest order, and the sender's laps for the report
-            to_parent.put({"algorithm": rule, "digests": [r.digest for r in records], "laps": dict(laps)})
+            digests_out.send({"algorithm": rule, "digests": [r.digest for r in records], "laps": dict(laps)})
     if profiler is not None:
         profiler.dump_stats(Path(args.profile) / f"sender-{args.shape}.prof")
     for peer in (ceiling_send, per_param_send, bucket_send):
@@ -248,7 +248,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     logging.getLogger("inference.weights.updater").setLevel(logging.CRITICAL)
     ctx = mp.get_context("spawn")
     from_child, to_child = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=trainer, args=(args, from_child, to_child))
+    # The sender's digests come over a pipe: a Queue's feeder thread would wait for the trainer's GIL
+    # while its main thread goes on to the next sync's manifest.
+    digests_in, digests_out = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=trainer, args=(args, from_child, to_child, digests_out))
     child.start()
     config = model_config(args.shape)
     receiver = BenchReceiver(config, device)
@@ -284,7 +287,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             sync_device(device)
             t2 = time.perf_counter()
             if audit:
-                sender_digests = from_child.get(timeout=600)
+                if not digests_in.poll(600):
+                    raise TimeoutError("the trainer sent no digests within 600 s")
+                sender_digests = digests_in.recv()
                 laps["sender_digests_get"] = (time.perf_counter() - t2) * 1e3
                 # the sender's lap timers ride beside its digests: taken off before finish, which otherwise
                 # sees a body of another form than the client sends and takes the full compare

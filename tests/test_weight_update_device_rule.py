@@ -7,6 +7,7 @@ default keeps the host rule. The kernel launches are counted, so a test cannot p
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from checksum import (
 )
 from inference.core import InvalidRequestError
 from inference.tiny import make_tiny_model
+from inference.transfer.groups import TransferError
 from inference.transfer.sender import WeightSender
 from tests.helpers_weight_update import DIMS, Q1, RANK, Link, make_worker, perturbed
 
@@ -208,3 +210,72 @@ def test_a_layout_key_stands_for_the_tensors_once_parsed(dirs: dict[str, Path]) 
     link.worker.start_weight_update(2, {k: v for k, v in again.items() if k != "tensors"})
     assert link.worker.finish_weight_update(link.transfer(state)).report.ok
     assert link.worker.weights.manifests.parses == parses
+
+
+def test_update_collects_the_held_digest_so_finish_only_compares(dirs: dict[str, Path], launches: list[int]) -> None:
+    """The overlapped device digest is collected when update ends (while the sender's digests travel):
+    finish launches nothing more, and its received manifest is the one collected."""
+    link = device_link(dirs)
+    worker = link.worker
+    state = perturbed(dirs["target"], 11)
+    worker.start_weight_update(1, link.sender.manifest(state, 1))
+    digests = link.transfer(state)
+    collected = worker.weights._session.held_received
+    assert collected is not None and len(launches) == 2
+    result = worker.finish_weight_update(digests)
+    assert result.report.ok and result.received is collected[1] and len(launches) == 2
+    assert {r.name: r.digest for r in result.received.records} == python_xxhash(state)
+
+
+def test_a_settled_digest_drops_what_update_collected(dirs: dict[str, Path], launches: list[int]) -> None:
+    """settle_digest (what sleep calls) drops the collected records too: finish digests the bytes held
+    after it, so a byte changed meanwhile fails the audit naming tensor and rank."""
+    link = device_link(dirs)
+    worker = link.worker
+    state = perturbed(dirs["target"], 12)
+    worker.start_weight_update(1, link.sender.manifest(state, 1))
+    digests = link.transfer(state)
+    worker.weights.settle_digest()
+    assert worker.weights._session.held_received is None
+    qkv = dict(worker.models["target"].named_parameters())["model.layers.1.self_attn.qkv_proj.weight"]
+    qkv.detach().view(-1)[:1].view(torch.uint8)[:1].bitwise_xor_(1)  # the first byte of the q rows: Q1
+    with pytest.raises(ChecksumMismatch) as err:
+        worker.finish_weight_update(digests)
+    first = err.value.report.first_tensor
+    assert (first.kind, first.tensor, first.rank) == ("digest", Q1, RANK) and len(launches) == 3
+
+
+def test_the_sender_launches_its_digest_before_the_agreement(dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+                                                             launches: list[int]) -> None:
+    """The receivers are still on their way to the agreement when send() starts: the sender's launch runs
+    then, not after it. A refused agreement waits for that digest before send() raises."""
+    link = device_link(dirs)
+    group = link.sender._group
+    real = group.agree_many
+    at_agreement: list[int] = []
+
+    def agree_many(*args: Any, **kwargs: Any) -> Any:
+        at_agreement.append(len(launches))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(group, "agree_many", agree_many)
+    assert link.sync(perturbed(dirs["target"], 13), 1).report.ok
+    assert at_agreement == [1], "the sender's launch came before its agreement"
+    settled: list[bool] = []
+    real_launch = link.sender._digests.launch
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        pending = real_launch(*args, **kwargs)
+        real_settle = pending.settle
+        pending.settle = lambda: (settled.append(True), real_settle())[1]
+        return pending
+
+    monkeypatch.setattr(link.sender._digests, "launch", watched)
+    state = perturbed(dirs["target"], 14)
+    link.sender.manifest(state, 2)
+    with ThreadPoolExecutor(1) as pool:
+        sending = pool.submit(link.sender.send, state)
+        link.worker.weights.receiver.refuse()  # the agreement every end fails cleanly
+        with pytest.raises(TransferError, match="plan differs"):
+            sending.result(timeout=60)
+    assert settled == [True]

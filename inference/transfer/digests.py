@@ -10,7 +10,7 @@ that rule, on whatever device it has (a CPU rank computes the device rule on the
   DeviceDigester) on the given stream, or the current one, after whatever was queued there; only 8 bytes
   per 64 KiB come back, and nothing waits until `PendingRecords.result()`. No byte goes through host memory.
 - anything else (the host rule, CPU tensors, tensors of several devices): checksum.digest_tensors on this
-  owner's side thread, after `written` (a CUDA event recorded behind the writes) when given.
+  owner's side thread, after the work queued so far on the current stream of `after` (a CUDA device) when given.
 The tensors must stay alive and unchanged until `result()` (or `settle()`) returned.
 
 One RecordDigests per owner (a WeightSender, a Worker): its DeviceDigester keeps the segment tables of the
@@ -93,6 +93,11 @@ class PendingRecords:
         assert device is None or specs is not None, "a device launch needs its records' specs"
         self._specs, self._device, self._host = specs, device, host
 
+    @property
+    def on_device(self) -> bool:
+        """A kernel launch (done within a kernel's time of its stream's work), not a host thread's hashing."""
+        return self._device is not None
+
     def result(self) -> list[TensorRecord]:
         if self._host is not None:
             return self._host.result()
@@ -120,16 +125,21 @@ class RecordDigests:
         self._device = DeviceDigester()
 
     def launch(self, items: NamedTensorList, algorithm: str, *, stream: Any = None,
-               written: torch.cuda.Event | None = None,
+               after: torch.device | None = None,
                specs: Sequence[TensorSpec] | None = None) -> PendingRecords:
         """Start digesting `items` under `algorithm`; see the module docstring for where each runs.
-        `stream`: the CUDA stream of a device launch on its device (default: the current one); `written`:
-        an event the host path waits for before reading (a device launch is ordered by its stream
-        instead); `specs`: each item's (name, dtype, shape) when the caller holds them already (its
-        manifest's), which spares reading them off the tensors every sync (host time, per tensor)."""
+        `stream`: the CUDA stream of a device launch on its device (default: the current one); `after`:
+        a CUDA device whose current stream's queued work the host path waits for before reading (an
+        event is recorded there now; a device launch is ordered by its stream instead); `specs`: each
+        item's (name, dtype, shape) when the caller holds them already (its manifest's), which spares
+        reading them off the tensors every sync (host time, per tensor)."""
         items = list(items)
         device = kernel_device(items, algorithm)
         if device is None:
+            written = None
+            if after is not None and after.type == "cuda":
+                written = torch.cuda.Event()
+                written.record(torch.cuda.current_stream(after))
             return PendingRecords(None, host=self._executor().submit(_host_records, items, algorithm, written))
         if specs is None:
             specs = [TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in items]

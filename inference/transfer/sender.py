@@ -16,11 +16,12 @@ trainer's GPU memory ("direct" mode decision: inference/transfer/ipc.py).
 
 Digests: `manifest()` picks the sync's rule (inference/transfer/digests.py: the device rule for CUDA
 tensors, the host rule for CPU tensors, unless `digest_algorithm` fixes one) and names it in the
-manifest, so every receiver knows it at start. `send()` starts its digest right after the plan
-agreement (the trainer's writes have landed before it): CUDA tensors in ONE kernel launch on a digest
-stream of the sender's own (it only reads, so it runs beside packing and the receivers' reads), CPU
-tensors on a side thread; it collects them after the transfer. A CUDA tensor never goes through host memory to be
-hashed. On CUDA, connect() compiles the kernel (seconds, once) while the receivers join.
+manifest, so every receiver knows it at start. `send()` starts its digest before the plan agreement,
+while the receivers are still on their way to it: CUDA tensors in ONE kernel launch on a digest
+stream of the sender's own, ordered after the trainer's writes (it only reads, so it may run beside
+packing and the receivers' reads), CPU tensors on a side thread. It collects them while the receivers
+copy when its end of the transfer only waits (ipc direct), else after the transfer. A CUDA tensor never
+goes through host memory to be hashed. On CUDA, connect() compiles the kernel (seconds, once) while the receivers join.
 """
 
 from __future__ import annotations
@@ -192,34 +193,45 @@ class WeightSender:
             except InvalidRequestError as e:
                 problem = e
             assert (len(keys), len(values)) == self._end.agreement_size, "every end adds the same to step 1"
-        if self.device.type == "cuda":  # before the agreement: ipc receivers may read right after it
-            torch.cuda.current_stream(self.device).synchronize()  # the trainer's writes have landed
-        fingerprint = specs.fingerprint(version, self.bucket_bytes, self._end.plan_id())
-        # one all-reduce (inference/transfer/receiver.py); 0 never matches: on a problem the receivers stop cleanly
-        same, _ = group.agree_many([0 if problem else fingerprint, *keys], values)
-        if not same[0]:
-            self._end.withdraw()
-            raise problem or TransferError(
-                "the receivers' plan differs from the sender's (a different manifest, version or bucket "
-                "size was started on the sidecar, or it runs another release of the backend); nothing was "
-                "written")
-        # Started after the agreement: its host work (a few us per tensor) then runs while the receivers
-        # copy, instead of holding every rank at the agreement. A failure to start is raised after the
-        # status step, so the receivers are never left waiting in it.
+        # Started before the agreement: the receivers are still on their way to it (their start and update
+        # requests), so the launch's host work and the kernel cost them nothing, and the kernel is done
+        # before their copies compete for the GPU. A failure to start is raised after the status step,
+        # so the receivers are never left waiting in it.
         digests, failure = None, None
-        if digest:
+        if digest and problem is None:
             try:
                 digests = self._start_digests(items, algorithm, specs)
             except Exception as e:
                 failure = e
+        if self.device.type == "cuda":  # before the agreement: ipc receivers may read right after it
+            torch.cuda.current_stream(self.device).synchronize()  # the trainer's writes have landed
+        fingerprint = specs.fingerprint(version, self.bucket_bytes, self._end.plan_id())
+        # one all-reduce (inference/transfer/receiver.py); 0 never matches: on a problem the receivers stop cleanly
+        try:
+            same, _ = group.agree_many([0 if problem else fingerprint, *keys], values)
+        except BaseException:
+            _settle(digests)
+            raise
+        if not same[0]:
+            self._end.withdraw()
+            _settle(digests)
+            raise problem or TransferError(
+                "the receivers' plan differs from the sender's (a different manifest, version or bucket "
+                "size was started on the sidecar, or it runs another release of the backend); nothing was "
+                "written")
+        records: list[TensorRecord] | None = None
+        if digests is not None and self._end.sends_by_waiting():
+            # send() only waits while the receivers copy: collect the digests in that wait, not after it
+            records, failure = _collect(digests, failure)
         try:
             self._end.send(group, self._end.plan(specs), tensors, same[1:])
         finally:
-            records = digests.result() if digests is not None else []
+            if records is None and digests is not None:
+                records, failure = _collect(digests, failure)
         if failure is not None:
             raise failure
         self._pending = None
-        return records
+        return records or []
 
     def _start_digests(self, items: list[tuple[str, torch.Tensor]], algorithm: str,
                        specs: ParsedManifest) -> PendingRecords:
@@ -240,6 +252,20 @@ class WeightSender:
             raise TransferError(f"the transfer group is broken ({self._group.broken}); call init_info() and "
                                 "connect() again, and give the new init_info to the sidecar")
         return self._group
+
+
+def _collect(digests: PendingRecords, failure: BaseException | None) -> tuple[list[TensorRecord], BaseException | None]:
+    """The digests' records, or ([], the first failure): raised by send() after the status step."""
+    try:
+        return digests.result(), failure
+    except Exception as e:
+        return [], failure or e
+
+
+def _settle(digests: PendingRecords | None) -> None:
+    """No byte was sent: wait until the digest no longer reads the caller's tensors."""
+    if digests is not None:
+        digests.settle()
 
 
 def _items(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:

@@ -22,7 +22,6 @@ from inference.transfer.digests import (
     check_algorithm,
     digests_match,
     expected_manifest,
-    kernel_device,
     plain_digests,
 )
 from inference.weights.state import Session
@@ -41,12 +40,9 @@ class HeldDigests:
         if routes is None:
             return None
         items = [(r.spec.name, r.held) for r in routes]
-        written = None  # a device launch is ordered behind the writes by its stream; the host path waits
-        if device is not None and device.type == "cuda" and kernel_device(items, session.algorithm) is None:
-            written = torch.cuda.Event()
-            written.record(torch.cuda.current_stream(device))
-        # each held region is exactly its spec's dtype and shape (inference/weights/target.py _route)
-        return self._digests.launch(items, session.algorithm, written=written, specs=[r.spec for r in routes])
+        # each held region is exactly its spec's dtype and shape (inference/weights/target.py _route); a
+        # device launch is ordered behind the writes by its stream, the host path waits for them (`after`)
+        return self._digests.launch(items, session.algorithm, after=device, specs=[r.spec for r in routes])
 
     def now(self, session: Session) -> list[TensorRecord] | None:
         """The held regions' digests taken now (no overlapped digest ran); None if some tensor is missing."""

@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import nn
 
-from checksum import ALGORITHM, Manifest, Report
+from checksum import ALGORITHM, Manifest, Report, TensorRecord
 from inference.config import ModelConfig
 from inference.transfer.digests import PendingRecords
 from inference.transfer.plan import ParsedManifest
@@ -37,6 +37,8 @@ class Session:
     bytes_moved: bool = False
     received: bool = False
     held_digests: PendingRecords | None = None  # started when the last byte landed
+    # (records in manifest order, the received Manifest) of held_digests, collected when update ended
+    held_received: tuple[list[TensorRecord], Manifest] | None = None
 
 
 @dataclass(frozen=True)

@@ -206,9 +206,11 @@ class UpdateTarget:
 
     def landed(self) -> None:
         """The backend wrote every byte of the sync (queued on the current stream) and is about to
-        report success in the status step: `on_landed` (the updater's overlapped digest) runs now."""
-        if self.on_landed is not None:
-            self.on_landed()
+        report success in the status step: `on_landed` (the updater's overlapped digest) runs now, once
+        (a backend may call it as soon as its last write is queued; the status step's call is then a no-op)."""
+        on_landed, self.on_landed = self.on_landed, None
+        if on_landed is not None:
+            on_landed()
 
     def received_manifest(self, version: int, held: Sequence[TensorRecord] | None = None) -> Manifest:
         """Digests of every tensor received (trainer names). Raises if any tensor never arrived.

@@ -270,6 +270,7 @@ class WeightUpdater:
             session.received = True
             if self.overlap_audit_digest and session.held_digests is None:  # a backend without landed()
                 self._launch_held_digest(session)
+            self._collect_held(session)
         except BaseException as e:
             self._end_session(f"update to version {session.version} failed: {e}")
             raise
@@ -302,11 +303,14 @@ class WeightUpdater:
             if self._asleep(session.which) is not None:
                 raise StateError(f"rank {rank}: the {session.which} weights were put to sleep during the update, "
                                  "which dropped the received bytes; wake_up and sync again")
-            held = session.held_digests.result() if session.held_digests is not None else None
-            if held is None:
-                held = self._digests.now(session)
-            records = session.target.received_records(held)
-            received = session.target.manifest_of(session.version, records)
+            if session.held_received is not None:
+                records, received = session.held_received
+            else:
+                held = session.held_digests.result() if session.held_digests is not None else None
+                if held is None:
+                    held = self._digests.now(session)
+                records = session.target.received_records(held)
+                received = session.target.manifest_of(session.version, records)
             checked = audit_report(sender_digests, expected, session, rank, records, received)
             report = Report.merge([checked, session.target.tied_report(received)])
             if not report.ok:
@@ -364,7 +368,7 @@ class WeightUpdater:
         digests the bytes the model holds after it."""
         session = self._session
         if session is not None and session.held_digests is not None:
-            pending, session.held_digests = session.held_digests, None
+            pending, session.held_digests, session.held_received = session.held_digests, None, None
             pending.settle()  # its outcome no longer matters: finish digests afresh
 
     def warm_up(self) -> None:
@@ -389,6 +393,21 @@ class WeightUpdater:
     def _launch_held_digest(self, session: Session) -> None:
         if session.held_digests is None:
             session.held_digests = self._digests.launch(session, self._host.device)
+
+    def _collect_held(self, session: Session) -> None:
+        """The overlapped device digest's records and the received manifest, taken when update ends (the
+        kernel is done or nearly: it was queued behind the copies), while the sender's digests are still
+        on their way, so finish only compares. A host digest (a side thread, longer) is left to finish;
+        so is any failure here (finish takes the digest again and reports it)."""
+        pending = session.held_digests
+        if pending is None or not pending.on_device:
+            return
+        try:
+            records = session.target.received_records(pending.result())
+            session.held_received = (records, session.target.manifest_of(session.version, records))
+        except Exception:
+            log.debug("rank %s: collecting the overlapped digest failed; finish takes it again",
+                      self._host.rank_key, exc_info=True)
 
     def _begin_writes(self, session: Session) -> None:
         """Both ends agreed on the plan: from here on the model's bytes may change."""

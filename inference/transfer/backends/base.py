@@ -90,6 +90,11 @@ class TransferBackend(ABC):
         values. InvalidRequestError: the sync cannot go this way (the receivers are stopped cleanly)."""
         return [], []
 
+    def sends_by_waiting(self) -> bool:
+        """After `prepare_send`: whether this sync's `send` only waits for the receivers (they read the
+        trainer's memory themselves), so the sender's own host work may run before it."""
+        return False
+
     def withdraw(self) -> None:
         """The agreement failed after `prepare_send`: nothing of this sync reached the receivers."""
         return None

@@ -72,6 +72,9 @@ class IpcBackend(TransferBackend):
             self._offer = self.exporter.offer("packed", [], self._shared_buckets())
         return [self._offer.key], [len(self._offer.payload)]
 
+    def sends_by_waiting(self) -> bool:
+        return self._offer is not None and self._offer.mode == "direct"
+
     def withdraw(self) -> None:
         self.exporter.rollback()  # its new handles never reached the receivers
         self._offer = None
@@ -160,7 +163,10 @@ class IpcBackend(TransferBackend):
             routing.plan.run()
         sink.mark_direct(routing.direct)
         sink.put(routing.rest)  # TP shards, casts, skipped names: loaded and digested while the memory is ours
-        torch.cuda.synchronize(self.device)  # every read of the sender's memory is done before the ack
+        copied = torch.cuda.Event()
+        copied.record(torch.cuda.current_stream(self.device))
+        sink.landed()  # queued behind the copies: its host work runs while they do (finish_receiving skips it)
+        copied.synchronize()  # every read of the sender's memory is done before the ack
 
     def _direct_routing(self, sources: Sequence[torch.Tensor],
                         destinations: Sequence[torch.Tensor | None]) -> _DirectRouting:
