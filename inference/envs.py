@@ -98,11 +98,6 @@ GEMV_PREFETCH = _switch("SIDECAR_GEMV_PREFETCH", bool, True,
 GEMV_FUSED_SPLIT = _switch("SIDECAR_GEMV_FUSED_SPLIT", bool, True,
                            "split-K partials summed by the last split to finish; 0 sums them in a second "
                            "launch (the same bits)", "import")
-INVARIANT_PLAIN_PREFETCH = _switch("SIDECAR_INVARIANT_PLAIN_PREFETCH", bool, False,
-                                   "the batch-invariant GEMM's plain products (no fused prologue) load their "
-                                   "first weight tile before PDL's wait and double-buffer in registers, as the "
-                                   "fused ones do; 0 leaves them to Triton's pipeliner (A/B benchmarks; the "
-                                   "same setting at every M, so rows stay invariant)", "import")
 PDL = _switch("SIDECAR_PDL", bool, True,
               "programmatic dependent launch for the decode kernels on Hopper or newer; 0 turns it off",
               "import")
