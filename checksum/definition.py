@@ -27,7 +27,7 @@ items, hashes one item, and combines the items' digests. Manifests name the rule
 
 from __future__ import annotations
 
-import sys
+import itertools
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -157,17 +157,19 @@ def combine_seg64k(segment_digests: Sequence[bytes | memoryview], nbytes: int) -
     return hasher.hexdigest()
 
 
-def seg64k_length_word(nbytes: int) -> int:
-    """The int64 whose bytes in memory are `nbytes` as 8 big-endian bytes: the suffix of a
-    DEVICE_ALGORITHM digest's input, stored as one more word after segment digests kept as int64s."""
-    return int.from_bytes(nbytes.to_bytes(8, "big"), sys.byteorder, signed=True)
+def combine_seg64k_runs(segments: memoryview, runs: Sequence[tuple[int, int, bytes]]) -> list[str]:
+    """DEVICE_ALGORITHM's digests of many tensors whose 8-byte segment digests lie back to back in
+    `segments`: run (start, end, suffix) is one tensor's digests `segments[start:end]` and its length as
+    8 big-endian bytes, i.e. exactly what `combine_seg64k` hashes, so the digests are the same. Streams
+    from the buffer: no copy of it is made (hundreds of tensors, up to megabytes of digests a sync)."""
+    return list(map(_run_digest, itertools.repeat(segments), runs))
 
 
-def combine_seg64k_packed(packed: memoryview, spans: Sequence[slice]) -> list[str]:
-    """DEVICE_ALGORITHM's digests of many tensors in one C-level pass: `packed[span]` holds one tensor's
-    8-byte segment digests followed by its `seg64k_length_word`, i.e. exactly what `combine_seg64k`
-    hashes, so the digests are the same."""
-    return list(map(xxhash.xxh3_128_hexdigest, map(packed.__getitem__, spans)))
+def _run_digest(segments: memoryview, run: tuple[int, int, bytes]) -> str:
+    start, end, suffix = run
+    hasher = xxhash.xxh3_128(segments[start:end])
+    hasher.update(suffix)
+    return hasher.hexdigest()
 
 
 class SegmentStream:

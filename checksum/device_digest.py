@@ -3,9 +3,9 @@
 A launch hashes every 64 KiB segment of every tensor (checksum/device_kernels.py) into one int64
 per segment holding its canonical 8-byte xxh3-64 digest; those come to the host in ONE copy (8 bytes
 per 64 KiB), and each tensor's digest is the xxh3-128 of its segments' digests and its length there
-(checksum/definition.py, `combine_seg64k`), all tensors in one pass over spans precomputed per layout
-(`combine_seg64k_packed`). No byte of a tensor leaves the device, and nothing waits
-on the device before `PendingDigests.result()`.
+(checksum/definition.py, `combine_seg64k`), streamed from that one buffer over byte ranges precomputed per
+layout (`combine_seg64k_runs`: no host copy, no fresh host pages to fault in). No byte of a tensor leaves
+the device, and nothing waits on the device before `PendingDigests.result()`.
 
 - The kernel reads each tensor in place when it is contiguous, its address and byte count are
   multiples of 16 and it is neither a conjugate nor a negative view. Anything else (rare: odd-sized
@@ -45,8 +45,7 @@ from checksum.definition import (
     ALGORITHM,
     DEVICE_ALGORITHM,
     SEG64K_BYTES,
-    combine_seg64k_packed,
-    seg64k_length_word,
+    combine_seg64k_runs,
 )
 from checksum.tensor_bytes import flat_bytes, host_view
 
@@ -104,14 +103,12 @@ def pick_algorithm(tensors: Iterable[torch.Tensor]) -> str:
 
 @dataclass(frozen=True)
 class _Packing:
-    """How one layout's segment digests become its tensors' digests on the host, in O(1) Python calls:
-    `template` (int64, on the CPU) holds each source's segment slots followed by its length word
-    (`seg64k_length_word`, filled in once); the segment digests go to the slots `slots` (one
-    index_copy), and `spans` (byte slices of the template) are each source's xxh3-128 input."""
+    """How one layout's segment digests become its tensors' digests on the host: `runs` holds, per
+    source, the byte range of its segment digests in the launch's output (they lie back to back, in
+    source order) and its length as 8 big-endian bytes (`combine_seg64k_runs` streams both, copying
+    nothing)."""
 
-    template: torch.Tensor
-    slots: torch.Tensor  # int64 [n_segments]: where segment i goes in `template`
-    spans: tuple[slice, ...]
+    runs: tuple[tuple[int, int, bytes], ...]
 
 
 @dataclass(frozen=True)
@@ -145,10 +142,7 @@ class PendingDigests:
         if self._digests is None:
             if self._event is not None:
                 self._event.synchronize()
-            packing = self._packing
-            packed = packing.template.clone()
-            packed.index_copy_(0, packing.slots, self._host)
-            self._digests = combine_seg64k_packed(host_view(packed.view(torch.uint8)), packing.spans)
+            self._digests = combine_seg64k_runs(host_view(self._host.view(torch.uint8)), self._packing.runs)
             self._keep_alive = None
         return self._digests
 
@@ -333,14 +327,6 @@ def _build_layout(device: torch.device, base: int, sources: list[Source]) -> _La
 
 
 def _packing(counts: list[int], firsts: list[int], nbytes: list[int]) -> _Packing:
-    """Source i's segments go to template words firsts[i] + i ..., its length word right after them."""
-    n_segments = sum(counts)
-    owner = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.int64),
-                                    output_size=n_segments)
-    slots = torch.arange(n_segments) + owner
-    ends = [first + i + count for i, (first, count) in enumerate(zip(firsts, counts))]
-    template = torch.zeros(n_segments + len(counts), dtype=torch.int64)
-    template[torch.tensor(ends, dtype=torch.int64)] = torch.tensor([seg64k_length_word(n) for n in nbytes],
-                                                                   dtype=torch.int64)
-    spans = tuple(slice(8 * (end - count), 8 * (end + 1)) for end, count in zip(ends, counts))
-    return _Packing(template, slots, spans)
+    """Source i's segment digests are the output's words firsts[i] .. firsts[i] + counts[i]."""
+    return _Packing(tuple((8 * first, 8 * (first + count), n.to_bytes(8, "big"))
+                          for count, first, n in zip(counts, firsts, nbytes)))
