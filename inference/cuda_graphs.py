@@ -269,7 +269,7 @@ class CUDAGraphRunner:
     is one token with its own position, slot, context length and block table row. `logits_max`: sizes
     above the smallest one holding that many rows capture the forward without the LM head, and replay
     the hidden states (a draft following a full batch's plain step writes its KV and needs no logits);
-    None: every size computes logits. `rows_per_seq`: the most rows of one sequence a replay holds
+    0: no size does; None: every size does. `rows_per_seq`: the most rows of one sequence a replay holds
     (AttentionMetadata.rows_per_seq: 1 for plain decode, k + 1 for spec-decode verify; 0: the backend's).
     """
 
@@ -284,7 +284,8 @@ class CUDAGraphRunner:
         self.sizes = sorted(set(sizes)) if sizes else batch_ladder(max_batch)
         n = self.sizes[-1]
         # the largest size that computes logits
-        self.logits_top = n if logits_max is None or logits_max >= n else self.size_for(max(1, logits_max))
+        self.logits_top = (n if logits_max is None or logits_max >= n
+                           else 0 if logits_max == 0 else self.size_for(logits_max))
         self.inputs = DecodeInputs(n, max_blocks_per_seq, device)
         self.cu_query_lens = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.logits = torch.empty(self.logits_top, model.config.vocab_size, dtype=dtype, device=device)

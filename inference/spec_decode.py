@@ -92,6 +92,7 @@ class SpecDecoder:
         self.vocab_size = vocab
         self.block_size = 0
         self.graphs: CUDAGraphRunner | None = None  # the draft's decode graphs (capture_graphs)
+        self.follow_graphs: CUDAGraphRunner | None = None  # its one-row graphs without LM head (follows)
         # the batch-invariant mode verifies by exact match, so a draft never changes a token or logprob
         self.exact = ExactSpeculation(self) if runner.batch_invariant else None
 
@@ -108,15 +109,23 @@ class SpecDecoder:
         rows = self.graph_rows(max_batch)
         return min(rows, spec_max_batch * (self.k + 1)) if spec_max_batch else rows
 
-    def capture_graphs(self, sizes: list[int], max_model_len: int, logits_max: int | None = None) -> None:
+    def capture_graphs(self, sizes: list[int], max_model_len: int, logits_max: int | None = None,
+                       follow_batch: int = 0) -> None:
         """Capture the draft's decode graphs at `sizes` over its bound KV (bind_draft_kv first). Sizes
         beyond `logits_max` rows (what a speculating step runs: verify_rows) only follow plain steps:
-        they are captured without the LM head (a full vocabulary GEMM per step)."""
+        they are captured without the LM head (a full vocabulary GEMM per step). `follow_batch` > 0: also
+        the graphs that follow a plain step (async scheduling) up to that many rows, one row per sequence
+        and no LM head, so their attention compiles the multi-row check out (as the target's plain graphs
+        do) at every size, not only above logits_max."""
         assert self.block_size, "bind_draft_kv first"
         max_blocks = -(-max_model_len // self.block_size)
         self.graphs = CUDAGraphRunner(self.draft, max(sizes), max_blocks, self.block_size, self.device,
                                       self.runner.dtype, sizes, logits_max=logits_max)
         self.graphs.capture()
+        if follow_batch:
+            self.follow_graphs = CUDAGraphRunner(self.draft, follow_batch, max_blocks, self.block_size, self.device,
+                                                 self.runner.dtype, logits_max=0, rows_per_seq=1)
+            self.follow_graphs.capture()
 
     @property
     def device(self) -> torch.device:
@@ -135,12 +144,17 @@ class SpecDecoder:
         self.draft(inp.input_ids, inp.positions, inp.meta)
 
     def graphs_fit(self, num_rows: int, max_blocks: int) -> bool:
-        return self.graphs is not None and self.graphs.can_use(num_rows, max_blocks, logits=False)
+        graphs = self._follow_graphs()
+        return graphs is not None and graphs.can_use(num_rows, max_blocks, logits=False)
 
     def follow_rows(self, rows: tuple[torch.Tensor, ...]) -> None:
         """(input_ids, positions, slots, context_lens, block_tables) of a target decode graph's rows."""
-        assert self.graphs is not None
-        self.graphs.replay(*rows)
+        graphs = self._follow_graphs()
+        assert graphs is not None
+        graphs.replay(*rows)
+
+    def _follow_graphs(self) -> CUDAGraphRunner | None:
+        return self.follow_graphs if self.follow_graphs is not None else self.graphs
 
     # ---- one step -------------------------------------------------------------------------
     @torch.inference_mode()

@@ -284,7 +284,7 @@ class Worker:
         verify_rows = self.spec.verify_rows(max_batch, self.config.scheduler.spec_max_batch)
         self.runner.capture_graphs(max_batch, self.max_model_len, verify_rows, self.spec.k + 1)
         sizes = extended_ladder(max_batch, self.spec.graph_rows(max_batch))
-        self.spec.capture_graphs(sizes, self.max_model_len, logits_max=verify_rows)
+        self.spec.capture_graphs(sizes, self.max_model_len, logits_max=verify_rows, follow_batch=max_batch)
 
     @overload
     def execute_model(self, batch: ScheduledBatch, overlap: Literal[False] = False) -> list[StepResult]: ...

@@ -103,16 +103,17 @@ def test_async_steps_with_a_following_draft_on_graphs(pair: tuple[Path, Path], k
     launch asynchronously and the draft follows them by replaying its own decode graph on the target
     graph's staged rows; the tail speculates. The target as its own draft accepts every token only if
     the followed KV is complete; greedy tokens equal target-only decoding. The draft's graphs above a
-    speculating step's rows (spec_max_batch * (k + 1)) are captured without the LM head: with k 1 and
-    spec_max_batch 1 the follows of 3-4 rows replay such graphs."""
+    speculating step's rows (spec_max_batch * (k + 1)) are captured without the LM head; the follows
+    replay graphs of their own: one row per sequence (the multi-row check compiled out), no LM head."""
     target, _ = pair
     prompts = random_prompts([3, 17, 9, 30], 300, seed=1)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (8, 16, 24, 40)]
     ref = [o.outputs[0].token_ids for o in engine(target, None, "float32").generate(prompts, params)]
     llm = engine(target, target, "float32", k, spec_max_batch=spec_max_batch, async_scheduling=True)
-    draft_graphs = llm.worker.spec.graphs
+    draft_graphs, follow_graphs = llm.worker.spec.graphs, llm.worker.spec.follow_graphs
     assert draft_graphs.logits_top == logits_top and draft_graphs.logits.shape[0] == logits_top
-    follows = count_replays(draft_graphs)
+    assert follow_graphs.logits_top == 0 and follow_graphs.rows_per_seq == 1
+    follows = count_replays(follow_graphs)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == ref
     assert follows[3] + follows[4] > 0  # the draft replayed plain decode rows of 3-4 sequences

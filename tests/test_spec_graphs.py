@@ -104,6 +104,10 @@ def install_graphs(llm: LLM, max_batch: int) -> tuple[EagerGraphs, EagerGraphs |
     draft = EagerGraphs(spec.draft, max_batch, max_blocks, runner.block_size, runner.device, runner.dtype, sizes)
     draft.capture()
     spec.graphs = draft
+    follow = EagerGraphs(spec.draft, max_batch, max_blocks, runner.block_size, runner.device, runner.dtype,
+                         logits_max=0, rows_per_seq=1)
+    follow.capture()
+    spec.follow_graphs = follow
     return target, verify, draft
 
 
@@ -180,3 +184,23 @@ def test_draft_graphs_above_the_speculating_rows_leave_the_lm_head_out(pair: tup
     full = CUDAGraphRunner(spec.draft, 8, max_blocks, runner.block_size, runner.device, runner.dtype, [1, 2, 4, 8])
     assert full.logits_top == 8  # no logits_max: every size computes logits
     assert spec.verify_rows(16, 2) == 2 * (spec.k + 1) and spec.verify_rows(16, 0) == spec.graph_rows(16)
+
+
+def test_async_follows_replay_one_row_graphs_without_lm_head(pair: tuple[Path, Path]) -> None:
+    """With async scheduling the draft follows the plain steps of a batch over spec_max_batch on graphs
+    of their own (one row per sequence, no LM head); greedy tokens stay those of target-only decoding."""
+    target, draft = pair
+    prompts = random_prompts([5, 11, 7], VOCAB, seed=4)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (4, 6, 14)]
+    base = engine(target, attention_backend="triton", max_model_len=64)
+    install_graphs(base, 4)
+    ref = [o.outputs[0].token_ids for o in base.generate(prompts, params)]
+    spec = engine(target, draft, 3, attention_backend="triton", max_model_len=64, async_scheduling=True,
+                  spec_max_batch=1)
+    install_graphs(spec, 4)
+    follow = spec.worker.spec.follow_graphs
+    assert isinstance(follow, EagerGraphs) and follow.logits_top == 0 and follow.rows_per_seq == 1
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
+    assert got == ref
+    assert follow.replays[2] + follow.replays[4] > 0  # plain steps of 2-3 sequences, followed on their graphs
+    assert spec.spec_stats.proposed > 0  # the last sequence alone speculated
