@@ -2,13 +2,15 @@
 or taken at finish) and, on request, a held manifest.
 
 `launch` starts digesting a session's held regions right behind the writes: under the device rule, on
-a GPU, ONE kernel launch queued on the writing stream (finish waits for its result); otherwise on a
-side thread, after an event recorded behind the writes. One RecordDigests per rank (its device
-digester keeps the segment tables of the layouts it saw, and launches from one thread at a time).
+a GPU, ONE kernel launch queued on the writing stream (`collect` takes its result when update ends);
+otherwise on a side thread, after an event recorded behind the writes (finish waits for it). One
+RecordDigests per rank (its device digester keeps the segment tables of the layouts it saw, and
+launches from one thread at a time).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +27,8 @@ from inference.transfer.digests import (
     plain_digests,
 )
 from inference.weights.state import Session
+
+log = logging.getLogger(__name__)
 
 
 class HeldDigests:
@@ -43,6 +47,20 @@ class HeldDigests:
         # each held region is exactly its spec's dtype and shape (inference/weights/target.py _route); a
         # device launch is ordered behind the writes by its stream, the host path waits for them (`after`)
         return self._digests.launch(items, session.algorithm, after=device, specs=[r.spec for r in routes])
+
+    def collect(self, session: Session) -> None:
+        """Take the session's overlapped device digest and build the received manifest now, when update
+        ends (the kernel is done or nearly: it was queued behind the copies), into
+        `session.held_received`. A host digest (a side thread, longer) is left to finish; so is any
+        failure here (finish takes the digest again and reports it)."""
+        pending = session.held_digests
+        if pending is None or not pending.on_device:
+            return
+        try:
+            records = session.target.received_records(pending.result())
+            session.held_received = (records, session.target.manifest_of(session.version, records))
+        except Exception:
+            log.debug("collecting the overlapped digest failed; finish takes it again", exc_info=True)
 
     def now(self, session: Session) -> list[TensorRecord] | None:
         """The held regions' digests taken now (no overlapped digest ran); None if some tensor is missing."""

@@ -24,7 +24,8 @@ device rule on the host); finish digests that name another rule fail the audit w
 mismatch naming both.
 Overlapped audit: once every tensor landed (the backend's `landed` call, before the status step;
 else when update returns) this rank starts digesting the held regions (inference/weights/audit.py),
-which runs while the ranks report and the trainer still digests its own copy. Nothing
+which runs while the ranks report; a device digest is collected (and the received manifest built)
+before update returns, while the sender's digests travel, so finish only compares. Nothing
 writes the model between update and finish (no step runs on a model with an open session, and start,
 update and reset refuse), so the digest is of the bytes finish audits. What could release them waits
 for it first: sleep and shutdown (`settle_digest`, which also drops the result: a sleep loses
@@ -270,7 +271,7 @@ class WeightUpdater:
             session.received = True
             if self.overlap_audit_digest and session.held_digests is None:  # a backend without landed()
                 self._launch_held_digest(session)
-            self._collect_held(session)
+            self._digests.collect(session)  # while the sender's digests travel: finish only compares
         except BaseException as e:
             self._end_session(f"update to version {session.version} failed: {e}")
             raise
@@ -393,21 +394,6 @@ class WeightUpdater:
     def _launch_held_digest(self, session: Session) -> None:
         if session.held_digests is None:
             session.held_digests = self._digests.launch(session, self._host.device)
-
-    def _collect_held(self, session: Session) -> None:
-        """The overlapped device digest's records and the received manifest, taken when update ends (the
-        kernel is done or nearly: it was queued behind the copies), while the sender's digests are still
-        on their way, so finish only compares. A host digest (a side thread, longer) is left to finish;
-        so is any failure here (finish takes the digest again and reports it)."""
-        pending = session.held_digests
-        if pending is None or not pending.on_device:
-            return
-        try:
-            records = session.target.received_records(pending.result())
-            session.held_received = (records, session.target.manifest_of(session.version, records))
-        except Exception:
-            log.debug("rank %s: collecting the overlapped digest failed; finish takes it again",
-                      self._host.rank_key, exc_info=True)
 
     def _begin_writes(self, session: Session) -> None:
         """Both ends agreed on the plan: from here on the model's bytes may change."""
