@@ -237,13 +237,14 @@ class WeightSender:
                        specs: ParsedManifest) -> PendingRecords:
         """The digests of what is sent, started as the bytes move (see the module docstring). `specs`
         describe `items` (send() checked them), so the records are named from them."""
-        stream = None
+        stream, after = None, None
         if self.device.type == "cuda":  # the launch uses it when the tensors are on self.device
             stream = self._digest_streams.get(self.device)
             if stream is None:
                 stream = self._digest_streams[self.device] = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))  # after the trainer's last write
-        return self._digests.launch(items, algorithm, stream=stream, specs=specs.specs)
+            after = self.device  # the host rule over CUDA tensors: its thread waits for that write too
+        return self._digests.launch(items, algorithm, stream=stream, after=after, specs=specs.specs)
 
     def _require_group(self) -> TransferGroup:
         if self._group is None:
