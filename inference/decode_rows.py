@@ -49,15 +49,16 @@ class DecodeRows:
 
 
 def decode_logits(model: nn.Module, graphs: CUDAGraphRunner | None, input_ids: torch.Tensor,
-                  rows: DecodeRows, device: torch.device) -> torch.Tensor:
+                  rows: DecodeRows, device: torch.device, logits: bool = True) -> torch.Tensor:
     """Logits [len(rows), vocab] of the rows, replayed from a graph when one fits (then a view of the
-    graph's static buffer, valid until its next replay), else run eagerly."""
+    graph's static buffer, valid until its next replay), else run eagerly. logits=False: only the rows'
+    KV is wanted, so graphs captured without the LM head fit too (what comes back is then not logits)."""
     n, width = len(rows), rows.width
     assert input_ids.shape == (n,), (input_ids.shape, n)
-    if graphs is not None and graphs.can_use(n, width):
+    if graphs is not None and graphs.can_use(n, width, logits=logits):
         packed = to_device([rows.positions, rows.slots, rows.context_lens], device)
         tables = to_device([t + [0] * (width - len(t)) for t in rows.tables], device, torch.int32)
         return graphs.replay(input_ids, packed[0], packed[1], packed[2].to(torch.int32), tables)
     meta = AttentionMetadata.build([1] * n, rows.context_lens, rows.slots, rows.tables, rows.block_size, device)
-    positions = to_device(rows.positions, device)
-    return model.compute_logits(model(input_ids, positions, meta))
+    hidden = model(input_ids, to_device(rows.positions, device), meta)
+    return model.compute_logits(hidden) if logits else hidden

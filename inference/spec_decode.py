@@ -191,11 +191,12 @@ class SpecDecoder:
             chunks.append((start, end))
             if i in spec_set:
                 last.append(len(ids) - 1)
-        if self._graph_fits(batch.seqs, chunks):
+        if self._graph_fits(batch.seqs, chunks, logits=bool(spec)):
             rows = DecodeRows(self.block_size)
             for seq, (start, end) in zip(batch.seqs, chunks):
                 rows.add(seq.block_table, start, end - start)
-            logits = decode_logits(self.draft, self.graphs, to_device(ids, self.device), rows, self.device)
+            logits = decode_logits(self.draft, self.graphs, to_device(ids, self.device), rows, self.device,
+                                   logits=bool(spec))  # a plain batch's catch-up writes KV only
             return logits.index_select(0, to_device(last, self.device)) if spec else None
         hidden = self._forward(self.draft, to_device(ids, self.device), [c[0] for c in chunks],
                                [e - s for s, e in chunks], [seq.block_table for seq in batch.seqs])
@@ -203,11 +204,12 @@ class SpecDecoder:
             return None
         return self.draft.compute_logits(hidden.index_select(0, to_device(last, self.device)))
 
-    def _graph_fits(self, seqs: list[Sequence], chunks: list[tuple[int, int]]) -> bool:
-        """Whether the draft's pass over these short chunks replays a graph as expanded rows."""
+    def _graph_fits(self, seqs: list[Sequence], chunks: list[tuple[int, int]], logits: bool) -> bool:
+        """Whether the draft's pass over these short chunks replays a graph as expanded rows (with logits:
+        one that computes them; the sizes above a speculating step's rows do not)."""
         if self.graphs is None or max(e - s for s, e in chunks) > self.k + 1:
             return False
-        return self.graphs.can_use(sum(e - s for s, e in chunks), max(len(s.block_table) for s in seqs))
+        return self.graphs.can_use(sum(e - s for s, e in chunks), max(len(s.block_table) for s in seqs), logits)
 
     def _forward(self, model: nn.Module, ids: torch.Tensor, starts: list[int], lens: list[int],
                  tables: list[list[int]]) -> torch.Tensor:

@@ -101,7 +101,8 @@ def install_graphs(llm: LLM, max_batch: int) -> tuple[EagerGraphs, EagerGraphs |
     verify.capture()
     runner.verify_graphs = verify
     sizes = extended_ladder(max_batch, spec.graph_rows(max_batch))
-    draft = EagerGraphs(spec.draft, max_batch, max_blocks, runner.block_size, runner.device, runner.dtype, sizes)
+    draft = EagerGraphs(spec.draft, max_batch, max_blocks, runner.block_size, runner.device, runner.dtype, sizes,
+                        logits_max=rows)
     draft.capture()
     spec.graphs = draft
     follow = EagerGraphs(spec.draft, max_batch, max_blocks, runner.block_size, runner.device, runner.dtype,
@@ -204,3 +205,22 @@ def test_async_follows_replay_one_row_graphs_without_lm_head(pair: tuple[Path, P
     assert got == ref
     assert follow.replays[2] + follow.replays[4] > 0  # plain steps of 2-3 sequences, followed on their graphs
     assert spec.spec_stats.proposed > 0  # the last sequence alone speculated
+
+
+def test_a_plain_batchs_draft_catch_up_replays_graphs_without_lm_head(pair: tuple[Path, Path]) -> None:
+    """Synchronous steps with a draft: a plain batch's draft pass only writes KV, so it replays the draft's
+    graphs above a speculating step's rows (captured without the LM head) instead of running eagerly."""
+    target, draft = pair
+    prompts = random_prompts([5, 11, 7, 9], VOCAB, seed=5)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (6, 6, 6, 12)]
+    base = engine(target, attention_backend="triton", max_model_len=64)
+    install_graphs(base, 4)
+    ref = [o.outputs[0].token_ids for o in base.generate(prompts, params)]
+    spec = engine(target, draft, 1, attention_backend="triton", max_model_len=64, async_scheduling=False,
+                  spec_max_batch=1)
+    _, _, draft_graphs = install_graphs(spec, 4)
+    assert draft_graphs is not None and draft_graphs.logits_top == 2  # one sequence of k + 1 rows
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
+    assert got == ref
+    assert draft_graphs.replays[4] > 0  # plain steps of 3-4 sequences: above logits_top, on a graph
+    assert spec.spec_stats.proposed > 0
