@@ -57,10 +57,20 @@ class HeldDigests:
         if pending is None or not pending.on_device:
             return
         try:
-            records = session.target.received_records(pending.result())
-            session.held_received = (records, session.target.manifest_of(session.version, records))
+            session.held_received = self.received(session)
         except Exception:
             log.debug("collecting the overlapped digest failed; finish takes it again", exc_info=True)
+
+    def received(self, session: Session) -> tuple[list[TensorRecord], Manifest]:
+        """(records in manifest order, the received Manifest) of what the session wrote: what `collect`
+        took, else the overlapped digest's result, else digests taken now."""
+        if session.held_received is not None:
+            return session.held_received
+        held = session.held_digests.result() if session.held_digests is not None else None
+        if held is None:
+            held = self.now(session)
+        records = session.target.received_records(held)
+        return records, session.target.manifest_of(session.version, records)
 
     def now(self, session: Session) -> list[TensorRecord] | None:
         """The held regions' digests taken now (no overlapped digest ran); None if some tensor is missing."""

@@ -304,14 +304,7 @@ class WeightUpdater:
             if self._asleep(session.which) is not None:
                 raise StateError(f"rank {rank}: the {session.which} weights were put to sleep during the update, "
                                  "which dropped the received bytes; wake_up and sync again")
-            if session.held_received is not None:
-                records, received = session.held_received
-            else:
-                held = session.held_digests.result() if session.held_digests is not None else None
-                if held is None:
-                    held = self._digests.now(session)
-                records = session.target.received_records(held)
-                received = session.target.manifest_of(session.version, records)
+            records, received = self._digests.received(session)
             checked = audit_report(sender_digests, expected, session, rank, records, received)
             report = Report.merge([checked, session.target.tied_report(received)])
             if not report.ok:
