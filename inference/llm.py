@@ -388,8 +388,10 @@ class LLM:
         self._finished_while_draining.extend(self._settle())
         self.worker.start_draft_weight_update(version, manifest, allow_cast=allow_cast)
 
-    def update_weights(self, update_info: Any = None) -> None:
-        self.worker.update_weights(update_info)
+    def update_weights(self, update_info: Any = None, *, digests_follow: bool = False) -> Any:
+        """Receive the open session's bytes; with `digests_follow` (the sender delivers its digests in the
+        sync), returns them for finish_weight_update."""
+        return self.worker.update_weights(update_info, digests_follow=digests_follow)
 
     def finish_weight_update(self, sender_digests: Any, **kwargs: Any) -> Any:
         """Audit the update; on success the version goes live (a target update is then the engine's

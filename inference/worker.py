@@ -373,8 +373,9 @@ class Worker:
     def start_draft_weight_update(self, version: int, manifest: Any, *, allow_cast: bool = False) -> None:
         self.weights.start("draft", version, manifest, allow_cast=allow_cast)
 
-    def update_weights(self, update_info: Any = None) -> None:
-        self.weights.update(update_info)
+    def update_weights(self, update_info: Any = None, *, digests_follow: bool = False) -> Any:
+        """Receive the open session's bytes; with `digests_follow`, returns the sender's digests for finish."""
+        return self.weights.update(update_info, digests_follow=digests_follow)
 
     def finish_weight_update(self, sender_digests: Any, *, held_manifest: bool = False) -> UpdateResult:
         return self.weights.finish(sender_digests, held_manifest=held_manifest)

@@ -4,16 +4,18 @@ A `sidecar launch` subprocess serves --model (tiny or qwen2-0.5b, built as `side
 this process is the trainer: a WeightSender holding the checkpoint's own tensors on --device, joined
 once with connect_sender. Each digest rule is measured in the same run: the one the sender picks for
 its tensors (the device rule, "xxh3_64_seg64k", for CUDA tensors) and the other one for comparison
-(set on the sender, `digest_algorithm`). Per rule, after --warmup syncs, each of --iters syncs is timed
-on the client:
-- sync_audit_ms: the whole sync_weights call: start -> update beside sender.send() -> finish, whose
-  answer carries the audit (every rank compared what it holds with the sender's digests);
-- sync_ms: the same call without its finish (the bytes in place on every rank, the sender's digest,
-  which runs beside the transfer, included; the client sends finish as soon as send() returned, so the
-  update's answer travels beside it and finish's client time may include its tail);
+(set on the sender, `digest_algorithm`). Each is measured on the client's path (ONE request: the update
+carries the start and "finish", the sender delivers its digests over the group, the answer is the
+audit); the picked rule also on the two-request path an older sidecar gets (update, then finish with the
+digests over HTTP), in the same run (`by_path`). Per rule and path, after --warmup syncs, each of --iters
+syncs is timed on the client:
+- sync_audit_ms: the whole sync_weights call, whose answer carries the audit (every rank compared what it
+  holds with the sender's digests, and the version is live);
+- sync_ms: the same call until sender.send() returned (the bytes in place on every rank and, on the
+  one-request path, the sender's digests delivered to them): sync_audit_ms minus the audit's tail;
 - per phase: each HTTP call's client-side time and sender.send() ("start" only against a sidecar without
   start_in_update: otherwise the start rides on the update);
-- requests_per_sync: the HTTP requests one sync made (2: update carrying the start, then finish);
+- requests_per_sync: the HTTP requests one sync made (1; 2 on the two-request path);
 - server_*_ms: the mean time the sidecar's handlers report for the same calls (its Prometheus histogram
   sidecar_weight_sync_seconds: start, update, finish; "audit" is the ranks' part of finish), i.e. the
   same bytes moved and checked with no HTTP or client in the way; `ratio` is client / server;
@@ -109,7 +111,8 @@ def _server_timing(resp: Any) -> tuple[float | None, float | None]:
 
 
 @contextmanager
-def timed_send(sender: WeightSender, times: dict[str, list[float]]) -> Iterator[None]:
+def timed_send(sender: WeightSender, times: dict[str, list[float]], ends: list[float]) -> Iterator[None]:
+    """Time each sender.send() into times["send"] (ms) and note when it returned in `ends` (perf_counter)."""
     real = sender.send
 
     def send(*args: Any, **kwargs: Any) -> Any:
@@ -117,7 +120,8 @@ def timed_send(sender: WeightSender, times: dict[str, list[float]]) -> Iterator[
         try:
             return real(*args, **kwargs)
         finally:
-            times["send"].append((time.perf_counter() - t0) * 1e3)
+            ends.append(time.perf_counter())
+            times["send"].append((ends[-1] - t0) * 1e3)
 
     sender.send = send  # type: ignore[method-assign]
     try:
@@ -156,14 +160,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         with TimedClient(server.url, timeout=300) as client:
             client.connect_sender(sender)
-            runs = {}
+            if not client._audit_in_update:
+                raise SystemExit("the sidecar did not offer audit_in_update at /weights/init")
+            runs, paths = {}, {}
             for algorithm in (picked, *(a for a in ALGORITHMS if a != picked)):
                 sender.digest_algorithm = algorithm
                 runs[algorithm], version = measure(args, client, sender, weights, version)
+            sender.digest_algorithm = picked
+            client._audit_in_update = False  # what a sidecar without audit_in_update leaves: update, then finish
+            paths["two_requests"], version = measure(args, client, sender, weights, version)
+            client._audit_in_update = True
+            paths["one_request"] = runs[picked]
             out = {"bench": "client_sync", "model": args.model, "backend": args.backend, "device": args.device,
                    "tensors": len(weights), "bytes": sum(t.numel() * t.element_size() for t in weights.values()),
                    "iters": args.iters, "algorithm": picked, **runs[picked], "by_algorithm": runs,
-                   "round_trip_ms": round_trips(client)}
+                   "by_path": paths, "round_trip_ms": round_trips(client)}
+            out["ratio_one_to_two_requests"] = round(out["sync_audit_ms"] / paths["two_requests"]["sync_audit_ms"], 3)
             return out
     finally:
         sender.close()
@@ -197,14 +209,15 @@ def measure(args: argparse.Namespace, client: TimedClient, sender: WeightSender,
     client.control.clear()
     before = server_sums(client)
     requests = client.requests
-    totals, syncs = [], []
-    with timed_send(sender, client.times):
+    totals, syncs, ends = [], [], []
+    with timed_send(sender, client.times, ends):
         for _ in range(args.iters):
             version += 1
             t0 = time.perf_counter()
             result = client.sync_weights(sender, weights, version=version)
-            totals.append((time.perf_counter() - t0) * 1e3)
-            syncs.append(totals[-1] - client.times["finish"][-1])
+            t1 = time.perf_counter()
+            totals.append((t1 - t0) * 1e3)
+            syncs.append((ends[-1] - t0) * 1e3)
             if not result["ok"] or result.get("algorithm") != sender.digest_algorithm:
                 raise SystemExit(f"audit failed or of another rule:\n{result.get('table')}")
     per_sync = (client.requests - requests) / args.iters
@@ -235,10 +248,11 @@ def summary(args: argparse.Namespace, times: dict[str, list[float]], totals: lis
 
 
 def control_ms(client: dict[str, float], server: dict[str, float]) -> dict[str, float]:
-    """Client minus server per HTTP call; an update that carried the start is compared with both."""
+    """Client minus server per HTTP call; an update that carried the start (and finish) is compared with
+    all it carried."""
     out = {p: round(client[p] - server[p], 3) for p in ("start", "finish") if p in client}
     if "update" in client:
-        carried = server["start"] if "start" not in client else 0.0
+        carried = sum(server[p] for p in ("start", "finish") if p not in client)
         out["update"] = round(client["update"] - server["update"] - carried, 3)
     return out
 

@@ -208,6 +208,10 @@ class WeightsUpdateRequest(_Request):
                           "fewer per sync; sidecars whose /weights/init answer has start_in_update: true). A "
                           "start the ranks refuse is answered as /weights/start answers it, and the sender's "
                           "send() fails at once (the plan agreement is refused)")
+    finish: bool = Field(
+        False, description="the sender delivers its digests in the sync (WeightSender.send(deliver_digests=True)): "
+                           "every rank audits and commits in this call, whose answer is /weights/finish's (one "
+                           "request per sync; sidecars whose /weights/init answer has audit_in_update: true)")
 
 
 class WeightsFinishRequest(_Request):

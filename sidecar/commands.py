@@ -107,6 +107,15 @@ class SyncResult:
     audit_s: float = 0.0
 
 
+@dataclass(frozen=True)
+class UpdateReply:
+    """One rank's answer to UpdateWeights: the seconds its start took (0.0 without one), and with `finish`
+    the passed audit."""
+
+    start_s: float = 0.0
+    result: SyncResult | None = None
+
+
 # ---- commands -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Command:
@@ -183,11 +192,14 @@ class UpdateWeights(Command):
     """Receive every bucket of the open session (blocks while the sender sends). With `start`, open that
     session first, in this same command (POST /weights/update with "start": one round trip fewer per
     sync); a start that fails refuses the sender's plan agreement, so the trainer's send() stops at once
-    instead of waiting out its timeout. Reply: the seconds the start took (0.0 without one)."""
+    instead of waiting out its timeout. With `finish`, the sender delivers its digests in the sync
+    (inference/transfer/delivery.py) and the rank audits and commits here, as FinishWeightUpdate would:
+    the whole sync is one command."""
 
     info: Any = None
     start: StartWeightUpdate | None = None
-    reply: ClassVar[type] = float
+    finish: bool = False
+    reply: ClassVar[type] = UpdateReply
 
 
 @dataclass(frozen=True)

@@ -36,14 +36,16 @@ GAP_KEYS = {"gap_max": "logprob_gap_max_abs", "gap_mean_abs": "logprob_gap_mean_
 
 
 class _TimedClient(SidecarClient):
-    """A SidecarClient that adds the sidecar-side audit of each sync to `audit_ms`: finish (every rank
-    compares the digests of what it holds, taken as the bytes landed, with the sender's; its answer is
-    the audit) plus any separate audit call."""
+    """A SidecarClient that adds the audit of each sync to `audit_ms`: the ranks' own time in it, as the
+    sync's answer reports it (every rank compares the digests of what it holds, taken as the bytes
+    landed, with the sender's, and commits), plus any separate audit call (an older sidecar)."""
 
     audit_ms = 0.0
 
-    def finish_weights(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return self._timed(super().finish_weights, *args, **kwargs)
+    def sync_weights(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        report = super().sync_weights(*args, **kwargs)
+        self.audit_ms += float(report.get("audit_ms", 0.0))
+        return report
 
     def audit(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         return self._timed(super().audit, *args, **kwargs)

@@ -48,6 +48,7 @@ from sidecar.commands import (
     SyncResult,
     TokenizedPrompt,
     UnknownCommandError,
+    UpdateReply,
     UpdateWeights,
     WaitMode,
     WakeUp,
@@ -284,7 +285,7 @@ class RankServer:
         else:
             raise InvalidRequestError("model", f"must be 'target' or 'draft', got {cmd.model!r}")
 
-    def _update_weights(self, cmd: UpdateWeights) -> float:
+    def _update_weights(self, cmd: UpdateWeights) -> UpdateReply:
         start_s = 0.0
         if cmd.start is not None:
             t0 = time.perf_counter()
@@ -300,13 +301,16 @@ class RankServer:
                     e.add_note(f"refusing the sender's plan agreement failed too: {refusal}")
                 raise
             start_s = time.perf_counter() - t0
-        self.llm.update_weights(cmd.info)
-        return start_s
+        delivered = self.llm.update_weights(cmd.info, digests_follow=cmd.finish)
+        return UpdateReply(start_s, self._finish(delivered) if cmd.finish else None)
 
     def _finish_weight_update(self, cmd: FinishWeightUpdate) -> SyncResult:
+        return self._finish(cmd.digests)
+
+    def _finish(self, digests: Any) -> SyncResult:
         # The audit is the whole of finish; nobody reads a held manifest here (GET /checksums digests afresh).
         t0 = time.perf_counter()
-        result = self.llm.finish_weight_update(cmd.digests, held_manifest=False)
+        result = self.llm.finish_weight_update(digests, held_manifest=False)
         audit_s = time.perf_counter() - t0
         report = result.report
         return SyncResult(result.model, result.version, result.rank, report.ok, report.summary(),

@@ -34,6 +34,7 @@ from sidecar.commands import (
     Sleep,
     StartWeightUpdate,
     SyncResult,
+    UpdateReply,
     UpdateWeights,
     WakeUp,
 )
@@ -182,7 +183,8 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
         with lease.call():
             ranks = await _weight_call(state, InitWeightTransfer(body.init_info))
         lease.closed()  # the ranks abandoned any open session for the new group
-        return {"ranks": ranks, "start_in_update": True}  # /weights/update takes a "start" (SidecarClient uses it)
+        # /weights/update takes a "start", and "finish" with digests the sender delivers (SidecarClient uses both)
+        return {"ranks": ranks, "start_in_update": True, "audit_in_update": True}
 
     @router.post("/weights/start", summary="Open an update session: validate the whole manifest first")
     async def weights_start(body: WeightsStartRequest, request: Request) -> dict[str, Any]:
@@ -217,17 +219,30 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
         model = _open_model(state) if start is None else start.model
         try:
             with lease.call():
-                start_s = max(await _weight_call(state, UpdateWeights(info, opening)))
-        except ApiError:
-            if start is None or opens:  # a failed update ends the session on every rank
+                replies: list[UpdateReply] = await _weight_call(state, UpdateWeights(info, opening, body.finish))
+        except ApiError as e:
+            if body.finish and e.kind == "checksum":
+                state.metrics.audit_failures.inc()
+            if start is None or opens or body.finish:  # a failed update ends the session on every rank
                 lease.closed()
                 _failed(state)
             else:
                 state.metrics.syncs.labels(model, "failed").inc()
             raise
+        start_s = max(r.start_s for r in replies)
         if start is not None:
             state.metrics.sync_seconds.labels(model, "start").observe(start_s)
-        state.metrics.sync_seconds.labels(model, "update").observe(time.perf_counter() - t0 - start_s)
+        results = [r.result for r in replies if r.result is not None]
+        audit_s = max((r.audit_s for r in results), default=0.0)
+        state.metrics.sync_seconds.labels(model, "update").observe(time.perf_counter() - t0 - start_s - audit_s)
+        if body.finish:  # every rank audited and committed in this call: the answer is finish's
+            lease.closed()
+            if len(results) != len(replies):
+                raise ApiError(500, "InternalError", "some ranks did not finish the sync they received with "
+                               "the sender's digests", "finish")
+            state.metrics.sync_seconds.labels(model, "finish").observe(audit_s)
+            note_handler_time(request.scope, t0)
+            return _finished(state, model, results, audit_s)
         note_handler_time(request.scope, t0)
         return {"received": True} if start is None else {"received": True, "model": model,
                                                          "version": start.version, "started": True}
@@ -246,22 +261,10 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
             raise
         finally:
             lease.closed()  # finish ends the session, passed or failed
-        now = time.perf_counter()
-        state.metrics.sync_seconds.labels(model, "finish").observe(now - t0)
-        state.metrics.sync_seconds.labels(model, "audit").observe(max(r.audit_s for r in results))
-        started, nbytes = state.sync_started.pop(model, (t0, 0))
-        state.metrics.sync_seconds.labels(model, "total").observe(now - started)
-        state.metrics.sync_bytes.labels(model).inc(nbytes)
-        state.metrics.syncs.labels(model, "ok").inc()
+        finish_s = time.perf_counter() - t0
+        state.metrics.sync_seconds.labels(model, "finish").observe(finish_s)
         note_handler_time(request.scope, t0)
-        # Every rank passed its comparison with the same digests, so every rank holds the sent bytes and
-        # the ranks agree with each other: that IS POST /audit's verdict for source=received with these
-        # digests expected, sent back here instead of in a second round trip.
-        audit = Report.build([], [r.rank for r in results], sum(r.tensors_checked for r in results))
-        return {"model": results[0].model, "version": results[0].version, "ok": all(r.ok for r in results),
-                "algorithm": results[0].algorithm,
-                "ranks": [{"rank": r.rank, "ok": r.ok, "summary": r.summary} for r in results],
-                "audit": {**report_dict(audit, results[0].model, "received"), "algorithm": results[0].algorithm}}
+        return _finished(state, model, results, finish_s)
 
     @router.post("/weights/abort", summary="End the open update session now; generation resumes")
     async def weights_abort() -> dict[str, Any]:
@@ -270,6 +273,26 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
         if any(opened):
             _failed(state)
         return {"aborted": any(opened), "state": state_dict(state)}
+
+
+def _finished(state: ServerState, model: str, results: list[SyncResult], finish_s: float) -> dict[str, Any]:
+    """The answer of a sync every rank audited and committed (/weights/finish, or /weights/update with
+    "finish"), with its metrics. `finish_s`: the seconds of that part."""
+    now = time.perf_counter()
+    state.metrics.sync_seconds.labels(model, "audit").observe(max(r.audit_s for r in results))
+    started, nbytes = state.sync_started.pop(model, (now, 0))
+    state.metrics.sync_seconds.labels(model, "total").observe(now - started)
+    state.metrics.sync_bytes.labels(model).inc(nbytes)
+    state.metrics.syncs.labels(model, "ok").inc()
+    # Every rank passed its comparison with the same digests, so every rank holds the sent bytes and the
+    # ranks agree with each other: that IS POST /audit's verdict for source=received with these digests
+    # expected, sent back here instead of in a second round trip.
+    audit = Report.build([], [r.rank for r in results], sum(r.tensors_checked for r in results))
+    return {"model": results[0].model, "version": results[0].version, "ok": all(r.ok for r in results),
+            "algorithm": results[0].algorithm, "finish_ms": round(finish_s * 1e3, 3),
+            "ranks": [{"rank": r.rank, "ok": r.ok, "summary": r.summary} for r in results],
+            "audit": {**report_dict(audit, results[0].model, "received"), "algorithm": results[0].algorithm,
+                      "audit_ms": round(max(r.audit_s for r in results) * 1e3, 3)}}
 
 
 def _open_model(state: ServerState) -> str:

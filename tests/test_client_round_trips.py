@@ -1,10 +1,11 @@
 """The user-facing sync's control path against a real `sidecar launch` (CPU, gloo): one sync through
-SidecarClient.sync_weights is two HTTP requests (the update carrying the start, then finish, whose
-answer is the audit), counted on the wire by a transport, so a regression to more round trips fails.
+SidecarClient.sync_weights is ONE HTTP request (the update carrying the start and "finish": the sender
+delivers its digests over the group and the answer is the audit), counted on the wire by a transport, so
+a regression to more round trips fails; a flipped byte still fails that audit naming tensor and rank.
 A start the ranks refuse inside that update is the sidecar's 400/409 within seconds, not the sender's
 wire timeout (the ranks refuse its plan agreement), and the group stays usable; a session opened
-before stays open (its lease too) until it is aborted. A sidecar that does not say `start_in_update`
-gets the separate start, as before."""
+before stays open (its lease too) until it is aborted. A sidecar that does not say `audit_in_update`
+gets update then finish, one without `start_in_update` the separate start too, as before."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import pytest
 from inference.tiny import TinyModelSpec, random_weights
 from inference.transfer.sender import WeightSender
 from tests.helpers_sidecar import Sidecar, launch
-from trainer_hooks.client import SidecarClient, SidecarRequestError, SidecarStateError
+from tests.helpers_weight_update import RANK
+from trainer_hooks.client import SidecarChecksumError, SidecarClient, SidecarRequestError, SidecarStateError
 
 WIRE_TIMEOUT_S = 60.0  # the sender's: every refusal below must come long before it
 FAST_S = 20.0  # a refused start's answer, on a loaded CPU box, with margin
@@ -68,35 +70,62 @@ def _live(c: SidecarClient) -> int:
     return int(c.state()["weight_versions"]["target"])
 
 
-def test_a_sync_is_two_requests_update_with_start_then_finish(server: Sidecar, sender: WeightSender) -> None:
+def test_a_sync_is_one_request_carrying_start_and_finish(server: Sidecar, sender: WeightSender) -> None:
     c, wire = _client(server)
     with c:
-        assert c.connect_sender(sender)["start_in_update"] is True
+        init = c.connect_sender(sender)
+        assert init["start_in_update"] is True and init["audit_in_update"] is True
         version = _live(c)
         for _ in range(3):  # the first sends the tensors, the later ones the layout key
             version += 1
             wire.paths.clear()
             result = c.sync_weights(sender, WEIGHTS, version=version)
             assert result["ok"] and result["tensors_checked"] == len(WEIGHTS), result["table"]
-            assert wire.paths == ["/weights/update", "/weights/finish"]
-            for path in wire.paths:  # what scripts/bench_client_sync.py splits a control message's time by
-                found = dict(re.findall(r"(app|handler);dur=([0-9.]+)", wire.timings[path]))
-                assert 0 < float(found["handler"]) <= float(found["app"]), (path, wire.timings[path])
-        assert _live(c) == version
+            assert result["algorithm"] == sender.algorithm and result["source"] == "received"
+            assert wire.paths == ["/weights/update"]
+            assert _live(c) == version  # committed when the one answer came
+            # what scripts/bench_client_sync.py splits a control message's time by
+            found = dict(re.findall(r"(app|handler);dur=([0-9.]+)", wire.timings["/weights/update"]))
+            assert 0 < float(found["handler"]) <= float(found["app"]), wire.timings
         metrics = c.metrics()
-        for phase in ("start", "update", "finish"):  # the server still reports each phase
+        for phase in ("start", "update", "finish", "audit", "total"):  # the server still reports each phase
             assert f'sidecar_weight_sync_seconds_count{{model="target",phase="{phase}"}}' in metrics
 
 
-def test_a_sidecar_without_start_in_update_gets_the_separate_start(server: Sidecar, sender: WeightSender) -> None:
+@pytest.mark.parametrize("start_in_update, paths", [
+    (True, ["/weights/update", "/weights/finish"]),  # a sidecar without audit_in_update
+    (False, ["/weights/start", "/weights/update", "/weights/finish"]),  # ... without start_in_update either
+])
+def test_older_sidecars_get_the_older_paths(server: Sidecar, sender: WeightSender, start_in_update: bool,
+                                            paths: list[str]) -> None:
     c, wire = _client(server)
     with c:
         c.connect_sender(sender)
-        c._start_in_update = False  # what an older sidecar's init answer leaves
+        c._start_in_update, c._audit_in_update = start_in_update, False  # what an older init answer leaves
         version = _live(c) + 1
         wire.paths.clear()
         assert c.sync_weights(sender, WEIGHTS, version=version)["ok"]
-        assert wire.paths == ["/weights/start", "/weights/update", "/weights/finish"]
+        assert wire.paths == paths and _live(c) == version
+
+
+def test_a_flipped_byte_fails_the_one_request_audit_naming_tensor_and_rank(sender: WeightSender) -> None:
+    flipped = next(iter(WEIGHTS))
+    proc = launch(env={"SIDECAR_WEIGHT_FAULT": f"flip:{flipped}"})  # the rank flips a byte of it on arrival
+    try:
+        c, wire = _client(proc)
+        with c:
+            c.connect_sender(sender)
+            for version in (1, 2):  # a failed audit leaves the group usable: the next sync is audited too
+                wire.paths.clear()
+                with pytest.raises(SidecarChecksumError) as err:
+                    c.sync_weights(sender, WEIGHTS, version=version)
+                assert wire.paths == ["/weights/update"] and err.value.status == 409
+                assert flipped in err.value.message and err.value.rank == RANK, err.value.message
+                state = c.state()
+                assert state["torn"] == {"target": True} and state["weight_versions"] == {"target": 0}
+            assert 'sidecar_audit_failures_total 2.0' in c.metrics()
+    finally:
+        assert proc.stop() == 0, proc.log
 
 
 def test_a_refused_start_is_the_sidecars_error_at_once_and_the_group_stays(server: Sidecar,
@@ -113,7 +142,7 @@ def test_a_refused_start_is_the_sidecars_error_at_once_and_the_group_stays(serve
         assert sender.connected and not c.state()["torn"]["target"]
         wire.paths.clear()
         assert c.sync_weights(sender, WEIGHTS, version=live + 1)["ok"]  # no re-init needed
-        assert wire.paths == ["/weights/update", "/weights/finish"]
+        assert wire.paths == ["/weights/update"]
 
 
 def test_a_start_refused_while_a_session_is_open_leaves_that_session_open(server: Sidecar,

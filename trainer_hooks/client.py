@@ -20,17 +20,17 @@
 It lives with the trainer's side (the hook drives it); sidecar.client and `from sidecar import
 SidecarClient` re-export it.
 
-`sync_weights(sender, named_tensors, version)` runs one sync in two round trips: update carrying the
-start (written before `sender.send()` starts, its answer awaited in a background thread while send() moves
-the bytes) -> finish(digests),
-sent as soon as send() returns (the update's answer may still be on its way; the ranks run the two in
-order), whose answer carries the audit (every rank compared what it holds with the sender's digests). A start
-the sidecar refuses makes the ranks refuse the sender's plan agreement, so send() fails at once and
-the sidecar's error is raised. A sidecar that did not say `start_in_update` at /weights/init (an older
-one, or a sender joined through another client) gets a separate start first. Each control message
-stays small: after the first sync of a layout, the start names it by key instead of listing every
-tensor (the sidecar answers an unknown key with a 400 on `manifest.layout`, and the client sends the
-tensors again), and finish sends one hex digest per tensor with the rule the sender picked.
+`sync_weights(sender, named_tensors, version)` runs one sync in ONE request: POST /weights/update carrying
+the start and "finish", written before `sender.send()` starts (its answer awaited in a background thread
+while send() moves the bytes). send() then delivers the sender's digests to the ranks over the transfer
+group (inference/transfer/delivery.py), every rank compares them with what it holds and commits, and the
+update's answer is the audit. A start the sidecar refuses makes the ranks refuse the sender's plan
+agreement, so send() fails at once and the sidecar's error is raised. Older sidecars get older paths, by
+what /weights/init answered: without `audit_in_update`, update carrying the start -> finish(digests), sent
+as soon as send() returns (whose answer carries the audit); without `start_in_update` either (or a sender
+joined through another client), a separate start first. The start stays small: after the first sync of
+a layout it names the layout by key instead of listing every tensor (the sidecar answers an unknown key
+with a 400 on `manifest.layout`, and the client sends the tensors again).
 """
 
 from __future__ import annotations
@@ -109,6 +109,7 @@ class SidecarClient:
         self._wire = KeepAliveWire(self.url, headers) if transport is None and lean_wire_applies(self.url) else None
         self._layouts: set[str] = set()  # manifest layouts this sidecar has parsed (start_weights)
         self._start_in_update = False  # the sidecar's /weights/init said /weights/update takes a "start"
+        self._audit_in_update = False  # ... and "finish", with the digests the sender delivers in the sync
         self._update_pool = ThreadPoolExecutor(1, thread_name_prefix="sidecar-update")  # update beside send
 
     def close(self) -> None:
@@ -251,16 +252,19 @@ class SidecarClient:
         return reply
 
     def update_weights(self, update_info: Any = None, *, start: Mapping[str, Any] | None = None,
-                       timeout: float | None = None) -> dict[str, Any]:
+                       finish: bool = False, timeout: float | None = None) -> dict[str, Any]:
         """POST /weights/update. `start`: a /weights/start body, to open the session in this same call (a
-        sidecar whose init answer has "start_in_update"); run the sender's send() beside it."""
-        return self._update_later(update_info, start=start, timeout=timeout)()
+        sidecar whose init answer has "start_in_update"); run the sender's send() beside it. `finish`: the
+        sender delivers its digests in the sync (send(deliver_digests=True)), so the ranks audit and commit
+        in this call and its answer is finish's (a sidecar whose init answer has "audit_in_update")."""
+        return self._update_later(update_info, start=start, finish=finish, timeout=timeout)()
 
     def _update_later(self, update_info: Any = None, *, start: Mapping[str, Any] | None = None,
-                      timeout: float | None = None) -> Callable[[], dict[str, Any]]:
+                      finish: bool = False, timeout: float | None = None) -> Callable[[], dict[str, Any]]:
         """update_weights written now, its answer read by the returned callable (sync_weights reads it in
         the update thread, while send() runs here)."""
-        body = {"update_info": update_info, **({"start": dict(start)} if start is not None else {})}
+        body = {"update_info": update_info, **({"start": dict(start)} if start is not None else {}),
+                **({"finish": True} if finish else {})}
         read = self._deferred("POST", "/weights/update", body, timeout or self.long_timeout)
         return lambda: read().json()
 
@@ -298,20 +302,26 @@ class SidecarClient:
             _join_both(fut, sender.connect)
             reply = fut.result()
         self._start_in_update = reply.get("start_in_update") is True
+        self._audit_in_update = self._start_in_update and reply.get("audit_in_update") is True
         return reply
 
     def sync_weights(self, sender: Any, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
                      version: int, model: str = "target", *, allow_cast: bool = False) -> dict[str, Any]:
-        """update carrying the start (HTTP, background thread) while sender.send() -> finish(digests), whose
-        answer is the audit (an older sidecar: start first, and a separate audit after finish).
+        """ONE request: update carrying the start and "finish" (HTTP, background thread) while sender.send()
+        moves the bytes and then delivers its digests to the ranks, which audit and commit before answering
+        (a sidecar without audit_in_update: update, then finish(digests); without start_in_update: start
+        first; an older one still: a separate audit after finish).
 
         Returns the audit of what every rank received against the sender's digests (its "ok" is
-        True on success; a mismatch at finish raises SidecarStateError naming tensor and rank).
+        True on success; a mismatch raises SidecarChecksumError naming tensor and rank).
         """
         named = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         if not getattr(sender, "connected", True):
             self.connect_sender(sender)
         manifest = sender.manifest(named, version)
+        if self._audit_in_update:
+            update, _ = self._start_and_send(sender, named, manifest, version, model, allow_cast, finish=True)
+            return update.result()["audit"]
         if self._start_in_update:
             update, records = self._start_and_send(sender, named, manifest, version, model, allow_cast)
             # send() returned, so every rank holds the bytes and runs finish after this update: send finish now,
@@ -327,17 +337,18 @@ class SidecarClient:
         return self.audit(model=model, source="received", expected=records_json(records))  # an older sidecar
 
     def _start_and_send(self, sender: Any, named: list[tuple[str, Any]], manifest: Any, version: int, model: str,
-                        allow_cast: bool) -> tuple[Future, Any]:
+                        allow_cast: bool, *, finish: bool = False) -> tuple[Future, Any]:
         """An update carrying the start, in the background, while sender.send() runs here: (the update's
         future, maybe still running; the sender's records). send() returning means every rank started and
-        received. A layout key the sidecar does not know (400 on manifest.layout; the ranks refused the
-        send) is sent again with the tensors."""
+        received (with `finish`: and has the sender's digests, so the update's answer is the audit). A
+        layout key the sidecar does not know (400 on manifest.layout; the ranks refused the send) is sent
+        again with the tensors."""
         for short in (True, False):
             start = self._start_body(version, manifest, model, allow_cast, short=short)
             # Written here, before send() starts; the pool thread only waits for the answer (_update_later).
-            update = self._update_pool.submit(self._update_later(start=start))
+            update = self._update_pool.submit(self._update_later(start=start, finish=finish))
             try:
-                records = sender.send(named)
+                records = sender.send(named, deliver_digests=True) if finish else sender.send(named)
             except BaseException:
                 try:
                     update.result()

@@ -7,17 +7,21 @@ its message): if any rank derived a different plan, all stop before a byte moves
 the backend moves them (inference/transfer/backends/: one file per backend); (3) a status
 all-reduce in which every receiver reports whether it unpacked everything: the sender's send()
 returns only after it, so an ipc sender never overwrites memory a receiver still reads, and a
-receiver's failure is reported to the trainer instead of passing silently.
+receiver's failure is reported to the trainer instead of passing silently; (4) only in a sync whose
+sender delivers its digests (agreed in step 1): one broadcast of them (inference/transfer/delivery.py),
+taken with `sender_digests` once the rank is ready to compare.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from inference.transfer.backends import backend_class, check_backend
 from inference.transfer.backends.base import Sink, TransferBackend
+from inference.transfer.delivery import PLAN_SUFFIX, receive_digests
 from inference.transfer.groups import InitInfo, TransferError, TransferGroup
 from inference.transfer.plan import ParsedManifest, TensorSpec
 
@@ -35,6 +39,7 @@ class WeightReceiver:
         self.backend: TransferBackend = backend_class(spec)(spec, device, label, info.bucket_bytes)
         self.backend.check_device()
         self.group = TransferGroup(info, rank, device, label=label, data_plane=self.backend.data_plane)
+        self._owed: int | None = None  # the tensors of a step 4 this rank still has to take part in
 
     @property
     def broken(self) -> str | None:
@@ -45,24 +50,38 @@ class WeightReceiver:
         self.group.close()
 
     def receive(self, version: int, specs: ParsedManifest | Sequence[TensorSpec], sink: Sink,
-                on_agreed: Callable[[], None] | None = None) -> None:
+                on_agreed: Callable[[], None] | None = None, *, digests_follow: bool = False) -> None:
         """Receive one whole sync into `sink`. Raises TransferError (group broken) or the sink's error.
 
         `on_agreed` runs once both ends agreed on the plan, just before the first byte may be written.
+        `digests_follow`: the sender delivers its digests after the bytes (step 4): once this returns,
+        call `sender_digests` (every end takes part in it, or the group's next collective mismatches).
         """
+        if self._owed is not None:  # the last sync's step 4 was skipped: the collectives no longer pair up
+            self._owed, self.group.broken = None, "a sync ended without taking the sender's digests"
         parsed = specs if isinstance(specs, ParsedManifest) else ParsedManifest(specs)
-        fingerprint = parsed.fingerprint(version, self.info.bucket_bytes, self.backend.plan_id())
+        plan_id = self.backend.plan_id() + (PLAN_SUFFIX if digests_follow else "")
+        fingerprint = parsed.fingerprint(version, self.info.bucket_bytes, plan_id)
         keys, values = self.backend.receiver_agreement()
         assert (len(keys), len(values)) == self.backend.agreement_size, "every end adds the same to step 1"
         same, maxima = self.group.agree_many([fingerprint, *keys], values)
         if not same[0]:
-            raise TransferError(f"rank {self.rank_key}: the sender's plan (version, manifest, bucket size or the "
-                                f"backend's release) "
-                                f"differs from this rank's for version {version}; nothing was written")
+            raise TransferError(f"rank {self.rank_key}: the sender's plan (version, manifest, bucket size, whether "
+                                "it delivers its digests in the sync, or the backend's release) differs from "
+                                f"this rank's for version {version}; nothing was written")
         plan = self.backend.plan(parsed)
         if on_agreed is not None:
             on_agreed()
         self.backend.receive(self.group, plan, parsed, sink, same[1:], maxima)
+        if digests_follow:
+            self._owed = len(parsed)
+
+    def sender_digests(self, algorithm: str) -> dict[str, Any]:
+        """Step 4 of a sync received with digests_follow: the sender's digests as finish takes them
+        ({"algorithm", "digests"}). StateError when the sender had none; TransferError (broken) on the wire."""
+        n, self._owed = self._owed, None
+        assert n is not None, "sender_digests without a sync received with digests_follow"
+        return receive_digests(self.group, n, algorithm, self.rank_key)
 
     def refuse(self) -> None:
         """Take part in step (1) of a sync this rank cannot receive, with the fingerprint that never

@@ -5,9 +5,10 @@ Lifecycle: `init_info()` (starts the store; a JSON-able dict for the sidecar's
 init_weight_transfer_engine), `connect()` (blocks until every receiver joined; run it while the
 sidecar joins), then per sync: `manifest(named_tensors, version)` (for the sidecar's start),
 `send(named_tensors)` (concurrently with the sidecar's update_weights; returns the sender's digests
-for its finish, under the rule `manifest()` named), and at the end `close()`. After any TransferError
-the group is broken: call init_info() again (a new session id), give it to the sidecar, and connect()
-again; the store server is reused.
+for its finish, under the rule `manifest()` named; with `deliver_digests=True` it also hands them to the
+ranks in the sync, inference/transfer/delivery.py, so they finish in their update), and at the end
+`close()`. After any TransferError the group is broken: call init_info() again (a new session id),
+give it to the sidecar, and connect() again; the store server is reused.
 
 How the bytes move is the backend's (inference/transfer/backends/: the registry names each one and
 its file): the sender builds its end from the registry by name and keeps it across sessions. gloo
@@ -36,6 +37,7 @@ from checksum import TensorRecord, pick_algorithm
 from inference.core import InvalidRequestError, StateError
 from inference.transfer.backends import backend_class, check_backend
 from inference.transfer.backends.base import TransferBackend
+from inference.transfer.delivery import PLAN_SUFFIX, send_digests
 from inference.transfer.digests import PendingRecords, RecordDigests, check_algorithm
 from inference.transfer.groups import (
     InitInfo,
@@ -176,12 +178,20 @@ class WeightSender:
         """The digest rule manifest() named last (None before the first call)."""
         return self._algorithm
 
-    def send(self, named_tensors: NamedTensors, *, digest: bool = True) -> list[TensorRecord]:
+    def send(self, named_tensors: NamedTensors, *, digest: bool = True,
+             deliver_digests: bool = False) -> list[TensorRecord]:
         """Move every byte to every receiver; returns the digests of the full tensors sent, in order
-        (empty when digest=False). Returns only after every receiver reported success."""
+        (empty when digest=False). Returns only after every receiver reported success.
+
+        `deliver_digests`: the receivers get the digests too, over the group, right after the bytes
+        (inference/transfer/delivery.py), so each audits and commits in its update: the sidecar's
+        update must say so (POST /weights/update "finish": true), else both ends stop at the plan
+        agreement with nothing written."""
         group = self._require_group()
         if self._pending is None:
             raise StateError("send() before manifest(): the receivers need the manifest to start")
+        if deliver_digests and not digest:
+            raise InvalidRequestError("deliver_digests", "needs digest=True: there is nothing to deliver")
         version, specs, algorithm = self._pending
         items = _items(named_tensors)
         tensors = [t for _, t in items]  # every reader (packer, exporter, digests) detaches on its own
@@ -205,7 +215,8 @@ class WeightSender:
                 failure = e
         if self.device.type == "cuda":  # before the agreement: ipc receivers may read right after it
             torch.cuda.current_stream(self.device).synchronize()  # the trainer's writes have landed
-        fingerprint = specs.fingerprint(version, self.bucket_bytes, self._end.plan_id())
+        plan_id = self._end.plan_id() + (PLAN_SUFFIX if deliver_digests else "")
+        fingerprint = specs.fingerprint(version, self.bucket_bytes, plan_id)
         # one all-reduce (inference/transfer/receiver.py); 0 never matches: on a problem the receivers stop cleanly
         try:
             same, _ = group.agree_many([0 if problem else fingerprint, *keys], values)
@@ -217,8 +228,8 @@ class WeightSender:
             _settle(digests)
             raise problem or TransferError(
                 "the receivers' plan differs from the sender's (a different manifest, version or bucket "
-                "size was started on the sidecar, or it runs another release of the backend); nothing was "
-                "written")
+                "size was started on the sidecar, one end delivers the digests in the sync and the other "
+                "does not expect them, or it runs another release of the backend); nothing was written")
         records: list[TensorRecord] | None = None
         if digests is not None and self._end.sends_by_waiting():
             # send() only waits while the receivers copy: collect the digests in that wait, not after it
@@ -228,6 +239,8 @@ class WeightSender:
         finally:
             if records is None and digests is not None:
                 records, failure = _collect(digests, failure)
+        if deliver_digests:  # every receiver waits for this message once the status step passed
+            send_digests(group, records if failure is None else None, len(specs))
         if failure is not None:
             raise failure
         self._pending = None

@@ -5,8 +5,9 @@ reason, whether they are loaded, the manifest the last finished sync delivered, 
 arena holds them (`ARENA_OF`). LLM, the Worker and the rank server ask it and keep no copy.
 
 Per sync: init_transfer(init_info) once (again after any wire failure), then start(which, version,
-manifest) -> update() -> finish(sender_digests). The Worker's lifecycle methods
-(start_weight_update, ...) delegate here. Rules:
+manifest) -> update() -> finish(sender_digests); or, when the sender delivers its digests in the
+sync (inference/transfer/delivery.py), update(digests_follow=True) returns them for finish. The
+Worker's lifecycle methods (start_weight_update, ...) delegate here. Rules:
 - start validates the whole manifest against the model before any byte moves (InvalidRequestError
   naming the tensor and this rank); a failed start changes nothing.
 - A second start while a session is open, and update/finish without start, are StateErrors.
@@ -249,9 +250,11 @@ class WeightUpdater:
             self._routes[which] = cache
         return cache.routing
 
-    def update(self, update_info: Any = None) -> None:
+    def update(self, update_info: Any = None, *, digests_follow: bool = False) -> dict[str, Any] | None:
         """Receive every bucket of the open session. `update_info`: None or {} (or a list indexed by
-        dp_rank * tp_size + tp_rank, one entry per rank, for multi-rank drivers)."""
+        dp_rank * tp_size + tp_rank, one entry per rank, for multi-rank drivers). `digests_follow`: the
+        sender delivers its digests in the sync (WeightSender.send(deliver_digests=True)); they are
+        returned, as `finish` takes them, for the caller to finish at once (None without)."""
         session = self._require_session("update_weights")
         host = self._host
         try:
@@ -267,14 +270,18 @@ class WeightUpdater:
             if self.overlap_audit_digest:  # queued once the bytes landed, while the ranks report
                 session.target.on_landed = lambda: self._launch_held_digest(session)
             self.receiver.receive(session.version, session.specs, session.target,
-                                  on_agreed=lambda: self._begin_writes(session))
+                                  on_agreed=lambda: self._begin_writes(session), digests_follow=digests_follow)
             session.received = True
-            if self.overlap_audit_digest and session.held_digests is None:  # a backend without landed()
-                self._launch_held_digest(session)
-            self._digests.collect(session)  # while the sender's digests travel: finish only compares
+            try:
+                if self.overlap_audit_digest and session.held_digests is None:  # a backend without landed()
+                    self._launch_held_digest(session)
+                self._digests.collect(session)  # while the sender's digests travel: finish only compares
+            finally:
+                delivered = self.receiver.sender_digests(session.algorithm) if digests_follow else None
         except BaseException as e:
             self._end_session(f"update to version {session.version} failed: {e}")
             raise
+        return delivered
 
     def refuse_update(self) -> bool:
         """Refuse the plan agreement of an update whose start failed in the same call (POST
