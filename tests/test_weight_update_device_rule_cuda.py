@@ -51,8 +51,9 @@ def no_host_staging(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sync_digests, "digest_tensors", host_only)
 
 
-def _sender(out: Any, inbox: Any, model_dir: str, mode: str, flip: bool) -> None:
-    """A trainer on the same GPU; with `flip`, it writes one byte of Q1 right after hashing it."""
+def _sender(out: Any, inbox: Any, model_dir: str, mode: str, flip: bool, deliver: bool) -> None:
+    """A trainer on the same GPU; with `flip`, it writes one byte of Q1 right after hashing it; with
+    `deliver`, its digests also go to the rank in the sync (inference/transfer/delivery.py)."""
     from inference.transfer.sender import WeightSender
 
     torch.cuda.set_device(0)
@@ -72,7 +73,7 @@ def _sender(out: Any, inbox: Any, model_dir: str, mode: str, flip: bool) -> None
         sender._digests.launch = then_flip  # type: ignore[method-assign]
     for version in (1, 2):
         out.put(sender.manifest(params, version))
-        records = sender.send(params)
+        records = sender.send(params, deliver_digests=deliver)
         out.put(([r.__dict__ for r in records], sender.algorithm, sender._digests._device.cached_layouts))
         if inbox.get(timeout=120) == "stop":
             break
@@ -80,12 +81,12 @@ def _sender(out: Any, inbox: Any, model_dir: str, mode: str, flip: bool) -> None
     sender.close()
 
 
-def _run(model_dir: Path, mode: str, flip: bool, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+def _run(model_dir: Path, mode: str, flip: bool, monkeypatch: pytest.MonkeyPatch, deliver: bool = False) -> list[Any]:
     worker = cuda_worker(model_dir)
     no_host_staging(monkeypatch)
     ctx = mp.get_context("spawn")
     out, inbox = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_sender, args=(out, inbox, str(model_dir), mode, flip))
+    proc = ctx.Process(target=_sender, args=(out, inbox, str(model_dir), mode, flip, deliver))
     proc.start()
     outcomes: list[Any] = []
     try:
@@ -94,10 +95,12 @@ def _run(model_dir: Path, mode: str, flip: bool, monkeypatch: pytest.MonkeyPatch
             manifest = out.get(timeout=120)
             assert manifest["algorithm"] == DEVICE_ALGORITHM
             worker.start_weight_update(version, manifest)
-            worker.update_weights()
+            delivered = worker.update_weights(digests_follow=deliver)
             records, algorithm, layouts = out.get(timeout=120)
+            if deliver:  # the same digests, over the group instead of through the test's queue
+                assert delivered == {"algorithm": algorithm, "digests": [r["digest"] for r in records]}
             try:
-                outcomes.append((worker.finish_weight_update(records), algorithm, layouts))
+                outcomes.append((worker.finish_weight_update(delivered if deliver else records), algorithm, layouts))
             except ChecksumMismatch as e:
                 outcomes.append(e)
                 inbox.put("stop")
@@ -111,9 +114,10 @@ def _run(model_dir: Path, mode: str, flip: bool, monkeypatch: pytest.MonkeyPatch
     return outcomes
 
 
-def test_ipc_direct_syncs_are_audited_on_the_device_at_both_ends(model_dir: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    outcomes = _run(model_dir, "direct", False, monkeypatch)
+@pytest.mark.parametrize("deliver", [False, True])
+def test_ipc_direct_syncs_are_audited_on_the_device_at_both_ends(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                deliver: bool) -> None:
+    outcomes = _run(model_dir, "direct", False, monkeypatch, deliver)
     want = python_xxhash(perturbed(model_dir, 1))
     for result, algorithm, layouts in outcomes:
         assert result.report.ok and algorithm == DEVICE_ALGORITHM == result.received.algorithm
@@ -121,9 +125,11 @@ def test_ipc_direct_syncs_are_audited_on_the_device_at_both_ends(model_dir: Path
         assert layouts == 1, "the sender's segment table was rebuilt for an unchanged layout"
 
 
+@pytest.mark.parametrize("deliver", [False, True])
 def test_a_byte_flipped_on_the_senders_side_fails_naming_tensor_and_rank(model_dir: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    (error,) = _run(model_dir, "packed", True, monkeypatch)
+                                                                        monkeypatch: pytest.MonkeyPatch,
+                                                                        deliver: bool) -> None:
+    (error,) = _run(model_dir, "packed", True, monkeypatch, deliver)
     first = error.report.first_tensor
     assert (first.kind, first.tensor, first.rank) == ("digest", Q1, RANK) and Q1 in str(error)
 
