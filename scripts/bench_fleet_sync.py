@@ -14,7 +14,8 @@ twice: as a Fleet of the first replica alone, then as a Fleet of all of them, ea
 (the first joins the group and sends the layout). A fleet sync puts every rank of every replica in ONE
 transfer group, so the bytes go out in one broadcast; the acceptance asks for a fleet sync under 1.5x
 one replica's on the CPU and at most 2x on the H200 ("target_ratio"). Each timed sync is
-Fleet.sync_weights (a /state per replica, start, update beside send, finish with its per-rank audit).
+Fleet.sync_weights (a /state per replica, start, then update carrying finish beside send, which delivers
+the sender's digests to every rank: each update's answer is that replica's per-rank audit).
 For comparison it also times the same replicas synced one after the other, each by a SidecarClient
 and a sender of its own (what one hook per replica would do: "separate_syncs_ms").
 

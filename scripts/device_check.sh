@@ -2,7 +2,7 @@
 # One H200 call, unattended: install the carried wheels, then the cuda tests of the paths this
 # session touched (tests) and/or the benchmarks (bench). Logs and JSON lines go to OUTDIR.
 #
-#   scripts/device_check.sh OUTDIR tests FILES...|bench|draft
+#   scripts/device_check.sh OUTDIR tests FILES...|bench|draft|sync
 set -uo pipefail
 out="${1:-${OUT:-./check-out}}"; what="${2:-all}"
 cd "$(dirname "$0")/.."
@@ -42,9 +42,26 @@ run_draft() {
     timeout 120 $r 2>>"$out/draft.log" | tee -a "$out/draft.jsonl"
 }
 
+# Issue 19: the weight path's cuda tests, then the client's sync (one request against two, in the same
+# run, twice), the in-process sync of both shapes and the demo's median step.
+run_sync() {
+    TEST_TIMEOUT=300 run_tests tests/test_weight_update_device_rule_cuda.py tests/test_sidecar_cuda.py \
+        tests/test_weight_update_cuda.py tests/test_checksum_digest_cuda.py
+    : >"$out/sync.jsonl"
+    for _ in 1 2; do
+        timeout 90 python3 scripts/bench_client_sync.py --model qwen2-0.5b --backend ipc --device cuda --iters 20 \
+            2>>"$out/sync.log" | tee -a "$out/sync.jsonl"
+    done
+    timeout 100 python3 scripts/bench_sync.py --shape all --backend ipc 2>>"$out/sync.log" | tee -a "$out/sync.jsonl"
+    timeout 150 python3 -m sidecar.cli demo --model qwen2-0.5b --device cuda --backend ipc --sleep-level 2 --steps 4 \
+        >"$out/demo.log" 2>&1
+    tail -n 1 "$out/demo.log" | tee -a "$out/sync.jsonl"
+}
+
 case "$what" in
     tests) shift 2; run_tests "$@" ;;
     bench) run_bench ;;
     draft) run_draft ;;
-    *) echo "usage: $0 OUTDIR tests FILES...|bench|draft"; exit 2 ;;
+    sync) run_sync ;;
+    *) echo "usage: $0 OUTDIR tests FILES...|bench|draft|sync"; exit 2 ;;
 esac

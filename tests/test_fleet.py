@@ -27,8 +27,9 @@ from trainer_hooks.fleet_replicas import FleetSyncError, fleet_rank_key, pick_re
 class FakeReplica:
     """A SidecarClient stand-in that records calls; `alive`, `fail_audit`, `answer_version` steer it."""
 
-    def __init__(self, url: str, ranks: int = 1, version: int = 0, dp: int = 0, torn: bool = False) -> None:
-        self.url, self.version, self.torn = url, version, torn
+    def __init__(self, url: str, ranks: int = 1, version: int = 0, dp: int = 0, torn: bool = False,
+                 inline: bool = False) -> None:
+        self.url, self.version, self.torn, self.inline = url, version, torn, inline
         self.keys = [f"dp{dp}:pp0:tp{k}" for k in range(ranks)]
         self.pids = [1000 + k for k in range(ranks)]
         self.alive, self.fail_audit, self.answer_version = True, False, None
@@ -58,7 +59,7 @@ class FakeReplica:
     def init_weights(self, info: dict[str, Any]) -> dict[str, Any]:
         self._check()
         self.calls.append(("init", info["ranks"]))
-        return {}
+        return {"start_in_update": True, "audit_in_update": True} if self.inline else {}
 
     def start_weights(self, version: int, manifest: Any, **kw: Any) -> dict[str, Any]:
         self._check()
@@ -66,12 +67,15 @@ class FakeReplica:
         self._pending = version
         return {}
 
-    def update_weights(self) -> dict[str, Any]:
+    def update_weights(self, finish: bool = False) -> dict[str, Any]:
         self._check()
-        return {}
+        self.calls.append(("update", finish))
+        return self.finish_weights(None) if finish else {}
 
     def finish_weights(self, digests: Any) -> dict[str, Any]:
         self._check()
+        if digests is not None:
+            self.calls.append(("finish", None))
         if self.fail_audit:
             self.torn = True
             raise SidecarChecksumError(409, "ChecksumMismatch", "rank dp0:pp0:tp0: tensor 'w' differs",
@@ -104,8 +108,9 @@ class FakeSender:
     def manifest(self, named: Any, version: int) -> dict[str, Any]:
         return {"version": version, "tensors": [], "algorithm": "x"}
 
-    def send(self, named: Any) -> list[Any]:
+    def send(self, named: Any, deliver_digests: bool = False) -> list[Any]:
         self.sent += 1
+        self.delivered = deliver_digests
         return []
 
     def close(self) -> None:
@@ -221,7 +226,8 @@ def test_every_rank_of_every_replica_joins_one_group_and_the_audit_is_keyed_by_r
         assert report["ok"] and report["ranks"] == ["dp0:pp0:tp0", "dp0:pp0:tp1", "dp1:pp0:tp0", "dp2:pp0:tp0"]
         assert report["out_of_rotation"] == {} and fleet.version == 1
         fleet.sync_weights(FakeSender, {"w": 0}, 2)  # the same members: the group is reused
-        assert len(FakeSender.made) == 1 and [c[0] for c in reps[1].calls] == ["init", "start", "start"]
+        assert len(FakeSender.made) == 1
+        assert [c[0] for c in reps[1].calls] == ["init", *["start", "update", "finish"] * 2]
 
 
 def test_a_missed_sync_takes_a_replica_out_until_its_next_good_sync() -> None:
@@ -299,6 +305,44 @@ def test_a_replica_dying_while_the_bytes_move_is_dropped_and_a_wire_failure_name
         del reps[2].update_weights  # healthy again
         report = fleet.sync_weights(FakeSender, {"w": 0}, 3)
         assert report["ok"] and len(FakeSender.made) == 3  # the failed step's group was not reused
+
+
+def _inline_three() -> list[FakeReplica]:
+    return [FakeReplica("http://a", ranks=2, inline=True), FakeReplica("http://b", inline=True),
+            FakeReplica("http://c", inline=True)]
+
+
+def test_replicas_that_audit_in_update_sync_without_a_finish_round() -> None:
+    reps = _inline_three()
+    with _fleet(*reps) as fleet:
+        report = fleet.sync_weights(FakeSender, {"w": 0}, 1)
+        assert report["ok"] and fleet.version == 1 and FakeSender.made[0].delivered
+        assert [[c for c in r.calls if c[0] != "init"] for r in reps] == [[("start", 1), ("update", True)]] * 3
+        reps[1].fail_audit = True  # its update's answer is its failed audit: only that replica is out
+        report = fleet.sync_weights(FakeSender, {"w": 0}, 2)
+        assert report["ok"] and fleet.in_rotation == [0, 2] and [r["ok"] for r in report["replicas"]] == [
+            True, False, True]
+        assert "audit failed: rank dp1:pp0:tp0: tensor 'w' differs" in report["replicas"][1]["summary"]
+        reps[2].inline = False  # a member without audit_in_update: the whole fleet takes the finish round
+        reps[2].pids = [3000]  # (restarted, so the group is built again)
+        reps[1].fail_audit = False
+        assert fleet.sync_weights(FakeSender, {"w": 0}, 3)["ok"] and not FakeSender.made[-1].delivered
+        assert reps[0].calls[-3:] == [("start", 3), ("update", False), ("finish", None)]
+
+
+def test_a_replica_gone_after_the_others_audited_misses_the_sync_and_nothing_runs_again() -> None:
+    reps = _inline_three()
+
+    def gone_after_audit(finish: bool = False) -> dict[str, Any]:
+        reps[2].alive = False
+        raise SidecarConnectionError("POST http://c/weights/update: RemoteProtocolError")
+
+    with _fleet(*reps) as fleet:
+        reps[2].update_weights = gone_after_audit  # type: ignore[method-assign]
+        report = fleet.sync_weights(FakeSender, {"w": 0}, 1)
+        assert report["ok"] and fleet.in_rotation == [0, 1] and "went away" in report["out_of_rotation"]["dp2"]
+        assert len(FakeSender.made) == 1 and FakeSender.made[0].sent == 1  # no second send of version 1
+        assert reps[0].version == reps[1].version == 1
 
 
 def test_the_hook_gives_a_fleet_a_sender_maker_and_warns_naming_the_replica_out(

@@ -13,12 +13,16 @@ no rank's key has to be known to the others. The sender sees one group of N rece
 out once per bucket, in one broadcast, whatever the number of replicas.
 
 Steps, each one's HTTP calls concurrent: (re)connect -> start -> update on every member beside one
-sender.send() -> finish. A member that goes away (connection lost, 503, unhealthy) before or while the
-bytes move, or refuses the start while others accept it, is dropped and the sync runs again at once
-without it, in a fresh group, until no member is left. A start refused by every member is the
-trainer's problem and is raised as is; a wire failure with every member still alive is a
-FleetSyncError naming each replica's error. At finish each verdict is the replica's own: an audit
-mismatch fails that replica only.
+sender.send() -> finish; when every member said `audit_in_update` at init, the update carries finish and
+the sender delivers its digests to every rank in the sync (inference/transfer/delivery.py), so each
+update's answer is that replica's audit and there is no finish round. Once any replica audited, the
+digests reached every rank: each answer is then that replica's verdict, and one that went away missed
+the sync (nothing runs again: the others already committed). A member that goes away (connection
+lost, 503, unhealthy) before or while the bytes move, or refuses the start while others accept it, is
+dropped and the sync runs again at once without it, in a fresh group, until no member is left. A
+start refused by every member is the trainer's problem and is raised as is; a wire failure with every
+member still alive is a FleetSyncError naming each replica's error. At finish each verdict is the
+replica's own: an audit mismatch fails that replica only.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ class FleetGroup:
         self.sender: Any = None
         self.owned = False
         self.key: tuple[tuple[int, tuple[int, ...]], ...] | None = None  # (member, its rank pids) joined
+        self.inline = False  # every member said audit_in_update at init: update carries finish
 
     def close(self) -> None:
         """Close the sender if the fleet made it (one the caller gave stays the caller's)."""
@@ -123,11 +128,23 @@ class FleetGroup:
         started = fleet.each(members, lambda r: r.client.start_weights(version, manifest, model=model,
                                                                         allow_cast=allow_cast))
         self._check("start", members, started)
+        if self.inline:  # each replica's update answer is its audit (the sender delivers its digests)
+            updates = {r.index: fleet.pool.submit(r.client.update_weights, finish=True) for r in members}
+            records, error = _run(lambda: sender.send(named, deliver_digests=True))
+            finished = _outcomes(updates)
+            if not _audited(finished):  # else the digests reached the ranks: each verdict is in, none runs again
+                self._check("update", members, finished, error)
+            return self._verdicts(members, finished, model, version, records)
         updates = {r.index: fleet.pool.submit(r.client.update_weights) for r in members}
         records, error = _run(lambda: sender.send(named))
         self._check("update", members, _outcomes(updates), error)
         digests = finish_digests(manifest, records)
         finished = fleet.each(members, lambda r: r.client.finish_weights(digests))
+        return self._verdicts(members, finished, model, version, records)
+
+    def _verdicts(self, members: list[Replica], finished: Mapping[int, Any], model: str, version: int,
+                  records: Any) -> SyncOutcome:
+        """Each replica's own verdict from its finish answer (or error)."""
         outcome = SyncOutcome(model, version)
         for r in members:
             result = finished[r.index]
@@ -176,8 +193,11 @@ class FleetGroup:
             first += len(r.rank_keys)
         joins = {r.index: self.fleet.pool.submit(r.client.init_weights, infos[r.index]) for r in members}
         _, error = _run(sender.connect)
-        self._check("init", members, _outcomes(joins), error)
+        joined = _outcomes(joins)
+        self._check("init", members, joined, error)
         self.key = key
+        # every member takes "finish" in its update (the sender delivers the digests): one request less per sync
+        self.inline = all(isinstance(a, dict) and a.get("audit_in_update") is True for a in joined.values())
         return sender
 
     def _check(self, step: str, members: Sequence[Replica], results: Mapping[int, Any],
@@ -221,6 +241,13 @@ def _run(fn: Callable[[], Any]) -> tuple[Any, BaseException | None]:
         return fn(), None
     except Exception as e:
         return None, e
+
+
+def _audited(finished: Mapping[int, Any]) -> bool:
+    """Whether some replica audited (passed or failed): the sender's digests reached every rank, so a
+    replica's error is its own (a replica that went away missed the sync; nothing is sent again)."""
+    return any(isinstance(v, SidecarChecksumError) or (isinstance(v, dict) and "audit" in v)
+               for v in finished.values())
 
 
 def _outcomes(futures: Mapping[int, Future]) -> dict[int, Any]:
