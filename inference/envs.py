@@ -98,6 +98,10 @@ GEMV_PREFETCH = _switch("SIDECAR_GEMV_PREFETCH", bool, True,
 GEMV_FUSED_SPLIT = _switch("SIDECAR_GEMV_FUSED_SPLIT", bool, True,
                            "split-K partials summed by the last split to finish; 0 sums them in a second "
                            "launch (the same bits)", "import")
+PDL_EARLY_INVARIANT = _switch("SIDECAR_PDL_EARLY_INVARIANT", bool, True,
+                              "the batch-invariant GEMM lets the next kernel be scheduled at its start (PDL); "
+                              "0 does it after its main loop, so waiting dependents hold no SM its later "
+                              "programs need (A/B benchmarks, issue 23)", "import")
 PDL = _switch("SIDECAR_PDL", bool, True,
               "programmatic dependent launch for the decode kernels on Hopper or newer; 0 turns it off",
               "import")

@@ -57,3 +57,17 @@ def test_gemv_fusions_do_not_change_results(model_dir: Path, switch: str, monkey
     monkeypatch.setattr(gemv, switch, True)
     on = generate(model_dir, False, monkeypatch)
     assert off == on
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="PDL needs sm_90 or newer")
+def test_late_dependents_of_the_invariant_gemm_change_nothing(model_dir: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIDECAR_PDL_EARLY_INVARIANT=0 (dependents scheduled after the main loop) against the default."""
+    from inference.layers import gemm_invariant
+
+    runs = []
+    for early in (True, False):
+        monkeypatch.setattr(gemm_invariant, "EARLY_DEPENDENTS", early)
+        runs.append(generate(model_dir, True, monkeypatch, batch_invariant=True))
+    assert runs[0] == runs[1]

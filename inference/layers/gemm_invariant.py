@@ -61,6 +61,9 @@ NORM_SUB_M = 16  # rows per sub-block of the norm's variance pass (skipped past 
 # qkv+norm 13.3 / 16.7 against 5.4 / 6.6 plain, gate_up+norm 19.8 / 38.8 against 8.7 / 9.0, down+silu
 # 46.0 / 47.2 against 11.6 / 12.4 (every program re-forms its rows over all of K, 64 rows wide).
 FUSE_PROLOGUES = False
+# Where the kernel lets PDL schedule the next kernel: at its start, or after its main loop (issue 23: PDL made
+# the mode slower at batch 1, 1,014 -> 1,090 us a step; early dependents may hold SMs its second wave needs).
+EARLY_DEPENDENTS = envs.PDL_EARLY_INVARIANT.get()
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -199,8 +202,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k:
         k_per_split, eps, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None,
         HAS_RES=residual is not None, PARTIAL=partial, MERGE=merge, SPLIT=split if merge else 1,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SUB_M=NORM_SUB_M, GROUP_M=t.group_m,
-        PREFETCH=t.prefetch and (silu_mul or norm is not None), num_warps=t.num_warps, num_stages=t.num_stages,
-        **pdl)
+        PREFETCH=t.prefetch and (silu_mul or norm is not None), EARLY_DEPENDENTS=EARLY_DEPENDENTS,
+        num_warps=t.num_warps, num_stages=t.num_stages, **pdl)
     if partial and not merge:
         gemv_mod.sum_splits(dest, bias, out, pdl)
     return out
