@@ -98,6 +98,10 @@ GEMV_PREFETCH = _switch("SIDECAR_GEMV_PREFETCH", bool, True,
 GEMV_FUSED_SPLIT = _switch("SIDECAR_GEMV_FUSED_SPLIT", bool, True,
                            "split-K partials summed by the last split to finish; 0 sums them in a second "
                            "launch (the same bits)", "import")
+INVARIANT_FUSE_PROLOGUES = _switch("SIDECAR_INVARIANT_FUSE_PROLOGUES", bool, False,
+                                   "the batch-invariant mode forms the pre-norms and SiLU*up inside the next "
+                                   "GEMM's prologue (4 launches a layer instead of 7; the same bits at every "
+                                   "row count); off until measured faster (A/B benchmarks, issue 23)", "import")
 PDL_EARLY_INVARIANT = _switch("SIDECAR_PDL_EARLY_INVARIANT", bool, True,
                               "the batch-invariant GEMM lets the next kernel be scheduled at its start (PDL); "
                               "0 does it after its main loop, so waiting dependents hold no SM its later "

@@ -60,7 +60,9 @@ NORM_SUB_M = 16  # rows per sub-block of the norm's variance pass (skipped past 
 # (bench_gemv --invariant, 0.5B, us at 1 / 128 rows) the prologues cost more than the launches they save:
 # qkv+norm 13.3 / 16.7 against 5.4 / 6.6 plain, gate_up+norm 19.8 / 38.8 against 8.7 / 9.0, down+silu
 # 46.0 / 47.2 against 11.6 / 12.4 (every program re-forms its rows over all of K, 64 rows wide).
-FUSE_PROLOGUES = False
+# The prologues now double-buffer their loads (PREFETCH), unmeasured on the device: SIDECAR_INVARIANT_FUSE_PROLOGUES=1
+# turns them on for an A/B.
+FUSE_PROLOGUES = envs.INVARIANT_FUSE_PROLOGUES.get()
 # Where the kernel lets PDL schedule the next kernel: at its start, or after its main loop (issue 23: PDL made
 # the mode slower at batch 1, 1,014 -> 1,090 us a step; early dependents may hold SMs its second wave needs).
 EARLY_DEPENDENTS = envs.PDL_EARLY_INVARIANT.get()
