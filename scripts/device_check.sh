@@ -2,7 +2,7 @@
 # One H200 call, unattended: install the carried wheels, then the cuda tests of the paths this
 # session touched (tests) and/or the benchmarks (bench). Logs and JSON lines go to OUTDIR.
 #
-#   scripts/device_check.sh OUTDIR tests FILES...|bench|draft|sync
+#   scripts/device_check.sh OUTDIR tests FILES...|bench|draft|sync|invariance
 set -uo pipefail
 out="${1:-${OUT:-./check-out}}"; what="${2:-all}"
 cd "$(dirname "$0")/.."
@@ -58,10 +58,26 @@ run_sync() {
     tail -n 1 "$out/demo.log" | tee -a "$out/sync.jsonl"
 }
 
+# Issue 23's batch-1 cost: the invariant mode's decode step (0.5B, graph, batch 1 and 128) with PDL's
+# dependents scheduled early (default) or late, and with the fused prologues, against the default mode.
+run_invariance() {
+    : >"$out/invariance.log"
+    local p="python3 scripts/profile_decode.py --graph --steps 16 --pdl"
+    for b in 1 128; do
+        echo "== default b=$b" >>"$out/invariance.log"; timeout 90 $p --batch $b >>"$out/invariance.log" 2>&1
+        for env in "" SIDECAR_PDL_EARLY_INVARIANT=0 SIDECAR_INVARIANT_FUSE_PROLOGUES=1 \
+                "SIDECAR_PDL_EARLY_INVARIANT=0 SIDECAR_INVARIANT_FUSE_PROLOGUES=1"; do
+            echo "== invariant b=$b $env" >>"$out/invariance.log"
+            env $env timeout 90 $p --batch $b --batch-invariant >>"$out/invariance.log" 2>&1
+        done
+    done
+}
+
 case "$what" in
     tests) shift 2; run_tests "$@" ;;
     bench) run_bench ;;
     draft) run_draft ;;
     sync) run_sync ;;
-    *) echo "usage: $0 OUTDIR tests FILES...|bench|draft|sync"; exit 2 ;;
+    invariance) run_invariance ;;
+    *) echo "usage: $0 OUTDIR tests FILES...|bench|draft|sync|invariance"; exit 2 ;;
 esac
