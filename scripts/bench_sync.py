@@ -106,7 +106,7 @@ def trainer_tensors(config: ModelConfig, device: torch.device) -> dict[str, torc
 
 class BenchReceiver:
     """The worker's weight-update half around one model (no KV cache, no runner, no arenas): the host
-    a WeightUpdater reads (inference/weights/updater.py WeightHost)."""
+    a WeightUpdater reads (inference/weights/state.py WeightHost)."""
 
     rank_key = "dp0:pp0:tp0"
 

@@ -5,15 +5,36 @@ the updater is their only writer, and nobody else keeps a copy of what they hold
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
 from torch import nn
 
 from checksum import ALGORITHM, Manifest, Report, TensorRecord
 from inference.config import ModelConfig
+from inference.memory import ArenaState
+from inference.parallel import TPInfo
 from inference.transfer.digests import PendingRecords
 from inference.transfer.plan import ParsedManifest
 from inference.weights.target import Routing, UpdateTarget
+
+if TYPE_CHECKING:
+    from inference.sleep import MemoryManager
+
+
+class WeightHost(Protocol):
+    """What the updater reads of its Worker (inference/worker.py) at each use: the models it writes
+    are the Worker's, built and adopted into arenas there."""
+
+    models: dict[str, nn.Module]
+    model_configs: dict[str, ModelConfig]
+    device: torch.device | None
+    tp: TPInfo
+    dp_rank: int
+    memory: MemoryManager | None
+
+    @property
+    def rank_key(self) -> str: ...
 
 
 @dataclass
@@ -79,3 +100,16 @@ class RouteCache:
 def parameter_slots(model: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter, int]]:
     return [(module, name, p, p.data_ptr()) for module in model.modules()
             for name, p in module._parameters.items() if p is not None]
+
+
+def arena_asleep(memory: MemoryManager | None, tag: str) -> str | None:
+    """The state of arena `tag` when it is not awake; None when awake (or no such arena)."""
+    if memory is None or tag not in memory.tags or memory.state(tag) is ArenaState.AWAKE:
+        return None
+    return str(memory.state(tag).value)
+
+
+def set_arena_valid(memory: MemoryManager | None, tag: str, valid: bool) -> None:
+    """Mark arena `tag`'s contents valid (mirrored at a level-1 sleep) or not (half-written)."""
+    if memory is not None and tag in memory.tags:
+        (memory.mark_loaded if valid else memory.mark_not_loaded)(tag)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from checksum import ALGORITHM, Manifest, Mismatch, Report, TensorRecord, digest_tensors
+from inference import envs
 from inference.config import ModelConfig
 from inference.core import InvalidRequestError
 from inference.loader import load_hf_tensor
@@ -255,3 +256,12 @@ def _flipped(tensor: torch.Tensor) -> torch.Tensor:
     if out.numel():
         out.view(-1).view(torch.uint8)[:1].bitwise_xor_(1)
     return out
+
+
+def fault_from_env() -> Fault | None:
+    """Test-only fault injection: SIDECAR_WEIGHT_FAULT="flip:<tensor name>"."""
+    spec = envs.WEIGHT_FAULT.get()
+    if not spec:
+        return None
+    kind, _, name = spec.partition(":")
+    return (kind, name)

@@ -36,47 +36,34 @@ unaudited bytes, so finish digests what the model holds after it), and every end
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import torch
-from torch import nn
 
 from checksum import ChecksumMismatch, Manifest, Report, digest_tensors
-from inference import envs
-from inference.config import ModelConfig
 from inference.core import InvalidRequestError, StateError
-from inference.memory import WEIGHT_TAGS, ArenaState
-from inference.parallel import TPInfo
+from inference.memory import WEIGHT_TAGS
 from inference.transfer.digests import manifest_algorithm
 from inference.transfer.groups import InitInfo
 from inference.transfer.plan import ManifestCache, ParsedManifest
 from inference.transfer.receiver import WeightReceiver
 from inference.weights.audit import HeldDigests, audit_report, early_expected
-from inference.weights.state import ModelWeightState, RouteCache, Session, UpdateResult, parameter_slots
-from inference.weights.target import Fault, Routing, UpdateTarget, route_manifest
-
-if TYPE_CHECKING:
-    from inference.sleep import MemoryManager
+from inference.weights.state import (
+    ModelWeightState,
+    RouteCache,
+    Session,
+    UpdateResult,
+    WeightHost,
+    arena_asleep,
+    parameter_slots,
+    set_arena_valid,
+)
+from inference.weights.target import Fault, Routing, UpdateTarget, fault_from_env, route_manifest
 
 log = logging.getLogger(__name__)
 
 ARENA_OF = {"target": "weights", "draft": "draft_weights"}  # the memory arena of each model's weights
 assert set(ARENA_OF.values()) == set(WEIGHT_TAGS)
-
-
-class WeightHost(Protocol):
-    """What the updater reads of its Worker (inference/worker.py) at each use: the models it writes
-    are the Worker's, built and adopted into arenas there."""
-
-    models: dict[str, nn.Module]
-    model_configs: dict[str, ModelConfig]
-    device: torch.device | None
-    tp: TPInfo
-    dp_rank: int
-    memory: MemoryManager | None
-
-    @property
-    def rank_key(self) -> str: ...
 
 
 class WeightUpdater:
@@ -93,7 +80,7 @@ class WeightUpdater:
         self._routes: dict[str, RouteCache] = {}
         self.manifests = ManifestCache()  # parsed manifests, reused while the sender's layout repeats
         self.routings_built = 0  # route_manifest runs (tests check the route cache with it)
-        self.fault: Fault | None = _fault_from_env()
+        self.fault: Fault | None = fault_from_env()
         self.overlap_audit_digest = True
         self._digests = HeldDigests()
 
@@ -175,15 +162,10 @@ class WeightUpdater:
 
     def _asleep(self, which: str) -> str | None:
         """The state of the arena of `which` when it is not awake; None when awake (or not in an arena)."""
-        memory, tag = self._host.memory, ARENA_OF[which]
-        if memory is None or tag not in memory.tags or memory.state(tag) is ArenaState.AWAKE:
-            return None
-        return str(memory.state(tag).value)
+        return arena_asleep(self._host.memory, ARENA_OF[which])
 
     def _set_arena_valid(self, which: str, valid: bool) -> None:
-        memory, tag = self._host.memory, ARENA_OF[which]
-        if memory is not None and tag in memory.tags:
-            (memory.mark_loaded if valid else memory.mark_not_loaded)(tag)
+        set_arena_valid(self._host.memory, ARENA_OF[which], valid)
 
     # ---- the group ----------------------------------------------------------------------------------
     def init_transfer(self, init_info: Any) -> None:
@@ -416,10 +398,3 @@ class WeightUpdater:
             log.error("rank %s: %s model torn: %s", self._host.rank_key, session.which, reason)
 
 
-def _fault_from_env() -> Fault | None:
-    """Test-only fault injection: SIDECAR_WEIGHT_FAULT="flip:<tensor name>"."""
-    spec = envs.WEIGHT_FAULT.get()
-    if not spec:
-        return None
-    kind, _, name = spec.partition(":")
-    return (kind, name)
