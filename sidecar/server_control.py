@@ -223,7 +223,7 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
         except ApiError as e:
             if body.finish and e.kind == "checksum":
                 state.metrics.audit_failures.inc()
-            if start is None or opens or body.finish:  # a failed update ends the session on every rank
+            if start is None or opens:  # a failed update ends the session on every rank
                 lease.closed()
                 _failed(state)
             else:
