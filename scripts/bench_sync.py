@@ -11,6 +11,9 @@ bf16 tensors). Timed on the receiver, after a warm-up, median of --iters:
   Measured for each digest rule in the same run: first the one the sender picks for its tensors (the
   device rule "xxh3_64_seg64k", one kernel launch per end, for CUDA tensors; the host rule on CPU), then
   the other (`by_algorithm`); the top-level audit figures are the picked rule's;
+- sync_audit_delivered_ms: the picked rule's audited sync with the sender's digests delivered in the sync
+  (WeightSender.send(deliver_digests=True), update_weights(digests_follow=True) returns them to finish):
+  the engine's side of the client's one-request sync;
 - ceiling_ms: ipc: one device copy of the same bytes; gloo/nccl: a plain bucket-by-bucket broadcast;
 - peer_per_param_ms: one CUDA IPC handle per parameter opened every sync (OpenRLHF/TRL style), or
   one broadcast per parameter for gloo/nccl; both load tensor by tensor;
@@ -154,6 +157,11 @@ def trainer(args: argparse.Namespace, to_parent: Any, from_parent: Any, digests_
             laps["sender_send"] = (time.perf_counter() - t0) * 1e3
         if rule is not None:  # digests in manifest order, and the sender's laps for the report
             digests_out.send({"algorithm": rule, "digests": [r.digest for r in records], "laps": dict(laps)})
+    sender.digest_algorithm = rules(args)[0]
+    for _ in range(args.iters + 1):  # the digests delivered in the sync (the client's one-request path)
+        sender.manifest(named, 1)
+        to_parent.put("ready")
+        sender.send(named, deliver_digests=True)
     if profiler is not None:
         profiler.dump_stats(Path(args.profile) / f"sender-{args.shape}.prof")
     for peer in (ceiling_send, per_param_send, bucket_send):
@@ -310,11 +318,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         aborts.append((t3 - t2) * 1e3)
         return (t2 - t0) * 1e3  # the weights are in place; the abort only ends the benchmark's session
 
+    def delivered_sync(rule: str) -> float:
+        from_child.get(timeout=600)
+        time.sleep(0.05)
+        receiver.weights.overlap_audit_digest = not args.serial_audit
+        t0 = time.perf_counter()
+        receiver.weights.start("target", 1, {**manifest, "algorithm": rule})
+        digests = receiver.weights.update(digests_follow=True)
+        assert receiver.weights.finish(digests, held_manifest=False).report.ok
+        sync_device(device)
+        return (time.perf_counter() - t0) * 1e3
+
     results: dict[str | None, float] = {}
     aborts: list[float] = []
     for rule in (None, *rules(args)):
         times = [one_sync(rule) for _ in range(args.iters + 1)]
         results[rule] = statistics.median(times[1:])
+    delivered = statistics.median([delivered_sync(rules(args)[0]) for _ in range(args.iters + 1)][1:])
     if profiler is not None:
         profiler.dump_stats(Path(args.profile) / f"receiver-{args.shape}.prof")
     group = receiver.weights.receiver.group  # peers reuse our group, as the trainer does
@@ -334,6 +354,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                for rule in rules(args)}
     return {"bench": "sync", "shape": args.shape, "backend": args.backend, "bytes": total,
             "sync_ms": round(results[None], 3), "algorithm": picked, **by_rule[picked],
+            "sync_audit_delivered_ms": round(delivered, 3),
             "gbps": round(total / results[None] / 1e6, 2), "ceiling_ms": round(peers["ceiling"], 3),
             "ratio_to_ceiling": round(results[None] / peers["ceiling"], 3),
             "peer_per_param_ms": round(peers["per_param"], 3), "peer_bucket_ms": round(peers["bucket"], 3),

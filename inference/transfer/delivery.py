@@ -14,7 +14,7 @@ status all-reduce before it gives every end the same verdict.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from checksum import TensorRecord
@@ -38,10 +38,15 @@ def send_digests(group: TransferGroup, records: Sequence[TensorRecord] | None, n
     group.broadcast_bytes(payload, len(payload))
 
 
-def receive_digests(group: TransferGroup, n: int, algorithm: str, rank: str) -> dict[str, Any]:
-    """A receiver's step 4: the sender's digests as finish takes them. StateError naming this rank when the
-    sender had none (the model stays torn: the audit cannot pass without them)."""
-    payload = group.broadcast_bytes(None, delivery_size(n))
+def post_digests(group: TransferGroup, n: int) -> Callable[[], bytes]:
+    """A receiver's step 4, posted right after the status step (the sender's message then meets a posted
+    receive while this rank collects its own digest); the callable waits for the message."""
+    return group.post_bytes(None, delivery_size(n))
+
+
+def read_digests(payload: bytes, algorithm: str, rank: str) -> dict[str, Any]:
+    """The step's message as finish takes the sender's digests. StateError naming this rank when the sender
+    had none (the model stays torn: the audit cannot pass without them)."""
     if payload[0] != _FOLLOW:
         raise StateError(f"rank {rank}: the sender could not digest what it sent (the trainer raises its "
                          "error), so this sync cannot be audited; nothing goes live: sync again")

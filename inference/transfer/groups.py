@@ -304,21 +304,36 @@ class TransferGroup:
     def broadcast_bytes(self, payload: bytes | None, size: int | None = None) -> bytes:
         """Rank 0's payload on every rank (receivers pass None). `size`: its length when every rank
         already knows it (from `agree_many`), which saves the all-reduce that would share it."""
+        return self.post_bytes(payload, size)()
+
+    def post_bytes(self, payload: bytes | None, size: int | None = None) -> Callable[[], bytes]:
+        """broadcast_bytes, started now: the returned callable (call it once) waits for it and returns the
+        payload. A receiver posts its side early, so the sender's message meets a posted receive."""
         assert (payload is not None) == (self.rank == 0)
         assert size is None or payload is None or size == len(payload), (size, len(payload))
         if size is None:
             size = self.all_max([len(payload) if payload is not None else 0], "control message size")[0]
         buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload
                else torch.empty(size, dtype=torch.uint8))
+        work = None
         if size:
             opts = dist.BroadcastOptions()
             opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, self.timeout
             self._check()
             try:
-                self._control.broadcast([buf], opts).wait(self.timeout)
+                work = self._control.broadcast([buf], opts)
             except Exception as e:
                 raise self._fail("control message", e) from e
-        return bytes(buf.numpy()) if payload is None else payload
+
+        def done() -> bytes:
+            if work is not None:
+                try:
+                    work.wait(self.timeout)
+                except Exception as e:
+                    raise self._fail("control message", e) from e
+            return bytes(buf.numpy()) if payload is None else payload
+
+        return done
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def close(self) -> None:

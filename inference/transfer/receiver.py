@@ -21,7 +21,7 @@ import torch
 
 from inference.transfer.backends import backend_class, check_backend
 from inference.transfer.backends.base import Sink, TransferBackend
-from inference.transfer.delivery import PLAN_SUFFIX, receive_digests
+from inference.transfer.delivery import PLAN_SUFFIX, post_digests, read_digests
 from inference.transfer.groups import InitInfo, TransferError, TransferGroup
 from inference.transfer.plan import ParsedManifest, TensorSpec
 
@@ -39,7 +39,7 @@ class WeightReceiver:
         self.backend: TransferBackend = backend_class(spec)(spec, device, label, info.bucket_bytes)
         self.backend.check_device()
         self.group = TransferGroup(info, rank, device, label=label, data_plane=self.backend.data_plane)
-        self._owed: int | None = None  # the tensors of a step 4 this rank still has to take part in
+        self._owed: Callable[[], bytes] | None = None  # a posted step 4 not taken yet (sender_digests)
 
     @property
     def broken(self) -> str | None:
@@ -57,8 +57,9 @@ class WeightReceiver:
         `digests_follow`: the sender delivers its digests after the bytes (step 4): once this returns,
         call `sender_digests` (every end takes part in it, or the group's next collective mismatches).
         """
-        if self._owed is not None:  # the last sync's step 4 was skipped: the collectives no longer pair up
-            self._owed, self.group.broken = None, "a sync ended without taking the sender's digests"
+        if self._owed is not None:  # the last sync's step 4 was never taken: let it end before this sync
+            owed, self._owed = self._owed, None
+            owed()
         parsed = specs if isinstance(specs, ParsedManifest) else ParsedManifest(specs)
         plan_id = self.backend.plan_id() + (PLAN_SUFFIX if digests_follow else "")
         fingerprint = parsed.fingerprint(version, self.info.bucket_bytes, plan_id)
@@ -74,14 +75,15 @@ class WeightReceiver:
             on_agreed()
         self.backend.receive(self.group, plan, parsed, sink, same[1:], maxima)
         if digests_follow:
-            self._owed = len(parsed)
+            self._owed = post_digests(self.group, len(parsed))
 
     def sender_digests(self, algorithm: str) -> dict[str, Any]:
-        """Step 4 of a sync received with digests_follow: the sender's digests as finish takes them
-        ({"algorithm", "digests"}). StateError when the sender had none; TransferError (broken) on the wire."""
-        n, self._owed = self._owed, None
-        assert n is not None, "sender_digests without a sync received with digests_follow"
-        return receive_digests(self.group, n, algorithm, self.rank_key)
+        """Step 4 of a sync received with digests_follow (posted when receive returned): the sender's digests
+        as finish takes them ({"algorithm", "digests"}). StateError when the sender had none; TransferError
+        (the group broken) on the wire."""
+        owed, self._owed = self._owed, None
+        assert owed is not None, "sender_digests without a sync received with digests_follow"
+        return read_digests(owed(), algorithm, self.rank_key)
 
     def refuse(self) -> None:
         """Take part in step (1) of a sync this rank cannot receive, with the fingerprint that never
