@@ -102,6 +102,11 @@ INVARIANT_FUSE_PROLOGUES = _switch("SIDECAR_INVARIANT_FUSE_PROLOGUES", bool, Fal
                                    "the batch-invariant mode forms the pre-norms and SiLU*up inside the next "
                                    "GEMM's prologue (4 launches a layer instead of 7; the same bits at every "
                                    "row count); off until measured faster (A/B benchmarks, issue 23)", "import")
+INVARIANT_FUSED_ROPE = _switch("SIDECAR_INVARIANT_FUSED_ROPE", bool, False,
+                               "the batch-invariant mode rotates q and the new k inside the decode attention "
+                               "kernel (one launch a layer fewer), its attention launched without FP "
+                               "contraction so the rotation rounds as rotary_qk's in prefill; off until the "
+                               "H200 shows the same bits (A/B benchmarks, issue 23)", "import")
 PDL_EARLY_INVARIANT = _switch("SIDECAR_PDL_EARLY_INVARIANT", bool, True,
                               "the batch-invariant GEMM lets the next kernel be scheduled at its start (PDL); "
                               "0 does it after its main loop, so waiting dependents hold no SM its later "

@@ -59,18 +59,21 @@ run_sync() {
 }
 
 # Issue 23's batch-1 cost: the invariant mode's decode step (0.5B, graph, batch 1 and 128) with PDL's
-# dependents scheduled early (default) or late, and with the fused prologues, against the default mode.
+# dependents scheduled early (default) or late, with the fused prologues and with the rotation inside
+# decode attention, against the default mode. Then the cuda tests that hold those knobs to the same bits.
 run_invariance() {
     : >"$out/invariance.log"
     local p="python3 scripts/profile_decode.py --graph --steps 16 --pdl"
     for b in 1 128; do
         echo "== default b=$b" >>"$out/invariance.log"; timeout 90 $p --batch $b >>"$out/invariance.log" 2>&1
-        for env in "" SIDECAR_PDL_EARLY_INVARIANT=0 SIDECAR_INVARIANT_FUSE_PROLOGUES=1 \
-                "SIDECAR_PDL_EARLY_INVARIANT=0 SIDECAR_INVARIANT_FUSE_PROLOGUES=1"; do
+        for env in "" SIDECAR_PDL_EARLY_INVARIANT=0 SIDECAR_INVARIANT_FUSE_PROLOGUES=1 SIDECAR_INVARIANT_FUSED_ROPE=1 \
+                "SIDECAR_PDL_EARLY_INVARIANT=0 SIDECAR_INVARIANT_FUSE_PROLOGUES=1 SIDECAR_INVARIANT_FUSED_ROPE=1"; do
             echo "== invariant b=$b $env" >>"$out/invariance.log"
             env $env timeout 90 $p --batch $b --batch-invariant >>"$out/invariance.log" 2>&1
         done
     done
+    TEST_TIMEOUT=240 run_tests tests/test_pdl_cuda.py tests/test_batch_invariant.py tests/test_attention_rope.py \
+        -k "late_dependents or exact_rounding or fused_rotation or on_the_gpu"
 }
 
 case "$what" in

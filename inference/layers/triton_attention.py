@@ -71,6 +71,9 @@ from inference.layers.triton_attention_kernels import (
     _store_kv_kernel,
 )
 
+# SIDECAR_INVARIANT_FUSED_ROPE: the batch-invariant tiles rotate in the decode kernel, contraction off
+INVARIANT_FUSED_ROPE = envs.INVARIANT_FUSED_ROPE.get()
+
 
 @dataclass(frozen=True)
 class TritonAttentionTiles:
@@ -120,6 +123,10 @@ class TritonAttentionTiles:
     # keep summing their keys in the same tiles.
     long_decode_block_n: int = 128 if envs.DECODE_LONG_TILES.get() else 0  # SIDECAR_DECODE_LONG_TILES
     long_decode_min_seqs: int = 32
+    # Launch without FP contraction (Triton's enable_fp_fusion=False): every product and sum rounds as
+    # written, so an in-kernel rotation rounds as rotary_qk does (which launches so) instead of one bf16
+    # step apart in a few elements. The batch-invariant mode's tiles set it with the fused rotation.
+    exact_rounding: bool = False
 
     def batch_invariant(self) -> TritonAttentionTiles:
         """The tiles of the batch-invariant mode (docs/invariance.md): a query sums its keys in the same
@@ -128,10 +135,14 @@ class TritonAttentionTiles:
         otherwise than one pass); one key tile size everywhere; prefill tiles of 16 rows, which is what
         a decode tile holds (its group padded to 16), so both dots run on [max(16, group), head_dim]
         operands; no in-kernel rotation (it may round otherwise than rotary_qk, and the k cache would
-        then hold other bits for a token computed in decode than in prefill); no long batch-1 tiles."""
+        then hold other bits for a token computed in decode than in prefill) unless SIDECAR_INVARIANT_FUSED_ROPE
+        asks for it with every launch's FP contraction off (exact_rounding: the rotation then rounds as
+        rotary_qk's, and prefill and decode keep summing alike); no long batch-1 tiles."""
         n = self.decode_block_n
+        fuse = INVARIANT_FUSED_ROPE
         return replace(self, prefill_block_m=16, fp32_prefill_block_m=16, prefill_block_n=n, fp32_prefill_block_n=n,
-                       num_splits=1, fused_decode_rope=False, single_decode_block_n=0, long_decode_block_n=0)
+                       num_splits=1, fused_decode_rope=fuse, exact_rounding=fuse, single_decode_block_n=0,
+                       long_decode_block_n=0)
 
     def for_decode(self, num_seqs: int) -> TritonAttentionTiles:
         """The tiles a decode launch of num_seqs sequences uses (a static shape: graph-safe)."""
@@ -329,9 +340,10 @@ class TritonAttention:
             IS_DECODE=meta.is_decode, HAS_WINDOW=sliding_window is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             DOT_UPCAST=_INTERPRET and q.dtype == torch.bfloat16, MULTI_ROW=max_rows > 1, ROPE=rope is not None,
-            num_warps=plan.num_warps, num_stages=self.tiles.num_stages, **launch_kwargs(q))
+            num_warps=plan.num_warps, num_stages=self.tiles.num_stages,
+            enable_fp_fusion=not self.tiles.exact_rounding, **launch_kwargs(q))
         if plan.splits > 1 and not fused:
             _combine_splits_kernel[(num_tokens, num_heads)](
                 part_m, part_l, part_acc, out, out.stride(0), out.stride(1),
                 NUM_SPLITS=plan.splits, HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad, num_warps=self.tiles.num_warps,
-                **launch_kwargs(q))
+                enable_fp_fusion=not self.tiles.exact_rounding, **launch_kwargs(q))
