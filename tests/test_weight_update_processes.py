@@ -93,7 +93,7 @@ def test_dead_sender_tears_the_model_and_a_new_init_recovers(dirs: dict[str, Pat
     assert held(worker) == loader_digests(dirs["target"], state, tmp_path / "ref")
 
 
-def _tp_receiver(rank: int, port: int, info: dict, model_dir: str, inbox: Any, out: Any) -> None:
+def _tp_receiver(rank: int, port: int, info: dict, model_dir: str, inbox: Any, out: Any, deliver: bool) -> None:
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                                 timeout=timedelta(seconds=60))
@@ -105,9 +105,10 @@ def _tp_receiver(rank: int, port: int, info: dict, model_dir: str, inbox: Any, o
         for version, fault in ((1, None), (2, ("flip", Q1) if rank == 1 else None)):
             worker.weights.fault = fault
             worker.start_weight_update(version, inbox.get(timeout=60))
-            worker.update_weights()
+            delivered = worker.update_weights(digests_follow=deliver)  # with deliver: the sender's digests
+            digests = inbox.get(timeout=60)
             try:
-                result = worker.finish_weight_update(inbox.get(timeout=60))
+                result = worker.finish_weight_update(delivered if deliver else digests)
                 out.put((rank, version, "ok", result.report.ok, worker.compute_weight_checksums()))
             except ChecksumMismatch as e:
                 out.put((rank, version, "mismatch", str(e), e.report.first_tensor.tensor))
@@ -118,14 +119,17 @@ def _tp_receiver(rank: int, port: int, info: dict, model_dir: str, inbox: Any, o
             dist.destroy_process_group()
 
 
-def test_tp2_receivers_each_hold_their_shard_and_a_flip_names_its_rank(dirs: dict[str, Path],
-                                                                       tmp_path: Path) -> None:
+@pytest.mark.parametrize("deliver", [False, True])
+def test_tp2_receivers_each_hold_their_shard_and_a_flip_names_its_rank(dirs: dict[str, Path], tmp_path: Path,
+                                                                       deliver: bool) -> None:
+    """With `deliver`, each rank takes the sender's digests from the group in its update (one request per
+    sync through the sidecar) instead of from the test."""
     sender = WeightSender("gloo", num_receivers=2, bucket_bytes=BUCKET, timeout_s=60)
     info = sender.init_info()
     ctx = mp.get_context("spawn")
     inboxes, out = [ctx.Queue(), ctx.Queue()], ctx.Queue()
     port = _free_port()  # for the receivers' own TP group
-    procs = [ctx.Process(target=_tp_receiver, args=(r, port, info, str(dirs["target"]), inboxes[r], out))
+    procs = [ctx.Process(target=_tp_receiver, args=(r, port, info, str(dirs["target"]), inboxes[r], out, deliver))
              for r in range(2)]
     for p in procs:
         p.start()
@@ -136,7 +140,7 @@ def test_tp2_receivers_each_hold_their_shard_and_a_flip_names_its_rank(dirs: dic
             state = perturbed(dirs["target"], seed)
             for inbox in inboxes:
                 inbox.put(sender.manifest(state, version))
-            digests = sender.send(state)
+            digests = sender.send(state, deliver_digests=deliver)
             for inbox in inboxes:
                 inbox.put(digests)
             for _ in range(2):
