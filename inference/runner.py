@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import operator
 from array import array
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from functools import partial
@@ -68,6 +69,9 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.block_size = 0
         self.graphs: CUDAGraphRunner | None = None  # set by capture_graphs
+        # rows -> steps that ran the eager forward although decode graphs exist (a prefill chunk in the
+        # batch, a size or table width past the graphs'): benchmarks read it (bench_rollout eager_by_batch)
+        self.eager_steps: Counter[int] = Counter()
         self.verify_graphs: CUDAGraphRunner | None = None  # spec-decode verify rows (capture_graphs)
         self.greedy_graphs: GreedyGraphs | None = None
         self.sampling_graphs: SamplingGraphs | None = None
@@ -163,6 +167,8 @@ class ModelRunner:
             sample_rows = list(range(len(batch.seqs)))
             seqs = batch.seqs
         else:
+            if self.graphs is not None:
+                self.eager_steps[len(batch.seqs)] += 1
             inp = self.prepare(batch, pending)
             if follower is not None:
                 self._follow = partial(follower.follow, inp)

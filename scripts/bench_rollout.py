@@ -15,7 +15,11 @@ peak), with bytes = the weights read once + the KV of every row's context and FL
 parameters x tokens computed + the LM head over the sampled rows + attention (4 x heads x head_dim x
 layers per attended (query, key) pair); both rates are measured in the same run (a device-to-device
 copy, counting read and write; a large bf16 matmul). time_over_roofline = wall time / roofline sum.
-With a draft (--draft-layers) the roofline counts the target's work only.
+With a draft (--draft-layers) the roofline counts the target's work only. Per running-batch range
+("1-8", "9-32", ...): `by_batch` [steps, ms per step, roofline ms per step], `eager_by_batch` the steps
+that ran the eager forward beside captured decode graphs, `prefill_steps_by_batch` the steps that
+computed prompt or recompute tokens (the 7B's 9-32 range ran ~2x its roofline a step: these say whether
+such steps are eager or prefill ones).
 
     python3 -m scripts.bench_rollout                      # both shapes x 3 modes (H200, ~4 min)
     python3 -m scripts.bench_rollout --shapes tiny --prompts 4 --samples 2 --len-cap 32   # CPU smoke
@@ -29,6 +33,7 @@ import json
 import math
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 
 import torch
@@ -36,7 +41,16 @@ import torch
 from inference.core import SamplingParams
 from inference.llm import LLM
 from inference.step_stats import StepLog
-from scripts.rollout_cost import ModelCost, StepProbe, by_batch, measure_rates, roofline, schedule_stats, sync
+from scripts.rollout_cost import (
+    ModelCost,
+    StepProbe,
+    by_batch,
+    measure_rates,
+    roofline,
+    schedule_stats,
+    steps_by_range,
+    sync,
+)
 
 MODES = ("greedy", "sampled", "seeded")  # temperature 0; temperature 1 unseeded; temperature 1 seeded
 QWEN_SHAPES = ("qwen2-0.5b", "qwen2.5-7b")  # scripts.bench_generate.SHAPES
@@ -164,6 +178,8 @@ def run_case(llm: LLM, mode: str, work: Workload, warm: Workload, cost: ModelCos
     llm.block_manager.reset_prefix_cache()
     preempted = llm.scheduler.preempted
     spec_before = (llm.spec_stats.proposed, llm.spec_stats.accepted, llm.spec_stats.steps)
+    runner = llm.worker.runner
+    eager_before = Counter(runner.eager_steps) if runner is not None else Counter()
     llm.step_log = StepLog()
     sync(device)
     t0 = time.perf_counter()
@@ -187,7 +203,10 @@ def run_case(llm: LLM, mode: str, work: Workload, warm: Workload, cost: ModelCos
                matmul_tflops=rates[1] / 1e12, preempted=llm.scheduler.preempted - preempted,
                spec_acceptance=(llm.spec_stats.accepted - spec_before[1]) / proposed if proposed else None,
                spec_steps=llm.spec_stats.steps - spec_before[2],  # steps that carried draft tokens
-               by_batch=by_batch(records, cost, rates, t0), profiled=probe is not None)
+               by_batch=by_batch(records, cost, rates, t0), profiled=probe is not None,
+               # steps per range that ran the eager forward beside captured graphs (prefill, or past them)
+               eager_by_batch=steps_by_range(runner.eager_steps - eager_before) if runner is not None else {},
+               prefill_steps_by_batch=steps_by_range(Counter(r.num_seqs for r in records if r.prefill_tokens)))
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
 
 

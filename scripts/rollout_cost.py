@@ -51,18 +51,33 @@ class StepProbe:
         self.prof = None
 
 
+_EDGES = (1, 9, 33, 129, 513, 1 << 30)
+
+
+def batch_range(rows: int) -> str:
+    """The by_batch key of a step of `rows` rows: "1-8", "9-32", "33-128", "129-512" or "513+"."""
+    lo = max(e for e in _EDGES if e <= rows)
+    hi = _EDGES[_EDGES.index(lo) + 1] - 1
+    return f"{lo}-{hi}" if hi < 1 << 29 else f"{lo}+"
+
+
+def steps_by_range(counts: dict[int, int]) -> dict[str, int]:
+    """{rows: steps} summed per by_batch range."""
+    out: dict[str, int] = {}
+    for rows, n in sorted(counts.items()):
+        out[batch_range(rows)] = out.get(batch_range(rows), 0) + n
+    return out
+
+
 def by_batch(records: list[StepRecord], cost: ModelCost, rates: tuple[float, float], t0: float
              ) -> dict[str, list[float]]:
     """Where the wall time goes by running batch: {"lo-hi": [steps, ms per step, roofline ms per step]};
     a step's time is the gap between its commit and the previous one's (the throughput period, which
     async scheduling overlaps)."""
-    edges = (1, 9, 33, 129, 513, 1 << 30)
     out: dict[str, list[float]] = {}
     prev = t0
     for r in records:
-        lo = max(e for e in edges if e <= r.num_seqs)
-        hi = edges[edges.index(lo) + 1] - 1
-        key = f"{lo}-{hi}" if hi < 1 << 29 else f"{lo}+"
+        key = batch_range(r.num_seqs)
         nbytes, flops = cost.step_bytes_flops(r)
         cell = out.setdefault(key, [0, 0.0, 0.0])
         cell[0] += 1
