@@ -18,7 +18,7 @@ from inference.runner import InFlightStep
 from inference.scheduler import ScheduledBatch, Scheduler, StepResult
 from inference.sequence import Sequence
 from inference.step_stats import StepLog
-from inference.worker import Worker
+from inference.worker import Worker, async_scheduling_on
 
 # commits a step's results (with its stop strings): the sequences that finished
 ApplyResults = Callable[[ScheduledBatch, list[StepResult], Callable[..., list[Sequence]]], list[Sequence]]
@@ -29,10 +29,7 @@ def uses_async_scheduling(config: EngineConfig, worker: Worker) -> bool:
     overlap and the draft follows them, the speculative steps run synchronously (the H200 measured the
     mix faster: 7B rollout with a draft 9.5k -> 10.3k tok/s, docs/benchmarks.md, session 14). Every TP
     rank decides the same from the same config."""
-    wanted = config.scheduler.async_scheduling
-    if wanted is not None:
-        return wanted
-    return worker.device is not None and worker.device.type == "cuda"
+    return async_scheduling_on(config, worker.device)
 
 
 @dataclass

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from inference.batch import AttentionMetadata, to_device
-from inference.cuda_graphs import CUDAGraphRunner
+from inference.cuda_graphs import CUDAGraphRunner, batch_ladder, extended_ladder
 from inference.decode_rows import DecodeRows, decode_logits
 from inference.runner import ModelRunner, SampleResult, StepInputs, top_dicts
 from inference.sampler import SamplingBatch, process_logits
@@ -103,6 +103,15 @@ class SpecDecoder:
     def graph_rows(self, max_batch: int) -> int:
         """Rows of the largest decode graph speculation wants: a verify of max_batch rows of k + 1."""
         return min(max_batch * (self.k + 1), max(max_batch, MAX_GRAPH_ROWS))
+
+    def draft_sizes(self, max_batch: int, verify_rows: int, follows_async: bool) -> list[int]:
+        """The sizes of the draft's graphs (capture_graphs; with logits up to verify_rows). With async
+        scheduling a plain step's draft pass runs on follow_graphs, so only a speculating step's rows
+        are needed; synchronous steps also replay sizes up to graph_rows, without LM head, for a plain
+        batch's catch-up."""
+        if follows_async:
+            return batch_ladder(verify_rows)
+        return extended_ladder(max_batch, self.graph_rows(max_batch))
 
     def verify_rows(self, max_batch: int, spec_max_batch: int) -> int:
         """Rows of the largest verify graph: spec_max_batch sequences (0: no bound) of k + 1 rows."""

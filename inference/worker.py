@@ -18,7 +18,6 @@ import torch
 
 from inference.config import EngineConfig, ModelConfig
 from inference.core import InvalidRequestError, StateError
-from inference.cuda_graphs import extended_ladder
 from inference.layers.attention import get_attention_backend
 from inference.layers.attention_invariant import batch_invariant_backend
 from inference.loader import init_dummy_weights, load_weights
@@ -93,6 +92,15 @@ def _nccl_group(tp: TPInfo) -> bool:
         return dist.get_backend(tp.group) == "nccl"
     except (RuntimeError, ValueError):
         return False
+
+
+def async_scheduling_on(config: EngineConfig, device: torch.device | None) -> bool:
+    """Whether an LLM of `config` on `device` overlaps its steps (inference/async_step.py): the
+    scheduler's async_scheduling, or when it is None, on for CUDA. Every TP rank decides the same."""
+    wanted = config.scheduler.async_scheduling
+    if wanted is not None:
+        return wanted
+    return device is not None and device.type == "cuda"
 
 
 class Worker:
@@ -283,7 +291,7 @@ class Worker:
         # (the rows of a speculating step: the target's verify ladder, and the draft's sizes with logits)
         verify_rows = self.spec.verify_rows(max_batch, self.config.scheduler.spec_max_batch)
         self.runner.capture_graphs(max_batch, self.max_model_len, verify_rows, self.spec.k + 1)
-        sizes = extended_ladder(max_batch, self.spec.graph_rows(max_batch))
+        sizes = self.spec.draft_sizes(max_batch, verify_rows, async_scheduling_on(self.config, self.device))
         self.spec.capture_graphs(sizes, self.max_model_len, logits_max=verify_rows, follow_batch=max_batch)
 
     @overload

@@ -102,16 +102,18 @@ def test_async_steps_with_a_following_draft_on_graphs(pair: tuple[Path, Path], k
     """async_scheduling with a draft on the GPU (fp32): the plain steps of a batch over spec_max_batch
     launch asynchronously and the draft follows them by replaying its own decode graph on the target
     graph's staged rows; the tail speculates. The target as its own draft accepts every token only if
-    the followed KV is complete; greedy tokens equal target-only decoding. The draft's graphs above a
-    speculating step's rows (spec_max_batch * (k + 1)) are captured without the LM head; the follows
-    replay graphs of their own: one row per sequence (the multi-row check compiled out), no LM head."""
+    the followed KV is complete; greedy tokens equal target-only decoding. The draft's own graphs stop
+    at a speculating step's rows (spec_max_batch * (k + 1)): with async scheduling nothing replays a
+    size above them; the follows replay graphs of their own: one row per sequence (the multi-row check
+    compiled out), no LM head."""
     target, _ = pair
     prompts = random_prompts([3, 17, 9, 30], 300, seed=1)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (8, 16, 24, 40)]
     ref = [o.outputs[0].token_ids for o in engine(target, None, "float32").generate(prompts, params)]
     llm = engine(target, target, "float32", k, spec_max_batch=spec_max_batch, async_scheduling=True)
     draft_graphs, follow_graphs = llm.worker.spec.graphs, llm.worker.spec.follow_graphs
-    assert draft_graphs.logits_top == logits_top and draft_graphs.logits.shape[0] == logits_top
+    assert draft_graphs.logits_top == logits_top == draft_graphs.sizes[-1]
+    assert draft_graphs.logits.shape[0] == logits_top
     assert follow_graphs.logits_top == 0 and follow_graphs.rows_per_seq == 1
     follows = count_replays(follow_graphs)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

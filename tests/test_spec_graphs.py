@@ -100,8 +100,8 @@ def install_graphs(llm: LLM, max_batch: int) -> tuple[EagerGraphs, EagerGraphs |
                          rows_per_seq=spec.k + 1)
     verify.capture()
     runner.verify_graphs = verify
-    sizes = extended_ladder(max_batch, spec.graph_rows(max_batch))
-    draft = EagerGraphs(spec.draft, max_batch, max_blocks, runner.block_size, runner.device, runner.dtype, sizes,
+    sizes = spec.draft_sizes(max_batch, rows, llm._overlap is not None)  # as Worker.warm_up picks them
+    draft = EagerGraphs(spec.draft, max(sizes), max_blocks, runner.block_size, runner.device, runner.dtype, sizes,
                         logits_max=rows)
     draft.capture()
     spec.graphs = draft
@@ -198,11 +198,25 @@ def test_async_follows_replay_one_row_graphs_without_lm_head(pair: tuple[Path, P
     ref = [o.outputs[0].token_ids for o in base.generate(prompts, params)]
     spec = engine(target, draft, 3, attention_backend="triton", max_model_len=64, async_scheduling=True,
                   spec_max_batch=1)
-    install_graphs(spec, 4)
+    _, _, draft_graphs = install_graphs(spec, 4)
     follow = spec.worker.spec.follow_graphs
     assert isinstance(follow, EagerGraphs) and follow.logits_top == 0 and follow.rows_per_seq == 1
-    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
+    # the draft's own ladder stops at a speculating step's rows (one sequence of k + 1): nothing above
+    assert draft_graphs is not None and draft_graphs.sizes == batch_ladder(4) and draft_graphs.logits_top == 4
+    eager_lens: list[list[int]] = []
+    real_forward = SpecDecoder._forward
+
+    def counted(self: SpecDecoder, model: torch.nn.Module, ids: torch.Tensor, starts: list[int], lens: list[int],
+                tables: list[list[int]]) -> torch.Tensor:
+        if model is self.draft:
+            eager_lens.append(list(lens))
+        return real_forward(self, model, ids, starts, lens, tables)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(SpecDecoder, "_forward", counted)
+        got = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
     assert got == ref
+    assert eager_lens == []  # every draft pass of a speculating step replayed a graph (prompts follow the steps)
     assert follow.replays[2] + follow.replays[4] > 0  # plain steps of 2-3 sequences, followed on their graphs
     assert spec.spec_stats.proposed > 0  # the last sequence alone speculated
 
