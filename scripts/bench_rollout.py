@@ -19,7 +19,7 @@ With a draft (--draft-layers) the roofline counts the target's work only. Per ru
 ("1-8", "9-32", ...): `by_batch` [steps, ms per step, roofline ms per step], `eager_by_batch` the steps
 that ran the eager forward beside captured decode graphs, `prefill_steps_by_batch` the steps that
 computed prompt or recompute tokens (the 7B's 9-32 range ran ~2x its roofline a step: these say whether
-such steps are eager or prefill ones).
+such steps are eager or prefill ones); `gc_pauses` the garbage collector's pauses in the timed run.
 
     python3 -m scripts.bench_rollout                      # both shapes x 3 modes (H200, ~4 min)
     python3 -m scripts.bench_rollout --shapes tiny --prompts 4 --samples 2 --len-cap 32   # CPU smoke
@@ -42,6 +42,7 @@ from inference.core import SamplingParams
 from inference.llm import LLM
 from inference.step_stats import StepLog
 from scripts.rollout_cost import (
+    GCPauses,
     ModelCost,
     StepProbe,
     by_batch,
@@ -183,8 +184,9 @@ def run_case(llm: LLM, mode: str, work: Workload, warm: Workload, cost: ModelCos
     llm.step_log = StepLog()
     sync(device)
     t0 = time.perf_counter()
-    generated = run(llm, work, mode, probe)
-    sync(device)
+    with GCPauses() as pauses:
+        generated = run(llm, work, mode, probe)
+        sync(device)
     t1 = time.perf_counter()
     records, llm.step_log = llm.step_log.records, None
     wall, steps = t1 - t0, len(records)
@@ -206,7 +208,8 @@ def run_case(llm: LLM, mode: str, work: Workload, warm: Workload, cost: ModelCos
                by_batch=by_batch(records, cost, rates, t0), profiled=probe is not None,
                # steps per range that ran the eager forward beside captured graphs (prefill, or past them)
                eager_by_batch=steps_by_range(runner.eager_steps - eager_before) if runner is not None else {},
-               prefill_steps_by_batch=steps_by_range(Counter(r.num_seqs for r in records if r.prefill_tokens)))
+               prefill_steps_by_batch=steps_by_range(Counter(r.num_seqs for r in records if r.prefill_tokens)),
+               gc_pauses=pauses.summary())
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
 
 

@@ -4,6 +4,7 @@ the schedule's tail and batch statistics, the wall time by running batch, and --
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import time
@@ -49,6 +50,34 @@ class StepProbe:
         with open(os.path.join(self.out_dir, f"{self.name}_step{self.start}.txt"), "w") as f:
             f.write(f"{self.length} steps from step {self.start}\n" + "\n".join(tables) + "\n")
         self.prof = None
+
+
+class GCPauses:
+    """The Python garbage collector's pauses while it is entered (gc.callbacks): a long run keeps
+    hundreds of sequences' token lists alive, and a full collection stalls the host's step work."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float]] = []  # (generation, seconds)
+        self._t0 = 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], time.perf_counter() - self._t0))
+
+    def __enter__(self) -> GCPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict[str, float]:
+        """{count, total_ms, max_ms, gen2: full collections}."""
+        times = [t for _, t in self.pauses]
+        return {"count": len(times), "total_ms": round(1e3 * sum(times), 3),
+                "max_ms": round(1e3 * max(times, default=0.0), 3), "gen2": sum(g == 2 for g, _ in self.pauses)}
 
 
 _EDGES = (1, 9, 33, 129, 513, 1 << 30)
