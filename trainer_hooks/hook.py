@@ -144,7 +144,7 @@ class WeightSyncHook:
         if draft is not None:
             self._sync_model("draft", draft, self.version if self.version is not None else version)
         self.stats.update(sync_ms=_ms(t0), version=self.version, audit="ok" if report.get("ok") else "mismatch",
-                          algorithm=report.get("algorithm"))
+                          algorithm=report.get("algorithm"), audit_ms=report.get("audit_ms"))  # the ranks' part
         self.weights_fresh = True
         return report
 
