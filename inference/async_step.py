@@ -13,23 +13,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from inference.config import EngineConfig
 from inference.runner import InFlightStep
 from inference.scheduler import ScheduledBatch, Scheduler, StepResult
 from inference.sequence import Sequence
 from inference.step_stats import StepLog
-from inference.worker import Worker, async_scheduling_on
+from inference.worker import Worker
 
 # commits a step's results (with its stop strings): the sequences that finished
 ApplyResults = Callable[[ScheduledBatch, list[StepResult], Callable[..., list[Sequence]]], list[Sequence]]
-
-
-def uses_async_scheduling(config: EngineConfig, worker: Worker) -> bool:
-    """async_scheduling None: on for CUDA; True: on (CPU too); False: off. With a draft the plain steps
-    overlap and the draft follows them, the speculative steps run synchronously (the H200 measured the
-    mix faster: 7B rollout with a draft 9.5k -> 10.3k tok/s, docs/benchmarks.md, session 14). Every TP
-    rank decides the same from the same config."""
-    return async_scheduling_on(config, worker.device)
 
 
 @dataclass

@@ -137,6 +137,10 @@ class SchedulerConfig:
     # with a draft ran 11.9-13.1k tok/s at 16 against 10.3-11.3k at 64 (docs/benchmarks.md, session 14).
     spec_max_batch: int = 16
 
+    def overlaps_steps(self, device_type: str) -> bool:
+        """async_scheduling decided for a device type (see the field): every TP rank decides the same."""
+        return self.async_scheduling if self.async_scheduling is not None else device_type == "cuda"
+
 
 LOAD_FORMATS = ("auto", "dummy")  # EngineConfig.load_format
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from inference.async_step import StepOverlap, uses_async_scheduling
+from inference.async_step import StepOverlap
 from inference.block_manager import BlockManager
 from inference.config import EngineConfig, build_engine_config
 from inference.core import (
@@ -91,7 +91,7 @@ class LLM:
         self.worker.init_device()
         self.worker.load_model()
         mc = self.worker.model_config
-        assert mc is not None and self.worker.runner is not None
+        assert mc is not None and self.worker.runner is not None and self.worker.device is not None
         self.model_config = mc
         kv_bytes = self.worker.determine_available_memory()
         num_blocks = kv_bytes // self.worker.kv_bytes_per_block(config.cache.block_size)
@@ -113,7 +113,7 @@ class LLM:
         self._finished_while_draining: list[RequestOutput] = []  # finished outside step(): take_finished
         # async scheduling: the step in flight and the step that overlaps it (None: synchronous steps)
         self._overlap = (StepOverlap(self.scheduler, self.worker, self._apply_results)
-                         if uses_async_scheduling(config, self.worker) else None)
+                         if config.scheduler.overlaps_steps(self.worker.device.type) else None)
         self._num_with_stops = 0  # live requests with stop strings (their steps run the detokenizer)
 
     # ---- requests -------------------------------------------------------------------------
@@ -389,8 +389,6 @@ class LLM:
         self.worker.start_draft_weight_update(version, manifest, allow_cast=allow_cast)
 
     def update_weights(self, update_info: Any = None, *, digests_follow: bool = False) -> Any:
-        """Receive the open session's bytes; with `digests_follow` (the sender delivers its digests in the
-        sync), returns them for finish_weight_update."""
         return self.worker.update_weights(update_info, digests_follow=digests_follow)
 
     def finish_weight_update(self, sender_digests: Any, **kwargs: Any) -> Any:

@@ -125,7 +125,7 @@ class SpecDecoder:
         they are captured without the LM head (a full vocabulary GEMM per step). `follow_batch` > 0: also
         the graphs that follow a plain step (async scheduling) up to that many rows, one row per sequence
         and no LM head, so their attention compiles the multi-row check out (as the target's plain graphs
-        do) at every size, not only above logits_max."""
+        do) at every size, not only above logits_max. Without them a follow runs eagerly."""
         assert self.block_size, "bind_draft_kv first"
         max_blocks = -(-max_model_len // self.block_size)
         self.graphs = CUDAGraphRunner(self.draft, max(sizes), max_blocks, self.block_size, self.device,
@@ -153,17 +153,13 @@ class SpecDecoder:
         self.draft(inp.input_ids, inp.positions, inp.meta)
 
     def graphs_fit(self, num_rows: int, max_blocks: int) -> bool:
-        graphs = self._follow_graphs()
+        graphs = self.follow_graphs
         return graphs is not None and graphs.can_use(num_rows, max_blocks, logits=False)
 
     def follow_rows(self, rows: tuple[torch.Tensor, ...]) -> None:
         """(input_ids, positions, slots, context_lens, block_tables) of a target decode graph's rows."""
-        graphs = self._follow_graphs()
-        assert graphs is not None
-        graphs.replay(*rows)
-
-    def _follow_graphs(self) -> CUDAGraphRunner | None:
-        return self.follow_graphs if self.follow_graphs is not None else self.graphs
+        assert self.follow_graphs is not None
+        self.follow_graphs.replay(*rows)
 
     # ---- one step -------------------------------------------------------------------------
     @torch.inference_mode()

@@ -94,15 +94,6 @@ def _nccl_group(tp: TPInfo) -> bool:
         return False
 
 
-def async_scheduling_on(config: EngineConfig, device: torch.device | None) -> bool:
-    """Whether an LLM of `config` on `device` overlaps its steps (inference/async_step.py): the
-    scheduler's async_scheduling, or when it is None, on for CUDA. Every TP rank decides the same."""
-    wanted = config.scheduler.async_scheduling
-    if wanted is not None:
-        return wanted
-    return device is not None and device.type == "cuda"
-
-
 class Worker:
     def __init__(self, config: EngineConfig, tp: TPInfo | None = None, dp_rank: int = 0, pp_rank: int = 0) -> None:
         self.config = config
@@ -291,8 +282,10 @@ class Worker:
         # (the rows of a speculating step: the target's verify ladder, and the draft's sizes with logits)
         verify_rows = self.spec.verify_rows(max_batch, self.config.scheduler.spec_max_batch)
         self.runner.capture_graphs(max_batch, self.max_model_len, verify_rows, self.spec.k + 1)
-        sizes = self.spec.draft_sizes(max_batch, verify_rows, async_scheduling_on(self.config, self.device))
-        self.spec.capture_graphs(sizes, self.max_model_len, logits_max=verify_rows, follow_batch=max_batch)
+        follows = self.config.scheduler.overlaps_steps(self.device.type)  # plain steps followed on graphs
+        sizes = self.spec.draft_sizes(max_batch, verify_rows, follows)
+        self.spec.capture_graphs(sizes, self.max_model_len, logits_max=verify_rows,
+                                 follow_batch=max_batch if follows else 0)
 
     @overload
     def execute_model(self, batch: ScheduledBatch, overlap: Literal[False] = False) -> list[StepResult]: ...

@@ -238,10 +238,7 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
         state.metrics.sync_seconds.labels(model, "update").observe(time.perf_counter() - t0 - start_s - audit_s)
         if body.finish:  # every rank audited and committed in this call: the answer is finish's
             lease.closed()
-            if len(results) != len(replies):
-                raise ApiError(500, "InternalError", "some ranks did not finish the sync they received with "
-                               "the sender's digests", "finish")
-            state.metrics.sync_seconds.labels(model, "finish").observe(audit_s)
+            assert len(results) == len(replies), "a rank answered an update with finish without its audit"
             note_handler_time(request.scope, t0)
             return JSONResponse(_finished(state, model, results, audit_s))
         note_handler_time(request.scope, t0)
@@ -262,10 +259,8 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
             raise
         finally:
             lease.closed()  # finish ends the session, passed or failed
-        finish_s = time.perf_counter() - t0
-        state.metrics.sync_seconds.labels(model, "finish").observe(finish_s)
         note_handler_time(request.scope, t0)
-        return JSONResponse(_finished(state, model, results, finish_s))
+        return JSONResponse(_finished(state, model, results, time.perf_counter() - t0))
 
     @router.post("/weights/abort", summary="End the open update session now; generation resumes")
     async def weights_abort() -> dict[str, Any]:
@@ -278,10 +273,11 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
 
 def _finished(state: ServerState, model: str, results: list[SyncResult], finish_s: float) -> dict[str, Any]:
     """The answer of a sync every rank audited and committed (/weights/finish, or /weights/update with
-    "finish"), with its metrics. `finish_s`: the seconds of that part. The weight routes answer with a
-    JSONResponse of plain JSON types: FastAPI's encoder and response-model pass would cost ~40 us a
-    message on the critical path, for nothing to convert."""
+    "finish"), with its metrics. `finish_s`: the seconds of that part (the ranks' audit, inside an
+    update). The weight routes answer with a JSONResponse of plain JSON types: FastAPI's encoder and
+    response-model pass would cost ~40 us a message on the critical path, for nothing to convert."""
     now = time.perf_counter()
+    state.metrics.sync_seconds.labels(model, "finish").observe(finish_s)
     state.metrics.sync_seconds.labels(model, "audit").observe(max(r.audit_s for r in results))
     started, nbytes = state.sync_started.pop(model, (now, 0))
     state.metrics.sync_seconds.labels(model, "total").observe(now - started)
@@ -292,7 +288,7 @@ def _finished(state: ServerState, model: str, results: list[SyncResult], finish_
     # expected, sent back here instead of in a second round trip.
     audit = Report.build([], [r.rank for r in results], sum(r.tensors_checked for r in results))
     return {"model": results[0].model, "version": results[0].version, "ok": all(r.ok for r in results),
-            "algorithm": results[0].algorithm, "finish_ms": round(finish_s * 1e3, 3),
+            "algorithm": results[0].algorithm,
             "ranks": [{"rank": r.rank, "ok": r.ok, "summary": r.summary} for r in results],
             "audit": {**report_dict(audit, results[0].model, "received"), "algorithm": results[0].algorithm,
                       "audit_ms": round(max(r.audit_s for r in results) * 1e3, 3)}}

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 import inference.cuda_graphs as cuda_graphs_module
 import inference.runner as runner_module
-from inference.async_step import uses_async_scheduling
+from inference.config import SchedulerConfig
 from inference.core import FinishReason, RequestOutput, SamplingParams
 from inference.llm import LLM
 from inference.pending_tokens import resolve_pending, resolve_pending_torch
@@ -62,8 +61,7 @@ def test_placeholders_encode_the_sampled_row() -> None:
 
 def test_async_is_on_for_cuda_with_or_without_a_draft() -> None:
     def decide(wanted: bool | None, device: str, spec: object = None) -> bool:
-        config = SimpleNamespace(scheduler=SimpleNamespace(async_scheduling=wanted))
-        return uses_async_scheduling(config, SimpleNamespace(spec=spec, device=torch.device(device)))  # type: ignore[arg-type]
+        return SchedulerConfig(async_scheduling=wanted).overlaps_steps(device)  # spec: no say in it
 
     assert decide(None, "cuda") and not decide(None, "cpu")
     assert decide(True, "cpu") and not decide(False, "cuda")

@@ -100,16 +100,25 @@ def install_graphs(llm: LLM, max_batch: int) -> tuple[EagerGraphs, EagerGraphs |
                          rows_per_seq=spec.k + 1)
     verify.capture()
     runner.verify_graphs = verify
-    sizes = spec.draft_sizes(max_batch, rows, llm._overlap is not None)  # as Worker.warm_up picks them
+    follows = llm._overlap is not None  # as Worker.warm_up decides: async steps are followed on graphs
+    sizes = spec.draft_sizes(max_batch, rows, follows)
     draft = EagerGraphs(spec.draft, max(sizes), max_blocks, runner.block_size, runner.device, runner.dtype, sizes,
                         logits_max=rows)
     draft.capture()
     spec.graphs = draft
-    follow = EagerGraphs(spec.draft, max_batch, max_blocks, runner.block_size, runner.device, runner.dtype,
-                         logits_max=0, rows_per_seq=1)
-    follow.capture()
-    spec.follow_graphs = follow
+    if follows:
+        follow = EagerGraphs(spec.draft, max_batch, max_blocks, runner.block_size, runner.device, runner.dtype,
+                             logits_max=0, rows_per_seq=1)
+        follow.capture()
+        spec.follow_graphs = follow
     return target, verify, draft
+
+
+def target_only(target: Path, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    """The tokens target-only decoding gives on its decode graphs (what a draft must not change)."""
+    base = engine(target, attention_backend="triton", max_model_len=64)
+    install_graphs(base, 4)
+    return [o.outputs[0].token_ids for o in base.generate(prompts, params)]
 
 
 def test_graph_path_keeps_greedy_output_identical(pair: tuple[Path, Path]) -> None:
@@ -193,9 +202,7 @@ def test_async_follows_replay_one_row_graphs_without_lm_head(pair: tuple[Path, P
     target, draft = pair
     prompts = random_prompts([5, 11, 7], VOCAB, seed=4)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (4, 6, 14)]
-    base = engine(target, attention_backend="triton", max_model_len=64)
-    install_graphs(base, 4)
-    ref = [o.outputs[0].token_ids for o in base.generate(prompts, params)]
+    ref = target_only(target, prompts, params)
     spec = engine(target, draft, 3, attention_backend="triton", max_model_len=64, async_scheduling=True,
                   spec_max_batch=1)
     _, _, draft_graphs = install_graphs(spec, 4)
@@ -227,9 +234,7 @@ def test_a_plain_batchs_draft_catch_up_replays_graphs_without_lm_head(pair: tupl
     target, draft = pair
     prompts = random_prompts([5, 11, 7, 9], VOCAB, seed=5)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (6, 6, 6, 12)]
-    base = engine(target, attention_backend="triton", max_model_len=64)
-    install_graphs(base, 4)
-    ref = [o.outputs[0].token_ids for o in base.generate(prompts, params)]
+    ref = target_only(target, prompts, params)
     spec = engine(target, draft, 1, attention_backend="triton", max_model_len=64, async_scheduling=False,
                   spec_max_batch=1)
     _, _, draft_graphs = install_graphs(spec, 4)
