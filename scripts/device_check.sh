@@ -43,14 +43,14 @@ run_draft() {
 }
 
 # Issue 19: the weight path's cuda tests, then the client's sync (one request against two, in the same
-# run, twice), the in-process sync of both shapes and the demo's median step.
+# run; with HotRoutes, without, with again), the in-process sync of both shapes and the demo's median step.
 run_sync() {
     TEST_TIMEOUT=300 run_tests tests/test_weight_update_device_rule_cuda.py tests/test_sidecar_cuda.py \
         tests/test_weight_update_cuda.py tests/test_checksum_digest_cuda.py
     : >"$out/sync.jsonl"
-    for _ in 1 2; do
-        timeout 90 python3 scripts/bench_client_sync.py --model qwen2-0.5b --backend ipc --device cuda --iters 20 \
-            2>>"$out/sync.log" | tee -a "$out/sync.jsonl"
+    for hot in 1 0 1; do  # the sync's request through HotRoutes (default), through FastAPI's route, again
+        SIDECAR_HOT_ROUTES=$hot timeout 90 python3 scripts/bench_client_sync.py --model qwen2-0.5b --backend ipc \
+            --device cuda --iters 20 2>>"$out/sync.log" | sed "s/^{/{\"hot_routes\": $hot, /" | tee -a "$out/sync.jsonl"
     done
     timeout 100 python3 scripts/bench_sync.py --shape all --backend ipc 2>>"$out/sync.log" | tee -a "$out/sync.jsonl"
     timeout 150 python3 -m sidecar.cli demo --model qwen2-0.5b --device cuda --backend ipc --sleep-level 2 --steps 4 \

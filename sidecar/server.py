@@ -19,6 +19,8 @@ from __future__ import annotations
 import hmac
 import logging
 import uuid
+from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -40,6 +42,7 @@ from sidecar.openai_format import completion_response
 from sidecar.server_common import ApiError, ServerState, await_future, error_response, rank_error_to_api
 from sidecar.server_control import add_control_routes
 from sidecar.server_guard import RequestGuard
+from sidecar.server_hot import HotRoutes, hot_routes_enabled
 from sidecar.server_intake import build_intake, encode_group
 from sidecar.server_openai import add_openai_routes
 
@@ -54,16 +57,20 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.sidecar = state
     state.intake = build_intake(state.tokenizer, state.config, state.plans[0])
     _install_error_handlers(app, state)
-    app.add_middleware(RequestGuard, max_body_bytes=state.config.max_body_mb << 20,  # type: ignore[arg-type]
-                       on_error=lambda status: state.metrics.http_errors.labels(str(status)).inc())
     open_router = APIRouter()
     router = APIRouter(dependencies=[Depends(_auth(state.config.api_key))])
     _add_open_routes(open_router, state)
     _add_generation_routes(router, state)
-    add_control_routes(router, state)
+    hot = add_control_routes(router, state)
     add_openai_routes(router, state)
     app.include_router(open_router)
     app.include_router(router)
+    if hot_routes_enabled():  # inside RequestGuard: Starlette wraps each later-added middleware around it
+        app.add_middleware(HotRoutes, routes=hot,  # type: ignore[arg-type]
+                           authorized=partial(key_accepted, state.config.api_key),
+                           on_error=partial(error_answer, state))
+    app.add_middleware(RequestGuard, max_body_bytes=state.config.max_body_mb << 20,  # type: ignore[arg-type]
+                       on_error=lambda status: state.metrics.http_errors.labels(str(status)).inc())
     return app
 
 
@@ -71,59 +78,71 @@ def _auth(key: str | None) -> Any:
     # async, though it awaits nothing: FastAPI runs a plain `def` dependency in its thread pool, a thread
     # hop on every authenticated call (0.2 ms of each weight-sync message on a busy 2-core box).
     async def require_key(request: Request) -> None:
-        if key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        if not key_accepted(key, request.headers):
             raise ApiError(401, "Unauthorized", "missing or wrong API key: send 'Authorization: Bearer KEY'",
                            "authorization")
 
     return require_key
 
 
+def key_accepted(key: str | None, headers: Mapping[str, str]) -> bool:
+    """True when no API key is set, or `headers` (lower-case names) carry `Authorization: Bearer KEY`."""
+    if key is None:
+        return True
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
 def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
-    def respond(status: int, *args: Any, **kwargs: Any) -> JSONResponse:
-        state.metrics.http_errors.labels(str(status)).inc()
-        return error_response(status, *args, **kwargs)
+    for kind in (ApiError, RankError, InvalidRequestError, StateError, RequestValidationError,
+                 StarletteHTTPException):
+        app.add_exception_handler(kind, partial(_error_handler, state))
+    # No handler for Exception here: sidecar/server_guard.py answers those (a handler here would run in
+    # Starlette's ServerErrorMiddleware, which re-raises, and the kept-alive connection would be dropped).
 
-    @app.exception_handler(ApiError)
-    async def _api(_: Request, e: ApiError) -> JSONResponse:
+
+async def _error_handler(state: ServerState, _: Request, e: Exception) -> JSONResponse:
+    answer = error_answer(state, e)
+    assert answer is not None, f"no answer for {type(e).__name__}"  # registered for the kinds it answers
+    return answer
+
+
+def error_answer(state: ServerState, e: Exception) -> JSONResponse | None:
+    """The app's JSON error answer to an exception a handler (or FastAPI) raised, counted in the metrics;
+    None for an unexpected one (RequestGuard answers it with a 500). The FastAPI routes and HotRoutes
+    answer through it, so an error reads the same on either path."""
+    if isinstance(e, ApiError):
         headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-        return respond(e.status, e.type, e.message, e.field, e.rank, headers=headers)
-
-    @app.exception_handler(RankError)
-    async def _rank(_: Request, e: RankError) -> JSONResponse:
+        status, args = e.status, (e.type, e.message, e.field, e.rank)
+    elif isinstance(e, RankError):
         a = rank_error_to_api(e)
-        return respond(a.status, a.type, a.message, a.field, a.rank)
-
-    @app.exception_handler(InvalidRequestError)
-    async def _invalid(_: Request, e: InvalidRequestError) -> JSONResponse:
-        return respond(400, type(e).__name__, e.message, e.field)
-
-    @app.exception_handler(StateError)
-    async def _state(_: Request, e: StateError) -> JSONResponse:
-        return respond(409, type(e).__name__, str(e))
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
-        errors = list(e.errors()) or [{"loc": ("body",), "msg": "invalid request", "type": ""}]
-        if any(err.get("type") == "json_invalid" for err in errors):
-            return respond(400, "MalformedJSON", f"the body is not valid JSON: {errors[0].get('msg')}", "body")
-        # A union reports one error per member: the deepest location is the most specific one.
-        best = max(errors, key=lambda err: len(field_path(err.get("loc", ()))))
-        name = field_path(best.get("loc", ())) or "body"
-        return respond(422, "ValidationError", f"{name}: {best.get('msg')}", name)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        status, args, headers = a.status, (a.type, a.message, a.field, a.rank), None
+    elif isinstance(e, InvalidRequestError):
+        status, args, headers = 400, (type(e).__name__, e.message, e.field), None
+    elif isinstance(e, StateError):
+        status, args, headers = 409, (type(e).__name__, str(e)), None
+    elif isinstance(e, RequestValidationError):
+        (status, args), headers = _validation_error(e), None
+    elif isinstance(e, StarletteHTTPException):
         kind = {400: "MalformedBody", 404: "NotFound", 405: "MethodNotAllowed",
                 413: "PayloadTooLarge"}.get(e.status_code, "HTTPError")
         # FastAPI's own 400 is a body it could not parse (bytes that are not JSON in the declared encoding)
-        return respond(e.status_code, kind, str(e.detail), "body" if e.status_code in (400, 413) else None,
-                       headers=e.headers)
+        status, args = e.status_code, (kind, str(e.detail), "body" if e.status_code in (400, 413) else None)
+        headers = e.headers
+    else:
+        return None
+    state.metrics.http_errors.labels(str(status)).inc()
+    return error_response(status, *args, headers=headers)
 
-    # No handler for Exception here: sidecar/server_guard.py answers those (a handler here would run in
-    # Starlette's ServerErrorMiddleware, which re-raises, and the kept-alive connection would be dropped).
+
+def _validation_error(e: RequestValidationError) -> tuple[int, tuple[str, str, str]]:
+    errors = list(e.errors()) or [{"loc": ("body",), "msg": "invalid request", "type": ""}]
+    if any(err.get("type") == "json_invalid" for err in errors):
+        return 400, ("MalformedJSON", f"the body is not valid JSON: {errors[0].get('msg')}", "body")
+    # A union reports one error per member: the deepest location is the most specific one.
+    best = max(errors, key=lambda err: len(field_path(err.get("loc", ()))))
+    name = field_path(best.get("loc", ())) or "body"
+    return 422, ("ValidationError", f"{name}: {best.get('msg')}", name)
 
 
 def field_path(loc: Any) -> str:

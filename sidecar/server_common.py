@@ -83,8 +83,13 @@ def rank_error_to_api(e: RankError) -> ApiError:
 
 
 async def await_future(request: Request | None, fut: Future, driver: Driver) -> Any:
-    """Await a driver future; if the HTTP client goes away first, abort its requests."""
+    """Await a driver future; if the HTTP client goes away first (with `request`), abort its requests."""
     wrapped = asyncio.wrap_future(fut)
+    if request is None:  # nothing to poll: awaited directly, no timer a second (the weight calls)
+        try:
+            return await wrapped
+        except RankError as e:
+            raise rank_error_to_api(e) from None
     while True:
         done, _ = await asyncio.wait({wrapped}, timeout=DISCONNECT_POLL_S)
         if done:

@@ -17,6 +17,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from starlette.types import Scope
 
 from checksum import ITEMSIZE, Report
 from sidecar.api_models import (
@@ -42,6 +43,7 @@ from sidecar.commands import (
 from sidecar.server_audit import add_audit_routes, report_dict
 from sidecar.server_common import ApiError, ServerState, await_future, call
 from sidecar.server_guard import note_handler_time
+from sidecar.server_hot import HotRoute
 from sidecar.weight_lease import SessionLease
 
 _LAYOUTS_KEPT = 16
@@ -103,10 +105,12 @@ def _tensor_bytes(tensors: Any) -> int:
     return total
 
 
-def add_control_routes(router: APIRouter, state: ServerState) -> None:
+def add_control_routes(router: APIRouter, state: ServerState) -> dict[tuple[str, str], HotRoute]:
+    """Adds the control routes; returns those HotRoutes serves too (sidecar/server_hot.py)."""
     _add_lifecycle_routes(router, state)
-    _add_weight_routes(router, state)
+    hot = _add_weight_routes(router, state)
     add_audit_routes(router, state)
+    return hot
 
 
 def _add_lifecycle_routes(router: APIRouter, state: ServerState) -> None:
@@ -167,7 +171,7 @@ def _check_init_info(state: ServerState, init_info: dict[str, Any]) -> None:
                        "longer", "init_info.timeout_s")
 
 
-def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
+def _add_weight_routes(router: APIRouter, state: ServerState) -> dict[tuple[str, str], HotRoute]:
     layout_bytes: dict[str, int] = {}  # per manifest layout key, its bytes (for a layout-only start's metric)
 
     async def expire() -> None:
@@ -201,7 +205,10 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
     @router.post("/weights/update", summary="Receive every bucket (blocks while the sender sends); with "
                  "\"start\", open the session first in the same call")
     async def weights_update(request: Request, body: WeightsUpdateRequest | None = None) -> JSONResponse:
-        body = body or WeightsUpdateRequest()
+        return await update(body or WeightsUpdateRequest(), request.scope)
+
+    async def update(body: WeightsUpdateRequest, scope: Scope) -> JSONResponse:
+        """The update's handler, on both paths: the FastAPI route above and HotRoutes."""
         info, start = body.update_info, body.start
         if isinstance(info, list) and len(info) != len(state.plans):
             raise ApiError(400, "InvalidRequestError", f"a list needs one entry per rank ({len(state.plans)}), got "
@@ -239,9 +246,9 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
         if body.finish:  # every rank audited and committed in this call: the answer is finish's
             lease.closed()
             assert len(results) == len(replies), "a rank answered an update with finish without its audit"
-            note_handler_time(request.scope, t0)
+            note_handler_time(scope, t0)
             return JSONResponse(_finished(state, model, results, audit_s))
-        note_handler_time(request.scope, t0)
+        note_handler_time(scope, t0)
         return JSONResponse({"received": True} if start is None else {"received": True, "model": model,
                                                                       "version": start.version, "started": True})
 
@@ -269,6 +276,8 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
         if any(opened):
             _failed(state)
         return {"aborted": any(opened), "state": state_dict(state)}
+
+    return {("POST", "/weights/update"): HotRoute(WeightsUpdateRequest, update)}
 
 
 def _finished(state: ServerState, model: str, results: list[SyncResult], finish_s: float) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import http.client
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -60,7 +60,7 @@ from trainer_hooks.client_errors import (
     SidecarUnavailableError,
     error_class,
 )
-from trainer_hooks.client_http import KeepAliveWire, lean_wire_applies
+from trainer_hooks.client_http import KeepAliveWire, ReadOnce, join_both, lean_wire_applies
 
 _TRANSPORT_ERRORS = (httpx.TransportError, OSError, http.client.HTTPException)  # the request or its answer is lost
 LAYOUT_FIELD = "manifest.layout"  # the field of the sidecar's 400 for a layout key it does not know
@@ -299,7 +299,7 @@ class SidecarClient:
                     sender.call_off_connect(f"the sidecar refused the init: {done.exception()}")
 
             fut.add_done_callback(refused)
-            _join_both(fut, sender.connect)
+            join_both(fut, sender.connect)
             reply = fut.result()
         self._start_in_update = reply.get("start_in_update") is True
         self._audit_in_update = self._start_in_update and reply.get("audit_in_update") is True
@@ -326,27 +326,30 @@ class SidecarClient:
             update, records = self._start_and_send(sender, named, manifest, version, model, allow_cast)
             # send() returned, so every rank holds the bytes and runs finish after this update: send finish now,
             # while the update's answer is still on its way (its error, the cause, wins).
-            finish = _join_both(update, lambda: self.finish_weights(finish_digests(manifest, records)))
+            finish = join_both(update, lambda: self.finish_weights(finish_digests(manifest, records)))
         else:
             self.start_weights(version, manifest, model=model, allow_cast=allow_cast)
             update = self._update_pool.submit(self.update_weights)
-            records = _join_both(update, lambda: sender.send(named))
+            records = join_both(update, lambda: sender.send(named))
             finish = self.finish_weights(finish_digests(manifest, records))
         if "audit" in finish:  # every rank's passing comparison with these digests: the audit itself
             return finish["audit"]
         return self.audit(model=model, source="received", expected=records_json(records))  # an older sidecar
 
     def _start_and_send(self, sender: Any, named: list[tuple[str, Any]], manifest: Any, version: int, model: str,
-                        allow_cast: bool, *, finish: bool = False) -> tuple[Future, Any]:
-        """An update carrying the start, in the background, while sender.send() runs here: (the update's
-        future, maybe still running; the sender's records). send() returning means every rank started and
+                        allow_cast: bool, *, finish: bool = False) -> tuple[Any, Any]:
+        """An update carrying the start, written before sender.send() runs here: (the update's answer as a
+        future's `result()`; the sender's records). send() returning means every rank started and
         received (with `finish`: and has the sender's digests, so the update's answer is the audit). A
         layout key the sidecar does not know (400 on manifest.layout; the ranks refused the send) is sent
         again with the tensors."""
         for short in (True, False):
             start = self._start_body(version, manifest, model, allow_cast, short=short)
-            # Written here, before send() starts; the pool thread only waits for the answer (_update_later).
-            update = self._update_pool.submit(self._update_later(start=start, finish=finish))
+            # The lean wire writes it here, before send() starts. With finish nothing else is sent in this sync,
+            # so this thread reads the answer once send() returned (no thread hop on the critical path); else
+            # the pool thread waits for it while finish goes out, or writes it (httpx writes when it reads).
+            later = self._update_later(start=start, finish=finish)
+            update: Any = ReadOnce(later) if finish and self._wire is not None else self._update_pool.submit(later)
             try:
                 records = sender.send(named, deliver_digests=True) if finish else sender.send(named)
             except BaseException:
@@ -384,17 +387,3 @@ def _checked(resp: httpx.Response, ok_statuses: tuple[int, ...]) -> httpx.Respon
     if resp.is_error and resp.status_code not in ok_statuses:
         raise error_from_response(resp)
     return resp
-
-
-def _join_both(fut: Any, local: Any) -> Any:
-    """Run `local()` while `fut` (an HTTP call) runs; the sidecar's error wins (it names the rank)."""
-    try:
-        result = local()
-    except BaseException:
-        try:
-            fut.result()
-        except SidecarError as remote:
-            raise remote from None
-        raise
-    fut.result()
-    return result

@@ -1,12 +1,16 @@
 """`KeepAliveWire`: the HTTP/1.1 transport of `SidecarClient` to a plain-http sidecar, on kept-alive
 connections (http.client, one per concurrent caller), answering with httpx.Response objects.
 
-Why not httpx's own machinery for these calls: a weight sync is two small control messages whose whole
+Why not httpx's own machinery for these calls: a weight sync is one small control message whose whole
 server-side cost is a fraction of a millisecond, and httpx with httpcore spends about 0.35 ms of Python per
 request building and parsing (measured on a 2-core CPU box: POST /pause 0.65 ms through httpx, 0.29 ms
 through http.client, 0.2 ms with a raw socket). The client still uses httpx where this wire does not
 apply: an https URL, an HTTP proxy configured in the environment (httpx honours it), or a `transport`
 given by the caller (tests count and fake the wire through it).
+
+Also here: how SidecarClient reads a deferred answer, `ReadOnce` (on the calling thread, once send()
+returned: the one-request sync, no thread hop) and `join_both` (a call beside local work, the sidecar's
+error first).
 
 Invariants: a connection serves one request at a time (the pool hands it out, the caller returns it
 after reading the whole answer); a connection that may hold half an exchange (any error) is closed, never
@@ -27,6 +31,8 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+
+from inference.core import SidecarError
 
 _IDLE_KEPT = 4  # idle connections kept: a sync uses two at once (update beside finish)
 
@@ -131,3 +137,31 @@ def _dropped(conn: http.client.HTTPConnection) -> bool:
     except (OSError, ValueError):
         return True
     return bool(readable)
+
+
+class ReadOnce:
+    """A deferred answer with a future's `result()`, read on the calling thread the first time."""
+
+    def __init__(self, read: Callable[[], Any]) -> None:
+        self._read: Callable[[], Any] | None = read
+        self._value: Any = None
+
+    def result(self) -> Any:
+        if self._read is not None:
+            read, self._read = self._read, None
+            self._value = read()  # an error is raised once, to the one caller that handles it
+        return self._value
+
+
+def join_both(fut: Any, local: Any) -> Any:
+    """Run `local()` while `fut` (an HTTP call) runs; the sidecar's error wins (it names the rank)."""
+    try:
+        result = local()
+    except BaseException:
+        try:
+            fut.result()
+        except SidecarError as remote:
+            raise remote from None
+        raise
+    fut.result()
+    return result
