@@ -19,7 +19,9 @@ With a draft (--draft-layers) the roofline counts the target's work only. Per ru
 ("1-8", "9-32", ...): `by_batch` [steps, ms per step, roofline ms per step], `eager_by_batch` the steps
 that ran the eager forward beside captured decode graphs, `prefill_steps_by_batch` the steps that
 computed prompt or recompute tokens (the 7B's 9-32 range ran ~2x its roofline a step: these say whether
-such steps are eager or prefill ones); `gc_pauses` the garbage collector's pauses in the timed run.
+such steps are eager or prefill ones); `gc_pauses` the garbage collector's pauses in the timed run, which
+follows a freeze of the warm heap as in the sidecar's rank (`gc_frozen`; `--gc-freeze off` for the A/B),
+and `gc_full_collect_ms` what one full collection of that heap took before the freeze.
 
     python3 -m scripts.bench_rollout                      # both shapes x 3 modes (H200, ~4 min)
     python3 -m scripts.bench_rollout --shapes tiny --prompts 4 --samples 2 --len-cap 32   # CPU smoke
@@ -39,6 +41,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from inference.core import SamplingParams
+from inference.host_heap import freeze_startup_heap
 from inference.llm import LLM
 from inference.step_stats import StepLog
 from scripts.rollout_cost import (
@@ -169,14 +172,17 @@ def build_llm(shape: str, args: argparse.Namespace, max_len: int) -> LLM:
 
 
 def run_case(llm: LLM, mode: str, work: Workload, warm: Workload, cost: ModelCost,
-             rates: tuple[float, float], probe: StepProbe | None = None) -> dict[str, object]:
+             rates: tuple[float, float], probe: StepProbe | None = None, gc_freeze: bool = True) -> dict[str, object]:
     """Warm up (this mode's sampling kernels compile at the batch sizes a drain passes), then time the
-    workload with a StepLog attached; no prompt block of an earlier run is in the prefix cache."""
+    workload with a StepLog attached; no prompt block of an earlier run is in the prefix cache. With
+    `gc_freeze` the heap alive after the warm-up is frozen first, as the sidecar's rank freezes it."""
     device = llm.worker.device
     assert device is not None
     llm.block_manager.reset_prefix_cache()
     run(llm, warm, mode)
     llm.block_manager.reset_prefix_cache()
+    # as the sidecar's rank does once its engine is warm (inference/host_heap.py); run_shape unfreezes
+    full_collect_s = freeze_startup_heap() if gc_freeze else None
     preempted = llm.scheduler.preempted
     spec_before = (llm.spec_stats.proposed, llm.spec_stats.accepted, llm.spec_stats.steps)
     runner = llm.worker.runner
@@ -209,7 +215,9 @@ def run_case(llm: LLM, mode: str, work: Workload, warm: Workload, cost: ModelCos
                # steps per range that ran the eager forward beside captured graphs (prefill, or past them)
                eager_by_batch=steps_by_range(runner.eager_steps - eager_before) if runner is not None else {},
                prefill_steps_by_batch=steps_by_range(Counter(r.num_seqs for r in records if r.prefill_tokens)),
-               gc_pauses=pauses.summary())
+               gc_pauses=pauses.summary(), gc_frozen=gc_freeze,
+               # one full collection of the warm process, before the freeze: what each would cost unfrozen
+               gc_full_collect_ms=None if full_collect_s is None else 1e3 * full_collect_s)
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
 
 
@@ -238,11 +246,12 @@ def run_shape(shape: str, args: argparse.Namespace, rates: tuple[float, float]) 
                                       "async_scheduling": llm._overlap is not None}
             probe = (StepProbe(args.profile, f"{shape}_{mode}", args.profile_steps, args.profile_length)
                      if args.profile else None)
-            row.update(run_case(llm, mode, work, warm, cost, rates, probe))
+            row.update(run_case(llm, mode, work, warm, cost, rates, probe, args.gc_freeze == "on"))
             row.update(setup_s=round(setup_s, 2), device=name)
             print(json.dumps(row), flush=True)
             rows.append(row)
     finally:
+        gc.unfreeze()  # the engine's cycles (and the device memory they hold) must be collectable now
         llm.worker.shutdown()
         del llm
         gc.collect()
@@ -280,6 +289,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="overlap each step's host work with the device (auto: the engine's default)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--gc-freeze", choices=["on", "off"], default="on",
+                    help="freeze the warm heap before each timed run, as the sidecar's rank does (off: A/B)")
     ap.add_argument("--profile", default="", help="write kernel tables of a few step windows to this folder")
     ap.add_argument("--profile-steps", default="100,1200", help="with --profile: comma list of first steps")
     ap.add_argument("--profile-length", type=int, default=16, help="with --profile: steps per window")

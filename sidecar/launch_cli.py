@@ -25,6 +25,7 @@ from typing import Any
 
 from inference import envs
 from inference.core import InvalidRequestError
+from inference.host_heap import freeze_startup_heap
 from sidecar.config import FIELD_TYPES, LaunchConfig, build_config, engine_default
 
 log = logging.getLogger("sidecar.launch")
@@ -270,7 +271,9 @@ def serve(cfg: LaunchConfig, sock: socket.socket, driver: Any, plans: list[dict[
         tokenizer = Tokenizer.from_dir(cfg.tokenizer or plans[0]["model"])
     state = ServerState(driver, cfg, plans, Metrics(driver), tokenizer=tokenizer)
     loop, http = event_loop()
-    config = uvicorn.Config(create_app(state), log_config=None, log_level=cfg.log_level, access_log=False,
+    app = create_app(state)
+    freeze_startup_heap()  # this process serves until it exits (inference/host_heap.py)
+    config = uvicorn.Config(app, log_config=None, log_level=cfg.log_level, access_log=False,
                             lifespan="off", timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S, http=http)
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"

@@ -29,6 +29,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from inference.core import InvalidRequestError, RequestOutput, StateError
+from inference.host_heap import freeze_startup_heap
 from sidecar.child_process import die_with_parent
 from sidecar.commands import (
     AbortWeightUpdate,
@@ -68,6 +69,7 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
     try:
         llm = _build_llm(spec)
         server = RankServer(llm, conn, spec.rank)
+        log.debug("rank %d: startup heap frozen after a %.1f ms collection", spec.rank, 1e3 * freeze_startup_heap())
         conn.send(Reply(True, server.plan(), status=server.status()))
     except BaseException as e:
         log.exception("rank %d failed to start", spec.rank)

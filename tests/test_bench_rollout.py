@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -53,6 +54,15 @@ def test_smoke_run_prints_one_row_per_mode(capsys: pytest.CaptureFixture[str]) -
         assert sum(n for n, _, _ in r["by_batch"].values()) == r["steps"] and not r["profiled"]
         assert all(ms > 0 and roof > 0 for _, ms, roof in r["by_batch"].values())
         assert set(r["by_batch"]) <= {"1-8", "9-32", "33-128", "129-512", "513+"}
+        # the timed run follows a freeze of the warm heap (as the sidecar's rank), which measured a collection
+        assert r["gc_frozen"] is True and r["gc_full_collect_ms"] > 0
+    assert gc.get_freeze_count() == 0  # unfrozen before the engine was dropped: its cycles stay collectable
+
+
+def test_gc_freeze_off_times_the_unfrozen_heap(capsys: pytest.CaptureFixture[str]) -> None:
+    (row,) = main([*SMOKE, "--modes", "greedy", "--gc-freeze", "off"])
+    assert row["gc_frozen"] is False and row["gc_full_collect_ms"] is None
+    assert gc.get_freeze_count() == 0
 
 
 def test_profile_writes_a_kernel_table_per_window(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
