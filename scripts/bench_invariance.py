@@ -37,6 +37,7 @@ import argparse
 import gc
 import json
 import random
+import sys
 import tempfile
 import time
 from array import array
@@ -45,6 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file from a checkout too
 
 from inference.core import RequestOutput, SamplingParams
 from inference.llm import LLM

@@ -34,11 +34,15 @@ import gc
 import json
 import math
 import random
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file from a checkout too
 
 from inference.core import SamplingParams
 from inference.host_heap import freeze_startup_heap

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file from a checkout too
 
 from inference.core import SamplingParams
 from inference.layers import pdl
