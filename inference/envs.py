@@ -92,6 +92,10 @@ VERIFY_PROGRAMS_PER_SM = _switch("SIDECAR_VERIFY_PROGRAMS_PER_SM", int, 4,
                                   "decode launches holding several rows of one sequence (spec-decode verify) "
                                   "choose their KV splits for this many programs a SM (plain decode: 2; "
                                   "docs/benchmarks.md, session 14)", "import")
+VERIFY_KEYS_ONCE = _switch("SIDECAR_VERIFY_KEYS_ONCE", bool, False,
+                             "spec-decode verify launches run the kernel that holds every row of a sequence in "
+                             "one program and reads each key once (inference/layers/verify_attention.py); off "
+                             "until the H200 shows it faster (A/B benchmarks, issue 24)", "import")
 GEMV_PREFETCH = _switch("SIDECAR_GEMV_PREFETCH", bool, True,
                         "load the first weight tile before PDL's wait; 0 loads each tile in its own K step "
                         "(A/B benchmarks)", "import")

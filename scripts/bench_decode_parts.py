@@ -9,6 +9,10 @@ the new k/v and attends) with block tables as wide as max_model_len, as the engi
   single     at batch 1, 128-key tiles on 8 warps, one per split (opt-in single_decode_block_n)
   rows1      the default with the multi-row owner check compiled out (decode_max_rows 1)
   auto       the default tiles (decode_split_tiles 2: single pass up to 128 keys)
+With --verify-rows R each sequence is R consecutive verify rows (positions context - R .. context - 1, as
+spec decoding's verify launches hold k + 1), and the row also times the same sequences' plain decode step
+(`plain_us_per_layer`: one row each, the default tiles), the floor a verify launch is measured against;
+`keys_once` runs inference/layers/verify_attention.py's kernel (one program per sequence).
 Sampler ([B, vocab] bf16 logits): `sample` against `sample_reference` (full fp32 log_softmax, the
 previous sampler), both eager (what the runner does), and the greedy path also as a graph (GPU time only).
 
@@ -19,6 +23,7 @@ previous sampler), both eager (what the runner does), and the greedy path also a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable
@@ -57,7 +62,9 @@ VARIANTS = {"previous": {"decode_split_tiles": 1, "fused_combine": False, "fused
             "n256": {"decode_block_n": 256, "decode_split_tiles": 1},
             # session 14: more KV splits at few rows and long contexts, the multi-row check compiled out
             "rows1_sm4": {"decode_max_rows": 1, "decode_programs_per_sm": 4},
-            "rows1_sm8": {"decode_max_rows": 1, "decode_programs_per_sm": 8}}
+            "rows1_sm8": {"decode_max_rows": 1, "decode_programs_per_sm": 8},
+            # session 17: verify rows (--verify-rows) with one program per sequence, each key read once
+            "keys_once": {"verify_keys_once": True}}
 VARIANT_NAMES = list(VARIANTS)
 
 
@@ -71,7 +78,25 @@ def widen(meta: AttentionMetadata, width: int) -> AttentionMetadata:
         query_lens=meta.query_lens, context_lens_host=meta.context_lens_host, cu_query_lens=meta.cu_query_lens,
         context_lens=meta.context_lens, slot_mapping=meta.slot_mapping, block_tables=torch.cat([tables, pad], 1),
         block_size=meta.block_size, max_query_len=meta.max_query_len, max_context_len=width * meta.block_size,
-        is_decode=True)
+        is_decode=True, rows_per_seq=meta.rows_per_seq)
+
+
+def verify_case(meta: AttentionMetadata, tensors: list[torch.Tensor], rows: int
+                ) -> tuple[AttentionMetadata, list[torch.Tensor]]:
+    """The decode step's sequences as `rows` verify rows each (positions context - rows .. context - 1,
+    consecutive in the launch, one table per sequence), rows_per_seq = rows as a verify graph has it."""
+    bs, device = meta.block_size, meta.block_tables.device
+    tables = meta.block_tables.tolist()
+    contexts, slots, row_tables = [], [], []
+    for table, ctx in zip(tables, meta.context_lens_host):
+        for p in range(ctx - rows, ctx):
+            contexts.append(p + 1)
+            slots.append(table[p // bs] * bs + p % bs)
+            row_tables.append(table)
+    expanded = AttentionMetadata.build([1] * len(contexts), contexts, slots, row_tables, bs, device)
+    q, k, v, kc, vc = tensors
+    pick = torch.arange(len(tables), device=device).repeat_interleave(rows)
+    return dataclasses.replace(expanded, rows_per_seq=rows), [q[pick], k[pick], v[pick], kc, vc]
 
 
 def layer_stack(backend: object, tensors: list[torch.Tensor], meta: AttentionMetadata, scale: float,
@@ -96,13 +121,21 @@ def attention_rows(args: argparse.Namespace) -> list[dict]:
     for max_len in args.max_model_len:
         for batch in args.batches:
             for context in [c for c in args.contexts if c <= max_len]:
-                meta, (q, k, v, kc, vc) = decode_case(batch, context, heads, kv_heads, head_dim, args.block_size,
-                                                      torch.bfloat16, "cuda")
-                meta = widen(meta, -(-max_len // args.block_size))
+                meta, tensors = decode_case(batch, context, heads, kv_heads, head_dim, args.block_size,
+                                            torch.bfloat16, "cuda")
+                width = -(-max_len // args.block_size)
                 scale = head_dim ** -0.5
+                plain = None
+                if args.verify_rows > 1:
+                    plain_step = layer_stack(ta.TritonAttention(), tensors, widen(meta, width), scale, args.layers)
+                    plain = round(measure(graph_replay(plain_step)) * 1e3 / args.layers, 2)
+                    meta, tensors = verify_case(meta, tensors, args.verify_rows)
+                meta = widen(meta, width)
+                q, k, v, kc, vc = tensors
                 want = ReferenceAttention().forward(q, k, v, kc.clone(), vc.clone(), meta, scale, None).float()
                 row: dict = {"bench": "decode_attention", "shape": args.shape, "batch": batch, "context": context,
-                             "max_model_len": max_len, "layers": args.layers}
+                             "max_model_len": max_len, "layers": args.layers, "verify_rows": args.verify_rows,
+                             **({"plain_us_per_layer": plain} if plain is not None else {})}
                 for name in args.variants:
                     overrides = VARIANTS[name]
                     backend = ta.TritonAttention(ta.TritonAttentionTiles(**overrides))
@@ -154,6 +187,8 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=["previous", "split1", "split4", "single", "rows1", "auto"],
                     choices=VARIANT_NAMES)
     ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--verify-rows", type=int, default=0,
+                    help="R > 1: every sequence as R verify rows (spec decoding's k + 1); plain_us_per_layer beside")
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--parts", nargs="+", default=["attention", "sampler"], choices=["attention", "sampler"])
     args = ap.parse_args()

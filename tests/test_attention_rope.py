@@ -91,12 +91,17 @@ def test_fused_rope_decode_has_the_bits_of_rotary_then_attention(ta: ModuleType,
     assert not fused_run[0][:3].isnan().any()
 
 
-def test_fused_rope_rotates_verify_rows_at_their_own_positions(ta: ModuleType) -> None:
-    """Descending verify rows read the new keys of rows stored in the same launch from the inputs: those
-    keys are rotated at the key's position, so the cache and the outputs equal the unfused path's."""
+@pytest.mark.parametrize("keys_once", [False, True])
+@pytest.mark.parametrize("descending", [False, True])
+def test_fused_rope_rotates_verify_rows_at_their_own_positions(ta: ModuleType, descending: bool,
+                                                              keys_once: bool) -> None:
+    """Verify rows read the new keys of rows stored in the same launch from the inputs: those keys are
+    rotated at the key's position, so the cache and the outputs equal the unfused path's (keys_once: the
+    kernel that holds a sequence's rows in one program, verify_attention.py)."""
     b = make_batch([4, 3], [21, 6], 4, 2, 32, 8, torch.bfloat16, seed=11, table_width=4)
-    rows, order = verify_rows(b, descending=True, pads=True)
-    backend = ta.TritonAttention(ta.TritonAttentionTiles(**SMALL_TILES, num_splits=2, decode_split_tiles=1))
+    rows, order = verify_rows(b, descending=descending, pads=True)
+    tiles = ta.TritonAttentionTiles(**SMALL_TILES, num_splits=2, decode_split_tiles=1, verify_keys_once=keys_once)
+    backend = ta.TritonAttention(tiles)
     fused_run, plain_run = both_paths(backend, rows, rope_for(rows, decode_positions(rows)))
     assert_same_bits(fused_run, plain_run)
     real = torch.tensor([r for r, t in enumerate(order) if t != PAD])
@@ -206,11 +211,13 @@ def test_cuda_exact_rounding_rotates_with_rotary_qks_bits(ta: ModuleType, batch:
 
 
 @pytest.mark.cuda
-def test_cuda_fused_rope_verify_rows(ta: ModuleType) -> None:
+@pytest.mark.parametrize("keys_once", [False, True])
+def test_cuda_fused_rope_verify_rows(ta: ModuleType, keys_once: bool) -> None:
     b = make_batch([5, 5, 3], [300, 5, 2000], 14, 2, 64, 16, torch.bfloat16, seed=9, table_width=128)
+    backend = ta.TritonAttention(ta.TritonAttentionTiles(verify_keys_once=keys_once))
     for descending in (False, True):
         rows, _ = verify_rows(dataclasses.replace(b), descending=descending, pads=True)
-        assert_within_a_rounding(*both_paths(ta.TritonAttention(), rows, rope_for(rows, decode_positions(rows))), rows)
+        assert_within_a_rounding(*both_paths(backend, rows, rope_for(rows, decode_positions(rows))), rows)
 
 
 def test_decoder_decode_steps_rotate_in_the_kernel(ta: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:

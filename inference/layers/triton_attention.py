@@ -70,6 +70,7 @@ from inference.layers.triton_attention_kernels import (
     _paged_attention_kernel,
     _store_kv_kernel,
 )
+from inference.layers.verify_attention import _verify_attention_kernel
 
 # SIDECAR_INVARIANT_FUSED_ROPE: the batch-invariant tiles rotate in the decode kernel, contraction off
 INVARIANT_FUSED_ROPE = envs.INVARIANT_FUSED_ROPE.get()
@@ -110,6 +111,11 @@ class TritonAttentionTiles:
     # (7B heads, H200, session 14); 8 and 32 rows lost 6-11% with more splits. Not yet A/B-tested in a
     # rollout (SIDECAR_VERIFY_PROGRAMS_PER_SM=2 gives the plain decode's choice).
     verify_programs_per_sm: int = envs.VERIFY_PROGRAMS_PER_SM.get()  # SIDECAR_VERIFY_PROGRAMS_PER_SM
+    # Opt-in (SIDECAR_VERIFY_KEYS_ONCE): a launch holding several rows of one sequence runs the kernel of
+    # inference/layers/verify_attention.py, one program per (sequence, kv head, split) over all its rows,
+    # each key read once, instead of one per row. Its splits aim at verify_programs_per_sm programs a SM
+    # counting a sequence's rows as one. Off until measured on the H200; never in the batch-invariant mode.
+    verify_keys_once: bool = envs.VERIFY_KEYS_ONCE.get()
     # Opt-in: a one-sequence decode launch (batch 1) is latency-bound and runs faster with longer KV tiles
     # on more warps, one tile per split (128; much slower at large batches: docs/benchmarks.md, session 4).
     # Off (0) by default: speculative decoding's verify rows run on the tiles above, and greedy output with
@@ -142,7 +148,7 @@ class TritonAttentionTiles:
         fuse = INVARIANT_FUSED_ROPE
         return replace(self, prefill_block_m=16, fp32_prefill_block_m=16, prefill_block_n=n, fp32_prefill_block_n=n,
                        num_splits=1, fused_decode_rope=fuse, exact_rounding=fuse, single_decode_block_n=0,
-                       long_decode_block_n=0)
+                       long_decode_block_n=0, verify_keys_once=False)
 
     def for_decode(self, num_seqs: int) -> TritonAttentionTiles:
         """The tiles a decode launch of num_seqs sequences uses (a static shape: graph-safe)."""
@@ -176,6 +182,7 @@ class LaunchPlan:
     block_b: int  # power of two >= number of sequences (prefill's on-device tile -> sequence search)
     split_tiles: int = 1  # decode: the fewest KV tiles a split takes
     num_warps: int = 4
+    keys_once: bool = False  # verify_attention.py's kernel: block_q is then the rows of one sequence, padded
 
 
 def _pow2_at_least(n: int, floor: int = 1) -> int:
@@ -287,8 +294,15 @@ class TritonAttention:
             assert num_seqs == num_tokens, (num_seqs, num_tokens)
             sms = _num_sms(q.device.index or 0) if q.is_cuda else 4
             tiles = tiles.for_decode(num_seqs)
-            if tiles.fused_decode_store and self.max_rows(num_tokens, meta) > 1:
+            rows = self.max_rows(num_tokens, meta) if tiles.fused_decode_store else 1
+            if rows > 1:
                 tiles = replace(tiles, decode_programs_per_sm=tiles.verify_programs_per_sm)
+            if rows > 1 and tiles.verify_keys_once:  # one program per sequence: count its rows as one
+                groups = triton.cdiv(num_seqs, rows)
+                splits = decode_num_splits(groups, num_kv_heads, meta.block_tables.shape[1], page, tiles, sms)
+                group_pad = max(_pow2_at_least(group), 16 // _pow2_at_least(rows))  # a dot's M >= 16
+                return LaunchPlan(num_seqs, group_pad, _pow2_at_least(rows), tiles.decode_block_n, splits, 1,
+                                  tiles.decode_split_tiles, tiles.num_warps, keys_once=True)
             splits = decode_num_splits(num_seqs, num_kv_heads, meta.block_tables.shape[1], page, tiles, sms)
             # A decode tile is one token: its group's heads are padded to 16 rows for tl.dot.
             return LaunchPlan(num_seqs, _pow2_at_least(group, 16), 1, tiles.decode_block_n, splits, 1,
@@ -324,24 +338,40 @@ class TritonAttention:
         counters = self.merge_counters(q.device, plan.grid0 * k_cache.shape[2]) if fused else out
         # Static (T and the tiles), so a captured graph keeps it; 1: no row can own another's keys.
         max_rows = self.max_rows(num_tokens, meta) if new_kv is not None else 1
-        _paged_attention_kernel[(plan.grid0, k_cache.shape[2], plan.splits)](
-            q, k_cache, v_cache, out, part_m, part_l, part_acc, counters, k, v, meta.slot_mapping,
-            meta.cu_query_lens, meta.context_lens, meta.block_tables,
-            rope.cache if rope is not None else out, rope.positions if rope is not None else out,
-            meta.cu_query_lens.shape[0] - 1,
-            scale * LOG2E, sliding_window if sliding_window is not None else 0, max_rows,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            GROUP=num_heads // k_cache.shape[2], GROUP_PAD=plan.group_pad, HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad,
-            PAGE=k_cache.shape[1], BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, BLOCK_B=plan.block_b,
-            NUM_SPLITS=plan.splits, SPLIT_TILES=plan.split_tiles, FUSED_COMBINE=fused,
-            FUSED_STORE=new_kv is not None,
-            IS_DECODE=meta.is_decode, HAS_WINDOW=sliding_window is not None,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            DOT_UPCAST=_INTERPRET and q.dtype == torch.bfloat16, MULTI_ROW=max_rows > 1, ROPE=rope is not None,
-            num_warps=plan.num_warps, num_stages=self.tiles.num_stages,
-            enable_fp_fusion=not self.tiles.exact_rounding, **launch_kwargs(q))
+        if plan.keys_once:
+            _verify_attention_kernel[(plan.grid0, k_cache.shape[2], plan.splits)](
+                q, k_cache, v_cache, out, part_m, part_l, part_acc, counters, k, v, meta.slot_mapping,
+                meta.context_lens, meta.block_tables, rope.cache if rope is not None else out, num_tokens,
+                scale * LOG2E, sliding_window if sliding_window is not None else 0, max_rows,
+                q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
+                k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                GROUP=num_heads // k_cache.shape[2], GROUP_PAD=plan.group_pad, HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad,
+                PAGE=k_cache.shape[1], ROWS_PAD=plan.block_q, BLOCK_N=plan.block_n, NUM_SPLITS=plan.splits,
+                SPLIT_TILES=plan.split_tiles, FUSED_COMBINE=fused, HAS_WINDOW=sliding_window is not None,
+                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                DOT_UPCAST=_INTERPRET and q.dtype == torch.bfloat16, ROPE=rope is not None,
+                num_warps=plan.num_warps, num_stages=self.tiles.num_stages,
+                enable_fp_fusion=not self.tiles.exact_rounding, **launch_kwargs(q))
+        else:
+            _paged_attention_kernel[(plan.grid0, k_cache.shape[2], plan.splits)](
+                q, k_cache, v_cache, out, part_m, part_l, part_acc, counters, k, v, meta.slot_mapping,
+                meta.cu_query_lens, meta.context_lens, meta.block_tables,
+                rope.cache if rope is not None else out, rope.positions if rope is not None else out,
+                meta.cu_query_lens.shape[0] - 1,
+                scale * LOG2E, sliding_window if sliding_window is not None else 0, max_rows,
+                q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
+                k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                GROUP=num_heads // k_cache.shape[2], GROUP_PAD=plan.group_pad, HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad,
+                PAGE=k_cache.shape[1], BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, BLOCK_B=plan.block_b,
+                NUM_SPLITS=plan.splits, SPLIT_TILES=plan.split_tiles, FUSED_COMBINE=fused,
+                FUSED_STORE=new_kv is not None,
+                IS_DECODE=meta.is_decode, HAS_WINDOW=sliding_window is not None,
+                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                DOT_UPCAST=_INTERPRET and q.dtype == torch.bfloat16, MULTI_ROW=max_rows > 1, ROPE=rope is not None,
+                num_warps=plan.num_warps, num_stages=self.tiles.num_stages,
+                enable_fp_fusion=not self.tiles.exact_rounding, **launch_kwargs(q))
         if plan.splits > 1 and not fused:
             _combine_splits_kernel[(num_tokens, num_heads)](
                 part_m, part_l, part_acc, out, out.stride(0), out.stride(1),

@@ -1,0 +1,58 @@
+"""SIDECAR_VERIFY_KEYS_ONCE (inference/layers/verify_attention.py) through the whole engine on CPU: the
+triton attention backend in Triton's interpreter, the tiny model drafting for itself, so every verify
+launch holds k + 1 rows of each sequence and the draft's catch-up rows run the same kernel. Greedy output
+with the draft must equal the target's alone. The switch is read at import, so each run is a child
+process. The kernel's own cases (directions, splits, padded rows, 16 rows, the rotation) are in
+tests/test_triton_attention_rows.py and tests/test_attention_rope.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+CHILD = textwrap.dedent("""
+    import json
+    from inference.core import SamplingParams
+    from inference.layers.triton_attention import TritonAttentionTiles
+    from inference.llm import LLM
+    from inference.tiny import default_model_dir
+
+    model = str(default_model_dir())
+    prompts = ["hello world", "the quick brown fox jumps", "a"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = LLM(model, device="cpu", attention_backend="triton", max_model_len=128)
+    want = [o.outputs[0].token_ids for o in alone.generate(prompts, greedy)]
+    spec = LLM(model, device="cpu", attention_backend="triton", max_model_len=128, draft_model=model,
+               num_speculative_tokens=3)
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, greedy)]
+    print(json.dumps({"keys_once": TritonAttentionTiles().verify_keys_once, "equal": got == want,
+                      "proposed": spec.spec_stats.proposed, "accepted": spec.spec_stats.accepted}))
+""")
+
+
+@pytest.mark.slow
+def test_greedy_with_a_draft_equals_the_target_alone_with_keys_once() -> None:
+    pytest.importorskip("triton")
+    env = {**os.environ, "SIDECAR_VERIFY_KEYS_ONCE": "1", "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=600, env=env,
+                         check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["keys_once"] is True, got  # the switch reached the backend's tiles
+    assert got["equal"], got
+    assert got["proposed"] > 0 and got["accepted"] == got["proposed"], got  # the target drafting itself
+
+
+def test_the_batch_invariant_tiles_keep_the_decode_kernel() -> None:
+    """The invariant mode sums a verify row's keys as plain decode does: never the keys-once kernel."""
+    pytest.importorskip("triton")
+    from inference.layers.triton_attention import TritonAttention, TritonAttentionTiles
+
+    tiles = TritonAttentionTiles(verify_keys_once=True)
+    assert tiles.batch_invariant().verify_keys_once is False
+    assert TritonAttention(tiles).for_decode_rows(5).tiles.verify_keys_once is True
+    assert TritonAttention(tiles).batch_invariant().tiles.verify_keys_once is False
