@@ -338,40 +338,30 @@ class TritonAttention:
         counters = self.merge_counters(q.device, plan.grid0 * k_cache.shape[2]) if fused else out
         # Static (T and the tiles), so a captured graph keeps it; 1: no row can own another's keys.
         max_rows = self.max_rows(num_tokens, meta) if new_kv is not None else 1
+        strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+                   k_cache.stride(2), meta.block_tables.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1))
+        common = dict(  # the constexprs and launch options both decode kernels take
+            GROUP=num_heads // k_cache.shape[2], GROUP_PAD=plan.group_pad, HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad,
+            PAGE=k_cache.shape[1], BLOCK_N=plan.block_n, NUM_SPLITS=plan.splits, SPLIT_TILES=plan.split_tiles,
+            FUSED_COMBINE=fused, HAS_WINDOW=sliding_window is not None,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            DOT_UPCAST=_INTERPRET and q.dtype == torch.bfloat16, ROPE=rope is not None,
+            num_warps=plan.num_warps, num_stages=self.tiles.num_stages,
+            enable_fp_fusion=not self.tiles.exact_rounding, **launch_kwargs(q))
+        window = sliding_window if sliding_window is not None else 0
         if plan.keys_once:
             _verify_attention_kernel[(plan.grid0, k_cache.shape[2], plan.splits)](
                 q, k_cache, v_cache, out, part_m, part_l, part_acc, counters, k, v, meta.slot_mapping,
                 meta.context_lens, meta.block_tables, rope.cache if rope is not None else out, num_tokens,
-                scale * LOG2E, sliding_window if sliding_window is not None else 0, max_rows,
-                q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
-                k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                GROUP=num_heads // k_cache.shape[2], GROUP_PAD=plan.group_pad, HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad,
-                PAGE=k_cache.shape[1], ROWS_PAD=plan.block_q, BLOCK_N=plan.block_n, NUM_SPLITS=plan.splits,
-                SPLIT_TILES=plan.split_tiles, FUSED_COMBINE=fused, HAS_WINDOW=sliding_window is not None,
-                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                DOT_UPCAST=_INTERPRET and q.dtype == torch.bfloat16, ROPE=rope is not None,
-                num_warps=plan.num_warps, num_stages=self.tiles.num_stages,
-                enable_fp_fusion=not self.tiles.exact_rounding, **launch_kwargs(q))
+                scale * LOG2E, window, max_rows, *strides, ROWS_PAD=plan.block_q, **common)
         else:
             _paged_attention_kernel[(plan.grid0, k_cache.shape[2], plan.splits)](
                 q, k_cache, v_cache, out, part_m, part_l, part_acc, counters, k, v, meta.slot_mapping,
                 meta.cu_query_lens, meta.context_lens, meta.block_tables,
                 rope.cache if rope is not None else out, rope.positions if rope is not None else out,
-                meta.cu_query_lens.shape[0] - 1,
-                scale * LOG2E, sliding_window if sliding_window is not None else 0, max_rows,
-                q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
-                k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                GROUP=num_heads // k_cache.shape[2], GROUP_PAD=plan.group_pad, HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad,
-                PAGE=k_cache.shape[1], BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, BLOCK_B=plan.block_b,
-                NUM_SPLITS=plan.splits, SPLIT_TILES=plan.split_tiles, FUSED_COMBINE=fused,
-                FUSED_STORE=new_kv is not None,
-                IS_DECODE=meta.is_decode, HAS_WINDOW=sliding_window is not None,
-                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                DOT_UPCAST=_INTERPRET and q.dtype == torch.bfloat16, MULTI_ROW=max_rows > 1, ROPE=rope is not None,
-                num_warps=plan.num_warps, num_stages=self.tiles.num_stages,
-                enable_fp_fusion=not self.tiles.exact_rounding, **launch_kwargs(q))
+                meta.cu_query_lens.shape[0] - 1, scale * LOG2E, window, max_rows, *strides,
+                BLOCK_Q=plan.block_q, BLOCK_B=plan.block_b, FUSED_STORE=new_kv is not None, IS_DECODE=meta.is_decode,
+                MULTI_ROW=max_rows > 1, **common)
         if plan.splits > 1 and not fused:
             _combine_splits_kernel[(num_tokens, num_heads)](
                 part_m, part_l, part_acc, out, out.stride(0), out.stride(1),

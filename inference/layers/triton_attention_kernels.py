@@ -209,12 +209,7 @@ def _attend_tile(t, lo, hi, ctx, max_rows, num_seqs, seq, kvh, q, q_pos, m_i, l_
     if HAS_WINDOW:
         allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
     s = tl.where(allowed, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    # A row with no allowed key yet keeps m = -inf; subtracting 0 instead avoids inf - inf = NaN.
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_new, l_i, p, alpha = _softmax_step(s, m_i, l_i)
     v = tl.load(vc_ptr + kv_off[:, None] + d[None, :], mask=k_valid[:, None] & d_valid[None, :], other=0.0)
     if FUSED_STORE:
         v = tl.where(is_new[:, None], v_new[None, :], v)
@@ -226,6 +221,18 @@ def _attend_tile(t, lo, hi, ctx, max_rows, num_seqs, seq, kvh, q, q_pos, m_i, l_
             v = tl.where(owned[:, None], v_own.to(vc_ptr.dtype.element_ty), v)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _softmax_step(s, m_i, l_i):
+    """One KV tile's scores s [rows, keys] (base 2, -inf where not allowed) folded into the running max
+    m_i and sum l_i: (new max, new sum, the tile's weights p, the rescale alpha of the old accumulator)."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # A row with no allowed key yet keeps m = -inf; subtracting 0 instead avoids inf - inf = NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), p, alpha
 
 
 @triton.jit

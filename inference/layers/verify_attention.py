@@ -38,6 +38,7 @@ from inference.layers.triton_attention_kernels import (
     _merge_partials,
     _owned_k,
     _rotate,
+    _softmax_step,
     _store_normalized,
     _store_partial,
 )
@@ -219,11 +220,7 @@ def _verify_tile(t, lo, hi, lead, kvh, q, q_pos, m_i, l_i, acc, bt_ptr, stride_b
     if HAS_WINDOW:
         allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
     s = tl.where(allowed, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: no inf - inf
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_new, l_i, p, alpha = _softmax_step(s, m_i, l_i)
     v = tl.load(vc_ptr + kv_off[:, None] + d[None, :], mask=k_valid[:, None] & d_valid[None, :], other=0.0)
     if NEW:
         v_own = tl.load(v_ptr + tl.maximum(owner, 0)[:, None] * stride_vt + kvh * stride_vh + d[None, :],
