@@ -14,6 +14,10 @@ import sys
 import textwrap
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernels run in Triton's interpreter (as the other files)
 
 CHILD = textwrap.dedent("""
     import json
@@ -56,3 +60,33 @@ def test_the_batch_invariant_tiles_keep_the_decode_kernel() -> None:
     assert tiles.batch_invariant().verify_keys_once is False
     assert TritonAttention(tiles).for_decode_rows(5).tiles.verify_keys_once is True
     assert TritonAttention(tiles).batch_invariant().tiles.verify_keys_once is False
+
+
+@pytest.mark.parametrize("descending", [False, True])
+def test_keys_once_with_a_sliding_window_matches_the_reference(descending: bool) -> None:
+    """A window of 7 keys over contexts crossing several 16-key tiles and 4 splits: each row attends only
+    its own window, the earliest row's window starting first; padded rows around the sequences."""
+    pytest.importorskip("triton")
+    import inference.layers.triton_attention as ta
+    from inference.batch import AttentionMetadata
+    from inference.layers.attention import ReferenceAttention
+    from tests.test_triton_attention import SMALL_TILES, make_batch, tolerance
+    from tests.test_triton_attention_rows import PAD, verify_rows
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    b = make_batch([5, 5, 3], [19, 5, 40], 8, 2, 32, 8, torch.float32, seed=41, table_width=6)
+    rows, order = verify_rows(b, descending=descending, pads=True)
+    real = [r for r, t in enumerate(order) if t != PAD]
+    idx = torch.tensor(real, device=rows.q.device)
+    ctx = rows.meta.context_lens_host
+    ref_meta = AttentionMetadata.build([1] * len(real), [ctx[r] for r in real], rows.meta.slot_mapping[idx],
+                                       [rows.meta.block_tables[r].tolist() for r in real], rows.meta.block_size,
+                                       device)
+    scale = 32 ** -0.5
+    want = ReferenceAttention().forward(rows.q[idx], rows.k[idx], rows.v[idx], rows.k_cache.clone(),
+                                        rows.v_cache.clone(), ref_meta, scale, 7)
+    tiles = ta.TritonAttentionTiles(**SMALL_TILES, num_splits=4, decode_split_tiles=1, verify_keys_once=True)
+    backend = ta.TritonAttention(tiles)
+    assert backend.plan(rows.q, rows.k_cache, rows.meta).keys_once
+    got = backend.forward(rows.q, rows.k, rows.v, rows.k_cache.clone(), rows.v_cache.clone(), rows.meta, scale, 7)
+    torch.testing.assert_close(got[idx], want, **tolerance(torch.float32))
