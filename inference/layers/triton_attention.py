@@ -116,6 +116,9 @@ class TritonAttentionTiles:
     # each key read once, instead of one per row. Its splits aim at verify_programs_per_sm programs a SM
     # counting a sequence's rows as one. Off until measured on the H200; never in the batch-invariant mode.
     verify_keys_once: bool = envs.VERIFY_KEYS_ONCE.get()
+    # ... on 8 warps: its [rows x heads, head_dim] tiles hold 4x a decode tile's rows; compiled for sm_90 (ptxas,
+    # 5 rows x 8 heads padded to 64) it spilled 840 B at head_dim 128 and 500 B at 64 on 4 warps, 424 B and none on 8.
+    verify_num_warps: int = 8
     # Opt-in: a one-sequence decode launch (batch 1) is latency-bound and runs faster with longer KV tiles
     # on more warps, one tile per split (128; much slower at large batches: docs/benchmarks.md, session 4).
     # Off (0) by default: speculative decoding's verify rows run on the tiles above, and greedy output with
@@ -302,7 +305,7 @@ class TritonAttention:
                 splits = decode_num_splits(groups, num_kv_heads, meta.block_tables.shape[1], page, tiles, sms)
                 group_pad = max(_pow2_at_least(group), 16 // _pow2_at_least(rows))  # a dot's M >= 16
                 return LaunchPlan(num_seqs, group_pad, _pow2_at_least(rows), tiles.decode_block_n, splits, 1,
-                                  tiles.decode_split_tiles, tiles.num_warps, keys_once=True)
+                                  tiles.decode_split_tiles, tiles.verify_num_warps, keys_once=True)
             splits = decode_num_splits(num_seqs, num_kv_heads, meta.block_tables.shape[1], page, tiles, sms)
             # A decode tile is one token: its group's heads are padded to 16 rows for tl.dot.
             return LaunchPlan(num_seqs, _pow2_at_least(group, 16), 1, tiles.decode_block_n, splits, 1,
@@ -353,7 +356,8 @@ class TritonAttention:
             _verify_attention_kernel[(plan.grid0, k_cache.shape[2], plan.splits)](
                 q, k_cache, v_cache, out, part_m, part_l, part_acc, counters, k, v, meta.slot_mapping,
                 meta.context_lens, meta.block_tables, rope.cache if rope is not None else out, num_tokens,
-                scale * LOG2E, window, max_rows, *strides, ROWS_PAD=plan.block_q, **common)
+                scale * LOG2E, window, max_rows, *strides, ROWS_PAD=plan.block_q, NEW_PAD=max(plan.block_q, 16),
+                **common)
         else:
             _paged_attention_kernel[(plan.grid0, k_cache.shape[2], plan.splits)](
                 q, k_cache, v_cache, out, part_m, part_l, part_acc, counters, k, v, meta.slot_mapping,

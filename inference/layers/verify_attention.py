@@ -16,11 +16,14 @@ unique). A row that continues no row leads a group: the run of rows continuing i
 at most max_rows. Only leaders' programs work; the others return at once. A padded row (context 0) leads
 a group of one and comes out zero.
 
-The rows' new keys (positions p_first .. p_last of the group) are taken from the k/v inputs, rotated
-at their positions with ROPE, never from the cache, which split 0 writes them to in this launch. Splits
-divide the KV tiles of the group's longest context; the last split to finish merges them (the decode
-kernel's counters and partials, per leader row). Each row sums its keys in the same tiles as the decode
-kernel, but in a dot of another shape and with the group's split boundaries, so a row's output may differ
+The cached keys (positions below the group's first row, p_first) run in KV tiles split as the decode
+kernel splits a context; the rows' new keys (p_first .. p_first + n - 1) are taken from the k/v inputs,
+rotated at their positions with ROPE, never from the cache (split 0 writes them there in this launch),
+and the split holding the last cached tile attends to them as one more small tile ([NEW_PAD, head_dim],
+NEW_PAD = max(rows, 16) for tl.dot) after its cached ones. Gathering them into the last cached tile
+instead, rotation included, cost the compiled kernel 255 registers and 6 KB of spills at 7B heads (ptxas,
+sm_90). The last split to finish merges the splits (the decode kernel's counters and partials, per leader
+row). A row's sums run in other dot shapes and tiles than the decode kernel's, so its output may differ
 from the decode kernel's in the last bits (as verify rows with more KV splits already did): speculative
 decoding stays exact in distribution; greedy output with a draft equals greedy without wherever the
 top two logits are not within that rounding. Not for the batch-invariant mode (its tiles keep the
@@ -36,7 +39,6 @@ from inference.layers.pdl import launch_dependents, wait
 from inference.layers.triton_attention_kernels import (
     _dot,
     _merge_partials,
-    _owned_k,
     _rotate,
     _softmax_step,
     _store_normalized,
@@ -52,7 +54,7 @@ def _verify_attention_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     PAGE: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SPLIT_TILES: tl.constexpr, FUSED_COMBINE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    SPLIT_TILES: tl.constexpr, NEW_PAD: tl.constexpr, FUSED_COMBINE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr,
 ):
     launch_dependents(PDL)
@@ -62,7 +64,6 @@ def _verify_attention_kernel(
     wait(PDL)
     n, step, p_lead = _group(slot_ptr, ctx_ptr, bt_ptr, stride_bt, lead, num_rows, max_rows, PAGE, ROWS_PAD)
     p_first = tl.where(step > 0, p_lead, p_lead - (n - 1))  # the group's positions: p_first .. p_first + n - 1
-    ctx_max = p_first + n  # keys [0, ctx_max) hold every row's context
 
     # Row m of the tile: launch row lead + m // GROUP_PAD (position p_lead + step * i), query head m % GROUP_PAD.
     m = tl.arange(0, ROWS_PAD * GROUP_PAD)
@@ -81,36 +82,45 @@ def _verify_attention_kernel(
         q_partner = tl.load(q_rows + ((d + HEAD_DIM // 2) % HEAD_DIM)[None, :], mask=q_mask, other=0.0)
         cos, sin = _rope_rows(cs_ptr, q_pos, d, q_mask, q_ptr.dtype.element_ty, HEAD_DIM)
         q = _rotate(q, q_partner, cos, sin, (d < HEAD_DIM // 2)[None, :])
-    _store_group_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, cs_ptr, lead, kvh, n, step, p_lead, split, d, d_valid,
-                    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
-                    PAGE, ROWS_PAD, ROPE, HEAD_DIM)
-
     if HAS_WINDOW:  # the earliest row's window starts first; later rows mask the rest
         lo = tl.maximum(p_first - window + 1, 0) // BLOCK_N * BLOCK_N
     else:
         lo = 0
-    n_tiles = tl.where(n > 0, tl.cdiv(tl.maximum(ctx_max - lo, 0), BLOCK_N), 0)
+    # Cached keys [lo, p_first) in KV tiles, split as the decode kernel splits them; then the new keys.
+    n_tiles = tl.where(n > 0, tl.cdiv(tl.maximum(p_first - lo, 0), BLOCK_N), 0)
     per_split = tl.maximum(tl.cdiv(n_tiles, NUM_SPLITS), SPLIT_TILES)
     t_begin = split * per_split
     t_end = tl.minimum(t_begin + per_split, n_tiles)
-    # Tiles from t_near on hold new keys (positions >= p_first): a loop of their own, so the main loop's
-    # loads stay free of the substitution (a branch in it would stop Triton pipelining them).
-    t_mid = tl.minimum(tl.maximum(tl.maximum(p_first - lo, 0) // BLOCK_N, t_begin), t_end)
     m_i = tl.full([ROWS_PAD * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS_PAD * GROUP_PAD], tl.float32)
     acc = tl.zeros([ROWS_PAD * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    for t in range(t_begin, t_mid):
-        m_i, l_i, acc = _verify_tile(
-            t, lo, ctx_max, lead, kvh, q, q_pos, m_i, l_i, acc, bt_ptr, stride_bt, kc_ptr, vc_ptr, stride_cb,
-            stride_cs, stride_ch, d, d_valid, k_ptr, v_ptr, cs_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
-            n, step, p_lead, p_first, qk_scale, window, PAGE, BLOCK_N, False, HAS_WINDOW, DOT_PRECISION,
-            DOT_UPCAST, ROPE, HEAD_DIM)
-    for t in range(t_mid, t_end):
-        m_i, l_i, acc = _verify_tile(
-            t, lo, ctx_max, lead, kvh, q, q_pos, m_i, l_i, acc, bt_ptr, stride_bt, kc_ptr, vc_ptr, stride_cb,
-            stride_cs, stride_ch, d, d_valid, k_ptr, v_ptr, cs_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
-            n, step, p_lead, p_first, qk_scale, window, PAGE, BLOCK_N, True, HAS_WINDOW, DOT_PRECISION,
-            DOT_UPCAST, ROPE, HEAD_DIM)
+    for t in range(t_begin, t_end):
+        m_i, l_i, acc = _verify_tile(t, lo, p_first, lead, kvh, q, q_pos, m_i, l_i, acc, bt_ptr, stride_bt, kc_ptr,
+                                     vc_ptr, stride_cb, stride_cs, stride_ch, d, d_valid, qk_scale, window, PAGE,
+                                     BLOCK_N, HAS_WINDOW, DOT_PRECISION, DOT_UPCAST)
+    # The group's new keys and values (positions p_first + j, j < n, from launch row lead + (p - p_lead) * step),
+    # formed after the loop so they hold no registers across it: split 0 stores them (no program of this launch
+    # reads those slots); the split holding the last cached tile attends to them as one small tile.
+    jn = tl.arange(0, NEW_PAD)
+    new_pos = p_first + jn
+    new_ok = (jn < n) & (new_pos >= 0)
+    src = (lead + (new_pos - p_lead) * step).to(tl.int64)
+    k_new, v_new = _new_kv(k_ptr, v_ptr, cs_ptr, src, new_pos, new_ok, kvh, d, d_valid, stride_kt, stride_kh,
+                           stride_vt, stride_vh, kc_ptr.dtype.element_ty, ROPE, HEAD_DIM)
+    slot = tl.load(slot_ptr + src, mask=new_ok & (jn * 0 + split == 0), other=-1).to(tl.int64)
+    dst = (slot // PAGE)[:, None] * stride_cb + (slot % PAGE)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
+    store = (slot >= 0)[:, None] & d_valid[None, :]
+    tl.store(kc_ptr + dst, k_new, mask=store)
+    tl.store(vc_ptr + dst, v_new, mask=store)
+
+    if split == tl.maximum(n_tiles - 1, 0) // per_split:  # the new keys come last, after every cached one
+        s = _dot(q, tl.trans(k_new), DOT_PRECISION, DOT_UPCAST) * qk_scale
+        allowed = (new_pos[None, :] <= q_pos[:, None]) & new_ok[None, :]
+        if HAS_WINDOW:
+            allowed = allowed & (new_pos[None, :] > q_pos[:, None] - window)
+        m_i, l_i, p, alpha = _softmax_step(tl.where(allowed, s, float("-inf")), m_i, l_i)
+        acc = acc * alpha[:, None] + _dot(p.to(v_new.dtype), v_new, DOT_PRECISION, DOT_UPCAST)
+    n_tiles = tl.maximum(n_tiles, tl.where(n > 0, 1, 0))  # a group with new keys only is one split's work
 
     out_offs = tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     out_mask = row_valid[:, None] & d_valid[None, :]
@@ -175,56 +185,37 @@ def _rope_rows(cs_ptr, pos, d, mask, dtype: tl.constexpr, HEAD_DIM: tl.constexpr
 
 
 @triton.jit
-def _store_group_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, cs_ptr, lead, kvh, n, step, p_lead, split, d, d_valid,
-                    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
-                    PAGE: tl.constexpr, ROWS_PAD: tl.constexpr, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Split 0 writes the group's new k (rotated at each row's position with ROPE) and v to their slots;
-    no program reads those cache bytes in this launch."""
-    i = tl.arange(0, ROWS_PAD)
-    row = (lead + i).to(tl.int64)
-    mine = (i < n) & (i * 0 + split == 0)  # vectors: a scalar term in a mask trips Triton's interpreter
-    slot = tl.load(slot_ptr + row, mask=mine, other=-1).to(tl.int64)
-    mask = (mine & (slot >= 0))[:, None] & d_valid[None, :]
-    k_rows = k_ptr + row[:, None] * stride_kt + kvh * stride_kh
+def _new_kv(k_ptr, v_ptr, cs_ptr, src, pos, ok, kvh, d, d_valid, stride_kt, stride_kh, stride_vt, stride_vh,
+            dtype: tl.constexpr, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The new k (rotated at `pos` with ROPE) and v [NEW_PAD, HEAD_DIM_PAD] of launch rows `src`, in the cache
+    dtype: the bytes split 0 stores, rounded as the decode kernel's _store_new_kv rounds them; zeros where
+    not `ok`."""
+    mask = ok[:, None] & d_valid[None, :]
+    k_rows = k_ptr + src[:, None] * stride_kt + kvh * stride_kh
     k = tl.load(k_rows + d[None, :], mask=mask, other=0.0)
     if ROPE:
         partner = tl.load(k_rows + ((d + HEAD_DIM // 2) % HEAD_DIM)[None, :], mask=mask, other=0.0)
-        cos, sin = _rope_rows(cs_ptr, p_lead + step * i, d, mask, k_ptr.dtype.element_ty, HEAD_DIM)
+        cos, sin = _rope_rows(cs_ptr, pos, d, mask, k_ptr.dtype.element_ty, HEAD_DIM)
         k = _rotate(k, partner, cos, sin, (d < HEAD_DIM // 2)[None, :])
-    v = tl.load(v_ptr + row[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=mask, other=0.0)
-    dst = (slot // PAGE)[:, None] * stride_cb + (slot % PAGE)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
-    tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
+    v = tl.load(v_ptr + src[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=mask, other=0.0)
+    return k.to(dtype), v.to(dtype)
 
 
 @triton.jit
 def _verify_tile(t, lo, hi, lead, kvh, q, q_pos, m_i, l_i, acc, bt_ptr, stride_bt, kc_ptr, vc_ptr, stride_cb,
-                 stride_cs, stride_ch, d, d_valid, k_ptr, v_ptr, cs_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
-                 n, step, p_lead, p_first, qk_scale, window, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 NEW: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 DOT_UPCAST: tl.constexpr, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """KV tile t against every row of the group, folded into the online softmax. NEW: keys at positions
-    p_first .. p_first + n - 1 come from the k/v inputs (launch row lead + (p - p_lead) * step)."""
+                 stride_cs, stride_ch, d, d_valid, qk_scale, window, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """Cached KV tile t (keys below `hi`) against every row of the group, folded into the online softmax."""
     k_pos = lo + t * BLOCK_N + tl.arange(0, BLOCK_N)
     k_valid = k_pos < hi
     page = tl.load(bt_ptr + lead.to(tl.int64) * stride_bt + k_pos // PAGE, mask=k_valid, other=0).to(tl.int64)
     kv_off = page * stride_cb + (k_pos % PAGE) * stride_cs + kvh * stride_ch
     k_t = tl.load(kc_ptr + kv_off[None, :] + d[:, None], mask=k_valid[None, :] & d_valid[:, None], other=0.0)
-    if NEW:
-        is_new = k_valid & (k_pos >= p_first) & (k_pos < p_first + n)
-        owner = tl.where(is_new, lead + (k_pos - p_lead) * step, -1).to(tl.int64)
-        k_own = _owned_k(k_ptr, kc_ptr, cs_ptr, owner, k_pos, kvh, d, d_valid, stride_kt, stride_kh, ROPE, HEAD_DIM)
-        k_t = tl.where(is_new[None, :], k_own, k_t)
     s = _dot(q, k_t, DOT_PRECISION, DOT_UPCAST) * qk_scale
     allowed = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
     if HAS_WINDOW:
         allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
-    s = tl.where(allowed, s, float("-inf"))
-    m_new, l_i, p, alpha = _softmax_step(s, m_i, l_i)
+    m_new, l_i, p, alpha = _softmax_step(tl.where(allowed, s, float("-inf")), m_i, l_i)
     v = tl.load(vc_ptr + kv_off[:, None] + d[None, :], mask=k_valid[:, None] & d_valid[None, :], other=0.0)
-    if NEW:
-        v_own = tl.load(v_ptr + tl.maximum(owner, 0)[:, None] * stride_vt + kvh * stride_vh + d[None, :],
-                        mask=is_new[:, None] & d_valid[None, :], other=0.0)
-        v = tl.where(is_new[:, None], v_own.to(vc_ptr.dtype.element_ty), v)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
     return m_new, l_i, acc

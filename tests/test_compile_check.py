@@ -1,0 +1,31 @@
+"""scripts/compile_check.py: the decode attention kernels compile for sm_90 on a machine without a GPU (Triton
+compiles ahead of time; its wheel carries ptxas), so a kernel the interpreter accepts but the compiler
+refuses is caught by CI, and ptxas's register and spill figures come back per config. In a child process:
+the test process may run Triton's interpreter, whose kernels do not compile."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_the_verify_kernels_compile_for_sm90_and_report_ptxas_figures() -> None:
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "compile_check.py"), "--kernels", "verify_rows",
+                          "keys_once", "--shapes", "qwen2.5-7b", "--warps", "8", "--rope", "on"],
+                         capture_output=True, text=True, timeout=600, env=env, check=True)
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [(r["kernel"], r["num_warps"], r["target"]) for r in rows] == [("verify_rows", 8, "sm_90a"),
+                                                                          ("keys_once", 8, "sm_90a")]
+    for r in rows:
+        assert 0 < r["registers"] <= 255 and r["shared_bytes"] > 0, r
+        assert r["spill_store_bytes"] >= 0 and r["spill_load_bytes"] >= 0, r
