@@ -64,7 +64,8 @@ VARIANTS = {"previous": {"decode_split_tiles": 1, "fused_combine": False, "fused
             "rows1_sm4": {"decode_max_rows": 1, "decode_programs_per_sm": 4},
             "rows1_sm8": {"decode_max_rows": 1, "decode_programs_per_sm": 8},
             # session 17: verify rows (--verify-rows) with one program per sequence, each key read once
-            "keys_once": {"verify_keys_once": True}}
+            "keys_once": {"verify_keys_once": True},
+            "keys_once_w4": {"verify_keys_once": True, "verify_num_warps": 4}}
 VARIANT_NAMES = list(VARIANTS)
 
 

@@ -52,7 +52,7 @@ run_verify() {
     : >"$out/verify.jsonl"
     for shape in 28,4,128 14,2,64; do
         timeout 120 python3 scripts/bench_decode_parts.py --parts attention --shape $shape --verify-rows 5 \
-            --variants auto w8 keys_once --batches 4 8 16 32 --contexts 640 2048 --max-model-len 4096 \
+            --variants auto w8 keys_once keys_once_w4 --batches 4 8 16 32 --contexts 640 2048 --max-model-len 4096 \
             2>>"$out/verify.log" | tee -a "$out/verify.jsonl"
     done
     local r="python3 -m scripts.bench_rollout --shapes qwen2.5-7b --modes seeded --draft-layers 2 --tail-scale 0.1"
