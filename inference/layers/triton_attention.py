@@ -117,9 +117,8 @@ class TritonAttentionTiles:
     # counting a sequence's rows as one. Off until measured on the H200; never in the batch-invariant mode.
     verify_keys_once: bool = envs.VERIFY_KEYS_ONCE.get()
     # ... on 8 warps: its [rows x heads, head_dim] tiles hold 4x a decode tile's rows. Compiled for sm_90
-    # (scripts/compile_check.py, Triton 3.9, 8 rows x 8 heads) at head_dim 128 it takes 255 registers and spills
-    # 220 B on 4 warps, 28 B on 8; at head_dim 64, 140 registers on 4 warps, 165 on 8 (bench_decode_parts's
-    # keys_once_w4 measures 4).
+    # (scripts/compile_check.py, Triton 3.9, 8 rows x 8 heads) at head_dim 128 it takes 189 registers on 8 warps
+    # and 242 on 4; at head_dim 64, 120 and 128, none spilled (bench_decode_parts's keys_once_w4 measures 4).
     verify_num_warps: int = 8
     # Opt-in: a one-sequence decode launch (batch 1) is latency-bound and runs faster with longer KV tiles
     # on more warps, one tile per split (128; much slower at large batches: docs/benchmarks.md, session 4).

@@ -170,7 +170,7 @@ def _paged_attention_kernel(
             ticket = tl.atomic_add(counter_ptr + seq * tl.num_programs(1) + kvh, 1, sem="acq_rel", scope="gpu")
             if ticket == n_active - 1:
                 _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr, part, d, n_active, row_valid,
-                                out_ptr + out_offs, out_mask, BLOCK_Q * GROUP_PAD, NUM_SPLITS, HEAD_DIM_PAD)
+                                out_ptr + out_offs, out_mask, BLOCK_Q * GROUP_PAD, NUM_SPLITS, HEAD_DIM_PAD, True)
                 tl.store(counter_ptr + seq * tl.num_programs(1) + kvh, 0)
     else:  # every split writes, even an empty one; _combine_splits_kernel merges
         _store_partial(part_m_ptr, part_l_ptr, part_acc_ptr, part + split, d, m_i, l_i, acc, row_valid,
@@ -341,9 +341,12 @@ def _store_partial(part_m_ptr, part_l_ptr, part_acc_ptr, part, d, m_i, l_i, acc,
 
 @triton.jit
 def _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr, part, d, n_active, row_valid, out_ptrs, out_mask,
-                    ROWS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+                    ROWS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, UNROLL: tl.constexpr):
     """Merge the partials of splits [0, n_active) of each row, in split order (the result does not
-    depend on which split merges). Loads bypass L1 (.cg): the other splits wrote through L2."""
+    depend on which split merges). Loads bypass L1 (.cg): the other splits wrote through L2. UNROLL: the
+    loads of all live splits in flight at once (a decode tile's 16 rows); else one split at a time, the
+    same bits (a split past n_active adds exact zeros), for tiles whose rows would not fit the registers
+    NUM_SPLITS times (verify_attention.py's 64: 255 registers a thread against 151 unmerged, sm_90)."""
     s = tl.arange(0, NUM_SPLITS)
     live = row_valid[:, None] & (s[None, :] < n_active)
     ms = tl.load(part_m_ptr + part[:, None] + s[None, :], mask=live, other=float("-inf"), cache_modifier=".cg")
@@ -352,13 +355,23 @@ def _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr, part, d, n_active, row
     m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
     denom = tl.sum(tl.exp2(ms - m_ref[:, None]) * ls, axis=1)
     total = tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32)
-    for j in tl.static_range(NUM_SPLITS):  # unrolled: the loads of all live splits are in flight at once
-        live_j = row_valid & (part * 0 + j < n_active)  # a vector: scalar mask terms trip the interpreter
-        m_j = tl.load(part_m_ptr + part + j, mask=live_j, other=float("-inf"), cache_modifier=".cg")
-        a_j = tl.load(part_acc_ptr + (part + j)[:, None] * HEAD_DIM_PAD + d[None, :], mask=live_j[:, None],
-                      other=0.0, cache_modifier=".cg")
-        total += a_j * tl.exp2(m_j - m_ref)[:, None]
+    if UNROLL:
+        for j in tl.static_range(NUM_SPLITS):
+            total = _add_split(part_m_ptr, part_acc_ptr, part, d, j, n_active, row_valid, m_ref, total, HEAD_DIM_PAD)
+    else:
+        for j in range(0, n_active):
+            total = _add_split(part_m_ptr, part_acc_ptr, part, d, j, n_active, row_valid, m_ref, total, HEAD_DIM_PAD)
     _store_normalized(out_ptrs, total, denom, out_mask)
+
+
+@triton.jit
+def _add_split(part_m_ptr, part_acc_ptr, part, d, j, n_active, row_valid, m_ref, total, HEAD_DIM_PAD: tl.constexpr):
+    """total + split j's partial accumulator, rescaled to the rows' common max (nothing past n_active)."""
+    live_j = row_valid & (part * 0 + j < n_active)  # a vector: scalar mask terms trip the interpreter
+    m_j = tl.load(part_m_ptr + part + j, mask=live_j, other=float("-inf"), cache_modifier=".cg")
+    a_j = tl.load(part_acc_ptr + (part + j)[:, None] * HEAD_DIM_PAD + d[None, :], mask=live_j[:, None],
+                  other=0.0, cache_modifier=".cg")
+    return total + a_j * tl.exp2(m_j - m_ref)[:, None]
 
 
 @triton.jit

@@ -139,7 +139,7 @@ def _verify_attention_kernel(
             ticket = tl.atomic_add(counter_ptr + lead * tl.num_programs(1) + kvh, 1, sem="acq_rel", scope="gpu")
             if ticket == n_active - 1:
                 _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr, part, d, n_active, row_valid,
-                                out_ptr + out_offs, out_mask, ROWS_PAD * GROUP_PAD, NUM_SPLITS, HEAD_DIM_PAD)
+                                out_ptr + out_offs, out_mask, ROWS_PAD * GROUP_PAD, NUM_SPLITS, HEAD_DIM_PAD, False)
                 tl.store(counter_ptr + lead * tl.num_programs(1) + kvh, 0)
     else:  # every split of a leader writes its partial; _combine_splits_kernel merges
         _store_partial(part_m_ptr, part_l_ptr, part_acc_ptr, part + split, d, m_i, l_i, acc, row_valid,
