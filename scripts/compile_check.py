@@ -1,5 +1,6 @@
-"""Compile the decode attention kernels for an H100/H200 (sm_90) on a machine without a GPU, and report what
-ptxas says of each: registers per thread, spill bytes, shared memory. One JSON line per kernel config.
+"""Compile the decode attention kernels and the batch-invariant GEMM for an H100/H200 (sm_90) on a machine
+without a GPU, and report what ptxas says of each: registers per thread, spill bytes, shared memory, and
+whether the loads are pipelined (cp.async). One JSON line per kernel config.
 
 Triton compiles ahead of time for a GPUTarget, and its wheel carries ptxas, so a kernel that would not
 compile, or that spills, shows here before any device time is spent on it (the interpreter, which the
@@ -30,6 +31,8 @@ import triton.backends.nvidia as nvidia
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from inference.layers.gemm_invariant import BLOCK_M, NORM_SUB_M, pick_tiles
+from inference.layers.gemm_invariant_kernels import _invariant_gemm_kernel
 from inference.layers.triton_attention_kernels import _paged_attention_kernel
 from inference.layers.verify_attention import _verify_attention_kernel
 
@@ -46,20 +49,32 @@ KERNELS = {  # name: (kernel, its own constexprs besides _COMMON, GROUP and HEAD
 }
 
 
+_FP32 = ("part_m_ptr", "part_l_ptr", "part_acc_ptr", "cs_ptr", "part_ptr")
+_INT32 = ("counter_ptr", "slot_ptr", "ctx_ptr", "bt_ptr", "cu_q_ptr", "pos_ptr")
+_GEMM_SHAPES = {"qwen2-0.5b": {"qkv": (1152, 896), "gate_up": (9728, 896), "down": (896, 4864)},
+                "qwen2.5-7b": {"qkv": (4608, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}}
+# batch-invariant GEMM configs: (projection, its own constexprs); the fused prologues are issue 23's switch
+GEMMS = {"inv_gemm": ("qkv", {"HAS_BIAS": True}), "inv_norm_gemm": ("gate_up", {"NORM": True, "HAS_RES": True}),
+         "inv_silu_gemm": ("down", {"SILU_MUL": True})}
+
+
 def signature(kernel: Any) -> dict[str, str]:
-    """Argument types as the engine launches them: bf16 tensors, fp32 partials and rope table, int32 metadata."""
+    """Argument types as the engine launches them: bf16 tensors, fp32 partials, rope table and eps, int32
+    metadata and counters."""
     types = {}
-    for name in inspect.signature(kernel.fn).parameters:
-        if name in ("q_ptr", "kc_ptr", "vc_ptr", "out_ptr", "k_ptr", "v_ptr"):
-            types[name] = "*bf16"
-        elif name in ("part_m_ptr", "part_l_ptr", "part_acc_ptr", "cs_ptr"):
+    for name, param in inspect.signature(kernel.fn).parameters.items():
+        if "constexpr" in str(param.annotation):
+            types[name] = "constexpr"
+        elif name in _FP32:
             types[name] = "*fp32"
-        elif name.endswith("_ptr"):
+        elif name in _INT32:
             types[name] = "*i32"
-        elif name == "qk_scale":
+        elif name.endswith("_ptr"):
+            types[name] = "*bf16"
+        elif name in ("qk_scale", "eps"):
             types[name] = "fp32"
         else:
-            types[name] = "constexpr" if name.isupper() else "i32"
+            types[name] = "i32"
     return types
 
 
@@ -69,7 +84,7 @@ def aligned(kernel: Any) -> dict[tuple[int], list[list[Any]]]:
     pipelines their loads; without the hint a compile here reads bf16 one element at a time)."""
     names = list(inspect.signature(kernel.fn).parameters)
     return {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-            if n.endswith("_ptr") or n.startswith("stride")}
+            if n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K", "k_per_split")}
 
 
 def compile_report(kernel: Any, constexprs: dict[str, Any], warps: int, stages: int = 2) -> dict[str, Any]:
@@ -97,15 +112,36 @@ def compile_report(kernel: Any, constexprs: dict[str, Any], warps: int, stages: 
             "global_loads": len(re.findall(r"ld\.global", ptx_text))}
 
 
+def gemm_constexprs(name: str, shape: str, num_sms: int = 132) -> tuple[dict[str, Any], int, int]:
+    """The batch-invariant GEMM's constexprs for `name`'s projection of `shape`, as its launch picks them
+    on an H200 (132 SMs): (constexprs, num_warps, num_stages)."""
+    proj, own = GEMMS[name]
+    n, k = _GEMM_SHAPES[shape][proj]
+    t = pick_tiles(n, k, num_sms)
+    flags = {"HAS_BIAS": False, "SILU_MUL": False, "NORM": False, "HAS_RES": False, **own}
+    return ({**flags, "PARTIAL": t.split_k > 1, "MERGE": t.split_k > 1, "SPLIT": t.split_k, "BLOCK_M": BLOCK_M,
+             "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "SUB_M": NORM_SUB_M, "GROUP_M": t.group_m,
+             "PREFETCH": t.prefetch and (own.get("SILU_MUL", False) or own.get("NORM", False)),
+             "EARLY_DEPENDENTS": True, "PDL": True}, t.num_warps, t.num_stages)
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
+    ap.add_argument("--kernels", nargs="+", default=[*KERNELS, *GEMMS], choices=[*KERNELS, *GEMMS])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--rope", choices=["on", "off", "both"], default="both")
     args = ap.parse_args(argv)
     rows = []
-    for name in args.kernels:
+    for name in [k for k in args.kernels if k in GEMMS]:  # at their own tiles and warps
+        for shape in args.shapes:
+            const, warps, stages = gemm_constexprs(name, shape)
+            row = {"bench": "compile_check", "kernel": name, "shape": shape, "num_warps": warps, "target": "sm_90a",
+                   "triton": triton.__version__, "split": const["SPLIT"], "block_n": const["BLOCK_N"],
+                   **compile_report(_invariant_gemm_kernel, const, warps, stages)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    for name in [k for k in args.kernels if k in KERNELS]:
         kernel, own = KERNELS[name]
         for shape in args.shapes:
             group, dim = SHAPES[shape]
