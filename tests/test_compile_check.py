@@ -24,7 +24,7 @@ def test_the_kernels_compile_for_sm90_and_report_ptxas_figures() -> None:
                           "keys_once", "inv_norm_gemm", "--shapes", "qwen2.5-7b", "--warps", "8", "--rope", "on"],
                          capture_output=True, text=True, timeout=600, env=env, check=True)
     rows = [json.loads(line) for line in out.stdout.splitlines()]
-    # the batch-invariant GEMM at its own tiles and warps (the norm prologue: issue 23's switch), then the verify kernels
+    # the invariant GEMM at its own tiles and warps (the norm prologue: issue 23's switch), then the verify kernels
     assert [(r["kernel"], r["num_warps"], r["target"]) for r in rows] == [
         ("inv_norm_gemm", 4, "sm_90a"), ("verify_rows", 8, "sm_90a"), ("keys_once", 8, "sm_90a")]
     for r in rows:
