@@ -9,6 +9,8 @@ may differ from the device's.
 
     python3 scripts/compile_check.py                    # every config below
     python3 scripts/compile_check.py --kernels keys_once --warps 4 8
+    pip install --target /tmp/t36 triton==3.6.0 && PYTHONPATH=/tmp/t36:. python3 scripts/compile_check.py
+                                                        # the device's Triton (docs/benchmarks.md's header)
 """
 
 from __future__ import annotations
