@@ -155,23 +155,35 @@ def _paged_attention_kernel(
     out_mask = row_valid[:, None] & d_valid[None, :]
     # partials laid out [T, Hq, NUM_SPLITS(, HEAD_DIM_PAD)]
     part = (tok * (tl.num_programs(1) * GROUP) + head) * NUM_SPLITS
+    _finish_splits(out_ptr + out_offs, out_mask, part_m_ptr, part_l_ptr, part_acc_ptr, part, counter_ptr,
+                   seq * tl.num_programs(1) + kvh, m_i, l_i, acc, row_valid, d, split, tl.cdiv(n_tiles, per_split),
+                   BLOCK_Q * GROUP_PAD, NUM_SPLITS, FUSED_COMBINE, HEAD_DIM_PAD, True)
+
+
+@triton.jit
+def _finish_splits(out_ptrs, out_mask, part_m_ptr, part_l_ptr, part_acc_ptr, part, counter_ptr, counter, m_i, l_i, acc,
+                   row_valid, d, split, n_active, ROWS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   FUSED_COMBINE: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, UNROLL: tl.constexpr):
+    """A decode program's end: one split normalizes and stores its rows; several, with FUSED_COMBINE, write
+    partials ([T, Hq, NUM_SPLITS(, D)] at `part`) and the last of the n_active live splits to finish (an
+    acq_rel ticket on counter_ptr[counter], reset by it) merges them; without it every split writes its
+    partial and _combine_splits_kernel merges."""
     if NUM_SPLITS == 1:
-        _store_normalized(out_ptr + out_offs, acc, l_i, out_mask)
+        _store_normalized(out_ptrs, acc, l_i, out_mask)
     elif FUSED_COMBINE:
-        n_active = tl.cdiv(n_tiles, per_split)
         if n_active <= 1:  # the whole context is in split 0 (or empty): single pass
             if split == 0:
-                _store_normalized(out_ptr + out_offs, acc, l_i, out_mask)
+                _store_normalized(out_ptrs, acc, l_i, out_mask)
         elif split < n_active:
             _store_partial(part_m_ptr, part_l_ptr, part_acc_ptr, part + split, d, m_i, l_i, acc, row_valid,
                            HEAD_DIM_PAD)
             # Every thread's partial is written before the release; the acquire orders the merge's loads.
             tl.debug_barrier()
-            ticket = tl.atomic_add(counter_ptr + seq * tl.num_programs(1) + kvh, 1, sem="acq_rel", scope="gpu")
+            ticket = tl.atomic_add(counter_ptr + counter, 1, sem="acq_rel", scope="gpu")
             if ticket == n_active - 1:
-                _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr, part, d, n_active, row_valid,
-                                out_ptr + out_offs, out_mask, BLOCK_Q * GROUP_PAD, NUM_SPLITS, HEAD_DIM_PAD, True)
-                tl.store(counter_ptr + seq * tl.num_programs(1) + kvh, 0)
+                _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr, part, d, n_active, row_valid, out_ptrs,
+                                out_mask, ROWS, NUM_SPLITS, HEAD_DIM_PAD, UNROLL)
+                tl.store(counter_ptr + counter, 0)
     else:  # every split writes, even an empty one; _combine_splits_kernel merges
         _store_partial(part_m_ptr, part_l_ptr, part_acc_ptr, part + split, d, m_i, l_i, acc, row_valid,
                        HEAD_DIM_PAD)

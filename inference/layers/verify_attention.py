@@ -36,14 +36,7 @@ import triton
 import triton.language as tl
 
 from inference.layers.pdl import launch_dependents, wait
-from inference.layers.triton_attention_kernels import (
-    _dot,
-    _merge_partials,
-    _rotate,
-    _softmax_step,
-    _store_normalized,
-    _store_partial,
-)
+from inference.layers.triton_attention_kernels import _dot, _finish_splits, _rotate, _softmax_step
 
 
 @triton.jit
@@ -125,25 +118,9 @@ def _verify_attention_kernel(
     out_offs = tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     out_mask = row_valid[:, None] & d_valid[None, :]
     part = (tok * (tl.num_programs(1) * GROUP) + head) * NUM_SPLITS  # partials [T, Hq, NUM_SPLITS(, D)]
-    if NUM_SPLITS == 1:
-        _store_normalized(out_ptr + out_offs, acc, l_i, out_mask)
-    elif FUSED_COMBINE:
-        n_active = tl.cdiv(n_tiles, per_split)
-        if n_active <= 1:  # the whole group in split 0 (or a row that leads nothing): single pass
-            if split == 0:
-                _store_normalized(out_ptr + out_offs, acc, l_i, out_mask)
-        elif split < n_active:
-            _store_partial(part_m_ptr, part_l_ptr, part_acc_ptr, part + split, d, m_i, l_i, acc, row_valid,
-                           HEAD_DIM_PAD)
-            tl.debug_barrier()  # every thread's partial is written before the release
-            ticket = tl.atomic_add(counter_ptr + lead * tl.num_programs(1) + kvh, 1, sem="acq_rel", scope="gpu")
-            if ticket == n_active - 1:
-                _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr, part, d, n_active, row_valid,
-                                out_ptr + out_offs, out_mask, ROWS_PAD * GROUP_PAD, NUM_SPLITS, HEAD_DIM_PAD, False)
-                tl.store(counter_ptr + lead * tl.num_programs(1) + kvh, 0)
-    else:  # every split of a leader writes its partial; _combine_splits_kernel merges
-        _store_partial(part_m_ptr, part_l_ptr, part_acc_ptr, part + split, d, m_i, l_i, acc, row_valid,
-                       HEAD_DIM_PAD)
+    _finish_splits(out_ptr + out_offs, out_mask, part_m_ptr, part_l_ptr, part_acc_ptr, part, counter_ptr,
+                   lead * tl.num_programs(1) + kvh, m_i, l_i, acc, row_valid, d, split, tl.cdiv(n_tiles, per_split),
+                   ROWS_PAD * GROUP_PAD, NUM_SPLITS, FUSED_COMBINE, HEAD_DIM_PAD, False)
 
 
 @triton.jit
