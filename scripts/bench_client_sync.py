@@ -26,6 +26,9 @@ syncs is timed on the client:
 - wire_ms: per call, the client's time minus the app's time in the same header (framework, body and
   handler), median: the client's HTTP code, TCP and the server's HTTP parser. control_ms minus wire_ms
   is the server framework's share (routing, validation, the answer's JSON).
+- hops_ms: per call, the handler's time minus the slowest rank's own time on its command (Server-Timing
+  `ranks`, /weights/update only), median: the sidecar's hops inside the handler (the driver thread, the
+  rank pipe both ways, the event loop's wake), which no HTTP figure above shows.
 - round_trip_ms: median client time of a bare control message with no sync around it (GET /health,
   GET /state), the floor of what any control message costs end to end.
 Prints one JSON line: the picked rule's figures at the top level, every rule's under "by_algorithm".
@@ -76,6 +79,7 @@ class TimedClient(SidecarClient):
         self.times: dict[str, list[float]] = defaultdict(list)
         self.wire: dict[str, list[float]] = defaultdict(list)  # per call: client time minus Server-Timing app
         self.control: dict[str, list[float]] = defaultdict(list)  # per call: client time minus the handler's
+        self.hops: dict[str, list[float]] = defaultdict(list)  # per call: handler time minus the ranks' own
         self.requests = 0
 
     def _send_later(self, method: str, path: str, *args: Any) -> Callable[[], Any]:
@@ -94,20 +98,24 @@ class TimedClient(SidecarClient):
                 if path in _PATHS:
                     ms = (time.perf_counter() - t0) * 1e3
                     self.times[_PATHS[path]].append(ms)
-                    app, handler = _server_timing(resp)
+                    app, handler, ranks = _server_timing(resp)
                     if app is not None:
                         self.wire[_PATHS[path]].append(ms - app)
                     if handler is not None:
                         self.control[_PATHS[path]].append(ms - handler)
+                    if handler is not None and ranks is not None:
+                        self.hops[_PATHS[path]].append(handler - ranks)
 
         return timed
 
 
-def _server_timing(resp: Any) -> tuple[float | None, float | None]:
-    """The sidecar's `Server-Timing` app and handler durations (ms; sidecar/server_guard.py), None if absent."""
+def _server_timing(resp: Any) -> tuple[float | None, float | None, float | None]:
+    """The sidecar's `Server-Timing` app, handler and ranks durations (ms; sidecar/server_guard.py), None
+    where absent."""
     header = resp.headers.get("server-timing", "") if resp is not None else ""
-    found = dict(re.findall(r"(app|handler);dur=([0-9.]+)", header))
-    return tuple(float(found[k]) if k in found else None for k in ("app", "handler"))  # type: ignore[return-value]
+    found = dict(re.findall(r"(app|handler|ranks);dur=([0-9.]+)", header))
+    keys = ("app", "handler", "ranks")
+    return tuple(float(found[k]) if k in found else None for k in keys)  # type: ignore[return-value]
 
 
 @contextmanager
@@ -207,6 +215,7 @@ def measure(args: argparse.Namespace, client: TimedClient, sender: WeightSender,
     client.times.clear()
     client.wire.clear()
     client.control.clear()
+    client.hops.clear()
     before = server_sums(client)
     requests = client.requests
     totals, syncs, ends = [], [], []
@@ -226,6 +235,7 @@ def measure(args: argparse.Namespace, client: TimedClient, sender: WeightSender,
     if client.control:  # per call, median: robust where the histogram's mean is not (one slow call)
         out["control_ms"] = {k: round(statistics.median(v), 3) for k, v in client.control.items() if v}
     out["wire_ms"] = {k: round(statistics.median(v), 3) for k, v in client.wire.items() if v}
+    out["hops_ms"] = {k: round(statistics.median(v), 3) for k, v in client.hops.items() if v}
     return {**out, "requests_per_sync": per_sync}, version
 
 

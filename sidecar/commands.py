@@ -110,10 +110,12 @@ class SyncResult:
 @dataclass(frozen=True)
 class UpdateReply:
     """One rank's answer to UpdateWeights: the seconds its start took (0.0 without one), and with `finish`
-    the passed audit."""
+    the passed audit; `rank_s`: the rank's whole time on the command (start, receive, audit), so the
+    sidecar can tell its own hops (driver thread, rank pipe) from the rank's work."""
 
     start_s: float = 0.0
     result: SyncResult | None = None
+    rank_s: float = 0.0
 
 
 # ---- commands -------------------------------------------------------------------------------------

@@ -288,6 +288,7 @@ class RankServer:
             raise InvalidRequestError("model", f"must be 'target' or 'draft', got {cmd.model!r}")
 
     def _update_weights(self, cmd: UpdateWeights) -> UpdateReply:
+        begin = time.perf_counter()
         start_s = 0.0
         if cmd.start is not None:
             t0 = time.perf_counter()
@@ -304,7 +305,8 @@ class RankServer:
                 raise
             start_s = time.perf_counter() - t0
         delivered = self.llm.update_weights(cmd.info, digests_follow=cmd.finish)
-        return UpdateReply(start_s, self._finish(delivered) if cmd.finish else None)
+        result = self._finish(delivered) if cmd.finish else None
+        return UpdateReply(start_s, result, time.perf_counter() - begin)
 
     def _finish_weight_update(self, cmd: FinishWeightUpdate) -> SyncResult:
         return self._finish(cmd.digests)

@@ -246,9 +246,9 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> dict[tuple[str,
         if body.finish:  # every rank audited and committed in this call: the answer is finish's
             lease.closed()
             assert len(results) == len(replies), "a rank answered an update with finish without its audit"
-            note_handler_time(scope, t0)
+            note_handler_time(scope, t0, max(r.rank_s for r in replies))
             return JSONResponse(_finished(state, model, results, audit_s))
-        note_handler_time(scope, t0)
+        note_handler_time(scope, t0, max(r.rank_s for r in replies))
         return JSONResponse({"received": True} if start is None else {"received": True, "model": model,
                                                                       "version": start.version, "started": True})
 

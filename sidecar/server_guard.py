@@ -5,8 +5,8 @@ every route, whatever its handler does.
   says so, else as soon as the bytes received pass the limit (a chunked body). Nothing of it is parsed
   or kept, so one client cannot make the process hold gigabytes.
 - Every answer the app writes carries `Server-Timing: app;dur=MS` (the app's time on the request; the
-  weight calls add `handler;dur=MS`), so a client can split its own time into the wire's, the framework's
-  and the handler's.
+  weight calls add `handler;dur=MS`, and /weights/update `ranks;dur=MS`, the slowest rank's own time), so
+  a client can split its own time into the wire's, the framework's, the sidecar's hops and the ranks'.
 - An exception that no handler took becomes a JSON 500 here. Why not an `exception_handler(Exception)`:
   Starlette runs that one in ServerErrorMiddleware, which re-raises after answering, and uvicorn then
   closes the connection without saying so; the caller's next request on that kept-alive connection
@@ -100,22 +100,28 @@ class RequestGuard:
         await error_response(status, type_, message, field, headers=headers)(scope, receive, send)
 
 
-def note_handler_time(scope: Scope, t0: float) -> None:
-    """A handler's own time (since `t0`, perf_counter) for this request's Server-Timing `handler` entry."""
+def note_handler_time(scope: Scope, t0: float, ranks_s: float | None = None) -> None:
+    """A handler's own time (since `t0`, perf_counter) for this request's Server-Timing `handler` entry, and
+    the slowest rank's own time on its command (`ranks`: the handler minus it is the sidecar's hops)."""
     timing = scope.get(TIMING_KEY)
     if timing is not None:
         timing["handler_ms"] = (time.perf_counter() - t0) * 1e3
+        if ranks_s is not None:
+            timing["ranks_ms"] = ranks_s * 1e3
 
 
 def _server_timing(t0: float, timing: dict[str, float]) -> tuple[bytes, bytes]:
-    """`Server-Timing: app;dur=MS[, handler;dur=MS]`: this app's time on the request, from this middleware's
-    entry (the headers parsed by the server) to the answer's start (the framework, the body and the
-    handler), and the handler's own time where it noted one (the weight calls: what the sidecar's
-    sync_seconds histogram observes). A client subtracts them from its own time per call to see what the
-    wire and its HTTP code cost, and the framework (scripts/bench_client_sync.py reports both)."""
+    """`Server-Timing: app;dur=MS[, handler;dur=MS[, ranks;dur=MS]]`: this app's time on the request, from
+    this middleware's entry (the headers parsed by the server) to the answer's start (the framework, the
+    body and the handler), the handler's own time where it noted one (the weight calls: what the sidecar's
+    sync_seconds histogram observes) and the slowest rank's time on its command (an update). A client
+    subtracts them from its own time per call to see what the wire and its HTTP code cost, the framework,
+    and the sidecar's hops to the ranks and back (scripts/bench_client_sync.py reports each)."""
     value = f"app;dur={(time.perf_counter() - t0) * 1e3:.3f}"
     if "handler_ms" in timing:
         value += f", handler;dur={timing['handler_ms']:.3f}"
+    if "ranks_ms" in timing:
+        value += f", ranks;dur={timing['ranks_ms']:.3f}"
     return b"server-timing", value.encode()
 
 

@@ -85,8 +85,10 @@ def test_a_sync_is_one_request_carrying_start_and_finish(server: Sidecar, sender
             assert wire.paths == ["/weights/update"]
             assert _live(c) == version  # committed when the one answer came
             # what scripts/bench_client_sync.py splits a control message's time by
-            found = dict(re.findall(r"(app|handler);dur=([0-9.]+)", wire.timings["/weights/update"]))
+            found = dict(re.findall(r"(app|handler|ranks);dur=([0-9.]+)", wire.timings["/weights/update"]))
             assert 0 < float(found["handler"]) <= float(found["app"]), wire.timings
+            # the rank's own time on the update, inside the handler's (the rest: the sidecar's hops)
+            assert 0 < float(found["ranks"]) <= float(found["handler"]), wire.timings
         metrics = c.metrics()
         for phase in ("start", "update", "finish", "audit", "total"):  # the server still reports each phase
             assert f'sidecar_weight_sync_seconds_count{{model="target",phase="{phase}"}}' in metrics
