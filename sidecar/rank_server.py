@@ -19,6 +19,7 @@ sidecar process imports this module for `rank_main` and stays free of them.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import signal
@@ -374,6 +375,7 @@ class RankServer:
             "arenas": worker.memory.states() if worker.memory is not None else {},
             "weight_versions": weights.versions, "torn": weights.torn,
             "loaded": weights.loaded, "unfinished": len(self.request_ids),
+            "gc_frozen": gc.get_freeze_count(),  # the warm heap frozen at start (inference/host_heap.py)
         }
 
     def shutdown(self) -> None:

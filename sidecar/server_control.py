@@ -12,6 +12,7 @@ session has a lease (sidecar/weight_lease.py): idle past --weight-session-lease-
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Any
 
@@ -62,6 +63,7 @@ def state_dict(state: ServerState) -> dict[str, Any]:
             "device": pl["device"], "ready": st.get("ready"), "sleeping": st.get("sleeping"),
             "tags": {t: a["state"] for t, a in st.get("arenas", {}).items()},
             "weight_versions": st.get("weight_versions", {}), "torn": st.get("torn", {}),
+            "gc_frozen": st.get("gc_frozen", 0),
             "weights_bytes": pl["weights_bytes"], "kv_blocks": pl["kv_blocks"], "kv_bytes": pl["kv_bytes"]})
     return {
         "healthy": d.failure is None, "failure": d.failure, "paused": d.paused, "busy": d.busy,
@@ -77,6 +79,7 @@ def state_dict(state: ServerState) -> dict[str, Any]:
         "transfer": {"backend": state.config.transfer, "bucket_bytes": state.config.bucket_bytes,
                      "num_receivers": len(state.plans)},
         "uptime_s": time.time() - state.started,
+        "gc_frozen": gc.get_freeze_count(),  # objects this HTTP process froze once serving (host_heap.py)
     }
 
 

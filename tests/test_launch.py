@@ -104,8 +104,11 @@ def test_engine_settings_reach_the_ranks_and_the_key_file_guards_the_api(tmp_pat
         assert "from-a-file" not in cmdline(server.proc.pid)
         assert httpx.get(server.url + "/state", timeout=30).status_code == 401
         with SidecarClient(server.url, api_key="from-a-file") as c:
-            model = c.state()["model"]
+            state = c.state()
+            model = state["model"]
             assert (model["max_model_len"], model["block_size"]) == (96, 8)
+            # both processes froze their warm heap (inference/host_heap.py): torch, the model, FastAPI
+            assert state["gc_frozen"] > 10_000 and state["ranks"][0]["gc_frozen"] > 10_000, state
             # the max_model_len policy of inference/core.py, applied by the rank after tokenizing
             with pytest.raises(SidecarHTTPError) as e:
                 c.generate([list(range(1, 11))], SamplingParams(max_tokens=87))
