@@ -2,7 +2,7 @@
 # One H200 call, unattended: install the carried wheels, then the cuda tests of the paths this
 # session touched (tests) and/or the benchmarks (bench). Logs and JSON lines go to OUTDIR.
 #
-#   scripts/device_check.sh OUTDIR tests FILES...|bench|draft|sync|invariance|verify
+#   scripts/device_check.sh OUTDIR tests FILES...|bench|draft|sync|invariance|verify|verify_rollout
 set -uo pipefail
 out="${1:-${OUT:-./check-out}}"; what="${2:-all}"
 cd "$(dirname "$0")/.."
@@ -43,22 +43,27 @@ run_draft() {
 }
 
 # Issue 24's verify attention that reads each key once (SIDECAR_VERIFY_KEYS_ONCE, off by default): its cuda
-# tests (verify rows racing over NaN caches, the rotation, greedy with a draft equal to without), then the
-# kernel against today's verify kernel and the same sequences' plain decode (7B and 0.5B heads, 5 rows a
-# sequence), then the 7B rollout with the 2-layer draft with it on and off.
+# tests (its cases of the verify rows racing over NaN caches and of the rotation; greedy with a draft equal
+# to without, the switch on), then the kernel against today's verify kernel and the same sequences' plain
+# decode (7B and 0.5B heads, 5 rows a sequence). `verify_rollout`: the 7B rollout with the 2-layer draft
+# with it on and off (about 5 minutes: a call of its own).
 run_verify() {
     SIDECAR_VERIFY_KEYS_ONCE=1 TEST_TIMEOUT=300 run_tests tests/test_triton_attention_rows.py \
-        tests/test_attention_rope.py tests/test_spec_cuda.py -k "verify or spec or greedy or draft"
+        tests/test_attention_rope.py tests/test_spec_cuda.py -k "keys_once or spec or greedy or draft"
     : >"$out/verify.jsonl"
     for shape in 28,4,128 14,2,64; do
         timeout 120 python3 scripts/bench_decode_parts.py --parts attention --shape $shape --verify-rows 5 \
             --variants auto w8 keys_once keys_once_w4 --batches 4 8 16 32 --contexts 640 2048 --max-model-len 4096 \
             2>>"$out/verify.log" | tee -a "$out/verify.jsonl"
     done
+}
+
+run_verify_rollout() {
+    : >"$out/verify_rollout.jsonl"
     local r="python3 -m scripts.bench_rollout --shapes qwen2.5-7b --modes seeded --draft-layers 2 --tail-scale 0.1"
     for once in 1 0; do
         SIDECAR_VERIFY_KEYS_ONCE=$once timeout 200 $r 2>>"$out/verify.log" \
-            | sed "s/^{/{\"verify_keys_once\": $once, /" | tee -a "$out/verify.jsonl"
+            | sed "s/^{/{\"verify_keys_once\": $once, /" | tee -a "$out/verify_rollout.jsonl"
     done
 }
 
@@ -103,5 +108,6 @@ case "$what" in
     sync) run_sync ;;
     invariance) run_invariance ;;
     verify) run_verify ;;
-    *) echo "usage: $0 OUTDIR tests FILES...|bench|draft|sync|invariance|verify"; exit 2 ;;
+    verify_rollout) run_verify_rollout ;;
+    *) echo "usage: $0 OUTDIR tests FILES...|bench|draft|sync|invariance|verify|verify_rollout"; exit 2 ;;
 esac

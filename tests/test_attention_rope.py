@@ -91,7 +91,7 @@ def test_fused_rope_decode_has_the_bits_of_rotary_then_attention(ta: ModuleType,
     assert not fused_run[0][:3].isnan().any()
 
 
-@pytest.mark.parametrize("keys_once", [False, True])
+@pytest.mark.parametrize("keys_once", [False, True], ids=["per_row", "keys_once"])
 @pytest.mark.parametrize("descending", [False, True])
 def test_fused_rope_rotates_verify_rows_at_their_own_positions(ta: ModuleType, descending: bool,
                                                               keys_once: bool) -> None:
@@ -211,7 +211,7 @@ def test_cuda_exact_rounding_rotates_with_rotary_qks_bits(ta: ModuleType, batch:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("keys_once", [False, True])
+@pytest.mark.parametrize("keys_once", [False, True], ids=["per_row", "keys_once"])
 def test_cuda_fused_rope_verify_rows(ta: ModuleType, keys_once: bool) -> None:
     b = make_batch([5, 5, 3], [300, 5, 2000], 14, 2, 64, 16, torch.bfloat16, seed=9, table_width=128)
     backend = ta.TritonAttention(ta.TritonAttentionTiles(verify_keys_once=keys_once))

@@ -86,7 +86,7 @@ def assert_rows_match_reference(backend: object, b: Batch, order: list[int]) -> 
 ROW_SPLITS = [(1, 4), (4, 1)]
 
 
-@pytest.mark.parametrize("keys_once", [False, True])
+@pytest.mark.parametrize("keys_once", [False, True], ids=["per_row", "keys_once"])
 @pytest.mark.parametrize(("splits", "split_tiles"), ROW_SPLITS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_descending_rows_take_earlier_keys_from_the_inputs(ta: ModuleType, splits: int, split_tiles: int,
@@ -101,7 +101,7 @@ def test_descending_rows_take_earlier_keys_from_the_inputs(ta: ModuleType, split
     assert_rows_match_reference(ta.TritonAttention(tiles), rows, order)
 
 
-@pytest.mark.parametrize("keys_once", [False, True])
+@pytest.mark.parametrize("keys_once", [False, True], ids=["per_row", "keys_once"])
 def test_ascending_and_descending_rows_agree_bit_for_bit(ta: ModuleType, keys_once: bool) -> None:
     """A row's output does not depend on where its sequence's other rows sit in the launch."""
     b = make_batch([4, 6], [33, 18], 4, 2, 32, 8, torch.bfloat16, seed=42)
@@ -118,7 +118,7 @@ def test_ascending_and_descending_rows_agree_bit_for_bit(ta: ModuleType, keys_on
     torch.testing.assert_close(outs[True], outs[False], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("keys_once", [False, True])
+@pytest.mark.parametrize("keys_once", [False, True], ids=["per_row", "keys_once"])
 def test_sixteen_rows_of_one_sequence(ta: ModuleType, keys_once: bool) -> None:
     """The most rows of one sequence a launch may hold (tiles.decode_max_rows), descending, GQA 7:1."""
     b = make_batch([16, 1], [30, 7], 7, 1, 16, 8, torch.float32, seed=43)
@@ -128,7 +128,7 @@ def test_sixteen_rows_of_one_sequence(ta: ModuleType, keys_once: bool) -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("keys_once", [False, True])
+@pytest.mark.parametrize("keys_once", [False, True], ids=["per_row", "keys_once"])
 @pytest.mark.parametrize("descending", [False, True])
 @pytest.mark.parametrize(("split_tiles", "fused_combine"), [(2, True), (1, True), (1, False)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
