@@ -18,13 +18,23 @@ from __future__ import annotations
 
 import gc
 import time
+from dataclasses import dataclass
 
 
-def freeze_startup_heap() -> float:
-    """Collect once, then freeze every object alive now (gc.freeze). Returns the seconds that collection
-    took: what each full collection would have cost from then on."""
+@dataclass(frozen=True)
+class HeapFreeze:
+    """What freeze_startup_heap did: the seconds its collection took (what each full collection would have
+    cost from then on) and the objects it froze. Callers keep `objects`: gc.get_freeze_count() walks the
+    whole frozen list (15 ms for 166k objects on the CPU box), far too slow to ask per engine step."""
+
+    seconds: float
+    objects: int
+
+
+def freeze_startup_heap() -> HeapFreeze:
+    """Collect once, then freeze every object alive now (gc.freeze)."""
     t0 = time.perf_counter()
     gc.collect()
     elapsed = time.perf_counter() - t0
     gc.freeze()
-    return elapsed
+    return HeapFreeze(elapsed, gc.get_freeze_count())

@@ -186,7 +186,7 @@ def run_case(llm: LLM, mode: str, work: Workload, warm: Workload, cost: ModelCos
     run(llm, warm, mode)
     llm.block_manager.reset_prefix_cache()
     # as the sidecar's rank does once its engine is warm (inference/host_heap.py); run_shape unfreezes
-    full_collect_s = freeze_startup_heap() if gc_freeze else None
+    full_collect_s = freeze_startup_heap().seconds if gc_freeze else None
     preempted = llm.scheduler.preempted
     spec_before = (llm.spec_stats.proposed, llm.spec_stats.accepted, llm.spec_stats.steps)
     runner = llm.worker.runner

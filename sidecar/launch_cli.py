@@ -272,7 +272,7 @@ def serve(cfg: LaunchConfig, sock: socket.socket, driver: Any, plans: list[dict[
     state = ServerState(driver, cfg, plans, Metrics(driver), tokenizer=tokenizer)
     loop, http = event_loop()
     app = create_app(state)
-    freeze_startup_heap()  # this process serves until it exits (inference/host_heap.py)
+    state.gc_frozen = freeze_startup_heap().objects  # this process serves until it exits (host_heap.py)
     config = uvicorn.Config(app, log_config=None, log_level=cfg.log_level, access_log=False,
                             lifespan="off", timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S, http=http)
     host, port = sock.getsockname()[:2]

@@ -19,7 +19,6 @@ sidecar process imports this module for `rank_main` and stays free of them.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import os
 import signal
@@ -70,7 +69,7 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
     try:
         llm = _build_llm(spec)
         server = RankServer(llm, conn, spec.rank)
-        log.debug("rank %d: startup heap frozen after a %.1f ms collection", spec.rank, 1e3 * freeze_startup_heap())
+        server.gc_frozen = freeze_startup_heap().objects
         conn.send(Reply(True, server.plan(), status=server.status()))
     except BaseException as e:
         log.exception("rank %d failed to start", spec.rank)
@@ -159,6 +158,7 @@ class RankServer:
         self.rank = rank
         self.request_ids: set[str] = set()
         self._finished: list[RequestOutput] = []  # finished by the current command's steps, not yet sent
+        self.gc_frozen = 0  # objects rank_main froze once this server was built (inference/host_heap.py)
         self.handlers: dict[type[Command], Callable[[Any], Any]] = {
             Step: self._step, Sleep: self._sleep, WakeUp: self._wake_up,
             InitWeightTransfer: self._init_weight_transfer, StartWeightUpdate: self._start_weight_update,
@@ -375,7 +375,7 @@ class RankServer:
             "arenas": worker.memory.states() if worker.memory is not None else {},
             "weight_versions": weights.versions, "torn": weights.torn,
             "loaded": weights.loaded, "unfinished": len(self.request_ids),
-            "gc_frozen": gc.get_freeze_count(),  # the warm heap frozen at start (inference/host_heap.py)
+            "gc_frozen": self.gc_frozen,  # the warm heap frozen at start (inference/host_heap.py)
         }
 
     def shutdown(self) -> None:

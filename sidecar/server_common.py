@@ -49,6 +49,7 @@ class ServerState:
     intake: Any = None  # sidecar.server_intake.Intake: limits and tokenization of generation calls (create_app)
     started: float = field(default_factory=time.time)
     sync_started: dict[str, tuple[float, int]] = field(default_factory=dict)  # model -> (t0, bytes)
+    gc_frozen: int = 0  # objects this process froze once serving (launch_cli.serve, inference/host_heap.py)
 
     @property
     def vocab_size(self) -> int:

@@ -12,7 +12,6 @@ session has a lease (sidecar/weight_lease.py): idle past --weight-session-lease-
 
 from __future__ import annotations
 
-import gc
 import time
 from typing import Any
 
@@ -79,7 +78,7 @@ def state_dict(state: ServerState) -> dict[str, Any]:
         "transfer": {"backend": state.config.transfer, "bucket_bytes": state.config.bucket_bytes,
                      "num_receivers": len(state.plans)},
         "uptime_s": time.time() - state.started,
-        "gc_frozen": gc.get_freeze_count(),  # objects this HTTP process froze once serving (host_heap.py)
+        "gc_frozen": state.gc_frozen,  # objects this HTTP process froze once serving (host_heap.py)
     }
 
 

@@ -25,8 +25,9 @@ CHILD = textwrap.dedent("""
     llm = LLM(None, device="cpu", max_model_len=64)
     llm.generate(["warm"], None)
     held, before = cycle()  # alive at the freeze, dropped after it
-    seconds = freeze_startup_heap()
-    frozen = gc.get_freeze_count()
+    done = freeze_startup_heap()
+    seconds, frozen = done.seconds, gc.get_freeze_count()
+    assert done.objects == frozen
     held, after = cycle()  # the first cycle's last outside reference goes; this one is made after the freeze
     del held
     gc.collect()
