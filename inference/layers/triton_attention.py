@@ -3,7 +3,7 @@
 Same contract as ReferenceAttention (see inference/layers/attention.py and inference/batch.py); this
 module imports triton, so import it only where triton is installed (attention.py registers it lazily).
 
-Kernels (in inference/layers/triton_attention_kernels.py):
+Kernels (in inference/layers/triton_attention_kernels.py; the split-KV end in attention_splits.py):
   _store_kv_kernel          one program per token: writes its k/v at slot_mapping[t]; slot < 0 (the
                             padded rows of CUDA-graph batches) is skipped. Prefill only (decode fuses it).
   _paged_attention_kernel   one program per (query tile, kv head, kv split). A tile holds BLOCK_Q
@@ -60,16 +60,11 @@ import triton
 from inference import envs
 from inference.batch import AttentionMetadata
 from inference.core import StateError
+from inference.layers.attention_splits import _combine_splits_kernel
 from inference.layers.merge_counters import MergeCounters
 from inference.layers.pdl import launch_kwargs
 from inference.layers.rotary import Rope
-from inference.layers.triton_attention_kernels import (
-    _INTERPRET,
-    LOG2E,
-    _combine_splits_kernel,
-    _paged_attention_kernel,
-    _store_kv_kernel,
-)
+from inference.layers.triton_attention_kernels import _INTERPRET, LOG2E, _paged_attention_kernel, _store_kv_kernel
 from inference.layers.verify_attention import _verify_attention_kernel
 
 # SIDECAR_INVARIANT_FUSED_ROPE: the batch-invariant tiles rotate in the decode kernel, contraction off

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from inference import envs
+from inference.layers.attention_splits import _finish_splits
 from inference.layers.pdl import launch_dependents, wait
 
 LOG2E = 1.4426950408889634
@@ -161,35 +162,6 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _finish_splits(out_ptrs, out_mask, part_m_ptr, part_l_ptr, part_acc_ptr, part, counter_ptr, counter, m_i, l_i, acc,
-                   row_valid, d, split, n_active, ROWS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   FUSED_COMBINE: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, UNROLL: tl.constexpr):
-    """A decode program's end: one split normalizes and stores its rows; several, with FUSED_COMBINE, write
-    partials ([T, Hq, NUM_SPLITS(, D)] at `part`) and the last of the n_active live splits to finish (an
-    acq_rel ticket on counter_ptr[counter], reset by it) merges them; without it every split writes its
-    partial and _combine_splits_kernel merges."""
-    if NUM_SPLITS == 1:
-        _store_normalized(out_ptrs, acc, l_i, out_mask)
-    elif FUSED_COMBINE:
-        if n_active <= 1:  # the whole context is in split 0 (or empty): single pass
-            if split == 0:
-                _store_normalized(out_ptrs, acc, l_i, out_mask)
-        elif split < n_active:
-            _store_partial(part_m_ptr, part_l_ptr, part_acc_ptr, part + split, d, m_i, l_i, acc, row_valid,
-                           HEAD_DIM_PAD)
-            # Every thread's partial is written before the release; the acquire orders the merge's loads.
-            tl.debug_barrier()
-            ticket = tl.atomic_add(counter_ptr + counter, 1, sem="acq_rel", scope="gpu")
-            if ticket == n_active - 1:
-                _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr, part, d, n_active, row_valid, out_ptrs,
-                                out_mask, ROWS, NUM_SPLITS, HEAD_DIM_PAD, UNROLL)
-                tl.store(counter_ptr + counter, 0)
-    else:  # every split writes, even an empty one; _combine_splits_kernel merges
-        _store_partial(part_m_ptr, part_l_ptr, part_acc_ptr, part + split, d, m_i, l_i, acc, row_valid,
-                       HEAD_DIM_PAD)
-
-
-@triton.jit
 def _attend_tile(t, lo, hi, ctx, max_rows, num_seqs, seq, kvh, q, q_pos, m_i, l_i, acc, bt_ptr, stride_bt,
                  kc_ptr, vc_ptr, stride_cb, stride_cs, stride_ch, d, d_valid, k_new, v_new, slot_ptr, k_ptr, v_ptr,
                  cs_ptr, stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, window,
@@ -335,73 +307,3 @@ def _store_new_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, seq, kvh, d, d_valid, 
     tl.store(kc_ptr + dst, k_new, mask=mask)
     tl.store(vc_ptr + dst, v_new, mask=mask)
     return k_new, v_new
-
-
-@triton.jit
-def _store_normalized(out_ptrs, acc, l_i, mask):
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _store_partial(part_m_ptr, part_l_ptr, part_acc_ptr, part, d, m_i, l_i, acc, row_valid,
-                   HEAD_DIM_PAD: tl.constexpr):
-    tl.store(part_m_ptr + part, m_i, mask=row_valid)
-    tl.store(part_l_ptr + part, l_i, mask=row_valid)
-    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + d[None, :], acc, mask=row_valid[:, None])
-
-
-@triton.jit
-def _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr, part, d, n_active, row_valid, out_ptrs, out_mask,
-                    ROWS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, UNROLL: tl.constexpr):
-    """Merge the partials of splits [0, n_active) of each row, in split order (the result does not
-    depend on which split merges). Loads bypass L1 (.cg): the other splits wrote through L2. UNROLL: the
-    loads of all live splits in flight at once (a decode tile's 16 rows); else one split at a time, the
-    same bits (a split past n_active adds exact zeros), for tiles whose rows would not fit the registers
-    NUM_SPLITS times (verify_attention.py's 64: 255 registers a thread against 151 unmerged, sm_90)."""
-    s = tl.arange(0, NUM_SPLITS)
-    live = row_valid[:, None] & (s[None, :] < n_active)
-    ms = tl.load(part_m_ptr + part[:, None] + s[None, :], mask=live, other=float("-inf"), cache_modifier=".cg")
-    ls = tl.load(part_l_ptr + part[:, None] + s[None, :], mask=live, other=0.0, cache_modifier=".cg")
-    m_max = tl.max(ms, axis=1)
-    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
-    denom = tl.sum(tl.exp2(ms - m_ref[:, None]) * ls, axis=1)
-    total = tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32)
-    if UNROLL:
-        for j in tl.static_range(NUM_SPLITS):
-            total = _add_split(part_m_ptr, part_acc_ptr, part, d, j, n_active, row_valid, m_ref, total, HEAD_DIM_PAD)
-    else:
-        for j in range(0, n_active):
-            total = _add_split(part_m_ptr, part_acc_ptr, part, d, j, n_active, row_valid, m_ref, total, HEAD_DIM_PAD)
-    _store_normalized(out_ptrs, total, denom, out_mask)
-
-
-@triton.jit
-def _add_split(part_m_ptr, part_acc_ptr, part, d, j, n_active, row_valid, m_ref, total, HEAD_DIM_PAD: tl.constexpr):
-    """total + split j's partial accumulator, rescaled to the rows' common max (nothing past n_active)."""
-    live_j = row_valid & (part * 0 + j < n_active)  # a vector: scalar mask terms trip the interpreter
-    m_j = tl.load(part_m_ptr + part + j, mask=live_j, other=float("-inf"), cache_modifier=".cg")
-    a_j = tl.load(part_acc_ptr + (part + j)[:, None] * HEAD_DIM_PAD + d[None, :], mask=live_j[:, None],
-                  other=0.0, cache_modifier=".cg")
-    return total + a_j * tl.exp2(m_j - m_ref)[:, None]
-
-
-@triton.jit
-def _combine_splits_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_ot, stride_oh,
-                           NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                           PDL: tl.constexpr):
-    launch_dependents(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    wait(PDL)
-    base = (t * tl.num_programs(1) + h) * NUM_SPLITS
-    s = base + tl.arange(0, NUM_SPLITS)
-    d = tl.arange(0, HEAD_DIM_PAD)
-    m = tl.load(part_m_ptr + s)
-    l_s = tl.load(part_l_ptr + s)
-    m_max = tl.max(m, axis=0)
-    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits (m = -inf) weigh 0
-    denom = tl.sum(w * l_s, axis=0)
-    acc = tl.load(part_acc_ptr + s[:, None] * HEAD_DIM_PAD + d[None, :])
-    out = tl.sum(acc * w[:, None], axis=0) / tl.where(denom > 0.0, denom, 1.0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)

@@ -35,8 +35,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from inference.layers.attention_splits import _finish_splits
 from inference.layers.pdl import launch_dependents, wait
-from inference.layers.triton_attention_kernels import _dot, _finish_splits, _rotate, _softmax_step
+from inference.layers.triton_attention_kernels import _dot, _rotate, _softmax_step
 
 
 @triton.jit
