@@ -18,7 +18,7 @@ from inference.core import (
     StateError,
 )
 
-_LAZY = {"LLM": "inference.llm", "Worker": "inference.worker", "EngineConfig": "inference.config"}
+_LAZY = {"LLM": "inference.engine.llm", "Worker": "inference.engine.worker", "EngineConfig": "inference.config"}
 
 __all__ = [
     "LLM",

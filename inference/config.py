@@ -120,7 +120,7 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    # None or 0: auto, chosen from the KV cache at sizing (inference/worker.py resolve_max_num_seqs);
+    # None or 0: auto, chosen from the KV cache at sizing (inference/engine/worker.py resolve_max_num_seqs);
     # the resolved value is run-time state (Worker.max_num_seqs), never written back here.
     max_num_seqs: int | None = None
     max_num_batched_tokens: int = 8192

@@ -139,7 +139,7 @@ FAST_HTTP = _switch("SIDECAR_FAST_HTTP", bool, True,
                     "call")
 HOT_ROUTES = _switch("SIDECAR_HOT_ROUTES", bool, True,
                     "the sidecar answers a valid POST /weights/update (the one request of a sync) without "
-                    "FastAPI's routing and validation pass (sidecar/server_hot.py); 0 sends it through the "
+                    "FastAPI's routing and validation pass (sidecar/http/hot.py); 0 sends it through the "
                     "FastAPI route like every other request (A/B benchmarks)", "call")
 API_KEY = _switch("SIDECAR_API_KEY", str, None,
                   "the API key: `sidecar launch` requires it (the api_key field's SIDECAR_<FIELD> variable), "

@@ -56,9 +56,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from checksum import ALGORITHMS, pick_algorithm
 from inference.transfer.sender import WeightSender
+from sidecar.cli.demo import SidecarProcess
 from sidecar.client import SidecarClient
-from sidecar.demo_cli import SidecarProcess
-from sidecar.demo_task import DemoModel, resolve_model
+from sidecar.demo.task import DemoModel, resolve_model
 
 PHASES = ("start", "update", "finish", "audit")
 _PATHS = {"/weights/start": "start", "/weights/update": "update", "/weights/finish": "finish", "/audit": "audit"}
@@ -110,7 +110,7 @@ class TimedClient(SidecarClient):
 
 
 def _server_timing(resp: Any) -> tuple[float | None, float | None, float | None]:
-    """The sidecar's `Server-Timing` app, handler and ranks durations (ms; sidecar/server_guard.py), None
+    """The sidecar's `Server-Timing` app, handler and ranks durations (ms; sidecar/http/guard.py), None
     where absent."""
     header = resp.headers.get("server-timing", "") if resp is not None else ""
     found = dict(re.findall(r"(app|handler|ranks);dur=([0-9.]+)", header))

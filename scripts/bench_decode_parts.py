@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from inference.batch import AttentionMetadata
 from inference.core import SamplingParams
 from inference.layers.attention import ReferenceAttention
-from inference.sampler import SamplingBatch, sample, sample_reference
+from inference.sample.sampler import SamplingBatch, sample, sample_reference
 from scripts.bench_attention import decode_case, graph_replay, timer
 
 VARIANTS = {"previous": {"decode_split_tiles": 1, "fused_combine": False, "fused_decode_store": False},

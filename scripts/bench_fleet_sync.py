@@ -60,9 +60,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from inference.core import SamplingParams
-from inference.tiny import TinyModelSpec, write_model_dir
+from inference.models.tiny import TinyModelSpec, write_model_dir
 from inference.transfer.sender import WeightSender
-from sidecar.demo_task import QWEN2_05B, resolve_model
+from sidecar.demo.task import QWEN2_05B, resolve_model
 from trainer_hooks.client import SidecarClient
 from trainer_hooks.fleet import Fleet
 
@@ -292,7 +292,7 @@ def launch_command(args: argparse.Namespace, model_dir: Path, one: bool) -> list
     gpus = args.gpus.split(",") if args.gpus else ["0"] * sum(sizes)
     if one:
         sizes, gpus = sizes[:1], gpus[:sizes[0]]
-    cmd = [sys.executable, "-m", "sidecar.cli", "fleet", "--replicas", str(len(sizes)),
+    cmd = [sys.executable, "-m", "sidecar.cli.main", "fleet", "--replicas", str(len(sizes)),
            "--tp", ",".join(map(str, sizes)), "--port", "0", "--device", args.device,
            "--startup-timeout-s", str(args.timeout_s)]
     if args.device == "cuda":

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from inference.core import SamplingParams
-from inference.llm import LLM
-from inference.loader import load_named_tensors
+from inference.engine.llm import LLM
+from inference.models.loader import load_named_tensors
 
 SHAPES = {
     "qwen2-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from inference.core import SamplingParams
-from inference.llm import LLM
+from inference.engine.llm import LLM
 
 
 class StageClock:
@@ -129,8 +129,8 @@ def graph_forward_us(llm: LLM, batch: int) -> float:
 def build_llm(model: str, device: str, max_batch: int, max_len: int, overlap: bool) -> LLM:
     if model == "tiny":
         return LLM(None, device=device, max_num_seqs=max_batch, max_model_len=max_len, async_scheduling=overlap)
-    from inference.tiny import hf_config
-    from sidecar.demo_task import QWEN2_05B
+    from inference.models.tiny import hf_config
+    from sidecar.demo.task import QWEN2_05B
 
     d = Path(tempfile.mkdtemp(prefix="bench-host-"))
     (d / "config.json").write_text(json.dumps(hf_config(QWEN2_05B)))

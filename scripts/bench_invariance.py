@@ -50,8 +50,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file from a checkout too
 
 from inference.core import RequestOutput, SamplingParams
-from inference.llm import LLM
-from inference.tiny import first_layers
+from inference.engine.llm import LLM
+from inference.models.tiny import first_layers
 from scripts import bench_invariance_fp32 as fp32
 from scripts import bench_invariance_speed as speed
 
@@ -170,7 +170,7 @@ def build(args: argparse.Namespace, *, invariant: bool, kv_bytes: int | None = N
     if kv_bytes is not None:
         kw["kv_cache_bytes"] = kv_bytes
     if args.shape == "tiny":
-        from inference.tiny import default_model_dir
+        from inference.models.tiny import default_model_dir
 
         model_dir = default_model_dir()
         if draft:

@@ -7,7 +7,7 @@ by copy_), built by build_model in float32 on the same device with the plain lay
 attention. One forward of prompt + completion per request (trainer_hooks/logprob_gap.trainer_logprobs,
 the trainer-side gap's code) gives each generated token's fp32 logprob: the raw log_softmax of the
 logits at temperature 1, which is what the engine reports for greedy and for temperature-1 sampling
-(SamplingParams logprobs_mode="raw", the default; inference/sampler.py gathers raw.logprobs). Lines:
+(SamplingParams logprobs_mode="raw", the default; inference/sample/sampler.py gathers raw.logprobs). Lines:
 
 - invariance_fp32_error: per (engine, mode), mean / max |engine logprob - fp32 logprob| over the tokens;
 - invariance_fp32_error_cmp: per mode, the batch-invariant engine's mean against the default's.
@@ -29,7 +29,7 @@ from torch import nn
 
 from inference.batch import AttentionMetadata
 from inference.core import RequestOutput
-from inference.llm import LLM
+from inference.engine.llm import LLM
 from inference.models import DecoderForCausalLM, build_model
 from inference.parallel import TPInfo
 from trainer_hooks.logprob_gap import completions, trainer_logprobs

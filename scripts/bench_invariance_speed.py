@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 
 from inference.core import SamplingParams
-from inference.llm import LLM
+from inference.engine.llm import LLM
 
 DEFAULT_BATCHES = {"tiny": (1, 8), "qwen2-0.5b": (1, 128), "qwen2.5-7b": (64,)}
 BOUND = 1.10  # issue 23: the mode's time per token over the default's

@@ -45,9 +45,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file from a checkout too
 
 from inference.core import SamplingParams
-from inference.host_heap import freeze_startup_heap
-from inference.llm import LLM
-from inference.step_stats import StepLog
+from inference.engine.llm import LLM
+from inference.engine.step_stats import StepLog
+from inference.memory.host_heap import freeze_startup_heap
 from scripts.rollout_cost import (
     GCPauses,
     ModelCost,
@@ -155,7 +155,7 @@ def build_llm(shape: str, args: argparse.Namespace, max_len: int) -> LLM:
         kw["kv_cache_bytes"] = int(args.kv_gib * 2**30)
     if shape == "tiny":
         if args.draft_layers:  # the tiny model drafts for itself (every draft token accepted): CPU smoke runs
-            from inference.tiny import default_model_dir
+            from inference.models.tiny import default_model_dir
 
             kw.update(draft_model=str(default_model_dir()), num_speculative_tokens=args.k,
                       spec_max_batch=args.spec_max_batch)
@@ -185,7 +185,7 @@ def run_case(llm: LLM, mode: str, work: Workload, warm: Workload, cost: ModelCos
     llm.block_manager.reset_prefix_cache()
     run(llm, warm, mode)
     llm.block_manager.reset_prefix_cache()
-    # as the sidecar's rank does once its engine is warm (inference/host_heap.py); run_shape unfreezes
+    # as the sidecar's rank does once its engine is warm (inference/memory/host_heap.py); run_shape unfreezes
     full_collect_s = freeze_startup_heap().seconds if gc_freeze else None
     preempted = llm.scheduler.preempted
     spec_before = (llm.spec_stats.proposed, llm.spec_stats.accepted, llm.spec_stats.steps)
@@ -315,7 +315,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     """Run every shape x mode; print and return one row per case."""
-    from inference.worker import resolve_device
+    from inference.engine.worker import resolve_device
 
     args = parse_args(argv)
     rates = measure_rates(resolve_device(args.device))

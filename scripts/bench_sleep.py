@@ -34,8 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from inference.memory import KV_TAG, Arena, round_up
-from inference.sleep import MemoryManager
+from inference.memory.arenas import KV_TAG, Arena, round_up
+from inference.memory.sleep import MemoryManager
 from scripts.sleep_peer import PeerCycles, load_peer, peer_cycles
 
 # Qwen2.5-7B: untied embeddings, qkv biases.

@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file from a checkout too
 
 from inference.core import SamplingParams
-from inference.llm import LLM
+from inference.engine.llm import LLM
 from scripts.bench_generate import SHAPES
 
 DAMPED = ("o_proj.weight", "down_proj.weight")

@@ -52,9 +52,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from checksum import ALGORITHM, DEVICE_ALGORITHM, can_hash_on
 from inference.config import ModelConfig
 from inference.models import build_model
-from inference.naming import expected_hf_tensors
+from inference.models.naming import expected_hf_tensors
+from inference.models.tiny import TinyModelSpec, hf_config
 from inference.parallel import TPInfo
-from inference.tiny import TinyModelSpec, hf_config
 from inference.transfer.sender import WeightSender
 from inference.weights.updater import WeightUpdater
 from scripts.sync_peers import (

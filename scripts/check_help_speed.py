@@ -2,7 +2,7 @@
 
     python scripts/check_help_speed.py [--runs 5] [--limit 1.0]
 
-Runs the installed `sidecar` script when it is on PATH (what a user types), else `python -m sidecar.cli`,
+Runs the installed `sidecar` script when it is on PATH (what a user types), else `python -m sidecar.cli.main`,
 each command `--runs` times in a fresh process, and prints the median and worst wall time per command.
 Exit status 1 when any command's worst time reaches --limit seconds. A script rather than a timed test:
 on a shared machine a test would fail for reasons of load, not of code; run it on an idle one.
@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _command() -> list[str]:
     script = shutil.which("sidecar")
-    return [script] if script else [sys.executable, "-m", "sidecar.cli"]
+    return [script] if script else [sys.executable, "-m", "sidecar.cli.main"]
 
 
 def time_help(command: list[str], env: dict[str, str]) -> float:
@@ -42,7 +42,7 @@ def main() -> int:
     p.add_argument("--limit", type=float, default=1.0, help="seconds every run must stay under (default 1.0)")
     args = p.parse_args()
     sys.path.insert(0, str(REPO))
-    from sidecar.cli import COMMANDS
+    from sidecar.cli.main import COMMANDS
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(x for x in (str(REPO), os.environ.get("PYTHONPATH")) if x)}
     base = _command()

@@ -78,7 +78,7 @@ run_sync() {
             --device cuda --iters 20 2>>"$out/sync.log" | sed "s/^{/{\"hot_routes\": $hot, /" | tee -a "$out/sync.jsonl"
     done
     timeout 100 python3 scripts/bench_sync.py --shape all --backend ipc 2>>"$out/sync.log" | tee -a "$out/sync.jsonl"
-    timeout 150 python3 -m sidecar.cli demo --model qwen2-0.5b --device cuda --backend ipc --sleep-level 2 --steps 4 \
+    timeout 150 python3 -m sidecar.cli.main demo --model qwen2-0.5b --device cuda --backend ipc --sleep-level 2 --steps 4 \
         >"$out/demo.log" 2>&1
     tail -n 1 "$out/demo.log" | tee -a "$out/sync.jsonl"
 }

@@ -78,7 +78,7 @@ class Tally:
 
 def launch(cfg: LoadConfig) -> tuple[subprocess.Popen, str]:
     """`sidecar launch` on 127.0.0.1, port 0; returns once it prints its 'serving on' line."""
-    cmd = [sys.executable, "-m", "sidecar.cli", "launch", "--host", "127.0.0.1", "--port", "0", "--device", "cpu",
+    cmd = [sys.executable, "-m", "sidecar.cli.main", "launch", "--host", "127.0.0.1", "--port", "0", "--device", "cpu",
            "--kv-cache-bytes", str(cfg.kv_cache_bytes), "--log-level", "warning", "--hold-while-asleep",
            "--max-model-len", "256", *(f"--{k.replace('_', '-')}={v}" for k, v in LIMITS.items())]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
@@ -215,7 +215,7 @@ async def drive_http(url: str, tally: Tally, cfg: LoadConfig, deadline: float) -
 def dying_sender(out: Any, version: int, bucket_bytes: int, timeout_s: float) -> None:
     """Spawned: join the sidecar as a sender, send other weights, and stall after two bucket messages
     until the parent SIGKILLs this process."""
-    from inference.tiny import TinyModelSpec, random_weights
+    from inference.models.tiny import TinyModelSpec, random_weights
     from inference.transfer.sender import WeightSender
 
     sender = WeightSender("gloo", bucket_bytes=bucket_bytes, timeout_s=timeout_s)
@@ -241,7 +241,7 @@ class Trainer:
     """The control loop's state: one client, the live sender, the next version, two weight sets."""
 
     def __init__(self, url: str, tally: Tally) -> None:
-        from inference.tiny import DEFAULT_TINY, TinyModelSpec, random_weights
+        from inference.models.tiny import DEFAULT_TINY, TinyModelSpec, random_weights
         from sidecar.client import SidecarClient
 
         self.client = SidecarClient(url, timeout=180)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from inference.llm import LLM
-from inference.step_stats import StepRecord
+from inference.engine.llm import LLM
+from inference.engine.step_stats import StepRecord
 
 
 class StepProbe:

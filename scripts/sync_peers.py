@@ -11,7 +11,7 @@ import pickle
 import torch
 
 from inference.config import ModelConfig
-from inference.loader import load_hf_tensor
+from inference.models.loader import load_hf_tensor
 from inference.transfer.groups import TransferGroup
 
 PEER_BUCKET_BYTES = 2 << 30

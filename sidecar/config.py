@@ -1,7 +1,7 @@
 """The launch configuration of `sidecar launch`: one frozen dataclass, the only declaration of its options.
 
 Each field carries its help text and bounds (field metadata). Everything else is generated from the
-fields: the command-line flags with their types, defaults and help (sidecar/launch_cli.py), the
+fields: the command-line flags with their types, defaults and help (sidecar/cli/launch.py), the
 SIDECAR_<FIELD> environment variables (read through inference/envs.py), the config-file keys, the
 validation, and, for fields marked `engine`, the EngineConfig every rank runs (`engine_config`).
 docs/configuration.md lists them; tests/test_config.py holds that list and the engine mapping complete.

@@ -5,7 +5,7 @@ Placement: one placement-group bundle per replica, {"CPU": cpus_per_replica, "GP
 `strategy` (Ray's PACK, SPREAD, STRICT_PACK, STRICT_SPREAD) says how the replicas spread over nodes.
 Replica i's actor holds bundle i and runs, as its child process,
 `sidecar launch --dp-rank i --tp T_i --host <its node's IP> --port 0 --device D [--devices 0..T_i-1]`
-plus the launch flags given (sidecar/fleet_cli.py ReplicaPlan builds the line):
+plus the launch flags given (sidecar/cli/fleet.py ReplicaPlan builds the line):
 - Ray sets the actor's CUDA_VISIBLE_DEVICES to its bundle's GPUs, so devices 0..T_i-1 are those;
   a fractional `gpus_per_replica` (TP 1) lets several replicas share one GPU.
 - Port 0: the replica binds a free port on its node. The node's IP is the one Ray reaches it by,
@@ -45,8 +45,8 @@ from typing import Any
 
 from inference.core import InvalidRequestError
 from sidecar.child_process import die_with_parent, stdout_lines
+from sidecar.cli.fleet import STOP_TIMEOUT_S, ReplicaPlan, launch_flags, plan_replicas
 from sidecar.config import LaunchConfig
-from sidecar.fleet_cli import STOP_TIMEOUT_S, ReplicaPlan, launch_flags, plan_replicas
 from trainer_hooks.fleet import Fleet
 from trainer_hooks.fleet_replicas import FleetError
 
@@ -103,7 +103,7 @@ class ReplicaProcess:
 
     def poll(self, wait_s: float) -> dict[str, Any]:
         """{"url": ...} once it serves, {"exited": code, "tail": ...} if it ended, {} while it starts."""
-        from sidecar.launch_cli import SERVING_LINE  # the line's owner
+        from sidecar.cli.launch import SERVING_LINE  # the line's owner
 
         pattern = re.compile(re.escape(SERVING_LINE).replace(re.escape("{url}"), r"(\S+)"))
         deadline = time.monotonic() + wait_s

@@ -11,8 +11,8 @@ import torch
 
 from inference.batch import AttentionMetadata
 from inference.config import ModelConfig
-from inference.loader import load_weights
 from inference.models import DecoderForCausalLM, build_model
+from inference.models.loader import load_weights
 from inference.parallel import TPInfo
 
 _BASE: dict[str, Any] = dict(

@@ -49,7 +49,7 @@ class Sidecar:
 
 def launch(*args: str, env: dict[str, str] | None = None, timeout: float = START_TIMEOUT_S) -> Sidecar:
     """Start `sidecar launch --port 0 --device cpu ...` and wait for its "serving on" line."""
-    cmd = [sys.executable, "-m", "sidecar.cli", "launch", "--port", "0", "--device", "cpu",
+    cmd = [sys.executable, "-m", "sidecar.cli.main", "launch", "--port", "0", "--device", "cpu",
            "--kv-cache-bytes", str(KV_BYTES), "--log-level", "warning", *args]
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
@@ -203,8 +203,8 @@ def loader_digests(model_dir: str | Path, tp_size: int = 1) -> dict[str, dict[st
 
     from checksum import digest_tensors
     from inference.config import ModelConfig
-    from inference.loader import load_weights
     from inference.models import build_model
+    from inference.models.loader import load_weights
     from inference.parallel import TPInfo
 
     config = ModelConfig.from_dir(model_dir)
@@ -282,7 +282,7 @@ def check_killed_sender_recovers(server: Sidecar, backend: str, device: str, pro
 
     import pytest
 
-    from inference.tiny import TinyModelSpec, random_weights
+    from inference.models.tiny import TinyModelSpec, random_weights
     from inference.transfer.sender import WeightSender
     from sidecar.client import SidecarClient, SidecarStateError, SidecarTransferError
 

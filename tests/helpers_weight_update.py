@@ -13,13 +13,13 @@ from safetensors.torch import save_file
 
 from checksum import digest_tensors
 from inference.config import EngineConfig, ModelConfig
-from inference.loader import iter_hf_tensors, load_weights
+from inference.engine.worker import Worker
 from inference.models import build_model
+from inference.models.loader import iter_hf_tensors, load_weights
+from inference.models.tiny import make_tiny_model
 from inference.parallel import TPInfo
-from inference.tiny import make_tiny_model
 from inference.transfer.sender import WeightSender
 from inference.weights.state import UpdateResult
-from inference.worker import Worker
 
 DIMS = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96)
 BUCKET = 16 << 10  # the 128 KiB embedding spans 8 buckets

@@ -26,8 +26,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from inference.core import SamplingParams  # noqa: E402
-from inference.llm import LLM  # noqa: E402
-from inference.tiny import DEFAULT_TINY, default_model_dir, random_weights  # noqa: E402
+from inference.engine.llm import LLM  # noqa: E402
+from inference.models.tiny import DEFAULT_TINY, default_model_dir, random_weights  # noqa: E402
 from inference.transfer.sender import WeightSender  # noqa: E402
 from tests.helpers_sidecar import KV_BYTES, Sidecar, launch  # noqa: E402
 from trainer_hooks.client import SidecarClient  # noqa: E402

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import inference.cuda_graphs as cuda_graphs_module
-import inference.runner as runner_module
+import inference.runner.cuda_graphs as cuda_graphs_module
+import inference.runner.runner as runner_module
 from inference.config import SchedulerConfig
 from inference.core import FinishReason, RequestOutput, SamplingParams
-from inference.llm import LLM
-from inference.pending_tokens import resolve_pending, resolve_pending_torch
-from inference.scheduler import ScheduledBatch, Scheduler
-from inference.sequence import Sequence, placeholder, placeholder_row
+from inference.engine.llm import LLM
+from inference.runner.pending_tokens import resolve_pending, resolve_pending_torch
+from inference.sched.scheduler import ScheduledBatch, Scheduler
+from inference.sched.sequence import Sequence, placeholder, placeholder_row
 from tests.helpers_models import make_hf_checkpoint, random_prompts
 from tests.test_scheduler import BS, VOCAB, FakeRunner, add_request, make
 

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 
 from checksum import ChecksumMismatch, DeviceDigester, device_digest, digest_bytes, flat_bytes
 from checksum.definition import DEVICE_ALGORITHM
-from inference.tiny import make_tiny_model
+from inference.models.tiny import make_tiny_model
 from inference.weights import audit
 from tests.helpers_weight_update import DIMS, Q1, RANK, Link, make_worker, perturbed
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from checksum import manifest_from_tensors
-from inference.loader import iter_hf_tensors
-from inference.tiny import make_tiny_model
-from sidecar.cli import main
+from inference.models.loader import iter_hf_tensors
+from inference.models.tiny import make_tiny_model
+from sidecar.cli.main import main
 from tests.helpers_sidecar import REPO, Sidecar, launch
 
 
@@ -35,7 +35,7 @@ def server(model_dir: Path) -> Iterator[Sidecar]:
 def audit_process(*args: str) -> subprocess.CompletedProcess[str]:
     """The command exactly as docs/checksums.md writes it, in a process of its own."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    return subprocess.run([sys.executable, "-m", "sidecar.cli", "audit", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "sidecar.cli.main", "audit", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from checksum import Manifest, manifest_from_tensors, rank_key, save_manifests
-from sidecar.cli import main
+from sidecar.cli.main import main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -120,7 +120,7 @@ def test_no_actual_manifest_exits_2(files: dict[str, Path], capsys: pytest.Captu
 def test_command_line_process(files: dict[str, Path], tmp_path: Path) -> None:
     """The real entry point: exit codes, the table on stdout, no traceback on bad input."""
     def audit(*paths: Path) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "sidecar.cli", "audit", *map(str, paths)],
+        return subprocess.run([sys.executable, "-m", "sidecar.cli.main", "audit", *map(str, paths)],
                               capture_output=True, text=True, cwd=REPO, timeout=120)
 
     bad = audit(files["expected"], files["bad"])  # exit 0 is covered in-process above

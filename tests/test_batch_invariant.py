@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from inference.core import RequestOutput, SamplingParams
-from inference.llm import LLM
-from inference.tiny import first_layers, make_tiny_model
+from inference.engine.llm import LLM
+from inference.models.tiny import first_layers, make_tiny_model
 
 NEW = 12
 PREFIX = 12  # three blocks of 4: the shared prefix a cache hit covers

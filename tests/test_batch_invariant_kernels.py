@@ -26,7 +26,7 @@ from inference.layers.attention_invariant import TiledReferenceAttention, batch_
 from inference.layers.invariant import row_sum, silu_and_mul_invariant, tiled_linear
 from inference.layers.linear import RowParallelLinear
 from inference.parallel import TPInfo
-from inference.sampler import SamplingBatch, row_chunks, row_stats_triton, sample
+from inference.sample.sampler import SamplingBatch, row_chunks, row_stats_triton, sample
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(gemv_mod.triton is None, reason="triton is not installed")

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from inference.core import CompletionOutput, RequestOutput, SamplingParams
-from inference.llm import LLM
-from inference.tiny import default_model_dir
+from inference.engine.llm import LLM
+from inference.models.tiny import default_model_dir
 from scripts import bench_invariance as bench
 from scripts import bench_invariance_fp32 as fp32
 

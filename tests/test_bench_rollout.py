@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from inference.llm import LLM
+from inference.engine.llm import LLM
 from scripts.bench_rollout import ModelCost, draw_workload, main, parse_args, submit
 
 SMOKE = ["--shapes", "tiny", "--prompts", "4", "--samples", "2", "--prompt-min", "8", "--prompt-max", "24",

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from inference import block_manager as bm_module
-from inference.block_manager import BlockManager
 from inference.core import SamplingParams
-from inference.sequence import Sequence
+from inference.sched import block_manager as bm_module
+from inference.sched.block_manager import BlockManager
+from inference.sched.sequence import Sequence
 
 BS = 4
 

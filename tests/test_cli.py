@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from inference.core import InvalidRequestError
-from inference.tiny import TinyModelSpec, default_model_dir
-from sidecar.cli import COMMANDS, build_parser, main
-from sidecar.cli_common import HelpFormatter
+from inference.models.tiny import TinyModelSpec, default_model_dir
+from sidecar.cli.common import HelpFormatter
+from sidecar.cli.main import COMMANDS, build_parser, main
 from sidecar.config import LaunchConfig, build_config
-from sidecar.ranks import rank_threads
+from sidecar.ranks.pool import rank_threads
 from tests.helpers_sidecar import REPO, Sidecar, launch
 
 TORCH_FREE_HELP = sorted(COMMANDS)
@@ -45,7 +45,7 @@ def test_every_option_has_help_and_shows_its_default(command: str) -> None:
 
 @pytest.mark.parametrize("command", TORCH_FREE_HELP)
 def test_help_imports_only_the_chosen_command_and_no_torch(command: str) -> None:
-    code = (f"import sys\nfrom sidecar.cli import main\ntry:\n    main([{command!r}, '--help'])\n"
+    code = (f"import sys\nfrom sidecar.cli.main import main\ntry:\n    main([{command!r}, '--help'])\n"
             "except SystemExit:\n    pass\n"
             "mods = sorted(m for m in sys.modules if m == 'torch' or m.endswith('_cli') and m.startswith('sidecar.'))\n"
             "print(mods, file=sys.stderr)")
@@ -78,7 +78,7 @@ def test_generate_on_cuda_without_a_gpu_is_one_clean_line(monkeypatch: pytest.Mo
 def test_launch_on_cuda_without_a_gpu_says_there_is_no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from sidecar.launch_cli import resolve_device
+    from sidecar.cli.launch import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(InvalidRequestError, match="no GPU here") as e:
@@ -116,7 +116,7 @@ def test_make_model_defaults_write_the_model_launch_serves(tmp_path: Path) -> No
 
 
 def test_the_qwen2_05b_demo_model_is_not_cached_as_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import sidecar.demo_task as demo_task
+    import sidecar.demo.task as demo_task
 
     asked = []
 

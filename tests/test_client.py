@@ -13,10 +13,10 @@ import pytest
 
 from checksum import ChecksumMismatch, Manifest, manifest_from_tensors
 from inference.core import InvalidRequestError, SamplingParams, StateError
-from inference.llm import LLM
-from inference.tiny import TinyModelSpec, random_weights, write_model_dir
+from inference.engine.llm import LLM
+from inference.models.tiny import TinyModelSpec, random_weights, write_model_dir
 from inference.transfer.sender import WeightSender
-from sidecar.cli import main
+from sidecar.cli.main import main
 from tests.helpers_sidecar import KV_BYTES, Sidecar, launch
 from trainer_hooks.client import (
     SidecarChecksumError,

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from inference.tiny import TinyModelSpec, random_weights
+from inference.models.tiny import TinyModelSpec, random_weights
 from inference.transfer.sender import WeightSender
 from tests.helpers_sidecar import Sidecar, launch
 from tests.helpers_weight_update import RANK

@@ -15,8 +15,8 @@ import pytest
 
 from inference.config import ENGINE_SECTIONS, EngineConfig, engine_option_names
 from inference.core import InvalidRequestError
+from sidecar.cli.launch import add_arguments
 from sidecar.config import FIELD_TYPES, LaunchConfig, build_config, engine_config, engine_default
-from sidecar.launch_cli import add_arguments
 from tests.helpers_sidecar import REPO
 
 LAUNCHER_RESOLVES = {"model", "device"}  # engine options the launcher resolves itself (model dir, device)
@@ -92,7 +92,7 @@ def test_help_shows_every_flag_with_its_default_and_variable() -> None:
 
 
 def test_help_imports_no_torch() -> None:
-    code = ("import argparse, sys; from sidecar.launch_cli import add_arguments; p = argparse.ArgumentParser(); "
+    code = ("import argparse, sys; from sidecar.cli.launch import add_arguments; p = argparse.ArgumentParser(); "
             "add_arguments(p); p.format_help(); print(sorted({'torch', 'fastapi', 'httpx'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
@@ -155,7 +155,7 @@ def test_api_key_from_a_file_or_the_environment_never_shows(tmp_path: Path) -> N
 
 
 def test_in_process_llm_refuses_a_tp_size_it_cannot_run() -> None:
-    from inference.llm import LLM, check_tp_size
+    from inference.engine.llm import LLM, check_tp_size
     from inference.parallel import TPInfo
 
     with pytest.raises(InvalidRequestError, match="sidecar launch --tp 2") as e:

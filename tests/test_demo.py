@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from inference.tiny import TinyModelSpec, default_model_dir, weight_shapes, write_model_dir
-from sidecar.demo_task import QWEN2_05B, TARGET_EVERY, DemoModel, kv_cache_bytes, make_prompts, make_reward
+from inference.models.tiny import TinyModelSpec, default_model_dir, weight_shapes, write_model_dir
+from sidecar.demo.task import QWEN2_05B, TARGET_EVERY, DemoModel, kv_cache_bytes, make_prompts, make_reward
 from tests.helpers_plot import plotted_points
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_demo_trains_syncs_audits_and_the_reward_rises(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.run([sys.executable, "-m", "sidecar.cli", "demo", "--steps", "5", "--device", "cpu",
+    proc = subprocess.run([sys.executable, "-m", "sidecar.cli.main", "demo", "--steps", "5", "--device", "cpu",
                            "--plot", str(tmp_path / "run.png")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -46,7 +46,7 @@ def _run_demo(*args: str, home: Path | None = None, timeout: float = 300) -> tup
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     if home is not None:
         env["SIDECAR_HOME"] = str(home)
-    proc = subprocess.run([sys.executable, "-m", "sidecar.cli", "demo", *args], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "-m", "sidecar.cli.main", "demo", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc, json.loads(proc.stdout.strip().splitlines()[-1])
@@ -82,7 +82,7 @@ def test_demo_task_ids_reward_prompts_and_the_qwen2_05b_shape() -> None:
 
 
 def test_demo_rejects_bad_arguments_before_launching(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from sidecar.cli import main
+    from sidecar.cli.main import main
 
     assert main(["demo", "--model", str(tmp_path / "missing")]) == 2
     assert "model" in capsys.readouterr().err

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from sidecar import demo_plot
-from sidecar.cli import main
+from sidecar.cli.main import main
+from sidecar.demo import plot as demo_plot
 from tests.helpers_plot import plotted_points
 
 STEPS = 6

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from inference.llm import LLM
-from inference.tiny import default_model_dir
+from inference.engine.llm import LLM
+from inference.models.tiny import default_model_dir
 from sidecar.config import build_config
-from sidecar.ranks import RankPool
+from sidecar.ranks.pool import RankPool
 
 
 def test_launch_dp_rank_is_in_every_rank_spec() -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from inference.core import FinishReason, InvalidRequestError, SamplingParams
-from inference.llm import LLM
+from inference.engine.llm import LLM
 from tests.helpers_models import CASES, make_hf_checkpoint, random_prompts
 
 GREEDY32 = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -153,7 +153,7 @@ def test_bad_input_is_rejected_by_name_and_others_keep_running(
 
 
 def test_string_prompts_and_stop_strings(tmp_path: Path) -> None:
-    from inference.tiny import make_tiny_model
+    from inference.models.tiny import make_tiny_model
 
     path = make_tiny_model(tmp_path / "tiny", family="qwen2", seed=0)
     llm = LLM(path, device="cpu", dtype="float32", kv_cache_bytes=4 << 20)

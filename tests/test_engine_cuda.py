@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from inference.core import FinishReason, SamplingParams
-from inference.llm import LLM
-from inference.tiny import make_tiny_model
+from inference.engine.llm import LLM
+from inference.models.tiny import make_tiny_model
 from tests.helpers_models import make_hf_checkpoint, random_prompts
 
 pytestmark = pytest.mark.cuda

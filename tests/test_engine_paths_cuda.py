@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from inference.core import SamplingParams
-from inference.llm import LLM
+from inference.engine.llm import LLM
 from tests.helpers_models import make_hf_checkpoint, random_prompts
 
 pytestmark = pytest.mark.cuda

@@ -22,9 +22,9 @@ PACKAGES = ("checksum", "inference", "sidecar", "trainer_hooks")
 REGISTRY_ONLY = ("inference", "sidecar", "trainer_hooks")
 # (module, function) -> why touching os.environ there reads no setting
 ALLOWED = {
-    ("sidecar/launch_cli.py", "launch"): "hands the environment to place_ranks, which sets CUDA_VISIBLE_DEVICES "
+    ("sidecar/cli/launch.py", "launch"): "hands the environment to place_ranks, which sets CUDA_VISIBLE_DEVICES "
                                          "for the rank processes to inherit",
-    ("sidecar/demo_cli.py", "start"): "copies the environment for the sidecar subprocess it starts",
+    ("sidecar/cli/demo.py", "start"): "copies the environment for the sidecar subprocess it starts",
 }
 SIDECAR_NAME = re.compile(r"SIDECAR_[A-Z0-9_]+")
 LAUNCH_NAMES = {envs.LAUNCH_PREFIX + f.name.upper() for f in fields(LaunchConfig)}

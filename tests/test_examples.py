@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from inference.tiny import make_tiny_model
+from inference.models.tiny import make_tiny_model
 from tests.helpers_sidecar import REPO, launch
 
 

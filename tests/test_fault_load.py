@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.launch_cli import KEEP_ALIVE_S
+from sidecar.cli.launch import KEEP_ALIVE_S
 from tests.helpers_sidecar import launch
 
 REPO = Path(__file__).resolve().parents[1]

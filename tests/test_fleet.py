@@ -13,7 +13,7 @@ import pytest
 from torch import nn
 
 from inference.core import CompletionOutput, FinishReason, InvalidRequestError, RequestOutput, SamplingParams
-from sidecar.fleet_cli import launch_flags, plan_replicas
+from sidecar.cli.fleet import launch_flags, plan_replicas
 from trainer_hooks import Fleet, FleetError, FleetGoneError, WeightSyncHook
 from trainer_hooks.client_errors import (
     SidecarChecksumError,

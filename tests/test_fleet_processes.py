@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from inference.core import SamplingParams
-from inference.tiny import TinyModelSpec, default_model_dir, random_weights
-from sidecar.cli import main
+from inference.models.tiny import TinyModelSpec, default_model_dir, random_weights
+from sidecar.cli.main import main
 from tests.helpers_sidecar import KV_BYTES, REPO, Sidecar, launch, pid_exists
 from trainer_hooks import Fleet, WeightSyncHook
 
@@ -73,7 +73,7 @@ class FleetProcess:
 @pytest.fixture(scope="module")
 def fleet_process() -> Iterator[FleetProcess]:
     fd, name = tempfile.mkstemp(prefix="sidecar-fleet-", suffix=".log")
-    cmd = [sys.executable, "-m", "sidecar.cli", "fleet", "--replicas", "3", "--tp", "2,1,1", "--port", "0",
+    cmd = [sys.executable, "-m", "sidecar.cli.main", "fleet", "--replicas", "3", "--tp", "2,1,1", "--port", "0",
            "--device", "cpu", "--", *REPLICA_FLAGS]
     with os.fdopen(fd, "w") as err:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True)

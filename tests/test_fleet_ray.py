@@ -19,7 +19,7 @@ import pytest
 from torch import nn
 
 from inference.core import InvalidRequestError
-from inference.tiny import default_model_dir
+from inference.models.tiny import default_model_dir
 from sidecar.fleet_ray import ReplicaStartError, _plan, place_fleet
 from tests.helpers_sidecar import KV_BYTES, REPO, pid_exists
 from tests.test_fleet_processes import GREEDY, PROMPTS, _new_weights, _served, _sync
@@ -68,7 +68,7 @@ def _ours() -> list[str]:
             line = " ".join(p.cmdline())
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
             continue
-        if "sidecar.cli launch" in line or "ReplicaProcess" in line:
+        if "sidecar.cli.main launch" in line or "ReplicaProcess" in line:
             found.append(f"{p.pid}: {line}")
     return found
 

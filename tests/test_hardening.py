@@ -20,7 +20,7 @@ import pytest
 from torch import nn
 
 from inference.core import CompletionOutput, RequestOutput, SamplingParams
-from inference.tiny import TinyModelSpec, random_weights
+from inference.models.tiny import TinyModelSpec, random_weights
 from inference.transfer.sender import WeightSender
 from sidecar.client import SidecarBusyError, SidecarClient, SidecarRequestError, SidecarStateError, records_json
 from tests.helpers_sidecar import Sidecar, launch
@@ -172,8 +172,8 @@ def test_a_generic_500_keeps_the_connection() -> None:
     import uvicorn
 
     from sidecar.config import LaunchConfig
-    from sidecar.metrics import Metrics
-    from sidecar.server import ServerState, create_app
+    from sidecar.http.app import ServerState, create_app
+    from sidecar.http.metrics import Metrics
 
     driver = _BrokenDriver()
     plan = {"rank": "dp0:pp0:tp0", "pid": 1, "device": "cpu", "weights_bytes": {}, "kv_blocks": 1, "kv_bytes": 1,
@@ -267,7 +267,7 @@ def test_hold_while_asleep_holds_until_wake() -> None:
 
 
 def test_token_events_stay_bounded_without_metrics_scrapes(monkeypatch: pytest.MonkeyPatch) -> None:
-    import sidecar.driver as driver_module
+    import sidecar.ranks.driver as driver_module
 
     now = [0.0]
     monkeypatch.setattr(driver_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
@@ -287,9 +287,9 @@ def test_token_events_stay_bounded_without_metrics_scrapes(monkeypatch: pytest.M
 
 @pytest.mark.parametrize("add_bos", [None, True, False])
 def test_the_gil_free_tokenizer_encodes_what_the_tokenizer_encodes(add_bos: bool | None) -> None:
-    from inference.prompts import GilFreeTokenizer
-    from inference.tiny import default_model_dir
-    from inference.tokenizer import Tokenizer
+    from inference.models.tiny import default_model_dir
+    from inference.text.prompts import GilFreeTokenizer
+    from inference.text.tokenizer import Tokenizer
 
     base = Tokenizer.from_dir(default_model_dir())
     assert base is not None
@@ -302,7 +302,7 @@ def test_the_gil_free_tokenizer_encodes_what_the_tokenizer_encodes(add_bos: bool
 
 def test_the_in_process_engine_refuses_a_lone_surrogate_naming_the_prompt() -> None:
     from inference.core import InvalidRequestError
-    from inference.llm import LLM
+    from inference.engine.llm import LLM
     from tests.helpers_sidecar import KV_BYTES
 
     llm = LLM(device="cpu", kv_cache_bytes=KV_BYTES)

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from inference.core import SamplingParams
-from inference.tiny import TinyModelSpec, random_weights
+from inference.models.tiny import TinyModelSpec, random_weights
 from inference.transfer.sender import WeightSender
 from sidecar.client import (
     SidecarChecksumError,

@@ -19,10 +19,10 @@ import pytest
 
 from checksum import Manifest, pick_algorithm
 from inference.core import SamplingParams
-from inference.tiny import TinyModelSpec, random_weights
+from inference.models.tiny import TinyModelSpec, random_weights
 from inference.transfer.groups import master_store
 from inference.transfer.sender import WeightSender
-from sidecar.cli import main as cli_main
+from sidecar.cli.main import main as cli_main
 from sidecar.client import (
     SidecarChecksumError,
     SidecarClient,

@@ -1,4 +1,4 @@
-"""inference/host_heap.py: once frozen, the heap a warm engine left is out of the collector's walks, and
+"""inference/memory/host_heap.py: once frozen, the heap a warm engine left is out of the collector's walks, and
 the rule its docstring gives holds: a cycle alive at the freeze stays until gc.unfreeze(), one made
 after is collected as usual. In a child process, so the test process's heap is never frozen."""
 
@@ -11,8 +11,8 @@ import textwrap
 
 CHILD = textwrap.dedent("""
     import gc, json, weakref
-    from inference.host_heap import freeze_startup_heap
-    from inference.llm import LLM
+    from inference.memory.host_heap import freeze_startup_heap
+    from inference.engine.llm import LLM
 
     class Node:
         pass

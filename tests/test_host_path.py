@@ -8,10 +8,10 @@ import torch
 
 from inference.batch import AttentionMetadata
 from inference.core import SamplingParams
-from inference.cuda_graphs import DecodeInputs
-from inference.llm import LLM
-from inference.sampler import SamplingBatch, greedy_rows, sample
-from inference.sequence import Sequence
+from inference.engine.llm import LLM
+from inference.runner.cuda_graphs import DecodeInputs
+from inference.sample.sampler import SamplingBatch, greedy_rows, sample
+from inference.sched.sequence import Sequence
 
 
 def staged(inputs: DecodeInputs, bs: int) -> tuple[list, list, list, list, list]:

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from inference.core import SamplingParams
-from inference.llm import LLM
-from inference.sampler import SamplingBatch, sample
+from inference.engine.llm import LLM
+from inference.sample.sampler import SamplingBatch, sample
 from tests.helpers_models import make_hf_checkpoint, random_prompts
 
 pytestmark = pytest.mark.cuda

@@ -173,7 +173,7 @@ def test_the_client_imports_without_torch_or_the_engine() -> None:
             "import trainer_hooks.client, sidecar.client\n"
             "from sidecar import SidecarClient\n"
             "assert SidecarClient is trainer_hooks.client.SidecarClient is sidecar.client.SidecarClient\n"
-            "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('inference.llm', "
-            "'inference.worker', 'inference.models', 'sidecar.server', 'sidecar.rank')))\n"
+            "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('inference.engine.llm', "
+            "'inference.engine.worker', 'inference.models', 'sidecar.http.app', 'sidecar.rank')))\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from inference.core import InvalidRequestError, SamplingParams
-from inference.llm import LLM
+from inference.engine.llm import LLM
 from sidecar.client import SidecarClient, SidecarHTTPError, SidecarUnavailableError
 from sidecar.config import LaunchConfig, build_config
 from tests.helpers_sidecar import KV_BYTES, REPO, child_pids, cmdline, launch, pid_exists, port_is_free
@@ -54,7 +54,7 @@ def test_bad_configuration_names_the_option(tmp_path: Path, cli: dict, env: dict
 
 
 def test_bad_flag_exits_2_without_starting() -> None:
-    proc = subprocess.run([sys.executable, "-m", "sidecar.cli", "launch", "--tp", "0"], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "sidecar.cli.main", "launch", "--tp", "0"], cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "tp" in proc.stderr
 
@@ -107,7 +107,7 @@ def test_engine_settings_reach_the_ranks_and_the_key_file_guards_the_api(tmp_pat
             state = c.state()
             model = state["model"]
             assert (model["max_model_len"], model["block_size"]) == (96, 8)
-            # both processes froze their warm heap (inference/host_heap.py): torch, the model, FastAPI
+            # both processes froze their warm heap (inference/memory/host_heap.py): torch, the model, FastAPI
             assert state["gc_frozen"] > 10_000 and state["ranks"][0]["gc_frozen"] > 10_000, state
             # the max_model_len policy of inference/core.py, applied by the rank after tokenizing
             with pytest.raises(SidecarHTTPError) as e:
@@ -154,7 +154,7 @@ def test_the_server_runs_on_uvloop_and_httptools_unless_switched_off(monkeypatch
 
     import uvloop
 
-    from sidecar.launch_cli import event_loop
+    from sidecar.cli.launch import event_loop
 
     monkeypatch.delenv("SIDECAR_FAST_HTTP", raising=False)
     loop, http = event_loop()

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from inference.core import InvalidRequestError
+from sidecar.cli.launch import place_ranks, visible_devices
 from sidecar.config import build_config
-from sidecar.launch_cli import place_ranks, visible_devices
 from tests.helpers_sidecar import REPO
 
 
@@ -62,6 +62,6 @@ def test_place_ranks_sets_the_environment_the_ranks_inherit() -> None:
 ])
 def test_launch_with_bad_devices_exits_2(args: list[str], message: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "0,1"}
-    proc = subprocess.run([sys.executable, "-m", "sidecar.cli", "launch", "--port", "0", *args], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "-m", "sidecar.cli.main", "launch", "--port", "0", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr

@@ -27,7 +27,7 @@ def _env(tmp: Path) -> dict[str, str]:
 
 def test_demo_leaves_no_file_in_the_temp_directory(tmp_path: Path) -> None:
     tmp = tmp_path / "tmp"
-    proc = subprocess.run([sys.executable, "-m", "sidecar.cli", "demo", "--device", "cpu", "--steps", "1",
+    proc = subprocess.run([sys.executable, "-m", "sidecar.cli.main", "demo", "--device", "cpu", "--steps", "1",
                            "--batch", "2", "--samples", "2", "--max-tokens", "2"], cwd=REPO, env=_env(tmp),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

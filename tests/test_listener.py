@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import socket
 
-from sidecar.launch_cli import bind
+from sidecar.cli.launch import bind
 
 
 def test_accepted_connections_have_nodelay() -> None:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from inference.core import CompletionOutput, RequestOutput, SamplingParams
-from inference.tiny import default_model_dir
+from inference.models.tiny import default_model_dir
 from trainer_hooks import LogprobGap, WeightSyncHook, measure_logprob_gap
 from trainer_hooks.logprob_gap import gap_of, trainer_logprobs
 from trainer_hooks.toy_policy import ToyPolicy
@@ -85,7 +85,7 @@ def test_exact_rollout_logprobs_give_a_zero_gap_and_mismatches_are_named() -> No
 
 @pytest.fixture(scope="module")
 def engine_rollouts() -> tuple[Path, list[RequestOutput]]:
-    from inference.llm import LLM  # the test runs the engine; trainer_hooks itself never imports it
+    from inference.engine.llm import LLM  # the test runs the engine; trainer_hooks itself never imports it
 
     model_dir = default_model_dir()
     llm = LLM(model_dir, device="cpu", dtype="float32", kv_cache_bytes=4 << 20)

@@ -8,13 +8,13 @@ import torch
 from torch import nn
 
 from inference.core import InvalidRequestError, StateError
-from inference.memory import (
+from inference.memory.arenas import (
     ArenaFullError,
     ArenaState,
     WakeError,
     parameters_nbytes,
 )
-from inference.sleep import MemoryManager
+from inference.memory.sleep import MemoryManager
 
 
 class TinyLM(nn.Module):

@@ -1,4 +1,4 @@
-"""The VMM range logic of sleep and wake (inference/memory_cuda.py) against a fake driver, on the CPU:
+"""The VMM range logic of sleep and wake (inference/memory/vmm.py) against a fake driver, on the CPU:
 one allocation per arena at a stable address, rollback of a partial map, failed driver calls named
 and nothing leaked, the per-allocation unmap fallback, and partial unmaps."""
 
@@ -132,7 +132,7 @@ class FakeDriver:
 
 
 def fake_range(capacity: int, nbytes: int, alloc_bytes: int | None, span_unmap: bool = True) -> tuple:
-    from inference.memory_cuda import VmmRange
+    from inference.memory.vmm import VmmRange
 
     drv = FakeDriver(capacity, span_unmap)
     vmm = VmmRange(nbytes, 0, alloc_bytes, driver=drv)
@@ -158,7 +158,7 @@ def test_vmm_whole_arena_is_one_allocation_at_a_stable_address() -> None:
 
 
 def test_vmm_partial_map_failure_rolls_back_and_can_retry() -> None:
-    from inference.memory_cuda import VmmError
+    from inference.memory.vmm import VmmError
 
     g = FakeDriver.GRAN
     drv, vmm = fake_range(3 * g, 5 * g + 1, 2 * g)
@@ -183,7 +183,7 @@ def test_vmm_partial_map_failure_rolls_back_and_can_retry() -> None:
 
 @pytest.mark.parametrize(("call", "successes"), [("cuMemMap", 2), ("cuMemSetAccess", 0)])
 def test_vmm_failed_driver_call_names_the_call_and_leaks_nothing(call: str, successes: int) -> None:
-    from inference.memory_cuda import VmmError
+    from inference.memory.vmm import VmmError
 
     g = FakeDriver.GRAN
     drv, vmm = fake_range(1 << 30, 4 * g, g)

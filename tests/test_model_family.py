@@ -15,13 +15,13 @@ from safetensors.torch import load_file
 from checksum import compare, manifest_from_tensors
 from inference.config import ModelConfig
 from inference.core import InvalidRequestError, SamplingParams
-from inference.llm import LLM
-from inference.loader import load_weights
+from inference.engine.llm import LLM
 from inference.models import ModelFamily, build_model, register_family, unregister_family
 from inference.models.llama import Llama
-from inference.naming import expected_hf_tensors, hf_to_param, param_to_hf
+from inference.models.loader import load_weights
+from inference.models.naming import expected_hf_tensors, hf_to_param, param_to_hf
+from inference.models.tiny import make_tiny_model
 from inference.parallel import TPInfo
-from inference.tiny import make_tiny_model
 
 RANK = "dp0:pp0:tp0"
 

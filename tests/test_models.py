@@ -11,9 +11,9 @@ from safetensors.torch import load_file, save_file
 
 from inference.config import ModelConfig
 from inference.core import InvalidRequestError, StateError
-from inference.loader import load_weights
 from inference.models import build_model
-from inference.naming import expected_hf_tensors, hf_to_param, is_skipped, param_to_hf
+from inference.models.loader import load_weights
+from inference.models.naming import expected_hf_tensors, hf_to_param, is_skipped, param_to_hf
 from inference.parallel import TPInfo
 from tests.helpers_models import (
     CASES,

@@ -18,8 +18,8 @@ import torch
 
 from checksum import DEVICE_ALGORITHM, digest_tensors
 from inference.core import SamplingParams
-from inference.llm import LLM
-from inference.tiny import TinyModelSpec, random_weights, write_model_dir
+from inference.engine.llm import LLM
+from inference.models.tiny import TinyModelSpec, random_weights, write_model_dir
 from inference.transfer.sender import WeightSender
 from sidecar.client import SidecarClient
 from tests.helpers_sidecar import (

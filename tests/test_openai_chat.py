@@ -11,12 +11,12 @@ from typing import Any
 import httpx
 import pytest
 
-from inference.chat_template import render_chat
 from inference.core import CompletionOutput, InvalidRequestError, SamplingParams
-from inference.llm import LLM
-from inference.tiny import IM_START_ID, make_tiny_model
-from inference.tokenizer import Tokenizer
-from sidecar.openai_format import completion_response, text_offsets
+from inference.engine.llm import LLM
+from inference.models.tiny import IM_START_ID, make_tiny_model
+from inference.text.chat_template import render_chat
+from inference.text.tokenizer import Tokenizer
+from sidecar.http.openai_format import completion_response, text_offsets
 from tests.helpers_sidecar import KV_BYTES, Sidecar, launch
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count the sacks of grain."}]

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from inference.tiny import make_tiny_model
+from inference.models.tiny import make_tiny_model
 from tests.helpers_sidecar import Sidecar, launch
 
 MAX_CHARS, MAX_SEQUENCES = 2000, 8

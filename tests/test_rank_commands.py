@@ -1,4 +1,4 @@
-"""The declared rank commands (sidecar/commands.py) through the rank server's table, in this process
+"""The declared rank commands (sidecar/ranks/commands.py) through the rank server's table, in this process
 (the tiny model on CPU, a Pipe instead of a spawned rank): every declared command has its handler,
 an undeclared one is refused with UnknownCommandError naming it (on the rank and before sending),
 and the commands do what the HTTP endpoints rely on."""
@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 from inference.core import SamplingParams
-from inference.llm import LLM
-from sidecar.commands import (
+from inference.engine.llm import LLM
+from sidecar.ranks.commands import (
     COMMANDS,
     Command,
     ReadManifest,
@@ -31,8 +31,8 @@ from sidecar.commands import (
     WakeUp,
     check_declared,
 )
-from sidecar.driver import Driver
-from sidecar.rank_server import RankServer
+from sidecar.ranks.driver import Driver
+from sidecar.ranks.server import RankServer
 from tests.helpers_sidecar import KV_BYTES
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

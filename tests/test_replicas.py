@@ -12,8 +12,8 @@ import pytest
 
 from checksum import digest_tensors
 from inference.core import SamplingParams
-from inference.llm import LLM
-from inference.tiny import TinyModelSpec, random_weights, write_model_dir
+from inference.engine.llm import LLM
+from inference.models.tiny import TinyModelSpec, random_weights, write_model_dir
 from inference.transfer.sender import WeightSender
 from sidecar.client import SidecarClient
 from tests.helpers_sidecar import (

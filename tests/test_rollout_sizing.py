@@ -10,19 +10,19 @@ import pytest
 import torch
 
 from inference.core import InvalidRequestError, SamplingParams
-from inference.cuda_graphs import batch_ladder, extended_ladder
-from inference.llm import LLM
-from inference.scheduler import ScheduledBatch
-from inference.sequence import Sequence
-from inference.spec_decode import SpecDecoder
-from inference.step_stats import StepLog, count_batch
-from inference.worker import (
+from inference.engine.llm import LLM
+from inference.engine.step_stats import StepLog, count_batch
+from inference.engine.worker import (
     AUTO_MAX_NUM_SEQS,
     AUTO_MIN_NUM_SEQS,
     MAX_GRAPH_BATCH,
     auto_max_num_seqs,
     resolve_max_num_seqs,
 )
+from inference.runner.cuda_graphs import batch_ladder, extended_ladder
+from inference.sched.scheduler import ScheduledBatch
+from inference.sched.sequence import Sequence
+from inference.spec.decoder import SpecDecoder
 
 TINY_KV_BYTES_PER_TOKEN = 2 * 3 * 4 * 16 * 4  # K and V x 3 layers x 4 kv heads x 16 dims x float32
 

@@ -12,9 +12,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from inference import sampler, sampler_kernels
 from inference.core import SamplingParams
-from inference.sampler import SamplerOutput, SamplingBatch, row_stats_torch, sample, sample_pairs, sample_reference
+from inference.sample import kernels as sampler_kernels
+from inference.sample import sampler
+from inference.sample.sampler import (
+    SamplerOutput,
+    SamplingBatch,
+    row_stats_torch,
+    sample,
+    sample_pairs,
+    sample_reference,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(sampler.triton is None, reason="triton is not installed")

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from inference import sampler_kernels
 from inference.core import SamplingParams
-from inference.llm import LLM
-from inference.sampler import SamplingBatch, sample, sample_pairs
+from inference.engine.llm import LLM
+from inference.sample import kernels as sampler_kernels
+from inference.sample.sampler import SamplingBatch, sample, sample_pairs
 from tests.helpers_models import make_hf_checkpoint, random_prompts
 
 pytestmark = pytest.mark.cuda

@@ -15,11 +15,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from inference import sampler, sampler_kernels
 from inference.core import SamplingParams
-from inference.llm import LLM
-from inference.sampler import SamplingBatch, sample
-from inference.sequence import Sequence
+from inference.engine.llm import LLM
+from inference.sample import kernels as sampler_kernels
+from inference.sample import sampler
+from inference.sample.sampler import SamplingBatch, sample
+from inference.sched.sequence import Sequence
 
 needs_triton = pytest.mark.skipif(sampler.triton is None, reason="triton is not installed")
 BACKENDS = [pytest.param(False, id="torch"), pytest.param(True, id="triton", marks=needs_triton)]

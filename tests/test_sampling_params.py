@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 
 from inference.core import InvalidRequestError, SamplingParams
-from inference.llm import LLM
-from sidecar.api_models import CompletionRequest, SamplingParamsModel
-from sidecar.server import ApiError, check_params
+from inference.engine.llm import LLM
+from sidecar.http.app import ApiError, check_params
+from sidecar.http.models import CompletionRequest, SamplingParamsModel
 
 FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
 

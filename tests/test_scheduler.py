@@ -13,11 +13,11 @@ from collections import Counter
 
 import pytest
 
-from inference.block_manager import BlockManager
 from inference.config import SchedulerConfig
 from inference.core import FinishReason, InvalidRequestError, SamplingParams
-from inference.scheduler import ScheduledBatch, Scheduler
-from inference.sequence import Sequence, SequenceStatus, derive_seed
+from inference.sched.block_manager import BlockManager
+from inference.sched.scheduler import ScheduledBatch, Scheduler
+from inference.sched.sequence import Sequence, SequenceStatus, derive_seed
 
 BS = 4
 VOCAB = 50

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from inference.core import SamplingParams
-from inference.llm import LLM
+from inference.engine.llm import LLM
 from sidecar.client import SidecarClient, SidecarStateError
 from tests.helpers_sidecar import KV_BYTES, Sidecar, launch
 

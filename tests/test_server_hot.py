@@ -1,4 +1,4 @@
-"""POST /weights/update, the one request of every sync, is answered by sidecar/server_hot.py's HotRoutes
+"""POST /weights/update, the one request of every sync, is answered by sidecar/http/hot.py's HotRoutes
 without FastAPI's routing and validation pass; every answer a client can get must read exactly as the
 FastAPI route's (SIDECAR_HOT_ROUTES=0): the sync's answer, each 4xx naming its field, a rank's error, the
 body limit, the API key. In-process, on a stub driver that answers at once (the real sidecar's syncs go
@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from sidecar.commands import ErrorInfo, SyncResult, UpdateReply
 from sidecar.config import LaunchConfig
-from sidecar.driver import RankError
-from sidecar.metrics import Metrics
-from sidecar.server import ServerState, create_app
-from sidecar.server_hot import HotRoutes
+from sidecar.http.app import ServerState, create_app
+from sidecar.http.hot import HotRoutes
+from sidecar.http.metrics import Metrics
+from sidecar.ranks.commands import ErrorInfo, SyncResult, UpdateReply
+from sidecar.ranks.driver import RankError
 
 KEY = "k-123"
 RANK = "dp0:pp0:tp0"

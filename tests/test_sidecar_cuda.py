@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from inference.core import SamplingParams
-from inference.llm import LLM
-from inference.tiny import TinyModelSpec, random_weights, write_model_dir
+from inference.engine.llm import LLM
+from inference.models.tiny import TinyModelSpec, random_weights, write_model_dir
 from inference.transfer.sender import WeightSender
 from sidecar.client import SidecarClient
 from tests.helpers_sidecar import KV_BYTES, launch
@@ -62,7 +62,7 @@ def test_cuda_tp2_over_nccl_equals_tp1() -> None:
 
 
 def test_launch_on_a_qwen2_05b_shape_serves_generation(tmp_path: Path) -> None:
-    from inference.tiny import make_tiny_model
+    from inference.models.tiny import make_tiny_model
 
     model = make_tiny_model(tmp_path / "q05", family="qwen2", hidden_size=896, num_layers=24, num_heads=14,
                             num_kv_heads=2, intermediate_size=4864, vocab_size=151936, dtype="bfloat16",

@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from inference.core import SamplingParams
-from inference.llm import LLM
-from inference.tiny import TinyModelSpec, random_weights, write_model_dir
+from inference.engine.llm import LLM
+from inference.models.tiny import TinyModelSpec, random_weights, write_model_dir
 from tests.helpers_sidecar import KV_BYTES, check_killed_sender_recovers, launch
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from inference.core import InvalidRequestError, SamplingParams, StateError
-from inference.llm import LLM
-from inference.tiny import make_tiny_model
+from inference.engine.llm import LLM
+from inference.models.tiny import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5)
 PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300, 7, 8, 9, 10, 11, 12]]

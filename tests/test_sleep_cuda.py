@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from inference.core import SamplingParams, StateError
-from inference.llm import LLM
+from inference.engine.llm import LLM
 
 pytestmark = pytest.mark.cuda
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from inference.core import SamplingParams
-from inference.cuda_graphs import CUDAGraphRunner
-from inference.llm import LLM
+from inference.engine.llm import LLM
+from inference.runner.cuda_graphs import CUDAGraphRunner
 from tests.helpers_models import make_hf_checkpoint, random_prompts
 from tests.test_spec_decode import perturb_checkpoint
 

@@ -17,10 +17,10 @@ import torch
 from safetensors.torch import save_file
 
 from inference.core import FinishReason, SamplingParams
-from inference.llm import LLM
-from inference.loader import iter_hf_tensors
-from inference.spec_decode import SpecDecoder
-from inference.tiny import make_tiny_model
+from inference.engine.llm import LLM
+from inference.models.loader import iter_hf_tensors
+from inference.models.tiny import make_tiny_model
+from inference.spec.decoder import SpecDecoder
 from tests.helpers_models import make_hf_checkpoint, random_prompts
 from tests.helpers_weight_update import Link
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from inference.core import SamplingParams
-from inference.cuda_graphs import CUDAGraphRunner, batch_ladder, extended_ladder
-from inference.llm import LLM
-from inference.spec_decode import SpecDecoder
+from inference.engine.llm import LLM
+from inference.runner.cuda_graphs import CUDAGraphRunner, batch_ladder, extended_ladder
+from inference.spec.decoder import SpecDecoder
 from tests.helpers_models import make_hf_checkpoint, random_prompts
 from tests.test_spec_decode import perturb_checkpoint
 

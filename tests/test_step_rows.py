@@ -13,12 +13,12 @@ import torch
 import xxhash
 
 from inference.batch import AttentionMetadata
-from inference.block_manager import BlockManager, block_hash
 from inference.core import SamplingParams
-from inference.llm import LLM
-from inference.scheduler import ScheduledBatch, Scheduler, _Plan
-from inference.sequence import Sequence, SequenceStatus
-from inference.step_rows import BlockTables, build_step_rows, decode_rows
+from inference.engine.llm import LLM
+from inference.runner.step_rows import BlockTables, build_step_rows, decode_rows
+from inference.sched.block_manager import BlockManager, block_hash
+from inference.sched.scheduler import ScheduledBatch, Scheduler, _Plan
+from inference.sched.sequence import Sequence, SequenceStatus
 from tests.test_async_schedule import LaunchingFakeRunner, run_async, run_sync
 from tests.test_scheduler import BS, VOCAB, FakeRunner, add_request, make, next_token
 

@@ -1,4 +1,4 @@
-"""The embedded tiny model (inference.tiny), the tokenizer wrapper and streaming detokenization."""
+"""The embedded tiny model (inference.models.tiny), the tokenizer wrapper and streaming detokenization."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from inference.config import ModelConfig
-from inference.tiny import (
+from inference.models.tiny import (
     BOS_ID,
     DEFAULT_TINY,
     EOS_ID,
@@ -27,8 +27,8 @@ from inference.tiny import (
     default_model_dir,
     make_tiny_model,
 )
-from inference.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_search_start
-from sidecar import make_model_cli
+from inference.text.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_search_start
+from sidecar.cli.main import make_model as make_model_cli
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 512}
@@ -128,10 +128,10 @@ def test_same_settings_give_identical_bytes(tmp_path: Path) -> None:
 
 
 def test_tokenizer_training_is_deterministic_across_processes() -> None:
-    from inference.tiny import train_tokenizer
+    from inference.models.tiny import train_tokenizer
 
     # Another process has other hash seeds (Python's and the Rust HashMaps' inside `tokenizers`).
-    code = ("import hashlib; from inference.tiny import train_tokenizer; "
+    code = ("import hashlib; from inference.models.tiny import train_tokenizer; "
             "print(hashlib.sha256(train_tokenizer().to_str().encode()).hexdigest())")
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(root)}

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from inference.core import SamplingParams
-from inference.llm import LLM
+from inference.engine.llm import LLM
 from inference.parallel import TPInfo
 from tests.helpers_models import make_hf_checkpoint, random_prompts
 

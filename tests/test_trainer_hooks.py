@@ -15,7 +15,7 @@ from torch import nn
 
 from checksum import Manifest, manifest_from_tensors
 from inference.core import SamplingParams, SidecarError
-from inference.tiny import TinyModelSpec, default_model_dir, random_weights
+from inference.models.tiny import TinyModelSpec, default_model_dir, random_weights
 from trainer_hooks import AuditError, SidecarGoneError, WeightSyncHook, collect_weights, normalize_name
 from trainer_hooks.toy_policy import ToyPolicy
 

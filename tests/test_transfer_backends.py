@@ -38,10 +38,10 @@ REGISTRY = "inference.transfer.backends"
 # Where a backend's name may appear as a string outside the registry, and why: the torch.distributed
 # backend of the TP group (another fact, not the weight wire's), and WeightSender's default argument.
 ALLOWED = {
-    ("inference.worker", "nccl"): "the TP group's torch.distributed backend",
-    ("sidecar.ranks", "nccl"): "the TP group's torch.distributed backend",
-    ("sidecar.ranks", "gloo"): "the TP group's torch.distributed backend",
-    ("sidecar.rank_server", "nccl"): "the TP group's torch.distributed backend",
+    ("inference.engine.worker", "nccl"): "the TP group's torch.distributed backend",
+    ("sidecar.ranks.pool", "nccl"): "the TP group's torch.distributed backend",
+    ("sidecar.ranks.pool", "gloo"): "the TP group's torch.distributed backend",
+    ("sidecar.ranks.server", "nccl"): "the TP group's torch.distributed backend",
     ("inference.transfer.sender", "gloo"): "WeightSender(backend='gloo') is its public signature",
 }
 
@@ -131,8 +131,8 @@ def fake() -> Iterator[BackendSpec]:
 
 
 def test_a_registered_backend_is_a_choice_of_the_launch_config(fake: BackendSpec) -> None:
+    from sidecar.cli.launch import add_arguments
     from sidecar.config import LaunchConfig, build_config
-    from sidecar.launch_cli import add_arguments
 
     assert build_config({"transfer": "counting"}, env={}).transfer == "counting"
     field = LaunchConfig.__dataclass_fields__["transfer"]

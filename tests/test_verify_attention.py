@@ -23,8 +23,8 @@ CHILD = textwrap.dedent("""
     import json
     from inference.core import SamplingParams
     from inference.layers.triton_attention import TritonAttentionTiles
-    from inference.llm import LLM
-    from inference.tiny import default_model_dir
+    from inference.engine.llm import LLM
+    from inference.models.tiny import default_model_dir
 
     model = str(default_model_dir())
     prompts = ["hello world", "the quick brown fox jumps", "a"]

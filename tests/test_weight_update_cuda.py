@@ -11,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 from inference.config import EngineConfig
-from inference.worker import Worker
+from inference.engine.worker import Worker
 from tests.helpers_weight_update import DIMS, RANK, Link, loader_digests, perturbed
 
 pytestmark = pytest.mark.cuda
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.cuda
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from inference.tiny import make_tiny_model
+    from inference.models.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("wuc") / "target", "qwen2", **DIMS)
 

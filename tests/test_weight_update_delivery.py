@@ -14,9 +14,9 @@ import torch
 
 from checksum import ChecksumMismatch
 from inference.core import InvalidRequestError, StateError
+from inference.engine.worker import Worker
 from inference.transfer.delivery import DIGEST_BYTES, _payload, delivery_size
 from inference.transfer.groups import TransferError
-from inference.worker import Worker
 from tests.helpers_weight_update import Q1, RANK, Link, held, loader_digests, make_worker, perturbed, tiny_model_dirs
 
 

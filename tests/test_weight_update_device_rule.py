@@ -24,7 +24,7 @@ from checksum import (
     flat_bytes,
 )
 from inference.core import InvalidRequestError
-from inference.tiny import make_tiny_model
+from inference.models.tiny import make_tiny_model
 from inference.transfer.groups import TransferError
 from inference.transfer.sender import WeightSender
 from tests.helpers_weight_update import DIMS, Q1, RANK, Link, make_worker, perturbed

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 import inference.transfer.digests as sync_digests
 from checksum import ALGORITHM, DEVICE_ALGORITHM, ChecksumMismatch, digest_bytes, flat_bytes
 from inference.config import EngineConfig
-from inference.worker import Worker
+from inference.engine.worker import Worker
 from tests.helpers_weight_update import DIMS, Q1, RANK, Link, perturbed
 
 pytestmark = pytest.mark.cuda
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.cuda
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from inference.tiny import make_tiny_model
+    from inference.models.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("wudc") / "target", "qwen2", **DIMS)
 
@@ -154,7 +154,7 @@ def test_a_byte_flipped_in_held_cuda_weights_fails_naming_tensor_and_rank(model_
 
 
 def test_the_engine_warms_the_kernel_up_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
-    from inference.llm import LLM
+    from inference.engine.llm import LLM
 
     warmed: list[torch.device] = []
     real = sync_digests.RecordDigests.warm_up
@@ -165,8 +165,8 @@ def test_the_engine_warms_the_kernel_up_at_start(monkeypatch: pytest.MonkeyPatch
 
 
 def test_sidecar_on_cuda_syncs_and_answers_checksums_by_either_rule(tmp_path: Path) -> None:
-    from inference.llm import LLM
-    from inference.tiny import TinyModelSpec, random_weights, write_model_dir
+    from inference.engine.llm import LLM
+    from inference.models.tiny import TinyModelSpec, random_weights, write_model_dir
     from inference.transfer.sender import WeightSender
     from sidecar.client import SidecarClient
     from tests.helpers_sidecar import KV_BYTES, launch

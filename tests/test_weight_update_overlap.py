@@ -16,8 +16,8 @@ import pytest
 import inference.transfer.digests as sync_digests
 from checksum import ChecksumMismatch
 from inference.core import StateError
-from inference.memory import ArenaState
-from inference.tiny import make_tiny_model
+from inference.memory.arenas import ArenaState
+from inference.models.tiny import make_tiny_model
 from tests.helpers_weight_update import DIMS, Link, make_worker, perturbed
 
 BLOCKED_S = 0.3  # how long a waiter is watched while the gate is closed

@@ -19,10 +19,10 @@ import torch.multiprocessing as mp
 from checksum import ChecksumMismatch
 from inference.config import EngineConfig
 from inference.core import StateError
+from inference.engine.worker import Worker
 from inference.parallel import TPInfo
 from inference.transfer.groups import TransferError
 from inference.transfer.sender import WeightSender
-from inference.worker import Worker
 from tests.helpers_sidecar import on_bucket_message
 from tests.helpers_weight_update import (
     BUCKET,

@@ -1,7 +1,7 @@
 """The errors of `SidecarClient` (trainer_hooks/client.py), apart from it so that catching them needs
 neither httpx nor torch: the hook catches these classes, never class names or `type` strings.
 
-An error response becomes the class its HTTP status picks (sidecar/server_common.py maps the ranks'
+An error response becomes the class its HTTP status picks (sidecar/http/common.py maps the ranks'
 error kinds to statuses); a 409 whose type is the checksum package's ChecksumMismatch (a per-rank
 audit failed at /weights/finish) is the narrower SidecarChecksumError.
 """

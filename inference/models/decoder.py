@@ -9,7 +9,7 @@ sliding_window, rope (llama3 scaling).
 activation and the LM head then compute each row alone (docs/invariance.md); attention is the backend's.
 
 Model math only: TPInfo comes in, no process group is created here. Parameter names are fixed here
-(qkv_proj and gate_up_proj fused); the family maps its checkpoint's names onto them (inference/naming.py).
+(qkv_proj and gate_up_proj fused); the family maps its checkpoint's names onto them (inference/models/naming.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from inference.layers.gemv import silu_mul_gemv, use_silu_mul_gemv
 from inference.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from inference.layers.norm import RMSNorm
 from inference.layers.rotary import Rope, RotaryEmbedding
-from inference.naming import o_proj_has_bias
+from inference.models.naming import o_proj_has_bias
 from inference.parallel import TPInfo
 
 

@@ -4,7 +4,7 @@ and how its config.json reads and is written.
 A family is a subclass of ModelFamily in inference/models/<family>.py, listed in
 inference/models/registry.py. Nothing else names a family: config.json parsing (inference/config.py)
 and the tiny model writer ask the registry; the loader, the weight receiver and the checksums ask
-inference/naming.py, which asks the config's family class.
+inference/models/naming.py, which asks the config's family class.
 
 The base class is the generic decoder (inference/models/decoder.py) with the HF Llama names; a family
 overrides only what differs. Our parameter names are the HF names with every module of `hf_modules`
@@ -109,7 +109,7 @@ class ModelFamily:
     @classmethod
     def layout(cls, config: ModelConfig) -> Iterator[WeightSlot]:
         """Every HF tensor of a checkpoint, in our terms, in the order the tiny model draws them (so a
-        new order changes every tiny model's bytes: bump inference/tiny.py's _FORMAT_VERSION with it).
+        new order changes every tiny model's bytes: bump inference/models/tiny.py's _FORMAT_VERSION with it).
 
         Skipped names (rotary tables, a tied lm_head) are not listed.
         """

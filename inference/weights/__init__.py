@@ -5,7 +5,7 @@
   transfer group's receiver and the caches of parsed manifests and routings.
 - `state.py`: its records (per-model state, the open session, a passed audit's result, a routing).
 - `target.py`: the receiving model of one session: manifest validation against the model, the sink
-  the wire writes into (through inference/naming.py and the weight loaders), the received digests.
+  the wire writes into (through inference/models/naming.py and the weight loaders), the received digests.
 - `audit.py`: the digests of what the rank holds (the overlapped audit digest, held manifests).
 
 It drives the engine-free wire in inference/transfer/ (plan, buckets, groups, ipc, the backends,

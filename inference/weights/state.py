@@ -12,18 +12,18 @@ from torch import nn
 
 from checksum import ALGORITHM, Manifest, Report, TensorRecord
 from inference.config import ModelConfig
-from inference.memory import ArenaState
+from inference.memory.arenas import ArenaState
 from inference.parallel import TPInfo
 from inference.transfer.digests import PendingRecords
 from inference.transfer.plan import ParsedManifest
 from inference.weights.target import Routing, UpdateTarget
 
 if TYPE_CHECKING:
-    from inference.sleep import MemoryManager
+    from inference.memory.sleep import MemoryManager
 
 
 class WeightHost(Protocol):
-    """What the updater reads of its Worker (inference/worker.py) at each use: the models it writes
+    """What the updater reads of its Worker (inference/engine/worker.py) at each use: the models it writes
     are the Worker's, built and adopted into arenas there."""
 
     models: dict[str, nn.Module]

@@ -30,8 +30,8 @@ from checksum import ALGORITHM, Manifest, Mismatch, Report, TensorRecord, digest
 from inference import envs
 from inference.config import ModelConfig
 from inference.core import InvalidRequestError
-from inference.loader import load_hf_tensor
-from inference.naming import ShardId, expected_hf_tensors, hf_to_param, is_skipped, param_to_hf
+from inference.models.loader import load_hf_tensor
+from inference.models.naming import ShardId, expected_hf_tensors, hf_to_param, is_skipped, param_to_hf
 from inference.transfer.ipc import copy_pairs
 from inference.transfer.plan import TensorSpec, dtype_name
 

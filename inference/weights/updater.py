@@ -42,7 +42,7 @@ import torch
 
 from checksum import ChecksumMismatch, Manifest, Report, digest_tensors
 from inference.core import InvalidRequestError, StateError
-from inference.memory import WEIGHT_TAGS
+from inference.memory.arenas import WEIGHT_TAGS
 from inference.transfer.digests import manifest_algorithm
 from inference.transfer.groups import InitInfo
 from inference.transfer.plan import ManifestCache, ParsedManifest
@@ -157,7 +157,7 @@ class WeightUpdater:
                              f"wake_up(['weights']) before {before}")
 
     def arena_tag(self, which: str) -> str:
-        """The memory arena (inference/memory.py tag) that holds the weights of `which`."""
+        """The memory arena (inference/memory/arenas.py tag) that holds the weights of `which`."""
         return ARENA_OF[which]
 
     def _asleep(self, which: str) -> str | None:

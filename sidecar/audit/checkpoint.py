@@ -1,0 +1,114 @@
+"""`sidecar audit --url URL --checkpoint DIR`: the digests a sidecar's ranks hold when they serve DIR.
+
+A sidecar's "held" manifests name its own parameters, not the checkpoint's tensors: q/k/v_proj are
+fused into one qkv_proj and gate/up_proj into gate_up_proj (inference/models/naming.py), a tied lm_head is
+model.embed_tokens.weight, a TP rank holds its shard (the vocabulary padded to a multiple of the TP
+size, padding rows zero), and every tensor is in the dtype the sidecar serves. A manifest of the
+checkpoint's tensors as they are therefore differs from every held manifest (false mismatches).
+
+Here the checkpoint is laid out exactly as `sidecar launch --model DIR` lays it out, by the engine's
+own code: the model class is built on the meta device (no memory) for each TP rank, which gives every
+parameter's name, shape and weight_loader, and each parameter is filled from the checkpoint's FULL
+tensors through inference.models.naming, as inference/models/loader.py fills it. So the expected manifests cannot
+drift from what the loader writes. One parameter at a time is materialized on the CPU (the peak is
+one full checkpoint tensor plus one shard) and digested by the rule of the rank's own manifest.
+
+What this checks, and what not: every byte each rank holds against the checkpoint's bytes cast to the
+dtype that rank holds (the launch's --dtype; a cast is the loader's, so the dtype itself is taken from
+the rank, not checked). The weight version is the rank's: a sidecar whose weights were synced since
+launch holds the trainer's bytes, and then the digests differ, as they should.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from checksum import Manifest, digest_tensors, parse_rank_key
+from inference.config import ModelConfig
+from inference.core import InvalidRequestError
+from inference.models import build_model
+from inference.models.loader import hf_tensor_shapes, safetensors_files, validate_checkpoint
+from inference.models.naming import param_to_hf
+from inference.parallel import TPInfo
+
+
+def checkpoint_manifests(model_dir: str | Path, held: Sequence[Manifest]) -> list[Manifest]:
+    """One expected manifest per held manifest: the same model, weight version, rank key and digest
+    rule, with the digests of what that rank holds when it serves `model_dir`.
+
+    Raises InvalidRequestError naming the tensor when the checkpoint is not a valid one of its own
+    config.json (unknown, misshapen or missing tensors) or does not split over the ranks' TP size."""
+    config = ModelConfig.from_dir(model_dir)
+    validate_checkpoint(config, hf_tensor_shapes(model_dir))
+    ranks = [parse_rank_key(m.rank) for m in held]
+    if any(pp != 0 for _, pp, _ in ranks):
+        raise InvalidRequestError("rank", "--checkpoint lays weights out for tensor-parallel ranks only "
+                                          f"(pp0); the sidecar has {sorted({m.rank for m in held})}")
+    tp_size = max((tp for _, _, tp in ranks), default=0) + 1
+    done: dict[tuple[int, str, tuple[tuple[str, str], ...]], Manifest] = {}  # dp replicas hold the same bytes
+    out = []
+    with _Checkpoint(model_dir) as ckpt:
+        for m, (_, _, tp) in zip(held, ranks):
+            dtypes = {r.name: r.dtype for r in m.records}
+            key = (tp, m.algorithm, tuple(sorted(dtypes.items())))
+            if key not in done:
+                done[key] = _rank_manifest(config, ckpt, m, TPInfo(tp, tp_size, _NO_GROUP) if tp_size > 1
+                                           else TPInfo(), dtypes)
+            out.append(Manifest(m.model, m.weight_version, m.rank, done[key].records, m.algorithm))
+    return out
+
+
+# The model is built only to route weights (names, shapes, weight_loaders): it never runs, so a TP
+# rank needs no process group. TPInfo asks for one when size > 1; this placeholder is never used.
+_NO_GROUP = object()
+
+
+def _rank_manifest(config: ModelConfig, ckpt: _Checkpoint, held: Manifest, tp: TPInfo,
+                   dtypes: dict[str, str]) -> Manifest:
+    """The digests of every parameter of one TP rank, filled from the checkpoint by its weight_loader."""
+    default = Counter(dtypes.values()).most_common(1)[0][0] if dtypes else config.dtype
+    model = build_model(config, tp, _torch_dtype(default), "meta")
+    records = []
+    for name, meta in model.named_parameters():
+        param = torch.empty(meta.shape, dtype=_torch_dtype(dtypes.get(name, default)))
+        with torch.no_grad():
+            for hf_name, shard_id in param_to_hf(name, config):
+                meta.weight_loader(param, ckpt.tensor(hf_name), shard_id)  # type: ignore[operator]
+        records += digest_tensors([(name, param)], algorithm=held.algorithm)
+    return Manifest(held.model, held.weight_version, held.rank, tuple(records), held.algorithm)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    assert isinstance(dtype, torch.dtype), name  # held manifests were validated, config dtypes too
+    return dtype
+
+
+class _Checkpoint(contextlib.AbstractContextManager):
+    """The checkpoint's tensors by name, read one at a time from files kept open for the run."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self._stack = contextlib.ExitStack()
+        self._where: dict[str, Any] = {}
+        self._model_dir = model_dir
+
+    def __enter__(self) -> _Checkpoint:
+        for path in safetensors_files(self._model_dir):
+            f = self._stack.enter_context(safe_open(str(path), framework="pt"))
+            self._where.update((name, f) for name in f.keys())  # noqa: SIM118 (safe_open is not a mapping)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name not in self._where:  # validate_checkpoint found every expected name: a bug if reached
+            raise InvalidRequestError(name, "missing from the checkpoint")
+        return self._where[name].get_tensor(name)

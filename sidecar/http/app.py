@@ -1,0 +1,251 @@
+"""The HTTP control plane: a FastAPI app over the driver (generation here, control in server_control.py,
+checksums and audits in server_audit.py, what they share in server_common.py).
+
+Errors: every error response is {"error": {"type", "message", "field", "rank"}}. Status codes:
+400 a bad value (malformed JSON, a value out of range; `field` names it), 422 a wrong type or an
+unknown field (pydantic), 401 a missing or wrong API key, 404 an unknown route, 409 a state conflict
+(asleep, torn, an update without start, a checksum mismatch: the model is torn), 413 a body over
+--max-body-mb, 429 too many queued sequences (docs/limits.md), 502 the weight wire failed (trainer
+gone, timeout), 503 a rank is dead or hung (`rank` names it), 507 not enough device memory to wake,
+500 a bug (sidecar/http/guard.py answers it; the connection stays usable).
+
+Auth (decision): when an API key is set, every endpoint requires `Authorization: Bearer KEY` except
+GET /health and GET /metrics (probes and scrapers) and the OpenAPI docs. Reads such as /state and
+/checksums need it too: they describe the model and the weights.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import uuid
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from inference.core import InvalidRequestError, RequestOutput, SamplingParams, StateError
+from sidecar.http.common import ApiError, ServerState, await_future, error_response, rank_error_to_api
+from sidecar.http.control import add_control_routes
+from sidecar.http.guard import RequestGuard
+from sidecar.http.hot import HotRoutes, hot_routes_enabled
+from sidecar.http.intake import build_intake, encode_group
+from sidecar.http.models import (
+    CompletionOut,
+    CompletionRequest,
+    ErrorResponse,
+    GenerateRequest,
+    GenerateResponse,
+    PromptOut,
+)
+from sidecar.http.openai import add_openai_routes
+from sidecar.http.openai_format import completion_response
+from sidecar.ranks.driver import RankError
+
+__all__ = ["ApiError", "ServerState", "create_app"]
+
+log = logging.getLogger(__name__)
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="Sidecar", version="0.1.0", responses={"4XX": {"model": ErrorResponse}},
+                  description="Rollouts, sleep/wake, weight syncs and checksum audits of one sidecar.")
+    app.state.sidecar = state
+    state.intake = build_intake(state.tokenizer, state.config, state.plans[0])
+    _install_error_handlers(app, state)
+    open_router = APIRouter()
+    router = APIRouter(dependencies=[Depends(_auth(state.config.api_key))])
+    _add_open_routes(open_router, state)
+    _add_generation_routes(router, state)
+    hot = add_control_routes(router, state)
+    add_openai_routes(router, state)
+    app.include_router(open_router)
+    app.include_router(router)
+    if hot_routes_enabled():  # inside RequestGuard: Starlette wraps each later-added middleware around it
+        app.add_middleware(HotRoutes, routes=hot,  # type: ignore[arg-type]
+                           authorized=partial(key_accepted, state.config.api_key),
+                           on_error=partial(error_answer, state))
+    app.add_middleware(RequestGuard, max_body_bytes=state.config.max_body_mb << 20,  # type: ignore[arg-type]
+                       on_error=lambda status: state.metrics.http_errors.labels(str(status)).inc())
+    return app
+
+
+def _auth(key: str | None) -> Any:
+    # async, though it awaits nothing: FastAPI runs a plain `def` dependency in its thread pool, a thread
+    # hop on every authenticated call (0.2 ms of each weight-sync message on a busy 2-core box).
+    async def require_key(request: Request) -> None:
+        if not key_accepted(key, request.headers):
+            raise ApiError(401, "Unauthorized", "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                           "authorization")
+
+    return require_key
+
+
+def key_accepted(key: str | None, headers: Mapping[str, str]) -> bool:
+    """True when no API key is set, or `headers` (lower-case names) carry `Authorization: Bearer KEY`."""
+    if key is None:
+        return True
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
+    for kind in (ApiError, RankError, InvalidRequestError, StateError, RequestValidationError,
+                 StarletteHTTPException):
+        app.add_exception_handler(kind, partial(_error_handler, state))
+    # No handler for Exception here: sidecar/http/guard.py answers those (a handler here would run in
+    # Starlette's ServerErrorMiddleware, which re-raises, and the kept-alive connection would be dropped).
+
+
+async def _error_handler(state: ServerState, _: Request, e: Exception) -> JSONResponse:
+    answer = error_answer(state, e)
+    assert answer is not None, f"no answer for {type(e).__name__}"  # registered for the kinds it answers
+    return answer
+
+
+def error_answer(state: ServerState, e: Exception) -> JSONResponse | None:
+    """The app's JSON error answer to an exception a handler (or FastAPI) raised, counted in the metrics;
+    None for an unexpected one (RequestGuard answers it with a 500). The FastAPI routes and HotRoutes
+    answer through it, so an error reads the same on either path."""
+    if isinstance(e, ApiError):
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+        status, args = e.status, (e.type, e.message, e.field, e.rank)
+    elif isinstance(e, RankError):
+        a = rank_error_to_api(e)
+        status, args, headers = a.status, (a.type, a.message, a.field, a.rank), None
+    elif isinstance(e, InvalidRequestError):
+        status, args, headers = 400, (type(e).__name__, e.message, e.field), None
+    elif isinstance(e, StateError):
+        status, args, headers = 409, (type(e).__name__, str(e)), None
+    elif isinstance(e, RequestValidationError):
+        (status, args), headers = _validation_error(e), None
+    elif isinstance(e, StarletteHTTPException):
+        kind = {400: "MalformedBody", 404: "NotFound", 405: "MethodNotAllowed",
+                413: "PayloadTooLarge"}.get(e.status_code, "HTTPError")
+        # FastAPI's own 400 is a body it could not parse (bytes that are not JSON in the declared encoding)
+        status, args = e.status_code, (kind, str(e.detail), "body" if e.status_code in (400, 413) else None)
+        headers = e.headers
+    else:
+        return None
+    state.metrics.http_errors.labels(str(status)).inc()
+    return error_response(status, *args, headers=headers)
+
+
+def _validation_error(e: RequestValidationError) -> tuple[int, tuple[str, str, str]]:
+    errors = list(e.errors()) or [{"loc": ("body",), "msg": "invalid request", "type": ""}]
+    if any(err.get("type") == "json_invalid" for err in errors):
+        return 400, ("MalformedJSON", f"the body is not valid JSON: {errors[0].get('msg')}", "body")
+    # A union reports one error per member: the deepest location is the most specific one.
+    best = max(errors, key=lambda err: len(field_path(err.get("loc", ()))))
+    name = field_path(best.get("loc", ())) or "body"
+    return 422, ("ValidationError", f"{name}: {best.get('msg')}", name)
+
+
+def field_path(loc: Any) -> str:
+    """pydantic's loc -> "sampling_params[0].temperature": drops "body"/"query" and union member tags
+    (type names such as "str", "list[int]", "SamplingParamsModel"; our fields are snake_case)."""
+    out = ""
+    parts = list(loc)
+    for part in parts[1:] if parts and parts[0] in ("body", "query", "path", "header") else parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" in part or part[:1].isupper() or part in ("str", "int", "float", "bool", "list", "dict"):
+            continue
+        else:
+            out += f".{part}" if out else part
+    return out
+
+
+def _add_open_routes(router: APIRouter, state: ServerState) -> None:
+    @router.get("/health", summary="200 while every rank is alive and answering, else 503")
+    async def health() -> JSONResponse:
+        failure = state.driver.failure
+        if failure is None:
+            return JSONResponse({"status": "ok", "ranks": len(state.plans)})
+        error = {"type": "RankFailure", "message": failure, "rank": state.driver.failure_rank}
+        return JSONResponse({"status": "unhealthy", "error": error}, status_code=503)
+
+    @router.get("/metrics", summary="Prometheus metrics")
+    async def metrics() -> Response:
+        body, content_type = state.metrics.render()
+        return Response(body, media_type=content_type)
+
+
+def check_params(body: Any, state: ServerState, prefix: str) -> SamplingParams:
+    """The SamplingParams of a request body, refused before queueing by the rules the engine applies
+    (SamplingParams' own, then check_limits before the prompt's length is known: inference/core.py);
+    the ranks check the prompt's length with the same code. A 400 naming the field otherwise."""
+    try:
+        params: SamplingParams = body.to_params()
+        params.check_limits(state.vocab_size, int(state.plans[0]["max_model_len"]))
+    except InvalidRequestError as e:
+        name = e.field.removeprefix("sampling_params.")
+        raise ApiError(400, type(e).__name__, e.message, f"{prefix}.{name}" if prefix else name) from None
+    return params
+
+
+def _rename_prompt_errors(e: ApiError, prompts_field: str, params_field: str, per_prompt_params: bool,
+                          index: int | None) -> ApiError:
+    """Engine fields ("prompt", "sampling_params.x") -> the fields of this endpoint's body."""
+    f = e.field
+    if f == "prompt":
+        e.field = prompts_field if index is None else f"{prompts_field}[{index}]"
+    elif f is not None and f.startswith("sampling_params"):
+        rest = f.removeprefix("sampling_params")
+        base = f"{params_field}[{index}]" if per_prompt_params and index is not None else params_field
+        e.field = (base + rest) if base else rest.lstrip(".")
+    return e
+
+
+async def run_group(request: Request, state: ServerState, prompts: list[Any], params: list[SamplingParams],
+                    wait: bool, names: tuple[str, str, bool]) -> list[RequestOutput]:
+    try:
+        inputs = await encode_group(state.intake, prompts, params)  # limits, then tokenization off the loop
+        fut = state.driver.submit(list(zip(inputs, params)), wait=wait)
+        return await await_future(request, fut, state.driver)
+    except ApiError as e:
+        raise _rename_prompt_errors(e, *names, e.index) from None
+
+
+def _add_generation_routes(router: APIRouter, state: ServerState) -> None:
+    @router.post("/generate", response_model=GenerateResponse, summary="Generate: token ids, logprobs, weight version")
+    async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
+        sp = body.sampling_params
+        per_prompt = isinstance(sp, list)
+        models = sp if isinstance(sp, list) else [sp] * len(body.prompts)
+        if len(models) != len(body.prompts):
+            raise ApiError(400, "InvalidRequestError", f"{len(models)} given for {len(body.prompts)} prompts",
+                           "sampling_params")
+        params = [check_params(m, state, f"sampling_params[{i}]" if per_prompt else "sampling_params")
+                  for i, m in enumerate(models)]
+        outs = await run_group(request, state, list(body.prompts), params, body.wait,
+                               ("prompts", "sampling_params", per_prompt))
+        return GenerateResponse(outputs=[_prompt_out(o) for o in outs])
+
+    @router.post("/v1/completions", summary="OpenAI-compatible completions (a subset)")
+    async def completions(body: CompletionRequest, request: Request) -> dict[str, Any]:
+        if body.stream:
+            raise ApiError(400, "InvalidRequestError", "streaming is not supported", "stream")
+        params = check_params(body, state, "")
+        prompts = body.prompts()
+        if not prompts:
+            raise ApiError(400, "InvalidRequestError", "must not be empty", "prompt")
+        outs = await run_group(request, state, prompts, [params] * len(prompts), body.wait, ("prompt", "", False))
+        return completion_response(outs, state.served_model_name, body.logprobs, state.tokenizer,
+                                   f"cmpl-{uuid.uuid4().hex}")
+
+
+def _prompt_out(o: RequestOutput) -> PromptOut:
+    return PromptOut(
+        prompt=o.prompt, prompt_token_ids=o.prompt_token_ids, weight_version=o.weight_version,
+        num_cached_tokens=o.num_cached_tokens,
+        completions=[CompletionOut(
+            index=c.index, text=c.text, token_ids=c.token_ids, logprobs=c.logprobs,
+            finish_reason=c.finish_reason.value if c.finish_reason is not None else None,
+            stop_reason=c.stop_reason,
+            top_logprobs=[{str(k): v for k, v in d.items()} for d in c.top_logprobs] if c.top_logprobs else None,
+            weight_version_spans=[tuple(s) for s in c.weight_version_spans]) for c in o.outputs])

@@ -1,0 +1,114 @@
+"""What a generation call passes in the sidecar process before the driver queues it (docs/limits.md).
+
+Order, cheapest first, so that a call that will be refused costs next to nothing: the number of
+sequences it asks for (prompts x n, --max-request-sequences), each text prompt's length in characters
+(--max-prompt-chars) and Unicode validity, then tokenization, then each prompt's token ids and its
+prompt + max_tokens against max_model_len (inference/core.py's policy, the ranks apply it again).
+
+Why tokenize here: a rank tokenized inside its step, so one long prompt stalled every other request
+for as long as it took, and a tokenization longer than --step-timeout-s had the driver declare the rank
+hung (503 for good). Here it runs in a worker thread (`encode_group`) with the GIL released
+(inference/text/prompts.py), so neither the event loop, nor the driver, nor any rank step waits on it; the
+ranks receive token ids (commands.TokenizedPrompt) and only check them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from inference.core import InvalidRequestError, SamplingParams
+from inference.text.prompts import GilFreeTokenizer, check_text, check_token_ids
+from sidecar.http.common import ApiError
+from sidecar.ranks.commands import TokenizedPrompt
+
+
+@dataclass(frozen=True)
+class Intake:
+    """The checks and the tokenizer of one sidecar; `tokenizer` None: token-id prompts only."""
+
+    tokenizer: GilFreeTokenizer | None
+    vocab_size: int
+    max_model_len: int
+    max_prompt_chars: int
+    max_request_sequences: int
+
+    def check_sequences(self, params: Sequence[SamplingParams]) -> None:
+        """Refuse a call asking for more sequences than one call may (400 naming the prompts)."""
+        total = sum(int(p.n) for p in params)
+        if total > self.max_request_sequences:
+            raise ApiError(400, "InvalidRequestError", f"{len(params)} prompt(s) with their n ask for {total} "
+                           f"sequences; one call may ask for at most {self.max_request_sequences} (the sidecar's "
+                           "--max-request-sequences): split it into several calls", "prompt")
+
+    def encode(self, prompts: Sequence[Any], params: Sequence[SamplingParams]) -> list[TokenizedPrompt]:
+        """Every prompt checked and tokenized, or ApiError 400 naming the first bad one (`index`).
+        Runs in a worker thread: it may take a second per MB of text."""
+        for i, prompt in enumerate(prompts):  # lengths first: refuse before tokenizing anything
+            if isinstance(prompt, str):
+                _at(i, check_text, prompt, "prompt", self.max_prompt_chars)
+                if self.tokenizer is None:
+                    raise _bad(i, InvalidRequestError("prompt", "this model has no tokenizer.json: send token ids"))
+        out = []
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            text = prompt if isinstance(prompt, str) else None
+            ids = self.tokenizer.encode(prompt) if text is not None and self.tokenizer is not None else list(prompt)
+            _at(i, check_token_ids, ids, self.vocab_size)
+            _at(i, sp.check_limits, self.vocab_size, self.max_model_len, len(ids))
+            out.append(TokenizedPrompt(text, ids))
+        return out
+
+    # ---- chat (/v1/chat/completions, sidecar/http/openai.py): the same limits, one rendered prompt ----
+    def check_chat(self, n: int, chars: int) -> None:
+        """A chat call's cheap checks, before its template is rendered: the sequences it asks for (its
+        n; 400 naming n) and its messages' characters (400 naming messages). The rendered prompt is
+        checked again by `encode_chat`; this refuses a huge message before any template runs."""
+        if n > self.max_request_sequences:
+            raise ApiError(400, "InvalidRequestError", f"asks for {n} sequences; one call may ask for at most "
+                           f"{self.max_request_sequences} (the sidecar's --max-request-sequences): split it into "
+                           "several calls", "n")
+        if chars > self.max_prompt_chars:
+            raise ApiError(400, "InvalidRequestError", f"have {chars} characters; at most {self.max_prompt_chars} "
+                           "are accepted (the sidecar's --max-prompt-chars); send shorter messages", "messages")
+
+    def encode_chat(self, text: str) -> TokenizedPrompt:
+        """A rendered chat prompt checked as a completion's text prompt is (characters, Unicode, token ids)
+        and tokenized without adding special tokens (the template wrote them); ApiError 400 naming
+        messages. Runs in a worker thread, like `encode`."""
+        try:
+            check_text(text, "messages", self.max_prompt_chars)
+            if self.tokenizer is None:
+                raise InvalidRequestError("messages", "this model has no tokenizer.json: chat needs one (send "
+                                                      "token ids to /generate instead)")
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            check_token_ids(ids, self.vocab_size, "messages")
+        except InvalidRequestError as e:
+            raise ApiError(400, type(e).__name__, e.message, e.field) from None
+        return TokenizedPrompt(None, ids)  # None: the output carries no prompt text, as before
+
+
+async def encode_group(intake: Intake, prompts: Sequence[Any],
+                       params: Sequence[SamplingParams]) -> list[TokenizedPrompt]:
+    """`intake.encode` off the event loop (asyncio's default executor)."""
+    intake.check_sequences(params)
+    return await asyncio.to_thread(intake.encode, prompts, params)
+
+
+def _at(index: int, check: Any, *args: Any) -> None:
+    try:
+        check(*args)
+    except InvalidRequestError as e:
+        raise _bad(index, e) from None
+
+
+def _bad(index: int, e: InvalidRequestError) -> ApiError:
+    return ApiError(400, type(e).__name__, e.message, e.field, index=index)
+
+
+def build_intake(tokenizer: Any, config: Any, plan: dict[str, Any]) -> Intake:
+    """The Intake of a sidecar: its tokenizer (inference.text.tokenizer.Tokenizer or None), its LaunchConfig's
+    limits and the model facts of rank 0's startup plan."""
+    return Intake(GilFreeTokenizer(tokenizer) if tokenizer is not None else None, int(plan["vocab_size"]),
+                  int(plan["max_model_len"]), config.max_prompt_chars, config.max_request_sequences)

@@ -1,0 +1,239 @@
+"""Request and response bodies of the HTTP API (pydantic; they are the OpenAPI schema at /docs).
+
+Every request model forbids unknown fields and is strict about JSON types ("5" is not an integer),
+so a typo or a wrong type is a 422 naming the field instead of a silently ignored option. The
+sampling fields are generated from inference.core.SamplingParams (its one declaration); every range
+rule, and the checks that depend on the model (vocabulary, max_model_len), are SamplingParams' own,
+so a bad value is the same 400 naming the field over HTTP as the InvalidRequestError in-process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from inference.core import SamplingParams
+from sidecar.http.json_types import DigestsJson, ExpectedJson, InitInfoJson, UpdateInfoJson
+
+WAIT_DOC = ("when the model cannot generate now: true holds the call through a weight sync in progress, "
+            "false answers 409 at once; while the sidecar sleeps, a model is torn or awaits its first sync "
+            "the answer is 409 naming the state either way, unless it was launched with --hold-while-asleep "
+            "(then true holds through those too)")
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+# SamplingParams travels as JSON: its tuples as lists (a lone stop string is one stop).
+_JSON_SHAPES: dict[str, Any] = {"stop_token_ids": list[int], "stop": str | list[str]}
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def sampling_fields(nullable: bool) -> dict[str, Any]:
+    """pydantic definitions of every SamplingParams field, generated from the dataclass (its JSON type,
+    default and doc). The models check JSON types only; every range rule is SamplingParams' own."""
+    hints = typing.get_type_hints(SamplingParams)
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(SamplingParams):
+        kind = _JSON_SHAPES.get(f.name, hints[f.name])
+        spec = (Field(default_factory=list, description=f.metadata["doc"]) if isinstance(f.default, tuple)
+                else Field(f.default, description=f.metadata["doc"]))
+        out[f.name] = (kind | None if nullable else kind, spec)
+    return out
+
+
+class _Sampling(_Request):
+    def to_params(self) -> SamplingParams:
+        """The SamplingParams of this body: the fields it set (null counts as unset); its validation
+        raises InvalidRequestError naming the field."""
+        data = self.model_dump(include=set(SAMPLING_FIELDS), exclude_unset=True)
+        return SamplingParams.from_dict({k: v for k, v in data.items() if v is not None})
+
+
+SamplingParamsModel = create_model(
+    "SamplingParamsModel", __base__=_Sampling, __doc__="inference.core.SamplingParams as JSON; unset fields "
+    "take its defaults.", **sampling_fields(nullable=False))
+
+
+class GenerateRequest(_Request):
+    prompts: list[str | list[int]] = Field(min_length=1, description="strings, or lists of token ids; prompts x "
+                                           "n at most --max-request-sequences (docs/limits.md)")
+    sampling_params: SamplingParamsModel | list[SamplingParamsModel] = Field(
+        default_factory=SamplingParamsModel, description="one for all prompts, or one per prompt")
+    wait: bool = Field(True, description=WAIT_DOC)
+
+
+class CompletionOut(BaseModel):
+    index: int
+    text: str | None
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    top_logprobs: list[dict[str, float]] | None = None
+    weight_version_spans: list[tuple[int, int]] = Field(
+        default_factory=list, description="(first token index, weight version) runs")
+
+
+class PromptOut(BaseModel):
+    prompt: str | None
+    prompt_token_ids: list[int]
+    weight_version: int = Field(description="the oldest weight version that produced any of its tokens")
+    num_cached_tokens: int
+    completions: list[CompletionOut]
+
+
+class GenerateResponse(BaseModel):
+    outputs: list[PromptOut]
+
+
+class _CompletionBody(_Sampling):
+    """The OpenAI /v1/completions subset: every SamplingParams field (so also top_k, min_p, ignore_eos,
+    stop_token_ids, logprobs_mode) plus `wait`. Sampling fields accept null as unset, as OpenAI
+    clients send it; `logprobs` null (the default) returns no logprobs."""
+
+    model: str | None = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    stream: bool = False
+    user: str | None = None
+    wait: bool = Field(True, description=WAIT_DOC)
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+_completion_sampling = sampling_fields(nullable=True)
+_completion_sampling["logprobs"] = (int | None, Field(None, description="top-k logprobs per token, 0..20; "
+                                                                        "null: no logprobs in the response"))
+CompletionRequest = create_model("CompletionRequest", __base__=_CompletionBody, __doc__=_CompletionBody.__doc__,
+                                 **_completion_sampling)
+
+
+class ChatContentPart(_Request):
+    type: Literal["text"] = Field(description="only text parts: the engine reads text")
+    text: str
+
+
+class ChatMessage(_Request):
+    """One message as OpenAI clients send it; the model's chat template decides what each field means."""
+
+    role: str
+    content: str | list[ChatContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as a chat template reads it: text parts joined into one string, unset fields left out."""
+        out = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            out["content"] = "".join(part.text for part in self.content)
+        return out
+
+
+class _ChatBody(_Request):
+    """The OpenAI /v1/chat/completions subset: messages rendered with the model's own chat template,
+    n, temperature, top_p, max_tokens (or max_completion_tokens; unset: the rest of max_model_len),
+    stop, seed, logprobs + top_logprobs, and every other SamplingParams field (top_k, min_p,
+    ignore_eos, stop_token_ids, logprobs_mode); plus `add_generation_prompt` and
+    `chat_template_kwargs` (vLLM's: extra template variables such as enable_thinking) and `wait`.
+    Sampling fields accept null as unset, as OpenAI clients send it."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    stream: bool = False
+    user: str | None = None
+    max_completion_tokens: int | None = Field(None, description="OpenAI's newer name of max_tokens")
+    top_logprobs: int | None = Field(None, description="0..20 most likely tokens per position (needs logprobs)")
+    frequency_penalty: float | None = Field(None, description="accepted only as 0 or null (no penalties here)")
+    presence_penalty: float | None = Field(None, description="accepted only as 0 or null (no penalties here)")
+    add_generation_prompt: bool = Field(True, description="end the prompt with the assistant's turn header")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the template")
+    wait: bool = Field(True, description="while asleep or torn: wait (true) or get 409 at once (false)")
+
+    def sampling_dict(self) -> dict[str, Any]:
+        """The SamplingParams fields this body set (null counts as unset), with OpenAI's chat names mapped:
+        logprobs true -> SamplingParams.logprobs = top_logprobs (0: the sampled token's only)."""
+        data = self.model_dump(include=set(SAMPLING_FIELDS), exclude_unset=True)
+        data = {k: v for k, v in data.items() if v is not None and k != "logprobs"}
+        if self.max_completion_tokens is not None:
+            data["max_tokens"] = self.max_completion_tokens
+        if self.logprobs:
+            data["logprobs"] = self.top_logprobs or 0
+        return data
+
+
+_chat_sampling = sampling_fields(nullable=True)
+_chat_sampling["logprobs"] = (bool | None, Field(None, description="return each token's logprob (and "
+                                                                   "top_logprobs alternatives)"))
+_chat_sampling["max_tokens"] = (int | None, Field(None, description="new tokens per choice; unset: what "
+                                                                    "max_model_len leaves after the prompt"))
+ChatCompletionRequest = create_model("ChatCompletionRequest", __base__=_ChatBody, __doc__=_ChatBody.__doc__,
+                                     **_chat_sampling)
+
+
+class SleepRequest(_Request):
+    level: int = Field(1, description="1: weights kept in host memory; 2: dropped (the next sync refills them)")
+    in_flight: Literal["finish", "hold"] = Field("finish", description="finish running requests first, or hold them")
+
+
+class WakeRequest(_Request):
+    tags: list[str] | None = Field(None, description='"weights", "kv_cache"; null wakes everything')
+
+
+class WeightsInitRequest(_Request):
+    init_info: InitInfoJson = Field(description="WeightSender.init_info() of the trainer")
+
+
+class WeightsStartRequest(_Request):
+    model: Literal["target", "draft"] = "target"
+    version: int
+    manifest: dict[str, Any] | list[Any] = Field(description="WeightSender.manifest(named_tensors, version)")
+    allow_cast: bool = False
+
+
+class WeightsUpdateRequest(_Request):
+    update_info: UpdateInfoJson = Field(None, description="null or {}; or one of those per rank, in rank order")
+    start: WeightsStartRequest | None = Field(
+        None, description="a /weights/start body: open the session first, in this same call (one round trip "
+                          "fewer per sync; sidecars whose /weights/init answer has start_in_update: true). A "
+                          "start the ranks refuse is answered as /weights/start answers it, and the sender's "
+                          "send() fails at once (the plan agreement is refused)")
+    finish: bool = Field(
+        False, description="the sender delivers its digests in the sync (WeightSender.send(deliver_digests=True)): "
+                           "every rank audits and commits in this call, whose answer is /weights/finish's (one "
+                           "request per sync; sidecars whose /weights/init answer has audit_in_update: true)")
+
+
+class WeightsFinishRequest(_Request):
+    digests: DigestsJson = Field(
+        description="the sender's digests: records {name, dtype, shape, digest}, a manifest, or "
+                    "{algorithm, digests: [hex per start-manifest tensor, in its order]}")
+
+
+class AuditRequest(_Request):
+    model: Literal["target", "draft"] = "target"
+    source: Literal["held", "received"] = Field(
+        "held", description="held: the parameters each rank holds now; received: what the last sync delivered")
+    expected: ExpectedJson = Field(
+        None, description="manifest(s) to compare against; for source=received also a list of sender records")
+
+
+class ErrorBody(BaseModel):
+    type: str
+    message: str
+    field: str | None = None
+    rank: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody

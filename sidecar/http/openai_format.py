@@ -1,0 +1,110 @@
+"""The OpenAI response shapes, built from RequestOutputs: /v1/completions and /v1/chat/completions.
+
+Completions: choices are numbered prompt-major: choice i * n + j is sample j of prompt i. `logprobs`
+follows the legacy completions format (tokens, token_logprobs, top_logprobs, text_offset);
+`text_offset` is where each token's text starts in the completion text, which is decoded without
+special tokens: a sampled special token adds nothing to it (its `tokens` entry still names it).
+Chat: one prompt, its n samples as choices; `logprobs.content` holds {token, logprob, bytes,
+top_logprobs} per token. Both add `weight_version` (the oldest version that produced any token of
+the call) for RL callers, and chat choices add `token_ids` (the sampled ids: no re-tokenizing).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from inference.core import CompletionOutput, RequestOutput
+from inference.text.tokenizer import IncrementalDetokenizer
+
+
+def completion_response(outs: list[RequestOutput], model: str, logprobs: int | None, tokenizer: Any,
+                        response_id: str) -> dict[str, Any]:
+    choices = []
+    prompt_tokens = completion_tokens = 0
+    for i, out in enumerate(outs):
+        prompt_tokens += len(out.prompt_token_ids)
+        n = len(out.outputs)
+        for c in out.outputs:
+            completion_tokens += len(c.token_ids)
+            choices.append({
+                "index": i * n + c.index,
+                "text": c.text if c.text is not None else "",
+                "finish_reason": c.finish_reason.value if c.finish_reason is not None else None,
+                "logprobs": _logprobs(c, tokenizer) if logprobs is not None else None,
+            })
+    return {
+        "id": response_id, "object": "text_completion", "created": int(time.time()), "model": model,
+        "choices": choices,
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+        "weight_version": min((o.weight_version for o in outs), default=0),
+    }
+
+
+def _token_text(tokenizer: Any, token_id: int) -> str:
+    if tokenizer is None:
+        return f"<{token_id}>"  # a model without tokenizer.json: ids only
+    return str(tokenizer.decode([token_id], skip_special_tokens=False))
+
+
+def text_offsets(c: CompletionOutput, tokenizer: Any) -> list[int]:
+    """Where each token's text starts in c.text. The engine decodes the completion alone, skipping
+    special tokens, so the offsets come from the same decode run token by token: a special token (and
+    a token whose bytes complete a character only later) adds nothing; past a stop string that cut
+    the text, offsets stop at its end."""
+    if tokenizer is None:  # ids only: each token is shown as "<id>"
+        offsets, pos = [], 0
+        for t in c.token_ids:
+            offsets.append(pos)
+            pos += len(f"<{t}>")
+        return offsets
+    detok = IncrementalDetokenizer(tokenizer)
+    end = len(c.text) if c.text is not None else None
+    offsets = []
+    for t in c.token_ids:
+        offsets.append(len(detok.text) if end is None else min(len(detok.text), end))
+        detok.add([t])
+    return offsets
+
+
+def _logprobs(c: CompletionOutput, tokenizer: Any) -> dict[str, Any]:
+    tokens = [_token_text(tokenizer, t) for t in c.token_ids]
+    offsets = text_offsets(c, tokenizer)
+    top = None
+    if c.top_logprobs is not None:
+        top = [{_token_text(tokenizer, tid): lp for tid, lp in d.items()} for d in c.top_logprobs]
+    return {"tokens": tokens, "token_logprobs": list(c.logprobs), "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_response(out: RequestOutput, model: str, logprobs: bool, tokenizer: Any,
+                  response_id: str) -> dict[str, Any]:
+    """The chat.completion object of one prompt's completions (choice j is sample j)."""
+    choices = [{
+        "index": c.index,
+        "message": {"role": "assistant", "content": c.text if c.text is not None else ""},
+        "finish_reason": c.finish_reason.value if c.finish_reason is not None else None,
+        "logprobs": {"content": _chat_logprobs(c, tokenizer)} if logprobs else None,
+        "token_ids": list(c.token_ids),
+    } for c in out.outputs]
+    completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+    return {
+        "id": response_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+        "choices": choices, "system_fingerprint": None,
+        "usage": {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": completion_tokens,
+                  "total_tokens": len(out.prompt_token_ids) + completion_tokens},
+        "prompt_token_ids": list(out.prompt_token_ids), "weight_version": out.weight_version,
+    }
+
+
+def _chat_logprobs(c: CompletionOutput, tokenizer: Any) -> list[dict[str, Any]]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = _token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for i, (token_id, logprob) in enumerate(zip(c.token_ids, c.logprobs)):
+        top = c.top_logprobs[i] if c.top_logprobs is not None else {}
+        ranked = sorted(top.items(), key=lambda kv: kv[1], reverse=True)
+        content.append({**entry(token_id, logprob), "top_logprobs": [entry(t, lp) for t, lp in ranked]})
+    return content

@@ -1,0 +1,245 @@
+"""What crosses the pipe between the sidecar process and its rank processes, declared in one place.
+
+Every command is a frozen dataclass; `reply` is the type of the value each rank answers with (the
+rank server asserts it). The driver (sidecar/ranks/driver.py) sends command objects; the rank server
+(sidecar/ranks/server.py) dispatches them by type through one table to explicit handler code. A
+command that is not in COMMANDS is refused on both sides with UnknownCommandError naming it: no
+method name crosses the pipe, nothing is looked up by name on the far side.
+
+Also here, because both sides import them: RankSpec (what a rank process is built from), Reply
+(the envelope of every answer: value or error, the rank's status, finished outputs) and ErrorInfo
+(an exception as it travels). Everything here is picklable and torch-free, so the sidecar process
+can unpickle replies without the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+from inference.config import EngineConfig
+from inference.core import RequestOutput, SamplingParams, SidecarError
+
+ErrorKind = Literal["invalid", "state", "checksum", "busy", "transfer", "unavailable", "memory", "internal"]
+WaitMode = Literal["never", "sync", "always"]
+
+
+@dataclass(frozen=True)
+class TokenizedPrompt:
+    """A prompt the sidecar process already checked and tokenized (sidecar/http/intake.py), so that no
+    rank step ever waits on a tokenizer; `text` is kept for the output (None for token-id prompts)."""
+
+    text: str | None
+    token_ids: list[int]
+
+
+Prompt = str | list[int] | TokenizedPrompt
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    """An exception that happened on a rank, as it travels back (picklable, no torch types)."""
+
+    type: str
+    message: str
+    kind: ErrorKind  # picks the HTTP status (sidecar/http/common.py)
+    field: str | None = None
+    rank: str | None = None
+    index: int | None = None  # which prompt of a request group failed
+
+
+@dataclass
+class Reply:
+    """One rank's answer to one command. `finished`: outputs that finished during it (rank 0 only)."""
+
+    ok: bool
+    value: Any = None
+    error: ErrorInfo | None = None
+    status: dict[str, Any] = field(default_factory=dict)
+    finished: list[RequestOutput] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything a rank process needs to build its engine (picklable)."""
+
+    rank: int
+    size: int
+    engine: EngineConfig
+    dist_port: int
+    backend: str  # "gloo" or "nccl" for the TP group
+    num_threads: int
+    log_level: str
+    dist_timeout_s: float
+    parent_pid: int
+    dp_rank: int = 0  # this replica's place in a fleet: the dp{i} of its rank keys
+
+
+class UnknownCommandError(SidecarError):
+    """A message on the rank pipe that COMMANDS does not declare (a bug in the sidecar, never a user's)."""
+
+    def __init__(self, command: object, where: str = "the rank pipe") -> None:
+        self.command = type(command).__name__
+        declared = ", ".join(c.__name__ for c in COMMANDS)
+        super().__init__(f"{where}: {self.command!r} is not a declared rank command (declared: {declared})")
+
+
+# ---- replies --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepResult:
+    """The request groups a Step refused (group id -> why); the same on every rank."""
+
+    rejected: dict[str, ErrorInfo] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """A passed audit at the end of one weight sync on one rank (a failed one raises instead): the
+    tensors it compared, the digest rule, and the seconds the rank spent in finish (the audit)."""
+
+    model: str
+    version: int
+    rank: str
+    ok: bool
+    summary: str
+    tensors_checked: int = 0
+    algorithm: str = ""
+    audit_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class UpdateReply:
+    """One rank's answer to UpdateWeights: the seconds its start took (0.0 without one), and with `finish`
+    the passed audit; `rank_s`: the rank's whole time on the command (start, receive, audit), so the
+    sidecar can tell its own hops (driver thread, rank pipe) from the rank's work."""
+
+    start_s: float = 0.0
+    result: SyncResult | None = None
+    rank_s: float = 0.0
+
+
+# ---- commands -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Command:
+    """Base of every rank command; `reply` is the type of each rank's answer value."""
+
+    reply: ClassVar[type] = type(None)
+
+
+@dataclass(frozen=True)
+class RequestGroup:
+    """The prompts of one HTTP call: (request id, prompt, params) each; added all or none.
+
+    `wait`, when the engine cannot generate as the group arrives: "never" refuses it (409); "sync"
+    holds it through a weight sync in progress but refuses it while the sidecar sleeps, a model is torn
+    or awaits its first sync (states that end only when the trainer acts: holding would hang the
+    caller silently); "always" holds it through all of these (--hold-while-asleep)."""
+
+    group_id: str
+    requests: tuple[tuple[str, Prompt, SamplingParams], ...]
+    wait: WaitMode
+
+
+@dataclass(frozen=True)
+class Step(Command):
+    """Abort `aborts`, add `groups`, then run one engine step when `run` and the engine can step."""
+
+    aborts: tuple[str, ...] = ()
+    groups: tuple[RequestGroup, ...] = ()
+    run: bool = False
+    reply: ClassVar[type] = StepResult
+
+
+@dataclass(frozen=True)
+class Stop(Command):
+    """Shut the engine down and exit; the rank sends no reply."""
+
+
+@dataclass(frozen=True)
+class Sleep(Command):
+    """Release device memory. Reply: the rank's TransitionStats as a dict."""
+
+    level: int = 1
+    in_flight: Literal["finish", "hold"] = "finish"  # "finish": run queued requests to the end first
+    reply: ClassVar[type] = dict
+
+
+@dataclass(frozen=True)
+class WakeUp(Command):
+    """Map "weights" and/or "kv_cache" back (None: all). Reply: TransitionStats as a dict."""
+
+    tags: tuple[str, ...] | None = None
+    reply: ClassVar[type] = dict
+
+
+@dataclass(frozen=True)
+class InitWeightTransfer(Command):
+    """Join the sender's transfer group (blocks until every receiver joined)."""
+
+    info: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class StartWeightUpdate(Command):
+    """Open an update session of `model` ("target" or "draft"): the whole manifest is validated first."""
+
+    model: Literal["target", "draft"]
+    version: int
+    manifest: Any
+    allow_cast: bool = False
+
+
+@dataclass(frozen=True)
+class UpdateWeights(Command):
+    """Receive every bucket of the open session (blocks while the sender sends). With `start`, open that
+    session first, in this same command (POST /weights/update with "start": one round trip fewer per
+    sync); a start that fails refuses the sender's plan agreement, so the trainer's send() stops at once
+    instead of waiting out its timeout. With `finish`, the sender delivers its digests in the sync
+    (inference/transfer/delivery.py) and the rank audits and commits here, as FinishWeightUpdate would:
+    the whole sync is one command."""
+
+    info: Any = None
+    start: StartWeightUpdate | None = None
+    finish: bool = False
+    reply: ClassVar[type] = UpdateReply
+
+
+@dataclass(frozen=True)
+class FinishWeightUpdate(Command):
+    """Audit the received bytes against the sender's digests; on success the version goes live."""
+
+    digests: Any
+    reply: ClassVar[type] = SyncResult
+
+
+@dataclass(frozen=True)
+class AbortWeightUpdate(Command):
+    """End the open update session, if any (POST /weights/abort, or its lease ran out). The model is
+    torn if any byte may have been written (so nothing half-written is served), else it serves its
+    live version again. Reply: whether a session was open."""
+
+    reason: str = "aborted by the caller"
+    reply: ClassVar[type] = bool
+
+
+@dataclass(frozen=True)
+class ReadManifest(Command):
+    """The digests of `model`: "held" (this rank's shards, engine names, digested now) or "received"
+    (the last finished sync's full tensors, trainer names). `algorithm`: the digest rule of "held"
+    (None: the rank's default, the device rule on a GPU); for "received" it must be the sync's rule, if
+    given. Reply: checksum.Manifest as a dict."""
+
+    model: Literal["target", "draft"] = "target"
+    source: Literal["held", "received"] = "held"
+    algorithm: str | None = None
+    reply: ClassVar[type] = dict
+
+
+COMMANDS: tuple[type[Command], ...] = (Step, Stop, Sleep, WakeUp, InitWeightTransfer, StartWeightUpdate,
+                                       UpdateWeights, FinishWeightUpdate, AbortWeightUpdate, ReadManifest)
+
+
+def check_declared(command: object, where: str = "the rank pipe") -> None:
+    """Raise UnknownCommandError unless `command` is an instance of a declared command (exactly)."""
+    if type(command) not in COMMANDS:
+        raise UnknownCommandError(command, where)
