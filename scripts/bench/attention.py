@@ -5,9 +5,9 @@ Every sequence of a case has the same context; block tables are shuffled (non-co
 and reference timings include the KV store of the new token (what the engine calls); SDPA reads a
 ready contiguous [B, Hkv, ctx, D] cache (a bandwidth yardstick, not a paged implementation).
 
-    python scripts/bench_attention.py                              # H200: Qwen2-0.5B and Qwen2-7B shapes
-    python scripts/bench_attention.py --decode-block-n 32 --num-warps 2 --max-splits 16
-    python scripts/bench_attention.py --device cpu --batches 2 --contexts 64 --shapes 4,2,32   # smoke test
+    python scripts/bench/attention.py                              # H200: Qwen2-0.5B and Qwen2-7B shapes
+    python scripts/bench/attention.py --decode-block-n 32 --num-warps 2 --max-splits 16
+    python scripts/bench/attention.py --device cpu --batches 2 --contexts 64 --shapes 4,2,32   # smoke test
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 from inference.batch import AttentionMetadata
 from inference.layers.attention import ReferenceAttention

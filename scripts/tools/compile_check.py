@@ -7,9 +7,9 @@ compile, or that spills, shows here before any device time is spent on it (the i
 CPU tests use, checks the logic, not the compiled code). The figures follow this machine's Triton, which
 may differ from the device's.
 
-    python3 scripts/compile_check.py                    # every config below
-    python3 scripts/compile_check.py --kernels keys_once --warps 4 8
-    pip install --target /tmp/t36 triton==3.6.0 && PYTHONPATH=/tmp/t36:. python3 scripts/compile_check.py
+    python3 scripts/tools/compile_check.py                    # every config below
+    python3 scripts/tools/compile_check.py --kernels keys_once --warps 4 8
+    pip install --target /tmp/t36 triton==3.6.0 && PYTHONPATH=/tmp/t36:. python3 scripts/tools/compile_check.py
                                                         # the device's Triton (docs/benchmarks.md's header)
 """
 
@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file from a checkout too
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file from a checkout too
 
 import triton
 import triton.backends.nvidia as nvidia
