@@ -205,7 +205,8 @@ def run_case(model: str, name: str, m: int, n: int, k: int, args: argparse.Names
     default = pick_config(m, n, k, num_sms, "silu" if case.silu else "norm" if case.norm else "")
     ours, theirs = case.time(case.ours()), case.time(case.cublas())
     roof = case.weight_bytes / bw * 1e6
-    row = {"model": model, "proj": name, "m": m, "n": n, "k": k, "weight_mb": round(case.weight_bytes / 2**20, 2),
+    row = {"bench": "gemv", "model": model, "proj": name, "m": m, "n": n, "k": k,
+           "weight_mb": round(case.weight_bytes / 2**20, 2),
            "gemv_us": round(ours, 2), "cublas_us": round(theirs, 2), "roofline_us": round(roof, 2),
            "gemv_over_roofline": round(ours / roof, 2), "cublas_over_gemv": round(theirs / ours, 2),
            "config": [default.kind, default.block_n, default.block_k, default.num_warps, default.split_k]}
