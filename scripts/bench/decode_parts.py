@@ -45,7 +45,7 @@ VARIANTS = {"previous": {"decode_split_tiles": 1, "fused_combine": False, "fused
             "single": {"single_decode_block_n": 128},  # batch 1: 128-key tiles on 8 warps, one per split
             "rows1": {"decode_max_rows": 1},  # the multi-row owner check compiled out
             "auto": {},
-            # issue 24's sweep: more programs per SM (more splits), longer tiles, deeper pipelines, more warps
+            # the rollout's sweep: more programs per SM (more splits), longer tiles, deeper pipelines, more warps
             "sm4": {"decode_programs_per_sm": 4},
             "sm8": {"decode_programs_per_sm": 8},
             "sm8_t1": {"decode_programs_per_sm": 8, "decode_split_tiles": 1},
@@ -60,10 +60,10 @@ VARIANTS = {"previous": {"decode_split_tiles": 1, "fused_combine": False, "fused
             "n128_st1": {"decode_block_n": 128, "num_stages": 1},
             "n64_st1": {"num_stages": 1},
             "n256": {"decode_block_n": 256, "decode_split_tiles": 1},
-            # session 14: more KV splits at few rows and long contexts, the multi-row check compiled out
+            # more KV splits at few rows and long contexts, the multi-row check compiled out
             "rows1_sm4": {"decode_max_rows": 1, "decode_programs_per_sm": 4},
             "rows1_sm8": {"decode_max_rows": 1, "decode_programs_per_sm": 8},
-            # session 17: verify rows (--verify-rows) with one program per sequence, each key read once
+            # verify rows (--verify-rows) with one program per sequence, each key read once
             "keys_once": {"verify_keys_once": True},
             "keys_once_w4": {"verify_keys_once": True, "verify_num_warps": 4}}
 VARIANT_NAMES = list(VARIANTS)

@@ -1,4 +1,4 @@
-"""How far an engine's rollout logprobs are from an fp32 forward of the same weights (issue 23: the
+"""How far an engine's rollout logprobs are from an fp32 forward of the same weights (the
 batch-invariant mode must be no less accurate than the default engine).
 
 For each engine and sampling mode, the "alone" case's requests of scripts/bench/invariance.py are run

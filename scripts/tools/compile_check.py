@@ -55,7 +55,7 @@ _FP32 = ("part_m_ptr", "part_l_ptr", "part_acc_ptr", "cs_ptr", "part_ptr")
 _INT32 = ("counter_ptr", "slot_ptr", "ctx_ptr", "bt_ptr", "cu_q_ptr", "pos_ptr")
 _GEMM_SHAPES = {"qwen2-0.5b": {"qkv": (1152, 896), "gate_up": (9728, 896), "down": (896, 4864)},
                 "qwen2.5-7b": {"qkv": (4608, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}}
-# batch-invariant GEMM configs: (projection, its own constexprs); the fused prologues are issue 23's switch
+# batch-invariant GEMM configs: (projection, its own constexprs); the fused prologues are a switch of the mode
 GEMMS = {"inv_gemm": ("qkv", {"HAS_BIAS": True}), "inv_norm_gemm": ("gate_up", {"NORM": True, "HAS_RES": True}),
          "inv_silu_gemm": ("down", {"SILU_MUL": True})}
 

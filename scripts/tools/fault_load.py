@@ -1,4 +1,4 @@
-"""Fault and load (issue 20): one `sidecar launch` of the tiny model on CPU, hammered for --seconds.
+"""Fault and load: one `sidecar launch` of the tiny model on CPU, hammered for --seconds.
 
 All on loopback (the sidecar binds 127.0.0.1, the gloo stores too), bounded in time (--seconds, then
 every loop stops and the sidecar is stopped) and in count (--max-requests over all clients). At once:
