@@ -93,4 +93,13 @@ def test_a_draft_speculates_on_the_tail_only(smoke_workload: dict) -> None:
     (row,) = bench_lines(BENCH, *SMOKE, "--modes", "greedy", "--draft-layers", "1", "--k", "2",
                          "--spec-max-batch", "2")
     assert row["generated_tokens"] == smoke_workload["generated_tokens"] and row["spec_max_batch"] == 2
-    assert 0 < row["spec_steps"] < row["steps"] and row["spec_acceptance"] is not None
+    assert 0 < row["spec_steps"] < row["steps"]
+    assert row["tail_scale"] == 1.0 and row["spec_acceptance"] < 1  # a draft of the undamped target's first layer
+
+
+def test_tail_scale_zero_makes_the_draft_agree_on_every_token() -> None:
+    """--tail-scale damps o_proj and down_proj of the target's layers beyond the draft's: at 0 those layers
+    add nothing to the residual stream, so the target computes what its first layers (the draft) compute."""
+    (row,) = bench_lines(BENCH, *SMOKE, "--modes", "greedy", "--draft-layers", "1", "--k", "2",
+                         "--spec-max-batch", "0", "--tail-scale", "0")
+    assert row["tail_scale"] == 0.0 and row["spec_steps"] > 0 and row["spec_acceptance"] == 1.0

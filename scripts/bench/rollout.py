@@ -38,6 +38,7 @@ import json
 import math
 import random
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
@@ -162,12 +163,17 @@ def build_llm(shape: str, args: argparse.Namespace, max_len: int) -> LLM:
     if args.kv_gib:
         kw["kv_cache_bytes"] = int(args.kv_gib * 2**30)
     if shape == "tiny":
-        if args.draft_layers:  # the tiny model drafts for itself (every draft token accepted): CPU smoke runs
-            from inference.models.tiny import default_model_dir
+        if not args.draft_layers:
+            return LLM(None, device=args.device, **kw)
+        # the draft cut from the checkpoint's first layers, as the Qwen shapes' (the engine loads it at once)
+        from inference.models.tiny import default_model_dir, first_layers
 
-            kw.update(draft_model=str(default_model_dir()), num_speculative_tokens=args.k,
-                      spec_max_batch=args.spec_max_batch)
-        return LLM(None, device=args.device, **kw)
+        with tempfile.TemporaryDirectory(prefix="bench-rollout-draft-") as tmp:
+            draft = first_layers(default_model_dir(), Path(tmp) / "draft", args.draft_layers)
+            kw.update(draft_model=str(draft), num_speculative_tokens=args.k, spec_max_batch=args.spec_max_batch)
+            llm = LLM(None, device=args.device, **kw)
+        damp_tail(llm.worker.models["target"], args.draft_layers, args.tail_scale)
+        return llm
     from scripts.bench.generate import SHAPES
     from scripts.bench.spec import config_dir, tie_draft
 

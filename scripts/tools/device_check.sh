@@ -6,7 +6,7 @@
 #   scripts/tools/device_check.sh OUTDIR bench [NAMES...]         # the benchmarks below (default: DEFAULT_BENCH)
 #
 # tests: pytest -m cuda, its whole output in OUTDIR/pytest.log, the summary and failures printed (TEST_TIMEOUT,
-#        default 330 s). bench: each named benchmark under its own time limit, one JSON line per case into
+#        default 520 s). bench: each named benchmark under its own time limit, one JSON line per case into
 #        OUTDIR/bench.jsonl, stderr into OUTDIR/bench.log. The default set fits one 10-minute call; name the others
 #        (generate; sync_nccl on 2+ GPUs) in a call of their own. Exit status 1 if any step failed.
 set -uo pipefail
@@ -23,7 +23,7 @@ DEFAULT_BENCH=(sampler sync client_sync rollout rollout_7b)
 status=0
 
 run_tests() {
-    timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -q -m cuda -p no:cacheprovider "$@" >"$out/pytest.log" 2>&1 \
+    timeout "${TEST_TIMEOUT:-520}" python3 -m pytest -q -m cuda -p no:cacheprovider "$@" >"$out/pytest.log" 2>&1 \
         || status=1
     grep -E "passed|failed|error" "$out/pytest.log" | tail -n 3
     grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head -n 20
@@ -47,7 +47,7 @@ run_bench() {
             rollout_7b) bench 110 rollout --shapes qwen2.5-7b --modes seeded ;;
             generate) bench 150 generate --batch 1 128 --peers ;;
             sync_nccl) for shape in qwen2-0.5b qwen2.5-7b; do  # trainer on GPU 0, receiver on GPU 1
-                           bench 200 sync --backend nccl --device cuda:1 --sender-device cuda:0 --shape "$shape" --iters 5
+                           bench 280 sync --backend nccl --device cuda:1 --sender-device cuda:0 --shape "$shape" --iters 5
                        done ;;
             *) echo "device_check.sh: unknown benchmark '$name'" >&2; status=2 ;;
         esac
