@@ -33,7 +33,7 @@ bench() {  # seconds, module, args...: one benchmark, its JSON lines appended to
     local limit=$1 module=$2; shift 2
     echo "== $module $*" >>"$out/bench.log"
     timeout "$limit" python3 -m "scripts.bench.$module" "$@" 2>>"$out/bench.log" | tee -a "$out/bench.jsonl"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; echo "$module $*: failed (bench.log)" >&2; }
+    [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; echo "$module${*:+ $*}: failed (bench.log)" >&2; }
 }
 
 run_bench() {
