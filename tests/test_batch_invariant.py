@@ -193,7 +193,7 @@ def test_on_the_gpu_graphs_triton_and_a_draft_change_no_bit(models: dict[str, Pa
                                                             mode: str) -> None:
     """The GPU paths of the mode (Triton GEMM and attention, decode graphs of several sizes, async
     scheduling, the sampler's kernels), bf16: one batch, shuffled batches and a draft against each prompt
-    alone. The mode's GPU cost is scripts/bench_invariance.py's."""
+    alone. The mode's GPU cost is scripts/bench/invariance.py's."""
     gpu = {"device": "cuda", "dtype": "bfloat16", "kv_cache_bytes": 64 << 20}
     llm = engine(models, **gpu)
     lone = generate(llm, prompts, mode, [[i] for i in range(len(prompts))])

@@ -84,7 +84,7 @@ def test_a_sync_is_one_request_carrying_start_and_finish(server: Sidecar, sender
             assert result["algorithm"] == sender.algorithm and result["source"] == "received"
             assert wire.paths == ["/weights/update"]
             assert _live(c) == version  # committed when the one answer came
-            # what scripts/bench_client_sync.py splits a control message's time by
+            # what scripts/bench/client_sync.py splits a control message's time by
             found = dict(re.findall(r"(app|handler|ranks);dur=([0-9.]+)", wire.timings["/weights/update"]))
             assert 0 < float(found["handler"]) <= float(found["app"]), wire.timings
             # the rank's own time on the update, inside the handler's (the rest: the sidecar's hops)

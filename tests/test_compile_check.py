@@ -1,5 +1,5 @@
-"""scripts/compile_check.py: the decode attention kernels compile for sm_90 on a machine without a GPU (Triton
-compiles ahead of time; its wheel carries ptxas), so a kernel the interpreter accepts but the compiler
+"""scripts/tools/compile_check.py: the decode attention kernels compile for sm_90 on a machine without a GPU
+(Triton compiles ahead of time; its wheel carries ptxas), so a kernel the interpreter accepts but the compiler
 refuses is caught by CI, and ptxas's register and spill figures come back per config. In a child process:
 the test process may run Triton's interpreter, whose kernels do not compile."""
 
@@ -20,8 +20,9 @@ REPO = Path(__file__).resolve().parents[1]
 def test_the_kernels_compile_for_sm90_and_report_ptxas_figures() -> None:
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "compile_check.py"), "--kernels", "verify_rows",
-                          "keys_once", "inv_norm_gemm", "--shapes", "qwen2.5-7b", "--warps", "8", "--rope", "on"],
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "tools" / "compile_check.py"), "--kernels",
+                          "verify_rows", "keys_once", "inv_norm_gemm", "--shapes", "qwen2.5-7b", "--warps", "8",
+                          "--rope", "on"],
                          capture_output=True, text=True, timeout=600, env=env, check=True)
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     # the invariant GEMM at its own tiles and warps (the norm prologue: issue 23's switch), then the verify kernels

@@ -1,4 +1,4 @@
-"""Issue 20: scripts/fault_load.py for about two minutes against a real `sidecar launch` (tiny model, CPU):
+"""scripts/tools/fault_load.py for about two minutes against a real `sidecar launch` (tiny model, CPU):
 128 generating clients, an abuser, a trainer syncing every 3 s, a sender SIGKILLed mid-send, sleep/wake
 cycles. Zero unexpected errors, every fault exercised, and no unbounded memory growth."""
 
@@ -30,7 +30,7 @@ GROWTH_MB = 48.0
 
 @pytest.fixture(scope="module")
 def result() -> dict:
-    cmd = [sys.executable, str(REPO / "scripts" / "fault_load.py"), "--seconds", str(SECONDS)]
+    cmd = [sys.executable, str(REPO / "scripts" / "tools" / "fault_load.py"), "--seconds", str(SECONDS)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=SECONDS + 300)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     assert lines, f"no JSON line (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

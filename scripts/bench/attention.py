@@ -1,13 +1,14 @@
 """Benchmark decode attention: the triton backend (eager and CUDA-graph replay) against the reference
-backend and torch SDPA over a contiguous cache. Prints one JSON line per (shape, batch, context).
+backend and torch SDPA over a contiguous cache. Prints one JSON line per (shape, batch, context); on CUDA
+`triton_over_sdpa` is the graph-replay time over SDPA's.
 
 Every sequence of a case has the same context; block tables are shuffled (non-contiguous). The triton
 and reference timings include the KV store of the new token (what the engine calls); SDPA reads a
 ready contiguous [B, Hkv, ctx, D] cache (a bandwidth yardstick, not a paged implementation).
 
-    python scripts/bench_attention.py                              # H200: Qwen2-0.5B and Qwen2-7B shapes
-    python scripts/bench_attention.py --decode-block-n 32 --num-warps 2 --max-splits 16
-    python scripts/bench_attention.py --device cpu --batches 2 --contexts 64 --shapes 4,2,32   # smoke test
+    python scripts/bench/attention.py                              # H200: Qwen2-0.5B and Qwen2-7B shapes
+    python scripts/bench/attention.py --decode-block-n 32 --num-warps 2 --max-splits 16
+    python scripts/bench/attention.py --device cpu --batches 2 --contexts 64 --shapes 4,2,32   # smoke test
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 from inference.batch import AttentionMetadata
 from inference.layers.attention import ReferenceAttention
@@ -92,8 +93,8 @@ def bench_case(ta: object, tiles: object, args: argparse.Namespace, shape: tuple
     fast = lambda: backend.forward(q, k, v, kc, vc, meta, scale, None)
     ref = lambda: ReferenceAttention().forward(q, k, v, kc, vc, meta, scale, None)
     err = (fast().float() - ref().float()).abs().max().item()
-    row = {"dtype": args.dtype, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "batch": batch,
-           "context": context, "block_size": args.block_size,
+    row = {"bench": "attention", "dtype": args.dtype, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+           "batch": batch, "context": context, "block_size": args.block_size,
            "plan": dataclasses.asdict(backend.plan(q, kc, meta)),
            "max_abs_err_vs_reference": err, "triton_ms": measure(fast)}
     if args.device.startswith("cuda"):
@@ -110,6 +111,8 @@ def bench_case(ta: object, tiles: object, args: argparse.Namespace, shape: tuple
     kv_bytes = 2 * batch * context * kv_heads * head_dim * kc.element_size()
     best = row.get("triton_graph_ms", row["triton_ms"])
     row["triton_kv_gb_per_s"] = kv_bytes / (best * 1e-3) / 1e9
+    if "sdpa_graph_ms" in row:  # the yardstick measured in the same run
+        row["triton_over_sdpa"] = round(row["triton_graph_ms"] / row["sdpa_graph_ms"], 3)
     return row
 
 

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 from checksum import ALGORITHM, DEVICE_ALGORITHM, can_hash_on
 from inference.config import ModelConfig
@@ -57,7 +57,7 @@ from inference.models.tiny import TinyModelSpec, hf_config
 from inference.parallel import TPInfo
 from inference.transfer.sender import WeightSender
 from inference.weights.updater import WeightUpdater
-from scripts.sync_peers import (
+from scripts.bench.sync_peers import (
     bucket_recv,
     bucket_send,
     ceiling_recv,

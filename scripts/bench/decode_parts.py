@@ -16,8 +16,8 @@ spec decoding's verify launches hold k + 1), and the row also times the same seq
 Sampler ([B, vocab] bf16 logits): `sample` against `sample_reference` (full fp32 log_softmax, the
 previous sampler), both eager (what the runner does), and the greedy path also as a graph (GPU time only).
 
-    python3 scripts/bench_decode_parts.py                       # H200: batches 1 and 128
-    python3 scripts/bench_decode_parts.py --contexts 256 --max-model-len 272 4096
+    python3 scripts/bench/decode_parts.py                       # H200: batches 1 and 128
+    python3 scripts/bench/decode_parts.py --contexts 256 --max-model-len 272 4096
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 from inference.batch import AttentionMetadata
 from inference.core import SamplingParams
 from inference.layers.attention import ReferenceAttention
 from inference.sample.sampler import SamplingBatch, sample, sample_reference
-from scripts.bench_attention import decode_case, graph_replay, timer
+from scripts.bench.attention import decode_case, graph_replay, timer
 
 VARIANTS = {"previous": {"decode_split_tiles": 1, "fused_combine": False, "fused_decode_store": False},
             "split1": {"decode_split_tiles": 1},
@@ -45,7 +45,7 @@ VARIANTS = {"previous": {"decode_split_tiles": 1, "fused_combine": False, "fused
             "single": {"single_decode_block_n": 128},  # batch 1: 128-key tiles on 8 warps, one per split
             "rows1": {"decode_max_rows": 1},  # the multi-row owner check compiled out
             "auto": {},
-            # issue 24's sweep: more programs per SM (more splits), longer tiles, deeper pipelines, more warps
+            # the rollout's sweep: more programs per SM (more splits), longer tiles, deeper pipelines, more warps
             "sm4": {"decode_programs_per_sm": 4},
             "sm8": {"decode_programs_per_sm": 8},
             "sm8_t1": {"decode_programs_per_sm": 8, "decode_split_tiles": 1},
@@ -60,10 +60,10 @@ VARIANTS = {"previous": {"decode_split_tiles": 1, "fused_combine": False, "fused
             "n128_st1": {"decode_block_n": 128, "num_stages": 1},
             "n64_st1": {"num_stages": 1},
             "n256": {"decode_block_n": 256, "decode_split_tiles": 1},
-            # session 14: more KV splits at few rows and long contexts, the multi-row check compiled out
+            # more KV splits at few rows and long contexts, the multi-row check compiled out
             "rows1_sm4": {"decode_max_rows": 1, "decode_programs_per_sm": 4},
             "rows1_sm8": {"decode_max_rows": 1, "decode_programs_per_sm": 8},
-            # session 17: verify rows (--verify-rows) with one program per sequence, each key read once
+            # verify rows (--verify-rows) with one program per sequence, each key read once
             "keys_once": {"verify_keys_once": True},
             "keys_once_w4": {"verify_keys_once": True, "verify_num_warps": 4}}
 VARIANT_NAMES = list(VARIANTS)
@@ -183,7 +183,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 128])
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 256, 1024, 4096])
     ap.add_argument("--max-model-len", type=int, nargs="+", default=[272, 4096],
-                    help="graph table widths (272: bench_generate's 128 + 128 + 16)")
+                    help="graph table widths (272: generate.py's 128 + 128 + 16)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--variants", nargs="+", default=["previous", "split1", "split4", "single", "rows1", "auto"],
                     choices=VARIANT_NAMES)

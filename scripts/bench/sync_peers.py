@@ -1,4 +1,4 @@
-"""The peers bench_sync compares a sync with (both ends of each): the ceiling (ipc: one device copy of the
+"""The peers scripts/bench/sync.py compares a sync with (both ends of each): the ceiling (ipc: one device copy of the
 same bytes; gloo/nccl: a plain bucket-by-bucket broadcast), one broadcast per parameter, and verl-style
 2 GiB buckets with a JSON index. The trainer process calls the *_send half, the receiver the *_recv half."""
 

@@ -1,7 +1,7 @@
-"""How far an engine's rollout logprobs are from an fp32 forward of the same weights (issue 23: the
+"""How far an engine's rollout logprobs are from an fp32 forward of the same weights (the
 batch-invariant mode must be no less accurate than the default engine).
 
-For each engine and sampling mode, the "alone" case's requests of scripts/bench_invariance.py are run
+For each engine and sampling mode, the "alone" case's requests of scripts/bench/invariance.py are run
 through a float32 copy of the engine's own target model: the same parameter values (bf16 upcast exactly
 by copy_), built by build_model in float32 on the same device with the plain layers and the reference
 attention. One forward of prompt + completion per request (trainer_hooks/logprob_gap.trainer_logprobs,

@@ -1,6 +1,6 @@
 """Measure `sidecar <cmd> --help` for every command: each must print in under a second.
 
-    python scripts/check_help_speed.py [--runs 5] [--limit 1.0]
+    python scripts/tools/check_help_speed.py [--runs 5] [--limit 1.0]
 
 Runs the installed `sidecar` script when it is on PATH (what a user types), else `python -m sidecar.cli.main`,
 each command `--runs` times in a fresh process, and prints the median and worst wall time per command.
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _command() -> list[str]:

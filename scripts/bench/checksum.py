@@ -17,9 +17,9 @@ the same tensors:
   read). Digests of a prefix of about --verify-gb are checked against python-xxhash on `.cpu()` bytes.
   One line per --device-configs entry (BLOCK_SxWARPS).
 
-    python scripts/bench_checksum.py                      # both shapes, host and device paths (CUDA)
-    python scripts/bench_checksum.py --paths device --device-configs 32x4,16x2,8x1,64x8   # sweep
-    python scripts/bench_checksum.py --device cpu --shapes 0.05gb --threads 2   # smoke test (host path)
+    python scripts/bench/checksum.py                      # both shapes, host and device paths (CUDA)
+    python scripts/bench/checksum.py --paths device --device-configs 32x4,16x2,8x1,64x8   # sweep
+    python scripts/bench/checksum.py --device cpu --shapes 0.05gb --threads 2   # smoke test (host path)
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout, installed or not
 from checksum import (
     ALGORITHM,
     DEFAULT_CHUNK_BYTES,
@@ -98,7 +98,7 @@ def model_shapes(name: str) -> tuple[list[tuple[str, tuple]], str]:
     if name.endswith("gb"):
         return plan(float(name[:-2]) * 1e9)
     if name not in ("qwen2.5-7b", "qwen2-0.5b"):
-        raise SystemExit(f"bench_checksum: unknown shape {name!r} (qwen2.5-7b, qwen2-0.5b or <N>gb)")
+        raise SystemExit(f"scripts/bench/checksum.py: unknown shape {name!r} (qwen2.5-7b, qwen2-0.5b or <N>gb)")
     q = QWEN25_7B if name == "qwen2.5-7b" else QWEN2_05B
     shapes = qwen_shapes(q["hidden"], q["intermediate"], q["vocab"], q["kv_heads"] * q["head_dim"], q["layers"])
     if q is QWEN2_05B:
@@ -196,7 +196,7 @@ def host_case(args: argparse.Namespace, device: torch.device, tensors: dict[str,
     for name in names:  # our digests must follow the documented rule over the bytes the peer hashed
         expected = rule_digest(tensors[name].cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
         if by_name[name] != expected:
-            raise SystemExit(f"bench_checksum: digest of {name} is wrong: {by_name[name]} != {expected}")
+            raise SystemExit(f"scripts/bench/checksum.py: digest of {name} is wrong: {by_name[name]} != {expected}")
 
     ours_gbps, d2h_gbps = nbytes / ours / 1e9, nbytes / d2h / 1e9
     peer_gbps = peer_bytes / peer / 1e9
@@ -309,7 +309,7 @@ def verify_prefix(names: list[str], views: list[torch.Tensor], digests: list[str
             break
         expected = digest_bytes(t.cpu().reshape(-1).view(torch.uint8).numpy().tobytes(), DEVICE_ALGORITHM)
         if digest != expected:
-            raise SystemExit(f"bench_checksum: device digest of {name} is wrong: {digest} != {expected}")
+            raise SystemExit(f"scripts/bench/checksum.py: device digest of {name} is wrong: {digest} != {expected}")
         checked += t.numel() * t.element_size()
     return checked
 
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     paths = args.paths.split(",")
     if "device" in paths and device.type != "cuda":
-        raise SystemExit("bench_checksum: the device path needs --device cuda")
+        raise SystemExit("scripts/bench/checksum.py: the device path needs --device cuda")
     for shape in [f"{args.gb}gb"] if args.gb is not None else args.shapes.split(","):
         shapes, layout = model_shapes(shape)
         tensors, flat = make_tensors(shapes, device)

@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 from checksum import ALGORITHMS, pick_algorithm
 from inference.transfer.sender import WeightSender

@@ -14,8 +14,8 @@ one graph replay on CUDA. step_us is the wall time of LLM.step; the ratio
 host_share = 1 - forward_us / step_us is the part of a step the model does not account for.
 Every case runs with async scheduling off and on ("async" in the JSON; --async-scheduling picks one).
 
-    python3 scripts/bench_host_step.py                 # CPU: the tiny model; CUDA: Qwen2-0.5B's shape
-    python3 scripts/bench_host_step.py --model tiny --batch 1 64 --async-scheduling on
+    python3 scripts/bench/host_step.py                 # CPU: the tiny model; CUDA: Qwen2-0.5B's shape
+    python3 scripts/bench/host_step.py --model tiny --batch 1 64 --async-scheduling on
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import argparse
 import gc
 import json
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -31,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file from a checkout too
 
 from inference.core import SamplingParams
 from inference.engine.llm import LLM

@@ -8,10 +8,10 @@ streams its weight from HBM, as a layer of the real model does. The `down+silu` 
 silu_mul_gemv against silu_and_mul followed by F.linear (two launches); the `+norm` rows norm_gemv
 (residual add + RMSNorm + projection) against add_rms_norm followed by F.linear.
 
-    python3 scripts/bench_gemv.py                         # Qwen2-0.5B and 7B shapes, M = 1 and 8
-    python3 scripts/bench_gemv.py --sweep --models 0.5b   # best (kind, block_n, block_k, warps, split_k)
-    python3 scripts/bench_gemv.py --invariant --m 1,128   # the batch-invariant GEMM (gemm_invariant.py)
-    python3 scripts/bench_gemv.py --invariant --m 1,128,4096 --inv-tiles 64x32x64,64x64x64,128x64x64
+    python3 scripts/bench/gemv.py                         # Qwen2-0.5B and 7B shapes, M = 1 and 8
+    python3 scripts/bench/gemv.py --sweep --models 0.5b   # best (kind, block_n, block_k, warps, split_k)
+    python3 scripts/bench/gemv.py --invariant --m 1,128   # the batch-invariant GEMM (gemm_invariant.py)
+    python3 scripts/bench/gemv.py --invariant --m 1,128,4096 --inv-tiles 64x32x64,64x64x64,128x64x64
 
 --invariant times gemm_invariant's products instead of the GEMV (`+norm`: invariant_norm_gemm, `+silu`:
 invariant_silu_mul_gemm) against the same cuBLAS rows, at any M; --inv-tiles adds one time per tile shape
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 from inference.layers import gemm_invariant as inv
 from inference.layers.fused import add_rms_norm, silu_and_mul
@@ -205,7 +205,8 @@ def run_case(model: str, name: str, m: int, n: int, k: int, args: argparse.Names
     default = pick_config(m, n, k, num_sms, "silu" if case.silu else "norm" if case.norm else "")
     ours, theirs = case.time(case.ours()), case.time(case.cublas())
     roof = case.weight_bytes / bw * 1e6
-    row = {"model": model, "proj": name, "m": m, "n": n, "k": k, "weight_mb": round(case.weight_bytes / 2**20, 2),
+    row = {"bench": "gemv", "model": model, "proj": name, "m": m, "n": n, "k": k,
+           "weight_mb": round(case.weight_bytes / 2**20, 2),
            "gemv_us": round(ours, 2), "cublas_us": round(theirs, 2), "roofline_us": round(roof, 2),
            "gemv_over_roofline": round(ours / roof, 2), "cublas_over_gemv": round(theirs / ours, 2),
            "config": [default.kind, default.block_n, default.block_k, default.num_warps, default.split_k]}
@@ -281,7 +282,7 @@ def main() -> None:
                  for key in ("block_n", "block_k", "warps", "splits")}
     args.grid["kinds"] = args.kinds.split(",")
     if not torch.cuda.is_available():
-        sys.exit("bench_gemv needs a CUDA GPU")
+        sys.exit("scripts/bench/gemv.py needs a CUDA GPU")
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     if args.warm_shard:
         return warm_shard(args, num_sms)

@@ -13,9 +13,9 @@ too: it is the driver's, not the caller's), while one that follows 100 ms later 
 wake follows a training step. --verbose adds
 each transition's driver calls (count and seconds) and the cost of the host-side calls around them.
 
-    python scripts/bench_sleep.py                        # Qwen2.5-7B bf16 shape (15.2 GB) on cuda
-    python scripts/bench_sleep.py --alloc-mib 1024       # 1 GiB physical allocations instead of one
-    python scripts/bench_sleep.py --device cpu --gb 0.01 # smoke test
+    python scripts/bench/sleep.py                        # Qwen2.5-7B bf16 shape (15.2 GB) on cuda
+    python scripts/bench/sleep.py --alloc-mib 1024       # 1 GiB physical allocations instead of one
+    python scripts/bench/sleep.py --device cpu --gb 0.01 # smoke test
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 from inference.memory.arenas import KV_TAG, Arena, round_up
 from inference.memory.sleep import MemoryManager
-from scripts.sleep_peer import PeerCycles, load_peer, peer_cycles
+from scripts.bench.sleep_peer import PeerCycles, load_peer, peer_cycles
 
 # Qwen2.5-7B: untied embeddings, qkv biases.
 QWEN25_7B = {"hidden": 3584, "intermediate": 18944, "layers": 28, "heads": 28, "kv_heads": 4, "vocab": 152064}

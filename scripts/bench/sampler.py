@@ -10,8 +10,8 @@ seeded + top_p 0.9. Each line times, in the same run on the same logits:
   new_step_us   host: this step's batch from cached rows (positions array + one copy)
 GPU times are triton's do_bench medians (they include the GPU's idle gaps when the host is the limit).
 
-    python3 scripts/bench_sampler.py                     # H200
-    python3 scripts/bench_sampler.py --rows 128 --vocab 32000
+    python3 scripts/bench/sampler.py                     # H200
+    python3 scripts/bench/sampler.py --rows 128 --vocab 32000
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 from inference.core import SamplingParams
 from inference.sample.sampler import SamplingBatch, position_seed, row_stats, sample_pairs
-from scripts.bench_attention import graph_replay, timer
+from scripts.bench.attention import graph_replay, timer
 
 CASES = {"greedy": (SamplingParams(temperature=0.0), False),
          "unseeded": (SamplingParams(temperature=1.0), False),

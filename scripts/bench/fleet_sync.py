@@ -1,13 +1,13 @@
 """Time one weight sync of a fleet of replicas against one replica's, and (optionally) their rollouts.
 
-    python scripts/bench_fleet_sync.py [--replicas 3] [--tp 1] [--hidden-size 512] [--layers 4] [--iters 5]
-    python scripts/bench_fleet_sync.py --device cuda --backend ipc --shape qwen2-0.5b --replicas 4 \
-        --rollout-batch 128 --warmup 1 --iters 3          # issue 22's H200 run: four replicas on GPU 0
+    python scripts/bench/fleet_sync.py [--replicas 3] [--tp 1] [--hidden-size 512] [--layers 4] [--iters 5]
+    python scripts/bench/fleet_sync.py --device cuda --backend ipc --shape qwen2-0.5b --replicas 4 \
+        --rollout-batch 128 --warmup 1 --iters 3          # the H200 run: four replicas on GPU 0
 
 `sidecar fleet` starts --replicas replicas of a random model: --shape tiny (the default: the tiny family,
 written to a temporary directory at --hidden-size and --layers, so that the bytes, not the HTTP calls,
 dominate) or qwen2-0.5b (Qwen2-0.5B's exact shape in bf16, the model cache's directory that `sidecar
-demo` and bench_client_sync.py use). This process is the trainer: it holds the checkpoint's tensors on
+demo` and scripts/bench/client_sync.py use). This process is the trainer: it holds the checkpoint's tensors on
 --device (cuda:0 for ipc, which maps the trainer's memory into every replica, so all replicas share GPU
 0: --gpus 0,0,...) and rewrites them in place before each sync (trainer_step). The same processes are measured
 twice: as a Fleet of the first replica alone, then as a Fleet of all of them, each after --warmup syncs
@@ -29,10 +29,11 @@ the same batch; "rollout" reports tok/s of both and their ratio. On CUDA every l
 which also bound the CUDA-graph ladder each replica captures at startup.
 
 Prints one JSON line: the medians (ms), the ratios to one replica, the model's bytes, the setup and the
-rollout figures. A script, not a test: on a shared machine a timed assertion would fail for reasons of
-load; on the CPU the receivers' unpacking and digests compete for the same cores, so a CPU run
-overstates what a fleet costs where each replica has its own. Every process it starts is stopped on
-exit, on an error and on SIGTERM (and dies with this one: PR_SET_PDEATHSIG).
+rollout figures (with the URLs that served each rollout). --dry-run prints the two launch commands of the
+setup ("fleet_sync_launches") and starts nothing. A script, not a test: on a shared machine a timed
+assertion would fail for reasons of load; on the CPU the receivers' unpacking and digests compete for the
+same cores, so a CPU run overstates what a fleet costs where each replica has its own. Every process it
+starts is stopped on exit, on an error and on SIGTERM (and dies with this one: PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 from inference.core import SamplingParams
 from inference.models.tiny import TinyModelSpec, write_model_dir
@@ -67,7 +68,7 @@ from trainer_hooks.client import SidecarClient
 from trainer_hooks.fleet import Fleet
 
 SHAPES = ("tiny", "qwen2-0.5b")
-TARGET_RATIO = {"cpu": 1.5, "cuda": 2.0}  # issue 22: under 1.5x on the CPU machine, at most 2x on the H200
+TARGET_RATIO = {"cpu": 1.5, "cuda": 2.0}  # the acceptance: under 1.5x on the CPU machine, at most 2x on the H200
 KV_BYTES = {"cpu": 16 << 20, "cuda": 4 << 30}  # per fleet replica, unless --kv-cache-bytes
 FIRST_PROMPT_ID = 4  # ids 0-3 are the tiny tokenizer's special tokens
 # `sidecar fleet` dies with this process: a fresh interpreter asks for PR_SET_PDEATHSIG (execve keeps it), then
@@ -99,6 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rollout-prompt-len", type=int, default=128, help="tokens per rollout prompt (default: 128)")
     p.add_argument("--rollout-tokens", type=int, default=128, help="new tokens per rollout prompt (default: 128)")
     p.add_argument("--timeout-s", type=float, default=300.0, help="startup and transfer timeout (default: 300)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the two `sidecar fleet` commands this setup launches (model dir <model>) and stop")
     args = p.parse_args(argv)
     if args.backend == "ipc" and args.device != "cuda":
         p.error("--backend ipc needs --device cuda (the replicas map the trainer's GPU memory)")
@@ -111,6 +114,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.dry_run:
+        print(json.dumps({"bench": "fleet_sync_launches", "fleet": launch_command(args, Path("<model>"), one=False),
+                          "one_replica": launch_command(args, Path("<model>"), one=True)}), flush=True)
+        return 0
     old = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so that every `finally` stops what it started
     try:
         if args.device == "cuda":
@@ -273,7 +280,7 @@ def time_rollout(urls: list[str], args: argparse.Namespace, vocab: int) -> dict[
         raise SystemExit(f"the rollout generated {tokens} tokens, not {args.rollout_batch} x {args.rollout_tokens}")
     served = Counter(int(o.metrics["replica"]) for o in outs)
     return {"tok_s": round(tokens / wall, 1), "wall_s": round(wall, 3), "generated_tokens": tokens,
-            "prompts_per_replica": [served[i] for i in range(len(urls))]}
+            "prompts_per_replica": [served[i] for i in range(len(urls))], "urls": urls}
 
 
 def memory(args: argparse.Namespace, one: bool) -> dict[str, float]:

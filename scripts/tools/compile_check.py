@@ -7,9 +7,9 @@ compile, or that spills, shows here before any device time is spent on it (the i
 CPU tests use, checks the logic, not the compiled code). The figures follow this machine's Triton, which
 may differ from the device's.
 
-    python3 scripts/compile_check.py                    # every config below
-    python3 scripts/compile_check.py --kernels keys_once --warps 4 8
-    pip install --target /tmp/t36 triton==3.6.0 && PYTHONPATH=/tmp/t36:. python3 scripts/compile_check.py
+    python3 scripts/tools/compile_check.py                    # every config below
+    python3 scripts/tools/compile_check.py --kernels keys_once --warps 4 8
+    pip install --target /tmp/t36 triton==3.6.0 && PYTHONPATH=/tmp/t36:. python3 scripts/tools/compile_check.py
                                                         # the device's Triton (docs/benchmarks.md's header)
 """
 
@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file from a checkout too
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file from a checkout too
 
 import triton
 import triton.backends.nvidia as nvidia
@@ -55,7 +55,7 @@ _FP32 = ("part_m_ptr", "part_l_ptr", "part_acc_ptr", "cs_ptr", "part_ptr")
 _INT32 = ("counter_ptr", "slot_ptr", "ctx_ptr", "bt_ptr", "cu_q_ptr", "pos_ptr")
 _GEMM_SHAPES = {"qwen2-0.5b": {"qkv": (1152, 896), "gate_up": (9728, 896), "down": (896, 4864)},
                 "qwen2.5-7b": {"qkv": (4608, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}}
-# batch-invariant GEMM configs: (projection, its own constexprs); the fused prologues are issue 23's switch
+# batch-invariant GEMM configs: (projection, its own constexprs); the fused prologues are a switch of the mode
 GEMMS = {"inv_gemm": ("qkv", {"HAS_BIAS": True}), "inv_norm_gemm": ("gate_up", {"NORM": True, "HAS_RES": True}),
          "inv_silu_gemm": ("down", {"SILU_MUL": True})}
 

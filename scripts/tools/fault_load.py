@@ -1,4 +1,4 @@
-"""Fault and load (issue 20): one `sidecar launch` of the tiny model on CPU, hammered for --seconds.
+"""Fault and load: one `sidecar launch` of the tiny model on CPU, hammered for --seconds.
 
 All on loopback (the sidecar binds 127.0.0.1, the gloo stores too), bounded in time (--seconds, then
 every loop stops and the sidecar is stopped) and in count (--max-requests over all clients). At once:
@@ -13,7 +13,7 @@ The sidecar runs with --hold-while-asleep, so clients wait through sleeps as an 
 Prints one JSON line: requests served, expected and unexpected errors by class, p50/p99 latency of the
 served requests, syncs audited ok, kills healed, sleep cycles, and launcher/rank RSS at start, after
 warm-up (a quarter of the run) and at the end. Exit status 1 if any error was unexpected.
-Run: python scripts/fault_load.py --seconds 300
+Run: python scripts/tools/fault_load.py --seconds 300
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 MIB = 1 << 20
 LIMITS = {"max_body_mb": 1, "max_prompt_chars": 20_000, "max_request_sequences": 16}
@@ -81,7 +81,7 @@ def launch(cfg: LoadConfig) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "sidecar.cli.main", "launch", "--host", "127.0.0.1", "--port", "0", "--device", "cpu",
            "--kv-cache-bytes", str(cfg.kv_cache_bytes), "--log-level", "warning", "--hold-while-asleep",
            "--max-model-len", "256", *(f"--{k.replace('_', '-')}={v}" for k, v in LIMITS.items())]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
     assert proc.stdout is not None
     for line in proc.stdout:
         match = re.search(r"Sidecar serving on (http://\S+)", line)

@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file from a checkout too
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file from a checkout too
 
 from inference.core import SamplingParams
 from inference.layers import pdl
-from scripts.bench_generate import SHAPES, hf_model, our_llm
+from scripts.bench.generate import SHAPES, hf_model, our_llm
 
 
 def kernel_spans(prof: profile) -> list[tuple[str, float, float]]:

@@ -1,4 +1,4 @@
-"""Rollout throughput on the workload RL runs: a GRPO-shaped batch through `inference.LLM` (issue 24).
+"""Rollout throughput on the workload RL runs: a GRPO-shaped batch through `inference.LLM`.
 
 The default batch: 64 prompts of 128..512 random token ids, 8 samples each (512 sequences), every
 sample's length drawn with a fixed RNG from a lognormal (median 350, sigma 0.757: mean ~466) capped
@@ -21,10 +21,13 @@ that ran the eager forward beside captured decode graphs, `prefill_steps_by_batc
 computed prompt or recompute tokens (the 7B's 9-32 range ran ~2x its roofline a step: these say whether
 such steps are eager or prefill ones); `gc_pauses` the garbage collector's pauses in the timed run, which
 follows a freeze of the warm heap as in the sidecar's rank (`gc_frozen`; `--gc-freeze off` for the A/B),
-and `gc_full_collect_ms` what one full collection of that heap took before the freeze.
+and `gc_full_collect_ms` what one full collection of that heap took before the freeze; `model_cost` the
+per-step counts the roofline uses. A run fails if any sample generated another length than it drew.
+--dry-run prints each shape's workload ("rollout_workload": counts and lengths) without building anything.
 
-    python3 -m scripts.bench_rollout                      # both shapes x 3 modes (H200, ~4 min)
-    python3 -m scripts.bench_rollout --shapes tiny --prompts 4 --samples 2 --len-cap 32   # CPU smoke
+    python3 -m scripts.bench.rollout                      # both shapes x 3 modes (H200, ~4 min)
+    python3 scripts/bench/rollout.py --dry-run            # the default workload, described
+    python3 -m scripts.bench.rollout --shapes tiny --prompts 4 --samples 2 --len-cap 32   # CPU smoke
 """
 
 from __future__ import annotations
@@ -35,20 +38,21 @@ import json
 import math
 import random
 import sys
+import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file from a checkout too
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file from a checkout too
 
 from inference.core import SamplingParams
 from inference.engine.llm import LLM
 from inference.engine.step_stats import StepLog
 from inference.memory.host_heap import freeze_startup_heap
-from scripts.rollout_cost import (
+from scripts.bench.rollout_cost import (
     GCPauses,
     ModelCost,
     StepProbe,
@@ -61,7 +65,7 @@ from scripts.rollout_cost import (
 )
 
 MODES = ("greedy", "sampled", "seeded")  # temperature 0; temperature 1 unseeded; temperature 1 seeded
-QWEN_SHAPES = ("qwen2-0.5b", "qwen2.5-7b")  # scripts.bench_generate.SHAPES
+QWEN_SHAPES = ("qwen2-0.5b", "qwen2.5-7b")  # scripts.bench.generate.SHAPES
 SHAPE_NAMES = (*QWEN_SHAPES, "tiny")
 
 
@@ -102,10 +106,11 @@ def sampling_params(mode: str, n: int, max_tokens: int, seed: int) -> SamplingPa
                           seed=seed if mode == "seeded" else None)
 
 
-def submit(llm: LLM, work: Workload, mode: str) -> None:
+def submit(llm: LLM, work: Workload, mode: str) -> list[str]:
     """One request of n samples per prompt (the samples share the prompt's prefix blocks, as in GRPO);
     each sample then gets its own max_tokens: the request asks for the longest, and the bench lowers
-    the others' on their sequences before the first step (standing in for EOS)."""
+    the others' on their sequences before the first step (standing in for EOS). Returns the request ids
+    in the workload's order."""
     wanted: dict[str, list[int]] = {}
     for i, (prompt, lens) in enumerate(zip(work.prompts, work.lengths)):
         rid = llm.add_request(prompt, sampling_params(mode, len(lens), max(lens), seed=1000 + i))
@@ -113,32 +118,36 @@ def submit(llm: LLM, work: Workload, mode: str) -> None:
     for seq in llm.scheduler.waiting:
         if seq.request_id in wanted:
             seq.params = replace(seq.params, max_tokens=wanted[seq.request_id][seq.index])
+    return list(wanted)
 
 
 def run(llm: LLM, work: Workload, mode: str, probe: StepProbe | None = None) -> int:
-    """Generate the workload; returns the generated tokens (checked against the drawn lengths)."""
-    submit(llm, work, mode)
-    generated = step = 0
+    """Generate the workload; returns the generated tokens. Every sample must generate exactly its drawn
+    length (a figure over another schedule would not compare with the others)."""
+    rids = submit(llm, work, mode)
+    got: dict[str, list[int]] = {}
+    step = 0
     while llm.has_unfinished():
         if probe is not None:
             probe.at(step)
         for out in llm.step():
-            generated += sum(len(c.token_ids) for c in out.outputs)
+            got[out.request_id] = [len(c.token_ids) for c in out.outputs]
         step += 1
     if probe is not None:
         probe.close()
-    if generated != work.num_tokens:
-        raise RuntimeError(f"generated {generated} tokens, the workload draws {work.num_tokens}")
-    return generated
+    lengths = [got.get(rid) for rid in rids]
+    if lengths != work.lengths:
+        raise RuntimeError(f"generated lengths {lengths} differ from the workload's {work.lengths}")
+    return work.num_tokens
 
 
 @torch.no_grad()
 def damp_tail(target: torch.nn.Module, draft_layers: int, scale: float) -> None:
     """Scale o_proj and down_proj of the target's layers beyond the draft's by `scale` (--tail-scale), so a
-    draft of the first layers agrees with the target as a trained draft does (bench_spec's damping): the
+    draft of the first layers agrees with the target as a trained draft does (spec.py's damping): the
     damped layers still cost their full compute. 1.0 leaves random layers (a poor guesser)."""
     if scale != 1.0:
-        from scripts.bench_spec import tail
+        from scripts.bench.spec import tail
 
         for p in tail(target, draft_layers).values():
             p.mul_(scale)
@@ -146,7 +155,7 @@ def damp_tail(target: torch.nn.Module, draft_layers: int, scale: float) -> None:
 
 def build_llm(shape: str, args: argparse.Namespace, max_len: int) -> LLM:
     """The engine for a shape: the tiny model as shipped, or a Qwen shape with random bf16 weights
-    (and, with --draft-layers, a draft made of the target's first layers: scripts/bench_spec.py)."""
+    (and, with --draft-layers, a draft made of the target's first layers: scripts/bench/spec.py)."""
     kw: dict[str, object] = {"max_num_seqs": args.max_num_seqs or None, "max_model_len": max_len,
                              "enforce_eager": args.enforce_eager}
     if args.async_scheduling != "auto":
@@ -154,14 +163,19 @@ def build_llm(shape: str, args: argparse.Namespace, max_len: int) -> LLM:
     if args.kv_gib:
         kw["kv_cache_bytes"] = int(args.kv_gib * 2**30)
     if shape == "tiny":
-        if args.draft_layers:  # the tiny model drafts for itself (every draft token accepted): CPU smoke runs
-            from inference.models.tiny import default_model_dir
+        if not args.draft_layers:
+            return LLM(None, device=args.device, **kw)
+        # the draft cut from the checkpoint's first layers, as the Qwen shapes' (the engine loads it at once)
+        from inference.models.tiny import default_model_dir, first_layers
 
-            kw.update(draft_model=str(default_model_dir()), num_speculative_tokens=args.k,
-                      spec_max_batch=args.spec_max_batch)
-        return LLM(None, device=args.device, **kw)
-    from scripts.bench_generate import SHAPES
-    from scripts.bench_spec import config_dir, tie_draft
+        with tempfile.TemporaryDirectory(prefix="bench-rollout-draft-") as tmp:
+            draft = first_layers(default_model_dir(), Path(tmp) / "draft", args.draft_layers)
+            kw.update(draft_model=str(draft), num_speculative_tokens=args.k, spec_max_batch=args.spec_max_batch)
+            llm = LLM(None, device=args.device, **kw)
+        damp_tail(llm.worker.models["target"], args.draft_layers, args.tail_scale)
+        return llm
+    from scripts.bench.generate import SHAPES
+    from scripts.bench.spec import config_dir, tie_draft
 
     target = config_dir(shape, SHAPES[shape]["num_hidden_layers"], max_len)
     if args.draft_layers:
@@ -222,6 +236,7 @@ def run_case(llm: LLM, mode: str, work: Workload, warm: Workload, cost: ModelCos
                gc_pauses=pauses.summary(), gc_frozen=gc_freeze,
                # one full collection of the warm process, before the freeze: what each would cost unfrozen
                gc_full_collect_ms=None if full_collect_s is None else 1e3 * full_collect_s)
+    row.update(model_cost=asdict(cost))
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
 
 
@@ -264,6 +279,28 @@ def run_shape(shape: str, args: argparse.Namespace, rates: tuple[float, float]) 
     return rows
 
 
+def vocab_size(shape: str) -> int:
+    """The vocabulary a shape's prompts are drawn over (without building its engine)."""
+    if shape == "tiny":
+        from inference.models.tiny import DEFAULT_TINY
+
+        return DEFAULT_TINY.resolved_vocab_size
+    from scripts.bench.generate import SHAPES
+
+    return SHAPES[shape]["vocab_size"]
+
+
+def workload_line(shape: str, args: argparse.Namespace) -> dict[str, object]:
+    """What --dry-run prints: the timed workload of a shape, described (nothing is built or run)."""
+    work = draw_workload(args, vocab_size(shape), args.seed)
+    prompt_lens = [len(p) for p in work.prompts]
+    sample_lens = [n for lens in work.lengths for n in lens]
+    return {"bench": "rollout_workload", "shape": shape, "prompts": len(work.prompts),
+            "sequences": work.num_samples, "prompt_len_min": min(prompt_lens), "prompt_len_max": max(prompt_lens),
+            "generated_tokens": work.num_tokens, "mean_len": round(work.num_tokens / work.num_samples, 4),
+            "longest": max(sample_lens), "shortest": min(sample_lens)}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(QWEN_SHAPES), help=f"comma list of {SHAPE_NAMES}")
@@ -286,7 +323,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--draft-layers", type=int, default=0, help="0: no draft; else a draft of that many layers")
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step (with --draft-layers)")
     ap.add_argument("--tail-scale", type=float, default=1.0,
-                    help="with --draft-layers: damp the target's later layers so the draft agrees (bench_spec)")
+                    help="with --draft-layers: damp the target's later layers so the draft agrees (spec.py)")
     ap.add_argument("--spec-max-batch", type=int, default=16,
                     help="with --draft-layers: speculate only while at most this many sequences decode (0: always)")
     ap.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
@@ -298,6 +335,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--profile", default="", help="write kernel tables of a few step windows to this folder")
     ap.add_argument("--profile-steps", default="100,1200", help="with --profile: comma list of first steps")
     ap.add_argument("--profile-length", type=int, default=16, help="with --profile: steps per window")
+    ap.add_argument("--dry-run", action="store_true", help="print each shape's workload line and stop")
     args = ap.parse_args(argv)
     args.shapes = [s for s in args.shapes.split(",") if s]
     args.modes = [m for m in args.modes.split(",") if m]
@@ -318,6 +356,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     from inference.engine.worker import resolve_device
 
     args = parse_args(argv)
+    if args.dry_run:
+        lines = [workload_line(shape, args) for shape in args.shapes]
+        for line in lines:
+            print(json.dumps(line), flush=True)
+        return lines
     rates = measure_rates(resolve_device(args.device))
     return [row for shape in args.shapes for row in run_shape(shape, args, rates)]
 

@@ -1,4 +1,4 @@
-"""What bench_rollout measures a run against: the device's rates, the roofline of the schedule the
+"""What scripts/bench/rollout.py measures a run against: the device's rates, the roofline of the schedule the
 engine ran (per StepRecord: weights + context KV bytes over the HBM rate, FLOPs over the matmul peak),
 the schedule's tail and batch statistics, the wall time by running batch, and --profile's kernel tables."""
 

@@ -10,7 +10,7 @@ their full compute, and the pair agrees often, as a trained target and its small
 
 Greedy decoding, both engines with CUDA graphs; the script also reports whether both runs emitted
 identical tokens. Nothing is written to disk but two config.json files. Run as
-`python3 -m scripts.bench_spec [--shape qwen2.5-7b] [--draft-layers 1] [--batches 1,16]`.
+`python3 -m scripts.bench.spec [--shape qwen2.5-7b] [--draft-layers 1] [--batches 1,16]`.
 One JSON line per batch size: tokens/s of each run, the ratio and the acceptance rate.
 """
 
@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file from a checkout too
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file from a checkout too
 
 from inference.core import SamplingParams
 from inference.engine.llm import LLM
-from scripts.bench_generate import SHAPES
+from scripts.bench.generate import SHAPES
 
 DAMPED = ("o_proj.weight", "down_proj.weight")
 

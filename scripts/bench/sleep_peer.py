@@ -1,4 +1,4 @@
-"""torch_memory_saver (the library SGLang uses) pausing and resuming the bytes bench_sleep.py releases:
+"""torch_memory_saver (the library SGLang uses) pausing and resuming the bytes scripts/bench/sleep.py releases:
 the peer its level-1 and level-2 figures are held against, in the same run."""
 
 from __future__ import annotations

@@ -5,17 +5,21 @@ JSON line with the number of rows (or elements) whose bits differed between the 
 call on that row alone, out of the number tried. Run it on a new machine, torch build or thread count
 before trusting the batch-invariant mode's CPU path there.
 
-    python3 -m scripts.probe_invariance [--threads N]
+    python3 -m scripts.tools.probe_invariance [--threads N]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file from a checkout too
 
 from inference.layers.invariant import row_sum, silu_and_mul_invariant, tiled_linear
 

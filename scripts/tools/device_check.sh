@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# One device call, unattended: install the carried wheels (.whl/*.whl, if any), then the cuda tests or the
+# kept benchmarks. Logs and JSON lines go to OUTDIR.
+#
+#   scripts/tools/device_check.sh OUTDIR tests [PYTEST ARGS...]   # the cuda tests (all of them, or these)
+#   scripts/tools/device_check.sh OUTDIR bench [NAMES...]         # the benchmarks below (default: DEFAULT_BENCH)
+#
+# tests: pytest -m cuda, its whole output in OUTDIR/pytest.log, the summary and failures printed (TEST_TIMEOUT,
+#        default 520 s). bench: each named benchmark under its own time limit, one JSON line per case into
+#        OUTDIR/bench.jsonl, stderr into OUTDIR/bench.log. The default set fits one 10-minute call; name the others
+#        (generate; sync_nccl on 2+ GPUs) in a call of their own. Exit status 1 if any step failed.
+set -uo pipefail
+out="${1:-${OUT:-./check-out}}"; what="${2:-}"
+cd "$(dirname "$0")/../.."
+mkdir -p "$out"
+# NVLink multicast stays off on shared hosts (it can take every GPU of the host out of service).
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        >/dev/null 2>&1 && export PYTHONPATH=$PWD:/tmp/site
+fi
+DEFAULT_BENCH=(sampler sync client_sync rollout rollout_7b)
+status=0
+
+run_tests() {
+    timeout "${TEST_TIMEOUT:-520}" python3 -m pytest -q -m cuda -p no:cacheprovider "$@" >"$out/pytest.log" 2>&1 \
+        || status=1
+    grep -E "passed|failed|error" "$out/pytest.log" | tail -n 3
+    grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head -n 20
+}
+
+bench() {  # seconds, module, args...: one benchmark, its JSON lines appended to bench.jsonl
+    local limit=$1 module=$2; shift 2
+    echo "== $module $*" >>"$out/bench.log"
+    timeout "$limit" python3 -m "scripts.bench.$module" "$@" 2>>"$out/bench.log" | tee -a "$out/bench.jsonl"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; echo "$module${*:+ $*}: failed (bench.log)" >&2; }
+}
+
+run_bench() {
+    : >"$out/bench.jsonl"
+    for name in "$@"; do
+        case "$name" in
+            sampler) bench 60 sampler ;;
+            sync) bench 100 sync --shape all --backend ipc ;;
+            client_sync) bench 60 client_sync --model qwen2-0.5b --backend ipc --device cuda ;;
+            rollout) bench 170 rollout --shapes qwen2-0.5b ;;
+            rollout_7b) bench 110 rollout --shapes qwen2.5-7b --modes seeded ;;
+            generate) bench 150 generate --batch 1 128 --peers ;;
+            sync_nccl) for shape in qwen2-0.5b qwen2.5-7b; do  # trainer on GPU 0, receiver on GPU 1
+                           bench 280 sync --backend nccl --device cuda:1 --sender-device cuda:0 --shape "$shape" --iters 5
+                       done ;;
+            *) echo "device_check.sh: unknown benchmark '$name'" >&2; status=2 ;;
+        esac
+    done
+}
+
+case "$what" in
+    tests) shift 2; run_tests "$@" ;;
+    bench) shift 2; if [ $# -eq 0 ]; then run_bench "${DEFAULT_BENCH[@]}"; else run_bench "$@"; fi ;;
+    *) echo "usage: $0 OUTDIR tests [PYTEST ARGS...] | bench [NAMES...]"; exit 2 ;;
+esac
+exit "$status"
