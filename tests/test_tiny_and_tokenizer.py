@@ -28,7 +28,7 @@ from inference.models.tiny import (
     make_tiny_model,
 )
 from inference.text.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_search_start
-from sidecar.cli.main import make_model as make_model_cli
+from sidecar.cli import make_model as make_model_cli
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 512}
