@@ -23,6 +23,7 @@ from inference.layers.attention_invariant import batch_invariant_backend
 from inference.memory.arenas import DEFAULT_ALIGN, KV_TAG, round_up
 from inference.memory.sleep import MemoryManager, TransitionStats
 from inference.models import build_model
+from inference.models.hf_config import read_model_config
 from inference.models.loader import init_dummy_weights, load_weights
 from inference.parallel import TPInfo
 from inference.runner.runner import InFlightStep, ModelRunner
@@ -126,7 +127,7 @@ class Worker:
 
     def load_model(self) -> None:
         assert self.device is not None, "init_device first"
-        self.model_config = ModelConfig.from_dir(self.config.model)
+        self.model_config = read_model_config(self.config.model)
         self.dtype = resolve_dtype(self.config.dtype, self.device, self.model_config)
         mc = self.model_config
         self.max_model_len = min(self.config.scheduler.max_model_len or mc.max_position_embeddings,
@@ -155,7 +156,7 @@ class Worker:
 
     def _load(self, which: str, model_dir: str) -> torch.nn.Module:
         assert self.dtype is not None and self.device is not None
-        config = ModelConfig.from_dir(model_dir)
+        config = read_model_config(model_dir)
         backend = get_attention_backend(self.attention_backend)
         if which == "target" and not self._speculates() and hasattr(backend, "for_decode_rows"):
             # Without a draft, decode launches hold one row per sequence: no row can own another's keys.

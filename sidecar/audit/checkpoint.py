@@ -34,6 +34,7 @@ from checksum import Manifest, digest_tensors, parse_rank_key
 from inference.config import ModelConfig
 from inference.core import InvalidRequestError
 from inference.models import build_model
+from inference.models.hf_config import read_model_config
 from inference.models.loader import hf_tensor_shapes, safetensors_files, validate_checkpoint
 from inference.models.naming import param_to_hf
 from inference.parallel import TPInfo
@@ -45,7 +46,7 @@ def checkpoint_manifests(model_dir: str | Path, held: Sequence[Manifest]) -> lis
 
     Raises InvalidRequestError naming the tensor when the checkpoint is not a valid one of its own
     config.json (unknown, misshapen or missing tensors) or does not split over the ranks' TP size."""
-    config = ModelConfig.from_dir(model_dir)
+    config = read_model_config(model_dir)
     validate_checkpoint(config, hf_tensor_shapes(model_dir))
     ranks = [parse_rank_key(m.rank) for m in held]
     if any(pp != 0 for _, pp, _ in ranks):

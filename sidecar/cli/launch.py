@@ -171,11 +171,11 @@ def bind(host: str, port: int) -> socket.socket:
 def resolve_model(cfg: LaunchConfig) -> str:
     """The model directory, checked here (config.json readable, family supported) so that a typo
     fails in a second with exit status 2 instead of after spawning every rank."""
-    from inference.config import ModelConfig
+    from inference.models.hf_config import read_model_config
 
     for path in (cfg.model, cfg.draft_model):
         if path is not None:
-            ModelConfig.from_dir(path)
+            read_model_config(path)
     if cfg.model is not None:
         return cfg.model
     from inference.models.tiny import default_model_dir

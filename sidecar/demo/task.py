@@ -18,8 +18,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from inference.config import ModelConfig
 from inference.core import InvalidRequestError
+from inference.models.hf_config import model_config_from_hf
 from inference.models.tiny import TinyModelSpec, default_model_dir
 
 MODELS = ("tiny", "qwen2-0.5b")
@@ -81,7 +81,7 @@ def resolve_model(name: str) -> DemoModel:
                                       "holding config.json and model.safetensors")
     raw = json.loads((path / "config.json").read_text())
     try:
-        cfg = ModelConfig.from_hf_dict(raw)
+        cfg = model_config_from_hf(raw)
     except KeyError as e:
         raise InvalidRequestError("model", f"{path / 'config.json'} lacks the field {e}") from None
     # The toy policy's rule (a checkpoint without a dtype is float32), so both ends hold the same bytes.
