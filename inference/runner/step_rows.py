@@ -20,7 +20,7 @@ from itertools import chain, compress, repeat
 
 import numpy as np
 
-from inference.sched.scheduler_batch import ScheduledBatch
+from inference.sched.scheduler import ScheduledBatch
 from inference.sched.sequence import Sequence
 
 _TOKEN_IDS = operator.attrgetter("token_ids")
