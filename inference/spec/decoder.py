@@ -23,7 +23,7 @@ from torch import nn
 
 from inference.batch import AttentionMetadata, to_device
 from inference.runner.cuda_graphs import CUDAGraphRunner, batch_ladder, extended_ladder
-from inference.runner.decode_rows import DecodeRows, decode_logits
+from inference.runner.inputs import DecodeRows, decode_logits
 from inference.runner.runner import ModelRunner, SampleResult, StepInputs, top_dicts
 from inference.sample.noise import ACCEPT, DRAFT, RESIDUAL, exponential, race, uniforms
 from inference.sample.sampler import SamplingBatch, process_logits, sample, unseeded_seed
