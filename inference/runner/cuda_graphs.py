@@ -27,7 +27,8 @@ import torch
 from inference.batch import AttentionMetadata
 from inference.core import SamplingParams
 from inference.runner.pending_tokens import resolve_pending
-from inference.sample.sampler import SamplingBatch, greedy_rows, sample_pairs
+from inference.sample.batch import SamplingBatch
+from inference.sample.sampler import greedy_rows, sample_pairs
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

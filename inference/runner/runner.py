@@ -25,7 +25,8 @@ from inference.parallel import TPInfo
 from inference.runner.cuda_graphs import CUDAGraphRunner, GreedyGraphs, SamplingGraphs
 from inference.runner.inputs import BlockTables, build_step_rows, decode_rows
 from inference.runner.pending_tokens import resolve_pending
-from inference.sample.sampler import SamplingBatch, sample, sample_pairs, unseeded_seed
+from inference.sample.batch import SamplingBatch, unseeded_seed
+from inference.sample.sampler import sample, sample_pairs
 from inference.sched.scheduler import ScheduledBatch
 from inference.sched.sequence import Sequence
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from inference.batch import to_device
+from inference.sample.batch import position_seed
 from inference.sample.kernels import triton, uniforms_torch
-from inference.sample.sampler import position_seed
 from inference.sched.sequence import Sequence
 
 if triton is not None:

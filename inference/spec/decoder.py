@@ -25,8 +25,9 @@ from inference.batch import AttentionMetadata, to_device
 from inference.runner.cuda_graphs import CUDAGraphRunner, batch_ladder, extended_ladder
 from inference.runner.inputs import DecodeRows, decode_logits
 from inference.runner.runner import ModelRunner, SampleResult, StepInputs, top_dicts
+from inference.sample.batch import SamplingBatch, unseeded_seed
 from inference.sample.noise import ACCEPT, DRAFT, RESIDUAL, exponential, race, uniforms
-from inference.sample.sampler import SamplingBatch, process_logits, sample, unseeded_seed
+from inference.sample.sampler import process_logits, sample
 from inference.sched.scheduler import ScheduledBatch, StepResult
 from inference.sched.sequence import Sequence
 
