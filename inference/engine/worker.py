@@ -16,6 +16,7 @@ from typing import Any, Literal, overload
 
 import torch
 
+from checksum.dtypes import UnknownDtypeError, dtype_from_name
 from inference.config import EngineConfig, ModelConfig
 from inference.core import InvalidRequestError, StateError
 from inference.layers.attention import get_attention_backend
@@ -54,10 +55,10 @@ def resolve_dtype(name: str, device: torch.device, model_config: ModelConfig | N
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if name == "model" and model_config is not None:
         name = model_config.dtype
-    dtype = getattr(torch, name.replace("torch.", ""), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype: unknown dtype {name!r}")
-    return dtype
+    try:
+        return dtype_from_name(name)
+    except UnknownDtypeError as e:
+        raise ValueError(f"dtype: unknown dtype {name!r}") from e
 
 
 def auto_max_num_seqs(kv_tokens: int, max_model_len: int) -> int:

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from checksum import TensorRecord, pick_algorithm
+from checksum import TensorRecord, dtype_name, pick_algorithm
 from inference.core import InvalidRequestError, StateError
 from inference.transfer.backends import check_backend
 from inference.transfer.backends.base import TransferBackend, backend_class
@@ -51,7 +51,6 @@ from inference.transfer.plan import (
     DEFAULT_BUCKET_BYTES,
     ParsedManifest,
     TensorSpec,
-    dtype_name,
     plan_buckets,
 )
 

@@ -68,7 +68,7 @@ class DemoSetup:
 
 def resolve_model(name: str) -> DemoModel:
     """Build (once, cached) or check the model directory named by --model."""
-    import torch
+    from checksum.dtypes import DTYPES
 
     if name == "tiny":
         path = default_model_dir()
@@ -86,9 +86,9 @@ def resolve_model(name: str) -> DemoModel:
         raise InvalidRequestError("model", f"{path / 'config.json'} lacks the field {e}") from None
     # The toy policy's rule (a checkpoint without a dtype is float32), so both ends hold the same bytes.
     dtype = str(raw.get("dtype") or raw.get("torch_dtype") or "float32")
-    if not isinstance(getattr(torch, dtype, None), torch.dtype):
+    if dtype not in DTYPES:
         raise InvalidRequestError("model", f"{path / 'config.json'}: unknown dtype {dtype!r}")
-    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(getattr(torch, dtype)).bits // 8
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * DTYPES[dtype].itemsize
     return DemoModel(name, path, dtype, cfg.vocab_size, per_token)
 
 
