@@ -26,7 +26,7 @@ from inference.memory.sleep import MemoryManager, TransitionStats
 from inference.models import build_model
 from inference.models.hf_config import read_model_config
 from inference.models.loader import init_dummy_weights, load_weights
-from inference.parallel import TPInfo
+from inference.parallel import TPInfo, resolve_device
 from inference.runner.runner import InFlightStep, ModelRunner
 from inference.sched.scheduler import ScheduledBatch, StepResult
 from inference.spec.decoder import SpecDecoder
@@ -42,12 +42,6 @@ AUTO_MAX_NUM_SEQS = 1024
 AUTO_TOKENS_PER_SEQ = 2048
 # decode graphs are captured up to this batch; larger decode steps run eagerly
 MAX_GRAPH_BATCH = 1024
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
 
 
 def resolve_dtype(name: str, device: torch.device, model_config: ModelConfig | None = None) -> torch.dtype:

@@ -123,7 +123,7 @@ def launch(cfg: LaunchConfig) -> int:
             if visible is not None:
                 log.info("ranks on GPUs %s: CUDA_VISIBLE_DEVICES=%s (rank r reports cuda:r of these)",
                          cfg.devices, visible)
-            model_dir, device = resolve_model(cfg), resolve_device(cfg)
+            model_dir, device = resolve_model(cfg), rank_device(cfg)
             log.info("starting %d rank process(es) on %s for %s", cfg.tp, device, model_dir)
             pool = RankPool(cfg, model_dir, device)
             plans = pool.start()
@@ -183,14 +183,14 @@ def resolve_model(cfg: LaunchConfig) -> str:
     return str(default_model_dir())
 
 
-def resolve_device(cfg: LaunchConfig) -> str:
-    """The device of every rank; no GPU at all is a one-line error naming --device, too few for --tp
-    one naming --tp."""
+def rank_device(cfg: LaunchConfig) -> str:
+    """The device of every rank (--device checked, "auto" resolved); no GPU at all is a one-line error
+    naming --device, too few for --tp one naming --tp."""
     import torch
 
-    from sidecar.cli.common import resolve_device as device_of
+    from sidecar.cli.common import check_device
 
-    device = device_of(cfg.device, cfg.tp)
+    device = check_device(cfg.device, cfg.tp)
     if device == "cuda":
         count = torch.cuda.device_count()
         if count < cfg.tp:
