@@ -22,7 +22,7 @@ import itertools
 
 import xxhash
 
-from inference.core import FinishReason, SamplingParams
+from inference.core import INT64_MAX, FinishReason, SamplingParams
 
 # One counter for ids and arrival order: creation order is FCFS order, and every TP rank that creates
 # the same requests in the same order gets the same ids (the SPMD engine relies on that).
@@ -53,7 +53,7 @@ def derive_seed(seed: int, index: int) -> int:
     Python's hash() is salted per process, so xxh3 over a text encoding (any int size) is used instead.
     The result fits a signed 64-bit integer (what torch.Generator.manual_seed accepts).
     """
-    return xxhash.xxh3_64_intdigest(f"{seed}:{index}".encode()) & ((1 << 63) - 1)
+    return xxhash.xxh3_64_intdigest(f"{seed}:{index}".encode()) & INT64_MAX
 
 
 class Sequence:
