@@ -412,11 +412,11 @@ class SamplingGraphs:
     and their allocations with one replay, plus copies of the batch's row tensors when its rows
     changed and of its positions every step.
 
-    Rows past the batch are the decode graph's padding: they
-    sample with whatever settings the buffers last held (valid ones, at worst a filtered row's search)
-    and their results are never read. A row's token is the one the eager `sample_pairs` picks (the
-    thresholds and the race reduce each row alone, in a chunking fixed by the vocabulary); a raw
-    logprob may differ in the last float32 bits (the raw log-sum-exp splits a row by batch size)."""
+    Rows past the batch are the decode graph's padding: they sample with whatever settings the buffers
+    last held (valid ones, at worst a filtered row's search) and their results are never read. A row's
+    token is the one the eager `sample_pairs` picks (the thresholds and the race reduce each row alone,
+    in a chunking fixed by the vocabulary); a raw logprob may differ in the last float32 bits (the raw
+    log-sum-exp splits a row by batch size)."""
 
     def __init__(self, graphs: CUDAGraphRunner, vocab_size: int, invariant: bool = False) -> None:
         """invariant: the batch-invariant mode (SamplingBatch.invariant), fixed at capture."""
