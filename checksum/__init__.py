@@ -8,12 +8,12 @@ DEVICE_ALGORITHM (hashed on the GPU where the tensors are); `pick_algorithm(tens
 
 from __future__ import annotations
 
-from checksum.compare import KINDS, Mismatch, Report, audit, compare, compare_each, compare_ranks
+from checksum.compare import KINDS, ChecksumMismatch, Mismatch, Report, audit, compare, compare_each, compare_ranks
 from checksum.definition import ALGORITHM, ALGORITHMS, DEVICE_ALGORITHM, SEGMENT_BYTES, digest_bytes
 from checksum.device_digest import DeviceDigester, KernelConfig, PendingDigests, can_hash_on, pick_algorithm
 from checksum.digest import DEFAULT_CHUNK_BYTES, Digester, TensorRecord, digest_tensor, digest_tensors
 from checksum.dtypes import DTYPES, ITEMSIZE, UnknownDtypeError, dtype_from_name, dtype_name
-from checksum.errors import ChecksumError, ChecksumMismatch, ManifestError
+from checksum.errors import ChecksumError, ManifestError
 from checksum.manifest import (
     FORMAT_VERSION,
     Manifest,

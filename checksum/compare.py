@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from checksum.digest import TensorRecord
-from checksum.errors import ChecksumMismatch, ManifestError
+from checksum.errors import ChecksumError, ManifestError
 from checksum.manifest import MODELS, Manifest, parse_rank_key
 
 # Rank-level, then manifest-level, then per-tensor kinds; the order is part of the canonical order.
@@ -66,6 +66,15 @@ class Mismatch:
         model = MODELS.index(self.model) if self.model in MODELS else len(MODELS)
         level = self.kind in _TENSOR_KINDS  # rank- and manifest-level problems first
         return (_rank_order(self.rank), model, level, self.tensor, KINDS.index(self.kind))
+
+
+class ChecksumMismatch(ChecksumError, ValueError):
+    """An audit found a difference; `report` holds every mismatch, the message names the first one."""
+
+    def __init__(self, report: Report) -> None:
+        assert not report.ok, "ChecksumMismatch needs a failing report"
+        super().__init__(report.summary())
+        self.report = report
 
 
 @dataclass(frozen=True)

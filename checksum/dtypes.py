@@ -30,6 +30,16 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def alias_of(name: object) -> str | None:
+    """The DTYPES name that `name` spells another way, torch's alias or with "torch.": "float32" for
+    "float" or "torch.float32"; None for a DTYPES name itself or one that names no dtype of DTYPES."""
+    if not isinstance(name, str):
+        return None
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    canonical = dtype_name(dtype) if isinstance(dtype, torch.dtype) else None
+    return canonical if canonical in DTYPES and canonical != name else None
+
+
 def dtype_from_name(name: str) -> torch.dtype:
     """The dtype called `name` (a "torch." prefix is accepted); UnknownDtypeError otherwise."""
     dtype = DTYPES.get(name.removeprefix("torch.")) if isinstance(name, str) else None

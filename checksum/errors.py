@@ -1,16 +1,12 @@
 """Errors of the checksum package.
 
 `checksum` is a leaf (it cannot import `inference.core.SidecarError`), so it has its own base,
-`ChecksumError`. Both concrete errors are also `ValueError`s: a bad manifest and a mismatching
-audit are both "the data is wrong", and callers that only know the standard library can catch them.
+`ChecksumError`. Its concrete errors are also `ValueError`s: a bad manifest and a mismatching
+audit (`checksum.compare.ChecksumMismatch`, which carries its Report) are both "the data is wrong",
+and callers that only know the standard library can catch them.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from checksum.compare import Report
 
 
 class ChecksumError(Exception):
@@ -30,11 +26,3 @@ class ManifestError(ChecksumError, ValueError):
         self.field = field_name
         self.message = message
 
-
-class ChecksumMismatch(ChecksumError, ValueError):
-    """An audit found a difference; `report` holds every mismatch, the message names the first one."""
-
-    def __init__(self, report: Report) -> None:
-        assert not report.ok, "ChecksumMismatch needs a failing report"
-        super().__init__(report.summary())
-        self.report = report

@@ -17,11 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from checksum.definition import ALGORITHM, ALGORITHMS, RETIRED_ALGORITHMS
 from checksum.digest import Digester, NamedTensors, TensorRecord, digest_tensors
-from checksum.dtypes import dtype_name
+from checksum.dtypes import DTYPES, alias_of
 from checksum.errors import ManifestError
 
 FORMAT = "sidecar-checksum-manifest"
@@ -271,7 +269,6 @@ def _records_from_json(source: str, tensors: object) -> list[TensorRecord]:
     return records
 
 
-_VALID_DTYPES: set[str] = set()  # dtype names that passed the full check below
 _NAME = operator.attrgetter("name")
 _FIELDS = operator.attrgetter("name", "dtype", "shape", "digest")
 _DIGESTS_RE = re.compile(r"(?:[0-9a-f]{32})*")
@@ -285,7 +282,7 @@ def _records_valid(records: Sequence[object]) -> bool:
     names, dtypes, shapes, digests = zip(*map(_FIELDS, records)) if records else ((), (), (), ())
     if set(map(type, names)) - {str} or not all(names):
         return False
-    if set(map(type, dtypes)) - {str} or not set(dtypes) <= _VALID_DTYPES:
+    if set(map(type, dtypes)) - {str} or not DTYPES.keys() >= set(dtypes):
         return False
     dims = list(itertools.chain.from_iterable(shapes)) if not set(map(type, shapes)) - {tuple} else None
     if dims is None or set(map(type, dims)) - {int} or min(dims, default=0) < 0:
@@ -297,24 +294,22 @@ def _records_valid(records: Sequence[object]) -> bool:
 def _check_record(source: str, where: str, record: TensorRecord) -> None:
     name, dtype, shape, digest = record.name, record.dtype, record.shape, record.digest
     # type(dtype) before membership: a list or dict as a dtype is unhashable (a TypeError, not a ManifestError)
-    if (type(name) is str and name and type(dtype) is str and dtype in _VALID_DTYPES and type(shape) is tuple
+    if (type(name) is str and name and type(dtype) is str and dtype in DTYPES and type(shape) is tuple
             and all(type(s) is int and s >= 0 for s in shape)
             and type(digest) is str and _DIGEST_RE.fullmatch(digest) is not None):
         return  # the common case, decided without building a message
     _check_record_fully(source, where, record)
-    _VALID_DTYPES.add(dtype)
 
 
 def _check_record_fully(source: str, where: str, record: TensorRecord) -> None:
     if not isinstance(record.name, str) or not record.name:
         raise ManifestError(source, f"{where}.name", f"must be a non-empty string, got {record.name!r}")
-    dtype = getattr(torch, record.dtype, None) if isinstance(record.dtype, str) else None
-    if not isinstance(dtype, torch.dtype):
-        raise ManifestError(source, f"{where}.dtype", f"unknown dtype {record.dtype!r} "
-                            f"(tensor {record.name!r})")
-    if dtype_name(dtype) != record.dtype:  # one spelling per dtype, so comparing strings is exact
-        raise ManifestError(source, f"{where}.dtype", f"write {dtype_name(dtype)!r}, not the alias "
-                            f"{record.dtype!r} (tensor {record.name!r})")
+    # one spelling per dtype (DTYPES' names), so comparing strings is exact
+    if not isinstance(record.dtype, str) or record.dtype not in DTYPES:
+        canonical = alias_of(record.dtype)
+        problem = (f"write {canonical!r}, not the alias {record.dtype!r}" if canonical is not None
+                   else f"unknown dtype {record.dtype!r}")
+        raise ManifestError(source, f"{where}.dtype", f"{problem} (tensor {record.name!r})")
     if not isinstance(record.shape, tuple) or not all(_is_int(s) and s >= 0 for s in record.shape):
         raise ManifestError(source, f"{where}.shape", f"must be non-negative integers, got {record.shape!r} "
                             f"(tensor {record.name!r})")

@@ -85,7 +85,7 @@ class AttentionMetadata:
         device: torch.device | str,
     ) -> AttentionMetadata:
         """Build from the block tables as an int32 [B, max_blocks] array padded with 0 (the runner's
-        path: inference/runner/step_rows.py keeps them) and the slots on the device. The int32 parts (prefix
+        path: inference/runner/inputs.py keeps them) and the slots on the device. The int32 parts (prefix
         sums, context lengths, block tables) go to the device in one copy. The lists are kept."""
         num_seqs = len(query_lens)
         assert len(context_lens) == num_seqs and block_tables.shape[0] == num_seqs

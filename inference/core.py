@@ -41,7 +41,7 @@ GREEDY_BELOW = 1e-5  # a temperature in (0, GREEDY_BELOW) samples greedily (as v
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: below it a value turns subnormal or 0
 FLOAT32_MAX = 3.4028234663852886e38
 INT32_MAX = 2**31 - 1
-INT64_MAX = 2**63 - 1
+INT64_MAX = 2**63 - 1  # the bound of every int64 fact: seeds (torch.Generator) and weight versions
 MAX_N = 1024  # completions per prompt
 MAX_LOGPROBS = 20  # top logprobs per token
 

@@ -1,8 +1,10 @@
-"""Tensor-parallel identity of one rank, passed into the model (never read from globals).
+"""Where one rank runs: its device and its tensor-parallel identity, passed into the model (never
+read from globals).
 
-A model built with the default TPInfo() needs no torch.distributed at all, which is how it
-builds on CPU in tests. With size > 1, `group` is the process group of the TP ranks (gloo on
-CPU, NCCL on GPU), created by the worker, not by the model.
+`resolve_device` owns the rule for a device named "auto" (cuda when torch sees a GPU, else cpu):
+the engine and the CLI both ask it. A model built with the default TPInfo() needs no
+torch.distributed at all, which is how it builds on CPU in tests. With size > 1, `group` is the
+process group of the TP ranks (gloo on CPU, NCCL on GPU), created by the worker, not by the model.
 """
 
 from __future__ import annotations
@@ -12,6 +14,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+def resolve_device(name: str) -> torch.device:
+    """The device `name` means: "auto" is cuda when torch sees a GPU, else cpu."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from inference.batch import AttentionMetadata
-from inference.config import ModelConfig
 from inference.models import DecoderForCausalLM, build_model
+from inference.models.hf_config import read_model_config
 from inference.models.loader import load_weights
 from inference.parallel import TPInfo
 
@@ -62,7 +62,7 @@ def make_hf_checkpoint(case: str, path: Path, seed: int = 0, **overrides: Any) -
 def load_ours(path: Path, tp: TPInfo | None = None, num_blocks: int = 48,
               block_size: int = 4) -> DecoderForCausalLM:
     """Build + load our model from an HF dir and bind a zeroed KV cache."""
-    config = ModelConfig.from_dir(path)
+    config = read_model_config(path)
     model = build_model(config, tp or TPInfo(), torch.float32, "cpu")
     load_weights(model, path)
     model.bind_kv_cache(torch.zeros(model.kv_cache_spec().shape(num_blocks, block_size)))

@@ -202,12 +202,12 @@ def loader_digests(model_dir: str | Path, tp_size: int = 1) -> dict[str, dict[st
     import torch
 
     from checksum import digest_tensors
-    from inference.config import ModelConfig
     from inference.models import build_model
+    from inference.models.hf_config import read_model_config
     from inference.models.loader import load_weights
     from inference.parallel import TPInfo
 
-    config = ModelConfig.from_dir(model_dir)
+    config = read_model_config(model_dir)
     out = {}
     for rank in range(tp_size):
         tp = TPInfo(rank=rank, size=tp_size, group=object()) if tp_size > 1 else TPInfo()

@@ -12,9 +12,10 @@ import torch
 from safetensors.torch import save_file
 
 from checksum import digest_tensors
-from inference.config import EngineConfig, ModelConfig
+from inference.config import EngineConfig
 from inference.engine.worker import Worker
 from inference.models import build_model
+from inference.models.hf_config import read_model_config
 from inference.models.loader import iter_hf_tensors, load_weights
 from inference.models.tiny import make_tiny_model
 from inference.parallel import TPInfo
@@ -45,7 +46,7 @@ def loader_digests(model_dir: Path, state: dict[str, torch.Tensor], out: Path, t
     if not out.exists():
         shutil.copytree(model_dir, out)
         save_file({n: t.contiguous() for n, t in state.items()}, str(out / "model.safetensors"))
-    model = build_model(ModelConfig.from_dir(out), tp or TPInfo(), torch.float32, "cpu")
+    model = build_model(read_model_config(out), tp or TPInfo(), torch.float32, "cpu")
     load_weights(model, out)
     return {f"{rank}:{r.name}": r.digest for r in digest_tensors(list(model.named_parameters()))}
 

@@ -79,13 +79,13 @@ def test_generate_on_cuda_without_a_gpu_is_one_clean_line(monkeypatch: pytest.Mo
 def test_launch_on_cuda_without_a_gpu_says_there_is_no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from sidecar.cli.launch import resolve_device
+    from sidecar.cli.launch import rank_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(InvalidRequestError, match="no GPU here") as e:
-        resolve_device(LaunchConfig(device="cuda", tp=2))
+        rank_device(LaunchConfig(device="cuda", tp=2))
     assert e.value.field == "device" and "needs 2 GPUs" in e.value.message
-    assert resolve_device(LaunchConfig(device="auto")) == "cpu"
+    assert rank_device(LaunchConfig(device="auto")) == "cpu"
 
 
 # ---- output ---------------------------------------------------------------------------------------

@@ -1,12 +1,13 @@
 """The layering of the four packages, read statically from their source (docs/architecture.md):
 
 - no import cycle among the modules of checksum/, inference/, sidecar/ and trainer_hooks/, counting
-  imports inside functions too (a function-level import does not make a circle go away);
+  imports inside functions and under `if TYPE_CHECKING:` too (neither makes a circle go away: the
+  reader still walks it);
+- no cycle among the sibling subfolders of any folder (inference/runner <-> inference/spec would be
+  one), each subfolder counted with everything under it;
 - checksum imports none of the others; inference imports neither sidecar nor trainer_hooks;
 - trainer_hooks imports nothing of sidecar/ and, of inference/, only what the trainer's side may
   load (inference.core and the light weight sender), directly or through anything it imports.
-
-Imports under `if TYPE_CHECKING:` never run and are not counted.
 """
 
 from __future__ import annotations
@@ -39,25 +40,11 @@ def module_files() -> dict[str, Path]:
     return out
 
 
-def _type_checking_only(tree: ast.AST) -> set[int]:
-    skipped: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If):
-            test = node.test
-            name = test.id if isinstance(test, ast.Name) else test.attr if isinstance(test, ast.Attribute) else ""
-            if name == "TYPE_CHECKING":
-                skipped.update(id(n) for stmt in node.body for n in ast.walk(stmt))
-    return skipped
-
-
-def _imported_names(module: str, path: Path) -> Iterator[tuple[str, str | None]]:
-    """(module, name) for `from module import name`, (module, None) for `import module`."""
-    tree = ast.parse(path.read_text(), str(path))
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    skipped = _type_checking_only(tree)
-    for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
+def imported_names(module: str, source: str, is_package: bool = False) -> Iterator[tuple[str, str | None]]:
+    """(module, name) for `from module import name`, (module, None) for `import module`: every import
+    statement of `source`, wherever it stands (in a function, under `if TYPE_CHECKING:`)."""
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield alias.name, None
@@ -77,7 +64,7 @@ def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for module, path in files.items():
         edges = set()
-        for base, name in _imported_names(module, path):
+        for base, name in imported_names(module, path.read_text(), path.name == "__init__.py"):
             target = f"{base}.{name}" if name is not None and f"{base}.{name}" in files else base
             if target in files:
                 edges.add(target)
@@ -120,6 +107,25 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def subfolder_graph(graph: dict[str, set[str]], folder: str) -> dict[str, set[str]]:
+    """The subfolders of `folder` (a module with modules under it, each counted with all of them)
+    -> the sibling subfolders that its modules import."""
+    prefix = folder + "."
+    subs = {prefix + m[len(prefix):].split(".")[0] for m in graph
+            if m.startswith(prefix) and "." in m[len(prefix):]}
+
+    def sub(module: str) -> str | None:
+        top = prefix + module[len(prefix):].split(".")[0] if module.startswith(prefix) else None
+        return top if top in subs else None
+
+    out: dict[str, set[str]] = {s: set() for s in subs}
+    for module, targets in graph.items():
+        a = sub(module)
+        if a is not None:
+            out[a] |= {b for b in map(sub, targets) if b is not None and b != a}
+    return out
+
+
 def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
     seen, todo = set(), [start]
     while todo:
@@ -145,8 +151,26 @@ def test_the_graph_sees_imports_inside_functions(graph: dict[str, set[str]]) -> 
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def test_the_graph_sees_type_checking_imports() -> None:
+    code = ("from typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n"
+            "    from checksum.compare import Report\n"
+            "    from . import sibling\n")
+    assert list(imported_names("inference.spec.decoder", code)) == [
+        ("typing", "TYPE_CHECKING"), ("checksum.compare", "Report"), ("inference.spec", "sibling")]
+
+
 def test_no_import_cycles(graph: dict[str, set[str]]) -> None:
     assert cycles(graph) == []
+
+
+def test_no_cycles_between_sibling_subfolders(graph: dict[str, set[str]]) -> None:
+    toy = {"p": set(), "p.a": set(), "p.a.x": {"p.b.y", "p.c"}, "p.b": set(), "p.b.y": {"p.a"}, "p.c": set()}
+    assert subfolder_graph(toy, "p") == {"p.a": {"p.b"}, "p.b": {"p.a"}}
+    assert cycles(subfolder_graph(toy, "p")) == [["p.a", "p.b"]]
+    folders = sorted(m for m, path in module_files().items() if path.name == "__init__.py")
+    found = {f: c for f in folders if (c := cycles(subfolder_graph(graph, f)))}
+    assert found == {}
 
 
 @pytest.mark.parametrize(("importer", "forbidden"), [("checksum", {"inference", "sidecar", "trainer_hooks"}),

@@ -17,6 +17,7 @@ from inference.config import ModelConfig
 from inference.core import InvalidRequestError, SamplingParams
 from inference.engine.llm import LLM
 from inference.models import ModelFamily, build_model, register_family, unregister_family
+from inference.models.hf_config import model_config_from_hf, read_model_config
 from inference.models.llama import Llama
 from inference.models.loader import load_weights
 from inference.models.naming import expected_hf_tensors, hf_to_param, param_to_hf
@@ -56,7 +57,7 @@ def _renamed(name: str) -> str:
 
 
 def _load(path: Path) -> torch.nn.Module:
-    model = build_model(ModelConfig.from_dir(path), TPInfo(), torch.float32, "cpu")
+    model = build_model(read_model_config(path), TPInfo(), torch.float32, "cpu")
     load_weights(model, path)
     return model
 
@@ -82,12 +83,12 @@ def test_the_checkpoint_uses_the_family_names(dirs: tuple[Path, Path]) -> None:
     assert sorted(toy_tensors) == sorted(_renamed(n) for n in llama_tensors)
     for name, tensor in llama_tensors.items():
         assert torch.equal(toy_tensors[_renamed(name)], tensor), name
-    config = ModelConfig.from_dir(toy)
+    config = read_model_config(toy)
     assert config.family == RenamedLlama.name and not config.qkv_bias and not config.qk_norm
 
 
 def test_names_route_both_ways(dirs: tuple[Path, Path]) -> None:
-    config = ModelConfig.from_dir(dirs[0])
+    config = read_model_config(dirs[0])
     qkv = "model.layers.0.self_attn.qkv_proj.weight"
     assert hf_to_param("model.layers.0.self_attn.wv.weight", config) == (qkv, "v")
     assert hf_to_param("model.layers.0.mlp.w3.weight", config) == ("model.layers.0.mlp.gate_up_proj.weight", 1)
@@ -115,7 +116,7 @@ def test_loads_and_serves_as_the_llama_it_renames(dirs: tuple[Path, Path]) -> No
 
 def test_checksums_name_the_checkpoint_tensor(dirs: tuple[Path, Path]) -> None:
     toy = dirs[0]
-    config = ModelConfig.from_dir(toy)
+    config = read_model_config(toy)
     model = _load(toy)
     sent = manifest_from_tensors(load_file(str(toy / "model.safetensors")), model="target", weight_version=1, rank=RANK)
     held = _held_by_hf_name(model, config)
@@ -131,7 +132,7 @@ def test_the_weight_receiver_routes_it(dirs: tuple[Path, Path]) -> None:
     from inference.weights.target import route_manifest
 
     toy = dirs[0]
-    config = ModelConfig.from_dir(toy)
+    config = read_model_config(toy)
     model = _load(toy)
     specs = [TensorSpec.of(name, t) for name, t in load_file(str(toy / "model.safetensors")).items()]
     routing = route_manifest(specs, model, config, which="target", rank=RANK, tp_size=1, allow_cast=False)
@@ -142,7 +143,7 @@ def test_the_weight_receiver_routes_it(dirs: tuple[Path, Path]) -> None:
 
 def test_unknown_architecture_names_the_field() -> None:
     with pytest.raises(InvalidRequestError) as err:
-        ModelConfig.from_hf_dict({"architectures": ["NoSuchForCausalLM"], "model_type": "no_such"})
+        model_config_from_hf({"architectures": ["NoSuchForCausalLM"], "model_type": "no_such"})
     assert err.value.field == "config.architectures" and "LlamaForCausalLM" in err.value.message
 
 

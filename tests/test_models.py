@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from inference.config import ModelConfig
 from inference.core import InvalidRequestError, StateError
 from inference.models import build_model
+from inference.models.hf_config import read_model_config
 from inference.models.loader import load_weights
 from inference.models.naming import expected_hf_tensors, hf_to_param, is_skipped, param_to_hf
 from inference.parallel import TPInfo
@@ -68,7 +68,7 @@ def test_chunked_prefill_mixed_with_decode(tmp_path: Path) -> None:
 
 def test_config_reads_what_transformers_writes(checkpoint: tuple[str, Path, torch.nn.Module]) -> None:
     case, path, hf = checkpoint
-    c, h = ModelConfig.from_dir(path), hf.config
+    c, h = read_model_config(path), hf.config
     assert (c.vocab_size, c.hidden_size, c.num_layers) == (h.vocab_size, h.hidden_size, h.num_hidden_layers)
     assert (c.num_heads, c.num_kv_heads) == (h.num_attention_heads, h.num_key_value_heads)
     assert c.head_dim == (32 if case == "qwen3" else 16)
@@ -83,7 +83,7 @@ def test_config_reads_what_transformers_writes(checkpoint: tuple[str, Path, torc
 
 def test_naming_round_trip_covers_the_checkpoint(checkpoint: tuple[str, Path, torch.nn.Module]) -> None:
     _, path, hf = checkpoint
-    config = ModelConfig.from_dir(path)
+    config = read_model_config(path)
     model = build_model(config, TPInfo(), torch.float32, "cpu")
     covered: dict[str, tuple[str, object]] = {}
     for name, _ in model.named_parameters():
@@ -137,7 +137,7 @@ def test_loader_errors_name_the_tensor_and_write_nothing(
         tmp_path: Path, edit: dict[str, torch.Tensor | None], culprit: str, words: str) -> None:
     make_hf_checkpoint("llama", tmp_path)
     _rewrite(tmp_path, edit)
-    model = build_model(ModelConfig.from_dir(tmp_path), TPInfo(), torch.float32, "cpu")
+    model = build_model(read_model_config(tmp_path), TPInfo(), torch.float32, "cpu")
     for p in model.parameters():
         p.data.fill_(7.0)
     with pytest.raises(InvalidRequestError) as err:
@@ -165,14 +165,14 @@ def test_forward_without_kv_cache_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_heads_not_divisible_by_tp_size_is_a_clear_error(tmp_path: Path) -> None:
     make_hf_checkpoint("llama", tmp_path)
-    config = ModelConfig.from_dir(tmp_path)  # 4 heads, 2 kv heads
+    config = read_model_config(tmp_path)  # 4 heads, 2 kv heads
     with pytest.raises(InvalidRequestError, match="num_key_value_heads = 2 does not divide by"):
         build_model(config, TPInfo(rank=0, size=4, group=object()), torch.float32, "cpu")
 
 
 def test_kv_cache_views_are_bound_without_copies(tmp_path: Path) -> None:
     make_hf_checkpoint("qwen3", tmp_path)
-    model = build_model(ModelConfig.from_dir(tmp_path), TPInfo(), torch.float32, "cpu")
+    model = build_model(read_model_config(tmp_path), TPInfo(), torch.float32, "cpu")
     spec = model.kv_cache_spec()
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (2, 2, 32)
     kv = torch.zeros(spec.shape(num_blocks=5, block_size=4))

@@ -15,7 +15,7 @@ import xxhash
 from inference.batch import AttentionMetadata
 from inference.core import SamplingParams
 from inference.engine.llm import LLM
-from inference.runner.step_rows import BlockTables, build_step_rows, decode_rows
+from inference.runner.inputs import BlockTables, build_step_rows, decode_rows
 from inference.sched.block_manager import BlockManager, block_hash
 from inference.sched.scheduler import ScheduledBatch, Scheduler, _Plan
 from inference.sched.sequence import Sequence, SequenceStatus

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from inference.config import ModelConfig
+from inference.models.hf_config import read_model_config
 from inference.models.tiny import (
     BOS_ID,
     DEFAULT_TINY,
@@ -91,7 +91,7 @@ def test_family_dir_loads_in_transformers_without_warnings(family: str, family_d
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_our_model_config_reads_the_tiny_config(family: str, family_dirs: dict[str, Path]) -> None:
-    mc = ModelConfig.from_dir(family_dirs[family])
+    mc = read_model_config(family_dirs[family])
     assert mc.family == family
     assert (mc.hidden_size, mc.num_layers, mc.num_heads, mc.num_kv_heads) == (128, 3, 8, 4)
     assert mc.head_dim == 16 and mc.vocab_size == TOKENIZER_VOCAB_SIZE
@@ -307,9 +307,9 @@ def test_default_model_dir_is_built_once_and_reused(tmp_path: Path, monkeypatch:
     assert default_model_dir() == first
     assert {p.name: p.stat().st_mtime_ns for p in first.iterdir()} == stamp
     assert [p.name for p in (tmp_path / "models").iterdir()] == [first.name]  # no temp dirs left
-    assert ModelConfig.from_dir(first).family == DEFAULT_TINY.family
+    assert read_model_config(first).family == DEFAULT_TINY.family
     other = default_model_dir(TinyModelSpec(family="llama"))
-    assert other != first and ModelConfig.from_dir(other).family == "llama"
+    assert other != first and read_model_config(other).family == "llama"
 
 
 def test_concurrent_default_builds_agree(tmp_path: Path) -> None:
@@ -337,7 +337,7 @@ def test_cli_writes_a_model_and_refuses_to_overwrite(tmp_path: Path, capsys: pyt
     assert _cli([str(out), "--family", "mistral", "--layers", "2", "--dtype", "bfloat16"]) == 0
     printed = capsys.readouterr().out
     assert str(out) in printed and "parameters" in printed and "bytes" in printed
-    assert ModelConfig.from_dir(out).num_layers == 2
+    assert read_model_config(out).num_layers == 2
     before = (out / "model.safetensors").read_bytes()
 
     assert _cli([str(out), "--seed", "1"]) == 2
@@ -351,6 +351,6 @@ def test_cli_writes_a_model_and_refuses_to_overwrite(tmp_path: Path, capsys: pyt
     assert (out / "notes.txt").read_text() == "mine"
     (tmp_path / "empty").mkdir()
     assert _cli([str(tmp_path / "empty")]) == 0  # an empty directory is not "existing"
-    assert ModelConfig.from_dir(tmp_path / "empty").family == "qwen2"
+    assert read_model_config(tmp_path / "empty").family == "qwen2"
     assert _cli([str(tmp_path / "bad"), "--heads", "3"]) == 2
     assert "num_kv_heads" in capsys.readouterr().err

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from checksum import flat_bytes
+from checksum.dtypes import dtype_from_name
 from inference.core import InvalidRequestError
 from inference.transfer import ipc
 from inference.transfer import plan as plan_module
@@ -19,7 +20,6 @@ from inference.transfer.plan import (
     ManifestCache,
     ParsedManifest,
     TensorSpec,
-    dtype_from_name,
     plan_buckets,
     plan_fingerprint,
     specs_from_manifest,

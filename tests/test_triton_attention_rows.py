@@ -1,4 +1,4 @@
-"""Several decode rows of one sequence in one launch (speculative decoding's verify, inference/runner/decode_rows.py).
+"""Several decode rows of one sequence in one launch (speculative decoding's verify, inference/runner/inputs.py).
 
 Row t of a sequence reads the keys that earlier-position rows of the same launch write into the cache in
 that launch; on a GPU the programs run in no fixed order, so the kernel must take those keys from the

@@ -16,6 +16,7 @@ from typing import Any, Literal, overload
 
 import torch
 
+from checksum.dtypes import UnknownDtypeError, dtype_from_name
 from inference.config import EngineConfig, ModelConfig
 from inference.core import InvalidRequestError, StateError
 from inference.layers.attention import get_attention_backend
@@ -23,8 +24,9 @@ from inference.layers.attention_invariant import batch_invariant_backend
 from inference.memory.arenas import DEFAULT_ALIGN, KV_TAG, round_up
 from inference.memory.sleep import MemoryManager, TransitionStats
 from inference.models import build_model
+from inference.models.hf_config import read_model_config
 from inference.models.loader import init_dummy_weights, load_weights
-from inference.parallel import TPInfo
+from inference.parallel import TPInfo, resolve_device
 from inference.runner.runner import InFlightStep, ModelRunner
 from inference.sched.scheduler import ScheduledBatch, StepResult
 from inference.spec.decoder import SpecDecoder
@@ -42,21 +44,15 @@ AUTO_TOKENS_PER_SEQ = 2048
 MAX_GRAPH_BATCH = 1024
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
-
-
 def resolve_dtype(name: str, device: torch.device, model_config: ModelConfig | None = None) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if name == "model" and model_config is not None:
         name = model_config.dtype
-    dtype = getattr(torch, name.replace("torch.", ""), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype: unknown dtype {name!r}")
-    return dtype
+    try:
+        return dtype_from_name(name)
+    except UnknownDtypeError as e:
+        raise ValueError(f"dtype: unknown dtype {name!r}") from e
 
 
 def auto_max_num_seqs(kv_tokens: int, max_model_len: int) -> int:
@@ -126,7 +122,7 @@ class Worker:
 
     def load_model(self) -> None:
         assert self.device is not None, "init_device first"
-        self.model_config = ModelConfig.from_dir(self.config.model)
+        self.model_config = read_model_config(self.config.model)
         self.dtype = resolve_dtype(self.config.dtype, self.device, self.model_config)
         mc = self.model_config
         self.max_model_len = min(self.config.scheduler.max_model_len or mc.max_position_embeddings,
@@ -155,7 +151,7 @@ class Worker:
 
     def _load(self, which: str, model_dir: str) -> torch.nn.Module:
         assert self.dtype is not None and self.device is not None
-        config = ModelConfig.from_dir(model_dir)
+        config = read_model_config(model_dir)
         backend = get_attention_backend(self.attention_backend)
         if which == "target" and not self._speculates() and hasattr(backend, "for_decode_rows"):
             # Without a draft, decode launches hold one row per sequence: no row can own another's keys.

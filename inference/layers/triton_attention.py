@@ -21,7 +21,7 @@ k/v rather than from the cache), so a decode layer is one launch instead of stor
 decode_split_tiles = 2 is where one pass stopped losing to more splits, and a one-sequence launch may
 take longer tiles (tiles.single_decode_block_n, opt-in: see its comment); the measurements are in
 docs/benchmarks.md, scripts/bench_decode_parts.py repeats them.
-Several rows of one sequence in a decode launch (spec-decode verify, inference/runner/decode_rows.py): row i + 1
+Several rows of one sequence in a decode launch (spec-decode verify, inference/runner/inputs.py): row i + 1
 needs row i's new key, which row i's split 0 stores in this same launch, and programs run in no fixed
 order on a GPU. So no row reads another row's new k/v from the cache: for keys ctx - max_rows .. ctx - 2
 (only the last KV tile or two) a program finds the launch row that writes each key (row seq -/+ j whose

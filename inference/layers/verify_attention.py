@@ -1,6 +1,6 @@
 """Spec-decode verify attention that reads each key once per sequence (SIDECAR_VERIFY_KEYS_ONCE).
 
-A verify launch holds k + 1 consecutive rows of each speculating sequence (inference/runner/decode_rows.py).
+A verify launch holds k + 1 consecutive rows of each speculating sequence (inference/runner/inputs.py).
 The decode kernel (triton_attention_kernels.py) gives every row its own programs, so each row reads its
 whole context again: 8 sequences' 40 rows at 2,048 keys took 74 us a layer on the H200 against 19 us
 for the same sequences' plain decode (session 14), and verify attention was the largest part of a tail

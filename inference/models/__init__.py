@@ -1,7 +1,7 @@
 """Model families (one class each, declaring names, fused modules and layout) and the decoder they build.
 
-Light to import: inference/config.py and the tiny model writer read the family classes without torch;
-the decoder and build_model load on first use.
+Light to import: config.json reading (inference/models/hf_config.py) and the tiny model writer read
+the family classes without torch; the decoder and build_model load on first use.
 """
 
 from __future__ import annotations

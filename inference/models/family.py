@@ -2,9 +2,9 @@
 and how its config.json reads and is written.
 
 A family is a subclass of ModelFamily in inference/models/<family>.py, listed in
-inference/models/registry.py. Nothing else names a family: config.json parsing (inference/config.py)
-and the tiny model writer ask the registry; the loader, the weight receiver and the checksums ask
-inference/models/naming.py, which asks the config's family class.
+inference/models/registry.py. Nothing else names a family: config.json reading
+(inference/models/hf_config.py) and the tiny model writer ask the registry; the loader, the weight
+receiver and the checksums ask inference/models/naming.py, which asks the config's family class.
 
 The base class is the generic decoder (inference/models/decoder.py) with the HF Llama names; a family
 overrides only what differs. Our parameter names are the HF names with every module of `hf_modules`
@@ -18,10 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
-if TYPE_CHECKING:
-    from inference.config import ModelConfig
+from inference.config import ModelConfig
 
 ShardId = str | int | None
 

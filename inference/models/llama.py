@@ -1,6 +1,6 @@
 """Llama (LlamaForCausalLM): the generic decoder as ModelFamily declares it.
 
-`attention_bias` biases q, k, v and o; rope may carry llama3 scaling (read by inference/config.py).
+`attention_bias` biases q, k, v and o; rope may carry llama3 scaling (read by inference/models/hf_config.py).
 """
 
 from __future__ import annotations

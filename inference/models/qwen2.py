@@ -6,12 +6,10 @@ config.json's `sliding_window` applies only with `use_sliding_window` (Qwen writ
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from inference.config import ModelConfig
 from inference.models.family import ModelFamily
-
-if TYPE_CHECKING:
-    from inference.config import ModelConfig
 
 
 class Qwen2(ModelFamily):

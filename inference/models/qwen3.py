@@ -4,12 +4,10 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from inference.config import ModelConfig
 from inference.models.qwen2 import Qwen2
-
-if TYPE_CHECKING:
-    from inference.config import ModelConfig
 
 
 class Qwen3(Qwen2):

@@ -33,9 +33,9 @@ from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors, t
 from tokenizers.models import BPE
 
 from inference import envs
-from inference.config import ModelConfig
 from inference.core import InvalidRequestError
 from inference.models import family_names, get_family
+from inference.models.hf_config import model_config_from_hf
 from inference.models.naming import expected_hf_tensors
 
 if TYPE_CHECKING:
@@ -336,7 +336,7 @@ def hf_config(spec: TinyModelSpec) -> dict[str, Any]:
 def weight_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
     """HF tensor names -> shapes, in the fixed order the random weights are drawn: what the engine
     expects of the config.json this spec writes (the family's layout, inference/models/naming.py)."""
-    return expected_hf_tensors(ModelConfig.from_hf_dict(hf_config(spec)))
+    return expected_hf_tensors(model_config_from_hf(hf_config(spec)))
 
 
 def random_weights(spec: TinyModelSpec) -> dict[str, torch.Tensor]:

@@ -1,19 +1,20 @@
-"""CUDA graphs for decode steps: capture, can_use, pad, replay, destroy.
+"""The decode step's CUDA graphs: the model's forward (CUDAGraphRunner) and the sampler's that
+replay after it over its static logits (GreedyGraphs, SamplingGraphs). Lifecycle: capture, can_use,
+pad, replay, destroy; the runner keeps an eager path for every step no graph fits.
 
 Decode steps (one new token per sequence) replay a graph captured for the smallest ladder size that
 holds the batch; the rows beyond the batch are padding: slot -1 (their k/v are not stored), context
-length 0 and block table zeros, so they attend to nothing and touch no real cache entry. Graphs are
-captured largest first into one shared memory pool. The graph covers the model's forward up to the
-final norm and the LM head, whose logits land in one static buffer; the sampler runs after it.
-
+length 0 and block table zeros, so they attend to nothing and touch no real cache entry. The model's
+graph covers the forward up to the final norm and the LM head, whose logits land in one static buffer.
 Inputs live in static buffers that every replay reads; the KV cache and the weights are read at the
-addresses captured, which is why they live in arenas whose addresses survive sleep and wake. Both
-ladders (these graphs and the sampler's) are captured by `capture_ladder`, which also keeps cuBLAS's
-workspace of the captured GEMMs inside the graphs' pool (see there).
+addresses captured, which is why they live in arenas whose addresses survive sleep and wake. Every
+ladder is captured largest first into one pool of its own by `capture_ladder`, which also keeps
+cuBLAS's workspace of the captured GEMMs inside that pool (see there).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import operator
@@ -24,7 +25,10 @@ from typing import TypeVar
 import torch
 
 from inference.batch import AttentionMetadata
+from inference.core import SamplingParams
 from inference.runner.pending_tokens import resolve_pending
+from inference.sample.batch import SamplingBatch
+from inference.sample.sampler import greedy_rows, sample_pairs
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -356,3 +360,104 @@ class CUDAGraphRunner:
         self.graphs.clear()
         self.outputs.clear()
         self.pool = None
+
+
+class GreedyGraphs:
+    """Per decode graph size, a graph of `greedy_rows` over that graph's logits: an all-greedy step
+    without top logprobs samples with one replay instead of a dozen launches. Rows past the batch
+    are the decode graph's padding; their results are never read. The per-row statistics reduce
+    each row alone, so a row's token is the one `sample` picks; its logprob may differ from an
+    eager `sample` over n rows in the last float32 bits (the reduction splits a row by batch size), except
+    in the batch-invariant mode (`invariant`), where every row is reduced as a lone row is.
+    """
+
+    def __init__(self, graphs: CUDAGraphRunner, invariant: bool = False) -> None:
+        self.decode = graphs
+        self.invariant = invariant
+        self.out = torch.empty(graphs.sizes[-1], 2, dtype=torch.float64, device=graphs.device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        def rows(bs: int) -> None:
+            greedy_rows(self.decode.outputs[bs], self.out[:bs], self.invariant)
+
+        def warm_up(bs: int) -> None:  # Triton compiles before capture
+            rows(bs)
+            rows(bs)
+
+        self.pool, self.graphs, _ = capture_ladder(self.decode.sizes, self.decode.device, warm_up, rows)
+
+    def replay(self, n: int) -> torch.Tensor:
+        """(token id, logprob) [n, 2] of the rows of the decode graph replayed last for n rows."""
+        self.graphs[self.decode.size_for(n)].replay()
+        return self.out[:n]
+
+    def destroy(self) -> None:
+        self.graphs.clear()
+        self.pool = None
+
+
+# the per-row tensors a batch brings (positions aside, which change every step)
+ROW_FIELDS = ("greedy", "inv_temps", "top_ks", "top_ps", "log_min_ps", "processed_logprobs", "seeds")
+
+
+class SamplingGraphs:
+    """Per decode graph size, a graph of `sample_pairs` over that graph's logits, for decode steps with
+    sampled rows (GreedyGraphs does all-greedy ones). A static SamplingBatch holds per-row buffers of
+    the largest size with every filter flag set, so that one graph serves any mix of greedy,
+    temperature, top-k, top-p, min-p and processed-logprob rows (a row without top-k and top-p costs
+    the threshold search nothing; see inference/sample/kernels.py). A step replaces a dozen launches
+    and their allocations with one replay, plus copies of the batch's row tensors when its rows
+    changed and of its positions every step.
+
+    Rows past the batch are the decode graph's padding: they sample with whatever settings the buffers
+    last held (valid ones, at worst a filtered row's search) and their results are never read. A row's
+    token is the one the eager `sample_pairs` picks (the thresholds and the race reduce each row alone,
+    in a chunking fixed by the vocabulary); a raw logprob may differ in the last float32 bits (the raw
+    log-sum-exp splits a row by batch size)."""
+
+    def __init__(self, graphs: CUDAGraphRunner, vocab_size: int, invariant: bool = False) -> None:
+        """invariant: the batch-invariant mode (SamplingBatch.invariant), fixed at capture."""
+        self.decode = graphs
+        cap = graphs.sizes[-1]
+        rows = SamplingBatch.build_rows([SamplingParams(temperature=1.0)] * cap, [0] * cap, vocab_size, graphs.device,
+                                        invariant)
+        self.static = dataclasses.replace(
+            rows.at(torch.zeros(cap, dtype=torch.int64, device=graphs.device)),
+            any_top_k=True, any_top_p=True, any_min_p=True, any_processed=True)
+        self.out = torch.empty(cap, 2, dtype=torch.float64, device=graphs.device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        self._loaded: torch.Tensor | None = None  # the `greedy` tensor of the rows in the buffers
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        def rows(bs: int) -> None:
+            sample_pairs(self.decode.outputs[bs], self.static.head(bs), self.out[:bs])
+
+        def warm_up(bs: int) -> None:  # Triton compiles before capture
+            rows(bs)
+            rows(bs)
+
+        self.pool, self.graphs, _ = capture_ladder(self.decode.sizes, self.decode.device, warm_up, rows)
+
+    def replay(self, n: int, sb: SamplingBatch) -> torch.Tensor:
+        """(token id, logprob) [n, 2] of the rows of the decode graph replayed last for n rows, sampled
+        with sb's settings (rows with seeds only: a graph draws nothing from a generator)."""
+        assert sb.size == n and not sb.all_greedy and not sb.any_unseeded, (n, sb.size)
+        assert sb.positions is not None and sb.greedy is not None
+        if sb.greedy is not self._loaded:  # the runner keeps a batch's row tensors while its rows stay
+            for name in ROW_FIELDS:
+                getattr(self.static, name)[:n].copy_(getattr(sb, name))
+            self._loaded = sb.greedy
+        assert self.static.positions is not None
+        self.static.positions[:n].copy_(sb.positions)
+        self.graphs[self.decode.size_for(n)].replay()
+        return self.out[:n]
+
+    def destroy(self) -> None:
+        self.graphs.clear()
+        self.pool = None
+        self._loaded = None

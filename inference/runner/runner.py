@@ -22,11 +22,11 @@ import torch
 from inference.batch import AttentionMetadata, to_device
 from inference.config import ModelConfig
 from inference.parallel import TPInfo
-from inference.runner.cuda_graphs import CUDAGraphRunner, capture_ladder
+from inference.runner.cuda_graphs import CUDAGraphRunner, GreedyGraphs, SamplingGraphs
+from inference.runner.inputs import BlockTables, build_step_rows, decode_rows
 from inference.runner.pending_tokens import resolve_pending
-from inference.runner.sampler_graphs import SamplingGraphs
-from inference.runner.step_rows import BlockTables, build_step_rows, decode_rows
-from inference.sample.sampler import SamplingBatch, greedy_rows, sample, sample_pairs, unseeded_seed
+from inference.sample.batch import SamplingBatch, unseeded_seed
+from inference.sample.sampler import sample, sample_pairs
 from inference.sched.scheduler import ScheduledBatch
 from inference.sched.sequence import Sequence
 
@@ -332,43 +332,6 @@ def _copy_to_host(sampled: _Sampled) -> tuple[_Sampled, torch.cuda.Event | None]
 
 _TOKEN_IDS = operator.attrgetter("token_ids")
 _NUM_PROMPT = operator.attrgetter("num_prompt_tokens")
-
-
-class GreedyGraphs:
-    """Per decode graph size, a graph of `greedy_rows` over that graph's logits: an all-greedy step
-    without top logprobs samples with one replay instead of a dozen launches. Rows past the batch
-    are the decode graph's padding; their results are never read. The per-row statistics reduce
-    each row alone, so a row's token is the one `sample` picks; its logprob may differ from an
-    eager `sample` over n rows in the last float32 bits (the reduction splits a row by batch size), except
-    in the batch-invariant mode (`invariant`), where every row is reduced as a lone row is.
-    """
-
-    def __init__(self, graphs: CUDAGraphRunner, invariant: bool = False) -> None:
-        self.decode = graphs
-        self.invariant = invariant
-        self.out = torch.empty(graphs.sizes[-1], 2, dtype=torch.float64, device=graphs.device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool = None
-
-    @torch.inference_mode()
-    def capture(self) -> None:
-        def rows(bs: int) -> None:
-            greedy_rows(self.decode.outputs[bs], self.out[:bs], self.invariant)
-
-        def warm_up(bs: int) -> None:  # Triton compiles before capture
-            rows(bs)
-            rows(bs)
-
-        self.pool, self.graphs, _ = capture_ladder(self.decode.sizes, self.decode.device, warm_up, rows)
-
-    def replay(self, n: int) -> torch.Tensor:
-        """(token id, logprob) [n, 2] of the rows of the decode graph replayed last for n rows."""
-        self.graphs[self.decode.size_for(n)].replay()
-        return self.out[:n]
-
-    def destroy(self) -> None:
-        self.graphs.clear()
-        self.pool = None
 
 
 def top_dicts(ids: torch.Tensor | None, lps: torch.Tensor | None, wanted: list[int]) -> list:

@@ -14,16 +14,16 @@ from dataclasses import dataclass
 import torch
 
 from inference.batch import to_device
+from inference.core import INT64_MAX
 from inference.sample.kernels import MAX_INV_TEMP
 
 _MIX = 0x9E3779B97F4A7C15
-_MASK63 = (1 << 63) - 1
 _UNSEEDED_SALT = 0x5DEECE66D
 
 
 def position_seed(seed: int, position: int) -> int:
     """A 63-bit seed of (seed, position), stable across runs (spec decoding seeds its generators with it)."""
-    return ((seed * 1_000_003) ^ ((position + 1) * _MIX)) & _MASK63
+    return ((seed * 1_000_003) ^ ((position + 1) * _MIX)) & INT64_MAX
 
 
 def unseeded_seed(runner_seed: int, batch_index: int, row: int) -> int:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 
 from inference.batch import to_device
+from inference.core import INT64_MAX
+from inference.sample.batch import position_seed
 from inference.sample.kernels import triton, uniforms_torch
-from inference.sample.sampler import position_seed
 from inference.sched.sequence import Sequence
 
 if triton is not None:
@@ -21,12 +22,11 @@ if triton is not None:
 
 # stream salts of a seeded row's random draws, so the three never share a generator seed
 DRAFT, ACCEPT, RESIDUAL = 1, 2, 3
-_MASK63 = (1 << 63) - 1
 
 
 def stream_seed(seed: int, position: int, stream: int) -> int:
     """The generator seed of one random draw of a seeded row (stable across runs and processes)."""
-    return position_seed((seed + stream * 0x632BE59BD9B4E019) & _MASK63, position)
+    return position_seed((seed + stream * 0x632BE59BD9B4E019) & INT64_MAX, position)
 
 
 def uniforms(seqs: list[Sequence], positions: list[int], stream: int, n_cols: int,

@@ -36,8 +36,6 @@ import torch
 
 from inference.layers.invariant import row_sum
 from inference.sample.batch import SamplingBatch
-from inference.sample.batch import position_seed as position_seed  # re-exported: spec decoding seeds with it
-from inference.sample.batch import unseeded_seed as unseeded_seed  # re-exported for the runner
 from inference.sample.kernels import (
     RaceRows,
     log_exponential_torch,

@@ -1,43 +1,17 @@
-"""Continuous batching: which sequences compute how many tokens in the next step. Pure Python.
+"""Continuous batching: which sequences compute how many tokens in the next step, and what a computed
+step changes. Pure Python; every TP rank runs the same scheduler over the same calls.
 
-This file holds the policy (Scheduler: queues, admission, chunking, preemption, lookahead). The
-step's data types are in scheduler_batch.py (ScheduledBatch, StepResult, Sampled: re-exported here)
-and applying a step's results to the sequences in scheduler_commit.py (StepCommit, Scheduler's base:
-commit, advance / commit_pending, the stop rules).
-
-One step mixes decodes and prefill chunks under a token budget (max_num_batched_tokens) and a
-sequence cap (max_num_seqs), in this order:
-1. running decodes (1 token each), oldest arrival first;
-2. running prefills in progress (chunked prefill keeps priority over new admissions);
-3. waiting sequences FCFS, each with as much of its prompt as the budget leaves (the rest follows in
-   later steps). Admission stops at the first sequence that does not fit, so a large prompt is never
-   starved by smaller ones behind it.
-
-When a running sequence cannot get a block, the latest-arrived running sequence not yet scheduled
-this step (possibly itself) is preempted by recompute: its blocks are freed, num_computed_tokens goes
-to 0 and it goes to the FRONT of the waiting queue, keeping its generated tokens and logprobs. A step
-that preempted admits nothing (it would only thrash). Samples 1..n-1 of a request wait until sample 0's
-prompt is computed, so they hit its full prompt blocks in the prefix cache instead of recomputing them.
-
-Speculative decoding (num_speculative_tokens = k > 0): a running decode also gets a lookahead of up
-to k draft tokens (fewer near max_tokens, max_model_len, the token budget or the free blocks; never a
-preemption for lookahead). Its blocks cover the k + 1 positions the target verifies; the budget is
-charged k + 1 tokens. Its result is a run of 1..k+1 tokens; tokens after a stop are dropped.
-Speculation is adaptive (SchedulerConfig.spec_max_batch): a step whose running decodes outnumber the
-bound schedules them without lookahead (the draft mirrors their tokens), so the draft works on the
-tail of a rollout, where the batch has drained and steps are bound by weight reads, not on a full batch.
-
-Async scheduling (the engine overlaps a step's host work with the previous step on the device):
-`advance(batch)` accounts a launched step before its tokens are known and gives each row that samples
-a placeholder token (scheduler_commit.py); the next schedule() then counts that token as if it were
-known, except that a sequence whose pending token is its last by length (max_tokens, max_model_len)
-is not scheduled again, and admission does not count it against max_num_seqs. A preempted sequence
-keeps its placeholder until `commit_pending` (a step that preempts admits nothing, so it is not
-admitted with one).
+`schedule()` plans a ScheduledBatch (decodes, then prefills in progress, then admissions FCFS, under
+a token budget and a sequence cap; preemption by recompute when blocks run out; a lookahead of draft
+tokens per decode while speculation pays). `commit(batch, sampled)` applies a finished step: computed
+tokens advance, full blocks register in the prefix cache, sampled tokens append and the stop rules
+apply. With async scheduling `advance(batch)` accounts a launched step before its tokens are known
+(each sampling row gets a placeholder token) and `commit_pending` fills the placeholders in.
 
 Invariants: every live sequence is in exactly one of `waiting` and `running`; waiting sequences hold
-no blocks; `running` is sorted by arrival; scheduling is deterministic (every TP rank runs the same
-scheduler over the same calls and must choose the same batch).
+no blocks; `running` is sorted by arrival; scheduling is deterministic (every rank must choose the
+same batch). Stop rules, in order: an EOS id (unless ignore_eos), a stop token id (reported as
+stop_reason), then length: max_tokens or max_model_len reached, a pending token counted.
 """
 
 from __future__ import annotations
@@ -50,11 +24,52 @@ from dataclasses import dataclass, field
 from inference.config import SchedulerConfig
 from inference.core import FinishReason, InvalidRequestError, SamplingParams
 from inference.sched.block_manager import BlockManager
-from inference.sched.scheduler_batch import Sampled, ScheduledBatch, StepResult
-from inference.sched.scheduler_commit import StepCommit
 from inference.sched.sequence import Sequence, SequenceStatus
 
-__all__ = ["Sampled", "ScheduledBatch", "Scheduler", "StepResult"]
+# (token id, logprob, top logprobs or None) for a sequence that sampled, None for one that did not
+Sampled = tuple[int, float, dict[int, float] | None]
+# a speculative row's accepted run: the accepted draft tokens then the target's own token
+StepResult = Sampled | list[Sampled] | None
+
+
+@dataclass
+class ScheduledBatch:
+    """One step, what the scheduler hands the runner: seqs[i] computes tokens [c, c + num_new_tokens[i])
+    where c = its num_computed_tokens at schedule time. sample[i] is True when that chunk reaches the
+    end of its tokens, i.e. the step produces its next token (computed at construction, before
+    commit() advances the sequences, unless the scheduler passes it: it knows each row's chunk).
+    num_lookahead[i] > 0 (a decode row only) asks for that many draft tokens verified in this step.
+    Checked at construction: one entry per sequence in each list, every row computes at least one
+    token, and a row with lookahead is a decode row (one new token)."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    num_lookahead: list[int] = field(default_factory=list)  # empty: no speculation in this step
+    sample: list[bool] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.num_lookahead:
+            self.num_lookahead = [0] * len(self.seqs)
+        assert len(self.seqs) == len(self.num_new_tokens) == len(self.num_lookahead)
+        assert not any(self.num_lookahead) or all(
+            k == 0 or n == 1 for n, k in zip(self.num_new_tokens, self.num_lookahead))
+        assert min(self.num_new_tokens, default=1) > 0
+        if len(self.sample) != len(self.seqs):
+            assert not self.sample, "sample has one entry per row"
+            self.sample = [
+                s.num_computed_tokens + n == len(s.token_ids) for s, n in zip(self.seqs, self.num_new_tokens)]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqs)
 
 
 @dataclass
@@ -107,9 +122,38 @@ def _arrival(seq: Sequence) -> int:
     return seq.arrival
 
 
-class Scheduler(StepCommit):
-    """Owns the waiting queue and the running set; the block manager owns the blocks. Applying a
-    step's results (commit, advance, commit_pending, the stop rules) is StepCommit's."""
+class Scheduler:
+    """Owns the waiting queue and the running set; the block manager owns the blocks.
+
+    One step mixes decodes and prefill chunks under a token budget (max_num_batched_tokens) and a
+    sequence cap (max_num_seqs), in this order:
+    1. running decodes (1 token each), oldest arrival first;
+    2. running prefills in progress (chunked prefill keeps priority over new admissions);
+    3. waiting sequences FCFS, each with as much of its prompt as the budget leaves (the rest follows
+       in later steps). Admission stops at the first sequence that does not fit, so a large prompt is
+       never starved by smaller ones behind it.
+
+    When a running sequence cannot get a block, the latest-arrived running sequence not yet scheduled
+    this step (possibly itself) is preempted by recompute: its blocks are freed, num_computed_tokens
+    goes to 0 and it goes to the FRONT of the waiting queue, keeping its generated tokens and logprobs.
+    A step that preempted admits nothing (it would only thrash). Samples 1..n-1 of a request wait until
+    sample 0's prompt is computed, so they hit its full prompt blocks in the prefix cache.
+
+    Speculative decoding (num_speculative_tokens = k > 0): a running decode also gets a lookahead of up
+    to k draft tokens (fewer near max_tokens, max_model_len, the token budget or the free blocks; never
+    a preemption for lookahead). Its blocks cover the k + 1 positions the target verifies; the budget is
+    charged k + 1 tokens. Its result is a run of 1..k+1 tokens; tokens after a stop are dropped. A step
+    whose running decodes outnumber SchedulerConfig.spec_max_batch schedules them without lookahead (the
+    draft mirrors their tokens): the draft works on the tail of a rollout, where steps are bound by
+    weight reads, not on a full batch.
+
+    Async scheduling: after `advance`, the next schedule() counts a pending token as if it were known,
+    except that a sequence whose pending token is its last by length is not scheduled again, and
+    admission does not count it against max_num_seqs. A sequence that finished on its pending token
+    (EOS, a stop token) has one wasted row in the step launched meanwhile; its result is dropped. A
+    preempted sequence keeps its placeholder until `commit_pending` (a step that preempts admits
+    nothing, so it is not admitted with one).
+    """
 
     def __init__(
         self,
@@ -213,6 +257,146 @@ class Scheduler(StepCommit):
         while self.running:
             self._preempt(self.running[-1])
         return count
+
+    # ---- a computed step in --------------------------------------------------------------------
+    def commit(self, batch: ScheduledBatch, sampled: list[StepResult]) -> list[Sequence]:
+        """Apply a finished step: advance computed tokens, register full blocks in the prefix cache,
+        append sampled tokens and apply the token-level stop rules. Return the sequences that finished.
+
+        sampled[i] is given exactly when batch.sample[i]; it is a list (an accepted run) exactly when
+        batch.num_lookahead[i] > 0. Sequences finished or aborted since schedule() are skipped (their
+        blocks are already free).
+        """
+        assert len(sampled) == len(batch.seqs), (len(sampled), len(batch.seqs))
+        assert [out is not None for out in sampled] == batch.sample, "sampled output given iff the row samples"
+        finished: list[Sequence] = []
+        eos, max_len, running = self.eos_token_ids, self.max_model_len, SequenceStatus.RUNNING
+        for seq, n, k, out in zip(batch.seqs, batch.num_new_tokens, batch.num_lookahead, sampled):
+            if seq.status is not running:
+                continue
+            if k:
+                assert isinstance(out, list), f"{seq}: a speculative row returns its accepted run"
+                if self._commit_run(seq, k, out):
+                    finished.append(seq)
+                continue
+            self._account(seq, n)
+            if out is None:
+                continue
+            assert not isinstance(out, list)
+            token_id, logprob, top = out
+            seq.append(token_id, logprob, top)
+            if _may_stop(seq, token_id, eos, max_len) and self._stops(seq, token_id):
+                finished.append(seq)
+        return finished
+
+    def _commit_run(self, seq: Sequence, lookahead: int, run: list[Sampled]) -> bool:
+        """Apply a speculative row: 1 + (accepted draft tokens) tokens, cut at the first stop. Each
+        appended token makes one more position's KV final. The draft wrote positions up to
+        start + lookahead - 1, so a fully accepted run leaves one draft position for the next step
+        to fill; only the prefix final in both caches is registered. Returns True if it finished."""
+        start = seq.num_computed_tokens
+        assert start + 1 == seq.num_tokens and 1 <= len(run) <= lookahead + 1, (seq, len(run), lookahead)
+        seq.spec_proposed += lookahead
+        seq.spec_accepted += len(run) - 1
+        for token_id, logprob, top in run:
+            seq.append(token_id, logprob, top)
+            seq.num_computed_tokens += 1
+            if self._stops(seq, token_id):
+                return True
+        seq.num_draft_computed = min(seq.num_computed_tokens, start + lookahead)
+        self.block_manager.commit(seq, seq.num_draft_computed)
+        return False
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """Account a launched step whose tokens are not read yet (async scheduling): computed tokens
+        advance, newly full blocks register, and the row that samples r-th gets placeholder(r).
+
+        Call it after the previous step's commit_pending (so every token its chunks cover is known)
+        and before the next schedule(). Rows of sequences finished since schedule() are skipped."""
+        assert not any(batch.num_lookahead), "speculative steps commit synchronously"
+        self.in_flight += 1
+        row = -1  # the current row's index among the batch's sampled rows (finished ones count too)
+        running = SequenceStatus.RUNNING
+        bm, draft = self.block_manager, bool(self.num_speculative_tokens)
+        block_size, caching = bm.block_size, bm.enable_prefix_caching
+        # the loops below run for every row of every step: _account and the Sequence methods that
+        # keep a placeholder are inlined (change both together)
+        for seq, n, do_sample in zip(batch.seqs, batch.num_new_tokens, batch.sample):
+            row += do_sample
+            if seq.status is not running:
+                continue
+            computed = seq.num_computed_tokens = seq.num_computed_tokens + n
+            assert computed <= len(seq.token_ids), f"{seq} computed past its tokens"
+            if draft:
+                seq.num_draft_computed = computed
+            if caching and len(seq.cache_keys) < computed // block_size:
+                bm.commit(seq)
+            if do_sample:  # Sequence.add_pending, inlined: placeholder(row) stands for the token
+                assert not seq.num_pending, f"{seq} already has a pending token"
+                seq.token_ids.append(-1 - row)
+                seq.logprobs.append(0.0)
+                if seq.top_logprobs is not None:
+                    seq.top_logprobs.append({})
+                seq.num_pending = 1
+
+    def commit_pending(self, batch: ScheduledBatch, sampled: list[StepResult]) -> list[Sequence]:
+        """Apply the tokens of a step `advance` accounted: each placeholder becomes its token, then the
+        token-level stop rules. Return the sequences that finished. A preempted sequence takes its
+        token too (it was sampled before the preemption); a finished one's is dropped."""
+        assert len(sampled) == len(batch.seqs), (len(sampled), len(batch.seqs))
+        assert [out is not None for out in sampled] == batch.sample, "sampled output given iff the row samples"
+        self.in_flight -= 1
+        finished: list[Sequence] = []
+        eos, max_len, finished_status = self.eos_token_ids, self.max_model_len, SequenceStatus.FINISHED
+        for seq, out in zip(batch.seqs, sampled):
+            if out is None or seq.status is finished_status:
+                continue
+            token_id, logprob, top = out  # (int, float, dict or None): ModelRunner._to_host's types
+            assert seq.num_pending, f"{seq} has no pending token"
+            seq.token_ids[-1] = token_id  # Sequence.resolve_pending, inlined
+            seq.logprobs[-1] = logprob
+            if top is not None:
+                seq.top_logprobs[-1] = top  # type: ignore[index]
+            seq.num_pending = 0
+            if _may_stop(seq, token_id, eos, max_len) and self._stops(seq, token_id):
+                finished.append(seq)
+        return finished
+
+    def _account(self, seq: Sequence, n: int) -> None:
+        """A chunk of n tokens was computed: they count as computed (mirrored by the draft, which
+        follows every non-speculative step), and a newly full block registers in the prefix cache."""
+        seq.num_computed_tokens += n
+        assert seq.num_computed_tokens <= len(seq.token_ids), f"{seq} computed past its tokens"
+        if self.num_speculative_tokens:
+            seq.num_draft_computed = seq.num_computed_tokens
+        if len(seq.cache_keys) < seq.num_computed_tokens // self.block_manager.block_size:
+            self.block_manager.commit(seq)
+
+    def _stops(self, seq: Sequence, token_id: int) -> bool:
+        """Apply the stop rules to seq's newest token `token_id`; finish it (and say so) if one holds."""
+        reason, stop_reason = self._stop_rule(seq, token_id)
+        if reason is None:
+            return False
+        self._finish(seq, reason, stop_reason)
+        return True
+
+    def _stop_rule(self, seq: Sequence, token_id: int) -> tuple[FinishReason | None, int | None]:
+        """Why seq stops at its newest token `token_id`, if it does. The commit loops screen every row
+        with a cheap superset of these rules first (an EOS id even under ignore_eos, any stop token
+        ids, the length bounds) and call _stops only for the rows it lets through: change both."""
+        params = seq.params
+        if token_id in self.eos_token_ids and not params.ignore_eos:
+            return FinishReason.STOP, None
+        if params.stop_token_ids and token_id in params.stop_token_ids:
+            return FinishReason.STOP, token_id
+        if self._reaches_length(seq):
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def _reaches_length(self, seq: Sequence) -> bool:
+        """Its tokens (a pending one counted) reach max_tokens or max_model_len: no token follows."""
+        num_tokens = len(seq.token_ids)
+        return num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens or num_tokens >= self.max_model_len
 
     # ---- internals ------------------------------------------------------------------------------
     def _schedule_running(self, plan: _Plan) -> None:
@@ -364,3 +548,11 @@ class Scheduler(StepCommit):
         live.remove(seq)
         if not live:
             del self._requests[seq.request_id]
+
+
+def _may_stop(seq: Sequence, token_id: int, eos: frozenset[int], max_len: int) -> bool:
+    """The cheap screen before _stops (which applies the stop rules in full): False only for a token that
+    no rule can stop on, so the common row of a commit costs no more than this."""
+    num_tokens, params = len(seq.token_ids), seq.params
+    return (token_id in eos or bool(params.stop_token_ids) or num_tokens - seq.num_prompt_tokens >= params.max_tokens
+            or num_tokens >= max_len)

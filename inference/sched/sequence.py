@@ -22,7 +22,7 @@ import itertools
 
 import xxhash
 
-from inference.core import FinishReason, SamplingParams
+from inference.core import INT64_MAX, FinishReason, SamplingParams
 
 # One counter for ids and arrival order: creation order is FCFS order, and every TP rank that creates
 # the same requests in the same order gets the same ids (the SPMD engine relies on that).
@@ -53,7 +53,7 @@ def derive_seed(seed: int, index: int) -> int:
     Python's hash() is salted per process, so xxh3 over a text encoding (any int size) is used instead.
     The result fits a signed 64-bit integer (what torch.Generator.manual_seed accepts).
     """
-    return xxhash.xxh3_64_intdigest(f"{seed}:{index}".encode()) & ((1 << 63) - 1)
+    return xxhash.xxh3_64_intdigest(f"{seed}:{index}".encode()) & INT64_MAX
 
 
 class Sequence:
@@ -149,7 +149,7 @@ class Sequence:
 
     def add_pending(self, row: int) -> None:
         """Stand in for the token that row `row` of the step just launched samples (async scheduling):
-        lengths, output positions and block reservations count it from now on. (StepCommit.advance
+        lengths, output positions and block reservations count it from now on. (Scheduler.advance
         inlines this for its rows: change both.)"""
         assert not self.num_pending and row >= 0, (self, row)
         self.token_ids.append(-1 - row)  # placeholder(row), inlined: this runs for every row of a step
@@ -160,7 +160,7 @@ class Sequence:
 
     def resolve_pending(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None = None) -> None:
         """Replace the placeholder with the sampled token, in place: the same result as `append`
-        without one. (StepCommit.commit_pending inlines this for its rows: change both.)"""
+        without one. (Scheduler.commit_pending inlines this for its rows: change both.)"""
         assert self.num_pending and (top_logprobs is not None) == (self.top_logprobs is not None), (
             f"{self}: no pending token, or top_logprobs given iff params.logprobs > 0 broken")
         self.token_ids[-1] = int(token_id)

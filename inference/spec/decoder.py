@@ -1,33 +1,17 @@
 """Speculative decoding with a draft model: the draft proposes, the target verifies, lossless.
 
-Per step, for the rows the scheduler gave a lookahead k_r > 0 (decodes only):
-1. The draft proposes k_r tokens autoregressively, sampling each from its processed distribution q
-   (the target's temperature / top-k / top-p / min-p rules; greedy rows take the argmax). Its first
-   pass also fills the draft KV the draft lacks (the token after a fully accepted run).
-2. The target computes the k_r + 1 positions [last token, d_1 .. d_k] and gives p.
-3. Rejection sampling (Leviathan et al. 2023, Chen et al. 2023): d_i is accepted with probability
-   min(1, p(d_i) / q(d_i)); at the first rejection a token is drawn from normalize(max(0, p - q)); if
-   all k_r are accepted a bonus token is drawn from p. Every emitted token is therefore distributed
-   exactly as target-only sampling. Greedy rows use one-hot p and q: accept while d_i == argmax p,
-   then argmax p, so greedy output is identical to target-only decoding. An all-greedy step never
-   forms q: it compares the proposals with the target's argmax.
-Rows without lookahead (prefill chunks, decodes at their last token) run through the target's
-ModelRunner as usual, and the draft mirrors the same chunk so its cache follows the target's.
-
-Graphs: the verify runs as a decode batch of sum(k_r + 1) single-token rows (inference/runner/decode_rows.py),
-which replays the target's verify graphs (ModelRunner.verify_graphs, up to spec_max_batch sequences of
-k + 1 rows) and gives each position the attention tiles of a plain decode step (the same bits). The
-draft's one-token steps and its catch-up pass replay the draft's own decode graphs. The host waits on
-the device once per step, for the accepted runs (plus the target's own transfer when plain rows sample
-in the same step).
+Rows the scheduler gave a lookahead k_r > 0 (decodes only) speculate: the draft proposes k_r tokens,
+the target computes the k_r + 1 positions [last token, d_1 .. d_k] as decode rows (replaying its
+verify graphs, the attention tiles of a plain decode step), and the accepted run comes back in the
+step's one host transfer. Two rules accept: rejection sampling (SpecDecoder; every emitted token is
+distributed as target-only sampling, greedy output is identical) and, in the batch-invariant mode,
+exact match (ExactSpeculation; the output is the target-only engine's, bit for bit). Rows without
+lookahead run through the target's ModelRunner as usual, and the draft mirrors the same chunk.
 
 Invariants: the draft and the target share block ids and tables (one BlockManager); the draft's KV
-lives in a tensor of its own shape, bound once. seq.token_ids never holds a proposal: proposals live
-on the device until the accepted run comes back in the step's one host transfer. Every uniform and
-noise comes from the sampler's counter-based generator, all rows in one launch (inference/sample/noise.py),
-so a seeded completion does not depend on the rest of the batch. Reported logprobs are the target's. In the
-batch-invariant mode (EngineConfig.batch_invariant) steps 1 and 3 are exact-match instead
-(inference/spec/exact.py): the output is then the target-only engine's, bit for bit.
+lives in a tensor of its own shape, bound once. seq.token_ids never holds a proposal. Every uniform
+and noise comes from the sampler's counter-based generator (inference/sample/noise.py), so a seeded
+completion does not depend on the rest of the batch. Reported logprobs are the target's.
 """
 
 from __future__ import annotations
@@ -39,16 +23,17 @@ from torch import nn
 
 from inference.batch import AttentionMetadata, to_device
 from inference.runner.cuda_graphs import CUDAGraphRunner, batch_ladder, extended_ladder
-from inference.runner.decode_rows import DecodeRows, decode_logits
+from inference.runner.inputs import DecodeRows, decode_logits
 from inference.runner.runner import ModelRunner, SampleResult, StepInputs, top_dicts
+from inference.sample.batch import SamplingBatch, unseeded_seed
 from inference.sample.noise import ACCEPT, DRAFT, RESIDUAL, exponential, race, uniforms
-from inference.sample.sampler import SamplingBatch, process_logits
+from inference.sample.sampler import process_logits, sample
 from inference.sched.scheduler import ScheduledBatch, StepResult
 from inference.sched.sequence import Sequence
-from inference.spec.exact import ExactSpeculation
 
 # expanded-row verify batches up to this many rows replay graphs (when max_num_seqs * (k + 1) exceeds it)
 MAX_GRAPH_ROWS = 512
+_SALT = 0x5BD1E995  # keeps the exact rule's unseeded seeds apart from the runner's own unseeded rows
 
 
 @dataclass
@@ -77,7 +62,18 @@ def _check_decode_rows(model: nn.Module, num_speculative_tokens: int) -> None:
 
 
 class SpecDecoder:
-    """Drives a target ModelRunner and a draft model over one scheduled batch."""
+    """Drives a target ModelRunner and a draft model over one scheduled batch, by rejection sampling.
+
+    1. The draft proposes k_r tokens autoregressively, sampling each from its processed distribution q
+       (the target's temperature / top-k / top-p / min-p rules; greedy rows take the argmax). Its first
+       pass also fills the draft KV the draft lacks (the token after a fully accepted run).
+    2. The target computes p at the k_r + 1 positions (`verify_logits`).
+    3. Rejection sampling (Leviathan et al. 2023, Chen et al. 2023): d_i is accepted with probability
+       min(1, p(d_i) / q(d_i)); at the first rejection a token is drawn from normalize(max(0, p - q));
+       if all k_r are accepted a bonus token is drawn from p. Greedy rows use one-hot p and q: accept
+       while d_i == argmax p, then argmax p. An all-greedy step never forms q.
+    The draft's one-token steps and its catch-up pass replay the draft's own decode graphs.
+    """
 
     def __init__(self, runner: ModelRunner, draft: nn.Module, num_speculative_tokens: int) -> None:
         assert num_speculative_tokens >= 1
@@ -226,7 +222,7 @@ class SpecDecoder:
         return model(ids, to_device(positions, self.device), meta)
 
     def _speculate(self, seqs: list[Sequence], ks: list[int], logits: torch.Tensor) -> list[list[SampleResult]]:
-        if self.exact is not None:  # inference/spec/exact.py
+        if self.exact is not None:  # the batch-invariant mode: ExactSpeculation
             return self.exact.speculate(seqs, ks, logits)
         drafts, q = self._propose(seqs, ks, logits)
         p_logits = self.verify_logits(seqs, ks, drafts)
@@ -376,3 +372,83 @@ class SpecDecoder:
         top_lp, top_ids = dist.topk(max(wanted), dim=-1)
         return top_dicts(top_ids, top_lp, wanted)
 
+
+class ExactSpeculation:
+    """Propose, verify and accept the rows of one speculative step by exact match (docs/invariance.md).
+
+    Rejection sampling keeps the target's distribution but not its draws: with a draft, a seeded row
+    takes other tokens than without one, and its logprobs come from another computation than the
+    sampler's. In the batch-invariant mode a request gives the same tokens and logprobs with the draft
+    on or off, so each verify position is sampled exactly as the target alone samples it:
+    - the target's logits of positions P .. P + k come from the verify rows (the same forward, bit for
+      bit, as a plain decode of each position, since every layer of the mode computes a row alone);
+    - `sample` runs on them with the row's own parameters, noise seed and output position;
+    - d_i is accepted while it equals the target's token at its position; the first mismatch emits the
+      target's token there, a fully accepted run the bonus token;
+    - the draft proposes with the same sampler, seeds and positions (a coupled draw), so a draft close
+      to the target proposes the target's own draws and is accepted often.
+    Unseeded rows draw their noise from a seed made for each speculative step and row (`unseeded_seed`
+    of the runner's seed, salted): proposal and verification share it; such rows are not reproducible.
+    """
+
+    def __init__(self, spec: SpecDecoder) -> None:
+        self.spec = spec
+        self.steps = 0  # speculative steps run: the unseeded rows' seeds count them
+
+    def speculate(self, seqs: list[Sequence], ks: list[int], first_logits: torch.Tensor) -> list[list[SampleResult]]:
+        """Per row, the accepted run: the target's tokens (and logprobs) of positions P .. P + n - 1."""
+        runner = self.spec.runner
+        seeds = [s.seed if s.seed is not None else unseeded_seed(runner.seed ^ _SALT, self.steps, r)
+                 for r, s in enumerate(seqs)]
+        self.steps += 1
+        drafts = self._propose(seqs, ks, first_logits, seeds)
+        p_logits = self.spec.verify_logits(seqs, ks, drafts)
+        return self._accept(seqs, ks, drafts, p_logits, seeds)
+
+    def _batch(self, seqs: list[Sequence], seeds: list[int], offsets: list[int]) -> SamplingBatch:
+        """The sampling rows of seqs at output positions num_generated + offset."""
+        return SamplingBatch.build([s.params for s in seqs], list(seeds),
+                                   [s.num_generated + j for s, j in zip(seqs, offsets)], self.spec.vocab_size,
+                                   self.spec.device, invariant=True)
+
+    def _propose(self, seqs: list[Sequence], ks: list[int], logits: torch.Tensor, seeds: list[int]) -> torch.Tensor:
+        """Draft tokens [R, kmax] (zeros where unused), each drawn by `sample` from the draft's logits with
+        the row's seed and the output position it would take."""
+        spec, device = self.spec, self.spec.device
+        rows, kmax = len(seqs), max(ks)
+        drafts = torch.zeros(rows, kmax, dtype=torch.int64, device=device)
+        active = list(range(rows))
+        for j in range(kmax):
+            act = [seqs[r] for r in active]
+            sb = self._batch(act, [seeds[r] for r in active], [j] * len(act))
+            tokens = sample(logits, sb, spec.generator).token_ids
+            sel = slice(None) if len(active) == rows else to_device(active, device)
+            drafts[sel, j] = tokens
+            nxt = [i for i, r in enumerate(active) if ks[r] > j + 1]
+            if not nxt:
+                break
+            if len(nxt) < len(active):
+                tokens = tokens.index_select(0, to_device(nxt, device))
+                active = [active[i] for i in nxt]
+            step = DecodeRows(spec.block_size)
+            for r in active:
+                step.add(seqs[r].block_table, seqs[r].num_tokens + j, 1)  # d_{j+1} sits at position P + 1 + j
+            logits = decode_logits(spec.draft, spec.graphs, tokens, step, device)
+        return drafts
+
+    def _accept(self, seqs: list[Sequence], ks: list[int], drafts: torch.Tensor, p_logits: torch.Tensor,
+                seeds: list[int]) -> list[list[SampleResult]]:
+        """The target's sample at every verify position; accept while the draft agrees; one host transfer."""
+        rows, width, vocab = p_logits.shape
+        flat = [s for s in seqs for _ in range(width)]
+        sb = self._batch(flat, [seeds[r] for r in range(rows) for _ in range(width)], list(range(width)) * rows)
+        out = sample(p_logits.reshape(rows * width, vocab), sb, self.spec.generator)
+        tokens = out.token_ids.view(rows, width)
+        valid = torch.arange(width - 1, device=drafts.device)[None, :] < to_device(ks, drafts.device)[:, None]
+        num_acc = ((drafts == tokens[:, : width - 1]) & valid).long().cumprod(-1).sum(-1)
+        host = torch.stack((tokens.double(), out.logprobs.view(rows, width).double(),
+                            num_acc[:, None].expand(rows, width).double()))
+        tok_l, lp_l, acc_l = host.tolist()
+        tops = top_dicts(out.top_ids, out.top_logprobs, [s.params.logprobs for s in flat])
+        return [[(int(tok_l[r][j]), lp_l[r][j], tops[r * width + j]) for j in range(int(acc_l[r][0]) + 1)]
+                for r in range(rows)]

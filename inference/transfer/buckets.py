@@ -20,13 +20,13 @@ from collections.abc import Sequence
 import torch
 
 from checksum import flat_bytes
-from inference.transfer.plan import Bucket, TensorSpec, dtype_from_name
+from inference.transfer.plan import Bucket, TensorSpec
 
 
 def as_tensor(flat: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     """View the 1-D uint8 `flat` (exactly spec.nbytes, suitably aligned) as the spec's tensor."""
     assert flat.dtype == torch.uint8 and flat.numel() == spec.nbytes, (spec, flat.numel())
-    return flat.view(dtype_from_name(spec.dtype)).view(spec.shape)
+    return flat.view(spec.torch_dtype).view(spec.shape)
 
 
 class Packer:

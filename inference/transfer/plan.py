@@ -30,30 +30,12 @@ from typing import overload
 
 import torch
 
+from checksum.dtypes import UnknownDtypeError, dtype_from_name, dtype_name
 from inference.core import InvalidRequestError
 
 ALIGN = 256
 DEFAULT_BUCKET_BYTES = 512 << 20
 FINGERPRINT_BITS = 62  # fits an int64 with room to negate (see groups.TransferGroup.agree)
-
-_DTYPES = {
-    name: getattr(torch, name)
-    for name in ("float32", "float16", "bfloat16", "float64", "int8", "uint8", "int16", "int32", "int64", "bool",
-                 "float8_e4m3fn", "float8_e5m2")
-    if hasattr(torch, name)
-}
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name.replace("torch.", "")]
-    except KeyError:
-        raise InvalidRequestError("dtype", f"unsupported dtype {name!r}; known: {sorted(_DTYPES)}") from None
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -86,7 +68,10 @@ class TensorSpec:
             raise InvalidRequestError(f"{where}.name", f"must be a non-empty string, got {name!r}")
         if not isinstance(shape, (list, tuple)) or not all(isinstance(s, int) and s >= 0 for s in shape):
             raise InvalidRequestError(f"{where}[{name}].shape", f"must be a list of non-negative ints, got {shape!r}")
-        dtype_from_name(dtype)
+        try:
+            dtype_from_name(dtype)
+        except UnknownDtypeError as e:
+            raise InvalidRequestError(f"{where}[{name}].dtype", str(e)) from None
         return cls(name, dtype, tuple(shape))
 
     @classmethod

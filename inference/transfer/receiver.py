@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from inference.transfer.backends import backend_class, check_backend
-from inference.transfer.backends.base import Sink, TransferBackend
+from inference.transfer.backends import check_backend
+from inference.transfer.backends.base import Sink, TransferBackend, backend_class
 from inference.transfer.delivery import PLAN_SUFFIX, post_digests, read_digests
 from inference.transfer.groups import InitInfo, TransferError, TransferGroup
 from inference.transfer.plan import ParsedManifest, TensorSpec

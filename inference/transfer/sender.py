@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
-from checksum import TensorRecord, pick_algorithm
+from checksum import TensorRecord, dtype_name, pick_algorithm
 from inference.core import InvalidRequestError, StateError
-from inference.transfer.backends import backend_class, check_backend
-from inference.transfer.backends.base import TransferBackend
+from inference.transfer.backends import check_backend
+from inference.transfer.backends.base import TransferBackend, backend_class
 from inference.transfer.delivery import PLAN_SUFFIX, send_digests
 from inference.transfer.digests import PendingRecords, RecordDigests, check_algorithm
 from inference.transfer.groups import (
@@ -51,7 +51,6 @@ from inference.transfer.plan import (
     DEFAULT_BUCKET_BYTES,
     ParsedManifest,
     TensorSpec,
-    dtype_name,
     plan_buckets,
 )
 

@@ -26,14 +26,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from checksum import ALGORITHM, Manifest, Mismatch, Report, TensorRecord, digest_tensors
+from checksum import ALGORITHM, Manifest, Mismatch, Report, TensorRecord, digest_tensors, dtype_name
 from inference import envs
 from inference.config import ModelConfig
 from inference.core import InvalidRequestError
 from inference.models.loader import load_hf_tensor
 from inference.models.naming import ShardId, expected_hf_tensors, hf_to_param, is_skipped, param_to_hf
 from inference.transfer.ipc import copy_pairs
-from inference.transfer.plan import TensorSpec, dtype_name
+from inference.transfer.plan import TensorSpec
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 Fault = tuple[str, str]  # ("flip", tensor name): test-only, flips one byte of that tensor on arrival

@@ -353,7 +353,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     """Run every shape x mode; print and return one row per case."""
-    from inference.engine.worker import resolve_device
+    from inference.parallel import resolve_device
 
     args = parse_args(argv)
     if args.dry_run:

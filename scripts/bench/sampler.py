@@ -29,7 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 from inference.core import SamplingParams
-from inference.sample.sampler import SamplingBatch, position_seed, row_stats, sample_pairs
+from inference.sample.batch import SamplingBatch, position_seed
+from inference.sample.sampler import row_stats, sample_pairs
 from scripts.bench.attention import graph_replay, timer
 
 CASES = {"greedy": (SamplingParams(temperature=0.0), False),

@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 from checksum import ALGORITHM, DEVICE_ALGORITHM, can_hash_on
 from inference.config import ModelConfig
 from inference.models import build_model
+from inference.models.hf_config import model_config_from_hf
 from inference.models.naming import expected_hf_tensors
 from inference.models.tiny import TinyModelSpec, hf_config
 from inference.parallel import TPInfo
@@ -98,7 +99,7 @@ def rules(args: argparse.Namespace) -> list[str]:
 
 
 def model_config(shape: str) -> ModelConfig:
-    return ModelConfig.from_hf_dict(hf_config(TinyModelSpec(dtype="bfloat16", **SHAPES[shape])))
+    return model_config_from_hf(hf_config(TinyModelSpec(dtype="bfloat16", **SHAPES[shape])))
 
 
 def trainer_tensors(config: ModelConfig, device: torch.device) -> dict[str, torch.Tensor]:

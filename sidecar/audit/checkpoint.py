@@ -30,10 +30,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from checksum import Manifest, digest_tensors, parse_rank_key
+from checksum import Manifest, digest_tensors, dtype_from_name, parse_rank_key
 from inference.config import ModelConfig
 from inference.core import InvalidRequestError
 from inference.models import build_model
+from inference.models.hf_config import read_model_config
 from inference.models.loader import hf_tensor_shapes, safetensors_files, validate_checkpoint
 from inference.models.naming import param_to_hf
 from inference.parallel import TPInfo
@@ -45,7 +46,7 @@ def checkpoint_manifests(model_dir: str | Path, held: Sequence[Manifest]) -> lis
 
     Raises InvalidRequestError naming the tensor when the checkpoint is not a valid one of its own
     config.json (unknown, misshapen or missing tensors) or does not split over the ranks' TP size."""
-    config = ModelConfig.from_dir(model_dir)
+    config = read_model_config(model_dir)
     validate_checkpoint(config, hf_tensor_shapes(model_dir))
     ranks = [parse_rank_key(m.rank) for m in held]
     if any(pp != 0 for _, pp, _ in ranks):
@@ -74,21 +75,15 @@ def _rank_manifest(config: ModelConfig, ckpt: _Checkpoint, held: Manifest, tp: T
                    dtypes: dict[str, str]) -> Manifest:
     """The digests of every parameter of one TP rank, filled from the checkpoint by its weight_loader."""
     default = Counter(dtypes.values()).most_common(1)[0][0] if dtypes else config.dtype
-    model = build_model(config, tp, _torch_dtype(default), "meta")
+    model = build_model(config, tp, dtype_from_name(default), "meta")
     records = []
     for name, meta in model.named_parameters():
-        param = torch.empty(meta.shape, dtype=_torch_dtype(dtypes.get(name, default)))
+        param = torch.empty(meta.shape, dtype=dtype_from_name(dtypes.get(name, default)))
         with torch.no_grad():
             for hf_name, shard_id in param_to_hf(name, config):
                 meta.weight_loader(param, ckpt.tensor(hf_name), shard_id)  # type: ignore[operator]
         records += digest_tensors([(name, param)], algorithm=held.algorithm)
     return Manifest(held.model, held.weight_version, held.rank, tuple(records), held.algorithm)
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    assert isinstance(dtype, torch.dtype), name  # held manifests were validated, config dtypes too
-    return dtype
 
 
 class _Checkpoint(contextlib.AbstractContextManager):

@@ -1,6 +1,6 @@
 """What the `sidecar` subcommands share: the help formatter and the one device check.
 
-Imports nothing heavy (torch only inside `resolve_device`), because every `sidecar <cmd> --help`
+Imports nothing heavy (torch only inside `check_device`), because every `sidecar <cmd> --help`
 imports this module and must print in well under a second (scripts/check_help_speed.py).
 """
 
@@ -35,14 +35,17 @@ class HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: {shown.replace('%', '%%')})".lstrip()
 
 
-def resolve_device(device: str, needed: int = 1) -> str:
-    """"auto" -> "cuda" when torch sees a GPU, else "cpu"; "cuda" (or "cuda:N") without any GPU is an
-    InvalidRequestError naming `device` that says so in one line (and whether this torch is a CPU build).
-    `needed` GPUs are the caller's to count; this only refuses zero."""
+def check_device(device: str, needed: int = 1) -> str:
+    """The --device flag checked against this machine: "auto" resolved (inference.parallel.resolve_device);
+    "cuda" (or "cuda:N") without any GPU is an InvalidRequestError naming `device` that says so in one
+    line (and whether this torch is a CPU build). `needed` GPUs are the caller's to count; this only
+    refuses zero."""
     import torch
 
+    from inference.parallel import resolve_device
+
     if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return str(resolve_device(device))
     if device.startswith("cuda") and not torch.cuda.is_available():
         why = (f"this torch ({torch.__version__}) is a CPU build" if torch.version.cuda is None
                else "torch sees no CUDA device")

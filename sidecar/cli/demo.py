@@ -33,7 +33,7 @@ from pathlib import Path
 from inference.core import InvalidRequestError, SidecarError
 from inference.transfer.backends import check_backend, default_backend, gpu_sharing_backends
 from sidecar.child_process import stdout_lines
-from sidecar.cli.common import resolve_device
+from sidecar.cli.common import check_device
 from sidecar.demo.task import MODELS, REWARDS, DemoSetup, kv_cache_bytes, make_reward, resolve_model
 
 
@@ -95,7 +95,7 @@ def _setup(args: argparse.Namespace) -> DemoSetup:
     """Validate the arguments and resolve model, reward, device and backend (InvalidRequestError if bad)."""
     if min(args.steps, args.batch, args.samples, args.max_tokens) < 1 or args.samples < 2:
         raise InvalidRequestError("steps", "--steps, --batch, --max-tokens must be >= 1 and --samples >= 2")
-    device = resolve_device(args.device)
+    device = check_device(args.device)
     backend = args.backend if args.backend != "auto" else default_backend(device, shared_gpu=True)
     if check_backend(backend).cuda and device != "cuda":
         raise InvalidRequestError("backend", f"--backend {backend} moves the weights through GPU memory: it needs "

@@ -158,9 +158,9 @@ def run(args: argparse.Namespace) -> int:
 def _resolve_device(device: str) -> str:
     if device == "cpu":
         return device
-    from sidecar.cli.common import resolve_device  # torch, only when a GPU may be meant
+    from sidecar.cli.common import check_device  # torch, only when a GPU may be meant
 
-    return resolve_device(device)
+    return check_device(device)
 
 
 class _Replicas:

@@ -13,7 +13,7 @@ import sys
 import time
 
 from inference.core import InvalidRequestError, SamplingParams
-from sidecar.cli.common import resolve_device
+from sidecar.cli.common import check_device
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         params = SamplingParams(n=args.n, temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-        llm = LLM(args.model, device=resolve_device(args.device), dtype=args.dtype)
+        llm = LLM(args.model, device=check_device(args.device), dtype=args.dtype)
         start = time.perf_counter()
         outputs = llm.generate(args.prompts, params)
     except InvalidRequestError as e:

@@ -123,7 +123,7 @@ def launch(cfg: LaunchConfig) -> int:
             if visible is not None:
                 log.info("ranks on GPUs %s: CUDA_VISIBLE_DEVICES=%s (rank r reports cuda:r of these)",
                          cfg.devices, visible)
-            model_dir, device = resolve_model(cfg), resolve_device(cfg)
+            model_dir, device = resolve_model(cfg), rank_device(cfg)
             log.info("starting %d rank process(es) on %s for %s", cfg.tp, device, model_dir)
             pool = RankPool(cfg, model_dir, device)
             plans = pool.start()
@@ -171,11 +171,11 @@ def bind(host: str, port: int) -> socket.socket:
 def resolve_model(cfg: LaunchConfig) -> str:
     """The model directory, checked here (config.json readable, family supported) so that a typo
     fails in a second with exit status 2 instead of after spawning every rank."""
-    from inference.config import ModelConfig
+    from inference.models.hf_config import read_model_config
 
     for path in (cfg.model, cfg.draft_model):
         if path is not None:
-            ModelConfig.from_dir(path)
+            read_model_config(path)
     if cfg.model is not None:
         return cfg.model
     from inference.models.tiny import default_model_dir
@@ -183,14 +183,14 @@ def resolve_model(cfg: LaunchConfig) -> str:
     return str(default_model_dir())
 
 
-def resolve_device(cfg: LaunchConfig) -> str:
-    """The device of every rank; no GPU at all is a one-line error naming --device, too few for --tp
-    one naming --tp."""
+def rank_device(cfg: LaunchConfig) -> str:
+    """The device of every rank (--device checked, "auto" resolved); no GPU at all is a one-line error
+    naming --device, too few for --tp one naming --tp."""
     import torch
 
-    from sidecar.cli.common import resolve_device as device_of
+    from sidecar.cli.common import check_device
 
-    device = device_of(cfg.device, cfg.tp)
+    device = check_device(cfg.device, cfg.tp)
     if device == "cuda":
         count = torch.cuda.device_count()
         if count < cfg.tp:

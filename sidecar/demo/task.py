@@ -18,8 +18,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from inference.config import ModelConfig
 from inference.core import InvalidRequestError
+from inference.models.hf_config import model_config_from_hf
 from inference.models.tiny import TinyModelSpec, default_model_dir
 
 MODELS = ("tiny", "qwen2-0.5b")
@@ -68,7 +68,7 @@ class DemoSetup:
 
 def resolve_model(name: str) -> DemoModel:
     """Build (once, cached) or check the model directory named by --model."""
-    import torch
+    from checksum.dtypes import DTYPES
 
     if name == "tiny":
         path = default_model_dir()
@@ -81,14 +81,14 @@ def resolve_model(name: str) -> DemoModel:
                                       "holding config.json and model.safetensors")
     raw = json.loads((path / "config.json").read_text())
     try:
-        cfg = ModelConfig.from_hf_dict(raw)
+        cfg = model_config_from_hf(raw)
     except KeyError as e:
         raise InvalidRequestError("model", f"{path / 'config.json'} lacks the field {e}") from None
     # The toy policy's rule (a checkpoint without a dtype is float32), so both ends hold the same bytes.
     dtype = str(raw.get("dtype") or raw.get("torch_dtype") or "float32")
-    if not isinstance(getattr(torch, dtype, None), torch.dtype):
+    if dtype not in DTYPES:
         raise InvalidRequestError("model", f"{path / 'config.json'}: unknown dtype {dtype!r}")
-    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(getattr(torch, dtype)).bits // 8
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * DTYPES[dtype].itemsize
     return DemoModel(name, path, dtype, cfg.vocab_size, per_token)
 
 

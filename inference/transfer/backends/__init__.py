@@ -9,21 +9,17 @@ default and `sidecar demo --backend`. No other module lists backend names or com
 (tests/test_transfer_backends.py holds that).
 
 Torch-free on purpose: `--help` and the launch config read the names without importing torch, so a
-spec names its class by module and attribute, imported on first use (`backend_class`).
+spec names its class by module and attribute, imported on first use (base.py `backend_class`).
 Registration order is the order of preference of `default_backend`.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, overload
+from typing import overload
 
 from inference.core import InvalidRequestError
-
-if TYPE_CHECKING:
-    from inference.transfer.backends.base import TransferBackend
 
 
 @dataclass(frozen=True)
@@ -95,11 +91,6 @@ def check_backend(name: object, field: str = "backend") -> BackendSpec:
     if spec is None:
         raise InvalidRequestError(field, f"must be one of {list(_REGISTRY)}, got {name!r}")
     return spec
-
-
-def backend_class(spec: BackendSpec) -> type[TransferBackend]:
-    """The TransferBackend subclass `spec` names (its module is imported now, torch with it)."""
-    return getattr(importlib.import_module(spec.module), spec.cls)  # type: ignore[no-any-return]
 
 
 def default_backend(device_type: str, *, shared_gpu: bool) -> str:

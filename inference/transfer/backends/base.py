@@ -19,6 +19,7 @@ its own for them (`data_plane`).
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Protocol
@@ -169,3 +170,8 @@ class TransferBackend(ABC):
         except Exception as e:
             return e
         return None
+
+
+def backend_class(spec: BackendSpec) -> type[TransferBackend]:
+    """The TransferBackend subclass `spec` names (its module is imported now)."""
+    return getattr(importlib.import_module(spec.module), spec.cls)  # type: ignore[no-any-return]

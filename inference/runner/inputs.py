@@ -1,33 +1,44 @@
-"""A step's per-row inputs: input ids, positions, KV slots, context lengths, block tables and the
-flattened index of each sampled row's last token.
+"""The inputs of a step's rows, read from the sequences on the host.
 
-The runner builds them every step for every row. A decode row is one position, one id and one slot:
-plain list comprehensions, the cheapest way at one token a row; a prefill chunk's positions and
-slots are numpy ranges, never a Python loop over its tokens.
+A scheduled step's rows (StepRows, built by build_step_rows every step for every row): input ids,
+positions, KV slots, context lengths, block tables and the flattened index of each sampled row's last
+token. A decode row is one position, one id and one slot: plain list comprehensions, the cheapest way
+at one token a row; a prefill chunk's positions and slots are numpy ranges, never a Python loop over
+its tokens. `BlockTables` keeps the rows' block tables in one host matrix from step to step.
 
-`BlockTables` keeps the rows' block tables in one host matrix from step to step. A row is rewritten
-only when its list is another object or has another length than the list last written there: the
-block manager only appends to a sequence's table or replaces it with a new list (allocation, free),
-so identity and length tell whether the row is current (the decode graphs' staging, DecodeInputs in
-cuda_graphs.py, relies on the same). The lists written are held, so an id is never recycled.
+Expanded decode rows (DecodeRows, decode_logits): several tokens of one sequence computed as a decode
+batch of single-token rows, for speculative decoding's verify and the draft's catch-up. Every
+attention layer stores the k/v of all rows before its kernel runs, so the row at position p + i reads
+the k/v just written by the rows at p .. p + i - 1: the causal forward of the new tokens, as a varlen
+forward would compute it, while replaying the decode CUDA graphs with a plain decode's kernel.
 """
 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain, compress, repeat
 
 import numpy as np
+import torch
+from torch import nn
 
-from inference.sched.scheduler_batch import ScheduledBatch
+from inference.batch import AttentionMetadata, to_device
+from inference.runner.cuda_graphs import CUDAGraphRunner
+from inference.sched.scheduler import ScheduledBatch
 from inference.sched.sequence import Sequence
 
 _TOKEN_IDS = operator.attrgetter("token_ids")
 
 
 class BlockTables:
-    """The host mirror of a step's block tables: int32 [rows, width], entries past a row's length 0."""
+    """The host mirror of a step's block tables: int32 [rows, width], entries past a row's length 0.
+
+    A row is rewritten only when its list is another object or has another length than the list last
+    written there: the block manager only appends to a sequence's table or replaces it with a new list
+    (allocation, free), so identity and length tell whether the row is current (the decode graphs'
+    staging, DecodeInputs in cuda_graphs.py, relies on the same). The lists written are held, so an id
+    is never recycled."""
 
     def __init__(self) -> None:
         self._host = np.zeros((0, 0), dtype=np.int32)
@@ -124,3 +135,49 @@ def build_step_rows(batch: ScheduledBatch, block_size: int, mirror: BlockTables)
     return StepRows(ids=ids, positions=positions, slots=slots, query_lens=batch.num_new_tokens,
                     context_lens=ends.tolist(), tables=tables, sample_rows=sample_rows,
                     last_index=lasts[sample_rows]), table_rows
+
+
+@dataclass
+class DecodeRows:
+    """Host lists of one expanded-row decode batch (see the module docstring). Row r is one token at
+    positions[r]; its k/v is written at slots[r] and it attends over the first context_lens[r] tokens
+    found through tables[r]. Rows of one sequence repeat its block table."""
+
+    block_size: int
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    context_lens: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
+
+    def add(self, table: list[int], start: int, count: int) -> None:
+        """Rows for positions start .. start + count - 1 of a sequence whose blocks are `table`."""
+        bs = self.block_size
+        assert -(-(start + count) // bs) <= len(table), (start, count, len(table))
+        for p in range(start, start + count):
+            self.positions.append(p)
+            self.slots.append(table[p // bs] * bs + p % bs)
+            self.context_lens.append(p + 1)
+            self.tables.append(table)
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    @property
+    def width(self) -> int:
+        return max((len(t) for t in self.tables), default=1) or 1
+
+
+def decode_logits(model: nn.Module, graphs: CUDAGraphRunner | None, input_ids: torch.Tensor,
+                  rows: DecodeRows, device: torch.device, logits: bool = True) -> torch.Tensor:
+    """Logits [len(rows), vocab] of the rows, replayed from a graph when one fits (then a view of the
+    graph's static buffer, valid until its next replay), else run eagerly. logits=False: only the rows'
+    KV is wanted, so graphs captured without the LM head fit too (what comes back is then not logits)."""
+    n, width = len(rows), rows.width
+    assert input_ids.shape == (n,), (input_ids.shape, n)
+    if graphs is not None and graphs.can_use(n, width, logits=logits):
+        packed = to_device([rows.positions, rows.slots, rows.context_lens], device)
+        tables = to_device([t + [0] * (width - len(t)) for t in rows.tables], device, torch.int32)
+        return graphs.replay(input_ids, packed[0], packed[1], packed[2].to(torch.int32), tables)
+    meta = AttentionMetadata.build([1] * n, rows.context_lens, rows.slots, rows.tables, rows.block_size, device)
+    hidden = model(input_ids, to_device(rows.positions, device), meta)
+    return model.compute_logits(hidden) if logits else hidden
