@@ -131,7 +131,7 @@ class SidecarProcess:
         cmd = [sys.executable, "-m", "sidecar.cli.main", "launch", "--port", "0", "--device", setup.device,
                "--model", str(setup.model.path), "--dtype", setup.model.dtype, "--transfer", setup.backend,
                "--kv-cache-bytes", str(kv_bytes), "--seed", str(seed), "--log-level", "warning"]
-        root = str(Path(__file__).resolve().parents[1])
+        root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
         fd, name = tempfile.mkstemp(prefix="sidecar-demo-", suffix=".log")
         log_path = Path(name)

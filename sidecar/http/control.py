@@ -2,12 +2,14 @@
 
 Each control endpoint sends one declared command (sidecar/ranks/commands.py) to every rank between two
 generation steps (sidecar/ranks/driver.py) and answers with every rank's reply: Sleep, WakeUp, and the
-weight sync's InitWeightTransfer, StartWeightUpdate, UpdateWeights, FinishWeightUpdate and
-AbortWeightUpdate (handled in sidecar/ranks/server.py, which calls the engine's weight-update API,
-inference/weights/updater.py). POST /weights/update may carry the start (UpdateWeights(start=...)): one
-round trip fewer per sync, what SidecarClient sends when /weights/init answered `start_in_update`. An open
-session has a lease (sidecar/http/lease.py): idle past --weight-session-lease-s, or at POST
-/weights/abort, it is aborted. docs/limits.md has the timeouts.
+weight sync's InitWeightTransfer, UpdateWeights and AbortWeightUpdate (handled in sidecar/ranks/server.py).
+
+The weight-sync protocol (trainer_hooks/sync.py is the trainer's side): POST /weights/init joins the
+trainer's transfer group and refuses a client of another protocol version (409 naming `protocol` and
+both versions); then each sync is ONE POST /weights/update carrying the start, while the sender sends and
+then delivers its digests over the group: every rank audits and commits, and the answer is the audit. It
+is served by a lean route (sidecar/http/hot.py). POST /weights/abort ends an open session. An open
+session has a lease (sidecar/http/lease.py). docs/limits.md has the timeouts.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from starlette.types import Scope
 
@@ -23,20 +25,12 @@ from checksum import ITEMSIZE, Report
 from sidecar.http.audit import add_audit_routes, report_dict
 from sidecar.http.common import ApiError, ServerState, await_future, call
 from sidecar.http.guard import note_handler_time
-from sidecar.http.hot import HotRoute
+from sidecar.http.hot import lean_route
 from sidecar.http.lease import SessionLease
-from sidecar.http.models import (
-    SleepRequest,
-    WakeRequest,
-    WeightsFinishRequest,
-    WeightsInitRequest,
-    WeightsStartRequest,
-    WeightsUpdateRequest,
-)
+from sidecar.http.models import SleepRequest, WakeRequest, WeightsInitRequest, WeightsUpdateRequest
 from sidecar.ranks.commands import (
     AbortWeightUpdate,
     Command,
-    FinishWeightUpdate,
     InitWeightTransfer,
     Sleep,
     StartWeightUpdate,
@@ -45,6 +39,7 @@ from sidecar.ranks.commands import (
     UpdateWeights,
     WakeUp,
 )
+from trainer_hooks.sync import SYNC_PROTOCOL
 
 _LAYOUTS_KEPT = 16
 
@@ -107,12 +102,10 @@ def _tensor_bytes(tensors: Any) -> int:
     return total
 
 
-def add_control_routes(router: APIRouter, state: ServerState) -> dict[tuple[str, str], HotRoute]:
-    """Adds the control routes; returns those HotRoutes serves too (sidecar/http/hot.py)."""
+def add_control_routes(router: APIRouter, state: ServerState) -> None:
     _add_lifecycle_routes(router, state)
-    hot = _add_weight_routes(router, state)
+    _add_weight_routes(router, state)
     add_audit_routes(router, state)
-    return hot
 
 
 def _add_lifecycle_routes(router: APIRouter, state: ServerState) -> None:
@@ -173,7 +166,15 @@ def _check_init_info(state: ServerState, init_info: dict[str, Any]) -> None:
                        "longer", "init_info.timeout_s")
 
 
-def _add_weight_routes(router: APIRouter, state: ServerState) -> dict[tuple[str, str], HotRoute]:
+def _check_protocol(protocol: int | None) -> None:
+    """A client of another weight-sync protocol (or of none: older than versions) is refused at init."""
+    if protocol != SYNC_PROTOCOL:
+        spoken = "no protocol version (an older client)" if protocol is None else f"protocol {protocol}"
+        raise ApiError(409, "ProtocolMismatch", f"the client speaks weight-sync {spoken}, this sidecar speaks "
+                       f"protocol {SYNC_PROTOCOL}: use the trainer_hooks of the sidecar's own release", "protocol")
+
+
+def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
     layout_bytes: dict[str, int] = {}  # per manifest layout key, its bytes (for a layout-only start's metric)
 
     async def expire() -> None:
@@ -186,90 +187,51 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> dict[tuple[str,
 
     @router.post("/weights/init", summary="Join the trainer's transfer group (run while the sender connects)")
     async def weights_init(body: WeightsInitRequest) -> dict[str, Any]:
+        _check_protocol(body.protocol)
         _check_init_info(state, body.init_info)
         with lease.call():
             ranks = await _weight_call(state, InitWeightTransfer(body.init_info))
         lease.closed()  # the ranks abandoned any open session for the new group
-        # /weights/update takes a "start", and "finish" with digests the sender delivers (SidecarClient uses both)
-        return {"ranks": ranks, "start_in_update": True, "audit_in_update": True}
+        return {"ranks": ranks, "protocol": SYNC_PROTOCOL}
 
-    @router.post("/weights/start", summary="Open an update session: validate the whole manifest first")
-    async def weights_start(body: WeightsStartRequest, request: Request) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        with lease.call():
-            await _weight_call(state, StartWeightUpdate(body.model, body.version, body.manifest, body.allow_cast))
-        lease.opened()
-        state.metrics.sync_seconds.labels(body.model, "start").observe(time.perf_counter() - t0)
-        state.sync_started[body.model] = (t0, _manifest_bytes(body.manifest, layout_bytes))
-        note_handler_time(request.scope, t0)
-        return {"model": body.model, "version": body.version, "started": True}
-
-    @router.post("/weights/update", summary="Receive every bucket (blocks while the sender sends); with "
-                 "\"start\", open the session first in the same call")
-    async def weights_update(request: Request, body: WeightsUpdateRequest | None = None) -> JSONResponse:
-        return await update(body or WeightsUpdateRequest(), request.scope)
-
-    async def update(body: WeightsUpdateRequest, scope: Scope) -> JSONResponse:
-        """The update's handler, on both paths: the FastAPI route above and HotRoutes."""
+    async def weights_update(body: WeightsUpdateRequest, scope: Scope) -> JSONResponse:
+        """The one request of a sync (module docstring): start, receive, audit and commit."""
         info, start = body.update_info, body.start
         if isinstance(info, list) and len(info) != len(state.plans):
             raise ApiError(400, "InvalidRequestError", f"a list needs one entry per rank ({len(state.plans)}), got "
                            f"{len(info)}", "update_info")
-        opening = None if start is None else StartWeightUpdate(start.model, start.version, start.manifest,
-                                                               start.allow_cast)
+        opening = StartWeightUpdate(start.model, start.version, start.manifest, start.allow_cast)
         t0 = time.perf_counter()
-        # A start opens its session here, before the ranks run it: the trainer may send finish as soon as its
-        # send() returned, and that finish may be handled before this update's answer (SidecarClient does).
-        # While a session is open the ranks refuse a second start: its lease and start time stay untouched.
-        opens = False
-        if start is not None and not lease.is_open:
-            opens = True
+        # While a session is open (another update in flight) the ranks refuse this start: that session's
+        # lease and start time stay untouched.
+        opens = not lease.is_open
+        if opens:
             lease.opened()
             state.sync_started[start.model] = (t0, _manifest_bytes(start.manifest, layout_bytes))
-        model = _open_model(state) if start is None else start.model
         try:
             with lease.call():
-                replies: list[UpdateReply] = await _weight_call(state, UpdateWeights(info, opening, body.finish))
-        except ApiError as e:
-            if body.finish and e.kind == "checksum":
-                state.metrics.audit_failures.inc()
-            if start is None or opens:  # a failed update ends the session on every rank
-                lease.closed()
-                _failed(state)
-            else:
-                state.metrics.syncs.labels(model, "failed").inc()
-            raise
-        start_s = max(r.start_s for r in replies)
-        if start is not None:
-            state.metrics.sync_seconds.labels(model, "start").observe(start_s)
-        results = [r.result for r in replies if r.result is not None]
-        audit_s = max((r.audit_s for r in results), default=0.0)
-        state.metrics.sync_seconds.labels(model, "update").observe(time.perf_counter() - t0 - start_s - audit_s)
-        if body.finish:  # every rank audited and committed in this call: the answer is finish's
-            lease.closed()
-            assert len(results) == len(replies), "a rank answered an update with finish without its audit"
-            note_handler_time(scope, t0, max(r.rank_s for r in replies))
-            return JSONResponse(_finished(state, model, results, audit_s))
-        note_handler_time(scope, t0, max(r.rank_s for r in replies))
-        return JSONResponse({"received": True} if start is None else {"received": True, "model": model,
-                                                                      "version": start.version, "started": True})
-
-    @router.post("/weights/finish", summary="Audit received digests against the sender's; make the version live")
-    async def weights_finish(body: WeightsFinishRequest, request: Request) -> JSONResponse:
-        model = _open_model(state)
-        t0 = time.perf_counter()
-        try:
-            with lease.call():
-                results: list[SyncResult] = await _weight_call(state, FinishWeightUpdate(body.digests))
+                replies: list[UpdateReply] = await _weight_call(state, UpdateWeights(info, opening, True))
         except ApiError as e:
             if e.kind == "checksum":
                 state.metrics.audit_failures.inc()
-            _failed(state)
+            if opens:  # a failed update ends its session on every rank
+                lease.closed()
+                _failed(state)
+            else:
+                state.metrics.syncs.labels(start.model, "failed").inc()
             raise
-        finally:
-            lease.closed()  # finish ends the session, passed or failed
-        note_handler_time(request.scope, t0)
-        return JSONResponse(_finished(state, model, results, time.perf_counter() - t0))
+        lease.closed()  # every rank audited and committed in this call
+        start_s = max(r.start_s for r in replies)
+        state.metrics.sync_seconds.labels(start.model, "start").observe(start_s)
+        results = [r.result for r in replies if r.result is not None]
+        assert len(results) == len(replies), "a rank answered an update without its audit"
+        audit_s = max(r.audit_s for r in results)
+        state.metrics.sync_seconds.labels(start.model, "update").observe(time.perf_counter() - t0 - start_s - audit_s)
+        note_handler_time(scope, t0, max(r.rank_s for r in replies))
+        return JSONResponse(_finished(state, start.model, results, audit_s))
+
+    router.add_route("/weights/update", lean_route(WeightsUpdateRequest, weights_update, state.config.api_key),
+                     methods=["POST"], include_in_schema=False)
 
     @router.post("/weights/abort", summary="End the open update session now; generation resumes")
     async def weights_abort() -> dict[str, Any]:
@@ -279,14 +241,11 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> dict[tuple[str,
             _failed(state)
         return {"aborted": any(opened), "state": state_dict(state)}
 
-    return {("POST", "/weights/update"): HotRoute(WeightsUpdateRequest, update)}
-
 
 def _finished(state: ServerState, model: str, results: list[SyncResult], finish_s: float) -> dict[str, Any]:
-    """The answer of a sync every rank audited and committed (/weights/finish, or /weights/update with
-    "finish"), with its metrics. `finish_s`: the seconds of that part (the ranks' audit, inside an
-    update). The weight routes answer with a JSONResponse of plain JSON types: FastAPI's encoder and
-    response-model pass would cost ~40 us a message on the critical path, for nothing to convert."""
+    """The answer of a sync every rank audited and committed, with its metrics. `finish_s`: the seconds of
+    the ranks' audit inside the update. Answered with a JSONResponse of plain JSON types: FastAPI's encoder
+    and response-model pass would cost ~40 us a message on the critical path, for nothing to convert."""
     now = time.perf_counter()
     state.metrics.sync_seconds.labels(model, "finish").observe(finish_s)
     state.metrics.sync_seconds.labels(model, "audit").observe(max(r.audit_s for r in results))
