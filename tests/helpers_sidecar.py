@@ -183,6 +183,25 @@ def sync_replicas(clients: Sequence[Any], sender: Any, named: Mapping[str, Any],
     return [answers[i]["audit"] for i in range(len(clients))]
 
 
+def first_digest_wrong(monkeypatch: Any, kept: list[Any] | None = None) -> None:
+    """The fault of a failed audit: every WeightSender delivers a first digest its bytes miss, until
+    monkeypatch.undo() (the true records go to `kept`)."""
+    import dataclasses
+
+    from inference.transfer import sender as sender_module
+
+    real = sender_module.send_digests
+
+    def wrong(group: Any, records: Any, n: int) -> None:
+        if kept is not None:
+            kept.extend(records or [])
+        if records:
+            records = [dataclasses.replace(records[0], digest="0" * len(records[0].digest)), *records[1:]]
+        real(group, records, n)
+
+    monkeypatch.setattr(sender_module, "send_digests", wrong)
+
+
 def digests_by_rank(client: Any, source: str = "held") -> dict[str, dict[str, str]]:
     """{rank key: {tensor name: digest}} of one sidecar's target model; held digests by the host rule,
     loader_digests' (a GPU rank's own default is the device rule)."""

@@ -4,10 +4,8 @@ and the client's error types and retry rule (against a mock transport)."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -16,10 +14,9 @@ from checksum import ChecksumMismatch, Manifest, manifest_from_tensors
 from inference.core import InvalidRequestError, SamplingParams, StateError
 from inference.engine.llm import LLM
 from inference.models.tiny import TinyModelSpec, random_weights, write_model_dir
-from inference.transfer import sender as sender_module
 from inference.transfer.sender import WeightSender
 from sidecar.cli.main import main
-from tests.helpers_sidecar import KV_BYTES, Sidecar, launch
+from tests.helpers_sidecar import KV_BYTES, Sidecar, first_digest_wrong, launch
 from trainer_hooks.client import (
     SidecarChecksumError,
     SidecarClient,
@@ -101,16 +98,9 @@ def _check_audit_cli(url: str, sent: Manifest, tmp_path: Path) -> None:
 def test_failed_audit_tears_the_model_until_a_good_sync(server: Sidecar, sender: WeightSender,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     weights = random_weights(TinyModelSpec(seed=2))
-    real = sender_module.send_digests
-
-    def first_digest_wrong(group: Any, records: Any, n: int) -> None:  # the fault: a digest the bytes miss
-        if records:
-            records = [dataclasses.replace(records[0], digest="0" * len(records[0].digest)), *records[1:]]
-        real(group, records, n)
-
     with SidecarClient(server.url, timeout=60) as c:
         c.connect_sender(sender)
-        monkeypatch.setattr(sender_module, "send_digests", first_digest_wrong)
+        first_digest_wrong(monkeypatch)
         with pytest.raises(SidecarChecksumError) as mismatch:
             c.sync_weights(sender, weights, version=2)
         monkeypatch.undo()

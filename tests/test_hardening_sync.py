@@ -22,7 +22,6 @@ import pytest
 from checksum import Manifest, pick_algorithm
 from inference.core import SamplingParams
 from inference.models.tiny import TinyModelSpec, random_weights
-from inference.transfer import sender as sender_module
 from inference.transfer.groups import master_store
 from inference.transfer.sender import WeightSender
 from sidecar.cli.main import main as cli_main
@@ -32,7 +31,7 @@ from sidecar.client import (
     SidecarRequestError,
     SidecarTransferError,
 )
-from tests.helpers_sidecar import MID_UPDATE, Sidecar, dying_sender, launch
+from tests.helpers_sidecar import MID_UPDATE, Sidecar, dying_sender, first_digest_wrong, launch
 
 RPC_TIMEOUT_S = 2.0
 WIRE_TIMEOUT_S = 5.0  # the hanging trainer's init_info.timeout_s: longer than the driver's RPC timeout
@@ -142,7 +141,7 @@ def test_abort_finds_no_session_after_a_sync_or_a_failed_one(server: Sidecar, se
         _sync(c, sender, live + 1)
         body = c.abort_weights()
         assert body["aborted"] is False and body["state"]["torn"] == {"target": False}, body
-        _first_digest_wrong(monkeypatch)
+        first_digest_wrong(monkeypatch)
         with pytest.raises(SidecarChecksumError):
             c.sync_weights(sender, WEIGHTS, live + 2)
         monkeypatch.undo()
@@ -150,20 +149,6 @@ def test_abort_finds_no_session_after_a_sync_or_a_failed_one(server: Sidecar, se
         assert body["aborted"] is False and body["state"]["torn"] == {"target": True}  # ended by its failure
         _sync(c, sender, live + 2)
         assert c.generate(["healed"], GREEDY, wait=False)[0].weight_version == live + 2
-
-
-def _first_digest_wrong(monkeypatch: pytest.MonkeyPatch, kept: list[Any] | None = None) -> None:
-    """The fault: the sender delivers a first digest the bytes miss (the true records go to `kept`)."""
-    real = sender_module.send_digests
-
-    def wrong(group: Any, records: Any, n: int) -> None:
-        if kept is not None:
-            kept.extend(records or [])
-        if records:
-            records = [dataclasses.replace(records[0], digest="0" * len(records[0].digest)), *records[1:]]
-        real(group, records, n)
-
-    monkeypatch.setattr(sender_module, "send_digests", wrong)
 
 
 # ---- item 4: one truth about torn weights ------------------------------------------------------------
@@ -174,7 +159,7 @@ def test_checksums_and_audit_of_a_torn_model_say_it_is_torn(server: Sidecar, sen
         live = c.state()["weight_versions"]["target"]
         c.connect_sender(sender)
         records: list[Any] = []
-        _first_digest_wrong(monkeypatch, records)
+        first_digest_wrong(monkeypatch, records)
         with pytest.raises(SidecarChecksumError):
             c.sync_weights(sender, WEIGHTS, live + 1)
         monkeypatch.undo()
@@ -224,7 +209,6 @@ def test_the_weight_senders_store_listens_on_its_master_host_only() -> None:
 
 
 def test_a_store_client_without_the_session_secret_is_never_counted_as_a_member() -> None:
-    import dataclasses
 
     import torch
 
