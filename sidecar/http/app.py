@@ -93,7 +93,7 @@ async def _error_handler(state: ServerState, _: Request, e: Exception) -> JSONRe
 def error_answer(state: ServerState, e: Exception) -> JSONResponse | None:
     """The app's JSON error answer to an exception a handler (or FastAPI) raised, counted in the metrics;
     None for an unexpected one (RequestGuard answers it with a 500). Every route answers through it (the
-    lean route of sidecar/http/hot.py too), so every error reads the same."""
+    lean POST /weights/update of sidecar/http/control.py too), so every error reads the same."""
     if isinstance(e, ApiError):
         headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
         status, args = e.status, (e.type, e.message, e.field, e.rank)

@@ -7,26 +7,32 @@ weight sync's InitWeightTransfer, UpdateWeights and AbortWeightUpdate (handled i
 The weight-sync protocol (trainer_hooks/sync.py is the trainer's side): POST /weights/init joins the
 trainer's transfer group and refuses a client of another protocol version (409 naming `protocol` and
 both versions); then each sync is ONE POST /weights/update carrying the start, while the sender sends and
-then delivers its digests over the group: every rank audits and commits, and the answer is the audit. It
-is served by a lean route (sidecar/http/hot.py). POST /weights/abort ends an open session. An open
-session has a lease (sidecar/http/lease.py). docs/limits.md has the timeouts.
+then delivers its digests over the group: every rank audits and commits, and the answer is the audit.
+No session outlives its update (a failed one ends it on every rank); POST /weights/abort ends one still
+open. docs/limits.md has the timeouts.
+
+POST /weights/update is a plain Starlette route, not a FastAPI one: dependency solving, FastAPI's body
+pass and its response model were most of what the message cost beyond its handler (docs/benchmarks.md).
+Its contract is a FastAPI route's all the same (`_lean_body`: the API key, then the body validated with
+its pydantic model), and its errors go through the app's handlers, so they read as every route's.
 """
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from starlette.types import Scope
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
 
 from checksum import ITEMSIZE, Report
 from sidecar.http.audit import add_audit_routes, report_dict
 from sidecar.http.common import ApiError, ServerState, await_future, call
-from sidecar.http.guard import note_handler_time
-from sidecar.http.hot import lean_route
-from sidecar.http.lease import SessionLease
+from sidecar.http.guard import note_handler_time, require_key
 from sidecar.http.models import SleepRequest, WakeRequest, WeightsInitRequest, WeightsUpdateRequest
 from sidecar.ranks.commands import (
     AbortWeightUpdate,
@@ -42,6 +48,7 @@ from sidecar.ranks.commands import (
 from trainer_hooks.sync import SYNC_PROTOCOL
 
 _LAYOUTS_KEPT = 16
+Body = TypeVar("Body", bound=BaseModel)
 
 
 def state_dict(state: ServerState) -> dict[str, Any]:
@@ -177,69 +184,71 @@ def _check_protocol(protocol: int | None) -> None:
 def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
     layout_bytes: dict[str, int] = {}  # per manifest layout key, its bytes (for a layout-only start's metric)
 
-    async def expire() -> None:
-        opened = await _weight_call(state, AbortWeightUpdate(f"the session sat idle for {lease.lease_s:g} s "
-                                                             "(--weight-session-lease-s)"))
-        if any(opened):
-            _failed(state)
-
-    lease = SessionLease(state.config.weight_session_lease_s, expire)
-
     @router.post("/weights/init", summary="Join the trainer's transfer group (run while the sender connects)")
     async def weights_init(body: WeightsInitRequest) -> dict[str, Any]:
         _check_protocol(body.protocol)
         _check_init_info(state, body.init_info)
-        with lease.call():
-            ranks = await _weight_call(state, InitWeightTransfer(body.init_info))
-        lease.closed()  # the ranks abandoned any open session for the new group
+        ranks = await _weight_call(state, InitWeightTransfer(body.init_info))
         return {"ranks": ranks, "protocol": SYNC_PROTOCOL}
 
-    async def weights_update(body: WeightsUpdateRequest, scope: Scope) -> JSONResponse:
+    async def weights_update(request: Request) -> JSONResponse:
         """The one request of a sync (module docstring): start, receive, audit and commit."""
+        body = await _lean_body(request, WeightsUpdateRequest, state.config.api_key)
         info, start = body.update_info, body.start
         if isinstance(info, list) and len(info) != len(state.plans):
             raise ApiError(400, "InvalidRequestError", f"a list needs one entry per rank ({len(state.plans)}), got "
                            f"{len(info)}", "update_info")
         opening = StartWeightUpdate(start.model, start.version, start.manifest, start.allow_cast)
         t0 = time.perf_counter()
-        # While a session is open (another update in flight) the ranks refuse this start: that session's
-        # lease and start time stay untouched.
-        opens = not lease.is_open
+        # While another update is in flight the ranks refuse this start: that one's start time stays.
+        opens = not state.sync_started
         if opens:
-            lease.opened()
             state.sync_started[start.model] = (t0, _manifest_bytes(start.manifest, layout_bytes))
         try:
-            with lease.call():
-                replies: list[UpdateReply] = await _weight_call(state, UpdateWeights(info, opening, True))
+            replies: list[UpdateReply] = await _weight_call(state, UpdateWeights(info, opening, True))
         except ApiError as e:
             if e.kind == "checksum":
                 state.metrics.audit_failures.inc()
             if opens:  # a failed update ends its session on every rank
-                lease.closed()
                 _failed(state)
             else:
                 state.metrics.syncs.labels(start.model, "failed").inc()
             raise
-        lease.closed()  # every rank audited and committed in this call
         start_s = max(r.start_s for r in replies)
         state.metrics.sync_seconds.labels(start.model, "start").observe(start_s)
         results = [r.result for r in replies if r.result is not None]
         assert len(results) == len(replies), "a rank answered an update without its audit"
         audit_s = max(r.audit_s for r in results)
         state.metrics.sync_seconds.labels(start.model, "update").observe(time.perf_counter() - t0 - start_s - audit_s)
-        note_handler_time(scope, t0, max(r.rank_s for r in replies))
+        note_handler_time(request.scope, t0, max(r.rank_s for r in replies))
         return JSONResponse(_finished(state, start.model, results, audit_s))
 
-    router.add_route("/weights/update", lean_route(WeightsUpdateRequest, weights_update, state.config.api_key),
-                     methods=["POST"], include_in_schema=False)
+    router.add_route("/weights/update", weights_update, methods=["POST"], include_in_schema=False)
 
     @router.post("/weights/abort", summary="End the open update session now; generation resumes")
     async def weights_abort() -> dict[str, Any]:
-        lease.closed()
         opened = await _weight_call(state, AbortWeightUpdate("aborted by POST /weights/abort"))
         if any(opened):
             _failed(state)
         return {"aborted": any(opened), "state": state_dict(state)}
+
+
+async def _lean_body(request: Request, model: type[Body], key: str | None) -> Body:
+    """What FastAPI does before a route's handler, for a plain Starlette route: the API key (401 naming
+    `authorization`), then the body parsed as JSON (400 MalformedJSON naming `body`) and validated with
+    `model` in python mode (422 naming the field), raised as FastAPI raises them."""
+    require_key(key, request.headers)
+    raw = await request.body()  # the body limit's 413 is raised here (sidecar/http/guard.py)
+    try:
+        data = json.loads(raw)
+    except ValueError as e:  # json's errors are ValueErrors (bad UTF-8 too)
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body", 0), "msg": "JSON decode error",
+                                       "input": {}, "ctx": {"error": str(e)}}]) from None  # FastAPI's own
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])}
+                                      for err in e.errors(include_url=False)]) from None
 
 
 def _finished(state: ServerState, model: str, results: list[SyncResult], finish_s: float) -> dict[str, Any]:
