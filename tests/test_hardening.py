@@ -126,7 +126,8 @@ def test_bad_inputs_are_4xx_naming_the_field_on_a_connection_that_stays(server: 
     assert _error(resp, 400)["field"] == "prompts[0]"
     resp = http.post("/v1/completions", content='{"prompt": "\\udfff"}', headers={"content-type": "application/json"})
     assert _error(resp, 400)["field"] == "prompt[0]"
-    assert _error(http.post("/weights/update", json={"update_info": []}), 400)["field"] == "update_info"
+    no_entry = {"start": {"version": 1, "manifest": {}}, "update_info": []}
+    assert _error(http.post("/weights/update", json=no_entry), 400)["field"] == "update_info"
     info = {"backend": "gloo", "master_host": 5, "master_port": 29500, "world_size": 2, "bucket_bytes": 1 << 20,
             "timeout_s": 30.0, "session_id": "s"}
     assert _error(http.post("/weights/init", json={"init_info": info}), 422)["field"] == "init_info.master_host"

@@ -38,6 +38,7 @@ from sidecar.http.models import (
     GenerateRequest,
     GenerateResponse,
     PromptOut,
+    WeightsUpdateRequest,
 )
 from sidecar.http.openai import add_openai_routes
 from sidecar.http.openai_format import completion_response
@@ -62,9 +63,35 @@ def create_app(state: ServerState) -> FastAPI:
     add_openai_routes(router, state)
     app.include_router(open_router)
     app.include_router(router)
+    _document_lean_update(app)
     app.add_middleware(RequestGuard, max_body_bytes=state.config.max_body_mb << 20,  # type: ignore[arg-type]
                        on_error=lambda status: state.metrics.http_errors.labels(str(status)).inc())
     return app
+
+
+def _document_lean_update(app: FastAPI) -> None:
+    """POST /weights/update is a plain Starlette route (sidecar/http/control.py says why), which FastAPI
+    leaves out of its schema: it is added from its body model, so /docs and schema-driven clients see it."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build()  # cached by FastAPI from here on: extended once
+        body = WeightsUpdateRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+        models = schema.setdefault("components", {}).setdefault("schemas", {})
+        models.update({**body.pop("$defs", {}), "WeightsUpdateRequest": body})
+        schema["paths"]["/weights/update"] = {"post": {
+            "summary": "One weight sync: start, receive every bucket while the sender sends, audit and commit",
+            "operationId": "weights_update",
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": {"$ref": "#/components/schemas/WeightsUpdateRequest"}}}},
+            "responses": {"200": {"description": "the sync's audit"},
+                          "4XX": {"description": "an error", "content": {"application/json": {
+                              "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}}}}
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _auth(key: str | None) -> Any:
