@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inference.core import InvalidRequestError, RequestOutput, SamplingParams, StateError
 from sidecar.http.common import ApiError, ServerState, await_future, error_response, rank_error_to_api
-from sidecar.http.control import add_control_routes
+from sidecar.http.control import WeightsUpdateGate, add_control_routes
 from sidecar.http.guard import RequestGuard, require_key
 from sidecar.http.intake import build_intake, encode_group
 from sidecar.http.models import (
@@ -64,14 +64,16 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(open_router)
     app.include_router(router)
     _document_lean_update(app)
+    # inside RequestGuard: Starlette wraps each later-added middleware around the earlier ones
+    app.add_middleware(WeightsUpdateGate, state=state, on_error=partial(error_answer, state))  # type: ignore[arg-type]
     app.add_middleware(RequestGuard, max_body_bytes=state.config.max_body_mb << 20,  # type: ignore[arg-type]
                        on_error=lambda status: state.metrics.http_errors.labels(str(status)).inc())
     return app
 
 
 def _document_lean_update(app: FastAPI) -> None:
-    """POST /weights/update is a plain Starlette route (sidecar/http/control.py says why), which FastAPI
-    leaves out of its schema: it is added from its body model, so /docs and schema-driven clients see it."""
+    """POST /weights/update is answered before FastAPI's routing (sidecar/http/control.py says why), so
+    FastAPI leaves it out of its schema: it is added from its body model, for /docs and schema clients."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -120,7 +122,7 @@ async def _error_handler(state: ServerState, _: Request, e: Exception) -> JSONRe
 def error_answer(state: ServerState, e: Exception) -> JSONResponse | None:
     """The app's JSON error answer to an exception a handler (or FastAPI) raised, counted in the metrics;
     None for an unexpected one (RequestGuard answers it with a 500). Every route answers through it (the
-    lean POST /weights/update of sidecar/http/control.py too), so every error reads the same."""
+    POST /weights/update of sidecar/http/control.py too), so every error reads the same."""
     if isinstance(e, ApiError):
         headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
         status, args = e.status, (e.type, e.message, e.field, e.rank)

@@ -11,16 +11,19 @@ then delivers its digests over the group: every rank audits and commits, and the
 No session outlives its update (a failed one ends it on every rank); POST /weights/abort ends one still
 open. docs/limits.md has the timeouts.
 
-POST /weights/update is a plain Starlette route, not a FastAPI one: dependency solving, FastAPI's body
-pass and its response model were most of what the message cost beyond its handler (docs/benchmarks.md).
-Its contract is a FastAPI route's all the same (`_lean_body`: the API key, then the body validated with
-its pydantic model), and its errors go through the app's handlers, so they read as every route's.
+POST /weights/update is answered by `WeightsUpdateGate`, an ASGI layer in front of FastAPI: its routing,
+dependency solving, body pass and response model were most of what the message cost beyond its handler
+(docs/benchmarks.md; in process on a stub driver, a request took 95-114 us this way, 149-161 us through
+a plain Starlette route, 232-237 us through a FastAPI route). Its contract is a FastAPI route's all the same
+(`_lean_body`: the API key, then the body validated with its pydantic model), and its errors are
+answered by the app's own error_answer, so they read and count as every route's.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from fastapi import APIRouter
@@ -28,6 +31,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from checksum import ITEMSIZE, Report
 from sidecar.http.audit import add_audit_routes, report_dict
@@ -182,8 +187,6 @@ def _check_protocol(protocol: int | None) -> None:
 
 
 def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
-    layout_bytes: dict[str, int] = {}  # per manifest layout key, its bytes (for a layout-only start's metric)
-
     @router.post("/weights/init", summary="Join the trainer's transfer group (run while the sender connects)")
     async def weights_init(body: WeightsInitRequest) -> dict[str, Any]:
         _check_protocol(body.protocol)
@@ -191,10 +194,41 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
         ranks = await _weight_call(state, InitWeightTransfer(body.init_info))
         return {"ranks": ranks, "protocol": SYNC_PROTOCOL}
 
-    async def weights_update(request: Request) -> JSONResponse:
+    @router.post("/weights/abort", summary="End the open update session now; generation resumes")
+    async def weights_abort() -> dict[str, Any]:
+        opened = await _weight_call(state, AbortWeightUpdate("aborted by POST /weights/abort"))
+        if any(opened):
+            _failed(state)
+        return {"aborted": any(opened), "state": state_dict(state)}
+
+
+class WeightsUpdateGate:
+    """ASGI middleware (inside RequestGuard) that answers POST /weights/update itself, before FastAPI's
+    routing (module docstring); every other request goes on to the app. `on_error(exc)`: the app's
+    answer to an exception (sidecar/http/app.py, error_answer), None for an unexpected one, which is
+    re-raised to RequestGuard's JSON 500."""
+
+    def __init__(self, app: ASGIApp, state: ServerState, on_error: Callable[[Exception], Response | None]) -> None:
+        self.app, self.state, self.on_error = app, state, on_error
+        self.layout_bytes: dict[str, int] = {}  # per manifest layout key, its bytes (a layout-only start's metric)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != "/weights/update" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        try:
+            body = await _lean_body(Request(scope, receive), WeightsUpdateRequest, self.state.config.api_key)
+            response = await self.update(body, scope)
+        except Exception as e:
+            answer = self.on_error(e)
+            if answer is None:
+                raise
+            response = answer
+        await response(scope, receive, send)
+
+    async def update(self, body: WeightsUpdateRequest, scope: Scope) -> Response:
         """The one request of a sync (module docstring): start, receive, audit and commit."""
-        body = await _lean_body(request, WeightsUpdateRequest, state.config.api_key)
-        info, start = body.update_info, body.start
+        state, info, start = self.state, body.update_info, body.start
         if isinstance(info, list) and len(info) != len(state.plans):
             raise ApiError(400, "InvalidRequestError", f"a list needs one entry per rank ({len(state.plans)}), got "
                            f"{len(info)}", "update_info")
@@ -203,7 +237,7 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
         # While another update is in flight the ranks refuse this start: that one's start time stays.
         opens = not state.sync_started
         if opens:
-            state.sync_started[start.model] = (t0, _manifest_bytes(start.manifest, layout_bytes))
+            state.sync_started[start.model] = (t0, _manifest_bytes(start.manifest, self.layout_bytes))
         try:
             replies: list[UpdateReply] = await _weight_call(state, UpdateWeights(info, opening, True))
         except ApiError as e:
@@ -220,21 +254,12 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
         assert len(results) == len(replies), "a rank answered an update without its audit"
         audit_s = max(r.audit_s for r in results)
         state.metrics.sync_seconds.labels(start.model, "update").observe(time.perf_counter() - t0 - start_s - audit_s)
-        note_handler_time(request.scope, t0, max(r.rank_s for r in replies))
+        note_handler_time(scope, t0, max(r.rank_s for r in replies))
         return JSONResponse(_finished(state, start.model, results, audit_s))
-
-    router.add_route("/weights/update", weights_update, methods=["POST"], include_in_schema=False)
-
-    @router.post("/weights/abort", summary="End the open update session now; generation resumes")
-    async def weights_abort() -> dict[str, Any]:
-        opened = await _weight_call(state, AbortWeightUpdate("aborted by POST /weights/abort"))
-        if any(opened):
-            _failed(state)
-        return {"aborted": any(opened), "state": state_dict(state)}
 
 
 async def _lean_body(request: Request, model: type[Body], key: str | None) -> Body:
-    """What FastAPI does before a route's handler, for a plain Starlette route: the API key (401 naming
+    """What FastAPI does before a route's handler, for WeightsUpdateGate: the API key (401 naming
     `authorization`), then the body parsed as JSON (400 MalformedJSON naming `body`) and validated with
     `model` in python mode (422 naming the field), raised as FastAPI raises them."""
     require_key(key, request.headers)
