@@ -1,19 +1,18 @@
 """The weight-sync protocol, trainer's side: ONE choreography, used by `SidecarClient` (one sidecar) and
-by `Fleet` (every rank of every replica in one transfer group). sidecar/http/control.py is the other side.
+by `Fleet` (every rank of every replica in one transfer group); sidecar/http/control.py is the other side.
 
-- Agree: POST /weights/init on every sidecar, carrying SYNC_PROTOCOL, while sender.connect() blocks (an
-  init a sidecar refuses calls the sender's wait off at once). Client and sidecar ship in one wheel: a
-  sidecar of another protocol refuses the init (409 naming both versions), and an init answer naming
-  another protocol is refused here; either way SidecarProtocolError.
+- Agree: POST /weights/init on every sidecar, carrying SYNC_PROTOCOL, while sender.connect() blocks (a
+  refused init calls the sender's wait off at once). Another protocol is refused by either side, with
+  both versions named: a 409 from the sidecar, SidecarProtocolError here.
 - Start, send, answer: per sidecar ONE POST /weights/update carrying the start, written before
-  sender.send(named, deliver_digests=True) starts. send() moves the bytes, then delivers the sender's
-  digests to every rank over the group (inference/transfer/delivery.py); every rank compares and commits,
-  so each update's answer is that sidecar's audit. A start a sidecar refuses makes its ranks refuse the
-  sender's plan agreement: send() fails at once, and the sidecar's error (naming field and rank) wins.
-- The start stays small: a manifest whose layout a sidecar parsed travels as that key alone; a sidecar
-  that does not know it (restarted) answers 400 on `manifest.layout`, and the round runs again in full.
+  sender.send(named, deliver_digests=True). send() moves the bytes, then delivers its digests to every
+  rank over the group; every rank compares and commits, so each update's answer is that sidecar's audit.
+  A refused start makes its ranks refuse the sender's plan agreement: send() fails at once, and the
+  sidecar's error (naming field and rank) wins.
+- A manifest whose layout a sidecar parsed travels as that key alone; a sidecar that does not know it
+  (restarted) answers 400 on `manifest.layout`, and the round runs again with the tensors.
 - A fleet's group: the sender is rank 0; rank k of member j is 1 + (the ranks of the members before j) + k,
-  given to each member as InitInfo.ranks. The group is reused while its members (and their pids) stay.
+  given to each member as InitInfo.ranks; the group is reused while its members (and their pids) stay.
 """
 
 from __future__ import annotations

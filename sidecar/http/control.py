@@ -1,22 +1,18 @@
 """Control endpoints: state, sleep/wake, pause/resume, weight syncs, checksums and audits.
 
-Each control endpoint sends one declared command (sidecar/ranks/commands.py) to every rank between two
-generation steps (sidecar/ranks/driver.py) and answers with every rank's reply: Sleep, WakeUp, and the
-weight sync's InitWeightTransfer, UpdateWeights and AbortWeightUpdate (handled in sidecar/ranks/server.py).
+Each sends one declared command (sidecar/ranks/commands.py) to every rank between two generation steps
+(sidecar/ranks/driver.py) and answers with every rank's reply. The weight-sync protocol (its trainer's
+side: trainer_hooks/sync.py): POST /weights/init joins the trainer's transfer group and refuses a client
+of another protocol version (409 naming `protocol` and both versions); each sync is then ONE POST
+/weights/update carrying the start, while the sender sends and delivers its digests over the group:
+every rank audits and commits, and the answer is the audit. No session outlives its update (a failed
+one ends it on every rank); POST /weights/abort ends one still open. docs/limits.md has the timeouts.
 
-The weight-sync protocol (trainer_hooks/sync.py is the trainer's side): POST /weights/init joins the
-trainer's transfer group and refuses a client of another protocol version (409 naming `protocol` and
-both versions); then each sync is ONE POST /weights/update carrying the start, while the sender sends and
-then delivers its digests over the group: every rank audits and commits, and the answer is the audit.
-No session outlives its update (a failed one ends it on every rank); POST /weights/abort ends one still
-open. docs/limits.md has the timeouts.
-
-POST /weights/update is answered by `WeightsUpdateGate`, an ASGI layer in front of FastAPI: its routing,
-dependency solving, body pass and response model were most of what the message cost beyond its handler
-(docs/benchmarks.md; in process on a stub driver, a request took 95-114 us this way, 149-161 us through
-a plain Starlette route, 232-237 us through a FastAPI route). Its contract is a FastAPI route's all the same
-(`_lean_body`: the API key, then the body validated with its pydantic model), and its errors are
-answered by the app's own error_answer, so they read and count as every route's.
+POST /weights/update is answered by `WeightsUpdateGate`, in front of FastAPI's routing, dependencies,
+body pass and response model, most of what the message cost beyond its handler (in process on a stub
+driver: 95-114 us a request, 149-161 us as a plain Starlette route, 232-237 us as a FastAPI route). Its
+contract is a FastAPI route's all the same (`_lean_body`), and its errors are answered by the app's own
+error_answer, so they read and count as every route's.
 """
 
 from __future__ import annotations
