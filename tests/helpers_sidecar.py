@@ -169,22 +169,37 @@ def connect_replicas(clients: Sequence[Any], sender: Any) -> None:
 
 
 def sync_replicas(clients: Sequence[Any], sender: Any, named: Mapping[str, Any], version: int) -> list[dict]:
-    """One sync into every sidecar: start everywhere, update everywhere beside sender.send(), finish
-    with the sender's digests; returns each sidecar's audit of what its ranks received."""
-    from sidecar.client import records_json
+    """One sync into every sidecar, the protocol's one round (trainer_hooks/sync.py): an update carrying the
+    start on each beside one sender.send(); returns each sidecar's audit of what its ranks received."""
+    from trainer_hooks.sync import sync_round
 
-    manifest = sender.manifest(named, version)
-    for c in clients:
-        c.start_weights(version, manifest)
-    with ThreadPoolExecutor(len(clients), thread_name_prefix="replica-update") as pool:
-        updates = [pool.submit(c.update_weights) for c in clients]
-        records = sender.send(named)
-        for update in updates:
-            update.result()
-    digests = records_json(records)
-    for c in clients:
-        c.finish_weights(digests)
-    return [c.audit(source="received", expected=digests) for c in clients]
+    answers, error = sync_round(sender, {i: c.weights for i, c in enumerate(clients)}, list(named.items()),
+                                version, "target", False)
+    for answer in answers.values():
+        if isinstance(answer, BaseException):
+            raise answer
+    if error is not None:
+        raise error
+    return [answers[i]["audit"] for i in range(len(clients))]
+
+
+def first_digest_wrong(monkeypatch: Any, kept: list[Any] | None = None) -> None:
+    """The fault of a failed audit: every WeightSender delivers a first digest its bytes miss, until
+    monkeypatch.undo() (the true records go to `kept`)."""
+    import dataclasses
+
+    from inference.transfer import sender as sender_module
+
+    real = sender_module.send_digests
+
+    def wrong(group: Any, records: Any, n: int) -> None:
+        if kept is not None:
+            kept.extend(records or [])
+        if records:
+            records = [dataclasses.replace(records[0], digest="0" * len(records[0].digest)), *records[1:]]
+        real(group, records, n)
+
+    monkeypatch.setattr(sender_module, "send_digests", wrong)
 
 
 def digests_by_rank(client: Any, source: str = "held") -> dict[str, dict[str, str]]:
@@ -241,7 +256,7 @@ def dying_sender(out: Any, backend: str, device: str, weights: Mapping[str, Any]
         time.sleep(600)
 
     on_bucket_message(sender._group, 3, third_message)
-    sender.send(named)
+    sender.send(named, deliver_digests=True)
 
 
 def on_bucket_message(group: Any, n: int, act: Callable[[], None]) -> None:
@@ -297,10 +312,10 @@ def check_killed_sender_recovers(server: Sidecar, backend: str, device: str, pro
     try:
         with SidecarClient(server.url, timeout=120) as c:
             c.init_weights(out.get(timeout=120))
-            c.start_weights(1, out.get(timeout=120))
+            update = c.weights.update({"model": "target", "version": 1, "manifest": out.get(timeout=120)})
             killer = kill_when_told(out, int(proc.pid or 0))
             with pytest.raises(SidecarTransferError) as failed:
-                c.update_weights()
+                update.result()
             assert failed.value.status == 502
             killer.join(30)
             proc.join(30)

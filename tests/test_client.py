@@ -4,7 +4,6 @@ and the client's error types and retry rule (against a mock transport)."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,14 +16,13 @@ from inference.engine.llm import LLM
 from inference.models.tiny import TinyModelSpec, random_weights, write_model_dir
 from inference.transfer.sender import WeightSender
 from sidecar.cli.main import main
-from tests.helpers_sidecar import KV_BYTES, Sidecar, launch
+from tests.helpers_sidecar import KV_BYTES, Sidecar, first_digest_wrong, launch
 from trainer_hooks.client import (
     SidecarChecksumError,
     SidecarClient,
     SidecarConnectionError,
     SidecarRequestError,
     SidecarStateError,
-    finish_digests,
     records_json,
 )
 from trainer_hooks.client_errors import CHECKSUM_MISMATCH
@@ -97,30 +95,17 @@ def _check_audit_cli(url: str, sent: Manifest, tmp_path: Path) -> None:
     assert main(["audit", "--url", "http://127.0.0.1:1", "--timeout", "2"]) == 2
 
 
-def test_failed_audit_tears_the_model_until_a_good_sync(server: Sidecar, sender: WeightSender) -> None:
+def test_failed_audit_tears_the_model_until_a_good_sync(server: Sidecar, sender: WeightSender,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     weights = random_weights(TinyModelSpec(seed=2))
     with SidecarClient(server.url, timeout=60) as c:
-        with pytest.raises(SidecarStateError) as no_session:
-            c.update_weights()  # no session open
-        assert not isinstance(no_session.value, SidecarChecksumError)
         c.connect_sender(sender)
-        with pytest.raises(SidecarRequestError) as bad:
-            c.start_weights(2, {"version": 2, "tensors": [{"name": "model.nope.weight", "dtype": "float32",
-                                                         "shape": [2]}]})
-        assert bad.value.field == "model.nope.weight" and bad.value.rank == RANK
-        manifest = sender.manifest(weights, 2)
-        c.start_weights(2, manifest)
-        update = threading.Thread(target=c.update_weights)
-        update.start()
-        records = records_json(sender.send(weights))
-        update.join(60)
-        records[0]["digest"] = "0" * 32
-        compact = finish_digests(manifest, records)  # what sync_weights sends: one hex digest per tensor
-        assert compact == {"algorithm": manifest["algorithm"], "digests": [r["digest"] for r in records]}
+        first_digest_wrong(monkeypatch)
         with pytest.raises(SidecarChecksumError) as mismatch:
-            c.finish_weights(compact)
+            c.sync_weights(sender, weights, version=2)
+        monkeypatch.undo()
         assert isinstance(mismatch.value, SidecarStateError) and mismatch.value.status == 409
-        assert mismatch.value.type == "ChecksumMismatch" and records[0]["name"] in mismatch.value.message
+        assert mismatch.value.type == "ChecksumMismatch" and mismatch.value.rank == RANK
         assert c.state()["torn"] == {"target": True}
         with pytest.raises(SidecarStateError):
             c.generate(["refused while torn"], GREEDY, wait=False)
@@ -190,7 +175,7 @@ def test_a_checksum_mismatch_is_its_own_class() -> None:
                                                    "message": "tensor 'lm_head.weight' digest differs"}})
 
     with pytest.raises(SidecarChecksumError) as e:
-        _client(reply).finish_weights([])
+        _client(reply).pause()
     assert isinstance(e.value, StateError) and e.value.rank == RANK and "lm_head.weight" in e.value.message
 
 

@@ -1,4 +1,4 @@
-"""SidecarClient's lean wire (trainer_hooks/client_http.py) against a stdlib HTTP/1.1 server: kept-alive
+"""SidecarClient's lean wire (trainer_hooks/wire.py) against a stdlib HTTP/1.1 server: kept-alive
 connections, a connection the server dropped while idle, a deferred POST written before its answer is read,
 the typed errors, and when httpx carries the calls instead (https, a proxy)."""
 
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from trainer_hooks.client import SidecarClient, SidecarConnectionError, SidecarStateError
-from trainer_hooks.client_http import lean_wire_applies
+from trainer_hooks.wire import lean_wire_applies
 
 
 class _Server(ThreadingHTTPServer):
@@ -77,7 +77,7 @@ def server() -> Iterator[_Server]:
 def _client(srv: _Server, **kw: Any) -> SidecarClient:
     host, port = srv.server_address[:2]
     c = SidecarClient(f"http://{host}:{port}", timeout=10, backoff_s=0.0, **kw)
-    assert c._wire is not None, "a plain http URL without a proxy takes the lean wire"
+    assert c.wire._lean is not None, "a plain http URL without a proxy takes the lean wire"
     return c
 
 
@@ -100,10 +100,10 @@ def test_a_connection_the_server_closed_while_idle_is_replaced(server: _Server) 
 
 def test_a_deferred_post_is_written_before_its_answer_is_read(server: _Server) -> None:
     with _client(server) as c:
-        read = c._deferred("POST", "/slow", {"start": 1}, None)
+        pending = c.wire.begin("POST", "/slow", {"start": 1})
         assert server.arrived.wait(5), "the request reached the server before anyone read its answer"
         server.release.set()
-        assert read().json() == {"echo": {"start": 1}, "path": "/slow"}
+        assert pending.result() == {"echo": {"start": 1}, "path": "/slow"}
 
 
 def test_error_answers_and_a_dead_port_raise_typed_errors(server: _Server) -> None:
@@ -118,8 +118,8 @@ def test_error_answers_and_a_dead_port_raise_typed_errors(server: _Server) -> No
     with SidecarClient(f"http://127.0.0.1:{port}", timeout=2, retries=1, backoff_s=0.0) as c:
         with pytest.raises(SidecarConnectionError, match=r"GET .*/health"):
             c.health()
-        with pytest.raises(SidecarConnectionError, match=r"POST .*/weights/update"):
-            c.update_weights()
+        with pytest.raises(SidecarConnectionError, match=r"POST .*/weights/abort"):
+            c.abort_weights()
 
 
 def test_httpx_carries_https_and_proxied_urls(monkeypatch: pytest.MonkeyPatch) -> None:

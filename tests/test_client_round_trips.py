@@ -3,9 +3,9 @@ SidecarClient.sync_weights is ONE HTTP request (the update carrying the start an
 delivers its digests over the group and the answer is the audit), counted on the wire by a transport, so
 a regression to more round trips fails; a flipped byte still fails that audit naming tensor and rank.
 A start the ranks refuse inside that update is the sidecar's 400/409 within seconds, not the sender's
-wire timeout (the ranks refuse its plan agreement), and the group stays usable; a session opened
-before stays open (its lease too) until it is aborted. A sidecar that does not say `audit_in_update`
-gets update then finish, one without `start_in_update` the separate start too, as before."""
+wire timeout (the ranks refuse its plan agreement), and the group stays usable. The protocol version is
+checked at /weights/init both ways: the sidecar refuses a client of another one (409 naming both), the
+client refuses a sidecar that answers another one (SidecarProtocolError naming both)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,14 @@ from inference.models.tiny import TinyModelSpec, random_weights
 from inference.transfer.sender import WeightSender
 from tests.helpers_sidecar import Sidecar, launch
 from tests.helpers_weight_update import RANK
-from trainer_hooks.client import SidecarChecksumError, SidecarClient, SidecarRequestError, SidecarStateError
+from trainer_hooks.client import (
+    SidecarChecksumError,
+    SidecarClient,
+    SidecarProtocolError,
+    SidecarRequestError,
+    SidecarStateError,
+)
+from trainer_hooks.sync import SYNC_PROTOCOL
 
 WIRE_TIMEOUT_S = 60.0  # the sender's: every refusal below must come long before it
 FAST_S = 20.0  # a refused start's answer, on a loaded CPU box, with margin
@@ -74,7 +81,7 @@ def test_a_sync_is_one_request_carrying_start_and_finish(server: Sidecar, sender
     c, wire = _client(server)
     with c:
         init = c.connect_sender(sender)
-        assert init["start_in_update"] is True and init["audit_in_update"] is True
+        assert init["protocol"] == SYNC_PROTOCOL
         version = _live(c)
         for _ in range(3):  # the first sends the tensors, the later ones the layout key
             version += 1
@@ -92,22 +99,6 @@ def test_a_sync_is_one_request_carrying_start_and_finish(server: Sidecar, sender
         metrics = c.metrics()
         for phase in ("start", "update", "finish", "audit", "total"):  # the server still reports each phase
             assert f'sidecar_weight_sync_seconds_count{{model="target",phase="{phase}"}}' in metrics
-
-
-@pytest.mark.parametrize("start_in_update, paths", [
-    (True, ["/weights/update", "/weights/finish"]),  # a sidecar without audit_in_update
-    (False, ["/weights/start", "/weights/update", "/weights/finish"]),  # ... without start_in_update either
-])
-def test_older_sidecars_get_the_older_paths(server: Sidecar, sender: WeightSender, start_in_update: bool,
-                                            paths: list[str]) -> None:
-    c, wire = _client(server)
-    with c:
-        c.connect_sender(sender)
-        c._start_in_update, c._audit_in_update = start_in_update, False  # what an older init answer leaves
-        version = _live(c) + 1
-        wire.paths.clear()
-        assert c.sync_weights(sender, WEIGHTS, version=version)["ok"]
-        assert wire.paths == paths and _live(c) == version
 
 
 def test_a_flipped_byte_fails_the_one_request_audit_naming_tensor_and_rank(sender: WeightSender) -> None:
@@ -147,24 +138,34 @@ def test_a_refused_start_is_the_sidecars_error_at_once_and_the_group_stays(serve
         assert wire.paths == ["/weights/update"]
 
 
-def test_a_start_refused_while_a_session_is_open_leaves_that_session_open(server: Sidecar,
-                                                                         sender: WeightSender) -> None:
-    c, _ = _client(server)
-    with c:
-        c.connect_sender(sender)
-        version = _live(c) + 1
-        c.start_weights(version, sender.manifest(WEIGHTS, version))  # a session, opened the separate way
-        t0 = time.monotonic()
-        with pytest.raises(SidecarStateError) as busy:
-            c.sync_weights(sender, WEIGHTS, version=version + 1)
-        assert "is open" in busy.value.message and time.monotonic() - t0 < FAST_S
-        assert c.abort_weights()["aborted"] is True  # it was still open on the rank
-        assert c.sync_weights(sender, WEIGHTS, version=version + 1)["ok"]
-
-
-def test_update_without_start_in_the_body_still_needs_an_open_session(server: Sidecar) -> None:
+def test_an_update_carries_its_start(server: Sidecar) -> None:
     with httpx.Client(base_url=server.url, timeout=60) as http:
-        r = http.post("/weights/update", json={"update_info": None, "start": None})
-        assert r.status_code == 409, r.text
+        r = http.post("/weights/update", json={"update_info": None})
+        assert r.status_code == 422 and r.json()["error"]["field"] == "start", r.text
         bad: Any = http.post("/weights/update", json={"start": {"version": "1", "manifest": {}}})
         assert bad.status_code == 422 and bad.json()["error"]["field"] == "start.version"
+        assert http.post("/weights/start", json={}).status_code == 404  # one protocol: no older routes
+        assert http.post("/weights/finish", json={}).status_code == 404
+
+
+def test_the_sidecar_refuses_a_client_of_another_protocol(server: Sidecar, sender: WeightSender) -> None:
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for spoken, named in ((SYNC_PROTOCOL + 1, f"protocol {SYNC_PROTOCOL + 1}"), (None, "no protocol version")):
+            body = {"init_info": sender.init_info(), **({"protocol": spoken} if spoken is not None else {})}
+            r = http.post("/weights/init", json=body)
+            error = r.json()["error"]
+            assert r.status_code == 409 and error["field"] == "protocol" and error["type"] == "ProtocolMismatch"
+            assert named in error["message"] and f"this sidecar speaks protocol {SYNC_PROTOCOL}" in error["message"]
+
+
+@pytest.mark.parametrize(("status", "answer", "said"), [
+    (200, {"ranks": [None], "protocol": SYNC_PROTOCOL + 1}, f"speaks weight-sync protocol {SYNC_PROTOCOL + 1}"),
+    (422, {"error": {"type": "ValidationError", "message": "protocol: Extra inputs are not permitted",
+                     "field": "protocol"}}, "predates"),  # a sidecar older than versions
+])
+def test_the_client_refuses_a_sidecar_of_another_protocol(status: int, answer: dict, said: str) -> None:
+    transport = httpx.MockTransport(lambda request: httpx.Response(status, json=answer))
+    with SidecarClient("http://sidecar.test", transport=transport) as c, pytest.raises(SidecarProtocolError) as refused:
+        c.init_weights({"backend": "gloo"})
+    assert isinstance(refused.value, SidecarStateError) and refused.value.field == "protocol"
+    assert said in str(refused.value) and f"protocol {SYNC_PROTOCOL}" in str(refused.value)

@@ -12,7 +12,14 @@ from typing import Any, ClassVar
 import pytest
 from torch import nn
 
-from inference.core import CompletionOutput, FinishReason, InvalidRequestError, RequestOutput, SamplingParams
+from inference.core import (
+    CompletionOutput,
+    FinishReason,
+    InvalidRequestError,
+    RequestOutput,
+    SamplingParams,
+    SidecarError,
+)
 from sidecar.cli.fleet import launch_flags, plan_replicas
 from trainer_hooks import Fleet, FleetError, FleetGoneError, WeightSyncHook
 from trainer_hooks.client_errors import (
@@ -22,14 +29,40 @@ from trainer_hooks.client_errors import (
     SidecarTransferError,
 )
 from trainer_hooks.fleet_replicas import FleetSyncError, fleet_rank_key, pick_replicas
+from trainer_hooks.sync import SYNC_PROTOCOL, SyncPeer
+from trainer_hooks.wire import ReadOnce
+
+ROUND = {"refused": False, "send_failed": False}  # the group's shared fate in one sync round
+
+
+class _FakeWire:
+    """A FakeReplica's weight routes as trainer_hooks/sync.py reaches them over a wire: an update's start
+    runs when it is written (a refused one makes the group's send() fail, as the ranks' plan agreement
+    does), its answer when it is read."""
+
+    def __init__(self, replica: FakeReplica) -> None:
+        self.replica = replica
+
+    def begin(self, method: str, path: str, json: Any, timeout: Any = None) -> ReadOnce:
+        if path == "/weights/init":
+            return ReadOnce(lambda: self.replica.init_weights(json["init_info"]))
+        assert path == "/weights/update", path
+        try:
+            self.replica.start_weights(json["start"])
+        except SidecarError as e:  # refused, or the replica went away: the group's send() fails
+            ROUND["refused"] = True
+            refused = e
+            return ReadOnce(lambda: (_ for _ in ()).throw(refused))
+        return ReadOnce(lambda: self.replica.update_weights(json["start"]))
 
 
 class FakeReplica:
-    """A SidecarClient stand-in that records calls; `alive`, `fail_audit`, `answer_version` steer it."""
+    """A SidecarClient stand-in that records calls; `alive`, `fail_audit`, `answer_version` steer it. Its
+    `weights` are the real trainer_hooks/sync.py peer over a fake wire."""
 
-    def __init__(self, url: str, ranks: int = 1, version: int = 0, dp: int = 0, torn: bool = False,
-                 inline: bool = False) -> None:
-        self.url, self.version, self.torn, self.inline = url, version, torn, inline
+    def __init__(self, url: str, ranks: int = 1, version: int = 0, dp: int = 0, torn: bool = False) -> None:
+        self.url, self.version, self.torn = url, version, torn
+        self.weights = SyncPeer(_FakeWire(self))  # type: ignore[arg-type]
         self.keys = [f"dp{dp}:pp0:tp{k}" for k in range(ranks)]
         self.pids = [1000 + k for k in range(ranks)]
         self.alive, self.fail_audit, self.answer_version = True, False, None
@@ -59,23 +92,21 @@ class FakeReplica:
     def init_weights(self, info: dict[str, Any]) -> dict[str, Any]:
         self._check()
         self.calls.append(("init", info["ranks"]))
-        return {"start_in_update": True, "audit_in_update": True} if self.inline else {}
+        return {"protocol": SYNC_PROTOCOL}
 
-    def start_weights(self, version: int, manifest: Any, **kw: Any) -> dict[str, Any]:
+    def start_weights(self, start: dict[str, Any]) -> None:
+        """The start an update carries, run when the update is written (tests replace it to refuse)."""
         self._check()
-        self.calls.append(("start", version))
-        self._pending = version
-        return {}
+        self.calls.append(("start", start["version"]))
+        self._pending = start["version"]
 
-    def update_weights(self, finish: bool = False) -> dict[str, Any]:
+    def update_weights(self, start: dict[str, Any]) -> dict[str, Any]:
+        """The update's answer, read after send(): this replica's audit."""
         self._check()
-        self.calls.append(("update", finish))
-        return self.finish_weights(None) if finish else {}
-
-    def finish_weights(self, digests: Any) -> dict[str, Any]:
-        self._check()
-        if digests is not None:
-            self.calls.append(("finish", None))
+        self.calls.append(("update", None))
+        if ROUND["send_failed"]:  # its ranks saw the group's plan agreement refused
+            raise SidecarTransferError(502, "TransferError", "the sender's plan agreement was refused", None,
+                                       self.keys[0])
         if self.fail_audit:
             self.torn = True
             raise SidecarChecksumError(409, "ChecksumMismatch", "rank dp0:pp0:tp0: tensor 'w' differs",
@@ -111,7 +142,13 @@ class FakeSender:
     def send(self, named: Any, deliver_digests: bool = False) -> list[Any]:
         self.sent += 1
         self.delivered = deliver_digests
+        ROUND["send_failed"], ROUND["refused"] = ROUND["refused"], False
+        if ROUND["send_failed"]:
+            raise RuntimeError("a receiver refused the plan agreement")
         return []
+
+    def call_off_connect(self, why: str) -> None:
+        self.called_off = why
 
     def close(self) -> None:
         self.closed, self.connected = True, False
@@ -119,6 +156,7 @@ class FakeSender:
 
 def _fleet(*replicas: FakeReplica, max_retries: int = 1) -> Fleet:
     FakeSender.made = []
+    ROUND.update(refused=False, send_failed=False)
     return Fleet(list(replicas), max_retries=max_retries)
 
 
@@ -227,7 +265,8 @@ def test_every_rank_of_every_replica_joins_one_group_and_the_audit_is_keyed_by_r
         assert report["out_of_rotation"] == {} and fleet.version == 1
         fleet.sync_weights(FakeSender, {"w": 0}, 2)  # the same members: the group is reused
         assert len(FakeSender.made) == 1
-        assert [c[0] for c in reps[1].calls] == ["init", *["start", "update", "finish"] * 2]
+        assert [c[0] for c in reps[1].calls] == ["init", *["start", "update"] * 2]
+        assert FakeSender.made[0].delivered  # the digests travel in the sync: the update's answer is the audit
 
 
 def test_a_missed_sync_takes_a_replica_out_until_its_next_good_sync() -> None:
@@ -294,46 +333,24 @@ def test_a_replica_dying_while_the_bytes_move_is_dropped_and_a_wire_failure_name
         raise SidecarTransferError(502, "TransferError", "another rank of the group failed", None, "dp0:pp0:tp0")
 
     with _fleet(*reps) as fleet:
-        reps[1].update_weights = die  # type: ignore[method-assign]
+        reps[1].start_weights = die  # type: ignore[method-assign]
         report = fleet.sync_weights(FakeSender, {"w": 0}, 1)
         assert report["ok"] and "went away at update" in report["out_of_rotation"]["dp1"]
         assert [s.num_receivers for s in FakeSender.made] == [4, 3] and FakeSender.made[1].sent == 1
-        reps[2].update_weights = broken  # type: ignore[method-assign]
+        reps[2].start_weights = broken  # type: ignore[method-assign]
         with pytest.raises(FleetSyncError, match="dp2 \\(http://c\\): HTTP 502") as failed:
             fleet.sync_weights(FakeSender, {"w": 0}, 2)
-        assert list(failed.value.errors) == ["dp2 (http://c)"]
-        del reps[2].update_weights  # healthy again
+        assert "another rank of the group failed" in str(failed.value.errors["dp2 (http://c)"])
+        assert "sender" in failed.value.errors  # the sender's own failure is named too
+        del reps[2].start_weights  # healthy again
         report = fleet.sync_weights(FakeSender, {"w": 0}, 3)
         assert report["ok"] and len(FakeSender.made) == 3  # the failed step's group was not reused
 
 
-def _inline_three() -> list[FakeReplica]:
-    return [FakeReplica("http://a", ranks=2, inline=True), FakeReplica("http://b", inline=True),
-            FakeReplica("http://c", inline=True)]
-
-
-def test_replicas_that_audit_in_update_sync_without_a_finish_round() -> None:
-    reps = _inline_three()
-    with _fleet(*reps) as fleet:
-        report = fleet.sync_weights(FakeSender, {"w": 0}, 1)
-        assert report["ok"] and fleet.version == 1 and FakeSender.made[0].delivered
-        assert [[c for c in r.calls if c[0] != "init"] for r in reps] == [[("start", 1), ("update", True)]] * 3
-        reps[1].fail_audit = True  # its update's answer is its failed audit: only that replica is out
-        report = fleet.sync_weights(FakeSender, {"w": 0}, 2)
-        assert report["ok"] and fleet.in_rotation == [0, 2] and [r["ok"] for r in report["replicas"]] == [
-            True, False, True]
-        assert "audit failed: rank dp1:pp0:tp0: tensor 'w' differs" in report["replicas"][1]["summary"]
-        reps[2].inline = False  # a member without audit_in_update: the whole fleet takes the finish round
-        reps[2].pids = [3000]  # (restarted, so the group is built again)
-        reps[1].fail_audit = False
-        assert fleet.sync_weights(FakeSender, {"w": 0}, 3)["ok"] and not FakeSender.made[-1].delivered
-        assert reps[0].calls[-3:] == [("start", 3), ("update", False), ("finish", None)]
-
-
 def test_a_replica_gone_after_the_others_audited_misses_the_sync_and_nothing_runs_again() -> None:
-    reps = _inline_three()
+    reps = _three()
 
-    def gone_after_audit(finish: bool = False) -> dict[str, Any]:
+    def gone_after_audit(*a: Any) -> dict[str, Any]:
         reps[2].alive = False
         raise SidecarConnectionError("POST http://c/weights/update: RemoteProtocolError")
 

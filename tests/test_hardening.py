@@ -22,7 +22,7 @@ from torch import nn
 from inference.core import CompletionOutput, RequestOutput, SamplingParams
 from inference.models.tiny import TinyModelSpec, random_weights
 from inference.transfer.sender import WeightSender
-from sidecar.client import SidecarBusyError, SidecarClient, SidecarRequestError, SidecarStateError, records_json
+from sidecar.client import SidecarBusyError, SidecarClient, SidecarRequestError, SidecarStateError
 from tests.helpers_sidecar import Sidecar, launch
 from trainer_hooks.hook import WeightSyncHook
 
@@ -126,7 +126,8 @@ def test_bad_inputs_are_4xx_naming_the_field_on_a_connection_that_stays(server: 
     assert _error(resp, 400)["field"] == "prompts[0]"
     resp = http.post("/v1/completions", content='{"prompt": "\\udfff"}', headers={"content-type": "application/json"})
     assert _error(resp, 400)["field"] == "prompt[0]"
-    assert _error(http.post("/weights/update", json={"update_info": []}), 400)["field"] == "update_info"
+    no_entry = {"start": {"version": 1, "manifest": {}}, "update_info": []}
+    assert _error(http.post("/weights/update", json=no_entry), 400)["field"] == "update_info"
     info = {"backend": "gloo", "master_host": 5, "master_port": 29500, "world_size": 2, "bucket_bytes": 1 << 20,
             "timeout_s": 30.0, "session_id": "s"}
     assert _error(http.post("/weights/init", json={"init_info": info}), 422)["field"] == "init_info.master_host"
@@ -135,33 +136,25 @@ def test_bad_inputs_are_4xx_naming_the_field_on_a_connection_that_stays(server: 
     assert error["field"] == "expected" and "second expected manifest" in error["message"]
     bad = {**manifest, "tensors": [{**manifest["tensors"][0], "dtype": ["float32"]}]}
     assert _error(http.post("/audit", json={"expected": bad}), 422)["field"] == "expected.tensors[0].dtype"
-    _finish_with_a_list_dtype_tears_nothing(server, http)
+    _stale_versions_are_refused(server)
     _served(http)
 
 
-def _finish_with_a_list_dtype_tears_nothing(server: Sidecar, http: httpx.Client) -> None:
-    """An open session's /weights/finish with a list as a dtype: 422, the session stays open and a good
-    finish still makes the version live (it was a 500 that tore the model); then versions only grow."""
+def _stale_versions_are_refused(server: Sidecar) -> None:
+    """Versions only grow: a sync of a version not newer than the live one is a 400 naming `version`
+    (the start inside the update is refused and the sender's send() fails at once); nothing is torn."""
     weights = random_weights(TinyModelSpec(seed=8))
     sender = WeightSender("gloo", num_receivers=1, timeout_s=60)
     try:
         with SidecarClient(server.url, timeout=60) as c:
             c.connect_sender(sender)
-            c.start_weights(1, sender.manifest(weights, 1))
-            update = threading.Thread(target=c.update_weights)
-            update.start()
-            digests = records_json(sender.send(weights))
-            update.join(60)
-            wrong = [{**digests[0], "dtype": [digests[0]["dtype"]]}, *digests[1:]]
-            error = _error(http.post("/weights/finish", json={"digests": wrong}), 422)
-            assert error["field"] == "digests[0].dtype"
-            assert c.finish_weights(digests)["version"] == 1  # the session was still open
-            assert c.state()["torn"] == {"target": False}
-            for stale in (1, 0, 2**70):
+            live = int(c.state()["weight_versions"]["target"])
+            assert c.sync_weights(sender, weights, version=live + 1)["ok"]
+            for stale in (live + 1, 0):
                 with pytest.raises(SidecarRequestError) as e:
-                    c.start_weights(stale, sender.manifest(weights, stale if stale < 2**63 else 2))
+                    c.sync_weights(sender, weights, version=stale)
                 assert e.value.field == "version", e.value
-            assert c.state()["weight_versions"] == {"target": 1}
+            assert c.state()["weight_versions"] == {"target": live + 1} and c.state()["torn"] == {"target": False}
     finally:
         sender.close()
 

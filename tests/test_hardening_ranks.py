@@ -26,9 +26,8 @@ from sidecar.client import (
     SidecarClient,
     SidecarRequestError,
     SidecarUnavailableError,
-    records_json,
 )
-from tests.helpers_sidecar import Sidecar, launch
+from tests.helpers_sidecar import Sidecar, first_digest_wrong, launch
 
 STEP_TIMEOUT_S = 3.0
 RANKS = ["dp0:pp0:tp0", "dp0:pp0:tp1"]
@@ -80,36 +79,29 @@ def test_a_long_tokenization_stalls_nobody(tp2: Sidecar) -> None:
             assert c.health()["status"] == "ok"
 
 
-def test_a_tp2_mismatch_names_every_rank_and_versions_only_grow(tp2: Sidecar) -> None:
+def test_a_tp2_mismatch_names_every_rank_and_versions_only_grow(tp2: Sidecar,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     weights = random_weights(TinyModelSpec(seed=11))
     sender = WeightSender("gloo", num_receivers=2, timeout_s=60)
     try:
         with SidecarClient(tp2.url, timeout=60) as c:
             c.connect_sender(sender)
-            digests = _send(c, sender, weights, 1)
-            name = digests[0]["name"]
-            digests[0]["digest"] = "0" * 32
+            records: list[Any] = []
+            first_digest_wrong(monkeypatch, records)
             with pytest.raises(SidecarChecksumError) as e:
-                c.finish_weights(digests)
+                c.sync_weights(sender, weights, version=1)
+            monkeypatch.undo()
+            name = records[0].name
             assert e.value.rank == ", ".join(RANKS)
             assert all(f"rank {r}" in e.value.message for r in RANKS) and name in e.value.message
             assert c.sync_weights(sender, weights, version=2)["ok"]  # heals the torn model
             for stale in (2, 1):
                 with pytest.raises(SidecarRequestError, match="not newer than the live") as stale_error:
-                    c.start_weights(stale, sender.manifest(weights, stale))
+                    c.sync_weights(sender, weights, version=stale)
                 assert stale_error.value.field == "version"
             assert c.state()["weight_versions"] == {"target": 2} and c.state()["torn"] == {"target": False}
     finally:
         sender.close()
-
-
-def _send(c: SidecarClient, sender: WeightSender, weights: Any, version: int) -> list[dict[str, Any]]:
-    c.start_weights(version, sender.manifest(weights, version))
-    update = threading.Thread(target=c.update_weights)
-    update.start()
-    digests = records_json(sender.send(weights))
-    update.join(60)
-    return digests
 
 
 def test_a_stopped_rank_is_named_and_the_503_carries_its_rank(tp2: Sidecar) -> None:
@@ -141,12 +133,13 @@ def test_sigterm_during_a_stalled_sync_answers_json_and_exits_in_seconds() -> No
     try:
         with SidecarClient(server.url, timeout=60) as c:
             c.connect_sender(sender)
-            c.start_weights(1, sender.manifest(random_weights(TinyModelSpec(seed=3)), 1))
+            manifest = sender.manifest(random_weights(TinyModelSpec(seed=3)), 1)
+            pending = c.weights.update({"model": "target", "version": 1, "manifest": manifest})  # never sent
             errors: list[BaseException] = []
 
             def update() -> None:
                 try:
-                    c.update_weights()
+                    pending.result()
                 except BaseException as e:
                     errors.append(e)
 

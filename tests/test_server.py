@@ -150,7 +150,7 @@ def test_malformed_json_auth_and_unknown_routes(server: Sidecar) -> None:
     bad_query = httpx.get(server.url + "/checksums?model=student", headers=AUTH, timeout=30)
     assert bad_query.status_code == 422 and bad_query.json()["error"]["field"] == "model"
     schema = httpx.get(server.url + "/openapi.json", timeout=30).json()
-    assert {"/generate", "/v1/completions", "/sleep", "/weights/start", "/audit"} <= set(schema["paths"])
+    assert {"/generate", "/v1/completions", "/sleep", "/weights/init", "/audit"} <= set(schema["paths"])
     assert post(server, "/sleep", {"level": 3}).json()["error"]["field"] == "level"
     assert post(server, "/generate", {"prompts": ["still serving"]}).status_code == 200
 

@@ -3,7 +3,8 @@ neither httpx nor torch: the hook catches these classes, never class names or `t
 
 An error response becomes the class its HTTP status picks (sidecar/http/common.py maps the ranks'
 error kinds to statuses); a 409 whose type is the checksum package's ChecksumMismatch (a per-rank
-audit failed at /weights/finish) is the narrower SidecarChecksumError.
+audit failed in a sync) is the narrower SidecarChecksumError, one whose type is ProtocolMismatch (the
+sidecar speaks another weight-sync protocol) SidecarProtocolError.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from inference.core import InvalidRequestError, SidecarError, StateError
 # checksum.ChecksumMismatch.__name__, as the server reports it (tests/test_client.py holds them equal;
 # importing checksum here would import torch into every client)
 CHECKSUM_MISMATCH = "ChecksumMismatch"
+PROTOCOL_MISMATCH = "ProtocolMismatch"  # the sidecar's 409 at /weights/init (sidecar/http/control.py)
 
 
 class SidecarHTTPError(SidecarError):
@@ -44,8 +46,13 @@ class SidecarStateError(SidecarHTTPError, StateError):
 
 
 class SidecarChecksumError(SidecarStateError):
-    """409 from a per-rank audit at /weights/finish: a rank did not receive the bytes sent (the model is
-    torn); the message names the tensor and the rank."""
+    """409 from a per-rank audit in a sync: a rank did not receive the bytes sent (the model is torn); the
+    message names the tensor and the rank."""
+
+
+class SidecarProtocolError(SidecarStateError):
+    """Client and sidecar speak different weight-sync protocols (refused at /weights/init, by either
+    side); the message names both versions. Install the trainer_hooks of the sidecar's own release."""
 
 
 class SidecarBusyError(SidecarHTTPError):
@@ -83,4 +90,6 @@ def error_class(status: int, type_: str) -> type[SidecarHTTPError]:
     """The class an error response with this status and error type becomes."""
     if status == 409 and type_ == CHECKSUM_MISMATCH:
         return SidecarChecksumError
+    if status == 409 and type_ == PROTOCOL_MISMATCH:
+        return SidecarProtocolError
     return _BY_STATUS.get(status, SidecarServerError)

@@ -6,8 +6,14 @@ sync_weights, generate), over every replica at once:
   must free its memory with the rest). A replica whose call fails is taken out of rotation; the call
   fails only when every replica fails (with the first one's error; FleetGoneError if all are gone).
 - sync_weights: one sync per step in which every rank of every replica joins ONE transfer group, so
-  the bytes go out in one broadcast (trainer_hooks/fleet_sync.py). The hook hands the fleet a maker of
-  WeightSenders, because the number of receivers follows the replicas that take part.
+  the bytes go out in one broadcast (the choreography is trainer_hooks/sync.py's, the one a SidecarClient
+  runs). The hook hands the fleet a maker of WeightSenders, because the number of receivers follows the
+  replicas that take part. Members: the replicas that answer /state healthy when the sync starts (a
+  draft sync asks only those in rotation: it can take one out, never admit one). A member that goes away
+  before its audit, or refuses the start while others accept it, is dropped and the sync runs again at
+  once without it, in a fresh group; a start every member refuses is raised as is; a wire failure with
+  every member alive is a FleetSyncError naming each replica's error. Each verdict is the replica's own:
+  an audit mismatch fails that replica only, and once any replica audited nothing runs again.
 - One weight version across the fleet: rollouts go only to replicas in rotation, and a replica is in
   rotation only while it holds the fleet's version. One that fails its audit, misses a sync, dies, or
   answers with another version is taken out, with its reason (`status()`, the sync's report), and
@@ -34,19 +40,20 @@ from concurrent.futures import wait as wait_futures
 from typing import Any
 
 from inference.core import InvalidRequestError, RequestOutput, SidecarError
-from trainer_hooks.client_errors import SidecarConnectionError, SidecarUnavailableError
+from trainer_hooks.client_errors import SidecarRequestError
 from trainer_hooks.fleet_replicas import (
     FleetError,
     FleetGoneError,
+    FleetSyncError,
     Replica,
+    SyncOutcome,
     admissible,
     check_dp_ranks,
     pick_replicas,
     sequences_of,
+    sync_report,
 )
-from trainer_hooks.fleet_sync import FleetGroup
-
-GONE = (SidecarConnectionError, SidecarUnavailableError)  # a replica that went away, not a bad request
+from trainer_hooks.sync import GONE, FleetGroup, StepFailed
 
 __all__ = ["Fleet", "FleetError", "FleetGoneError"]
 
@@ -68,7 +75,7 @@ class Fleet:
         self._lock = threading.Lock()  # rotation, outstanding counts, version
         self._contacted = False
         self.pool = ThreadPoolExecutor(max(4, 4 * len(items)), thread_name_prefix="fleet")
-        self._group = FleetGroup(self)
+        self._group = FleetGroup(self.pool)
 
     @staticmethod
     def _client(item: str | Any, api_key: str | None, timeout: float, long_timeout: float, retries: int) -> Any:
@@ -245,13 +252,80 @@ class Fleet:
 
     def sync_weights(self, sender: Any, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
                      version: int, model: str = "target", *, allow_cast: bool = False) -> dict[str, Any]:
-        """One sync of every reachable replica through one transfer group (trainer_hooks/fleet_sync.py).
-        `sender`: a callable num_receivers -> WeightSender (the fleet builds one per membership and owns
-        it), or a WeightSender whose num_receivers fits the replicas' ranks. Returns the fleet's audit
+        """One sync of every reachable replica through one transfer group (module docstring). `sender`: a
+        callable num_receivers -> WeightSender (the fleet builds one per membership and owns it), or a
+        WeightSender whose num_receivers fits the replicas' ranks. Returns the fleet's audit
         (fleet_replicas.sync_report); raises FleetGoneError when no replica could take part."""
         self._contact()
         named = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-        return self._group.sync(sender, named, version, model, allow_cast)
+        missed: dict[int, str] = {}
+        while True:
+            try:
+                members = self._members(missed, model)
+            except FleetGoneError:
+                self.settle_sync(model, version, (), {i: f"missed the sync of {model} v{version}: {why}"
+                                                      for i, why in missed.items()})
+                raise
+            try:
+                outcome = self._group.sync(sender, members, named, version, model, allow_cast)
+                break
+            except StepFailed as failed:
+                missed.update(self._lost(failed, members))
+        return self._settled(outcome, missed)
+
+    def _settled(self, outcome: SyncOutcome, missed: Mapping[int, str]) -> dict[str, Any]:
+        model, version = outcome.model, outcome.version
+        outcome.missed.update(missed)
+        out = {i: f"failed its audit of {model} v{version}: {why}" for i, why in outcome.failed.items()}
+        out.update({i: f"missed the sync of {model} v{version}: {why}" for i, why in outcome.missed.items()})
+        self.settle_sync(model, version, outcome.passed, out)
+        report = sync_report(outcome, self.replicas)
+        if not outcome.passed and not outcome.failed:
+            raise FleetGoneError(f"no replica took the sync of {model} v{version}:\n  {report['table']}")
+        return report
+
+    def _members(self, missed: dict[int, str], model: str) -> list[Replica]:
+        """The replicas that take part; the unreachable and unhealthy ones are added to `missed`."""
+        found = self.probe()
+        members = []
+        for r in self.replicas:
+            state = found[r.index]
+            if r.index in missed:
+                continue
+            if isinstance(state, BaseException):
+                missed[r.index] = f"unreachable: {state}"
+            elif not state.get("healthy"):
+                missed[r.index] = f"unhealthy: {state.get('failure')}"
+            elif model == "target" or r.in_rotation:
+                members.append(r)
+        if not members:
+            raise FleetGoneError(self._reasons(f"no replica can take the sync of {model}", missed))
+        return members
+
+    def _lost(self, failed: StepFailed, members: Sequence[Replica]) -> dict[int, str]:
+        """The members to drop after a failed step ({index: why}): those that went away, else those that
+        refused the start others took. Raises the start's error when every member refused it, and a
+        FleetSyncError naming each replica's error when every member is alive and willing."""
+        for e in failed.errors.values():
+            if not isinstance(e, SidecarError):
+                raise e
+        step, errors = failed.step, failed.errors
+        gone = {i: f"went away at {step}: {e}" for i, e in errors.items() if isinstance(e, GONE)}
+        if not gone:
+            found = self.probe(members)  # a member that died may have left the others only a timeout
+            gone = {r.index: f"went away at {step}: {found[r.index]}" for r in members
+                    if isinstance(found[r.index], BaseException) or not found[r.index].get("healthy")}
+        refused = {i: e for i, e in errors.items() if isinstance(e, SidecarRequestError)}
+        if not gone and refused:
+            if len(refused) == len(members):
+                raise next(iter(refused.values()))  # every replica refuses this manifest: the trainer's problem
+            gone = {i: f"refused the start: {e}" for i, e in refused.items()}
+        if gone:
+            return gone
+        named: dict[str, BaseException] = {self.replicas[i].label: e for i, e in errors.items()}
+        if failed.local is not None:
+            named["sender"] = failed.local
+        raise FleetSyncError(f"the {step} step of the fleet's sync failed", named)
 
     # ---- rollouts -----------------------------------------------------------------------------------
     def generate(self, prompts: Any, sampling_params: Any = None, *, wait: bool = True,

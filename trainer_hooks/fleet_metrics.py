@@ -23,14 +23,19 @@ Metrics (every per-replica one labelled replica="dp{i}", url):
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from trainer_hooks.fleet import Fleet
+
+class RotationView(Protocol):
+    """What a scrape reads of a Fleet (trainer_hooks/fleet.py): its version and `rotation()` rows."""
+
+    version: int | None
+
+    def rotation(self) -> list[dict[str, Any]]: ...
 
 _LABELS = ["replica", "url"]
 # (row key, metric name, help) of the per-replica gauges and counters
@@ -47,7 +52,7 @@ _COUNTERS = (("times_out", "sidecar_fleet_replica_taken_out", "Times the replica
 class FleetCollector(Collector):
     """The fleet's view at each scrape (module docstring); register it on any CollectorRegistry."""
 
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: RotationView) -> None:
         self.fleet = fleet
 
     def collect(self) -> Iterator[Metric]:
@@ -81,7 +86,7 @@ class FleetCollector(Collector):
         return iter(())  # read fresh at every scrape
 
 
-def metrics_text(fleet: Fleet) -> str:
+def metrics_text(fleet: RotationView) -> str:
     """The fleet's metrics in Prometheus' text exposition format."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(FleetCollector(fleet))

@@ -7,7 +7,7 @@
   goes to the replica with the fewest outstanding sequences, counting what this call placed before it.
 - Admission (`admissible`): at first contact a replica is in rotation when it is healthy, not torn
   and serves the newest target version among the replicas that are; afterwards only a good sync
-  admits it (trainer_hooks/fleet_sync.py).
+  admits it (Fleet.sync_weights).
 
 Imports neither torch nor httpx (`sidecar status` builds a Fleet).
 """

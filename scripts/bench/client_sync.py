@@ -4,18 +4,15 @@ A `sidecar launch` subprocess serves --model (tiny or qwen2-0.5b, built as `side
 this process is the trainer: a WeightSender holding the checkpoint's own tensors on --device, joined
 once with connect_sender. Each digest rule is measured in the same run: the one the sender picks for
 its tensors (the device rule, "xxh3_64_seg64k", for CUDA tensors) and the other one for comparison
-(set on the sender, `digest_algorithm`). Each is measured on the client's path (ONE request: the update
-carries the start and "finish", the sender delivers its digests over the group, the answer is the
-audit); the picked rule also on the two-request path an older sidecar gets (update, then finish with the
-digests over HTTP), in the same run (`by_path`). Per rule and path, after --warmup syncs, each of --iters
-syncs is timed on the client:
+(set on the sender, `digest_algorithm`). Each is measured on the sync's one path (ONE request: the update
+carries the start, the sender delivers its digests over the group, the answer is the audit). Per rule,
+after --warmup syncs, each of --iters syncs is timed on the client:
 - sync_audit_ms: the whole sync_weights call, whose answer carries the audit (every rank compared what it
   holds with the sender's digests, and the version is live);
-- sync_ms: the same call until sender.send() returned (the bytes in place on every rank and, on the
-  one-request path, the sender's digests delivered to them): sync_audit_ms minus the audit's tail;
-- per phase: each HTTP call's client-side time and sender.send() ("start" only against a sidecar without
-  start_in_update: otherwise the start rides on the update);
-- requests_per_sync: the HTTP requests one sync made (1; 2 on the two-request path);
+- sync_ms: the same call until sender.send() returned (the bytes in place on every rank and the sender's
+  digests delivered to them): sync_audit_ms minus the audit's tail;
+- per phase: the update's client-side time and sender.send();
+- requests_per_sync: the HTTP requests one sync made (1);
 - server_*_ms: the mean time the sidecar's handlers report for the same calls (its Prometheus histogram
   sidecar_weight_sync_seconds: start, update, finish; "audit" is the ranks' part of finish), i.e. the
   same bytes moved and checked with no HTTP or client in the way; `ratio` is client / server;
@@ -59,9 +56,10 @@ from inference.transfer.sender import WeightSender
 from sidecar.cli.demo import SidecarProcess
 from sidecar.client import SidecarClient
 from sidecar.demo.task import DemoModel, resolve_model
+from trainer_hooks.wire import Wire
 
-PHASES = ("start", "update", "finish", "audit")
-_PATHS = {"/weights/start": "start", "/weights/update": "update", "/weights/finish": "finish", "/audit": "audit"}
+PHASES = ("start", "update", "finish", "audit")  # the sidecar's sync_seconds phases (start and audit inside the update)
+_PATHS = {"/weights/update": "update"}
 
 
 class _Setup:
@@ -77,17 +75,19 @@ class TimedClient(SidecarClient):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.times: dict[str, list[float]] = defaultdict(list)
-        self.wire: dict[str, list[float]] = defaultdict(list)  # per call: client time minus Server-Timing app
+        self.wire_ms: dict[str, list[float]] = defaultdict(list)  # per call: client time minus Server-Timing app
         self.control: dict[str, list[float]] = defaultdict(list)  # per call: client time minus the handler's
         self.hops: dict[str, list[float]] = defaultdict(list)  # per call: handler time minus the ranks' own
         self.requests = 0
 
-    def _send_later(self, method: str, path: str, *args: Any) -> Callable[[], Any]:
-        """Every request passes here: timed from its write to its answer read (an update is written before
-        send() starts and read in the update thread)."""
+        self.wire._send = self._timed_send  # type: ignore[method-assign]
+
+    def _timed_send(self, method: str, path: str, *args: Any) -> Callable[[], Any]:
+        """Every request passes here (trainer_hooks/wire.py): timed from its write to its answer read (an
+        update is written before send() starts and read once it returned)."""
         self.requests += 1
         t0 = time.perf_counter()
-        read = super()._send_later(method, path, *args)
+        read = Wire._send(self.wire, method, path, *args)
 
         def timed() -> Any:
             resp = None
@@ -100,7 +100,7 @@ class TimedClient(SidecarClient):
                     self.times[_PATHS[path]].append(ms)
                     app, handler, ranks = _server_timing(resp)
                     if app is not None:
-                        self.wire[_PATHS[path]].append(ms - app)
+                        self.wire_ms[_PATHS[path]].append(ms - app)
                     if handler is not None:
                         self.control[_PATHS[path]].append(ms - handler)
                     if handler is not None and ranks is not None:
@@ -168,22 +168,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         with TimedClient(server.url, timeout=300) as client:
             client.connect_sender(sender)
-            if not client._audit_in_update:
-                raise SystemExit("the sidecar did not offer audit_in_update at /weights/init")
-            runs, paths = {}, {}
+            runs = {}
             for algorithm in (picked, *(a for a in ALGORITHMS if a != picked)):
                 sender.digest_algorithm = algorithm
                 runs[algorithm], version = measure(args, client, sender, weights, version)
-            sender.digest_algorithm = picked
-            client._audit_in_update = False  # what a sidecar without audit_in_update leaves: update, then finish
-            paths["two_requests"], version = measure(args, client, sender, weights, version)
-            client._audit_in_update = True
-            paths["one_request"] = runs[picked]
             out = {"bench": "client_sync", "model": args.model, "backend": args.backend, "device": args.device,
                    "tensors": len(weights), "bytes": sum(t.numel() * t.element_size() for t in weights.values()),
                    "iters": args.iters, "algorithm": picked, **runs[picked], "by_algorithm": runs,
-                   "by_path": paths, "round_trip_ms": round_trips(client)}
-            out["ratio_one_to_two_requests"] = round(out["sync_audit_ms"] / paths["two_requests"]["sync_audit_ms"], 3)
+                   "round_trip_ms": round_trips(client)}
             return out
     finally:
         sender.close()
@@ -213,7 +205,7 @@ def measure(args: argparse.Namespace, client: TimedClient, sender: WeightSender,
         version += 1
         client.sync_weights(sender, weights, version=version)
     client.times.clear()
-    client.wire.clear()
+    client.wire_ms.clear()
     client.control.clear()
     client.hops.clear()
     before = server_sums(client)
@@ -234,7 +226,7 @@ def measure(args: argparse.Namespace, client: TimedClient, sender: WeightSender,
     out = summary(args, client.times, totals, syncs, before, after)
     if client.control:  # per call, median: robust where the histogram's mean is not (one slow call)
         out["control_ms"] = {k: round(statistics.median(v), 3) for k, v in client.control.items() if v}
-    out["wire_ms"] = {k: round(statistics.median(v), 3) for k, v in client.wire.items() if v}
+    out["wire_ms"] = {k: round(statistics.median(v), 3) for k, v in client.wire_ms.items() if v}
     out["hops_ms"] = {k: round(statistics.median(v), 3) for k, v in client.hops.items() if v}
     return {**out, "requests_per_sync": per_sync}, version
 

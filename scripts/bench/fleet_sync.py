@@ -66,6 +66,7 @@ from inference.transfer.sender import WeightSender
 from sidecar.demo.task import QWEN2_05B, resolve_model
 from trainer_hooks.client import SidecarClient
 from trainer_hooks.fleet import Fleet
+from trainer_hooks.sync import SyncPeer
 
 SHAPES = ("tiny", "qwen2-0.5b")
 TARGET_RATIO = {"cpu": 1.5, "cuda": 2.0}  # the acceptance: under 1.5x on the CPU machine, at most 2x on the H200
@@ -203,7 +204,7 @@ def measure_syncs(urls: list[str], make: Callable[..., WeightSender], weights: d
         syncs = []
         for url in urls:
             client = stack.enter_context(OwnGroupClient(url, timeout=args.timeout_s))
-            sender = make(num_receivers=len(client.rank_keys()))
+            sender = make(num_receivers=len(client.state()["ranks"]))
             stack.callback(sender.close)
             syncs.append(client_sync(client, sender, weights))
         apart = time_syncs(syncs, weights, args, first_version=1 + 2 * rounds)
@@ -214,12 +215,21 @@ class OwnGroupClient(SidecarClient):
     """A SidecarClient whose replica's ranks take group ranks 1..n of a group of its own, whatever their
     dp rank (without a `ranks` map, a replica launched with --dp-rank I asks for 1 + I * tp + k)."""
 
-    def rank_keys(self) -> list[str]:
-        return [str(r["rank"]) for r in self.state()["ranks"]]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.weights = _OwnGroupPeer(self)
 
-    def init_weights(self, init_info: Mapping[str, Any], *, timeout: float | None = None) -> dict[str, Any]:
-        ranks = {k: 1 + j for j, k in enumerate(self.rank_keys())}
-        return super().init_weights({**init_info, "ranks": ranks}, timeout=timeout)
+
+class _OwnGroupPeer(SyncPeer):
+    """The client's weight routes, its init carrying the `ranks` map of a group of its own."""
+
+    def __init__(self, client: SidecarClient) -> None:
+        super().__init__(client.wire, client.long_timeout)
+        self.client = client
+
+    def init(self, init_info: Mapping[str, Any]) -> dict[str, Any]:
+        keys = [str(r["rank"]) for r in self.client.state()["ranks"]]
+        return super().init({**init_info, "ranks": {k: 1 + j for j, k in enumerate(keys)}})
 
 
 def fleet_sync(fleet: Fleet, make: Callable[..., WeightSender],

@@ -234,7 +234,7 @@ def dying_sender(out: Any, version: int, bucket_bytes: int, timeout_s: float) ->
         return real(*args, **kwargs)
 
     group.exchange = exchange
-    sender.send(named)
+    sender.send(named, deliver_digests=True)
 
 
 class Trainer:
@@ -277,11 +277,12 @@ class Trainer:
         proc.start()
         try:
             self.client.init_weights(out.get(timeout=120))
-            self.client.start_weights(self.version, out.get(timeout=120))
+            update = self.client.weights.update({"model": "target", "version": self.version,
+                                                 "manifest": out.get(timeout=120)})
             killer = threading.Thread(target=lambda: out.get(timeout=120) and os.kill(proc.pid, signal.SIGKILL))
             killer.start()
             try:
-                self.client.update_weights()
+                update.result()
                 self.tally.add("unexpected", "update after a killed sender did not fail")
             except SidecarTransferError as e:
                 self.tally.add("expected" if e.status == 502 else "unexpected", f"killed sender update {e.status}")

@@ -1,5 +1,5 @@
-"""The HTTP control plane: a FastAPI app over the driver (generation here, control in server_control.py,
-checksums and audits in server_audit.py, what they share in server_common.py).
+"""The HTTP control plane: a FastAPI app over the driver (generation here, control in sidecar/http/control.py,
+checksums and audits in sidecar/http/audit.py, what they share in sidecar/http/common.py).
 
 Errors: every error response is {"error": {"type", "message", "field", "rank"}}. Status codes:
 400 a bad value (malformed JSON, a value out of range; `field` names it), 422 a wrong type or an
@@ -16,10 +16,8 @@ GET /health and GET /metrics (probes and scrapers) and the OpenAPI docs. Reads s
 
 from __future__ import annotations
 
-import hmac
 import logging
 import uuid
-from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
@@ -30,9 +28,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inference.core import InvalidRequestError, RequestOutput, SamplingParams, StateError
 from sidecar.http.common import ApiError, ServerState, await_future, error_response, rank_error_to_api
-from sidecar.http.control import add_control_routes
-from sidecar.http.guard import RequestGuard
-from sidecar.http.hot import HotRoutes, hot_routes_enabled
+from sidecar.http.control import WeightsUpdateGate, add_control_routes
+from sidecar.http.guard import RequestGuard, require_key
 from sidecar.http.intake import build_intake, encode_group
 from sidecar.http.models import (
     CompletionOut,
@@ -41,6 +38,7 @@ from sidecar.http.models import (
     GenerateRequest,
     GenerateResponse,
     PromptOut,
+    WeightsUpdateRequest,
 )
 from sidecar.http.openai import add_openai_routes
 from sidecar.http.openai_format import completion_response
@@ -61,36 +59,50 @@ def create_app(state: ServerState) -> FastAPI:
     router = APIRouter(dependencies=[Depends(_auth(state.config.api_key))])
     _add_open_routes(open_router, state)
     _add_generation_routes(router, state)
-    hot = add_control_routes(router, state)
+    add_control_routes(router, state)
     add_openai_routes(router, state)
     app.include_router(open_router)
     app.include_router(router)
-    if hot_routes_enabled():  # inside RequestGuard: Starlette wraps each later-added middleware around it
-        app.add_middleware(HotRoutes, routes=hot,  # type: ignore[arg-type]
-                           authorized=partial(key_accepted, state.config.api_key),
-                           on_error=partial(error_answer, state))
+    _document_lean_update(app)
+    # inside RequestGuard: Starlette wraps each later-added middleware around the earlier ones
+    app.add_middleware(WeightsUpdateGate, state=state, on_error=partial(error_answer, state))  # type: ignore[arg-type]
     app.add_middleware(RequestGuard, max_body_bytes=state.config.max_body_mb << 20,  # type: ignore[arg-type]
                        on_error=lambda status: state.metrics.http_errors.labels(str(status)).inc())
     return app
 
 
+def _document_lean_update(app: FastAPI) -> None:
+    """POST /weights/update is answered before FastAPI's routing (sidecar/http/control.py says why), so
+    FastAPI leaves it out of its schema: it is added from its body model, for /docs and schema clients."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build()  # cached by FastAPI from here on: extended once
+        body = WeightsUpdateRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+        models = schema.setdefault("components", {}).setdefault("schemas", {})
+        models.update({**body.pop("$defs", {}), "WeightsUpdateRequest": body})
+        schema["paths"]["/weights/update"] = {"post": {
+            "summary": "One weight sync: start, receive every bucket while the sender sends, audit and commit",
+            "operationId": "weights_update",
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": {"$ref": "#/components/schemas/WeightsUpdateRequest"}}}},
+            "responses": {"200": {"description": "the sync's audit"},
+                          "4XX": {"description": "an error", "content": {"application/json": {
+                              "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}}}}
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def _auth(key: str | None) -> Any:
     # async, though it awaits nothing: FastAPI runs a plain `def` dependency in its thread pool, a thread
     # hop on every authenticated call (0.2 ms of each weight-sync message on a busy 2-core box).
-    async def require_key(request: Request) -> None:
-        if not key_accepted(key, request.headers):
-            raise ApiError(401, "Unauthorized", "missing or wrong API key: send 'Authorization: Bearer KEY'",
-                           "authorization")
+    async def key_required(request: Request) -> None:
+        require_key(key, request.headers)
 
-    return require_key
-
-
-def key_accepted(key: str | None, headers: Mapping[str, str]) -> bool:
-    """True when no API key is set, or `headers` (lower-case names) carry `Authorization: Bearer KEY`."""
-    if key is None:
-        return True
-    scheme, _, token = headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+    return key_required
 
 
 def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
@@ -109,8 +121,8 @@ async def _error_handler(state: ServerState, _: Request, e: Exception) -> JSONRe
 
 def error_answer(state: ServerState, e: Exception) -> JSONResponse | None:
     """The app's JSON error answer to an exception a handler (or FastAPI) raised, counted in the metrics;
-    None for an unexpected one (RequestGuard answers it with a 500). The FastAPI routes and HotRoutes
-    answer through it, so an error reads the same on either path."""
+    None for an unexpected one (RequestGuard answers it with a 500). Every route answers through it (the
+    POST /weights/update of sidecar/http/control.py too), so every error reads the same."""
     if isinstance(e, ApiError):
         headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
         status, args = e.status, (e.type, e.message, e.field, e.rank)

@@ -1,42 +1,43 @@
 """Control endpoints: state, sleep/wake, pause/resume, weight syncs, checksums and audits.
 
-Each control endpoint sends one declared command (sidecar/ranks/commands.py) to every rank between two
-generation steps (sidecar/ranks/driver.py) and answers with every rank's reply: Sleep, WakeUp, and the
-weight sync's InitWeightTransfer, StartWeightUpdate, UpdateWeights, FinishWeightUpdate and
-AbortWeightUpdate (handled in sidecar/ranks/server.py, which calls the engine's weight-update API,
-inference/weights/updater.py). POST /weights/update may carry the start (UpdateWeights(start=...)): one
-round trip fewer per sync, what SidecarClient sends when /weights/init answered `start_in_update`. An open
-session has a lease (sidecar/http/lease.py): idle past --weight-session-lease-s, or at POST
-/weights/abort, it is aborted. docs/limits.md has the timeouts.
+Each sends one declared command (sidecar/ranks/commands.py) to every rank between two generation steps
+(sidecar/ranks/driver.py) and answers with every rank's reply. The weight-sync protocol (its trainer's
+side: trainer_hooks/sync.py): POST /weights/init joins the trainer's transfer group and refuses a client
+of another protocol version (409 naming `protocol` and both versions); each sync is then ONE POST
+/weights/update carrying the start, while the sender sends and delivers its digests over the group:
+every rank audits and commits, and the answer is the audit. No session outlives its update (a failed
+one ends it on every rank); POST /weights/abort ends one still open. docs/limits.md has the timeouts.
+
+POST /weights/update is answered by `WeightsUpdateGate`, in front of FastAPI's routing, dependencies,
+body pass and response model, most of what the message cost beyond its handler (in process on a stub
+driver: 95-114 us a request, 149-161 us as a plain Starlette route, 232-237 us as a FastAPI route). Its
+contract is a FastAPI route's all the same (`_lean_body`), and its errors are answered by the app's own
+error_answer, so they read and count as every route's.
 """
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from starlette.types import Scope
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from checksum import ITEMSIZE, Report
 from sidecar.http.audit import add_audit_routes, report_dict
 from sidecar.http.common import ApiError, ServerState, await_future, call
-from sidecar.http.guard import note_handler_time
-from sidecar.http.hot import HotRoute
-from sidecar.http.lease import SessionLease
-from sidecar.http.models import (
-    SleepRequest,
-    WakeRequest,
-    WeightsFinishRequest,
-    WeightsInitRequest,
-    WeightsStartRequest,
-    WeightsUpdateRequest,
-)
+from sidecar.http.guard import note_handler_time, require_key
+from sidecar.http.models import SleepRequest, WakeRequest, WeightsInitRequest, WeightsUpdateRequest
 from sidecar.ranks.commands import (
     AbortWeightUpdate,
     Command,
-    FinishWeightUpdate,
     InitWeightTransfer,
     Sleep,
     StartWeightUpdate,
@@ -45,8 +46,10 @@ from sidecar.ranks.commands import (
     UpdateWeights,
     WakeUp,
 )
+from trainer_hooks.sync import SYNC_PROTOCOL
 
 _LAYOUTS_KEPT = 16
+Body = TypeVar("Body", bound=BaseModel)
 
 
 def state_dict(state: ServerState) -> dict[str, Any]:
@@ -107,12 +110,10 @@ def _tensor_bytes(tensors: Any) -> int:
     return total
 
 
-def add_control_routes(router: APIRouter, state: ServerState) -> dict[tuple[str, str], HotRoute]:
-    """Adds the control routes; returns those HotRoutes serves too (sidecar/http/hot.py)."""
+def add_control_routes(router: APIRouter, state: ServerState) -> None:
     _add_lifecycle_routes(router, state)
-    hot = _add_weight_routes(router, state)
+    _add_weight_routes(router, state)
     add_audit_routes(router, state)
-    return hot
 
 
 def _add_lifecycle_routes(router: APIRouter, state: ServerState) -> None:
@@ -173,120 +174,108 @@ def _check_init_info(state: ServerState, init_info: dict[str, Any]) -> None:
                        "longer", "init_info.timeout_s")
 
 
-def _add_weight_routes(router: APIRouter, state: ServerState) -> dict[tuple[str, str], HotRoute]:
-    layout_bytes: dict[str, int] = {}  # per manifest layout key, its bytes (for a layout-only start's metric)
+def _check_protocol(protocol: int | None) -> None:
+    """A client of another weight-sync protocol (or of none: older than versions) is refused at init."""
+    if protocol != SYNC_PROTOCOL:
+        spoken = "no protocol version (an older client)" if protocol is None else f"protocol {protocol}"
+        raise ApiError(409, "ProtocolMismatch", f"the client speaks weight-sync {spoken}, this sidecar speaks "
+                       f"protocol {SYNC_PROTOCOL}: use the trainer_hooks of the sidecar's own release", "protocol")
 
-    async def expire() -> None:
-        opened = await _weight_call(state, AbortWeightUpdate(f"the session sat idle for {lease.lease_s:g} s "
-                                                             "(--weight-session-lease-s)"))
-        if any(opened):
-            _failed(state)
 
-    lease = SessionLease(state.config.weight_session_lease_s, expire)
-
+def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
     @router.post("/weights/init", summary="Join the trainer's transfer group (run while the sender connects)")
     async def weights_init(body: WeightsInitRequest) -> dict[str, Any]:
+        _check_protocol(body.protocol)
         _check_init_info(state, body.init_info)
-        with lease.call():
-            ranks = await _weight_call(state, InitWeightTransfer(body.init_info))
-        lease.closed()  # the ranks abandoned any open session for the new group
-        # /weights/update takes a "start", and "finish" with digests the sender delivers (SidecarClient uses both)
-        return {"ranks": ranks, "start_in_update": True, "audit_in_update": True}
-
-    @router.post("/weights/start", summary="Open an update session: validate the whole manifest first")
-    async def weights_start(body: WeightsStartRequest, request: Request) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        with lease.call():
-            await _weight_call(state, StartWeightUpdate(body.model, body.version, body.manifest, body.allow_cast))
-        lease.opened()
-        state.metrics.sync_seconds.labels(body.model, "start").observe(time.perf_counter() - t0)
-        state.sync_started[body.model] = (t0, _manifest_bytes(body.manifest, layout_bytes))
-        note_handler_time(request.scope, t0)
-        return {"model": body.model, "version": body.version, "started": True}
-
-    @router.post("/weights/update", summary="Receive every bucket (blocks while the sender sends); with "
-                 "\"start\", open the session first in the same call")
-    async def weights_update(request: Request, body: WeightsUpdateRequest | None = None) -> JSONResponse:
-        return await update(body or WeightsUpdateRequest(), request.scope)
-
-    async def update(body: WeightsUpdateRequest, scope: Scope) -> JSONResponse:
-        """The update's handler, on both paths: the FastAPI route above and HotRoutes."""
-        info, start = body.update_info, body.start
-        if isinstance(info, list) and len(info) != len(state.plans):
-            raise ApiError(400, "InvalidRequestError", f"a list needs one entry per rank ({len(state.plans)}), got "
-                           f"{len(info)}", "update_info")
-        opening = None if start is None else StartWeightUpdate(start.model, start.version, start.manifest,
-                                                               start.allow_cast)
-        t0 = time.perf_counter()
-        # A start opens its session here, before the ranks run it: the trainer may send finish as soon as its
-        # send() returned, and that finish may be handled before this update's answer (SidecarClient does).
-        # While a session is open the ranks refuse a second start: its lease and start time stay untouched.
-        opens = False
-        if start is not None and not lease.is_open:
-            opens = True
-            lease.opened()
-            state.sync_started[start.model] = (t0, _manifest_bytes(start.manifest, layout_bytes))
-        model = _open_model(state) if start is None else start.model
-        try:
-            with lease.call():
-                replies: list[UpdateReply] = await _weight_call(state, UpdateWeights(info, opening, body.finish))
-        except ApiError as e:
-            if body.finish and e.kind == "checksum":
-                state.metrics.audit_failures.inc()
-            if start is None or opens:  # a failed update ends the session on every rank
-                lease.closed()
-                _failed(state)
-            else:
-                state.metrics.syncs.labels(model, "failed").inc()
-            raise
-        start_s = max(r.start_s for r in replies)
-        if start is not None:
-            state.metrics.sync_seconds.labels(model, "start").observe(start_s)
-        results = [r.result for r in replies if r.result is not None]
-        audit_s = max((r.audit_s for r in results), default=0.0)
-        state.metrics.sync_seconds.labels(model, "update").observe(time.perf_counter() - t0 - start_s - audit_s)
-        if body.finish:  # every rank audited and committed in this call: the answer is finish's
-            lease.closed()
-            assert len(results) == len(replies), "a rank answered an update with finish without its audit"
-            note_handler_time(scope, t0, max(r.rank_s for r in replies))
-            return JSONResponse(_finished(state, model, results, audit_s))
-        note_handler_time(scope, t0, max(r.rank_s for r in replies))
-        return JSONResponse({"received": True} if start is None else {"received": True, "model": model,
-                                                                      "version": start.version, "started": True})
-
-    @router.post("/weights/finish", summary="Audit received digests against the sender's; make the version live")
-    async def weights_finish(body: WeightsFinishRequest, request: Request) -> JSONResponse:
-        model = _open_model(state)
-        t0 = time.perf_counter()
-        try:
-            with lease.call():
-                results: list[SyncResult] = await _weight_call(state, FinishWeightUpdate(body.digests))
-        except ApiError as e:
-            if e.kind == "checksum":
-                state.metrics.audit_failures.inc()
-            _failed(state)
-            raise
-        finally:
-            lease.closed()  # finish ends the session, passed or failed
-        note_handler_time(request.scope, t0)
-        return JSONResponse(_finished(state, model, results, time.perf_counter() - t0))
+        ranks = await _weight_call(state, InitWeightTransfer(body.init_info))
+        return {"ranks": ranks, "protocol": SYNC_PROTOCOL}
 
     @router.post("/weights/abort", summary="End the open update session now; generation resumes")
     async def weights_abort() -> dict[str, Any]:
-        lease.closed()
         opened = await _weight_call(state, AbortWeightUpdate("aborted by POST /weights/abort"))
         if any(opened):
             _failed(state)
         return {"aborted": any(opened), "state": state_dict(state)}
 
-    return {("POST", "/weights/update"): HotRoute(WeightsUpdateRequest, update)}
+
+class WeightsUpdateGate:
+    """ASGI middleware (inside RequestGuard) that answers POST /weights/update itself, before FastAPI's
+    routing (module docstring); every other request goes on to the app. `on_error(exc)`: the app's
+    answer to an exception (sidecar/http/app.py, error_answer), None for an unexpected one, which is
+    re-raised to RequestGuard's JSON 500."""
+
+    def __init__(self, app: ASGIApp, state: ServerState, on_error: Callable[[Exception], Response | None]) -> None:
+        self.app, self.state, self.on_error = app, state, on_error
+        self.layout_bytes: dict[str, int] = {}  # per manifest layout key, its bytes (a layout-only start's metric)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != "/weights/update" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        try:
+            body = await _lean_body(Request(scope, receive), WeightsUpdateRequest, self.state.config.api_key)
+            response = await self.update(body, scope)
+        except Exception as e:
+            answer = self.on_error(e)
+            if answer is None:
+                raise
+            response = answer
+        await response(scope, receive, send)
+
+    async def update(self, body: WeightsUpdateRequest, scope: Scope) -> Response:
+        """The one request of a sync (module docstring): start, receive, audit and commit."""
+        state, info, start = self.state, body.update_info, body.start
+        if isinstance(info, list) and len(info) != len(state.plans):
+            raise ApiError(400, "InvalidRequestError", f"a list needs one entry per rank ({len(state.plans)}), got "
+                           f"{len(info)}", "update_info")
+        opening = StartWeightUpdate(start.model, start.version, start.manifest, start.allow_cast)
+        t0 = time.perf_counter()
+        # While another update is in flight the ranks refuse this start: that one's start time stays.
+        opens = not state.sync_started
+        if opens:
+            state.sync_started[start.model] = (t0, _manifest_bytes(start.manifest, self.layout_bytes))
+        try:
+            replies: list[UpdateReply] = await _weight_call(state, UpdateWeights(info, opening, True))
+        except ApiError as e:
+            if e.kind == "checksum":
+                state.metrics.audit_failures.inc()
+            if opens:  # a failed update ends its session on every rank
+                _failed(state)
+            else:
+                state.metrics.syncs.labels(start.model, "failed").inc()
+            raise
+        start_s = max(r.start_s for r in replies)
+        state.metrics.sync_seconds.labels(start.model, "start").observe(start_s)
+        results = [r.result for r in replies if r.result is not None]
+        assert len(results) == len(replies), "a rank answered an update without its audit"
+        audit_s = max(r.audit_s for r in results)
+        state.metrics.sync_seconds.labels(start.model, "update").observe(time.perf_counter() - t0 - start_s - audit_s)
+        note_handler_time(scope, t0, max(r.rank_s for r in replies))
+        return JSONResponse(_finished(state, start.model, results, audit_s))
+
+
+async def _lean_body(request: Request, model: type[Body], key: str | None) -> Body:
+    """What FastAPI does before a route's handler, for WeightsUpdateGate: the API key (401 naming
+    `authorization`), then the body parsed as JSON (400 MalformedJSON naming `body`) and validated with
+    `model` in python mode (422 naming the field), raised as FastAPI raises them."""
+    require_key(key, request.headers)
+    raw = await request.body()  # the body limit's 413 is raised here (sidecar/http/guard.py)
+    try:
+        data = json.loads(raw)
+    except ValueError as e:  # json's errors are ValueErrors (bad UTF-8 too)
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body", 0), "msg": "JSON decode error",
+                                       "input": {}, "ctx": {"error": str(e)}}]) from None  # FastAPI's own
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])}
+                                      for err in e.errors(include_url=False)]) from None
 
 
 def _finished(state: ServerState, model: str, results: list[SyncResult], finish_s: float) -> dict[str, Any]:
-    """The answer of a sync every rank audited and committed (/weights/finish, or /weights/update with
-    "finish"), with its metrics. `finish_s`: the seconds of that part (the ranks' audit, inside an
-    update). The weight routes answer with a JSONResponse of plain JSON types: FastAPI's encoder and
-    response-model pass would cost ~40 us a message on the critical path, for nothing to convert."""
+    """The answer of a sync every rank audited and committed, with its metrics. `finish_s`: the seconds of
+    the ranks' audit inside the update. Answered with a JSONResponse of plain JSON types: FastAPI's encoder
+    and response-model pass would cost ~40 us a message on the critical path, for nothing to convert."""
     now = time.perf_counter()
     state.metrics.sync_seconds.labels(model, "finish").observe(finish_s)
     state.metrics.sync_seconds.labels(model, "audit").observe(max(r.audit_s for r in results))

@@ -15,14 +15,15 @@ every route, whatever its handler does.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
 from starlette.exceptions import HTTPException
 
-from sidecar.http.common import error_response
+from sidecar.http.common import ApiError, error_response
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,17 @@ class RequestGuard:
         self.on_error(status)
         field = "body" if status == 413 else None
         await error_response(status, type_, message, field, headers=headers)(scope, receive, send)
+
+
+def require_key(key: str | None, headers: Mapping[str, str]) -> None:
+    """The API-key rule (sidecar/http/app.py says which routes it guards): a 401 naming the field unless no
+    key is set or `headers` (lower-case names) carry `Authorization: Bearer KEY`."""
+    if key is None:
+        return
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise ApiError(401, "Unauthorized", "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                       "authorization")
 
 
 def note_handler_time(scope: Scope, t0: float, ranks_s: float | None = None) -> None:

@@ -3,7 +3,7 @@ on unchanged.
 
 Why: these bodies used to be `dict[str, Any]`, so a wrong JSON type reached code that assumed the right
 one, on a rank or in the checksum package, and came back as a 500 (a list as a manifest's dtype: an
-unhashable list; on /weights/finish it also tore the model), or as torch's own error (`master_host: 5`
+unhashable list; at a sync's finish it also tore the model), or as torch's own error (`master_host: 5`
 became a 502 from the TCPStore constructor). Each alias below validates the JSON types of its body with
 pydantic (strict, so "5" is no integer and 1.0 no shape entry) and a 422 names the field, then hands the
 handler the JSON exactly as it came (`_keep_json`): the handlers and the packages they call keep their
@@ -48,15 +48,6 @@ class ManifestJson(BaseModel):
     tensors: list[RecordJson]
 
 
-class CompactDigestsJson(BaseModel):
-    """The sender's digests in manifest order, one hex string per tensor, with the rule that made them:
-    what `SidecarClient.sync_weights` sends (names, dtypes and shapes are the start manifest's already)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-    algorithm: str
-    digests: list[str]
-
-
 def _init_info_model() -> type[BaseModel]:
     hints = typing.get_type_hints(InitInfo)
     defined = {f.name: (hints[f.name], ... if f.default is dataclasses.MISSING else f.default)
@@ -68,6 +59,5 @@ def _init_info_model() -> type[BaseModel]:
 InitInfoModel = _init_info_model()
 
 InitInfoJson = Annotated[InitInfoModel, WrapValidator(_keep_json)]  # type: ignore[valid-type]
-DigestsJson = Annotated[list[RecordJson] | ManifestJson | CompactDigestsJson, WrapValidator(_keep_json)]
 ExpectedJson = Annotated[list[RecordJson] | list[ManifestJson] | ManifestJson | None, WrapValidator(_keep_json)]
 UpdateInfoJson = Annotated[dict[str, Any] | list[dict[str, Any] | None] | None, WrapValidator(_keep_json)]

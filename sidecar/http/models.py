@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from inference.core import SamplingParams
-from sidecar.http.json_types import DigestsJson, ExpectedJson, InitInfoJson, UpdateInfoJson
+from sidecar.http.json_types import ExpectedJson, InitInfoJson, UpdateInfoJson
 
 WAIT_DOC = ("when the model cannot generate now: true holds the call through a weight sync in progress, "
             "false answers 409 at once; while the sidecar sleeps, a model is torn or awaits its first sync "
@@ -192,6 +192,8 @@ class WakeRequest(_Request):
 
 class WeightsInitRequest(_Request):
     init_info: InitInfoJson = Field(description="WeightSender.init_info() of the trainer")
+    protocol: int | None = Field(None, description="the weight-sync protocol the client speaks "
+                                                   "(trainer_hooks.sync.SYNC_PROTOCOL); another one is a 409")
 
 
 class WeightsStartRequest(_Request):
@@ -202,22 +204,14 @@ class WeightsStartRequest(_Request):
 
 
 class WeightsUpdateRequest(_Request):
+    """The one request of a sync: open the session (`start`), receive every bucket while the sender sends,
+    then compare what every rank holds with the digests the sender delivers over the transfer group
+    (WeightSender.send(deliver_digests=True)) and commit; the answer is the audit."""
+
+    start: WeightsStartRequest = Field(description="the session's model, version and manifest; a start the "
+                                                   "ranks refuse is a 400 naming the field, and the sender's "
+                                                   "send() fails at once (the plan agreement is refused)")
     update_info: UpdateInfoJson = Field(None, description="null or {}; or one of those per rank, in rank order")
-    start: WeightsStartRequest | None = Field(
-        None, description="a /weights/start body: open the session first, in this same call (one round trip "
-                          "fewer per sync; sidecars whose /weights/init answer has start_in_update: true). A "
-                          "start the ranks refuse is answered as /weights/start answers it, and the sender's "
-                          "send() fails at once (the plan agreement is refused)")
-    finish: bool = Field(
-        False, description="the sender delivers its digests in the sync (WeightSender.send(deliver_digests=True)): "
-                           "every rank audits and commits in this call, whose answer is /weights/finish's (one "
-                           "request per sync; sidecars whose /weights/init answer has audit_in_update: true)")
-
-
-class WeightsFinishRequest(_Request):
-    digests: DigestsJson = Field(
-        description="the sender's digests: records {name, dtype, shape, digest}, a manifest, or "
-                    "{algorithm, digests: [hex per start-manifest tensor, in its order]}")
 
 
 class AuditRequest(_Request):
