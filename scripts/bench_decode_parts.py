@@ -39,7 +39,7 @@ from inference.layers.attention import ReferenceAttention
 from inference.sample.sampler import SamplingBatch, sample, sample_reference
 from scripts.bench_attention import decode_case, graph_replay, timer
 
-VARIANTS = {"previous": {"decode_split_tiles": 1, "fused_combine": False, "fused_decode_store": False},
+VARIANTS = {"previous": {"decode_split_tiles": 1, "fused_decode_store": False},
             "split1": {"decode_split_tiles": 1},
             "split4": {"decode_split_tiles": 4},
             "single": {"single_decode_block_n": 128},  # batch 1: 128-key tiles on 8 warps, one per split

@@ -40,7 +40,7 @@ from inference.layers.verify_attention import _verify_attention_kernel
 
 # (q heads per kv head, head_dim) of the two shapes the benchmarks use
 SHAPES = {"qwen2-0.5b": (7, 64), "qwen2.5-7b": (7, 128)}
-_COMMON = {"PAGE": 16, "BLOCK_N": 64, "NUM_SPLITS": 8, "SPLIT_TILES": 2, "FUSED_COMBINE": True, "HAS_WINDOW": False,
+_COMMON = {"PAGE": 16, "BLOCK_N": 64, "NUM_SPLITS": 8, "SPLIT_TILES": 2, "HAS_WINDOW": False,
            "DOT_PRECISION": "tf32", "DOT_UPCAST": False, "PDL": True}
 KERNELS = {  # name: (kernel, its own constexprs besides _COMMON, GROUP and HEAD_DIM)
     "decode": (_paged_attention_kernel, {"GROUP_PAD": 16, "BLOCK_Q": 1, "BLOCK_B": 1, "FUSED_STORE": True,
@@ -121,7 +121,7 @@ def gemm_constexprs(name: str, shape: str, num_sms: int = 132) -> tuple[dict[str
     n, k = _GEMM_SHAPES[shape][proj]
     t = pick_tiles(n, k, num_sms)
     flags = {"HAS_BIAS": False, "SILU_MUL": False, "NORM": False, "HAS_RES": False, **own}
-    return ({**flags, "PARTIAL": t.split_k > 1, "MERGE": t.split_k > 1, "SPLIT": t.split_k, "BLOCK_M": BLOCK_M,
+    return ({**flags, "PARTIAL": t.split_k > 1, "SPLIT": t.split_k, "BLOCK_M": BLOCK_M,
              "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "SUB_M": NORM_SUB_M, "GROUP_M": t.group_m,
              "PREFETCH": t.prefetch and (own.get("SILU_MUL", False) or own.get("NORM", False)),
              "EARLY_DEPENDENTS": True, "PDL": True}, t.num_warps, t.num_stages)

@@ -13,6 +13,7 @@ import dataclasses
 import importlib
 import os
 import random
+from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
@@ -22,8 +23,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from inference.config import ModelConfig, RopeConfig
-from inference.layers import fused
 from inference.layers.attention import Attention, ReferenceAttention
+from inference.layers.kernel_device import interpreted_on_cpu
 from inference.layers.rotary import Rope, RotaryEmbedding
 from inference.models import build_model
 from inference.parallel import TPInfo
@@ -39,9 +40,10 @@ def ta() -> ModuleType:
 
 
 @pytest.fixture(autouse=True)
-def _triton_rotary_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def _triton_rotary_on_cpu() -> Iterator[None]:
     """The unfused comparison path runs fused.py's rotary kernel (in the interpreter on CPU)."""
-    monkeypatch.setattr(fused, "FORCE_ON_CPU", True)
+    with interpreted_on_cpu():
+        yield
 
 
 def rope_for(b: Batch, positions: list[int], theta: float = 10000.0) -> Rope:

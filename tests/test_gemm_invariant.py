@@ -5,6 +5,7 @@ row count, with and without split-K and with each fused prologue, in Triton's in
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -15,15 +16,16 @@ if not torch.cuda.is_available():
 
 from inference.layers import gemv as gemv_mod
 from inference.layers.attention import ReferenceAttention
+from inference.layers.kernel_device import interpreted_on_cpu
 from inference.parallel import TPInfo
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(gemv_mod.triton is None, reason="triton is not installed")
 
 @pytest.fixture
-def force_triton(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gemv_mod, "FORCE_ON_CPU", True)
-    monkeypatch.setattr(gemv_mod, "ENABLED", True)
+def force_triton() -> Iterator[None]:
+    with interpreted_on_cpu():
+        yield
 
 
 ROW_COUNTS = (1, 3, 16, 17, 64, 130)  # inside one 64-row block, across blocks, three blocks
@@ -59,12 +61,10 @@ def _tiles(spec: tuple[int, int, int] | None):
 
 @needs_triton
 @pytest.mark.parametrize(("n", "k", "spec"), TILINGS)
-@pytest.mark.parametrize("fused", [True, False])
-def test_invariant_gemm_rows_do_not_depend_on_the_row_count(force_triton: None, monkeypatch: pytest.MonkeyPatch,
-                                                            n: int, k: int, spec: tuple | None, fused: bool) -> None:
+def test_invariant_gemm_rows_do_not_depend_on_the_row_count(force_triton: None, n: int, k: int,
+                                                            spec: tuple | None) -> None:
     from inference.layers.gemm_invariant import BLOCK_M, invariant_gemm, invariant_linear, invariant_tiles
 
-    monkeypatch.setattr(gemv_mod, "FUSED_SPLIT", fused)
     x, w, b = _half(130, k, seed=k), _half(n, k, seed=n, scale=k ** -0.5), _half(n, seed=1)
     tiles = _tiles(spec)
     assert spec is not None or invariant_tiles(n, k, x.device).split_k > 1
@@ -107,7 +107,6 @@ def test_invariant_silu_mul_gemm_equals_the_unfused_path(force_triton: None, mon
     from inference.layers import fused
     from inference.layers.gemm_invariant import invariant_gemm, invariant_silu_mul_gemm
 
-    monkeypatch.setattr(fused, "FORCE_ON_CPU", True)
     gate_up, w = _half(130, 2 * k, seed=7, scale=2.0), _half(n, k, seed=8, scale=k ** -0.5)
     tiles = _tiles(spec)
     rows_equal_across_counts(lambda t: invariant_silu_mul_gemm(t, w, tiles), gate_up)

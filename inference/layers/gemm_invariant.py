@@ -4,7 +4,7 @@
 on the weight's shape only, never on the number of rows, so a token's projections have the same bits in
 a prefill of 8192 tokens, a decode batch of 128, a batch of 1 and a spec-decode verify:
 
-- Triton (CUDA bf16/fp16, or CPU tensors in Triton's interpreter when gemv.FORCE_ON_CPU): the GEMM of
+- Triton (CUDA bf16/fp16, or CPU tensors as kernel_device.use_triton allows): the GEMM of
   gemm_invariant_kernels.py. Its tiles (`InvariantTiles`: BLOCK_M x BLOCK_N x BLOCK_K, split-K) are a
   function of the weight shape and the device's SM count only (`pick_tiles`), so the tl.dot instruction
   shape, the K order (BLOCK_K steps in order, split-K partials merged in split order) and hence a row's
@@ -13,7 +13,7 @@ a prefill of 8192 tokens, a decode batch of 128, a batch of 1 and a spec-decode 
   (no bytes), and a batch of 128 is two row blocks. Programs are ordered so that the row blocks that
   read one weight tile run side by side (groups of 8 row blocks, row block fastest): the weight comes
   from HBM about once per step, not once per row block.
-- Elsewhere (CPU, fp32 on CUDA, Triton missing or SIDECAR_GEMV=0): `invariant.tiled_linear`, products
+- Elsewhere (CPU, fp32 on CUDA, Triton missing): `invariant.tiled_linear`, products
   of a fixed number of rows per call (the facts it rests on: inference/layers/invariant.py).
 
 Fused prologues, same tiles: `invariant_norm_gemm` forms add_rms_norm's output in registers (the
@@ -25,7 +25,6 @@ dtypes, devices and layouts, never on M, so prefill, decode and verify take the 
 Launches per decoder layer in the mode, besides attention (rotary_qk + the attention kernel): 7
 (add_rms_norm, qkv, o_proj, add_rms_norm, gate_up, silu_and_mul, down). With FUSE_PROLOGUES, 4 (norm+qkv,
 o_proj, norm+gate_up, silu+down), as many as the default at batch 1, but slower on the H200 (see there).
-SIDECAR_GEMV_FUSED_SPLIT=0 adds one launch per split-K product.
 
 Prologue latency (issue 23): the norm's variance pass (a loop of reductions over all of K before the main
 loop, which Triton does not pipeline) read 64 rows at M = 1, and the prologues' main loop was suspected of
@@ -45,6 +44,7 @@ import torch
 from inference import envs
 from inference.layers import gemv as gemv_mod
 from inference.layers.invariant import tiled_linear
+from inference.layers.kernel_device import num_sms, use_triton
 from inference.layers.pdl import launch_kwargs
 
 try:
@@ -106,15 +106,13 @@ def split_for(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int:
 
 
 def invariant_tiles(n: int, k: int, device: torch.device) -> InvariantTiles:
-    """The tiles of weight [n, k] on `device` (its SM count; the interpreter assumes gemv's _CPU_SMS)."""
-    return pick_tiles(n, k, gemv_mod._num_sms(device))
+    """The tiles of weight [n, k] on `device` (its SM count; kernel_device.INTERPRETER_SMS off CUDA)."""
+    return pick_tiles(n, k, num_sms(device))
 
 
 def use_invariant_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether invariant_gemm takes x [M, K] @ weight [N, K]^T (the GEMV's conditions, any M > 0)."""
-    if triton is None or not gemv_mod.ENABLED:
-        return False
-    if not (x.is_cuda or (gemv_mod.FORCE_ON_CPU and envs.TRITON_INTERPRET.get())):
+    if not use_triton(x):
         return False
     return (x.dim() == 2 and weight.dim() == 2 and x.shape[0] > 0 and x.dtype in _DTYPES
             and weight.dtype == x.dtype and weight.is_contiguous() and x.stride(-1) == 1
@@ -146,7 +144,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 def invariant_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                    tiles: InvariantTiles | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias) in one launch (two with split-K and without the fused merge),
+    """x [M, K] @ weight [N, K]^T (+ bias) in one launch,
     fp32 accumulation; `tiles` (tests, benchmarks) overrides invariant_tiles."""
     return _launch(x, weight, bias, x.shape[1], tiles)
 
@@ -191,21 +189,18 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k:
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     k_per_split, split = gemv_mod.split_k_plan(k, t.split_k, t.block_k)
     partial = split > 1
-    merge = partial and gemv_mod.FUSED_SPLIT
     dest = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if partial else out
     b = bias if bias is not None else out
     tiles_mn = triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n)
-    counters = gemv_mod.merge_counters(x.device, tiles_mn) if merge else out
+    counters = gemv_mod.merge_counters(x.device, tiles_mn) if partial else out
     residual, norm_weight, eps, res_out = norm if norm is not None else (None, x, 0.0, x)
     res = residual if residual is not None else x
     pdl = launch_kwargs(x)
     _invariant_gemm_kernel[(tiles_mn, split)](
         x, weight, b, out, dest, counters, res, norm_weight, res_out, m, n, k, x.stride(0), res.stride(0),
         k_per_split, eps, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None,
-        HAS_RES=residual is not None, PARTIAL=partial, MERGE=merge, SPLIT=split if merge else 1,
+        HAS_RES=residual is not None, PARTIAL=partial, SPLIT=split,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SUB_M=NORM_SUB_M, GROUP_M=t.group_m,
         PREFETCH=t.prefetch and (silu_mul or norm is not None), EARLY_DEPENDENTS=EARLY_DEPENDENTS,
         num_warps=t.num_warps, num_stages=t.num_stages, **pdl)
-    if partial and not merge:
-        gemv_mod.sum_splits(dest, bias, out, pdl)
     return out

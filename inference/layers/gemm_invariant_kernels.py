@@ -125,7 +125,7 @@ def _x_form(a, b, nw, rstd, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES:
 def _invariant_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, r_ptr, nw_ptr, res_out_ptr,
                            M, N, K, stride_xm, stride_rm, k_per_split, eps, HAS_BIAS: tl.constexpr,
                            SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                           PARTIAL: tl.constexpr, MERGE: tl.constexpr, SPLIT: tl.constexpr,
+                           PARTIAL: tl.constexpr, SPLIT: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            SUB_M: tl.constexpr, GROUP_M: tl.constexpr, PREFETCH: tl.constexpr,
                            EARLY_DEPENDENTS: tl.constexpr, PDL: tl.constexpr):
@@ -184,14 +184,14 @@ def _invariant_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, 
     if PARTIAL:
         mn = M.to(tl.int64) * N
         tl.store(part_ptr + pid_k * mn + offs, acc, mask=out_mask)
-        if MERGE:  # the last split of this tile to finish sums all of them, in split order
-            tl.debug_barrier()  # every thread's partial is stored before the release
-            count = counter_ptr + pid_m * num_n + pid_n
-            ticket = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
-            if ticket == SPLIT - 1:
-                _merge_splits(part_ptr, b_ptr, out_ptr, offs, cols, n_mask, out_mask, mn, SPLIT, HAS_BIAS,
-                              BLOCK_M, BLOCK_N)
-                tl.store(count, 0)
+        # The last split of this tile to finish sums all of them, in split order.
+        tl.debug_barrier()  # every thread's partial is stored before the release
+        count = counter_ptr + pid_m * num_n + pid_n
+        ticket = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT - 1:
+            _merge_splits(part_ptr, b_ptr, out_ptr, offs, cols, n_mask, out_mask, mn, SPLIT, HAS_BIAS,
+                          BLOCK_M, BLOCK_N)
+            tl.store(count, 0)
     else:
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]

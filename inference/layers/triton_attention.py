@@ -9,7 +9,6 @@ Kernels (in inference/layers/triton_attention_kernels.py; the split-KV end in at
   _paged_attention_kernel   one program per (query tile, kv head, kv split). A tile holds BLOCK_Q
                             tokens x GROUP_PAD query heads of one kv head group (GQA), so each KV tile
                             is loaded once for the whole group; online softmax in fp32 (base 2).
-  _combine_splits_kernel    the unfused split-KV merge (tiles.fused_combine False; benchmarks compare).
 
 Decode, one launch: a split takes at least `decode_split_tiles` KV tiles, so a context that fits in one
 split is computed by split 0 alone, which normalizes and stores the output (single pass; the other
@@ -52,7 +51,6 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import lru_cache
 
 import torch
 import triton
@@ -60,7 +58,7 @@ import triton
 from inference import envs
 from inference.batch import AttentionMetadata
 from inference.core import StateError
-from inference.layers.attention_splits import _combine_splits_kernel
+from inference.layers.kernel_device import num_sms
 from inference.layers.merge_counters import MergeCounters
 from inference.layers.pdl import launch_kwargs
 from inference.layers.rotary import Rope
@@ -86,7 +84,6 @@ class TritonAttentionTiles:
     # A decode split takes at least this many KV tiles: contexts up to decode_split_tiles * decode_block_n
     # keys run in one pass; longer ones split as the static split count allows.
     decode_split_tiles: int = 2
-    fused_combine: bool = True  # False: every split writes partials and a second kernel merges them
     fused_decode_store: bool = True  # decode writes the new k/v inside the attention kernel (one launch)
     # Decode with the fused store rotates q and the new k itself when the caller passes them unrotated
     # with their Rope (one rotary launch a layer fewer); False: rotary_qk runs first.
@@ -103,9 +100,8 @@ class TritonAttentionTiles:
     # ... and this many in a launch holding several rows of one sequence (spec-decode verify: few rows
     # with long contexts, whose k + 1 rows read the same keys, so more splits cost little traffic). 4:
     # 40 rows x 2048 keys (8 sequences' verify) took 84 -> 74 us a layer with 4 splits instead of 2
-    # (7B heads, H200, session 14); 8 and 32 rows lost 6-11% with more splits. Not yet A/B-tested in a
-    # rollout (SIDECAR_VERIFY_PROGRAMS_PER_SM=2 gives the plain decode's choice).
-    verify_programs_per_sm: int = envs.VERIFY_PROGRAMS_PER_SM.get()  # SIDECAR_VERIFY_PROGRAMS_PER_SM
+    # (7B heads, H200; docs/benchmarks.md).
+    verify_programs_per_sm: int = 4
     # Opt-in (SIDECAR_VERIFY_KEYS_ONCE): a launch holding several rows of one sequence runs the kernel of
     # inference/layers/verify_attention.py, one program per (sequence, kv head, split) over all its rows,
     # each key read once, instead of one per row. Its splits aim at verify_programs_per_sm programs a SM
@@ -116,17 +112,17 @@ class TritonAttentionTiles:
     # and 242 on 4; at head_dim 64, 120 and 128, none spilled (bench_decode_parts's keys_once_w4 measures 4).
     verify_num_warps: int = 8
     # Opt-in: a one-sequence decode launch (batch 1) is latency-bound and runs faster with longer KV tiles
-    # on more warps, one tile per split (128; much slower at large batches: docs/benchmarks.md, session 4).
+    # on more warps, one tile per split (128; much slower at large batches: docs/benchmarks.md).
     # Off (0) by default: speculative decoding's verify rows run on the tiles above, and greedy output with
     # a draft equals output without only while plain decode sums its keys in the same tiles (same bits).
     single_decode_block_n: int = 0
     single_decode_num_warps: int = 8
     # Decode launches of at least long_decode_min_seqs sequences take keys in tiles of long_decode_block_n
     # (0: off): 8-17% faster at 32-512 sequences and 640-2048 keys on the H200, slower below 32 sequences
-    # at short contexts (bench_decode_parts, session 13). Only when decode launches hold one row per
+    # at short contexts (bench_decode_parts; docs/benchmarks.md). Only when decode launches hold one row per
     # sequence (decode_max_rows 1: no speculative decoding), so a draft's verify rows and plain decode
     # keep summing their keys in the same tiles.
-    long_decode_block_n: int = 128 if envs.DECODE_LONG_TILES.get() else 0  # SIDECAR_DECODE_LONG_TILES
+    long_decode_block_n: int = 128
     long_decode_min_seqs: int = 32
     # Launch without FP contraction (Triton's enable_fp_fusion=False): every product and sum rounds as
     # written, so an in-kernel rotation rounds as rotary_qk does (which launches so) instead of one bf16
@@ -186,11 +182,6 @@ class LaunchPlan:
 
 def _pow2_at_least(n: int, floor: int = 1) -> int:
     return max(floor, triton.next_power_of_2(n))
-
-
-@lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_blocks: int, block_size: int,
@@ -291,7 +282,7 @@ class TritonAttention:
         tiles = self.tiles
         if meta.is_decode:
             assert num_seqs == num_tokens, (num_seqs, num_tokens)
-            sms = _num_sms(q.device.index or 0) if q.is_cuda else 4
+            sms = num_sms(q.device)
             tiles = tiles.for_decode(num_seqs)
             rows = self.max_rows(num_tokens, meta) if tiles.fused_decode_store else 1
             if rows > 1:
@@ -333,8 +324,7 @@ class TritonAttention:
             part_acc = torch.empty((*part_m.shape, dim_pad), dtype=torch.float32, device=q.device)
         else:
             part_m = part_l = part_acc = out  # unused by the kernel when NUM_SPLITS == 1
-        fused = plan.splits > 1 and self.tiles.fused_combine
-        counters = self.merge_counters(q.device, plan.grid0 * k_cache.shape[2]) if fused else out
+        counters = self.merge_counters(q.device, plan.grid0 * k_cache.shape[2]) if plan.splits > 1 else out
         # Static (T and the tiles), so a captured graph keeps it; 1: no row can own another's keys.
         max_rows = self.max_rows(num_tokens, meta) if new_kv is not None else 1
         strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
@@ -342,7 +332,7 @@ class TritonAttention:
         common = dict(  # the constexprs and launch options both decode kernels take
             GROUP=num_heads // k_cache.shape[2], GROUP_PAD=plan.group_pad, HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad,
             PAGE=k_cache.shape[1], BLOCK_N=plan.block_n, NUM_SPLITS=plan.splits, SPLIT_TILES=plan.split_tiles,
-            FUSED_COMBINE=fused, HAS_WINDOW=sliding_window is not None,
+            HAS_WINDOW=sliding_window is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             DOT_UPCAST=_INTERPRET and q.dtype == torch.bfloat16, ROPE=rope is not None,
             num_warps=plan.num_warps, num_stages=self.tiles.num_stages,
@@ -362,8 +352,3 @@ class TritonAttention:
                 meta.cu_query_lens.shape[0] - 1, scale * LOG2E, window, max_rows, *strides,
                 BLOCK_Q=plan.block_q, BLOCK_B=plan.block_b, FUSED_STORE=new_kv is not None, IS_DECODE=meta.is_decode,
                 MULTI_ROW=max_rows > 1, **common)
-        if plan.splits > 1 and not fused:
-            _combine_splits_kernel[(num_tokens, num_heads)](
-                part_m, part_l, part_acc, out, out.stride(0), out.stride(1),
-                NUM_SPLITS=plan.splits, HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad, num_warps=self.tiles.num_warps,
-                enable_fp_fusion=not self.tiles.exact_rounding, **launch_kwargs(q))

@@ -48,7 +48,7 @@ def _verify_attention_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     PAGE: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SPLIT_TILES: tl.constexpr, NEW_PAD: tl.constexpr, FUSED_COMBINE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    SPLIT_TILES: tl.constexpr, NEW_PAD: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr,
 ):
     launch_dependents(PDL)
@@ -121,7 +121,7 @@ def _verify_attention_kernel(
     part = (tok * (tl.num_programs(1) * GROUP) + head) * NUM_SPLITS  # partials [T, Hq, NUM_SPLITS(, D)]
     _finish_splits(out_ptr + out_offs, out_mask, part_m_ptr, part_l_ptr, part_acc_ptr, part, counter_ptr,
                    lead * tl.num_programs(1) + kvh, m_i, l_i, acc, row_valid, d, split, tl.cdiv(n_tiles, per_split),
-                   ROWS_PAD * GROUP_PAD, NUM_SPLITS, FUSED_COMBINE, HEAD_DIM_PAD, False)
+                   ROWS_PAD * GROUP_PAD, NUM_SPLITS, HEAD_DIM_PAD, False)
 
 
 @triton.jit
