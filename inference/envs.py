@@ -87,10 +87,6 @@ INVARIANT_FUSED_ROPE = _switch("SIDECAR_INVARIANT_FUSED_ROPE", bool, False,
                                "kernel (one launch a layer fewer), its attention launched without FP "
                                "contraction so the rotation rounds as rotary_qk's in prefill; off until the "
                                "H200 shows the same bits (A/B benchmarks, issue 23)", "import")
-PDL_EARLY_INVARIANT = _switch("SIDECAR_PDL_EARLY_INVARIANT", bool, True,
-                              "the batch-invariant GEMM lets the next kernel be scheduled at its start (PDL); "
-                              "0 does it after its main loop, so waiting dependents hold no SM its later "
-                              "programs need (A/B benchmarks, issue 23)", "import")
 PDL = _switch("SIDECAR_PDL", bool, True,
               "programmatic dependent launch for the decode kernels on Hopper or newer; 0 turns it off "
               "(results are the same bits either way; set it before the engine captures its CUDA graphs)",

@@ -124,7 +124,7 @@ def gemm_constexprs(name: str, shape: str, num_sms: int = 132) -> tuple[dict[str
     return ({**flags, "PARTIAL": t.split_k > 1, "SPLIT": t.split_k, "BLOCK_M": BLOCK_M,
              "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "SUB_M": NORM_SUB_M, "GROUP_M": t.group_m,
              "PREFETCH": t.prefetch and (own.get("SILU_MUL", False) or own.get("NORM", False)),
-             "EARLY_DEPENDENTS": True, "PDL": True}, t.num_warps, t.num_stages)
+             "PDL": True}, t.num_warps, t.num_stages)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:

@@ -47,17 +47,3 @@ def test_pdl_does_not_change_results(model_dir: Path, eager: bool, monkeypatch: 
     for a, b in zip(off, on):
         assert a[0] == b[0]
         assert a[1] == b[1]
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                    reason="PDL needs sm_90 or newer")
-def test_late_dependents_of_the_invariant_gemm_change_nothing(model_dir: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """SIDECAR_PDL_EARLY_INVARIANT=0 (dependents scheduled after the main loop) against the default."""
-    from inference.layers import gemm_invariant
-
-    runs = []
-    for early in (True, False):
-        monkeypatch.setattr(gemm_invariant, "EARLY_DEPENDENTS", early)
-        runs.append(generate(model_dir, True, monkeypatch, batch_invariant=True))
-    assert runs[0] == runs[1]

@@ -63,9 +63,6 @@ NORM_SUB_M = 16  # rows per sub-block of the norm's variance pass (skipped past 
 # The prologues now double-buffer their loads (PREFETCH), unmeasured on the device: SIDECAR_INVARIANT_FUSE_PROLOGUES=1
 # turns them on for an A/B.
 FUSE_PROLOGUES = envs.INVARIANT_FUSE_PROLOGUES.get()
-# Where the kernel lets PDL schedule the next kernel: at its start, or after its main loop (issue 23: PDL made
-# the mode slower at batch 1, 1,014 -> 1,090 us a step; early dependents may hold SMs its second wave needs).
-EARLY_DEPENDENTS = envs.PDL_EARLY_INVARIANT.get()
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -201,6 +198,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k:
         k_per_split, eps, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None,
         HAS_RES=residual is not None, PARTIAL=partial, SPLIT=split,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SUB_M=NORM_SUB_M, GROUP_M=t.group_m,
-        PREFETCH=t.prefetch and (silu_mul or norm is not None), EARLY_DEPENDENTS=EARLY_DEPENDENTS,
+        PREFETCH=t.prefetch and (silu_mul or norm is not None),
         num_warps=t.num_warps, num_stages=t.num_stages, **pdl)
     return out

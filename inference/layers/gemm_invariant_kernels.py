@@ -128,9 +128,8 @@ def _invariant_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, 
                            PARTIAL: tl.constexpr, SPLIT: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            SUB_M: tl.constexpr, GROUP_M: tl.constexpr, PREFETCH: tl.constexpr,
-                           EARLY_DEPENDENTS: tl.constexpr, PDL: tl.constexpr):
-    if EARLY_DEPENDENTS:
-        launch_dependents(PDL)
+                           PDL: tl.constexpr):
+    launch_dependents(PDL)
     pid_m, pid_n, num_n = _tile_of_program(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
     row0 = pid_m.to(tl.int64) * BLOCK_M
@@ -177,8 +176,6 @@ def _invariant_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, 
             xk = _x_tile(x_rows, r_rows, nw_ptr, rstd, k, k_mask, m_mask[:, None] & k_mask[None, :], K,
                          SILU_MUL, NORM, HAS_RES)
         acc = tl.dot(xk, tl.trans(w), acc)
-    if not EARLY_DEPENDENTS:  # dependents scheduled only once every program is past its main loop
-        launch_dependents(PDL)
     offs = ms[:, None] * N + cols[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
     if PARTIAL:
