@@ -82,11 +82,6 @@ INVARIANT_FUSE_PROLOGUES = _switch("SIDECAR_INVARIANT_FUSE_PROLOGUES", bool, Fal
                                    "the batch-invariant mode forms the pre-norms and SiLU*up inside the next "
                                    "GEMM's prologue (4 launches a layer instead of 7; the same bits at every "
                                    "row count); off until measured faster (A/B benchmarks, issue 23)", "import")
-INVARIANT_FUSED_ROPE = _switch("SIDECAR_INVARIANT_FUSED_ROPE", bool, False,
-                               "the batch-invariant mode rotates q and the new k inside the decode attention "
-                               "kernel (one launch a layer fewer), its attention launched without FP "
-                               "contraction so the rotation rounds as rotary_qk's in prefill; off until the "
-                               "H200 shows the same bits (A/B benchmarks, issue 23)", "import")
 PDL = _switch("SIDECAR_PDL", bool, True,
               "programmatic dependent launch for the decode kernels on Hopper or newer; 0 turns it off "
               "(results are the same bits either way; set it before the engine captures its CUDA graphs)",

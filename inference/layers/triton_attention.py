@@ -65,9 +65,6 @@ from inference.layers.rotary import Rope
 from inference.layers.triton_attention_kernels import _INTERPRET, LOG2E, _paged_attention_kernel, _store_kv_kernel
 from inference.layers.verify_attention import _verify_attention_kernel
 
-# SIDECAR_INVARIANT_FUSED_ROPE: the batch-invariant tiles rotate in the decode kernel, contraction off
-INVARIANT_FUSED_ROPE = envs.INVARIANT_FUSED_ROPE.get()
-
 
 @dataclass(frozen=True)
 class TritonAttentionTiles:
@@ -124,10 +121,6 @@ class TritonAttentionTiles:
     # keep summing their keys in the same tiles.
     long_decode_block_n: int = 128
     long_decode_min_seqs: int = 32
-    # Launch without FP contraction (Triton's enable_fp_fusion=False): every product and sum rounds as
-    # written, so an in-kernel rotation rounds as rotary_qk does (which launches so) instead of one bf16
-    # step apart in a few elements. The batch-invariant mode's tiles set it with the fused rotation.
-    exact_rounding: bool = False
 
     def batch_invariant(self) -> TritonAttentionTiles:
         """The tiles of the batch-invariant mode (docs/invariance.md): a query sums its keys in the same
@@ -136,14 +129,11 @@ class TritonAttentionTiles:
         otherwise than one pass); one key tile size everywhere; prefill tiles of 16 rows, which is what
         a decode tile holds (its group padded to 16), so both dots run on [max(16, group), head_dim]
         operands; no in-kernel rotation (it may round otherwise than rotary_qk, and the k cache would
-        then hold other bits for a token computed in decode than in prefill) unless SIDECAR_INVARIANT_FUSED_ROPE
-        asks for it with every launch's FP contraction off (exact_rounding: the rotation then rounds as
-        rotary_qk's, and prefill and decode keep summing alike); no long batch-1 tiles."""
+        then hold other bits for a token computed in decode than in prefill); no long batch-1 tiles."""
         n = self.decode_block_n
-        fuse = INVARIANT_FUSED_ROPE
         return replace(self, prefill_block_m=16, fp32_prefill_block_m=16, prefill_block_n=n, fp32_prefill_block_n=n,
-                       num_splits=1, fused_decode_rope=fuse, exact_rounding=fuse, single_decode_block_n=0,
-                       long_decode_block_n=0, verify_keys_once=False)
+                       num_splits=1, fused_decode_rope=False, single_decode_block_n=0, long_decode_block_n=0,
+                       verify_keys_once=False)
 
     def for_decode(self, num_seqs: int) -> TritonAttentionTiles:
         """The tiles a decode launch of num_seqs sequences uses (a static shape: graph-safe)."""
@@ -335,8 +325,7 @@ class TritonAttention:
             HAS_WINDOW=sliding_window is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             DOT_UPCAST=_INTERPRET and q.dtype == torch.bfloat16, ROPE=rope is not None,
-            num_warps=plan.num_warps, num_stages=self.tiles.num_stages,
-            enable_fp_fusion=not self.tiles.exact_rounding, **launch_kwargs(q))
+            num_warps=plan.num_warps, num_stages=self.tiles.num_stages, **launch_kwargs(q))
         window = sliding_window if sliding_window is not None else 0
         if plan.keys_once:
             _verify_attention_kernel[(plan.grid0, k_cache.shape[2], plan.splits)](
