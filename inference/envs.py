@@ -78,10 +78,6 @@ VERIFY_KEYS_ONCE = _switch("SIDECAR_VERIFY_KEYS_ONCE", bool, False,
                              "spec-decode verify launches run the kernel that holds every row of a sequence in "
                              "one program and reads each key once (inference/layers/verify_attention.py); off "
                              "until the H200 shows it faster (A/B benchmarks, issue 24)", "import")
-INVARIANT_FUSE_PROLOGUES = _switch("SIDECAR_INVARIANT_FUSE_PROLOGUES", bool, False,
-                                   "the batch-invariant mode forms the pre-norms and SiLU*up inside the next "
-                                   "GEMM's prologue (4 launches a layer instead of 7; the same bits at every "
-                                   "row count); off until measured faster (A/B benchmarks, issue 23)", "import")
 PDL = _switch("SIDECAR_PDL", bool, True,
               "programmatic dependent launch for the decode kernels on Hopper or newer; 0 turns it off "
               "(results are the same bits either way; set it before the engine captures its CUDA graphs)",

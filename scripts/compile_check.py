@@ -33,7 +33,7 @@ import triton.backends.nvidia as nvidia
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from inference.layers.gemm_invariant import BLOCK_M, NORM_SUB_M, pick_tiles
+from inference.layers.gemm_invariant import BLOCK_M, pick_tiles
 from inference.layers.gemm_invariant_kernels import _invariant_gemm_kernel
 from inference.layers.triton_attention_kernels import _paged_attention_kernel
 from inference.layers.verify_attention import _verify_attention_kernel
@@ -55,9 +55,8 @@ _FP32 = ("part_m_ptr", "part_l_ptr", "part_acc_ptr", "cs_ptr", "part_ptr")
 _INT32 = ("counter_ptr", "slot_ptr", "ctx_ptr", "bt_ptr", "cu_q_ptr", "pos_ptr")
 _GEMM_SHAPES = {"qwen2-0.5b": {"qkv": (1152, 896), "gate_up": (9728, 896), "down": (896, 4864)},
                 "qwen2.5-7b": {"qkv": (4608, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}}
-# batch-invariant GEMM configs: (projection, its own constexprs); the fused prologues are issue 23's switch
-GEMMS = {"inv_gemm": ("qkv", {"HAS_BIAS": True}), "inv_norm_gemm": ("gate_up", {"NORM": True, "HAS_RES": True}),
-         "inv_silu_gemm": ("down", {"SILU_MUL": True})}
+# batch-invariant GEMM configs: (projection, its own constexprs)
+GEMMS = {"inv_gemm": ("qkv", {"HAS_BIAS": True})}
 
 
 def signature(kernel: Any) -> dict[str, str]:
@@ -120,11 +119,9 @@ def gemm_constexprs(name: str, shape: str, num_sms: int = 132) -> tuple[dict[str
     proj, own = GEMMS[name]
     n, k = _GEMM_SHAPES[shape][proj]
     t = pick_tiles(n, k, num_sms)
-    flags = {"HAS_BIAS": False, "SILU_MUL": False, "NORM": False, "HAS_RES": False, **own}
+    flags = {"HAS_BIAS": False, **own}
     return ({**flags, "PARTIAL": t.split_k > 1, "SPLIT": t.split_k, "BLOCK_M": BLOCK_M,
-             "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "SUB_M": NORM_SUB_M, "GROUP_M": t.group_m,
-             "PREFETCH": t.prefetch and (own.get("SILU_MUL", False) or own.get("NORM", False)),
-             "PDL": True}, t.num_warps, t.num_stages)
+             "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "GROUP_M": t.group_m, "PDL": True}, t.num_warps, t.num_stages)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
