@@ -74,10 +74,6 @@ def _switch(name: str, kind: type, default: Any, doc: str, read_at: ReadAt, owne
 
 
 # ---- kernels (inference/layers) ---------------------------------------------------------------------
-VERIFY_KEYS_ONCE = _switch("SIDECAR_VERIFY_KEYS_ONCE", bool, False,
-                             "spec-decode verify launches run the kernel that holds every row of a sequence in "
-                             "one program and reads each key once (inference/layers/verify_attention.py); off "
-                             "until the H200 shows it faster (A/B benchmarks, issue 24)", "import")
 PDL = _switch("SIDECAR_PDL", bool, True,
               "programmatic dependent launch for the decode kernels on Hopper or newer; 0 turns it off "
               "(results are the same bits either way; set it before the engine captures its CUDA graphs)",

@@ -8,7 +8,7 @@ CPU tests use, checks the logic, not the compiled code). The figures follow this
 may differ from the device's.
 
     python3 scripts/compile_check.py                    # every config below
-    python3 scripts/compile_check.py --kernels keys_once --warps 4 8
+    python3 scripts/compile_check.py --kernels verify_rows --warps 4 8
     pip install --target /tmp/t36 triton==3.6.0 && PYTHONPATH=/tmp/t36:. python3 scripts/compile_check.py
                                                         # the device's Triton (docs/benchmarks.md's header)
 """
@@ -36,7 +36,6 @@ from triton.compiler import ASTSource
 from inference.layers.gemm_invariant import BLOCK_M, pick_tiles
 from inference.layers.gemm_invariant_kernels import _invariant_gemm_kernel
 from inference.layers.triton_attention_kernels import _paged_attention_kernel
-from inference.layers.verify_attention import _verify_attention_kernel
 
 # (q heads per kv head, head_dim) of the two shapes the benchmarks use
 SHAPES = {"qwen2-0.5b": (7, 64), "qwen2.5-7b": (7, 128)}
@@ -47,7 +46,6 @@ KERNELS = {  # name: (kernel, its own constexprs besides _COMMON, GROUP and HEAD
                                          "IS_DECODE": True, "MULTI_ROW": False}),
     "verify_rows": (_paged_attention_kernel, {"GROUP_PAD": 16, "BLOCK_Q": 1, "BLOCK_B": 1, "FUSED_STORE": True,
                                               "IS_DECODE": True, "MULTI_ROW": True}),
-    "keys_once": (_verify_attention_kernel, {"GROUP_PAD": 8, "ROWS_PAD": 8, "NEW_PAD": 16}),
 }
 
 

@@ -93,16 +93,13 @@ def test_fused_rope_decode_has_the_bits_of_rotary_then_attention(ta: ModuleType,
     assert not fused_run[0][:3].isnan().any()
 
 
-@pytest.mark.parametrize("keys_once", [False, True], ids=["per_row", "keys_once"])
 @pytest.mark.parametrize("descending", [False, True])
-def test_fused_rope_rotates_verify_rows_at_their_own_positions(ta: ModuleType, descending: bool,
-                                                              keys_once: bool) -> None:
+def test_fused_rope_rotates_verify_rows_at_their_own_positions(ta: ModuleType, descending: bool) -> None:
     """Verify rows read the new keys of rows stored in the same launch from the inputs: those keys are
-    rotated at the key's position, so the cache and the outputs equal the unfused path's (keys_once: the
-    kernel that holds a sequence's rows in one program, verify_attention.py)."""
+    rotated at the key's position, so the cache and the outputs equal the unfused path's."""
     b = make_batch([4, 3], [21, 6], 4, 2, 32, 8, torch.bfloat16, seed=11, table_width=4)
     rows, order = verify_rows(b, descending=descending, pads=True)
-    tiles = ta.TritonAttentionTiles(**SMALL_TILES, num_splits=2, decode_split_tiles=1, verify_keys_once=keys_once)
+    tiles = ta.TritonAttentionTiles(**SMALL_TILES, num_splits=2, decode_split_tiles=1)
     backend = ta.TritonAttention(tiles)
     fused_run, plain_run = both_paths(backend, rows, rope_for(rows, decode_positions(rows)))
     assert_same_bits(fused_run, plain_run)
@@ -191,10 +188,9 @@ def test_cuda_fused_rope_decode(ta: ModuleType, batch: int, shape: tuple[int, in
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("keys_once", [False, True], ids=["per_row", "keys_once"])
-def test_cuda_fused_rope_verify_rows(ta: ModuleType, keys_once: bool) -> None:
+def test_cuda_fused_rope_verify_rows(ta: ModuleType) -> None:
     b = make_batch([5, 5, 3], [300, 5, 2000], 14, 2, 64, 16, torch.bfloat16, seed=9, table_width=128)
-    backend = ta.TritonAttention(ta.TritonAttentionTiles(verify_keys_once=keys_once))
+    backend = ta.TritonAttention(ta.TritonAttentionTiles())
     for descending in (False, True):
         rows, _ = verify_rows(dataclasses.replace(b), descending=descending, pads=True)
         assert_within_a_rounding(*both_paths(backend, rows, rope_for(rows, decode_positions(rows))), rows)

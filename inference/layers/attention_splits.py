@@ -1,7 +1,6 @@
-"""The end of a decode attention program over KV splits, shared by triton_attention_kernels.py (the decode
-kernel) and verify_attention.py: a single pass normalizes and stores its rows; split programs write fp32
-partials, and the last split to finish merges them.
-The merge sums the splits in split order, so the result does not depend on which split merges."""
+"""The end of a decode attention program over KV splits (triton_attention_kernels.py): a single pass
+normalizes and stores its rows; split programs write fp32 partials, and the last split to finish merges
+them. The merge sums the splits in split order, so the result does not depend on which split merges."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ import triton.language as tl
 @triton.jit
 def _finish_splits(out_ptrs, out_mask, part_m_ptr, part_l_ptr, part_acc_ptr, part, counter_ptr, counter, m_i, l_i, acc,
                    row_valid, d, split, n_active, ROWS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   HEAD_DIM_PAD: tl.constexpr, UNROLL: tl.constexpr):
+                   HEAD_DIM_PAD: tl.constexpr):
     """A decode program's end: one split normalizes and stores its rows; several write partials
     ([T, Hq, NUM_SPLITS(, D)] at `part`) and the last of the n_active live splits to finish (an acq_rel
     ticket on counter_ptr[counter], reset by it) merges them."""
@@ -30,7 +29,7 @@ def _finish_splits(out_ptrs, out_mask, part_m_ptr, part_l_ptr, part_acc_ptr, par
             ticket = tl.atomic_add(counter_ptr + counter, 1, sem="acq_rel", scope="gpu")
             if ticket == n_active - 1:
                 _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr, part, d, n_active, row_valid, out_ptrs,
-                                out_mask, ROWS, NUM_SPLITS, HEAD_DIM_PAD, UNROLL)
+                                out_mask, ROWS, NUM_SPLITS, HEAD_DIM_PAD)
                 tl.store(counter_ptr + counter, 0)
 
 
@@ -50,12 +49,10 @@ def _store_partial(part_m_ptr, part_l_ptr, part_acc_ptr, part, d, m_i, l_i, acc,
 
 @triton.jit
 def _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr, part, d, n_active, row_valid, out_ptrs, out_mask,
-                    ROWS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, UNROLL: tl.constexpr):
+                    ROWS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
     """Merge the partials of splits [0, n_active) of each row, in split order (the result does not
-    depend on which split merges). Loads bypass L1 (.cg): the other splits wrote through L2. UNROLL: the
-    loads of all live splits in flight at once (a decode tile's 16 rows); else one split at a time, the
-    same bits (a split past n_active adds exact zeros), for tiles whose rows would not fit the registers
-    NUM_SPLITS times (verify_attention.py's 64: 255 registers a thread against 151 unmerged, sm_90)."""
+    depend on which split merges). Loads bypass L1 (.cg): the other splits wrote through L2. The loads
+    of all live splits are in flight at once (a split past n_active adds exact zeros)."""
     s = tl.arange(0, NUM_SPLITS)
     live = row_valid[:, None] & (s[None, :] < n_active)
     ms = tl.load(part_m_ptr + part[:, None] + s[None, :], mask=live, other=float("-inf"), cache_modifier=".cg")
@@ -64,12 +61,8 @@ def _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr, part, d, n_active, row
     m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
     denom = tl.sum(tl.exp2(ms - m_ref[:, None]) * ls, axis=1)
     total = tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32)
-    if UNROLL:
-        for j in tl.static_range(NUM_SPLITS):
-            total = _add_split(part_m_ptr, part_acc_ptr, part, d, j, n_active, row_valid, m_ref, total, HEAD_DIM_PAD)
-    else:
-        for j in range(0, n_active):
-            total = _add_split(part_m_ptr, part_acc_ptr, part, d, j, n_active, row_valid, m_ref, total, HEAD_DIM_PAD)
+    for j in tl.static_range(NUM_SPLITS):
+        total = _add_split(part_m_ptr, part_acc_ptr, part, d, j, n_active, row_valid, m_ref, total, HEAD_DIM_PAD)
     _store_normalized(out_ptrs, total, denom, out_mask)
 
 

@@ -55,7 +55,6 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
-from inference import envs
 from inference.batch import AttentionMetadata
 from inference.core import StateError
 from inference.layers.kernel_device import num_sms
@@ -63,7 +62,6 @@ from inference.layers.merge_counters import MergeCounters
 from inference.layers.pdl import launch_kwargs
 from inference.layers.rotary import Rope
 from inference.layers.triton_attention_kernels import _INTERPRET, LOG2E, _paged_attention_kernel, _store_kv_kernel
-from inference.layers.verify_attention import _verify_attention_kernel
 
 
 @dataclass(frozen=True)
@@ -99,15 +97,6 @@ class TritonAttentionTiles:
     # 40 rows x 2048 keys (8 sequences' verify) took 84 -> 74 us a layer with 4 splits instead of 2
     # (7B heads, H200; docs/benchmarks.md).
     verify_programs_per_sm: int = 4
-    # Opt-in (SIDECAR_VERIFY_KEYS_ONCE): a launch holding several rows of one sequence runs the kernel of
-    # inference/layers/verify_attention.py, one program per (sequence, kv head, split) over all its rows,
-    # each key read once, instead of one per row. Its splits aim at verify_programs_per_sm programs a SM
-    # counting a sequence's rows as one. Off until measured on the H200; never in the batch-invariant mode.
-    verify_keys_once: bool = envs.VERIFY_KEYS_ONCE.get()
-    # ... on 8 warps: its [rows x heads, head_dim] tiles hold 4x a decode tile's rows. Compiled for sm_90
-    # (scripts/compile_check.py, Triton 3.9, 8 rows x 8 heads) at head_dim 128 it takes 189 registers on 8 warps
-    # and 242 on 4; at head_dim 64, 120 and 128, none spilled (bench_decode_parts's keys_once_w4 measures 4).
-    verify_num_warps: int = 8
     # Opt-in: a one-sequence decode launch (batch 1) is latency-bound and runs faster with longer KV tiles
     # on more warps, one tile per split (128; much slower at large batches: docs/benchmarks.md).
     # Off (0) by default: speculative decoding's verify rows run on the tiles above, and greedy output with
@@ -132,8 +121,7 @@ class TritonAttentionTiles:
         then hold other bits for a token computed in decode than in prefill); no long batch-1 tiles."""
         n = self.decode_block_n
         return replace(self, prefill_block_m=16, fp32_prefill_block_m=16, prefill_block_n=n, fp32_prefill_block_n=n,
-                       num_splits=1, fused_decode_rope=False, single_decode_block_n=0, long_decode_block_n=0,
-                       verify_keys_once=False)
+                       num_splits=1, fused_decode_rope=False, single_decode_block_n=0, long_decode_block_n=0)
 
     def for_decode(self, num_seqs: int) -> TritonAttentionTiles:
         """The tiles a decode launch of num_seqs sequences uses (a static shape: graph-safe)."""
@@ -167,7 +155,6 @@ class LaunchPlan:
     block_b: int  # power of two >= number of sequences (prefill's on-device tile -> sequence search)
     split_tiles: int = 1  # decode: the fewest KV tiles a split takes
     num_warps: int = 4
-    keys_once: bool = False  # verify_attention.py's kernel: block_q is then the rows of one sequence, padded
 
 
 def _pow2_at_least(n: int, floor: int = 1) -> int:
@@ -277,12 +264,6 @@ class TritonAttention:
             rows = self.max_rows(num_tokens, meta) if tiles.fused_decode_store else 1
             if rows > 1:
                 tiles = replace(tiles, decode_programs_per_sm=tiles.verify_programs_per_sm)
-            if rows > 1 and tiles.verify_keys_once:  # one program per sequence: count its rows as one
-                groups = triton.cdiv(num_seqs, rows)
-                splits = decode_num_splits(groups, num_kv_heads, meta.block_tables.shape[1], page, tiles, sms)
-                group_pad = max(_pow2_at_least(group), 16 // _pow2_at_least(rows))  # a dot's M >= 16
-                return LaunchPlan(num_seqs, group_pad, _pow2_at_least(rows), tiles.decode_block_n, splits, 1,
-                                  tiles.decode_split_tiles, tiles.verify_num_warps, keys_once=True)
             splits = decode_num_splits(num_seqs, num_kv_heads, meta.block_tables.shape[1], page, tiles, sms)
             # A decode tile is one token: its group's heads are padded to 16 rows for tl.dot.
             return LaunchPlan(num_seqs, _pow2_at_least(group, 16), 1, tiles.decode_block_n, splits, 1,
@@ -319,25 +300,16 @@ class TritonAttention:
         max_rows = self.max_rows(num_tokens, meta) if new_kv is not None else 1
         strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
                    k_cache.stride(2), meta.block_tables.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1))
-        common = dict(  # the constexprs and launch options both decode kernels take
-            GROUP=num_heads // k_cache.shape[2], GROUP_PAD=plan.group_pad, HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad,
-            PAGE=k_cache.shape[1], BLOCK_N=plan.block_n, NUM_SPLITS=plan.splits, SPLIT_TILES=plan.split_tiles,
-            HAS_WINDOW=sliding_window is not None,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            DOT_UPCAST=_INTERPRET and q.dtype == torch.bfloat16, ROPE=rope is not None,
-            num_warps=plan.num_warps, num_stages=self.tiles.num_stages, **launch_kwargs(q))
         window = sliding_window if sliding_window is not None else 0
-        if plan.keys_once:
-            _verify_attention_kernel[(plan.grid0, k_cache.shape[2], plan.splits)](
-                q, k_cache, v_cache, out, part_m, part_l, part_acc, counters, k, v, meta.slot_mapping,
-                meta.context_lens, meta.block_tables, rope.cache if rope is not None else out, num_tokens,
-                scale * LOG2E, window, max_rows, *strides, ROWS_PAD=plan.block_q, NEW_PAD=max(plan.block_q, 16),
-                **common)
-        else:
-            _paged_attention_kernel[(plan.grid0, k_cache.shape[2], plan.splits)](
-                q, k_cache, v_cache, out, part_m, part_l, part_acc, counters, k, v, meta.slot_mapping,
-                meta.cu_query_lens, meta.context_lens, meta.block_tables,
-                rope.cache if rope is not None else out, rope.positions if rope is not None else out,
-                meta.cu_query_lens.shape[0] - 1, scale * LOG2E, window, max_rows, *strides,
-                BLOCK_Q=plan.block_q, BLOCK_B=plan.block_b, FUSED_STORE=new_kv is not None, IS_DECODE=meta.is_decode,
-                MULTI_ROW=max_rows > 1, **common)
+        _paged_attention_kernel[(plan.grid0, k_cache.shape[2], plan.splits)](
+            q, k_cache, v_cache, out, part_m, part_l, part_acc, counters, k, v, meta.slot_mapping,
+            meta.cu_query_lens, meta.context_lens, meta.block_tables,
+            rope.cache if rope is not None else out, rope.positions if rope is not None else out,
+            meta.cu_query_lens.shape[0] - 1, scale * LOG2E, window, max_rows, *strides,
+            GROUP=num_heads // k_cache.shape[2], GROUP_PAD=plan.group_pad, HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad,
+            PAGE=k_cache.shape[1], BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, BLOCK_B=plan.block_b,
+            NUM_SPLITS=plan.splits, SPLIT_TILES=plan.split_tiles, FUSED_STORE=new_kv is not None,
+            IS_DECODE=meta.is_decode, HAS_WINDOW=sliding_window is not None,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            DOT_UPCAST=_INTERPRET and q.dtype == torch.bfloat16, MULTI_ROW=max_rows > 1, ROPE=rope is not None,
+            num_warps=plan.num_warps, num_stages=self.tiles.num_stages, **launch_kwargs(q))

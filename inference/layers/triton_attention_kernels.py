@@ -158,7 +158,7 @@ def _paged_attention_kernel(
     part = (tok * (tl.num_programs(1) * GROUP) + head) * NUM_SPLITS
     _finish_splits(out_ptr + out_offs, out_mask, part_m_ptr, part_l_ptr, part_acc_ptr, part, counter_ptr,
                    seq * tl.num_programs(1) + kvh, m_i, l_i, acc, row_valid, d, split, tl.cdiv(n_tiles, per_split),
-                   BLOCK_Q * GROUP_PAD, NUM_SPLITS, HEAD_DIM_PAD, True)
+                   BLOCK_Q * GROUP_PAD, NUM_SPLITS, HEAD_DIM_PAD)
 
 
 @triton.jit
