@@ -107,14 +107,19 @@ def test_fused_rope_rotates_verify_rows_at_their_own_positions(ta: ModuleType, d
     assert not fused_run[0][real].isnan().any()
 
 
-def test_the_invariant_tiles_never_rotate_in_the_kernel(ta: ModuleType) -> None:
-    """The batch-invariant mode rotates with rotary_qk in decode as in prefill: an in-kernel rotation may
-    round otherwise, and the k cache would hold other bits for a token decoded than for one prefilled."""
-    backend = ta.TritonAttention(ta.TritonAttentionTiles(**SMALL_TILES).batch_invariant())
+def test_the_invariant_tiles_rotate_in_decode_with_exact_rounding(ta: ModuleType) -> None:
+    """The batch-invariant tiles rotate in the decode kernel and launch every attention kernel without FP
+    contraction; decode rows and verify rows keep rotary_qk's bits (here in the interpreter; compiled on
+    the GPU: test_cuda_exact_rounding_rotates_with_rotary_qks_bits)."""
+    tiles = ta.TritonAttentionTiles(**SMALL_TILES).batch_invariant()
+    assert tiles.fused_decode_rope and tiles.exact_rounding and tiles.num_splits == 1
+    backend = ta.TritonAttention(tiles)
     b = make_batch([1, 1, 1], [9, 40, 1], 4, 2, 16, 8, torch.bfloat16, seed=8, pad_rows=1, table_width=6)
-    assert not backend.fuses_rope(b.q, b.k, rope_for(b, decode_positions(b)))
-    assert ta.TritonAttention(ta.TritonAttentionTiles(**SMALL_TILES)).fuses_rope(b.q, b.k,
-                                                                                rope_for(b, decode_positions(b)))
+    assert backend.fuses_rope(b.q, b.k, rope_for(b, decode_positions(b)))
+    assert_same_bits(*both_paths(backend, b, rope_for(b, decode_positions(b))))
+    v = make_batch([4, 3], [21, 6], 4, 2, 16, 8, torch.bfloat16, seed=12, table_width=4)
+    rows, _ = verify_rows(v, descending=True, pads=True)
+    assert_same_bits(*both_paths(backend, rows, rope_for(rows, decode_positions(rows))))
 
 
 def test_rope_falls_back_to_rotary_first(ta: ModuleType) -> None:
@@ -185,6 +190,20 @@ def test_cuda_fused_rope_decode(ta: ModuleType, batch: int, shape: tuple[int, in
     assert_within_a_rounding(got, want, b)
     reference = rotated_first(ReferenceAttention(), b, rope)
     assert_within_a_rounding(got, reference, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("shape", MODEL_SHAPES)
+def test_cuda_exact_rounding_rotates_with_rotary_qks_bits(ta: ModuleType, batch: int,
+                                                          shape: tuple[int, int, int]) -> None:
+    """Compiled without FP contraction (the invariant mode's tiles), the in-kernel
+    rotation gives rotary_qk's bits exactly, unlike the default launch (assert_within_a_rounding above)."""
+    rng = random.Random(batch)
+    contexts = [2048] + [rng.randint(1, 2048) for _ in range(batch - 1)]
+    b = make_batch([1] * batch, contexts, *shape, 16, torch.bfloat16, seed=batch, device=DEVICE)
+    backend = ta.TritonAttention(dataclasses.replace(ta.TritonAttentionTiles(), exact_rounding=True))
+    assert_same_bits(*both_paths(backend, b, rope_for(b, decode_positions(b), theta=1e6)))
 
 
 @pytest.mark.cuda

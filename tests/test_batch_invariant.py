@@ -201,3 +201,26 @@ def test_on_the_gpu_graphs_triton_and_a_draft_change_no_bit(models: dict[str, Pa
     assert generate(llm, prompts, mode, [[5, 2, 7], [0], [1, 3, 4, 6]]) == lone
     spec = engine(models, draft_model=str(models["draft"]), num_speculative_tokens=3, **gpu)
     assert generate(spec, prompts, mode, [list(range(len(prompts)))]) == lone
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_the_fused_rotation_with_exact_rounding_changes_no_bit(
+        models: dict[str, Path], prompts: list[list[int]]) -> None:
+    """The mode's decode rotates inside the attention kernel, every attention launch without FP
+    contraction; prefill (rotary_qk), decode at any batch and a draft's verify still agree."""
+    from inference.layers import triton_attention
+
+    assert triton_attention.TritonAttentionTiles().batch_invariant().fused_decode_rope
+    gpu = {"device": "cuda", "dtype": "bfloat16", "kv_cache_bytes": 64 << 20}
+    llm = engine(models, **gpu)
+    lone = generate(llm, prompts, "seeded", [[i] for i in range(len(prompts))])
+    assert generate(llm, prompts, "seeded", [list(range(len(prompts)))]) == lone
+    # keys rotated in decode hold the bits prefill gives them: teacher forcing repeats every greedy step
+    tokens, logprob_bytes, _ = generate(llm, prompts, "greedy", [[3]])[3]
+    logprobs = array("d")
+    logprobs.frombytes(logprob_bytes)
+    forced = llm.generate([prompts[3] + tokens[:j] for j in range(NEW)],
+                          SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    assert [(o.outputs[0].token_ids[0], o.outputs[0].logprobs[0]) for o in forced] == list(zip(tokens, logprobs))
+    spec = engine(models, draft_model=str(models["draft"]), num_speculative_tokens=3, **gpu)
+    assert generate(spec, prompts, "seeded", [list(range(len(prompts)))]) == lone

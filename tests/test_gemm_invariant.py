@@ -72,7 +72,7 @@ def test_invariant_gemm_rows_do_not_depend_on_the_row_count(force_triton: None, 
     torch.testing.assert_close(invariant_gemm(x, w, b, tiles).float(), F.linear(x.float(), w.float(), b.float()),
                                atol=2e-2, rtol=2 ** -6)
     assert torch.equal(invariant_linear(x, w, b), invariant_gemm(x, w, b))  # the layers' entry takes the kernel
-    assert BLOCK_M == 64 and not gemv_mod.merge_counters(x.device, 1).any()
+    assert BLOCK_M == 64
 
 
 @needs_triton

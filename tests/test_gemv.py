@@ -78,27 +78,25 @@ def test_gemv_split_k_and_kinds(kind: str, split_k: int, with_bias: bool) -> Non
     close(gemv(x, w, bias, config=cfg), _reference(x, w, bias))
 
 
-def _split_merge_is_deterministic(device: str) -> None:
-    """Split-K summed by the last split to finish (in split order): the same bits at every launch, the
-    partials summed in order (the sum of the one-split results of each K range, up to rounding), and every
-    merge counter back to zero afterwards (the next launch, or a graph replay, starts clean)."""
+def _split_sum_is_in_split_order(device: str) -> None:
+    """Split-K: the second launch sums the fp32 partials in split order (+ bias), so the result is the same
+    bits at every launch (a graph replay equals eager), within rounding of the fp32 product."""
     x, w, b = _operands(3, 45, 200, dtype=torch.float16, device=device)
     for kind in KINDS:
         cfg = GemvConfig(block_n=16 if kind == "dot" else 8, block_k=32, split_k=3, kind=kind)
+        assert gemv_mod.split_k_plan(200, 3, 32) == (96, 3)  # three splits: 96, 96 and 8 columns
         first = gemv(x, w, b, config=cfg)
-        assert gemv_mod.split_k_plan(200, 3, 32)[1] == 3
-        assert not gemv_mod.merge_counters(x.device, 1).any(), kind
         assert torch.equal(gemv(x, w, b, config=cfg), first), kind
         close(first, _reference(x, w, b))
 
 
-def test_split_k_merge_is_deterministic() -> None:
-    _split_merge_is_deterministic("cpu")
+def test_split_k_sum_is_deterministic() -> None:
+    _split_sum_is_in_split_order("cpu")
 
 
 @pytest.mark.cuda
-def test_split_k_merge_is_deterministic_cuda() -> None:
-    _split_merge_is_deterministic("cuda")
+def test_split_k_sum_is_deterministic_cuda() -> None:
+    _split_sum_is_in_split_order("cuda")
 
 
 def test_gemv_reads_strided_rows() -> None:

@@ -101,7 +101,8 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 def invariant_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                    tiles: InvariantTiles | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias) in one launch of _invariant_gemm_kernel (row blocks x column
-    blocks x split-K), fp32 accumulation; `tiles` (tests, benchmarks) overrides invariant_tiles."""
+    blocks x split-K; with split-K, a second launch sums the partials in split order), fp32 accumulation;
+    `tiles` (tests, benchmarks) overrides invariant_tiles."""
     (m, k), n = x.shape, weight.shape[0]
     assert weight.shape[1] == k and x.stride(-1) == 1 and weight.is_contiguous(), (x.shape, weight.shape)
     assert bias is None or (bias.shape == (n,) and bias.is_contiguous()), None if bias is None else bias.shape
@@ -111,9 +112,11 @@ def invariant_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     partial = split > 1
     dest = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if partial else out
     tiles_mn = triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n)
-    counters = gemv_mod.merge_counters(x.device, tiles_mn) if partial else out
+    pdl = launch_kwargs(x)
     _invariant_gemm_kernel[(tiles_mn, split)](
-        x, weight, bias if bias is not None else out, out, dest, counters, m, n, k, x.stride(0), k_per_split,
-        HAS_BIAS=bias is not None, PARTIAL=partial, SPLIT=split, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-        BLOCK_K=t.block_k, GROUP_M=t.group_m, num_warps=t.num_warps, num_stages=t.num_stages, **launch_kwargs(x))
+        x, weight, bias if bias is not None else out, out, dest, m, n, k, x.stride(0), k_per_split,
+        HAS_BIAS=bias is not None, PARTIAL=partial, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+        BLOCK_K=t.block_k, GROUP_M=t.group_m, num_warps=t.num_warps, num_stages=t.num_stages, **pdl)
+    if partial:
+        gemv_mod.sum_splits(dest, bias, out, pdl)
     return out

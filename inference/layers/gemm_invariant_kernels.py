@@ -11,13 +11,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from inference.layers.gemv_kernels import _merge_splits
 from inference.layers.pdl import launch_dependents, wait
 
 
 @triton.jit
 def _tile_of_program(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(row block, column block, column blocks) of program_id(0). Groups of GROUP_M row blocks walk the
+    """(row block, column block) of program_id(0). Groups of GROUP_M row blocks walk the
     column blocks with the row block varying fastest, so the programs that read one weight tile run side
     by side (the tile comes from HBM once, the others hit L2) and a group's rows stay in L2 meanwhile."""
     pid = tl.program_id(0)
@@ -28,16 +27,15 @@ def _tile_of_program(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M
     group = tl.minimum(num_m - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % group
     pid_n = (pid % per_group) // group
-    return pid_m, pid_n, num_n
+    return pid_m, pid_n
 
 
 @triton.jit(do_not_specialize=["M"])
-def _invariant_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, M, N, K, stride_xm, k_per_split,
-                           HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, SPLIT: tl.constexpr,
+def _invariant_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, k_per_split,
+                           HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            GROUP_M: tl.constexpr, PDL: tl.constexpr):
-    launch_dependents(PDL)
-    pid_m, pid_n, num_n = _tile_of_program(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = _tile_of_program(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
     row0 = pid_m.to(tl.int64) * BLOCK_M
     ms = row0 + tl.arange(0, BLOCK_M)
@@ -57,19 +55,13 @@ def _invariant_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, 
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         xk = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         acc = tl.dot(xk, tl.trans(w), acc)
+    # Dependents are scheduled only once every program is past its main loop: scheduled at its start, they
+    # wait holding SMs that its later programs need (a split-K launch has more programs than SMs).
+    launch_dependents(PDL)
     offs = ms[:, None] * N + cols[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
-    if PARTIAL:
-        mn = M.to(tl.int64) * N
-        tl.store(part_ptr + pid_k * mn + offs, acc, mask=out_mask)
-        # The last split of this tile to finish sums all of them, in split order.
-        tl.debug_barrier()  # every thread's partial is stored before the release
-        count = counter_ptr + pid_m * num_n + pid_n
-        ticket = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLIT - 1:
-            _merge_splits(part_ptr, b_ptr, out_ptr, offs, cols, n_mask, out_mask, mn, SPLIT, HAS_BIAS,
-                          BLOCK_M, BLOCK_N)
-            tl.store(count, 0)
+    if PARTIAL:  # gemv's _split_sum_kernel sums the splits in split order
+        tl.store(part_ptr + pid_k * M.to(tl.int64) * N + offs, acc, mask=out_mask)
     else:
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]

@@ -5,10 +5,10 @@ streams in one or two; this kernel streams each weight element exactly once. A p
 BLOCK_N output rows, walks its K range in BLOCK_K chunks (loading the next weight tile while it
 multiplies this one; the first before PDL's wait) and multiplies each weight tile with all (<= 8)
 rows of x, keeping fp32 products per lane and reducing once at the end. When the output has too few
-row blocks to fill the SMs, K is split: every split writes fp32 partials, and the last split of a row
-block to finish (an acq_rel counter per block, reset by that split) sums them in split order, adds
-the bias and rounds (deterministic, so a graph replay equals eager bit for bit). Nothing reads the host,
-so every path can be captured in a CUDA graph. Linears route only one row here (ROUTE_MAX_M); 2-8 rows
+row blocks to fill the SMs, K is split: every split writes fp32 partials, and a second launch sums them
+in split order, adds the bias and rounds (deterministic, so a graph replay equals eager bit for bit; it
+ran the decode step faster than the last split merging them in the GEMV, docs/benchmarks.md). Nothing
+reads the host, so every path can be captured in a CUDA graph. Linears route only one row here (ROUTE_MAX_M); 2-8 rows
 go to cuBLAS, which ran them faster (docs/benchmarks.md, "Experiments decided").
 
 `silu_mul_gemv` is the MLP down projection of a fused [gate; up] activation: silu(gate) * up is formed
@@ -25,13 +25,12 @@ import torch
 import torch.nn.functional as F
 
 from inference.layers.kernel_device import num_sms, use_triton
-from inference.layers.merge_counters import MergeCounters
 from inference.layers.pdl import launch_kwargs
 
 try:
     import triton
 
-    from inference.layers.gemv_kernels import _gemv_kernel
+    from inference.layers.gemv_kernels import _gemv_kernel, _split_sum_kernel
 except ImportError:  # the engine runs without Triton, on cuBLAS
     triton = None
 
@@ -141,10 +140,6 @@ def use_norm_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tens
                                       and residual.stride(-1) == 1 and residual.device == x.device)))
 
 
-# Split-K merge counters, one buffer per device for every GEMV launch (a row block's counter at most).
-merge_counters = MergeCounters(floor=4096).get
-
-
 @dataclass(frozen=True)
 class _Norm:
     """norm_gemv's prologue operands: residual (or None), the RMSNorm weight and eps, and res_out."""
@@ -172,16 +167,17 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k:
     res = norm.residual if norm is not None and norm.residual is not None else x
     pdl = launch_kwargs(x)
     blocks = triton.cdiv(n, cfg.block_n)
-    counters = merge_counters(x.device, blocks) if partial else out
     _gemv_kernel[(blocks, split)](
-        x, weight, b, out, dest, counters, res, x if norm is None else norm.weight, x if norm is None else norm.res_out,
+        x, weight, b, out, dest, res, x if norm is None else norm.weight, x if norm is None else norm.res_out,
         m, n, k, x.stride(0), res.stride(0), k_per_split, 0.0 if norm is None else norm.eps,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None,
-        HAS_RES=norm is not None and norm.residual is not None, PARTIAL=partial, SPLIT=split, KIND=_KINDS[cfg.kind],
+        HAS_RES=norm is not None and norm.residual is not None, PARTIAL=partial, KIND=_KINDS[cfg.kind],
         BLOCK_M=cfg.block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         NORM_ROWS=triton.next_power_of_2(m) if norm is not None else 1,
         NORM_BLOCK=triton.next_power_of_2(k) if norm is not None else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
+    if partial:
+        sum_splits(dest, bias, out, pdl)
     return out
 
 
@@ -189,6 +185,13 @@ def split_k_plan(k: int, split_k: int, block_k: int) -> tuple[int, int]:
     """(K per split, a whole number of block_k steps; the splits that makes) for up to split_k splits."""
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     return k_per_split, triton.cdiv(k, k_per_split)
+
+
+def sum_splits(dest: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, pdl: dict) -> None:
+    """out = the fp32 partials dest [split, M, N] summed in split order (+ bias), in a launch of their own."""
+    mn, n = out.numel(), out.shape[1]
+    _split_sum_kernel[(triton.cdiv(mn, 1024),)](dest, bias if bias is not None else out, out, mn, n,
+                                               SPLIT=dest.shape[0], HAS_BIAS=bias is not None, BLOCK=1024, **pdl)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -206,8 +209,8 @@ def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, config: GemvConfi
 def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
               weight: torch.Tensor, bias: torch.Tensor | None = None,
               config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(F.linear(h, weight, bias), s) for (h, s) = add_rms_norm(x, residual, norm_weight, eps), in one launch,
-    with the same bits as add_rms_norm followed by gemv
+    """(F.linear(h, weight, bias), s) for (h, s) = add_rms_norm(x, residual, norm_weight, eps), in one launch
+    (two with split-K), with the same bits as add_rms_norm followed by gemv
     with the same config.
 
     s is a fresh [M, K] tensor (x itself when residual is None): the inputs are never written.

@@ -60,11 +60,11 @@ def _rows_rstd(x_ptr, r_ptr, res_out_ptr, stride_xm, stride_rm, M, K, eps, write
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, r_ptr, nw_ptr, res_out_ptr, M, N, K,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, r_ptr, nw_ptr, res_out_ptr, M, N, K,
                  stride_xm, stride_rm, k_per_split, eps, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
-                 NORM: tl.constexpr, HAS_RES: tl.constexpr, PARTIAL: tl.constexpr, SPLIT: tl.constexpr,
-                 KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 NORM_ROWS: tl.constexpr, NORM_BLOCK: tl.constexpr, PDL: tl.constexpr):
+                 NORM: tl.constexpr, HAS_RES: tl.constexpr, PARTIAL: tl.constexpr, KIND: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_ROWS: tl.constexpr,
+                 NORM_BLOCK: tl.constexpr, PDL: tl.constexpr):
     launch_dependents(PDL)
     pid_k = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -112,16 +112,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, r_ptr, nw_
         y = acc
     offs = ms[:, None] * N + rows[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
-    if PARTIAL:
+    if PARTIAL:  # _split_sum_kernel sums the splits in split order
         tl.store(part_ptr + pid_k * M * N + offs, y, mask=out_mask)
-        # The last split of this column block to finish sums all of them, in split order.
-        tl.debug_barrier()  # every thread's partial is stored before the release
-        count = counter_ptr + tl.program_id(0)
-        ticket = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLIT - 1:
-            _merge_splits(part_ptr, b_ptr, out_ptr, offs, rows, n_mask, out_mask, M * N,
-                          SPLIT, HAS_BIAS, BLOCK_M, BLOCK_N)
-            tl.store(count, 0)
     else:
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -129,12 +121,15 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, r_ptr, nw_
 
 
 @triton.jit
-def _merge_splits(part_ptr, b_ptr, out_ptr, offs, rows, n_mask, out_mask, MN, SPLIT: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out = sum of the SPLIT fp32 partials, in split order, + bias."""
-    y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+def _split_sum_kernel(p_ptr, b_ptr, out_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      BLOCK: tl.constexpr, PDL: tl.constexpr):
+    launch_dependents(PDL)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    y = tl.zeros((BLOCK,), dtype=tl.float32)
+    wait(PDL)
     for s in tl.static_range(SPLIT):
-        y += tl.load(part_ptr + s * MN + offs, mask=out_mask, other=0.0)
+        y += tl.load(p_ptr + s * MN + offs, mask=mask, other=0.0)
     if HAS_BIAS:
-        y += tl.load(b_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+        y += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)

@@ -103,13 +103,10 @@ class TritonAttentionTiles:
     # a draft equals output without only while plain decode sums its keys in the same tiles (same bits).
     single_decode_block_n: int = 0
     single_decode_num_warps: int = 8
-    # Decode launches of at least long_decode_min_seqs sequences take keys in tiles of long_decode_block_n
-    # (0: off): 8-17% faster at 32-512 sequences and 640-2048 keys on the H200, slower below 32 sequences
-    # at short contexts (bench_decode_parts; docs/benchmarks.md). Only when decode launches hold one row per
-    # sequence (decode_max_rows 1: no speculative decoding), so a draft's verify rows and plain decode
-    # keep summing their keys in the same tiles.
-    long_decode_block_n: int = 128
-    long_decode_min_seqs: int = 32
+    # Launch without FP contraction (Triton's enable_fp_fusion=False): every product and sum rounds as
+    # written, so an in-kernel rotation rounds as rotary_qk does (which launches so) instead of one bf16
+    # step apart in a few elements. The batch-invariant mode's tiles set it.
+    exact_rounding: bool = False
 
     def batch_invariant(self) -> TritonAttentionTiles:
         """The tiles of the batch-invariant mode (docs/invariance.md): a query sums its keys in the same
@@ -117,25 +114,23 @@ class TritonAttentionTiles:
         spec-decode verify. One KV split (the split count follows the batch, and a split-KV merge sums
         otherwise than one pass); one key tile size everywhere; prefill tiles of 16 rows, which is what
         a decode tile holds (its group padded to 16), so both dots run on [max(16, group), head_dim]
-        operands; no in-kernel rotation (it may round otherwise than rotary_qk, and the k cache would
-        then hold other bits for a token computed in decode than in prefill); no long batch-1 tiles."""
+        operands; decode rotates q and the new key in the kernel with every launch's FP contraction off
+        (exact_rounding), so the rotation rounds as rotary_qk's in prefill and the k cache holds the same
+        bits for a token decoded as for one prefilled; no long batch-1 tiles."""
         n = self.decode_block_n
         return replace(self, prefill_block_m=16, fp32_prefill_block_m=16, prefill_block_n=n, fp32_prefill_block_n=n,
-                       num_splits=1, fused_decode_rope=False, single_decode_block_n=0, long_decode_block_n=0)
+                       num_splits=1, fused_decode_rope=True, exact_rounding=True, single_decode_block_n=0)
 
     def for_decode(self, num_seqs: int) -> TritonAttentionTiles:
         """The tiles a decode launch of num_seqs sequences uses (a static shape: graph-safe)."""
         if num_seqs == 1 and self.single_decode_block_n:
             return replace(self, decode_block_n=self.single_decode_block_n, decode_split_tiles=1,
                            num_warps=self.single_decode_num_warps)
-        if self.long_decode_block_n and num_seqs >= self.long_decode_min_seqs and self.decode_max_rows == 1:
-            return replace(self, decode_block_n=self.long_decode_block_n)
         return self
 
     def __post_init__(self) -> None:
         blocks = (self.prefill_block_m, self.prefill_block_n, self.fp32_prefill_block_m,
-                  self.fp32_prefill_block_n, self.decode_block_n, self.single_decode_block_n or 16,
-                  self.long_decode_block_n or 16)
+                  self.fp32_prefill_block_n, self.decode_block_n, self.single_decode_block_n or 16)
         assert all(b >= 16 and b & (b - 1) == 0 for b in blocks), blocks
         assert self.num_splits is None or (self.num_splits >= 1 and self.num_splits & (self.num_splits - 1) == 0)
         assert self.decode_split_tiles >= 1, self.decode_split_tiles
@@ -312,4 +307,5 @@ class TritonAttention:
             IS_DECODE=meta.is_decode, HAS_WINDOW=sliding_window is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             DOT_UPCAST=_INTERPRET and q.dtype == torch.bfloat16, MULTI_ROW=max_rows > 1, ROPE=rope is not None,
-            num_warps=plan.num_warps, num_stages=self.tiles.num_stages, **launch_kwargs(q))
+            num_warps=plan.num_warps, num_stages=self.tiles.num_stages, enable_fp_fusion=not self.tiles.exact_rounding,
+            **launch_kwargs(q))
