@@ -7,7 +7,7 @@ a prefill of 8192 tokens, a decode batch of 128, a batch of 1 and a spec-decode 
 - Triton (CUDA bf16/fp16, or CPU tensors as kernel_device.use_triton allows): the GEMM of
   gemm_invariant_kernels.py. Its tiles (`InvariantTiles`: BLOCK_M x BLOCK_N x BLOCK_K, split-K) are a
   function of the weight shape and the device's SM count only (`pick_tiles`), so the tl.dot instruction
-  shape, the K order (BLOCK_K steps in order, split-K partials merged in split order) and hence a row's
+  shape, the K order (BLOCK_K steps in order, split-K partials summed in split order) and hence a row's
   bits are the same in any row block at any M; the kernel is not even specialized on M. BLOCK_M = 64
   (one Hopper warpgroup's wgmma): a decode batch of 1 pads 63 rows, which costs tensor-core work only
   (no bytes), and a batch of 128 is two row blocks. Programs are ordered so that the row blocks that
@@ -16,10 +16,11 @@ a prefill of 8192 tokens, a decode batch of 128, a batch of 1 and a spec-decode 
 - Elsewhere (CPU, fp32 on CUDA, Triton missing): `invariant.tiled_linear`, products
   of a fixed number of rows per call (the facts it rests on: inference/layers/invariant.py).
 
-Launches per decoder layer in the mode, besides attention (rotary_qk + the attention kernel): 7
-(add_rms_norm, qkv, o_proj, add_rms_norm, gate_up, silu_and_mul, down). Forming the norms and SiLU*up in
-the GEMM's prologue was measured slower than these launches on the H200 (docs/benchmarks.md, "Experiments
-decided"), so the mode keeps them apart.
+Launches per decoder layer in the mode, besides attention (one launch: decode rotates in the kernel): 7
+(add_rms_norm, qkv, o_proj, add_rms_norm, gate_up, silu_and_mul, down), plus the split sum of each split-K
+product. Forming the norms and SiLU*up in the GEMM's prologue made the mode's batch-1 step 1.54x slower
+(docs/benchmarks.md, "Experiments decided"), so the mode keeps them apart. The kernel lets PDL schedule
+the next kernel only after its main loop (earlier, the waiting dependents held SMs its later programs need).
 """
 
 from __future__ import annotations

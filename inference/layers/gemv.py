@@ -7,9 +7,9 @@ multiplies this one; the first before PDL's wait) and multiplies each weight til
 rows of x, keeping fp32 products per lane and reducing once at the end. When the output has too few
 row blocks to fill the SMs, K is split: every split writes fp32 partials, and a second launch sums them
 in split order, adds the bias and rounds (deterministic, so a graph replay equals eager bit for bit; it
-ran the decode step faster than the last split merging them in the GEMV, docs/benchmarks.md). Nothing
-reads the host, so every path can be captured in a CUDA graph. Linears route only one row here (ROUTE_MAX_M); 2-8 rows
-go to cuBLAS, which ran them faster (docs/benchmarks.md, "Experiments decided").
+ran the decode step faster than the last split merging them in the GEMV). Nothing reads the host, so
+every path can be captured in a CUDA graph. Linears route only one row here (ROUTE_MAX_M); 2-8 rows go
+to cuBLAS, which ran them faster. The measurements: docs/benchmarks.md, "Experiments decided".
 
 `silu_mul_gemv` is the MLP down projection of a fused [gate; up] activation: silu(gate) * up is formed
 tile by tile in registers (rounded where the eager silu_and_mul rounds) and never written out.
@@ -35,8 +35,8 @@ except ImportError:  # the engine runs without Triton, on cuBLAS
     triton = None
 
 MAX_M = 8  # the kernel's most rows
-# The most rows a linear routes to it: at 2-8 decode rows cuBLAS ran the rollout's steps faster on the H200
-# (the norm prologue and the "dot" tiles lose there; docs/benchmarks.md).
+# The most rows a linear routes to it: at 2-8 decode rows cuBLAS ran the decode step faster (batch 8 on the
+# H100: 1,036 us against 1,331 with 8; the norm prologue and the "dot" tiles lose there).
 ROUTE_MAX_M = 1
 SILU_MUL_MAX_M = 1
 SILU_MUL_MAX_WEIGHT = 1 << 23  # elements of the down projection (Qwen2-0.5B: 4.4M; 7B: 68M)
