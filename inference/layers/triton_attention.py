@@ -94,8 +94,9 @@ class TritonAttentionTiles:
     decode_programs_per_sm: int = 2
     # ... and this many in a launch holding several rows of one sequence (spec-decode verify: few rows
     # with long contexts, whose k + 1 rows read the same keys, so more splits cost little traffic). 4:
-    # 40 rows x 2048 keys (8 sequences' verify) took 84 -> 74 us a layer with 4 splits instead of 2
-    # (7B heads, H200; docs/benchmarks.md).
+    # 40 rows x 2048 keys (8 sequences' verify) took 84 -> 74 us a layer with 4 splits instead of 2 on the
+    # H200, the verify rows of 8 / 16 sequences 109 -> 91 / 209 -> 166 us on the H100 (7B heads;
+    # docs/benchmarks.md).
     verify_programs_per_sm: int = 4
     # Opt-in: a one-sequence decode launch (batch 1) is latency-bound and runs faster with longer KV tiles
     # on more warps, one tile per split (128; much slower at large batches: docs/benchmarks.md).
