@@ -13,6 +13,7 @@ import dataclasses
 import importlib
 import os
 import random
+from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
@@ -22,8 +23,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from inference.config import ModelConfig, RopeConfig
-from inference.layers import fused
 from inference.layers.attention import Attention, ReferenceAttention
+from inference.layers.kernel_device import interpreted_on_cpu
 from inference.layers.rotary import Rope, RotaryEmbedding
 from inference.models import build_model
 from inference.parallel import TPInfo
@@ -39,9 +40,10 @@ def ta() -> ModuleType:
 
 
 @pytest.fixture(autouse=True)
-def _triton_rotary_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def _triton_rotary_on_cpu() -> Iterator[None]:
     """The unfused comparison path runs fused.py's rotary kernel (in the interpreter on CPU)."""
-    monkeypatch.setattr(fused, "FORCE_ON_CPU", True)
+    with interpreted_on_cpu():
+        yield
 
 
 def rope_for(b: Batch, positions: list[int], theta: float = 10000.0) -> Rope:
@@ -91,16 +93,13 @@ def test_fused_rope_decode_has_the_bits_of_rotary_then_attention(ta: ModuleType,
     assert not fused_run[0][:3].isnan().any()
 
 
-@pytest.mark.parametrize("keys_once", [False, True], ids=["per_row", "keys_once"])
 @pytest.mark.parametrize("descending", [False, True])
-def test_fused_rope_rotates_verify_rows_at_their_own_positions(ta: ModuleType, descending: bool,
-                                                              keys_once: bool) -> None:
+def test_fused_rope_rotates_verify_rows_at_their_own_positions(ta: ModuleType, descending: bool) -> None:
     """Verify rows read the new keys of rows stored in the same launch from the inputs: those keys are
-    rotated at the key's position, so the cache and the outputs equal the unfused path's (keys_once: the
-    kernel that holds a sequence's rows in one program, verify_attention.py)."""
+    rotated at the key's position, so the cache and the outputs equal the unfused path's."""
     b = make_batch([4, 3], [21, 6], 4, 2, 32, 8, torch.bfloat16, seed=11, table_width=4)
     rows, order = verify_rows(b, descending=descending, pads=True)
-    tiles = ta.TritonAttentionTiles(**SMALL_TILES, num_splits=2, decode_split_tiles=1, verify_keys_once=keys_once)
+    tiles = ta.TritonAttentionTiles(**SMALL_TILES, num_splits=2, decode_split_tiles=1)
     backend = ta.TritonAttention(tiles)
     fused_run, plain_run = both_paths(backend, rows, rope_for(rows, decode_positions(rows)))
     assert_same_bits(fused_run, plain_run)
@@ -108,13 +107,10 @@ def test_fused_rope_rotates_verify_rows_at_their_own_positions(ta: ModuleType, d
     assert not fused_run[0][real].isnan().any()
 
 
-def test_the_invariant_tiles_rotate_in_decode_only_when_asked_with_exact_rounding(
-        ta: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    """SIDECAR_INVARIANT_FUSED_ROPE: the batch-invariant tiles rotate in the decode kernel and launch every
-    attention kernel without FP contraction; decode rows and verify rows keep rotary_qk's bits (here in the
-    interpreter; compiled on the H200: test_cuda_exact_rounding_rotates_with_rotary_qks_bits)."""
-    assert not ta.TritonAttentionTiles(**SMALL_TILES).batch_invariant().fused_decode_rope
-    monkeypatch.setattr(ta, "INVARIANT_FUSED_ROPE", True)
+def test_the_invariant_tiles_rotate_in_decode_with_exact_rounding(ta: ModuleType) -> None:
+    """The batch-invariant tiles rotate in the decode kernel and launch every attention kernel without FP
+    contraction; decode rows and verify rows keep rotary_qk's bits (here in the interpreter; compiled on
+    the GPU: test_cuda_exact_rounding_rotates_with_rotary_qks_bits)."""
     tiles = ta.TritonAttentionTiles(**SMALL_TILES).batch_invariant()
     assert tiles.fused_decode_rope and tiles.exact_rounding and tiles.num_splits == 1
     backend = ta.TritonAttention(tiles)
@@ -201,7 +197,7 @@ def test_cuda_fused_rope_decode(ta: ModuleType, batch: int, shape: tuple[int, in
 @pytest.mark.parametrize("shape", MODEL_SHAPES)
 def test_cuda_exact_rounding_rotates_with_rotary_qks_bits(ta: ModuleType, batch: int,
                                                           shape: tuple[int, int, int]) -> None:
-    """Compiled without FP contraction (the invariant mode's SIDECAR_INVARIANT_FUSED_ROPE), the in-kernel
+    """Compiled without FP contraction (the invariant mode's tiles), the in-kernel
     rotation gives rotary_qk's bits exactly, unlike the default launch (assert_within_a_rounding above)."""
     rng = random.Random(batch)
     contexts = [2048] + [rng.randint(1, 2048) for _ in range(batch - 1)]
@@ -211,10 +207,9 @@ def test_cuda_exact_rounding_rotates_with_rotary_qks_bits(ta: ModuleType, batch:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("keys_once", [False, True], ids=["per_row", "keys_once"])
-def test_cuda_fused_rope_verify_rows(ta: ModuleType, keys_once: bool) -> None:
+def test_cuda_fused_rope_verify_rows(ta: ModuleType) -> None:
     b = make_batch([5, 5, 3], [300, 5, 2000], 14, 2, 64, 16, torch.bfloat16, seed=9, table_width=128)
-    backend = ta.TritonAttention(ta.TritonAttentionTiles(verify_keys_once=keys_once))
+    backend = ta.TritonAttention(ta.TritonAttentionTiles())
     for descending in (False, True):
         rows, _ = verify_rows(dataclasses.replace(b), descending=descending, pads=True)
         assert_within_a_rounding(*both_paths(backend, rows, rope_for(rows, decode_positions(rows))), rows)

@@ -205,12 +205,11 @@ def test_on_the_gpu_graphs_triton_and_a_draft_change_no_bit(models: dict[str, Pa
 
 @pytest.mark.cuda
 def test_on_the_gpu_the_fused_rotation_with_exact_rounding_changes_no_bit(
-        models: dict[str, Path], prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
-    """SIDECAR_INVARIANT_FUSED_ROPE: decode rotates inside the attention kernel, every attention launch
-    without FP contraction; prefill (rotary_qk), decode at any batch and a draft's verify still agree."""
+        models: dict[str, Path], prompts: list[list[int]]) -> None:
+    """The mode's decode rotates inside the attention kernel, every attention launch without FP
+    contraction; prefill (rotary_qk), decode at any batch and a draft's verify still agree."""
     from inference.layers import triton_attention
 
-    monkeypatch.setattr(triton_attention, "INVARIANT_FUSED_ROPE", True)
     assert triton_attention.TritonAttentionTiles().batch_invariant().fused_decode_rope
     gpu = {"device": "cuda", "dtype": "bfloat16", "kv_cache_bytes": 64 << 20}
     llm = engine(models, **gpu)

@@ -19,6 +19,7 @@ import pytest
 
 from inference.models.tiny import TinyModelSpec, random_weights
 from inference.transfer.sender import WeightSender
+from tests.helpers_fault import flip_env
 from tests.helpers_sidecar import Sidecar, launch
 from tests.helpers_weight_update import RANK
 from trainer_hooks.client import (
@@ -103,7 +104,7 @@ def test_a_sync_is_one_request_carrying_start_and_finish(server: Sidecar, sender
 
 def test_a_flipped_byte_fails_the_one_request_audit_naming_tensor_and_rank(sender: WeightSender) -> None:
     flipped = next(iter(WEIGHTS))
-    proc = launch(env={"SIDECAR_WEIGHT_FAULT": f"flip:{flipped}"})  # the rank flips a byte of it on arrival
+    proc = launch(env=flip_env(flipped))  # the rank flips a byte of it on arrival
     try:
         c, wire = _client(proc)
         with c:

@@ -29,6 +29,7 @@ from torch import nn
 from inference.core import SamplingParams
 from inference.models.tiny import TinyModelSpec, default_model_dir, random_weights
 from sidecar.cli.main import main
+from tests.helpers_fault import flip_env
 from tests.helpers_sidecar import KV_BYTES, REPO, Sidecar, launch, pid_exists
 from trainer_hooks import Fleet, WeightSyncHook
 
@@ -222,7 +223,7 @@ def test_a_killed_replica_is_taken_out_its_requests_finish_elsewhere_and_it_rejo
 def test_a_flipped_byte_on_one_replica_fails_only_that_replica(
         fleet: Fleet, fleet_process: FleetProcess, trainer: nn.Module, caplog: pytest.LogCaptureFixture) -> None:
     fleet_process.kill_replica(2)
-    fleet_process.restart_replica(2, env={"SIDECAR_WEIGHT_FAULT": f"flip:{FLIPPED}"})
+    fleet_process.restart_replica(2, env=flip_env(FLIPPED))
     want = _new_weights(trainer, seed=15)
     with WeightSyncHook(fleet, trainer) as hook:
         with caplog.at_level(logging.WARNING, logger="trainer_hooks"):

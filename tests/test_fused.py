@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
 from inference.layers import fused
+from inference.layers.kernel_device import interpreted_on_cpu, use_triton
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -25,8 +28,9 @@ def close(got: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _force(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fused, "FORCE_ON_CPU", True)
+def _kernels_on_cpu() -> Iterator[None]:
+    with interpreted_on_cpu():
+        yield
 
 
 def _rand(*shape: int, dtype: torch.dtype, device: str, seed: int = 0) -> torch.Tensor:
@@ -40,7 +44,7 @@ def _rand(*shape: int, dtype: torch.dtype, device: str, seed: int = 0) -> torch.
 def test_add_rms_norm_matches_eager(device: str, dtype: torch.dtype, hidden: int) -> None:
     x, r = _rand(7, hidden, dtype=dtype, device=device), _rand(7, hidden, dtype=dtype, device=device, seed=1)
     w = _rand(hidden, dtype=dtype, device=device, seed=2)
-    assert fused.use_triton(x)
+    assert use_triton(x)
     out, res = fused.add_rms_norm(x, r, w, 1e-6)
     ref_out, ref_res = fused.add_rms_norm_torch(x, r, w, 1e-6)
     close(res, ref_res)

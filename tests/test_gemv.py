@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextvars
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -12,17 +14,17 @@ pytest.importorskip("triton")
 
 from inference.layers import gemv as gemv_mod
 from inference.layers.fused import silu_and_mul_torch
-from inference.layers.gemv import GemvConfig, gemv, pick_config, silu_mul_gemv, use_gemv
+from inference.layers.gemv import ROUTE_MAX_M, GemvConfig, gemv, pick_config, silu_mul_gemv, use_gemv
+from inference.layers.kernel_device import interpreted_on_cpu
 from inference.layers.linear import QKVParallelLinear, RowParallelLinear
 from inference.models.decoder import DecoderMLP, _Build
 from inference.parallel import TPInfo
 
 
 @pytest.fixture(autouse=True)
-def _force(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gemv_mod, "FORCE_ON_CPU", True)
-    monkeypatch.setattr(gemv_mod, "ENABLED", True)
-    monkeypatch.setattr(gemv_mod, "ROUTE_MAX_M", gemv_mod.MAX_M)  # the kernel's whole row range
+def _kernels_on_cpu() -> Iterator[None]:
+    with interpreted_on_cpu():
+        yield
 
 
 def _rand(*shape: int, dtype: torch.dtype, device: str, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -59,7 +61,7 @@ SHAPES = [(37, 70), (130, 300), (5, 1100)]  # (N, K): none a multiple of a block
 def test_gemv_matches_linear(m: int, n: int, k: int, with_bias: bool) -> None:
     x, w, b = _operands(m, n, k, dtype=torch.float16)  # bf16 per kind below: the default may be "dot"
     bias = b if with_bias else None
-    assert use_gemv(x, w)
+    assert use_gemv(x, w) == (m <= ROUTE_MAX_M)  # the kernel takes up to MAX_M rows; linears route fewer
     close(gemv(x, w, bias), _reference(x, w, bias))
 
 
@@ -76,45 +78,31 @@ def test_gemv_split_k_and_kinds(kind: str, split_k: int, with_bias: bool) -> Non
     close(gemv(x, w, bias, config=cfg), _reference(x, w, bias))
 
 
-def _split_sum_both_ways(monkeypatch: pytest.MonkeyPatch, device: str) -> None:
-    """Split-K summed by the last split to finish equals the two-launch sum bit for bit, and every
-    merge counter is back to zero afterwards (the next launch, or a graph replay, starts clean)."""
+def _split_sum_is_in_split_order(device: str) -> None:
+    """Split-K: the second launch sums the fp32 partials in split order (+ bias), so the result is the same
+    bits at every launch (a graph replay equals eager), within rounding of the fp32 product."""
     x, w, b = _operands(3, 45, 200, dtype=torch.float16, device=device)
     for kind in KINDS:
         cfg = GemvConfig(block_n=16 if kind == "dot" else 8, block_k=32, split_k=3, kind=kind)
-        monkeypatch.setattr(gemv_mod, "FUSED_SPLIT", False)
-        two_launches = gemv(x, w, b, config=cfg)
-        monkeypatch.setattr(gemv_mod, "FUSED_SPLIT", True)
-        fused = gemv(x, w, b, config=cfg)
-        assert torch.equal(fused, two_launches), kind
-        assert not gemv_mod.merge_counters(x.device, 1).any(), kind
-        close(fused, _reference(x, w, b))
+        assert gemv_mod.split_k_plan(200, 3, 32) == (96, 3)  # three splits: 96, 96 and 8 columns
+        first = gemv(x, w, b, config=cfg)
+        assert torch.equal(gemv(x, w, b, config=cfg), first), kind
+        close(first, _reference(x, w, b))
 
 
-def test_fused_split_merge_equals_split_sum(monkeypatch: pytest.MonkeyPatch) -> None:
-    _split_sum_both_ways(monkeypatch, "cpu")
+def test_split_k_sum_is_deterministic() -> None:
+    _split_sum_is_in_split_order("cpu")
 
 
 @pytest.mark.cuda
-def test_fused_split_merge_equals_split_sum_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    _split_sum_both_ways(monkeypatch, "cuda")
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_weight_prefetch_changes_no_bit(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Loading each weight tile one K step ahead (the default) or in its own step gives the same bits."""
-    x, w, b = _operands(3, 45, 200, dtype=torch.float16)
-    cfg = GemvConfig(block_n=16 if kind == "dot" else 8, block_k=32, split_k=2, kind=kind)
-    ahead = gemv(x, w, b, config=cfg)
-    monkeypatch.setattr(gemv_mod, "PREFETCH", False)
-    assert torch.equal(gemv(x, w, b, config=cfg), ahead)
-    close(ahead, _reference(x, w, b))
+def test_split_k_sum_is_deterministic_cuda() -> None:
+    _split_sum_is_in_split_order("cuda")
 
 
 def test_gemv_reads_strided_rows() -> None:
     x, w, b = _operands(4, 33, 96, dtype=torch.float16)
     wide = torch.cat([x, x], dim=1)[:, :96]  # rows with stride 192
-    assert not wide.is_contiguous() and use_gemv(wide, w)
+    assert not wide.is_contiguous() and use_gemv(wide[:1], w)
     close(gemv(wide, w, b), _reference(x, w, b))
 
 
@@ -132,30 +120,27 @@ def test_silu_mul_gemv_matches_unfused(m: int, split_k: int, kind: str) -> None:
     close(silu_mul_gemv(gate_up, w, config=cfg), _reference(silu_and_mul_torch(gate_up), w, None), atol=6e-2)
 
 
-def test_decode_routes_only_one_row_to_the_gemv_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SIDECAR_GEMV_MAX_ROWS (default 1): 2-8 rows go to cuBLAS, which ran them faster on the H200."""
-    from inference import envs
-
-    monkeypatch.setattr(gemv_mod, "ROUTE_MAX_M", min(gemv_mod.MAX_M, envs.GEMV_MAX_ROWS.get()))
+def test_decode_routes_only_one_row_to_the_gemv() -> None:
+    """2-8 rows go to cuBLAS, which ran them faster on the H200."""
     x, w, _ = _operands(2, 16, 32)
-    assert use_gemv(x[:1], w) and not use_gemv(x, w)
-    monkeypatch.setenv("SIDECAR_GEMV_MAX_ROWS", "4")
-    assert envs.GEMV_MAX_ROWS.get() == 4
+    assert ROUTE_MAX_M == 1 and use_gemv(x[:1], w) and not use_gemv(x, w)
 
 
-def test_use_gemv_guards(monkeypatch: pytest.MonkeyPatch) -> None:
-    x, w, _ = _operands(8, 16, 32)
+def test_use_gemv_guards() -> None:
+    x, w, _ = _operands(1, 16, 32)
     assert use_gemv(x, w)
-    assert not use_gemv(torch.cat([x, x]), w)  # 16 rows
     assert not use_gemv(x[:0], w)
     assert not use_gemv(x.float(), w.float())
     assert not use_gemv(x, w.t().contiguous().t())  # a transposed view of the weight
     assert not use_gemv(x.half(), w)
-    monkeypatch.setattr(gemv_mod, "ENABLED", False)
-    assert not use_gemv(x, w)
-    monkeypatch.setattr(gemv_mod, "ENABLED", True)
-    monkeypatch.setattr(gemv_mod, "FORCE_ON_CPU", False)
-    assert not use_gemv(x, w)
+    assert not use_gemv(torch.cat([x, x]), w)  # 2 rows: cuBLAS
+
+
+def test_cpu_tensors_take_torch_outside_the_interpreter_scope() -> None:
+    """Outside interpreted_on_cpu() a CPU tensor never reaches a kernel: the engine on CPU runs torch."""
+    x, w, b = _operands(1, 16, 32)
+    assert not contextvars.Context().run(use_gemv, x, w)  # a context the fixture never entered
+    assert torch.equal(contextvars.Context().run(gemv_mod.linear, x, w, b), F.linear(x, w, b))
 
 
 def test_linear_falls_back_to_torch_above_max_m() -> None:
@@ -177,12 +162,13 @@ def test_pick_config_fills_the_h200(m: int, n: int, k: int) -> None:
     assert cfg.split_k == 1 or k >= 2 * cfg.split_k * cfg.block_k
 
 
-def test_silu_mul_gemv_only_for_one_row_and_small_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_silu_mul_gemv_only_for_one_row_and_small_weights() -> None:
     w = torch.zeros(8, 16, dtype=torch.bfloat16)
     assert gemv_mod.use_silu_mul_gemv(torch.zeros(1, 32, dtype=torch.bfloat16), w)
     assert not gemv_mod.use_silu_mul_gemv(torch.zeros(2, 32, dtype=torch.bfloat16), w)
-    monkeypatch.setattr(gemv_mod, "SILU_MUL_MAX_WEIGHT", 127)
-    assert not gemv_mod.use_silu_mul_gemv(torch.zeros(1, 32, dtype=torch.bfloat16), w)
+    big = torch.zeros(gemv_mod.SILU_MUL_MAX_WEIGHT // 1024 + 1, 1024, dtype=torch.bfloat16)  # one row too many
+    assert gemv_mod.use_gemv(torch.zeros(1, 1024, dtype=torch.bfloat16), big)
+    assert not gemv_mod.use_silu_mul_gemv(torch.zeros(1, 2048, dtype=torch.bfloat16), big)
 
 
 def _filled(module: torch.nn.Module) -> torch.nn.Module:
@@ -192,8 +178,9 @@ def _filled(module: torch.nn.Module) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("m", [1, 3])
-def test_layers_on_gemv_equal_layers_on_torch(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """QKV (bias), o_proj (bias) and the MLP (fused down projection at one row) against F.linear."""
+def test_layers_on_gemv_equal_layers_on_torch(m: int) -> None:
+    """QKV (bias), o_proj (bias) and the MLP (fused down projection at one row) against the same layers
+    on torch (CPU tensors outside the interpreter's scope)."""
     dt, tp = torch.float16, TPInfo()
     config = SimpleNamespace(hidden_size=40, intermediate_size=72, hidden_act="silu")
     layers = [_filled(QKVParallelLinear(40, 8, 3, 1, True, tp, dt, "cpu")),
@@ -202,9 +189,8 @@ def test_layers_on_gemv_equal_layers_on_torch(m: int, monkeypatch: pytest.Monkey
     x = _rand(m, 40, dtype=dt, device="cpu", seed=5)
     got = [layer(x) for layer in layers]
     assert gemv_mod.use_silu_mul_gemv(layers[2].gate_up_proj(x), layers[2].down_proj.weight) == (m == 1)
-    monkeypatch.setattr(gemv_mod, "ENABLED", False)
     for out, layer in zip(got, layers):
-        close(out, layer(x))
+        close(out, contextvars.Context().run(layer, x))
 
 
 # ---- on the GPU ---------------------------------------------------------------------------------
@@ -216,7 +202,7 @@ CUDA_SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864), (151936, 896),
 @pytest.mark.parametrize(("n", "k"), CUDA_SHAPES)
 def test_gemv_real_shapes_cuda(m: int, n: int, k: int) -> None:
     x, w, b = _operands(m, n, k, device="cuda")
-    assert use_gemv(x, w)
+    assert use_gemv(x, w) == (m <= ROUTE_MAX_M)
     close(gemv(x, w, b), _reference(x, w, b))
     close(gemv(x, w), _reference(x, w, None))
 

@@ -147,29 +147,19 @@ def test_killed_rank_makes_health_503_and_calls_fail_fast() -> None:
     assert port_is_free(server.url)
 
 
-def test_the_server_runs_on_uvloop_and_httptools_unless_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The server extra installs both (pyproject.toml), so a plain install serves on them; SIDECAR_FAST_HTTP=0
-    falls back to asyncio's loop and h11 (and a machine without them gets the same fallback, never an error)."""
-    import asyncio
-
+def test_the_server_runs_on_uvloop_and_httptools_when_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server extra installs both (pyproject.toml), so a plain install serves on them; a machine without
+    them falls back to asyncio's loop and h11, never an error."""
     import uvloop
 
     from sidecar.cli.launch import event_loop
 
-    monkeypatch.delenv("SIDECAR_FAST_HTTP", raising=False)
     loop, http = event_loop()
     try:
         assert isinstance(loop, uvloop.Loop) and http == "httptools"
     finally:
         loop.close()
-    monkeypatch.setenv("SIDECAR_FAST_HTTP", "0")
-    loop, http = event_loop()
-    try:
-        assert isinstance(loop, asyncio.AbstractEventLoop) and not isinstance(loop, uvloop.Loop) and http == "h11"
-    finally:
-        loop.close()
-    monkeypatch.setitem(sys.modules, "uvloop", None)  # not installed: the same fallback
-    monkeypatch.setenv("SIDECAR_FAST_HTTP", "1")
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # not installed: the fallback
     loop, http = event_loop()
     try:
         assert not isinstance(loop, uvloop.Loop) and http == "h11"

@@ -1,8 +1,11 @@
 """norm_gemv (residual add + RMSNorm in the GEMV's prologue) gives the same bits as add_rms_norm followed by
-gemv with the same config, and a decoder with it gives the same bits as one without (Triton's interpreter on
-CPU; Qwen2-0.5B shapes under `cuda`)."""
+gemv with the same config, and a decoder's one-row steps take it (Triton's interpreter on CPU; Qwen2-0.5B
+shapes under `cuda`)."""
 
 from __future__ import annotations
+
+import contextvars
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -11,8 +14,8 @@ pytest.importorskip("triton")
 
 from inference.config import ModelConfig, RopeConfig
 from inference.layers import fused, norm
-from inference.layers import gemv as gemv_mod
-from inference.layers.gemv import GemvConfig, gemv, norm_gemv, pick_config, use_norm_gemv
+from inference.layers.gemv import NORM_MAX_K, ROUTE_MAX_M, GemvConfig, gemv, norm_gemv, pick_config, use_norm_gemv
+from inference.layers.kernel_device import interpreted_on_cpu, num_sms, use_triton
 from inference.models import build_model
 from inference.parallel import TPInfo
 from tests.helpers_models import ToyPager
@@ -21,12 +24,9 @@ EPS = 1e-6
 
 
 @pytest.fixture(autouse=True)
-def _force(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gemv_mod, "FORCE_ON_CPU", True)
-    monkeypatch.setattr(gemv_mod, "ENABLED", True)
-    monkeypatch.setattr(gemv_mod, "ROUTE_MAX_M", gemv_mod.MAX_M)  # the kernel's whole row range
-    monkeypatch.setattr(gemv_mod, "NORM_ENABLED", True)
-    monkeypatch.setattr(fused, "FORCE_ON_CPU", True)
+def _kernels_on_cpu() -> Iterator[None]:
+    with interpreted_on_cpu():
+        yield
 
 
 def _rand(*shape: int, dtype: torch.dtype, device: str, seed: int, scale: float = 1.0,
@@ -49,12 +49,12 @@ def check_equals_unfused(ops: dict[str, torch.Tensor], with_res: bool, with_bias
     x, nw, w = ops["x"], ops["norm_weight"], ops["weight"]
     res = ops["residual"] if with_res else None
     bias = ops["bias"] if with_bias else None
-    assert use_norm_gemv(x, w, nw, res) and fused.use_triton(x)
+    assert use_norm_gemv(x, w, nw, res) == (x.shape[0] <= ROUTE_MAX_M) and use_triton(x)
     x_before, res_before = x.clone(), None if res is None else res.clone()
     y, res_out = norm_gemv(x, res, nw, EPS, w, bias, config=config)
     h, ref_res = fused.add_rms_norm(x, res, nw, EPS)
     # config None: norm_gemv's own default shape, which the plain GEMV must be given to sum in the same order
-    same = config or pick_config(x.shape[0], w.shape[0], x.shape[1], gemv_mod._num_sms(x.device), "norm")
+    same = config or pick_config(x.shape[0], w.shape[0], x.shape[1], num_sms(x.device), "norm")
     assert torch.equal(y, gemv(h, w, bias, config=same))
     assert torch.equal(res_out, ref_res)
     if res is None:
@@ -90,19 +90,17 @@ def test_norm_gemv_default_config(with_res: bool) -> None:
     check_equals_unfused(ops, with_res, with_bias=True, config=None)
 
 
-def test_use_norm_gemv_guards(monkeypatch: pytest.MonkeyPatch) -> None:
-    ops = _operands(2, 8, 64, torch.bfloat16)
+def test_use_norm_gemv_guards() -> None:
+    ops = _operands(1, 8, 64, torch.bfloat16)
     x, r, nw, w = ops["x"], ops["residual"], ops["norm_weight"], ops["weight"]
     assert use_norm_gemv(x, w, nw) and use_norm_gemv(x, w, nw, r)
     assert not use_norm_gemv(x, w, nw.half())
     assert not use_norm_gemv(x, w, nw, r.half())
-    assert not use_norm_gemv(x, w, nw, r[:1])
-    assert not use_norm_gemv(torch.cat([x] * 5), w, nw)  # 10 rows: cuBLAS
-    monkeypatch.setattr(gemv_mod, "NORM_MAX_K", 32)
-    assert not use_norm_gemv(x, w, nw)
-    monkeypatch.setattr(gemv_mod, "NORM_MAX_K", 8192)
-    monkeypatch.setattr(gemv_mod, "NORM_ENABLED", False)
-    assert not use_norm_gemv(x, w, nw)
+    assert not use_norm_gemv(x, w, nw, torch.cat([r, r]))
+    assert not use_norm_gemv(torch.cat([x, x]), w, nw)  # 2 rows: cuBLAS
+    wide = _operands(1, 8, NORM_MAX_K + 16, torch.bfloat16)  # a row wider than one norm block
+    assert not use_norm_gemv(wide["x"], wide["weight"], wide["norm_weight"])
+    assert not contextvars.Context().run(use_norm_gemv, x, w, nw)  # CPU tensors outside the interpreter's scope
 
 
 # ---- a tiny decoder -------------------------------------------------------------------------------------
@@ -119,28 +117,31 @@ def _tiny_model(dtype: torch.dtype) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("lens", [[1], [1, 1, 1]])
-def test_decoder_with_norm_gemv_equals_without(lens: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
-    """A prefill (3 or 6 rows) and a decode step: hidden states equal bit for bit with the fused pre-norms on
-    and off, in the first layer (no residual yet) and the next."""
-    calls: list[int] = []
+def _run_steps() -> list[torch.Tensor]:
+    """One sequence: a 3-token prefill, then two one-row decode steps; the hidden states of each step."""
+    model, pager = _tiny_model(torch.float16), ToyPager(8, 4)  # fp16: the interpreter truncates bf16
+    hidden = []
+    with torch.no_grad():
+        for step in ({0: [3, 7, 9]}, {0: [11]}, {0: [12]}):
+            input_ids, positions, meta = pager.step(step)
+            hidden.append(model(input_ids, positions, meta))
+    return hidden
+
+
+def test_decoder_forms_its_pre_norms_in_the_gemv_at_one_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-row decode steps run both pre-norms of every layer in the qkv / gate_up GEMV's prologue (the
+    first layer without a residual, the next with one), the prefill in add_rms_norm; every step's hidden
+    states stay within rounding of the same decoder on torch (CPU tensors outside the interpreter's scope)."""
+    calls: list[bool] = []
     counted = norm.norm_gemv
-    monkeypatch.setattr(norm, "norm_gemv", lambda *a, **kw: calls.append(1) or counted(*a, **kw))
-    outs = []
-    for on in (True, False):
-        monkeypatch.setattr(gemv_mod, "NORM_ENABLED", on)
-        model, pager = _tiny_model(torch.bfloat16), ToyPager(8, 4)
-        steps = [{i: [3 + i, 7, 9 + i][: 3 - i] for i in range(len(lens))}]  # prefill: 3 + 2 + 1 <= 8 rows
-        steps.append({i: [11 + i] for i in range(len(lens))})
-        hidden = []
-        with torch.no_grad():
-            for step in steps:
-                input_ids, positions, meta = pager.step(step)
-                hidden.append(model(input_ids, positions, meta))
-        outs.append(hidden)
-    assert len(calls) == 2 * 2 * 2  # two per layer, every step, only when on
-    for fused_h, plain_h in zip(*outs):
-        assert torch.equal(fused_h, plain_h)
+    monkeypatch.setattr(norm, "norm_gemv", lambda x, r, *a, **kw: calls.append(r is None) or counted(x, r, *a, **kw))
+    on_kernels = _run_steps()
+    assert len(calls) == 2 * 2 * 2  # two per layer, in the two decode steps only
+    assert calls.count(True) == 2  # the first layer's input norm of each decode step has no residual yet
+    on_torch = contextvars.Context().run(_run_steps)
+    assert len(calls) == 8
+    for got, want in zip(on_kernels, on_torch):
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2 ** -9)
 
 
 # ---- on the GPU: Qwen2-0.5B shapes ----------------------------------------------------------------------

@@ -86,27 +86,23 @@ def assert_rows_match_reference(backend: object, b: Batch, order: list[int]) -> 
 ROW_SPLITS = [(1, 4), (4, 1)]
 
 
-@pytest.mark.parametrize("keys_once", [False, True], ids=["per_row", "keys_once"])
 @pytest.mark.parametrize(("splits", "split_tiles"), ROW_SPLITS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_descending_rows_take_earlier_keys_from_the_inputs(ta: ModuleType, splits: int, split_tiles: int,
-                                                           dtype: torch.dtype, keys_once: bool) -> None:
+                                                           dtype: torch.dtype) -> None:
     """GQA 4:1; 5 rows crossing a block (8) and a KV tile (16) boundary, 5 rows of a fresh sequence
     (context 1 .. 5), 3 rows late in a long context; padded rows around them. The rows of a sequence
     run last position first, so each reads its predecessors' keys before they are stored."""
     b = make_batch([5, 5, 3], [19, 5, 40], 8, 2, 32, 8, dtype, seed=41, table_width=6)
     rows, order = verify_rows(b, descending=True, pads=True)
-    tiles = ta.TritonAttentionTiles(**{**SMALL_TILES, "num_splits": splits, "decode_split_tiles": split_tiles,
-                                       "verify_keys_once": keys_once})
+    tiles = ta.TritonAttentionTiles(**{**SMALL_TILES, "num_splits": splits, "decode_split_tiles": split_tiles})
     assert_rows_match_reference(ta.TritonAttention(tiles), rows, order)
 
 
-@pytest.mark.parametrize("keys_once", [False, True], ids=["per_row", "keys_once"])
-def test_ascending_and_descending_rows_agree_bit_for_bit(ta: ModuleType, keys_once: bool) -> None:
+def test_ascending_and_descending_rows_agree_bit_for_bit(ta: ModuleType) -> None:
     """A row's output does not depend on where its sequence's other rows sit in the launch."""
     b = make_batch([4, 6], [33, 18], 4, 2, 32, 8, torch.bfloat16, seed=42)
-    tiles = ta.TritonAttentionTiles(**{**SMALL_TILES, "num_splits": 2, "decode_split_tiles": 1,
-                                       "verify_keys_once": keys_once})
+    tiles = ta.TritonAttentionTiles(**{**SMALL_TILES, "num_splits": 2, "decode_split_tiles": 1})
     backend = ta.TritonAttention(tiles)
     outs = {}
     for descending in (False, True):
@@ -118,27 +114,24 @@ def test_ascending_and_descending_rows_agree_bit_for_bit(ta: ModuleType, keys_on
     torch.testing.assert_close(outs[True], outs[False], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("keys_once", [False, True], ids=["per_row", "keys_once"])
-def test_sixteen_rows_of_one_sequence(ta: ModuleType, keys_once: bool) -> None:
+def test_sixteen_rows_of_one_sequence(ta: ModuleType) -> None:
     """The most rows of one sequence a launch may hold (tiles.decode_max_rows), descending, GQA 7:1."""
     b = make_batch([16, 1], [30, 7], 7, 1, 16, 8, torch.float32, seed=43)
     rows, order = verify_rows(b, descending=True, pads=True)
-    tiles = ta.TritonAttentionTiles(**SMALL_TILES, verify_keys_once=keys_once)
+    tiles = ta.TritonAttentionTiles(**SMALL_TILES)
     assert_rows_match_reference(ta.TritonAttention(tiles), rows, order)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("keys_once", [False, True], ids=["per_row", "keys_once"])
 @pytest.mark.parametrize("descending", [False, True])
-@pytest.mark.parametrize(("split_tiles", "fused_combine"), [(2, True), (1, True), (1, False)])
+@pytest.mark.parametrize("split_tiles", [2, 1])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_verify_rows_match_reference(ta: ModuleType, descending: bool, split_tiles: int,
-                                          fused_combine: bool, dtype: torch.dtype, keys_once: bool) -> None:
+                                          dtype: torch.dtype) -> None:
     """Qwen2-0.5B heads (14 q, 2 kv, head_dim 64), compiled: 3 sequences x 5 verify rows and padded rows,
     repeated so that a racing read would have many chances to land before its write."""
     b = make_batch([5, 5, 5], [300, 5, 2100], 14, 2, 64, 16, dtype, seed=44, table_width=256)
     rows, order = verify_rows(b, descending=descending, pads=True)
-    tiles = ta.TritonAttentionTiles(decode_split_tiles=split_tiles, fused_combine=fused_combine,
-                                    verify_keys_once=keys_once)
+    tiles = ta.TritonAttentionTiles(decode_split_tiles=split_tiles)
     for _ in range(20):
         assert_rows_match_reference(ta.TritonAttention(tiles), rows, order)

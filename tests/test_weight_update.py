@@ -20,6 +20,7 @@ import torch
 from checksum import ChecksumMismatch
 from inference.core import InvalidRequestError, StateError
 from inference.transfer.groups import TransferError
+from tests.helpers_fault import flipped_on_arrival
 from tests.helpers_weight_update import Q1, RANK, Link, held, loader_digests, make_worker, perturbed, tiny_model_dirs
 
 
@@ -137,15 +138,13 @@ def test_tied_lm_head_is_accepted_skipped_and_must_equal_the_embedding(dirs: dic
 def test_flipped_byte_fails_the_audit_naming_tensor_and_rank(dirs: dict[str, Path], name: str) -> None:
     worker = make_worker(dirs)
     link = Link(worker)
-    worker.weights.fault = ("flip", name)
-    with pytest.raises(ChecksumMismatch) as err:
+    with flipped_on_arrival(name), pytest.raises(ChecksumMismatch) as err:
         link.sync(perturbed(dirs["target"], 60), 1)
     first = err.value.report.first_tensor
     assert (first.kind, first.tensor, first.rank) == ("digest", name, RANK)
     assert name in str(err.value) and RANK in str(err.value)
     weights = worker.weights
     assert weights.torn["target"] and not weights.is_servable("target") and weights.versions["target"] == 0
-    worker.weights.fault = None
     assert link.sync(perturbed(dirs["target"], 61), 2).report.ok
     assert worker.weights.is_servable("target") and worker.weights.versions["target"] == 2
 

@@ -17,6 +17,7 @@ from inference.core import InvalidRequestError, StateError
 from inference.engine.worker import Worker
 from inference.transfer.delivery import DIGEST_BYTES, _payload, delivery_size
 from inference.transfer.groups import TransferError
+from tests.helpers_fault import flipped_on_arrival
 from tests.helpers_weight_update import Q1, RANK, Link, held, loader_digests, make_worker, perturbed, tiny_model_dirs
 
 
@@ -60,14 +61,13 @@ def test_update_returns_the_senders_digests_and_finish_takes_them(dirs: dict[str
 def test_a_flipped_byte_fails_the_delivered_audit_naming_tensor_and_rank(dirs: dict[str, Path]) -> None:
     worker = make_worker(dirs)
     link = Link(worker)
-    worker.weights.fault = ("flip", Q1)
-    delivered, _ = _sync(link, perturbed(dirs["target"], 73), 1)
+    with flipped_on_arrival(Q1):
+        delivered, _ = _sync(link, perturbed(dirs["target"], 73), 1)
     with pytest.raises(ChecksumMismatch) as err:
         worker.finish_weight_update(delivered)
     first = err.value.report.first_tensor
     assert (first.kind, first.tensor, first.rank) == ("digest", Q1, RANK)
     assert worker.weights.torn["target"] and worker.weights.versions["target"] == 0
-    worker.weights.fault = None
     delivered, _ = _sync(link, perturbed(dirs["target"], 74), 2)
     assert worker.finish_weight_update(delivered).report.ok and worker.weights.is_servable("target")
 

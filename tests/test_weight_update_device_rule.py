@@ -27,6 +27,7 @@ from inference.core import InvalidRequestError
 from inference.models.tiny import make_tiny_model
 from inference.transfer.groups import TransferError
 from inference.transfer.sender import WeightSender
+from tests.helpers_fault import flip_held_after_landing, flipped_on_arrival
 from tests.helpers_weight_update import DIMS, Q1, RANK, Link, make_worker, perturbed
 
 pytest.importorskip("triton")
@@ -122,15 +123,15 @@ def test_a_byte_flipped_on_the_senders_side_fails_naming_tensor_and_rank(dirs: d
 
 
 def test_a_byte_flipped_in_the_held_weights_fails_naming_tensor_and_rank(dirs: dict[str, Path],
-                                                                        launches: list[int]) -> None:
+                                                                        launches: list[int],
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     link = device_link(dirs)
     worker = link.worker
-    worker.weights.overlap_audit_digest = False  # finish digests what is held then, after the flip below
+    qkv = dict(worker.models["target"].named_parameters())["model.layers.1.self_attn.qkv_proj.weight"]
+    flip_held_after_landing(monkeypatch, worker.weights, qkv)  # the first byte of the q rows: Q1
     state = perturbed(dirs["target"], 4)
     worker.start_weight_update(1, link.sender.manifest(state, 1))
     digests = link.transfer(state)
-    qkv = dict(worker.models["target"].named_parameters())["model.layers.1.self_attn.qkv_proj.weight"]
-    qkv.detach().view(-1)[:1].view(torch.uint8)[:1].bitwise_xor_(1)  # the first byte of the q rows: Q1
     with pytest.raises(ChecksumMismatch) as err:
         worker.finish_weight_update(digests)
     first = err.value.report.first_tensor
@@ -140,10 +141,8 @@ def test_a_byte_flipped_in_the_held_weights_fails_naming_tensor_and_rank(dirs: d
 
 def test_a_byte_flipped_on_arrival_fails_under_the_device_rule(dirs: dict[str, Path], launches: list[int]) -> None:
     link = device_link(dirs)
-    link.worker.weights.fault = ("flip", Q1)  # through put(): digested from the received bytes
-    with pytest.raises(ChecksumMismatch, match=f"'{Q1}' on rank {RANK}"):
+    with flipped_on_arrival(Q1), pytest.raises(ChecksumMismatch, match=f"'{Q1}' on rank {RANK}"):
         link.sync(perturbed(dirs["target"], 5), 1)
-    link.worker.weights.fault = None
     assert link.sync(perturbed(dirs["target"], 6), 2).report.ok  # the next sync repairs it
 
 

@@ -17,6 +17,7 @@ import inference.transfer.digests as sync_digests
 from checksum import ALGORITHM, DEVICE_ALGORITHM, ChecksumMismatch, digest_bytes, flat_bytes
 from inference.config import EngineConfig
 from inference.engine.worker import Worker
+from tests.helpers_fault import flip_held_after_landing
 from tests.helpers_weight_update import DIMS, Q1, RANK, Link, perturbed
 
 pytestmark = pytest.mark.cuda
@@ -141,12 +142,11 @@ def test_a_byte_flipped_in_held_cuda_weights_fails_naming_tensor_and_rank(model_
     no_host_staging(monkeypatch)
     link = Link(worker, digest_algorithm=DEVICE_ALGORITHM)
     assert link.sync(perturbed(model_dir, 2), 1).report.ok  # host rule == kernel on the same bytes
-    worker.weights.overlap_audit_digest = False
+    qkv = dict(worker.models["target"].named_parameters())["model.layers.1.self_attn.qkv_proj.weight"]
+    flip_held_after_landing(monkeypatch, worker.weights, qkv)  # the first byte of the q rows: Q1
     state = perturbed(model_dir, 3)
     worker.start_weight_update(2, link.sender.manifest(state, 2))
     digests = link.transfer(state)
-    qkv = dict(worker.models["target"].named_parameters())["model.layers.1.self_attn.qkv_proj.weight"]
-    qkv.detach().view(-1)[:1].view(torch.uint8)[:1].bitwise_xor_(1)  # the first byte of the q rows: Q1
     with pytest.raises(ChecksumMismatch) as err:
         worker.finish_weight_update(digests)
     first = err.value.report.first_tensor

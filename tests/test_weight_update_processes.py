@@ -8,6 +8,7 @@ import os
 import socket
 import time
 import traceback
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from inference.engine.worker import Worker
 from inference.parallel import TPInfo
 from inference.transfer.groups import TransferError
 from inference.transfer.sender import WeightSender
+from tests.helpers_fault import flipped_on_arrival
 from tests.helpers_sidecar import on_bucket_message
 from tests.helpers_weight_update import (
     BUCKET,
@@ -102,10 +104,10 @@ def _tp_receiver(rank: int, port: int, info: dict, model_dir: str, inbox: Any, o
         worker.init_device()
         worker.load_model()
         worker.init_weight_transfer_engine(info)
-        for version, fault in ((1, None), (2, ("flip", Q1) if rank == 1 else None)):
-            worker.weights.fault = fault
+        for version, flip in ((1, False), (2, rank == 1)):
             worker.start_weight_update(version, inbox.get(timeout=60))
-            delivered = worker.update_weights(digests_follow=deliver)  # with deliver: the sender's digests
+            with flipped_on_arrival(Q1) if flip else nullcontext():
+                delivered = worker.update_weights(digests_follow=deliver)  # with deliver: the sender's digests
             digests = inbox.get(timeout=60)
             try:
                 result = worker.finish_weight_update(delivered if deliver else digests)

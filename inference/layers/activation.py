@@ -6,8 +6,9 @@ import torch
 from torch import nn
 
 from inference.core import InvalidRequestError
-from inference.layers.fused import silu_and_mul, use_triton
+from inference.layers.fused import silu_and_mul
 from inference.layers.invariant import silu_and_mul_invariant
+from inference.layers.kernel_device import use_triton
 
 
 class SiluAndMul(nn.Module):

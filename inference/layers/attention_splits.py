@@ -1,27 +1,23 @@
-"""The end of a decode attention program over KV splits, shared by triton_attention_kernels.py (the decode
-kernel) and verify_attention.py: a single pass normalizes and stores its rows; split programs write fp32
-partials, and the last split to finish merges them (or _combine_splits_kernel does, in a launch of its own).
-The merge sums the splits in split order, so the result does not depend on which split merges."""
+"""The end of a decode attention program over KV splits (triton_attention_kernels.py): a single pass
+normalizes and stores its rows; split programs write fp32 partials, and the last split to finish merges
+them. The merge sums the splits in split order, so the result does not depend on which split merges."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from inference.layers.pdl import launch_dependents, wait
-
 
 @triton.jit
 def _finish_splits(out_ptrs, out_mask, part_m_ptr, part_l_ptr, part_acc_ptr, part, counter_ptr, counter, m_i, l_i, acc,
                    row_valid, d, split, n_active, ROWS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   FUSED_COMBINE: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, UNROLL: tl.constexpr):
-    """A decode program's end: one split normalizes and stores its rows; several, with FUSED_COMBINE, write
-    partials ([T, Hq, NUM_SPLITS(, D)] at `part`) and the last of the n_active live splits to finish (an
-    acq_rel ticket on counter_ptr[counter], reset by it) merges them; without it every split writes its
-    partial and _combine_splits_kernel merges."""
+                   HEAD_DIM_PAD: tl.constexpr):
+    """A decode program's end: one split normalizes and stores its rows; several write partials
+    ([T, Hq, NUM_SPLITS(, D)] at `part`) and the last of the n_active live splits to finish (an acq_rel
+    ticket on counter_ptr[counter], reset by it) merges them."""
     if NUM_SPLITS == 1:
         _store_normalized(out_ptrs, acc, l_i, out_mask)
-    elif FUSED_COMBINE:
+    else:
         if n_active <= 1:  # the whole context is in split 0 (or empty): single pass
             if split == 0:
                 _store_normalized(out_ptrs, acc, l_i, out_mask)
@@ -33,11 +29,8 @@ def _finish_splits(out_ptrs, out_mask, part_m_ptr, part_l_ptr, part_acc_ptr, par
             ticket = tl.atomic_add(counter_ptr + counter, 1, sem="acq_rel", scope="gpu")
             if ticket == n_active - 1:
                 _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr, part, d, n_active, row_valid, out_ptrs,
-                                out_mask, ROWS, NUM_SPLITS, HEAD_DIM_PAD, UNROLL)
+                                out_mask, ROWS, NUM_SPLITS, HEAD_DIM_PAD)
                 tl.store(counter_ptr + counter, 0)
-    else:  # every split writes, even an empty one; _combine_splits_kernel merges
-        _store_partial(part_m_ptr, part_l_ptr, part_acc_ptr, part + split, d, m_i, l_i, acc, row_valid,
-                       HEAD_DIM_PAD)
 
 
 @triton.jit
@@ -56,12 +49,10 @@ def _store_partial(part_m_ptr, part_l_ptr, part_acc_ptr, part, d, m_i, l_i, acc,
 
 @triton.jit
 def _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr, part, d, n_active, row_valid, out_ptrs, out_mask,
-                    ROWS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, UNROLL: tl.constexpr):
+                    ROWS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
     """Merge the partials of splits [0, n_active) of each row, in split order (the result does not
-    depend on which split merges). Loads bypass L1 (.cg): the other splits wrote through L2. UNROLL: the
-    loads of all live splits in flight at once (a decode tile's 16 rows); else one split at a time, the
-    same bits (a split past n_active adds exact zeros), for tiles whose rows would not fit the registers
-    NUM_SPLITS times (verify_attention.py's 64: 255 registers a thread against 151 unmerged, sm_90)."""
+    depend on which split merges). Loads bypass L1 (.cg): the other splits wrote through L2. The loads
+    of all live splits are in flight at once (a split past n_active adds exact zeros)."""
     s = tl.arange(0, NUM_SPLITS)
     live = row_valid[:, None] & (s[None, :] < n_active)
     ms = tl.load(part_m_ptr + part[:, None] + s[None, :], mask=live, other=float("-inf"), cache_modifier=".cg")
@@ -70,12 +61,8 @@ def _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr, part, d, n_active, row
     m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
     denom = tl.sum(tl.exp2(ms - m_ref[:, None]) * ls, axis=1)
     total = tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32)
-    if UNROLL:
-        for j in tl.static_range(NUM_SPLITS):
-            total = _add_split(part_m_ptr, part_acc_ptr, part, d, j, n_active, row_valid, m_ref, total, HEAD_DIM_PAD)
-    else:
-        for j in range(0, n_active):
-            total = _add_split(part_m_ptr, part_acc_ptr, part, d, j, n_active, row_valid, m_ref, total, HEAD_DIM_PAD)
+    for j in tl.static_range(NUM_SPLITS):
+        total = _add_split(part_m_ptr, part_acc_ptr, part, d, j, n_active, row_valid, m_ref, total, HEAD_DIM_PAD)
     _store_normalized(out_ptrs, total, denom, out_mask)
 
 
@@ -88,23 +75,3 @@ def _add_split(part_m_ptr, part_acc_ptr, part, d, j, n_active, row_valid, m_ref,
                   other=0.0, cache_modifier=".cg")
     return total + a_j * tl.exp2(m_j - m_ref)[:, None]
 
-
-@triton.jit
-def _combine_splits_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_ot, stride_oh,
-                           NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                           PDL: tl.constexpr):
-    launch_dependents(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    wait(PDL)
-    base = (t * tl.num_programs(1) + h) * NUM_SPLITS
-    s = base + tl.arange(0, NUM_SPLITS)
-    d = tl.arange(0, HEAD_DIM_PAD)
-    m = tl.load(part_m_ptr + s)
-    l_s = tl.load(part_l_ptr + s)
-    m_max = tl.max(m, axis=0)
-    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits (m = -inf) weigh 0
-    denom = tl.sum(w * l_s, axis=0)
-    acc = tl.load(part_acc_ptr + s[:, None] * HEAD_DIM_PAD + d[None, :])
-    out = tl.sum(acc * w[:, None], axis=0) / tl.where(denom > 0.0, denom, 1.0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)

@@ -4,8 +4,8 @@ Each kernel rounds where the eager torch code rounds (a bf16 add, a bf16 cast af
 normalisation, a bf16 multiply), so the fused path and the eager path agree bit for bit in every
 dtype (up to the last bit of exp/rsqrt); tests hold them equal. Rotary launches with FP contraction off:
 with it, LLVM fuses one rounded product into the add and ~8% of elements differ by one rounding (H200).
-The Triton path is taken for CUDA tensors when Triton is installed, and for CPU tensors in Triton's
-interpreter when tests ask (FORCE_ON_CPU), which is how CI checks the kernels.
+The Triton path is taken where kernel_device.use_triton says (CUDA tensors; CPU tensors in Triton's
+interpreter inside interpreted_on_cpu(), which is how CI checks the kernels).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from inference import envs
+from inference.layers.kernel_device import use_triton
 from inference.layers.pdl import launch_kwargs
 
 try:
@@ -23,17 +23,6 @@ try:
     from inference.layers.pdl import launch_dependents, wait
 except ImportError:  # the engine runs without Triton, on the torch path
     triton = None
-
-
-# Tests set this (with TRITON_INTERPRET=1 in the environment before Triton is imported) to run the
-# kernels on CPU tensors in Triton's interpreter.
-FORCE_ON_CPU = False
-
-
-def use_triton(x: torch.Tensor) -> bool:
-    if triton is None:
-        return False
-    return x.is_cuda or (FORCE_ON_CPU and envs.TRITON_INTERPRET.get())
 
 
 # ---- residual add + RMSNorm -----------------------------------------------------------------------

@@ -5,11 +5,11 @@ streams in one or two; this kernel streams each weight element exactly once. A p
 BLOCK_N output rows, walks its K range in BLOCK_K chunks (loading the next weight tile while it
 multiplies this one; the first before PDL's wait) and multiplies each weight tile with all (<= 8)
 rows of x, keeping fp32 products per lane and reducing once at the end. When the output has too few
-row blocks to fill the SMs, K is split: every split writes fp32 partials, and the last split of a row
-block to finish (an acq_rel counter per block, reset by that split) sums them in split order, adds
-the bias and rounds (deterministic, so a graph replay equals eager bit for bit; SIDECAR_GEMV_FUSED_SPLIT=0
-sums in a second launch instead, with the same bits). Nothing reads the host, so every path can be
-captured in a CUDA graph.
+row blocks to fill the SMs, K is split: every split writes fp32 partials, and a second launch sums them
+in split order, adds the bias and rounds (deterministic, so a graph replay equals eager bit for bit; it
+ran the decode step faster than the last split merging them in the GEMV). Nothing reads the host, so
+every path can be captured in a CUDA graph. Linears route only one row here (ROUTE_MAX_M); 2-8 rows go
+to cuBLAS, which ran them faster. The measurements: docs/benchmarks.md, "Experiments decided".
 
 `silu_mul_gemv` is the MLP down projection of a fused [gate; up] activation: silu(gate) * up is formed
 tile by tile in registers (rounded where the eager silu_and_mul rounds) and never written out.
@@ -19,14 +19,12 @@ formed the same way, each program first computing its rows' variance over the wh
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from inference import envs
-from inference.layers.merge_counters import MergeCounters
+from inference.layers.kernel_device import num_sms, use_triton
 from inference.layers.pdl import launch_kwargs
 
 try:
@@ -37,28 +35,17 @@ except ImportError:  # the engine runs without Triton, on cuBLAS
     triton = None
 
 MAX_M = 8  # the kernel's most rows
-# The most rows a linear routes to it (SIDECAR_GEMV_MAX_ROWS): at 2-8 decode rows cuBLAS ran the rollout's
-# steps faster on the H200 (session 13: the norm prologue and the "dot" tiles lose there), so 1 by default.
-ROUTE_MAX_M = min(MAX_M, max(1, envs.GEMV_MAX_ROWS.get()))
+# The most rows a linear routes to it: at 2-8 decode rows cuBLAS ran the decode step faster (batch 8 on the
+# H100: 1,036 us against 1,331 with 8; the norm prologue and the "dot" tiles lose there).
+ROUTE_MAX_M = 1
 SILU_MUL_MAX_M = 1
 SILU_MUL_MAX_WEIGHT = 1 << 23  # elements of the down projection (Qwen2-0.5B: 4.4M; 7B: 68M)
-# SIDECAR_GEMV=0 keeps every linear on cuBLAS (benchmarks compare both paths).
-ENABLED = envs.GEMV.get()
-# Tests set this (with TRITON_INTERPRET=1 before Triton is imported) to run the kernels on CPU tensors.
-FORCE_ON_CPU = False
 _DTYPES = (torch.bfloat16, torch.float16)
-_CPU_SMS = 8  # what the heuristic assumes in the interpreter (small, so tiny shapes take split-K)
 _KINDS = {"lanes": 0, "reduce": 1, "dot": 2}
 # norm_gemv loads a whole row in one block (as add_rms_norm does, for the same variance bits).
 NORM_MAX_K = 8192
 # norm_gemv's one-row shapes were swept at K = 896 (Qwen2-0.5B); wider rows (7B: 3584) keep the plain ones.
 NORM_SWEPT_K = 2048
-# SIDECAR_NORM_GEMV=0 keeps the pre-norms in their own add_rms_norm launch.
-NORM_ENABLED = envs.NORM_GEMV.get()
-# SIDECAR_GEMV_PREFETCH=0: load each weight tile in its own K step, after PDL's wait (A/B benchmarks).
-PREFETCH = envs.GEMV_PREFETCH.get()
-# SIDECAR_GEMV_FUSED_SPLIT=0: split-K partials are summed by a second launch, not by the last split.
-FUSED_SPLIT = envs.GEMV_FUSED_SPLIT.get()
 
 
 @dataclass(frozen=True)
@@ -78,9 +65,7 @@ class GemvConfig:
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether gemv/silu_mul_gemv take x [M, K] @ weight [N, K]^T (else use F.linear)."""
-    if triton is None or not ENABLED:
-        return False
-    if not (x.is_cuda or (FORCE_ON_CPU and envs.TRITON_INTERPRET.get())):
+    if not use_triton(x):
         return False
     return (x.dim() == 2 and weight.dim() == 2 and 0 < x.shape[0] <= ROUTE_MAX_M and x.dtype in _DTYPES
             and weight.dtype == x.dtype and weight.is_contiguous() and x.stride(-1) == 1
@@ -90,13 +75,6 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through gemv when use_gemv holds."""
     return gemv(x, weight, bias) if use_gemv(x, weight) else F.linear(x, weight, bias)
-
-
-@functools.lru_cache(maxsize=16)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _CPU_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def pick_config(m: int, n: int, k: int, num_sms: int, prologue: str = "") -> GemvConfig:
@@ -131,7 +109,7 @@ def pick_config(m: int, n: int, k: int, num_sms: int, prologue: str = "") -> Gem
 def _one_row_prologue_config(n: int, k: int, prologue: str) -> GemvConfig:
     """One row of x formed in the kernel. Every program redoes the prologue (the norm's variance over all
     of K; the activation of its K range), which favours more output rows per program and no tensor cores
-    (the sweep that chose these shapes: docs/benchmarks.md, session 5)."""
+    (the sweep that chose these shapes: docs/benchmarks.md)."""
     if prologue == "silu":
         block_k = min(1024, max(16, triton.next_power_of_2(k)))
         return GemvConfig(block_n=4, block_k=block_k, num_warps=4, split_k=min(4, -(-k // (2 * block_k))))
@@ -155,15 +133,11 @@ def use_silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor) -> bool:
 def use_norm_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor,
                   residual: torch.Tensor | None = None) -> bool:
     """Whether norm_gemv takes (x [+ residual]) -> norm -> x W^T (else add_rms_norm, then the linear)."""
-    return (NORM_ENABLED and use_gemv(x, weight) and x.shape[1] <= NORM_MAX_K
+    return (use_gemv(x, weight) and x.shape[1] <= NORM_MAX_K
             and norm_weight.shape == (x.shape[1],) and norm_weight.dtype == x.dtype
             and norm_weight.is_contiguous() and norm_weight.device == x.device
             and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
                                       and residual.stride(-1) == 1 and residual.device == x.device)))
-
-
-# Split-K merge counters, one buffer per device for every GEMV launch (a row block's counter at most).
-merge_counters = MergeCounters(floor=4096).get
 
 
 @dataclass(frozen=True)
@@ -182,7 +156,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k:
     prologue = "silu" if silu_mul else "norm" if norm is not None else ""
     assert weight.shape[1] == k and x.stride(-1) == 1 and weight.is_contiguous(), (x.shape, weight.shape)
     assert bias is None or (bias.shape == (n,) and bias.is_contiguous()), None if bias is None else bias.shape
-    cfg = config or pick_config(m, n, k, _num_sms(x.device), prologue)
+    cfg = config or pick_config(m, n, k, num_sms(x.device), prologue)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_k = cfg.block_k
     k_per_split, split = split_k_plan(k, cfg.split_k, block_k)
@@ -193,19 +167,16 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k:
     res = norm.residual if norm is not None and norm.residual is not None else x
     pdl = launch_kwargs(x)
     blocks = triton.cdiv(n, cfg.block_n)
-    merge = partial and FUSED_SPLIT
-    counters = merge_counters(x.device, blocks) if merge else out
     _gemv_kernel[(blocks, split)](
-        x, weight, b, out, dest, counters, res, x if norm is None else norm.weight, x if norm is None else norm.res_out,
+        x, weight, b, out, dest, res, x if norm is None else norm.weight, x if norm is None else norm.res_out,
         m, n, k, x.stride(0), res.stride(0), k_per_split, 0.0 if norm is None else norm.eps,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None,
-        HAS_RES=norm is not None and norm.residual is not None, PARTIAL=partial, MERGE=merge,
-        SPLIT=split if merge else 1, KIND=_KINDS[cfg.kind],
+        HAS_RES=norm is not None and norm.residual is not None, PARTIAL=partial, KIND=_KINDS[cfg.kind],
         BLOCK_M=cfg.block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         NORM_ROWS=triton.next_power_of_2(m) if norm is not None else 1,
         NORM_BLOCK=triton.next_power_of_2(k) if norm is not None else 1,
-        PREFETCH=PREFETCH, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
-    if partial and not merge:
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
+    if partial:
         sum_splits(dest, bias, out, pdl)
     return out
 
@@ -217,8 +188,7 @@ def split_k_plan(k: int, split_k: int, block_k: int) -> tuple[int, int]:
 
 
 def sum_splits(dest: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, pdl: dict) -> None:
-    """out = the fp32 partials dest [split, M, N] summed in split order (+ bias), in their own launch
-    (when the kernel did not merge them itself: SIDECAR_GEMV_FUSED_SPLIT=0)."""
+    """out = the fp32 partials dest [split, M, N] summed in split order (+ bias), in a launch of their own."""
     mn, n = out.numel(), out.shape[1]
     _split_sum_kernel[(triton.cdiv(mn, 1024),)](dest, bias if bias is not None else out, out, mn, n,
                                                SPLIT=dest.shape[0], HAS_BIAS=bias is not None, BLOCK=1024, **pdl)
@@ -240,7 +210,7 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
               weight: torch.Tensor, bias: torch.Tensor | None = None,
               config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(F.linear(h, weight, bias), s) for (h, s) = add_rms_norm(x, residual, norm_weight, eps), in one launch
-    (two with split-K and without the fused merge), with the same bits as add_rms_norm followed by gemv
+    (two with split-K), with the same bits as add_rms_norm followed by gemv
     with the same config.
 
     s is a fresh [M, K] tensor (x itself when residual is None): the inputs are never written.

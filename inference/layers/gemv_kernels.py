@@ -60,12 +60,11 @@ def _rows_rstd(x_ptr, r_ptr, res_out_ptr, stride_xm, stride_rm, M, K, eps, write
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, r_ptr, nw_ptr, res_out_ptr, M, N, K,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, r_ptr, nw_ptr, res_out_ptr, M, N, K,
                  stride_xm, stride_rm, k_per_split, eps, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
-                 NORM: tl.constexpr, HAS_RES: tl.constexpr, PARTIAL: tl.constexpr, MERGE: tl.constexpr,
-                 SPLIT: tl.constexpr, KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, NORM_ROWS: tl.constexpr, NORM_BLOCK: tl.constexpr,
-                 PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                 NORM: tl.constexpr, HAS_RES: tl.constexpr, PARTIAL: tl.constexpr, KIND: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_ROWS: tl.constexpr,
+                 NORM_BLOCK: tl.constexpr, PDL: tl.constexpr):
     launch_dependents(PDL)
     pid_k = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -78,12 +77,10 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, r_ptr, nw_
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
     x_rows = x_ptr + ms.to(tl.int64)[:, None] * stride_xm
     r_rows = r_ptr + ms.to(tl.int64)[:, None] * stride_rm
-    if PREFETCH:  # the first weight tile before wait: no kernel of a step writes weights, so under PDL
-        # its latency hides behind the previous kernel's tail. Each K step then loads the next tile ahead.
-        k = k_start + ks
-        w_next = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < k_end)[None, :], other=0.0)
-    else:
-        w_next = tl.zeros((BLOCK_N, BLOCK_K), dtype=w_ptr.dtype.element_ty)
+    # The first weight tile before wait: no kernel of a step writes weights, so under PDL its latency hides
+    # behind the previous kernel's tail. Each K step then loads the next tile ahead.
+    k = k_start + ks
+    w_next = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < k_end)[None, :], other=0.0)
     wait(PDL)
     if NORM:  # every program needs its rows' variance over all of K; program (0, 0) writes x + r
         first = (tl.program_id(0) == 0) & (pid_k == 0)
@@ -99,11 +96,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, r_ptr, nw_
         k = k0 + ks
         k_mask = k < k_end
         w = w_next
-        if PREFETCH:
-            w_next = tl.load(w_rows + (k + BLOCK_K)[None, :],
-                             mask=n_mask[:, None] & (k + BLOCK_K < k_end)[None, :], other=0.0)
-        else:
-            w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        w_next = tl.load(w_rows + (k + BLOCK_K)[None, :],
+                         mask=n_mask[:, None] & (k + BLOCK_K < k_end)[None, :], other=0.0)
         xk = _x_tile(x_rows, r_rows, nw_ptr, rstd, k, k_mask, m_mask[:, None] & k_mask[None, :], K,
                      SILU_MUL, NORM, HAS_RES)
         if KIND == 0:
@@ -118,32 +112,12 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, r_ptr, nw_
         y = acc
     offs = ms[:, None] * N + rows[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
-    if PARTIAL:
+    if PARTIAL:  # _split_sum_kernel sums the splits in split order
         tl.store(part_ptr + pid_k * M * N + offs, y, mask=out_mask)
-        if MERGE:  # the last split of this column block to finish sums all of them, in split order
-            tl.debug_barrier()  # every thread's partial is stored before the release
-            count = counter_ptr + tl.program_id(0)
-            ticket = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
-            if ticket == SPLIT - 1:
-                _merge_splits(part_ptr, b_ptr, out_ptr, offs, rows, n_mask, out_mask, M * N,
-                              SPLIT, HAS_BIAS, BLOCK_M, BLOCK_N)
-                tl.store(count, 0)
     else:
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def _merge_splits(part_ptr, b_ptr, out_ptr, offs, rows, n_mask, out_mask, MN, SPLIT: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out = sum of the SPLIT fp32 partials (in split order, as _split_sum_kernel adds them) + bias."""
-    y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for s in tl.static_range(SPLIT):
-        y += tl.load(part_ptr + s * MN + offs, mask=out_mask, other=0.0)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit

@@ -1,5 +1,5 @@
-"""Counters for kernels whose last program to finish merges the others' partials (split-KV attention,
-split-K GEMV): per device, an int32 buffer that is all zeros between launches, since the merging
+"""Counters for kernels whose last program to finish merges the others' partials (split-KV decode
+attention): per device, an int32 buffer that is all zeros between launches, since the merging
 program resets the counter it used. Launches sharing one MergeCounters run on one stream at a time."""
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ kernel wrote and before it writes anything (an earlier kernel may still read tha
 memory no kernel of the step writes (weights) may come first. `launch_dependents()` lets the next
 kernel be scheduled early. Both are no-ops when the kernel was launched without PDL.
 
-On by default (SIDECAR_PDL=0 turns it off): with the GEMV loading its first weight tile before `wait`,
-it shortens the batch-1 decode step (docs/benchmarks.md, session 4), and results are the same bits
-either way (tests/test_pdl_cuda.py).
+On by default (SIDECAR_PDL=0 turns it off, read at each launch, so set it before graphs are captured):
+with the GEMV loading its first weight tile before `wait`, it shortens the batch-1 decode step
+(docs/benchmarks.md), and results are the same bits either way (tests/test_pdl_cuda.py).
 Kernels take a `PDL: tl.constexpr` argument and their launches pass `**launch_kwargs(tensor)`.
 """
 
@@ -28,12 +28,10 @@ try:
 except ImportError:  # an old Triton without GDC, or none at all: PDL stays off
     triton = None
 
-ENABLED = envs.PDL.get() and triton is not None
-
 
 def use_pdl(x: torch.Tensor) -> bool:
     """Whether kernels on x's device launch with PDL (Hopper or newer, CUDA tensors only)."""
-    return ENABLED and x.is_cuda and _hopper_or_newer(x.device.index)
+    return triton is not None and x.is_cuda and _hopper_or_newer(x.device.index) and envs.PDL.get()
 
 
 @functools.lru_cache(maxsize=16)

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from inference.config import RopeConfig
-from inference.layers.fused import rotary, rotary_qk, rotary_torch, use_triton
+from inference.layers.fused import rotary, rotary_qk, rotary_torch
+from inference.layers.kernel_device import use_triton
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:

@@ -9,7 +9,6 @@ Kernels (in inference/layers/triton_attention_kernels.py; the split-KV end in at
   _paged_attention_kernel   one program per (query tile, kv head, kv split). A tile holds BLOCK_Q
                             tokens x GROUP_PAD query heads of one kv head group (GQA), so each KV tile
                             is loaded once for the whole group; online softmax in fp32 (base 2).
-  _combine_splits_kernel    the unfused split-KV merge (tiles.fused_combine False; benchmarks compare).
 
 Decode, one launch: a split takes at least `decode_split_tiles` KV tiles, so a context that fits in one
 split is computed by split 0 alone, which normalizes and stores the output (single pass; the other
@@ -52,23 +51,17 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import lru_cache
 
 import torch
 import triton
 
-from inference import envs
 from inference.batch import AttentionMetadata
 from inference.core import StateError
-from inference.layers.attention_splits import _combine_splits_kernel
+from inference.layers.kernel_device import num_sms
 from inference.layers.merge_counters import MergeCounters
 from inference.layers.pdl import launch_kwargs
 from inference.layers.rotary import Rope
 from inference.layers.triton_attention_kernels import _INTERPRET, LOG2E, _paged_attention_kernel, _store_kv_kernel
-from inference.layers.verify_attention import _verify_attention_kernel
-
-# SIDECAR_INVARIANT_FUSED_ROPE: the batch-invariant tiles rotate in the decode kernel, contraction off
-INVARIANT_FUSED_ROPE = envs.INVARIANT_FUSED_ROPE.get()
 
 
 @dataclass(frozen=True)
@@ -86,7 +79,6 @@ class TritonAttentionTiles:
     # A decode split takes at least this many KV tiles: contexts up to decode_split_tiles * decode_block_n
     # keys run in one pass; longer ones split as the static split count allows.
     decode_split_tiles: int = 2
-    fused_combine: bool = True  # False: every split writes partials and a second kernel merges them
     fused_decode_store: bool = True  # decode writes the new k/v inside the attention kernel (one launch)
     # Decode with the fused store rotates q and the new k itself when the caller passes them unrotated
     # with their Rope (one rotary launch a layer fewer); False: rotary_qk runs first.
@@ -102,35 +94,19 @@ class TritonAttentionTiles:
     decode_programs_per_sm: int = 2
     # ... and this many in a launch holding several rows of one sequence (spec-decode verify: few rows
     # with long contexts, whose k + 1 rows read the same keys, so more splits cost little traffic). 4:
-    # 40 rows x 2048 keys (8 sequences' verify) took 84 -> 74 us a layer with 4 splits instead of 2
-    # (7B heads, H200, session 14); 8 and 32 rows lost 6-11% with more splits. Not yet A/B-tested in a
-    # rollout (SIDECAR_VERIFY_PROGRAMS_PER_SM=2 gives the plain decode's choice).
-    verify_programs_per_sm: int = envs.VERIFY_PROGRAMS_PER_SM.get()  # SIDECAR_VERIFY_PROGRAMS_PER_SM
-    # Opt-in (SIDECAR_VERIFY_KEYS_ONCE): a launch holding several rows of one sequence runs the kernel of
-    # inference/layers/verify_attention.py, one program per (sequence, kv head, split) over all its rows,
-    # each key read once, instead of one per row. Its splits aim at verify_programs_per_sm programs a SM
-    # counting a sequence's rows as one. Off until measured on the H200; never in the batch-invariant mode.
-    verify_keys_once: bool = envs.VERIFY_KEYS_ONCE.get()
-    # ... on 8 warps: its [rows x heads, head_dim] tiles hold 4x a decode tile's rows. Compiled for sm_90
-    # (scripts/compile_check.py, Triton 3.9, 8 rows x 8 heads) at head_dim 128 it takes 189 registers on 8 warps
-    # and 242 on 4; at head_dim 64, 120 and 128, none spilled (bench_decode_parts's keys_once_w4 measures 4).
-    verify_num_warps: int = 8
+    # 40 rows x 2048 keys (8 sequences' verify) took 84 -> 74 us a layer with 4 splits instead of 2 on the
+    # H200, the verify rows of 8 / 16 sequences 109 -> 91 / 209 -> 166 us on the H100 (7B heads;
+    # docs/benchmarks.md).
+    verify_programs_per_sm: int = 4
     # Opt-in: a one-sequence decode launch (batch 1) is latency-bound and runs faster with longer KV tiles
-    # on more warps, one tile per split (128; much slower at large batches: docs/benchmarks.md, session 4).
+    # on more warps, one tile per split (128; much slower at large batches: docs/benchmarks.md).
     # Off (0) by default: speculative decoding's verify rows run on the tiles above, and greedy output with
     # a draft equals output without only while plain decode sums its keys in the same tiles (same bits).
     single_decode_block_n: int = 0
     single_decode_num_warps: int = 8
-    # Decode launches of at least long_decode_min_seqs sequences take keys in tiles of long_decode_block_n
-    # (0: off): 8-17% faster at 32-512 sequences and 640-2048 keys on the H200, slower below 32 sequences
-    # at short contexts (bench_decode_parts, session 13). Only when decode launches hold one row per
-    # sequence (decode_max_rows 1: no speculative decoding), so a draft's verify rows and plain decode
-    # keep summing their keys in the same tiles.
-    long_decode_block_n: int = 128 if envs.DECODE_LONG_TILES.get() else 0  # SIDECAR_DECODE_LONG_TILES
-    long_decode_min_seqs: int = 32
     # Launch without FP contraction (Triton's enable_fp_fusion=False): every product and sum rounds as
     # written, so an in-kernel rotation rounds as rotary_qk does (which launches so) instead of one bf16
-    # step apart in a few elements. The batch-invariant mode's tiles set it with the fused rotation.
+    # step apart in a few elements. The batch-invariant mode's tiles set it.
     exact_rounding: bool = False
 
     def batch_invariant(self) -> TritonAttentionTiles:
@@ -139,29 +115,23 @@ class TritonAttentionTiles:
         spec-decode verify. One KV split (the split count follows the batch, and a split-KV merge sums
         otherwise than one pass); one key tile size everywhere; prefill tiles of 16 rows, which is what
         a decode tile holds (its group padded to 16), so both dots run on [max(16, group), head_dim]
-        operands; no in-kernel rotation (it may round otherwise than rotary_qk, and the k cache would
-        then hold other bits for a token computed in decode than in prefill) unless SIDECAR_INVARIANT_FUSED_ROPE
-        asks for it with every launch's FP contraction off (exact_rounding: the rotation then rounds as
-        rotary_qk's, and prefill and decode keep summing alike); no long batch-1 tiles."""
+        operands; decode rotates q and the new key in the kernel with every launch's FP contraction off
+        (exact_rounding), so the rotation rounds as rotary_qk's in prefill and the k cache holds the same
+        bits for a token decoded as for one prefilled; no long batch-1 tiles."""
         n = self.decode_block_n
-        fuse = INVARIANT_FUSED_ROPE
         return replace(self, prefill_block_m=16, fp32_prefill_block_m=16, prefill_block_n=n, fp32_prefill_block_n=n,
-                       num_splits=1, fused_decode_rope=fuse, exact_rounding=fuse, single_decode_block_n=0,
-                       long_decode_block_n=0, verify_keys_once=False)
+                       num_splits=1, fused_decode_rope=True, exact_rounding=True, single_decode_block_n=0)
 
     def for_decode(self, num_seqs: int) -> TritonAttentionTiles:
         """The tiles a decode launch of num_seqs sequences uses (a static shape: graph-safe)."""
         if num_seqs == 1 and self.single_decode_block_n:
             return replace(self, decode_block_n=self.single_decode_block_n, decode_split_tiles=1,
                            num_warps=self.single_decode_num_warps)
-        if self.long_decode_block_n and num_seqs >= self.long_decode_min_seqs and self.decode_max_rows == 1:
-            return replace(self, decode_block_n=self.long_decode_block_n)
         return self
 
     def __post_init__(self) -> None:
         blocks = (self.prefill_block_m, self.prefill_block_n, self.fp32_prefill_block_m,
-                  self.fp32_prefill_block_n, self.decode_block_n, self.single_decode_block_n or 16,
-                  self.long_decode_block_n or 16)
+                  self.fp32_prefill_block_n, self.decode_block_n, self.single_decode_block_n or 16)
         assert all(b >= 16 and b & (b - 1) == 0 for b in blocks), blocks
         assert self.num_splits is None or (self.num_splits >= 1 and self.num_splits & (self.num_splits - 1) == 0)
         assert self.decode_split_tiles >= 1, self.decode_split_tiles
@@ -181,16 +151,10 @@ class LaunchPlan:
     block_b: int  # power of two >= number of sequences (prefill's on-device tile -> sequence search)
     split_tiles: int = 1  # decode: the fewest KV tiles a split takes
     num_warps: int = 4
-    keys_once: bool = False  # verify_attention.py's kernel: block_q is then the rows of one sequence, padded
 
 
 def _pow2_at_least(n: int, floor: int = 1) -> int:
     return max(floor, triton.next_power_of_2(n))
-
-
-@lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_blocks: int, block_size: int,
@@ -291,17 +255,11 @@ class TritonAttention:
         tiles = self.tiles
         if meta.is_decode:
             assert num_seqs == num_tokens, (num_seqs, num_tokens)
-            sms = _num_sms(q.device.index or 0) if q.is_cuda else 4
+            sms = num_sms(q.device)
             tiles = tiles.for_decode(num_seqs)
             rows = self.max_rows(num_tokens, meta) if tiles.fused_decode_store else 1
             if rows > 1:
                 tiles = replace(tiles, decode_programs_per_sm=tiles.verify_programs_per_sm)
-            if rows > 1 and tiles.verify_keys_once:  # one program per sequence: count its rows as one
-                groups = triton.cdiv(num_seqs, rows)
-                splits = decode_num_splits(groups, num_kv_heads, meta.block_tables.shape[1], page, tiles, sms)
-                group_pad = max(_pow2_at_least(group), 16 // _pow2_at_least(rows))  # a dot's M >= 16
-                return LaunchPlan(num_seqs, group_pad, _pow2_at_least(rows), tiles.decode_block_n, splits, 1,
-                                  tiles.decode_split_tiles, tiles.verify_num_warps, keys_once=True)
             splits = decode_num_splits(num_seqs, num_kv_heads, meta.block_tables.shape[1], page, tiles, sms)
             # A decode tile is one token: its group's heads are padded to 16 rows for tl.dot.
             return LaunchPlan(num_seqs, _pow2_at_least(group, 16), 1, tiles.decode_block_n, splits, 1,
@@ -333,37 +291,22 @@ class TritonAttention:
             part_acc = torch.empty((*part_m.shape, dim_pad), dtype=torch.float32, device=q.device)
         else:
             part_m = part_l = part_acc = out  # unused by the kernel when NUM_SPLITS == 1
-        fused = plan.splits > 1 and self.tiles.fused_combine
-        counters = self.merge_counters(q.device, plan.grid0 * k_cache.shape[2]) if fused else out
+        counters = self.merge_counters(q.device, plan.grid0 * k_cache.shape[2]) if plan.splits > 1 else out
         # Static (T and the tiles), so a captured graph keeps it; 1: no row can own another's keys.
         max_rows = self.max_rows(num_tokens, meta) if new_kv is not None else 1
         strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
                    k_cache.stride(2), meta.block_tables.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1))
-        common = dict(  # the constexprs and launch options both decode kernels take
-            GROUP=num_heads // k_cache.shape[2], GROUP_PAD=plan.group_pad, HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad,
-            PAGE=k_cache.shape[1], BLOCK_N=plan.block_n, NUM_SPLITS=plan.splits, SPLIT_TILES=plan.split_tiles,
-            FUSED_COMBINE=fused, HAS_WINDOW=sliding_window is not None,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            DOT_UPCAST=_INTERPRET and q.dtype == torch.bfloat16, ROPE=rope is not None,
-            num_warps=plan.num_warps, num_stages=self.tiles.num_stages,
-            enable_fp_fusion=not self.tiles.exact_rounding, **launch_kwargs(q))
         window = sliding_window if sliding_window is not None else 0
-        if plan.keys_once:
-            _verify_attention_kernel[(plan.grid0, k_cache.shape[2], plan.splits)](
-                q, k_cache, v_cache, out, part_m, part_l, part_acc, counters, k, v, meta.slot_mapping,
-                meta.context_lens, meta.block_tables, rope.cache if rope is not None else out, num_tokens,
-                scale * LOG2E, window, max_rows, *strides, ROWS_PAD=plan.block_q, NEW_PAD=max(plan.block_q, 16),
-                **common)
-        else:
-            _paged_attention_kernel[(plan.grid0, k_cache.shape[2], plan.splits)](
-                q, k_cache, v_cache, out, part_m, part_l, part_acc, counters, k, v, meta.slot_mapping,
-                meta.cu_query_lens, meta.context_lens, meta.block_tables,
-                rope.cache if rope is not None else out, rope.positions if rope is not None else out,
-                meta.cu_query_lens.shape[0] - 1, scale * LOG2E, window, max_rows, *strides,
-                BLOCK_Q=plan.block_q, BLOCK_B=plan.block_b, FUSED_STORE=new_kv is not None, IS_DECODE=meta.is_decode,
-                MULTI_ROW=max_rows > 1, **common)
-        if plan.splits > 1 and not fused:
-            _combine_splits_kernel[(num_tokens, num_heads)](
-                part_m, part_l, part_acc, out, out.stride(0), out.stride(1),
-                NUM_SPLITS=plan.splits, HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad, num_warps=self.tiles.num_warps,
-                enable_fp_fusion=not self.tiles.exact_rounding, **launch_kwargs(q))
+        _paged_attention_kernel[(plan.grid0, k_cache.shape[2], plan.splits)](
+            q, k_cache, v_cache, out, part_m, part_l, part_acc, counters, k, v, meta.slot_mapping,
+            meta.cu_query_lens, meta.context_lens, meta.block_tables,
+            rope.cache if rope is not None else out, rope.positions if rope is not None else out,
+            meta.cu_query_lens.shape[0] - 1, scale * LOG2E, window, max_rows, *strides,
+            GROUP=num_heads // k_cache.shape[2], GROUP_PAD=plan.group_pad, HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad,
+            PAGE=k_cache.shape[1], BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, BLOCK_B=plan.block_b,
+            NUM_SPLITS=plan.splits, SPLIT_TILES=plan.split_tiles, FUSED_STORE=new_kv is not None,
+            IS_DECODE=meta.is_decode, HAS_WINDOW=sliding_window is not None,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            DOT_UPCAST=_INTERPRET and q.dtype == torch.bfloat16, MULTI_ROW=max_rows > 1, ROPE=rope is not None,
+            num_warps=plan.num_warps, num_stages=self.tiles.num_stages, enable_fp_fusion=not self.tiles.exact_rounding,
+            **launch_kwargs(q))

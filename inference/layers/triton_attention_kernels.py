@@ -53,7 +53,7 @@ def _paged_attention_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLIT_TILES: tl.constexpr, FUSED_COMBINE: tl.constexpr, FUSED_STORE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLIT_TILES: tl.constexpr, FUSED_STORE: tl.constexpr,
     IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     MULTI_ROW: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -122,7 +122,7 @@ def _paged_attention_kernel(
         v_new = cos
     # MULTI_ROW: keys ctx - max_rows .. ctx - 2 may be new keys of other rows of this launch, so the tiles
     # from t_near on check who writes each key. They run in a loop of their own: a branch inside the main
-    # loop stops Triton pipelining its loads (1.5-1.8x the time per layer on the H200, session 14). A row
+    # loop stops Triton pipelining its loads (1.5-1.8x the time per layer on the H200; docs/benchmarks.md). A row
     # whose neighbours in the launch do not write its key ctx - 2 holds the only row of its sequence (the
     # rows of one sequence are consecutive, in consecutive positions): a plain decode row with a draft
     # model takes every tile in the first loop. The tiles and their order are the same either way, so
@@ -158,7 +158,7 @@ def _paged_attention_kernel(
     part = (tok * (tl.num_programs(1) * GROUP) + head) * NUM_SPLITS
     _finish_splits(out_ptr + out_offs, out_mask, part_m_ptr, part_l_ptr, part_acc_ptr, part, counter_ptr,
                    seq * tl.num_programs(1) + kvh, m_i, l_i, acc, row_valid, d, split, tl.cdiv(n_tiles, per_split),
-                   BLOCK_Q * GROUP_PAD, NUM_SPLITS, FUSED_COMBINE, HEAD_DIM_PAD, True)
+                   BLOCK_Q * GROUP_PAD, NUM_SPLITS, HEAD_DIM_PAD)
 
 
 @triton.jit

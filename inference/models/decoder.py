@@ -21,7 +21,6 @@ from torch import nn
 
 from inference.batch import AttentionMetadata
 from inference.config import ModelConfig
-from inference.layers import gemm_invariant
 from inference.layers.activation import SiluAndMul, get_activation
 from inference.layers.attention import Attention, AttentionBackend
 from inference.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -104,9 +103,6 @@ class DecoderMLP(nn.Module):
     def activate_down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """forward after the gate_up projection (DecoderLayer fuses the post-attention norm into it)."""
         fuse = isinstance(self.act_fn, SiluAndMul) and self.down_proj.bias is None
-        if self.invariant and fuse and gemm_invariant.use_invariant_silu_mul_gemm(gate_up, self.down_proj.weight):
-            # The mode fuses at every row count (the condition never reads M), so every path agrees.
-            return self.down_proj.reduce(gemm_invariant.invariant_silu_mul_gemm(gate_up, self.down_proj.weight))
         if not self.invariant and fuse and use_silu_mul_gemv(gate_up, self.down_proj.weight):
             # One row: the down projection forms silu(gate) * up itself (one launch fewer per layer).
             return self.down_proj.reduce(silu_mul_gemv(gate_up, self.down_proj.weight))
@@ -128,21 +124,12 @@ class DecoderLayer(nn.Module):
         """Pre-norm residual block: returns (this block's MLP output, the residual stream before it).
 
         The residual adds are in the model dtype, as HF does, fused with the following norm, which is
-        itself fused into the next projection at decode batch sizes (RMSNorm.linear; in the mode at every
-        size, norm_linear).
+        itself fused into the next projection at decode batch sizes (RMSNorm.linear; never in the mode).
         """
-        qkv, residual = self.norm_linear(self.input_layernorm, x, residual, self.self_attn.qkv_proj)
+        qkv, residual = self.input_layernorm.linear(x, residual, self.self_attn.qkv_proj)
         h = self.self_attn.attend(qkv, rope, meta)
-        gate_up, residual = self.norm_linear(self.post_attention_layernorm, h, residual, self.mlp.gate_up_proj)
+        gate_up, residual = self.post_attention_layernorm.linear(h, residual, self.mlp.gate_up_proj)
         return self.mlp.activate_down(gate_up), residual
-
-    def norm_linear(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
-                    proj: QKVParallelLinear | MergedColumnParallelLinear) -> tuple[torch.Tensor, torch.Tensor]:
-        """norm.linear(x, residual, proj); the mode forms the norm in the invariant GEMM's prologue at every
-        row count (the condition never reads M), so prefill, decode and verify give a row the same bits."""
-        if self.invariant and gemm_invariant.use_invariant_norm_gemm(x, proj.weight, norm.weight, residual):
-            return gemm_invariant.invariant_norm_gemm(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
-        return norm.linear(x, residual, proj)
 
 
 class DecoderModel(nn.Module):

@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 from checksum import ALGORITHM, Manifest, Mismatch, Report, TensorRecord, digest_tensors, dtype_name
-from inference import envs
 from inference.config import ModelConfig
 from inference.core import InvalidRequestError
 from inference.models.loader import load_hf_tensor
@@ -36,7 +35,6 @@ from inference.transfer.ipc import copy_pairs
 from inference.transfer.plan import TensorSpec
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
-Fault = tuple[str, str]  # ("flip", tensor name): test-only, flips one byte of that tensor on arrival
 
 
 @dataclass(frozen=True)
@@ -142,15 +140,11 @@ class UpdateTarget:
     """The sink one session's bytes flow into (see the module docstring)."""
 
     def __init__(self, which: str, config: ModelConfig, routing: Routing, rank: str,
-                 fault: Fault | None = None, algorithm: str = ALGORITHM) -> None:
+                 algorithm: str = ALGORITHM) -> None:
         self.which, self.config, self.routes, self.rank = which, config, routing.routes, rank
         self.algorithm = algorithm
         self._params = routing.params
-        self._fault = fault
         self._destinations = routing.destinations
-        if fault is not None:  # the faulted tensor goes through put(), where its byte is flipped
-            self._destinations = tuple(None if r.spec.name == fault[1] else d
-                                       for r, d in zip(routing.routes, routing.destinations))
         self._records: dict[str, TensorRecord] = {}  # digested from received bytes
         self._written: set[int] = set()
         self.on_landed: Callable[[], None] | None = None  # see landed()
@@ -180,8 +174,6 @@ class UpdateTarget:
                 elif dst is not None:
                     dst.copy_(tensor)  # host bytes to the device: blocking, so the buffer is free after
                 else:
-                    if self._faulted(route.spec.name):
-                        tensor = _flipped(tensor)
                     if route.param is not None:
                         load_hf_tensor(self._params, self.config, route.spec.name, tensor)
                     to_digest.append((route.spec.name, tensor))
@@ -245,23 +237,3 @@ class UpdateTarget:
             mismatches.append(Mismatch("digest", self.rank, self.which, LM_HEAD, got[EMBED].digest,
                                        got[LM_HEAD].digest))
         return Report.build(mismatches, [self.rank], 0)
-
-    def _faulted(self, name: str) -> bool:
-        return self._fault is not None and self._fault[1] == name
-
-
-def _flipped(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy with one bit of its first byte flipped (the received buffer itself is left alone)."""
-    out = tensor.clone()
-    if out.numel():
-        out.view(-1).view(torch.uint8)[:1].bitwise_xor_(1)
-    return out
-
-
-def fault_from_env() -> Fault | None:
-    """Test-only fault injection: SIDECAR_WEIGHT_FAULT="flip:<tensor name>"."""
-    spec = envs.WEIGHT_FAULT.get()
-    if not spec:
-        return None
-    kind, _, name = spec.partition(":")
-    return (kind, name)

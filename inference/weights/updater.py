@@ -58,7 +58,7 @@ from inference.weights.state import (
     parameter_slots,
     set_arena_valid,
 )
-from inference.weights.target import Fault, Routing, UpdateTarget, fault_from_env, route_manifest
+from inference.weights.target import Routing, UpdateTarget, route_manifest
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +67,7 @@ assert set(ARENA_OF.values()) == set(WEIGHT_TAGS)
 
 
 class WeightUpdater:
-    """See the module docstring. `fault` ("flip", tensor name) flips a byte of that tensor on arrival
-    (tests; SIDECAR_WEIGHT_FAULT); `overlap_audit_digest` False makes finish take the received digest
-    (benchmarks, A/B)."""
+    """See the module docstring."""
 
     def __init__(self, host: WeightHost) -> None:
         self._host = host
@@ -80,8 +78,6 @@ class WeightUpdater:
         self._routes: dict[str, RouteCache] = {}
         self.manifests = ManifestCache()  # parsed manifests, reused while the sender's layout repeats
         self.routings_built = 0  # route_manifest runs (tests check the route cache with it)
-        self.fault: Fault | None = fault_from_env()
-        self.overlap_audit_digest = True
         self._digests = HeldDigests()
 
     # ---- what the weights are (asked by LLM, the Worker and the rank server) ------------------------
@@ -212,10 +208,7 @@ class WeightUpdater:
                                       f"{version}")
         algorithm = manifest_algorithm(manifest)
         routing = self._routing(which, specs, allow_cast)
-        fault = self.fault
-        if fault is not None and (len(fault) != 2 or fault[0] != "flip"):
-            raise InvalidRequestError("weight_transfer_fault", f"must be ('flip', tensor name), got {fault!r}")
-        target = UpdateTarget(which, self._host.model_configs[which], routing, rank, fault, algorithm)
+        target = UpdateTarget(which, self._host.model_configs[which], routing, rank, algorithm)
         self._session = Session(which, version, specs, target, algorithm)
 
     def _routing(self, which: str, specs: ParsedManifest, allow_cast: bool) -> Routing:
@@ -249,13 +242,13 @@ class WeightUpdater:
                 raise StateError(f"rank {host.rank_key}: update_weights called twice in one session")
             self.check_awake(session.which, "a weight update")
             assert self.receiver is not None
-            if self.overlap_audit_digest:  # queued once the bytes landed, while the ranks report
-                session.target.on_landed = lambda: self._launch_held_digest(session)
+            # queued once the bytes landed, while the ranks report
+            session.target.on_landed = lambda: self._launch_held_digest(session)
             self.receiver.receive(session.version, session.specs, session.target,
                                   on_agreed=lambda: self._begin_writes(session), digests_follow=digests_follow)
             session.received = True
             try:
-                if self.overlap_audit_digest and session.held_digests is None:  # a backend without landed()
+                if session.held_digests is None:  # a backend without landed()
                     self._launch_held_digest(session)
                 self._digests.collect(session)  # while the sender's digests travel: finish only compares
             finally:

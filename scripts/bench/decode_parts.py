@@ -11,8 +11,7 @@ the new k/v and attends) with block tables as wide as max_model_len, as the engi
   auto       the default tiles (decode_split_tiles 2: single pass up to 128 keys)
 With --verify-rows R each sequence is R consecutive verify rows (positions context - R .. context - 1, as
 spec decoding's verify launches hold k + 1), and the row also times the same sequences' plain decode step
-(`plain_us_per_layer`: one row each, the default tiles), the floor a verify launch is measured against;
-`keys_once` runs inference/layers/verify_attention.py's kernel (one program per sequence).
+(`plain_us_per_layer`: one row each, the default tiles), the floor a verify launch is measured against.
 Sampler ([B, vocab] bf16 logits): `sample` against `sample_reference` (full fp32 log_softmax, the
 previous sampler), both eager (what the runner does), and the greedy path also as a graph (GPU time only).
 
@@ -39,7 +38,7 @@ from inference.layers.attention import ReferenceAttention
 from inference.sample.sampler import SamplingBatch, sample, sample_reference
 from scripts.bench.attention import decode_case, graph_replay, timer
 
-VARIANTS = {"previous": {"decode_split_tiles": 1, "fused_combine": False, "fused_decode_store": False},
+VARIANTS = {"previous": {"decode_split_tiles": 1, "fused_decode_store": False},
             "split1": {"decode_split_tiles": 1},
             "split4": {"decode_split_tiles": 4},
             "single": {"single_decode_block_n": 128},  # batch 1: 128-key tiles on 8 warps, one per split
@@ -62,10 +61,7 @@ VARIANTS = {"previous": {"decode_split_tiles": 1, "fused_combine": False, "fused
             "n256": {"decode_block_n": 256, "decode_split_tiles": 1},
             # more KV splits at few rows and long contexts, the multi-row check compiled out
             "rows1_sm4": {"decode_max_rows": 1, "decode_programs_per_sm": 4},
-            "rows1_sm8": {"decode_max_rows": 1, "decode_programs_per_sm": 8},
-            # verify rows (--verify-rows) with one program per sequence, each key read once
-            "keys_once": {"verify_keys_once": True},
-            "keys_once_w4": {"verify_keys_once": True, "verify_num_warps": 4}}
+            "rows1_sm8": {"decode_max_rows": 1, "decode_programs_per_sm": 8}}
 VARIANT_NAMES = list(VARIANTS)
 
 

@@ -13,9 +13,9 @@ silu_mul_gemv against silu_and_mul followed by F.linear (two launches); the `+no
     python3 scripts/bench/gemv.py --invariant --m 1,128   # the batch-invariant GEMM (gemm_invariant.py)
     python3 scripts/bench/gemv.py --invariant --m 1,128,4096 --inv-tiles 64x32x64,64x64x64,128x64x64
 
---invariant times gemm_invariant's products instead of the GEMV (`+norm`: invariant_norm_gemm, `+silu`:
-invariant_silu_mul_gemm) against the same cuBLAS rows, at any M; --inv-tiles adds one time per tile shape
-BMxBNxBK (split-K as pick_tiles gives it for that BLOCK_N/BLOCK_K) or BMxBNxBKxSPLIT.
+--invariant times gemm_invariant's product instead of the GEMV (`+norm` and `+silu` after add_rms_norm and
+silu_and_mul, as the mode's layers run them) against the same cuBLAS rows, at any M; --inv-tiles adds one
+time per tile shape BMxBNxBK (split-K as pick_tiles gives it for that BLOCK_N/BLOCK_K) or BMxBNxBKxSPLIT.
 """
 
 from __future__ import annotations
@@ -113,12 +113,13 @@ class Case:
         return lambda i: gemv(self.x, self.weights[i], self.bias, config=config)
 
     def invariant(self, tiles: inv.InvariantTiles | None = None) -> Callable[[int], object]:
-        """The batch-invariant product of this case (fused prologues as the mode's layers run them)."""
+        """The batch-invariant product of this case (its norm or activation launched first, as the mode's
+        layers run them)."""
         if self.silu:
-            return lambda i: inv.invariant_silu_mul_gemm(self.x, self.weights[i], tiles)
+            return lambda i: inv.invariant_gemm(silu_and_mul(self.x), self.weights[i], None, tiles)
         if self.norm:
-            return lambda i: inv.invariant_norm_gemm(self.x, self.residual, self.norm_weight, 1e-6, self.weights[i],
-                                                     self.bias, tiles)[0]
+            return lambda i: inv.invariant_gemm(add_rms_norm(self.x, self.residual, self.norm_weight, 1e-6)[0],
+                                                self.weights[i], self.bias, tiles)
         return lambda i: inv.invariant_gemm(self.x, self.weights[i], self.bias, tiles)
 
     def cublas(self) -> Callable[[int], object]:

@@ -7,7 +7,8 @@ bf16 tensors). Timed on the receiver, after a warm-up, median of --iters:
   weights are in the parameters (update_weights returns after the final ack); the session is then
   aborted, outside the timing (abort_ms), since a sync without digests cannot pass an audit;
 - sync_audit_ms: the same with the sender's digests and finish_weight_update's audit (which must pass);
-  the receiver digests what it received while the sender digests its copy (--serial-audit: after).
+  the receiver digests what it received while the sender digests its copy (it always does, so sync_ms
+  includes the receiver's digest of the landed bytes too).
   Measured for each digest rule in the same run: first the one the sender picks for its tensors (the
   device rule "xxh3_64_seg64k", one kernel launch per end, for CUDA tensors; the host rule on CPU), then
   the other (`by_algorithm`); the top-level audit figures are the picked rule's;
@@ -281,7 +282,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         audit = rule is not None
         from_child.get(timeout=600)  # the trainer is about to wait inside send()
         time.sleep(0.05)
-        receiver.weights.overlap_audit_digest = audit and not args.serial_audit  # nothing to overlap without one
         laps.clear()
         sender_laps: dict[str, float] = {}
         picked = rule == rules(args)[0]
@@ -322,7 +322,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def delivered_sync(rule: str) -> float:
         from_child.get(timeout=600)
         time.sleep(0.05)
-        receiver.weights.overlap_audit_digest = not args.serial_audit
         t0 = time.perf_counter()
         receiver.weights.start("target", 1, {**manifest, "algorithm": rule})
         digests = receiver.weights.update(digests_follow=True)
@@ -361,7 +360,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "peer_per_param_ms": round(peers["per_param"], 3), "peer_bucket_ms": round(peers["bucket"], 3),
             "speedup_vs_bucket": round(peers["bucket"] / results[None], 2),
             "abort_ms": round(statistics.median(aborts[1:]), 3),
-            "audit_overlap": not args.serial_audit, "by_algorithm": by_rule,
+            "by_algorithm": by_rule,
             "device": device_name}
 
 
@@ -373,8 +372,6 @@ def main() -> None:
     parser.add_argument("--sender-device", default=None, help="default: --device; nccl needs another GPU")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--bucket-mb", type=int, default=512)
-    parser.add_argument("--serial-audit", action="store_true",
-                        help="the receiver digests only in finish, after the sender's digest (the old order)")
     parser.add_argument("--profile", default=None, metavar="DIR", help="write cProfile stats of both ends here")
     parser.add_argument("--trace", default=None, metavar="DIR", help="write torch.profiler traces of both ends here")
     args = parser.parse_args()

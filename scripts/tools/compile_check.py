@@ -8,7 +8,7 @@ CPU tests use, checks the logic, not the compiled code). The figures follow this
 may differ from the device's.
 
     python3 scripts/tools/compile_check.py                    # every config below
-    python3 scripts/tools/compile_check.py --kernels keys_once --warps 4 8
+    python3 scripts/tools/compile_check.py --kernels verify_rows --warps 4 8
     pip install --target /tmp/t36 triton==3.6.0 && PYTHONPATH=/tmp/t36:. python3 scripts/tools/compile_check.py
                                                         # the device's Triton (docs/benchmarks.md's header)
 """
@@ -33,21 +33,19 @@ import triton.backends.nvidia as nvidia
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from inference.layers.gemm_invariant import BLOCK_M, NORM_SUB_M, pick_tiles
+from inference.layers.gemm_invariant import BLOCK_M, pick_tiles
 from inference.layers.gemm_invariant_kernels import _invariant_gemm_kernel
 from inference.layers.triton_attention_kernels import _paged_attention_kernel
-from inference.layers.verify_attention import _verify_attention_kernel
 
 # (q heads per kv head, head_dim) of the two shapes the benchmarks use
 SHAPES = {"qwen2-0.5b": (7, 64), "qwen2.5-7b": (7, 128)}
-_COMMON = {"PAGE": 16, "BLOCK_N": 64, "NUM_SPLITS": 8, "SPLIT_TILES": 2, "FUSED_COMBINE": True, "HAS_WINDOW": False,
+_COMMON = {"PAGE": 16, "BLOCK_N": 64, "NUM_SPLITS": 8, "SPLIT_TILES": 2, "HAS_WINDOW": False,
            "DOT_PRECISION": "tf32", "DOT_UPCAST": False, "PDL": True}
 KERNELS = {  # name: (kernel, its own constexprs besides _COMMON, GROUP and HEAD_DIM)
     "decode": (_paged_attention_kernel, {"GROUP_PAD": 16, "BLOCK_Q": 1, "BLOCK_B": 1, "FUSED_STORE": True,
                                          "IS_DECODE": True, "MULTI_ROW": False}),
     "verify_rows": (_paged_attention_kernel, {"GROUP_PAD": 16, "BLOCK_Q": 1, "BLOCK_B": 1, "FUSED_STORE": True,
                                               "IS_DECODE": True, "MULTI_ROW": True}),
-    "keys_once": (_verify_attention_kernel, {"GROUP_PAD": 8, "ROWS_PAD": 8, "NEW_PAD": 16}),
 }
 
 
@@ -55,9 +53,8 @@ _FP32 = ("part_m_ptr", "part_l_ptr", "part_acc_ptr", "cs_ptr", "part_ptr")
 _INT32 = ("counter_ptr", "slot_ptr", "ctx_ptr", "bt_ptr", "cu_q_ptr", "pos_ptr")
 _GEMM_SHAPES = {"qwen2-0.5b": {"qkv": (1152, 896), "gate_up": (9728, 896), "down": (896, 4864)},
                 "qwen2.5-7b": {"qkv": (4608, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}}
-# batch-invariant GEMM configs: (projection, its own constexprs); the fused prologues are a switch of the mode
-GEMMS = {"inv_gemm": ("qkv", {"HAS_BIAS": True}), "inv_norm_gemm": ("gate_up", {"NORM": True, "HAS_RES": True}),
-         "inv_silu_gemm": ("down", {"SILU_MUL": True})}
+# batch-invariant GEMM configs: (projection, its own constexprs)
+GEMMS = {"inv_gemm": ("qkv", {"HAS_BIAS": True})}
 
 
 def signature(kernel: Any) -> dict[str, str]:
@@ -120,11 +117,9 @@ def gemm_constexprs(name: str, shape: str, num_sms: int = 132) -> tuple[dict[str
     proj, own = GEMMS[name]
     n, k = _GEMM_SHAPES[shape][proj]
     t = pick_tiles(n, k, num_sms)
-    flags = {"HAS_BIAS": False, "SILU_MUL": False, "NORM": False, "HAS_RES": False, **own}
-    return ({**flags, "PARTIAL": t.split_k > 1, "MERGE": t.split_k > 1, "SPLIT": t.split_k, "BLOCK_M": BLOCK_M,
-             "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "SUB_M": NORM_SUB_M, "GROUP_M": t.group_m,
-             "PREFETCH": t.prefetch and (own.get("SILU_MUL", False) or own.get("NORM", False)),
-             "EARLY_DEPENDENTS": True, "PDL": True}, t.num_warps, t.num_stages)
+    flags = {"HAS_BIAS": False, **own}
+    return ({**flags, "PARTIAL": t.split_k > 1, "BLOCK_M": BLOCK_M,
+             "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "GROUP_M": t.group_m, "PDL": True}, t.num_warps, t.num_stages)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -138,8 +133,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for name in [k for k in args.kernels if k in GEMMS]:  # at their own tiles and warps
         for shape in args.shapes:
             const, warps, stages = gemm_constexprs(name, shape)
+            split = pick_tiles(*_GEMM_SHAPES[shape][GEMMS[name][0]], 132).split_k
             row = {"bench": "compile_check", "kernel": name, "shape": shape, "num_warps": warps, "target": "sm_90a",
-                   "triton": triton.__version__, "split": const["SPLIT"], "block_n": const["BLOCK_N"],
+                   "triton": triton.__version__, "split": split, "block_n": const["BLOCK_N"],
                    **compile_report(_invariant_gemm_kernel, const, warps, stages)}
             print(json.dumps(row), flush=True)
             rows.append(row)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -21,7 +22,6 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file from a checkout too
 
 from inference.core import SamplingParams
-from inference.layers import pdl
 from scripts.bench.generate import SHAPES, hf_model, our_llm
 
 
@@ -81,7 +81,8 @@ def main() -> None:
     ap.add_argument("--pdl", action="store_true", help="keep programmatic dependent launch on")
     ap.add_argument("--batch-invariant", action="store_true", help="the engine in the batch-invariant mode")
     args = ap.parse_args()
-    pdl.ENABLED = pdl.ENABLED and args.pdl
+    if not args.pdl:
+        os.environ["SIDECAR_PDL"] = "0"  # read at each launch (inference/layers/pdl.py)
     max_len = max(512, args.context + 2 * args.steps + 16)
     llm = our_llm(hf_model(args.shape, max_len), args.batch, max_len, enforce_eager=not args.graph,
                   batch_invariant=args.batch_invariant)

@@ -1,0 +1,71 @@
+"""Fault injection for the audit tests: one tensor's first byte flipped as it arrives at a rank's sink.
+
+In this process, `flipped_on_arrival(name)` patches UpdateTarget (the receiver's sink) for the `with` block.
+A sidecar subprocess gets the same patch from tests/fault_injection/sitecustomize.py: `flip_env(name)` is
+the environment that loads it there (Python imports sitecustomize from PYTHONPATH at start).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+FLIP_VARIABLE = "TEST_FLIP_ON_ARRIVAL"  # read only by tests/fault_injection/sitecustomize.py
+_SITE = Path(__file__).resolve().parent / "fault_injection"
+
+
+def _flipped(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy with one bit of its first byte flipped (the received buffer itself is left alone)."""
+    out = tensor.clone()
+    if out.numel():
+        out.view(-1).view(torch.uint8)[:1].bitwise_xor_(1)
+    return out
+
+
+def patch_sink(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Every UpdateTarget flips tensor `name` on arrival: it is taken off the backends' direct copies, so
+    it comes through put(), which receives the flipped copy."""
+    from inference.weights.target import UpdateTarget
+
+    direct, put = UpdateTarget.direct_destinations, UpdateTarget.put
+
+    def direct_destinations(self: UpdateTarget) -> Sequence[torch.Tensor | None]:
+        return tuple(None if r.spec.name == name else d for r, d in zip(self.routes, direct(self)))
+
+    def flipping_put(self: UpdateTarget, items: Sequence[tuple[int, torch.Tensor]]) -> None:
+        put(self, [(i, _flipped(t) if self.routes[i].spec.name == name else t) for i, t in items])
+
+    monkeypatch.setattr(UpdateTarget, "direct_destinations", direct_destinations)
+    monkeypatch.setattr(UpdateTarget, "put", flipping_put)
+
+
+@contextmanager
+def flipped_on_arrival(name: str) -> Iterator[None]:
+    """Inside: tensor `name` arrives with a flipped byte at every rank of this process."""
+    with pytest.MonkeyPatch.context() as mp:
+        patch_sink(mp, name)
+        yield
+
+
+def flip_env(name: str) -> dict[str, str]:
+    """The environment of a subprocess whose ranks flip tensor `name` on arrival."""
+    path = os.pathsep.join(p for p in (str(_SITE), str(_SITE.parent.parent), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, FLIP_VARIABLE: name}
+
+
+def flip_held_after_landing(monkeypatch: pytest.MonkeyPatch, weights: object, param: torch.Tensor) -> None:
+    """The first byte of `param` flips after the sync's bytes landed, just before the rank digests the
+    weights it holds (a stray write into a live parameter): `weights` is the rank's WeightUpdater."""
+    real = weights._launch_held_digest  # type: ignore[attr-defined]
+
+    def flip_then_digest(session: object) -> None:
+        if session.held_digests is None:  # type: ignore[attr-defined]  # once: a second flip would undo it
+            param.detach().view(-1)[:1].view(torch.uint8)[:1].bitwise_xor_(1)
+        real(session)
+
+    monkeypatch.setattr(weights, "_launch_held_digest", flip_then_digest)
