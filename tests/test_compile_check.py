@@ -21,7 +21,8 @@ def test_the_kernels_compile_for_sm90_and_report_ptxas_figures() -> None:
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = REPO / "scripts" / "tools" / "compile_check.py"
-    out = subprocess.run([sys.executable, str(script), "--kernels", "verify_rows", "inv_gemm", "--shapes", "qwen2.5-7b", "--warps", "8", "--rope", "on"],
+    out = subprocess.run([sys.executable, str(script), "--kernels", "verify_rows", "inv_gemm", "--shapes", "qwen2.5-7b",
+                          "--warps", "8", "--rope", "on"],
                          capture_output=True, text=True, timeout=600, env=env, check=True)
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     # the invariant GEMM at its own tiles and warps, then the verify kernels
