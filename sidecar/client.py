@@ -1,6 +1,6 @@
-"""Re-export of the trainer's-side client (trainer_hooks/client.py), where `SidecarClient` and its
-errors live now; `from sidecar.client import ...` keeps working. The names are that module's `__all__`,
-declared there once."""
+"""Re-export of the trainer's-side client (trainer_hooks/client.py, where `SidecarClient` and its errors
+live), so that `from sidecar.client import ...` works. The names are that module's `__all__`, declared
+there once."""
 
 from __future__ import annotations
 

@@ -3,26 +3,15 @@
 Placement: one placement-group bundle per replica, {"CPU": cpus_per_replica, "GPU": tp_i} on CUDA and
 {"CPU": cpus_per_replica} on the CPU. A bundle lives on one node, so a replica's TP ranks share a node;
 `strategy` (Ray's PACK, SPREAD, STRICT_PACK, STRICT_SPREAD) says how the replicas spread over nodes.
-Replica i's actor holds bundle i and runs, as its child process,
-`sidecar launch --dp-rank i --tp T_i --host <its node's IP> --port 0 --device D [--devices 0..T_i-1]`
-plus the launch flags given (sidecar/cli/fleet.py ReplicaPlan builds the line):
+Replica i's actor holds bundle i and runs, as its child process, the `sidecar launch` line that
+sidecar/cli/fleet.py ReplicaPlan builds, with --host <its node's IP> --port 0 [--devices 0..T_i-1]:
 - Ray sets the actor's CUDA_VISIBLE_DEVICES to its bundle's GPUs, so devices 0..T_i-1 are those;
   a fractional `gpus_per_replica` (TP 1) lets several replicas share one GPU.
-- Port 0: the replica binds a free port on its node. The node's IP is the one Ray reaches it by,
+- Port 0: the replica binds a free port on its node, and the node's IP is the one Ray reaches it by,
   so the driver reaches it too.
-
-Start: every actor starts its replica at once; the driver polls each for its serving line (short
-calls, so a stop is never queued behind a long one), then waits for the replica's /health from the
-driver itself. A replica that exits, does not serve in time or is not healthy from the driver raises
-ReplicaStartError naming dp{i}, its node and its log's tail, after everything started is stopped.
-
-Stop (`RayFleet.close()`, or leaving its `with`): the Fleet's clients and transfer group close, every
-actor SIGTERMs its replica and waits for it (SIGKILL after `stop_timeout_s`), then every actor is
-killed and the placement group removed. Should the driver die instead, Ray ends the job's actors and
-each replica gets SIGTERM when its actor dies (PR_SET_PDEATHSIG: actor methods run on the worker's
-main thread, the one that forks the replica).
-
-Ray is imported inside the functions only (`pip install "sidecar[ray]"`): sidecar imports without it.
+Nothing outlives the fleet: a failed start, close() and the driver's death each end every replica
+(SIGTERM, then SIGKILL), actor and placement group. Ray is imported inside the functions only
+(`pip install "sidecar[ray]"`): sidecar imports without it. Operating it: docs/fleet.md.
 """
 
 from __future__ import annotations
@@ -178,7 +167,13 @@ class _Placement:
 
 class RayFleet(Fleet):
     """A Fleet of the replicas `place_fleet` placed; close() (or leaving `with`) also stops every replica,
-    kills every actor and removes the placement group. `placed`: each replica's URL, node and pids."""
+    kills every actor and removes the placement group. `placed`: each replica's URL, node and pids.
+
+    close(): the Fleet's clients and transfer group close, every actor SIGTERMs its replica and waits for
+    it (SIGKILL after `stop_timeout_s`), then every actor is killed and the placement group removed.
+    Should the driver die instead, Ray ends the job's actors and each replica gets SIGTERM when its actor
+    dies (PR_SET_PDEATHSIG: actor methods run on the worker's main thread, the one that forks the
+    replica)."""
 
     def __init__(self, placement: _Placement, **fleet_options: Any) -> None:
         self._placement = placement
@@ -272,7 +267,12 @@ def _plan(replicas: int, device: str, tp: int | Sequence[int], launch_args: Sequ
 def _start(placement: _Placement, plans: list[ReplicaPlan], extras: list[list[str]], bundles: list[dict[str, float]],
            device: str, log_dir: str | None, timeout: float) -> None:
     """Create every actor (each starts its replica), wait for every serving line, then for every /health
-    from here; fills placement.placed in dp order, or raises ReplicaStartError."""
+    from here; fills placement.placed in dp order, or raises ReplicaStartError.
+
+    Every actor starts its replica at once; the driver polls each for its serving line (short calls, so
+    a stop is never queued behind a long one), then waits for the replica's /health from the driver
+    itself. A replica that exits, does not serve in time or is not healthy from the driver raises
+    ReplicaStartError naming dp{i}, its node and its log's tail, after everything started is stopped."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

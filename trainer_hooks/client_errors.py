@@ -42,7 +42,7 @@ class SidecarNotFoundError(SidecarHTTPError):
 
 
 class SidecarStateError(SidecarHTTPError, StateError):
-    """409: not allowed now (asleep with wait=False, update without start, checksum mismatch)."""
+    """409: not allowed now (asleep with wait=False, a sync while another is open, checksum mismatch)."""
 
 
 class SidecarChecksumError(SidecarStateError):

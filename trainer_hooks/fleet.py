@@ -1,31 +1,14 @@
 """`Fleet`: several sidecar replicas behind one trainer, used wherever a SidecarClient is.
 
 `Fleet([url, ...])` has the client's API that `WeightSyncHook` uses (state, sleep, wake_up,
-sync_weights, generate), over every replica at once:
-- sleep and wake_up go to every replica concurrently (out-of-rotation ones too: a restarted replica
-  must free its memory with the rest). A replica whose call fails is taken out of rotation; the call
-  fails only when every replica fails (with the first one's error; FleetGoneError if all are gone).
-- sync_weights: one sync per step in which every rank of every replica joins ONE transfer group, so
-  the bytes go out in one broadcast (the choreography is trainer_hooks/sync.py's, the one a SidecarClient
-  runs). The hook hands the fleet a maker of WeightSenders, because the number of receivers follows the
-  replicas that take part. Members: the replicas that answer /state healthy when the sync starts (a
-  draft sync asks only those in rotation: it can take one out, never admit one). A member that goes away
-  before its audit, or refuses the start while others accept it, is dropped and the sync runs again at
-  once without it, in a fresh group; a start every member refuses is raised as is; a wire failure with
-  every member alive is a FleetSyncError naming each replica's error. Each verdict is the replica's own:
-  an audit mismatch fails that replica only, and once any replica audited nothing runs again.
+sync_weights, generate), over every replica at once. Its invariants:
 - One weight version across the fleet: rollouts go only to replicas in rotation, and a replica is in
-  rotation only while it holds the fleet's version. One that fails its audit, misses a sync, dies, or
-  answers with another version is taken out, with its reason (`status()`, the sync's report), and
-  re-admitted by its next good sync, while the rest keep serving.
-- generate: each prompt, with its n samples, goes to the replica with the fewest outstanding
-  sequences; one call per replica, concurrently; results in prompt order, each output's `metrics`
-  carrying "replica" (its dp index) and "retries". A replica that dies mid-request (connection lost,
-  503) is taken out and its unfinished prompts are sent to the others at once, each at most
-  `max_retries` times; the call fails only when no replica is left for a prompt.
-- rotation() and metrics_text(): what the fleet itself holds (rotation, versions, outstanding sequences,
-  counters), read without contacting a replica; trainer_hooks/fleet_metrics.py exports it to Prometheus.
-
+  rotation only while it holds the fleet's version. One that fails its audit, misses a sync, dies or
+  answers with another version is taken out with its reason, and its next good sync re-admits it.
+- A sync is one transfer group of every rank of every member, on trainer_hooks/sync.py's choreography
+  (the one a SidecarClient runs); each verdict is the replica's own (docs/fleet.md, "How a sync works").
+- sleep, wake_up and generate fail only when no replica is left for them; the others keep serving.
+- rotation() and metrics_text() read what the fleet holds without contacting a replica.
 Replica i is named "dp{i}" (its position in the list; fleet_replicas.py). Imports neither torch nor
 httpx at module level (clients are built from URLs on first use; `sidecar status` builds a Fleet).
 """
@@ -59,7 +42,12 @@ __all__ = ["Fleet", "FleetError", "FleetGoneError"]
 
 
 class Fleet:
-    """See the module docstring. `replicas`: URLs (or SidecarClient-like objects, used as given)."""
+    """See the module docstring. `replicas`: URLs (or SidecarClient-like objects, used as given).
+
+    sleep and wake_up go to every replica concurrently, out-of-rotation ones too (a restarted replica
+    must free its memory with the rest). A replica whose call fails is taken out of rotation; the call
+    fails only when every replica fails (with the first one's error; FleetGoneError if all are gone).
+    """
 
     def __init__(self, replicas: Iterable[str | Any], api_key: str | None = None, *, timeout: float = 30.0,
                  long_timeout: float = 900.0, retries: int = 1, max_retries: int = 1) -> None:
@@ -234,7 +222,7 @@ class Fleet:
         return self._control("wake_up", lambda r: r.client.wake_up(tags, timeout=timeout))
 
     def _control(self, what: str, fn: Callable[[Replica], Any]) -> dict[str, Any]:
-        """fn on every replica; failures take their replica out (module docstring)."""
+        """fn on every replica; failures take their replica out (the class docstring)."""
         self._contact()
         found = self.each(self.replicas, fn)
         errors = {i: e for i, e in found.items() if isinstance(e, BaseException)}
@@ -252,10 +240,18 @@ class Fleet:
 
     def sync_weights(self, sender: Any, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
                      version: int, model: str = "target", *, allow_cast: bool = False) -> dict[str, Any]:
-        """One sync of every reachable replica through one transfer group (module docstring). `sender`: a
-        callable num_receivers -> WeightSender (the fleet builds one per membership and owns it), or a
-        WeightSender whose num_receivers fits the replicas' ranks. Returns the fleet's audit
-        (fleet_replicas.sync_report); raises FleetGoneError when no replica could take part."""
+        """One sync of every reachable replica through one transfer group. `sender`: a callable
+        num_receivers -> WeightSender (the fleet builds one per membership and owns it, because the
+        receivers follow the replicas that take part), or a WeightSender whose num_receivers fits the
+        replicas' ranks. Returns the fleet's audit (fleet_replicas.sync_report); raises FleetGoneError
+        when no replica could take part.
+
+        Members: the replicas that answer /state healthy when the sync starts (a draft sync asks only
+        those in rotation: it can take one out, never admit one). A member that goes away before its
+        audit, or refuses the start while others accept it, is dropped and the sync runs again at once
+        without it, in a fresh group; a start every member refuses is raised as is; a wire failure with
+        every member alive is a FleetSyncError naming each replica's error. An audit mismatch fails that
+        replica only, and once any replica audited nothing runs again."""
         self._contact()
         named = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         missed: dict[int, str] = {}
@@ -330,8 +326,12 @@ class Fleet:
     # ---- rollouts -----------------------------------------------------------------------------------
     def generate(self, prompts: Any, sampling_params: Any = None, *, wait: bool = True,
                  timeout: float | None = None) -> list[RequestOutput]:
-        """RequestOutputs in prompt order; each output's metrics has "replica" and "retries" (module
-        docstring)."""
+        """RequestOutputs in prompt order; each output's metrics has "replica" (its dp index) and "retries".
+
+        Each prompt, with its n samples, goes to the replica with the fewest outstanding sequences; one
+        call per replica, concurrently. A replica that dies mid-request (connection lost, 503) or answers
+        with another weight version is taken out and its unfinished prompts go to the others at once,
+        each at most `max_retries` times; the call fails only when no replica is left for a prompt."""
         self._contact()
         items = _prompt_list(prompts)
         params = _params_list(sampling_params, len(items))

@@ -2,22 +2,15 @@
 
 Why here and not in the replicas' /metrics: only the trainer's Fleet knows which replicas are in
 rotation, why one was taken out, the fleet's weight version and the sequences it has sent each replica
-and not yet received back; a replica knows none of it (docs/fleet.md, "Metrics"). So the view is
-exported where it lives, from one scrape target, and each replica's own /metrics keeps its engine's
-figures; the `url` label joins the two.
+and not yet received back; a replica knows none of it. So the view is exported where it lives, from one
+scrape target, and each replica's own /metrics keeps its engine's figures; the `url` label joins the two.
 
 A scrape reads `Fleet.rotation()` under the fleet's lock and contacts no replica: it costs no HTTP
 call, never waits on a slow or dead replica and never changes the rotation (`Fleet.status()` probes).
+The metrics and their use: docs/fleet.md, "Metrics".
 
     from prometheus_client import REGISTRY, start_http_server
     REGISTRY.register(FleetCollector(fleet)); start_http_server(9400)   # or: fleet.metrics_text()
-
-Metrics (every per-replica one labelled replica="dp{i}", url):
-  sidecar_fleet_replicas, sidecar_fleet_replicas_in_rotation, sidecar_fleet_weight_version (absent until
-  the fleet first finds one); sidecar_fleet_replica_in_rotation (1/0), _weight_version (the target
-  version it was admitted at; absent until admitted), _outstanding_sequences, _ranks; counters
-  sidecar_fleet_replica_taken_out_total, _retried_prompts_total (prompts moved from it to another
-  replica), _served_sequences_total.
 """
 
 from __future__ import annotations
@@ -50,7 +43,14 @@ _COUNTERS = (("times_out", "sidecar_fleet_replica_taken_out", "Times the replica
 
 
 class FleetCollector(Collector):
-    """The fleet's view at each scrape (module docstring); register it on any CollectorRegistry."""
+    """The fleet's view at each scrape (module docstring); register it on any CollectorRegistry.
+
+    Every per-replica metric is labelled replica="dp{i}" and url: sidecar_fleet_replicas,
+    sidecar_fleet_replicas_in_rotation, sidecar_fleet_weight_version (absent until the fleet first finds
+    one); sidecar_fleet_replica_in_rotation (1/0), _weight_version (the target version it was admitted at;
+    absent until admitted), _outstanding_sequences, _ranks; counters sidecar_fleet_replica_taken_out_total,
+    _retried_prompts_total (prompts moved from it to another replica), _served_sequences_total.
+    """
 
     def __init__(self, fleet: RotationView) -> None:
         self.fleet = fleet

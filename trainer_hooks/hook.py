@@ -3,12 +3,7 @@
 Every rank of a distributed trainer calls the hook at the same points: weight sources are
 collectives (FSDP2 all-gathers, ZeRO-3 gathers), so all ranks collect together; only the sending
 rank (rank 0 by default) keeps the full tensors and talks to the sidecar. Non-sending ranks never
-touch the client.
-
-Counting: `after_optimizer_step()` is called once per `optimizer.step()` call site. With
-grad_accum_steps=k the hook treats every k-th call as an optimizer step (for loops that call it
-per micro-batch); a sync happens on every sync_every-th optimizer step. The counters are
-deterministic, so every rank syncs at the same call.
+touch the client. The step counters are deterministic, so every rank syncs at the same call.
 
 Versions: the first sync uses the sidecar's live target version + 1; each passing sync advances
 `version` by one (a retried sync uses a fresh number). The draft, when given, is synced after the
@@ -18,12 +13,6 @@ Failure rules: an audit mismatch raises AuditError carrying the report table (or
 retry_on_mismatch, re-sends once first). A sidecar that cannot be reached or whose ranks died
 raises SidecarGoneError, with the tail of its log when the hook knows the log path. Every client
 call has a timeout (the client's), so nothing hangs forever.
-
-Fleets: `client` may be a trainer_hooks.fleet.Fleet of several replicas. The hook then hands the
-fleet a maker of WeightSenders instead of one sender (the receivers follow the replicas that take part
-in each sync), and a sync that leaves some replicas out of rotation (failed audit, missed sync) is a
-logged warning naming them (also in `stats["out_of_rotation"]`), not an error, while the others serve
-the new version; AuditError / SidecarGoneError only when no replica holds it.
 """
 
 from __future__ import annotations
@@ -68,7 +57,14 @@ class SidecarGoneError(SidecarError):
 
 class WeightSyncHook:
     """See the module docstring. `client` is a trainer_hooks.client.SidecarClient (or anything with its
-    API that raises its errors, trainer_hooks/client_errors.py), or a trainer_hooks.fleet.Fleet."""
+    API that raises its errors, trainer_hooks/client_errors.py), or a trainer_hooks.fleet.Fleet.
+
+    With a Fleet the hook hands the fleet a maker of WeightSenders instead of one sender (the receivers
+    follow the replicas that take part in each sync), and a sync that leaves some replicas out of
+    rotation (failed audit, missed sync) is a logged warning naming them (also in
+    `stats["out_of_rotation"]`), not an error, while the others serve the new version; AuditError /
+    SidecarGoneError only when no replica holds it.
+    """
 
     def __init__(self, client: Any, model: Any, draft_model: Any = None, *, sender: WeightSender | str | None = None,
                  sleep_level: int = 1, sync_every: int = 1, grad_accum_steps: int = 1, audit: bool = True,
@@ -116,8 +112,12 @@ class WeightSyncHook:
         self.asleep, self.weights_fresh = True, False
 
     def after_optimizer_step(self) -> dict[str, Any] | None:
-        """Count one call; sync at the boundaries (module docstring). The audit report when synced
-        on the sending rank, else None."""
+        """Count one call; sync at the boundaries. The audit report when synced on the sending rank,
+        else None.
+
+        Call it once per `optimizer.step()` call site. With grad_accum_steps=k every k-th call counts as
+        an optimizer step (for loops that call it per micro-batch); a sync happens on every
+        sync_every-th optimizer step."""
         self.calls += 1
         if self.calls % self.grad_accum_steps:
             return None

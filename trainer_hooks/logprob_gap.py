@@ -1,22 +1,18 @@
 """The training-inference logprob gap: the trainer's logprobs of the rollout tokens against the rollout's.
 
-An RL trainer weighs each rollout token by exp(trainer logprob - rollout logprob) (importance
-sampling); when the sidecar and the trainer compute different numbers for the same weights, that
-ratio drifts from 1 and the policy gradient is biased. `measure_logprob_gap(model, rollouts)` measures it
-with one padded forward of the trainer's model; `WeightSyncHook(..., logprob_gap=True)` does it after
-every `rollouts()` call and keeps the figures in `hook.stats` (the `logprob_gap_*` keys of
-`LogprobGap.as_stats`), so a trainer logs them with its other step figures.
-
-Invariants:
-- The trainer's logprobs are "raw": log_softmax of the model's logits at temperature 1, in float32
-  from logits of the model's own dtype, what the engine reports by default (SamplingParams
-  logprobs_mode="raw", docs/architecture.md "Logprobs"). Rollouts sampled with
-  logprobs_mode="processed" carry another distribution; their gap means nothing.
-- Sequences (prompt + completion) are right-padded into one batch: under causal attention a
-  position never sees the padding after it, and positions still count from 0, so no attention mask
-  is needed (ToyPolicy's forward takes none; an HF model's default positions are the same).
-- The model runs under torch.no_grad in eval mode (dropout off), then gets its mode back.
-Imports torch and nothing of the engine (tests/test_import_layers.py).
+An RL trainer weighs each rollout token by exp(trainer logprob - rollout logprob); when the sidecar and
+the trainer compute different numbers for the same weights, that ratio drifts from 1 and the policy
+gradient is biased. `measure_logprob_gap(model, rollouts)` measures it with one padded forward of the
+trainer's model; `WeightSyncHook(..., logprob_gap=True)` does it after every `rollouts()` call and keeps
+the `logprob_gap_*` figures in `hook.stats`. Invariants:
+- The trainer's logprobs are "raw": float32 log_softmax of the model's logits (in its own dtype) at
+  temperature 1, what the engine reports by default (logprobs_mode="raw", docs/configuration.md);
+  rollouts sampled with logprobs_mode="processed" carry another distribution, so their gap means nothing.
+- Sequences are right-padded into one batch: under causal attention a position never sees the padding
+  after it and positions still count from 0, so no attention mask is needed (ToyPolicy takes none; an
+  HF model's default positions are the same).
+- The model runs under torch.no_grad in eval mode, then gets its mode back. Imports torch and nothing
+  of the engine (tests/test_import_layers.py).
 """
 
 from __future__ import annotations

@@ -1,26 +1,16 @@
 """Weight sources: a trainer's model -> (HF name, full tensor) pairs, in a stable order.
 
-Imports no engine module (torch, inference.core only); deepspeed and peft are imported lazily.
-
-`collect_weights(model, keep=...)` picks the source by what the model is:
-- a DeepSpeed engine (ZeRO 0-3): stages 0-2 hold full parameters on every rank (plain path over
-  engine.module); stage 3 gathers `group_bytes` of parameters at a time with
-  `deepspeed.zero.GatheredParameters(group, modifier_rank=None)`. EVERY rank must enter each
-  gather (it is a collective); only ranks with keep=True copy the full tensors out (to host by
-  default), so device memory stays bounded by one group.
-- a model with DTensor parameters (FSDP2 `fully_shard`): `full_tensor()` per parameter, on every
-  rank in the same order (an all-gather each); ranks with keep=False drop the result at once.
-- a PEFT model (peft installed, merge_lora=True): the LoRA deltas merged into a deep copy
-  (`merge_and_unload()` on the copy), so the trainer's adapters are untouched. Plain modules only.
-- any other nn.Module (an HF transformers model, DDP, torch.compile): its parameters.
-
-Invariants:
+`collect_weights(model, keep=...)` picks the source by what the model is: a DeepSpeed engine (ZeRO
+0-3), a model with DTensor parameters (FSDP2), a PEFT model (LoRA merged into a copy), or any other
+nn.Module (HF transformers, DDP, torch.compile). Invariants:
 - Names are the model's HF names: wrapper components ("module." at the front; "_orig_mod",
   "_fsdp_wrapped_module", "_checkpoint_wrapped_module" anywhere) are removed.
 - Every parameter is emitted once: a tied lm_head (the same Parameter as the embedding) appears
   only as the embedding's name; the sidecar accepts either.
 - Rotary tables and other buffers are not weights and are never emitted.
-- On ranks with keep=False the result is empty, but the rank took part in every collective.
+- Sharded sources are collectives: every rank calls in the same order; on ranks with keep=False the
+  result is empty, but the rank took part in every collective.
+Imports no engine module (torch, inference.core only); deepspeed and peft are imported lazily.
 """
 
 from __future__ import annotations
@@ -86,6 +76,11 @@ def collect_weights(model: Any, *, keep: bool = True, merge_lora: bool = True, o
     Call it on EVERY rank of a distributed trainer in the same order (sharded sources are
     collectives). offload: copy full tensors to host (default: True for ZeRO-3, which is the
     point of gathering a group at a time; False otherwise).
+    - DeepSpeed: stages 0-2 hold full parameters on every rank (plain path over engine.module); stage 3
+      gathers `group_bytes` of parameters at a time (deepspeed_weights).
+    - FSDP2 (`fully_shard`): `full_tensor()` per parameter, an all-gather each (fsdp2_weights).
+    - PEFT (peft installed, merge_lora=True): `merge_and_unload()` on a deep copy, so the trainer's
+      adapters are untouched; plain modules only (merged_lora_weights).
     """
     if _is_deepspeed_engine(model):
         return list(deepspeed_weights(model, keep=keep, offload=offload, group_bytes=group_bytes))
@@ -117,9 +112,12 @@ def fsdp2_weights(model: nn.Module, *, keep: bool, offload: bool = False) -> Ite
 
 def deepspeed_weights(engine: Any, *, keep: bool, offload: bool | None = None,
                       group_bytes: int = DEFAULT_GROUP_BYTES) -> Iterator[NamedTensor]:
-    """A DeepSpeed engine's weights at any ZeRO stage (see module docstring for the stage-3 rule).
+    """A DeepSpeed engine's weights at any ZeRO stage.
 
-    offload None: host copies at stage 3 (device memory bounded by one group), views below it.
+    Stage 3 gathers `group_bytes` of parameters at a time with
+    `deepspeed.zero.GatheredParameters(group, modifier_rank=None)`. EVERY rank must enter each gather
+    (it is a collective); only ranks with keep=True copy the full tensors out, so device memory stays
+    bounded by one group. offload None: host copies at stage 3, views below it.
     """
     params = named_parameters(unwrap(engine))
     if not any(hasattr(p, "ds_id") for _, p in params):  # ZeRO 0-2: full parameters everywhere

@@ -2,9 +2,9 @@
 only, and every error response turned into its typed error (trainer_hooks/client_errors.py).
 
 - Plain http to a sidecar (no proxy of the environment, no caller's `transport`) goes over `KeepAliveWire`:
-  kept-alive http.client connections, because httpx with httpcore spends about 0.35 ms of Python per
-  request building and parsing (measured on a 2-core CPU box: POST /pause 0.65 ms through httpx, 0.29 ms
-  through http.client). https, a proxy or a caller's transport go through httpx.
+  kept-alive http.client connections, because a request through httpx and httpcore takes about twice as
+  long, the difference being Python that builds and parses it (docs/benchmarks.md). https, a proxy or a
+  caller's transport go through httpx.
 - Only GETs are retried, on connection errors and timeouts, with exponential backoff; everything else
   is sent once (a retry could run it twice).
 - `begin` writes a request now and returns its `Pending` answer: the weight sync writes its update before

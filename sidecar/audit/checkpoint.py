@@ -1,22 +1,18 @@
 """`sidecar audit --url URL --checkpoint DIR`: the digests a sidecar's ranks hold when they serve DIR.
 
-A sidecar's "held" manifests name its own parameters, not the checkpoint's tensors: q/k/v_proj are
-fused into one qkv_proj and gate/up_proj into gate_up_proj (inference/models/naming.py), a tied lm_head is
-model.embed_tokens.weight, a TP rank holds its shard (the vocabulary padded to a multiple of the TP
-size, padding rows zero), and every tensor is in the dtype the sidecar serves. A manifest of the
-checkpoint's tensors as they are therefore differs from every held manifest (false mismatches).
+A sidecar's "held" manifests name its own parameters, not the checkpoint's tensors (fused qkv_proj and
+gate_up_proj, inference/models/naming.py; a tied lm_head as model.embed_tokens.weight; a TP rank's shard
+with the vocabulary padded by zero rows; the served dtype), so the checkpoint's tensors as they are
+would mismatch every held manifest. Here the checkpoint is laid out by the engine's own code, as
+`sidecar launch --model DIR` lays it out: the model class is built on the meta device for each TP rank
+and each parameter is filled from the checkpoint's full tensors by its weight_loader, as
+inference/models/loader.py fills it, so the expected manifests cannot drift from what the loader
+writes. One parameter at a time is materialized on the CPU (the peak is one full tensor plus one shard).
 
-Here the checkpoint is laid out exactly as `sidecar launch --model DIR` lays it out, by the engine's
-own code: the model class is built on the meta device (no memory) for each TP rank, which gives every
-parameter's name, shape and weight_loader, and each parameter is filled from the checkpoint's FULL
-tensors through inference.models.naming, as inference/models/loader.py fills it. So the expected manifests cannot
-drift from what the loader writes. One parameter at a time is materialized on the CPU (the peak is
-one full checkpoint tensor plus one shard) and digested by the rule of the rank's own manifest.
-
-What this checks, and what not: every byte each rank holds against the checkpoint's bytes cast to the
-dtype that rank holds (the launch's --dtype; a cast is the loader's, so the dtype itself is taken from
-the rank, not checked). The weight version is the rank's: a sidecar whose weights were synced since
-launch holds the trainer's bytes, and then the digests differ, as they should.
+What is checked: every byte each rank holds against the checkpoint's bytes cast to the dtype that rank
+holds, digested by the rule of the rank's own manifest (the dtype itself is taken from the rank, not
+checked). A sidecar whose weights were synced since launch holds the trainer's bytes, and then the
+digests differ, as they should.
 """
 
 from __future__ import annotations

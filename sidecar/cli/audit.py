@@ -1,22 +1,18 @@
 """`sidecar audit EXPECTED.json ACTUAL.json [MORE.json ...]`: compare checksum manifests.
 `sidecar audit --url URL [--model target|draft] [--source held|received] [--algorithm RULE]
-[EXPECTED.json | --checkpoint DIR]`: the same against a running sidecar (held weights are digested by
-the rule EXPECTED.json names, or --algorithm, else each rank's default: the device rule on a GPU).
+[EXPECTED.json | --checkpoint DIR]`: the same against a running sidecar.
 
-The first file holds what was expected, every further file what a rank holds. Any file may hold
-one manifest or a JSON list of them (one per rank). One expected manifest applies to every actual
-rank (the trainer's digests of what it sent); several are matched to the actual ones by (model,
-rank key), and ranks found on only one side are reported. With --url, every rank's manifest is
-fetched (GET /checksums) and the ranks are compared with each other (sidecar/audit/rules.py: the
-replica rule). What the ranks are checked against is then EXPECTED.json, or --checkpoint DIR: the
-checkpoint laid out as a rank holds it (fused names, TP shards, the served dtype;
-sidecar/audit/checkpoint.py), so a sidecar serving DIR matches it tensor for tensor. With neither,
-only replicas are compared, and a sidecar without replicas (one rank) has nothing to compare: that is
-said, with exit 2, never "OK". Exit status: 0 all match, 1 mismatch, 2 bad input, nothing to compare
-or an unreachable sidecar (a one-line error on stderr).
-
-checksum (and so torch) is imported inside the functions that need it, so `sidecar audit --help` stays
-fast (scripts/check_help_speed.py).
+The first file holds what was expected, every further file what a rank holds; any file may hold one
+manifest or a JSON list of them. One expected manifest applies to every actual rank; several are
+matched by (model, rank key), and ranks found on only one side are reported. With --url every rank's
+manifest is fetched (GET /checksums; held weights digested by the rule EXPECTED.json names, or
+--algorithm, else each rank's default), the ranks are compared with each other (the replica rule,
+sidecar/audit/rules.py), and against EXPECTED.json or the checkpoint laid out as a rank holds it
+(sidecar/audit/checkpoint.py). With neither, a sidecar without replicas has nothing to compare: that
+is said with exit 2, never "OK". Exit status: 0 all match, 1 mismatch, 2 bad input, nothing to
+compare or an unreachable sidecar (a one-line error on stderr).
+checksum (and so torch) is imported inside the functions that need it, so that `sidecar audit --help`
+stays fast (scripts/tools/check_help_speed.py).
 """
 
 from __future__ import annotations
@@ -148,8 +144,8 @@ def _url_algorithm(args: argparse.Namespace, expected: list[Manifest] | None) ->
 def load_input(path: str) -> list[Manifest]:
     """The manifests of one file named on the command line. Whatever reading it raises is bad input
     (exit 2, one line naming the file), never a traceback: checksum's loader means to raise only
-    ManifestError, and a file that makes it raise anything else (a list as a dtype raised TypeError)
-    is still the user's file to fix, not a mismatch."""
+    ManifestError, and a file that makes it raise anything else is still the user's file to fix,
+    not a mismatch."""
     from checksum import ManifestError, load_manifests
 
     try:

@@ -1,7 +1,7 @@
 """What the `sidecar` subcommands share: the help formatter and the one device check.
 
 Imports nothing heavy (torch only inside `check_device`), because every `sidecar <cmd> --help`
-imports this module and must print in well under a second (scripts/check_help_speed.py).
+imports this module and must print in well under a second (scripts/tools/check_help_speed.py).
 """
 
 from __future__ import annotations

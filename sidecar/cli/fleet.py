@@ -1,18 +1,16 @@
 """`sidecar fleet`: N replicas of `sidecar launch` on one machine, each with its dp rank, devices and port.
 
 Replica i runs `sidecar launch --dp-rank i --tp T_i --host H --port P_i --device D [--devices G_i]`
-plus the launch flags given after `--`, as a child process. Placement: --tp is one size for every
-replica or one per replica (2,1,1); on CUDA replica i takes the next T_i entries of --gpus (default
-0, 1, 2, ...: one GPU per rank), which may repeat a GPU across replicas (0,0,0,0: four replicas on GPU
-0; give them --gpu-memory-utilization shares after --). Ports: P_i = --port + i, or each a free one
-with --port 0.
+plus the launch flags given after `--`, as a child process. Placement (`plan_replicas`): --tp is one
+size for every replica or one per replica (2,1,1); on CUDA replica i takes the next T_i entries of
+--gpus (default one GPU per rank), which may repeat a GPU across replicas. Ports: P_i = --port + i, or
+each a free one with --port 0.
 
-Prints one line per replica, `replica dp{i}: URL (pid P, tp T[, GPUs G])`, then `Sidecar fleet serving
-on URL0 URL1 ...`: the URLs of trainer_hooks.Fleet([...]), in dp order (scripts wait for that line).
-SIGTERM or SIGINT stops every replica (SIGTERM, joined with a timeout, then SIGKILL); should this
-command die without cleaning up, Linux sends each replica SIGTERM (PR_SET_PDEATHSIG). A replica that
-exits on its own is reported on stderr and the others keep serving (a Fleet takes it out of rotation;
-restart it by hand with the command this prints); when none is left the command exits.
+Prints one line per replica, then `Sidecar fleet serving on URL0 URL1 ...`: the URLs of
+trainer_hooks.Fleet([...]), in dp order (scripts wait for that line). SIGTERM or SIGINT stops every
+replica (SIGTERM, joined with a timeout, then SIGKILL); should this command die without cleaning up,
+each replica gets SIGTERM (PR_SET_PDEATHSIG). A replica that exits on its own is reported on stderr
+with the command that restarts it, and the others keep serving; when none is left the command exits.
 Exit status: 0 after a signal, 1 when a replica failed to start or every replica exited, 2 for bad
 arguments. Declaring the arguments imports no torch.
 """
@@ -236,7 +234,7 @@ class _Replicas:
 
 
 def _serving_url(lines: queue.Queue[str | None], deadline: float, stop: threading.Event) -> str | None:
-    """The URL of the child's "Sidecar serving on" line (launch_cli.SERVING_LINE), None if it ended,
+    """The URL of the child's "Sidecar serving on" line (sidecar/cli/launch.py SERVING_LINE), None if it ended,
     the deadline passed or a signal came first."""
     from sidecar.cli.launch import SERVING_LINE as LAUNCH_LINE  # the line's owner (not at --help time)
 

@@ -2,7 +2,7 @@
 
 Only the chosen subcommand's module is imported (its add_arguments, then its run), and no module
 imports torch to declare its arguments, so `sidecar <cmd> --help` prints in well under a second
-(scripts/check_help_speed.py measures every command).
+(scripts/tools/check_help_speed.py measures every command).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ GAP_KEYS = {"gap_max": "logprob_gap_max_abs", "gap_mean_abs": "logprob_gap_mean_
 class _TimedClient(SidecarClient):
     """A SidecarClient that adds the audit of each sync to `audit_ms`: the ranks' own time in it, as the
     sync's answer reports it (every rank compares the digests of what it holds, taken as the bytes
-    landed, with the sender's, and commits), plus any separate audit call (an older sidecar)."""
+    landed, with the sender's, and commits), plus the time of any POST /audit made through it."""
 
     audit_ms = 0.0
 

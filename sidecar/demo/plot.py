@@ -30,9 +30,9 @@ Points = list[tuple[int, float]]
 
 
 def plot_run(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
-    """Write the picture of `rows` (demo_loop's per-step rows) and return the path written."""
+    """Write the picture of `rows` (sidecar/demo/loop.py's per-step rows) and return the path written."""
     path = Path(path)
-    assert path.suffix.lower() in SUFFIXES, path  # demo_cli refuses others before the run
+    assert path.suffix.lower() in SUFFIXES, path  # sidecar/cli/demo.py refuses others before the run
     data = series(rows)
     if path.suffix.lower() == ".png" and _has_matplotlib():
         _write_png(data, path)

@@ -2,20 +2,15 @@
 
 Two sources per rank (docs/checksums.md): "held" digests the parameters the rank holds now (its
 shards, engine names); "received" is what the last finished sync delivered (full tensors, trainer
-names). The replica rule is sidecar/audit/rules.py. `expected` adds the sidecar-audit rule (checksum.audit): one
-expected manifest (or a list of the sender's records) applies to every rank, several are matched by
-rank key.
+names). The replica rule is sidecar/audit/rules.py. `expected` adds the sidecar-audit rule
+(checksum.audit): one expected manifest (or a list of the sender's records) applies to every rank,
+several are matched by rank key.
 
-Torn models (issue 20): the torn flag and version are the WeightUpdater's, read with the manifest in the
-same rank command, so /state, /checksums and /audit cannot disagree. A manifest of a torn model carries
+Torn models: the torn flag and version are the WeightUpdater's, read with the manifest in the same
+rank command, so /state, /checksums and /audit cannot disagree. A manifest of a torn model carries
 `torn: true` and `torn_reason` (its weight_version is the last good version, which these bytes are NOT),
 and an audit of a torn model is not ok, its summary naming each torn rank and why, whatever the digests.
-
-Digest rule (docs/checksums.md): "held" manifests are digested by the rank's default (the device rule on
-a GPU) or by `algorithm` (a query parameter of both routes); POST /audit with no `algorithm` follows the
-rule its expected manifest(s) name, so a manifest of either rule is checked against digests of its own
-rule. "received" digests are of the rule the sync's sender picked. Manifests of two rules compared
-anyway give one "algorithm" mismatch naming both.
+Which digest rule each route uses: `add_audit_routes`.
 """
 
 from __future__ import annotations
@@ -38,6 +33,11 @@ MAX_MISMATCH_ROWS = 1000
 
 
 def add_audit_routes(router: APIRouter, state: ServerState) -> None:
+    """The two routes. Digest rule (docs/checksums.md): "held" manifests are digested by the rank's default
+    (the device rule on a GPU) or by `algorithm` (a query parameter of both routes); POST /audit with no
+    `algorithm` follows the rule its expected manifest(s) name, so a manifest of either rule is checked
+    against digests of its own rule. "received" digests are of the rule the sync's sender picked.
+    Manifests of two rules compared anyway give one "algorithm" mismatch naming both."""
     @router.get("/checksums", summary="Every rank's manifest of the target or draft model")
     async def checksums(model: Literal["target", "draft"] = "target", source: Literal["held", "received"] = "held",
                         algorithm: str | None = None) -> dict[str, Any]:

@@ -9,10 +9,9 @@ every rank audits and commits, and the answer is the audit. No session outlives 
 one ends it on every rank); POST /weights/abort ends one still open. docs/limits.md has the timeouts.
 
 POST /weights/update is answered by `WeightsUpdateGate`, in front of FastAPI's routing, dependencies,
-body pass and response model, most of what the message cost beyond its handler (in process on a stub
-driver: 95-114 us a request, 149-161 us as a plain Starlette route, 232-237 us as a FastAPI route). Its
-contract is a FastAPI route's all the same (`_lean_body`), and its errors are answered by the app's own
-error_answer, so they read and count as every route's.
+body pass and response model, which cost more than the rest of the app's time on the message
+(docs/benchmarks.md). Its contract is a FastAPI route's all the same (`_lean_body`), and its errors are
+answered by the app's own error_answer, so they read and count as every route's.
 """
 
 from __future__ import annotations
@@ -81,7 +80,7 @@ def state_dict(state: ServerState) -> dict[str, Any]:
         "transfer": {"backend": state.config.transfer, "bucket_bytes": state.config.bucket_bytes,
                      "num_receivers": len(state.plans)},
         "uptime_s": time.time() - state.started,
-        "gc_frozen": state.gc_frozen,  # objects this HTTP process froze once serving (host_heap.py)
+        "gc_frozen": state.gc_frozen,  # objects this HTTP process froze once serving (inference/memory/host_heap.py)
     }
 
 
@@ -175,7 +174,7 @@ def _check_init_info(state: ServerState, init_info: dict[str, Any]) -> None:
 
 
 def _check_protocol(protocol: int | None) -> None:
-    """A client of another weight-sync protocol (or of none: older than versions) is refused at init."""
+    """A client of another weight-sync protocol (or of none: one that sends no version) is refused at init."""
     if protocol != SYNC_PROTOCOL:
         spoken = "no protocol version (an older client)" if protocol is None else f"protocol {protocol}"
         raise ApiError(409, "ProtocolMismatch", f"the client speaks weight-sync {spoken}, this sidecar speaks "
@@ -275,7 +274,7 @@ async def _lean_body(request: Request, model: type[Body], key: str | None) -> Bo
 def _finished(state: ServerState, model: str, results: list[SyncResult], finish_s: float) -> dict[str, Any]:
     """The answer of a sync every rank audited and committed, with its metrics. `finish_s`: the seconds of
     the ranks' audit inside the update. Answered with a JSONResponse of plain JSON types: FastAPI's encoder
-    and response-model pass would cost ~40 us a message on the critical path, for nothing to convert."""
+    and response-model pass would cost time on the critical path for nothing to convert."""
     now = time.perf_counter()
     state.metrics.sync_seconds.labels(model, "finish").observe(finish_s)
     state.metrics.sync_seconds.labels(model, "audit").observe(max(r.audit_s for r in results))

@@ -10,7 +10,8 @@ every route, whatever its handler does.
 - An exception that no handler took becomes a JSON 500 here. Why not an `exception_handler(Exception)`:
   Starlette runs that one in ServerErrorMiddleware, which re-raises after answering, and uvicorn then
   closes the connection without saying so; the caller's next request on that kept-alive connection
-  failed (SidecarConnectionError). Answered here, the exception ends here and the connection stays usable.
+  would fail (SidecarConnectionError). Answered here, the exception ends here and the connection stays
+  usable.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def _server_timing(t0: float, timing: dict[str, float]) -> tuple[bytes, bytes]:
     body and the handler), the handler's own time where it noted one (the weight calls: what the sidecar's
     sync_seconds histogram observes) and the slowest rank's time on its command (an update). A client
     subtracts them from its own time per call to see what the wire and its HTTP code cost, the framework,
-    and the sidecar's hops to the ranks and back (scripts/bench_client_sync.py reports each)."""
+    and the sidecar's hops to the ranks and back (scripts/bench/client_sync.py reports each)."""
     value = f"app;dur={(time.perf_counter() - t0) * 1e3:.3f}"
     if "handler_ms" in timing:
         value += f", handler;dur={timing['handler_ms']:.3f}"

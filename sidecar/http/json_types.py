@@ -1,13 +1,13 @@
 """JSON types of the weight and audit bodies (sidecar/http/models.py uses them): checked at the edge, passed
 on unchanged.
 
-Why: these bodies used to be `dict[str, Any]`, so a wrong JSON type reached code that assumed the right
-one, on a rank or in the checksum package, and came back as a 500 (a list as a manifest's dtype: an
-unhashable list; at a sync's finish it also tore the model), or as torch's own error (`master_host: 5`
-became a 502 from the TCPStore constructor). Each alias below validates the JSON types of its body with
-pydantic (strict, so "5" is no integer and 1.0 no shape entry) and a 422 names the field, then hands the
-handler the JSON exactly as it came (`_keep_json`): the handlers and the packages they call keep their
-own rules (values, ranges, duplicates) and see no model objects.
+Why: typed as plain `dict[str, Any]`, a wrong JSON type would reach code that assumes the right one, on
+a rank or in the checksum package, and come back as a 500 (a list as a manifest's dtype is unhashable;
+during a sync it would also tear the model) or as torch's own error (`master_host: 5` fails in the
+TCPStore constructor). Each alias below validates the JSON types of its body with pydantic (strict, so
+"5" is no integer and 1.0 no shape entry) and a 422 names the field, then hands the handler the JSON
+exactly as it came (`_keep_json`): the handlers and the packages they call keep their own rules
+(values, ranges, duplicates) and see no model objects.
 
 `InitInfoJson` is generated from inference.transfer.groups.InitInfo's fields, its one declaration, so
 a field added there is typed here too.
