@@ -13,18 +13,20 @@ from types import SimpleNamespace
 
 import pytest
 
+from checksum import Manifest
 from inference.core import SamplingParams
 from inference.engine.llm import LLM
+from inference.memory.sleep import TransitionStats
 from sidecar.ranks.commands import (
     COMMANDS,
     Command,
     ReadManifest,
+    Rejections,
     Reply,
     RequestGroup,
     Sleep,
     StartWeightUpdate,
     Step,
-    StepResult,
     Stop,
     UnknownCommandError,
     UpdateWeights,
@@ -79,7 +81,7 @@ def test_an_undeclared_command_is_refused_naming_it(server: RankServer, cmd: obj
     assert (reply.error.type, reply.error.kind, reply.error.rank) == ("UnknownCommandError", "internal", RANK)
     assert f"{type(cmd).__name__!r} is not a declared rank command" in reply.error.message
     assert "Sleep" in reply.error.message  # it lists what is declared
-    assert reply.status["sleeping"] is False  # nothing ran
+    assert reply.status is not None and reply.status.sleeping is False  # nothing ran
 
 
 def test_the_serve_loop_refuses_over_the_pipe_and_stops_on_stop() -> None:
@@ -93,7 +95,7 @@ def test_the_serve_loop_refuses_over_the_pipe_and_stops_on_stop() -> None:
         reply = mine.recv()
         assert not reply.ok and "'Reboot'" in reply.error.message
         mine.send(ReadManifest("target", "held"))
-        assert mine.poll(60) and mine.recv().value["rank"] == RANK  # still serving
+        assert mine.poll(60) and mine.recv().value.rank == RANK  # still serving
         mine.send(Stop())
         loop.join(30)
         assert not loop.is_alive() and not mine.poll(0.2)  # Stop sends no reply
@@ -120,7 +122,7 @@ def test_step_generates_what_the_engine_generates(server: RankServer) -> None:
     want = [o.outputs[0].token_ids for o in LLM(device="cpu", kv_cache_bytes=KV_BYTES).generate(prompts, GREEDY)]
     group = RequestGroup("g0", tuple((f"g0-{i}", p, GREEDY) for i, p in enumerate(prompts)), True)
     reply = server.handle(Step(groups=(group,), run=True))
-    assert _ok(reply) == StepResult({})
+    assert _ok(reply) == Rejections({})
     finished = {o.request_id: o for o in reply.finished}
     for _ in range(50):
         if len(finished) == len(prompts):
@@ -128,25 +130,28 @@ def test_step_generates_what_the_engine_generates(server: RankServer) -> None:
         reply = server.handle(Step(run=True))
         finished.update((o.request_id, o) for o in reply.finished)
     assert [finished[f"g0-{i}"].outputs[0].token_ids for i in range(len(prompts))] == want
-    assert reply.status["unfinished"] == 0
+    assert reply.status is not None and reply.status.unfinished == 0
 
 
 def test_a_bad_prompt_rejects_its_whole_group(server: RankServer) -> None:
     group = RequestGroup("g1", (("g1-0", [1, 2], GREEDY), ("g1-1", [10**9], GREEDY)), True)
     reply = server.handle(Step(groups=(group,), run=False))
     result = _ok(reply)
-    assert isinstance(result, StepResult) and set(result.rejected) == {"g1"}
+    assert isinstance(result, Rejections) and set(result.rejected) == {"g1"}
     assert (result.rejected["g1"].index, result.rejected["g1"].kind) == (1, "invalid")
-    assert reply.status["unfinished"] == 0  # the good prompt was taken back too
+    assert reply.status is not None and reply.status.unfinished == 0  # the good prompt was taken back too
 
 
 def test_sleep_wake_and_manifests_through_the_table(server: RankServer) -> None:
     held = _ok(server.handle(ReadManifest("target", "held")))
-    assert isinstance(held, dict) and held["rank"] == RANK and held["tensors"]
+    assert isinstance(held, Manifest) and held.rank == RANK and held.records and not held.torn
     stats = server.handle(Sleep(1, "finish"))
-    assert _ok(stats)["op"] == "sleep" and stats.status["sleeping"] is True  # type: ignore[index]
+    assert isinstance(_ok(stats), TransitionStats) and stats.status is not None
+    assert stats.value.op == "sleep" and stats.status.sleeping is True
+    assert stats.status.arenas == {"weights": "asleep_mirrored", "kv_cache": "asleep_empty"}
     woken = server.handle(WakeUp(("weights", "kv_cache")))
-    assert _ok(woken)["op"] == "wake" and woken.status["sleeping"] is False  # type: ignore[index]
+    assert isinstance(_ok(woken), TransitionStats) and woken.value.op == "wake"
+    assert woken.status is not None and woken.status.sleeping is False
     assert _ok(server.handle(ReadManifest("target", "held"))) == held  # level 1 kept every byte
 
     none_yet = server.handle(ReadManifest("target", "received"))

@@ -6,10 +6,11 @@ rank server asserts it). The driver (sidecar/ranks/driver.py) sends command obje
 command that is not in COMMANDS is refused on both sides with UnknownCommandError naming it: no
 method name crosses the pipe, nothing is looked up by name on the far side.
 
-Also here, because both sides import them: RankSpec (what a rank process is built from), Reply
-(the envelope of every answer: value or error, the rank's status, finished outputs) and ErrorInfo
-(an exception as it travels). Everything here is picklable and torch-free, so the sidecar process
-can unpickle replies without the engine.
+Also here, because both sides import them: RankSpec (what a rank process is built from), RankPlan
+(what it reports once, at startup), RankStatus (its state, on every reply), Reply (the envelope of
+every answer: value or error, the rank's status, finished outputs) and ErrorInfo (an exception as it
+travels). Everything crossing the pipe is a typed, picklable value, never a dict read by key: the
+replies are dataclasses declared here or the engine's own (TransitionStats, checksum.Manifest).
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from checksum import Manifest
 from inference.config import EngineConfig
 from inference.core import RequestOutput, SamplingParams, SidecarError
+from inference.memory.sleep import TransitionStats
 
 ErrorKind = Literal["invalid", "state", "checksum", "busy", "transfer", "unavailable", "memory", "internal"]
 WaitMode = Literal["never", "sync", "always"]
@@ -48,6 +51,45 @@ class ErrorInfo:
     index: int | None = None  # which prompt of a request group failed
 
 
+@dataclass(frozen=True)
+class RankStatus:
+    """One rank's state as it reported it last: `arenas` maps each memory arena's tag to its state
+    ("awake", "asleep", ...); `unfinished` counts the requests its engine holds."""
+
+    rank: str
+    pid: int
+    ready: bool
+    sleeping: bool
+    arenas: dict[str, str]
+    weight_versions: dict[str, int]
+    torn: dict[str, bool]
+    loaded: dict[str, bool]
+    unfinished: int
+    gc_frozen: int  # objects frozen once at start (inference/memory/host_heap.py)
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What one rank reports once, at startup: its device memory plan, the model's facts, and the torch
+    thread count it runs with (--threads, or sidecar/ranks/pool.py `rank_threads`)."""
+
+    rank: str
+    pid: int
+    device: str
+    dtype: str
+    weights_bytes: dict[str, int]  # per weights arena tag
+    kv_blocks: int
+    kv_bytes: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    models: tuple[str, ...]
+    model: str
+    draft_model: str | None
+    has_tokenizer: bool
+    num_threads: int
+
+
 @dataclass
 class Reply:
     """One rank's answer to one command. `finished`: outputs that finished during it (rank 0 only)."""
@@ -55,7 +97,7 @@ class Reply:
     ok: bool
     value: Any = None
     error: ErrorInfo | None = None
-    status: dict[str, Any] = field(default_factory=dict)
+    status: RankStatus | None = None
     finished: list[RequestOutput] = field(default_factory=list)
 
 
@@ -86,7 +128,7 @@ class UnknownCommandError(SidecarError):
 
 # ---- replies --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class StepResult:
+class Rejections:
     """The request groups a Step refused (group id -> why); the same on every rank."""
 
     rejected: dict[str, ErrorInfo] = field(default_factory=dict)
@@ -147,7 +189,7 @@ class Step(Command):
     aborts: tuple[str, ...] = ()
     groups: tuple[RequestGroup, ...] = ()
     run: bool = False
-    reply: ClassVar[type] = StepResult
+    reply: ClassVar[type] = Rejections
 
 
 @dataclass(frozen=True)
@@ -157,19 +199,19 @@ class Stop(Command):
 
 @dataclass(frozen=True)
 class Sleep(Command):
-    """Release device memory. Reply: the rank's TransitionStats as a dict."""
+    """Release device memory. Reply: the rank's TransitionStats."""
 
     level: int = 1
     in_flight: Literal["finish", "hold"] = "finish"  # "finish": run queued requests to the end first
-    reply: ClassVar[type] = dict
+    reply: ClassVar[type] = TransitionStats
 
 
 @dataclass(frozen=True)
 class WakeUp(Command):
-    """Map "weights" and/or "kv_cache" back (None: all). Reply: TransitionStats as a dict."""
+    """Map "weights" and/or "kv_cache" back (None: all). Reply: the rank's TransitionStats."""
 
     tags: tuple[str, ...] | None = None
-    reply: ClassVar[type] = dict
+    reply: ClassVar[type] = TransitionStats
 
 
 @dataclass(frozen=True)
@@ -227,12 +269,13 @@ class ReadManifest(Command):
     """The digests of `model`: "held" (this rank's shards, engine names, digested now) or "received"
     (the last finished sync's full tensors, trainer names). `algorithm`: the digest rule of "held"
     (None: the rank's default, the device rule on a GPU); for "received" it must be the sync's rule, if
-    given. Reply: checksum.Manifest as a dict."""
+    given. Reply: the checksum.Manifest, its torn_reason set while the model is torn (its weight_version
+    is then the live version the bytes are NOT)."""
 
     model: Literal["target", "draft"] = "target"
     source: Literal["held", "received"] = "held"
     algorithm: str | None = None
-    reply: ClassVar[type] = dict
+    reply: ClassVar[type] = Manifest
 
 
 COMMANDS: tuple[type[Command], ...] = (Step, Stop, Sleep, WakeUp, InitWeightTransfer, StartWeightUpdate,

@@ -28,10 +28,11 @@ from inference.core import RequestOutput, SamplingParams, SidecarError
 from sidecar.ranks.commands import (
     Command,
     ErrorInfo,
+    RankStatus,
+    Rejections,
     Reply,
     RequestGroup,
     Step,
-    StepResult,
     Stop,
     UnknownCommandError,
     WaitMode,
@@ -121,7 +122,8 @@ class Driver:
         self._engine_unfinished = 0
         self._engine_ready = True
         self.busy: str | None = None  # the name of the control command running now
-        self.statuses: list[dict[str, Any]] = [{} for _ in range(pool.size)]
+        # each rank's last reported status (None until it reported one)
+        self.statuses: list[RankStatus | None] = list(getattr(pool, "startup_statuses", None) or [None] * pool.size)
         self.tokens_total = 0
         self._token_events: deque[tuple[float, int]] = deque()
         self._thread = threading.Thread(target=self._loop, name="sidecar-driver", daemon=True)
@@ -300,7 +302,7 @@ class Driver:
             if failed is not None:  # the ranks dropped every request: fail them all
                 self._fail_all_locked(RankError(failed, [r.error for r in replies if r.error]), only_sent=True)
                 return
-            value: StepResult = replies[0].value
+            value: Rejections = replies[0].value
             for gid, err in value.rejected.items():
                 group = self._groups.get(gid)
                 if group is not None:
@@ -337,12 +339,12 @@ class Driver:
     # ---- bookkeeping (caller holds the lock) ----------------------------------------------------
     def _absorb_status(self, replies: list[Reply]) -> None:
         for i, r in enumerate(replies):
-            if r.status:
+            if r.status is not None:
                 self.statuses[i] = r.status
         head = replies[0].status
-        if head:
-            self._engine_unfinished = int(head.get("unfinished", 0))
-            self._engine_ready = bool(head.get("ready", True))
+        if head is not None:
+            self._engine_unfinished = head.unfinished
+            self._engine_ready = head.ready
 
     def _resolve_locked(self, finished: list[RequestOutput]) -> None:
         if finished:
@@ -383,7 +385,7 @@ class Driver:
 
     def _rank_key(self, rank: int | None) -> str | None:
         plans = getattr(self.pool, "plans", None) or []
-        return str(plans[rank]["rank"]) if rank is not None and 0 <= rank < len(plans) else None
+        return plans[rank].rank if rank is not None and 0 <= rank < len(plans) else None
 
     def _fail_locked(self, message: str, rank: int | None = None) -> None:
         if self._failure is None:

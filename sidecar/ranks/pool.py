@@ -30,7 +30,7 @@ from typing import Any
 
 from inference.core import SidecarError
 from sidecar.config import LaunchConfig, engine_config
-from sidecar.ranks.commands import Command, RankSpec, Reply, Stop, check_declared
+from sidecar.ranks.commands import Command, RankPlan, RankSpec, RankStatus, Reply, Stop, check_declared
 from sidecar.ranks.server import rank_main
 
 log = logging.getLogger(__name__)
@@ -81,8 +81,8 @@ class RankPool:
         self.size = cfg.tp
         self.device = device
         self.broken: str | None = None
-        self.plans: list[dict[str, Any]] = []
-        self.startup_statuses: list[dict[str, Any]] = []  # each rank's status as it reported at startup
+        self.plans: list[RankPlan] = []
+        self.startup_statuses: list[RankStatus | None] = []  # each rank's status as it reported at startup
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
         self._wake_r, self._wake_w = os.pipe()  # interrupt() makes a gather return at once
@@ -95,7 +95,7 @@ class RankPool:
                        for r in range(self.size)]
 
     # ---- lifecycle --------------------------------------------------------------------------
-    def start(self) -> list[dict[str, Any]]:
+    def start(self) -> list[RankPlan]:
         """Spawn every rank and wait for each to report its memory plan (RankFailure otherwise)."""
         ctx = mp.get_context("spawn")
         for spec in self._specs:
@@ -113,7 +113,7 @@ class RankPool:
             self.broken = f"rank {rank} failed to start"
             raise RankFailure(f"rank {rank} failed to start: {rep.error.type}: {rep.error.message}", rank)
         self.plans = [rep.value for rep in replies]
-        self.startup_statuses = [dict(rep.status) for rep in replies]
+        self.startup_statuses = [rep.status for rep in replies]
         return self.plans
 
     def close(self, timeout: float = JOIN_TIMEOUT_S) -> None:

@@ -28,8 +28,10 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
+from checksum import Manifest
 from inference.core import InvalidRequestError, RequestOutput, StateError
 from inference.memory.host_heap import freeze_startup_heap
+from inference.memory.sleep import TransitionStats
 from sidecar.child_process import die_with_parent
 from sidecar.ranks.commands import (
     AbortWeightUpdate,
@@ -37,14 +39,16 @@ from sidecar.ranks.commands import (
     ErrorInfo,
     FinishWeightUpdate,
     InitWeightTransfer,
+    RankPlan,
     RankSpec,
+    RankStatus,
     ReadManifest,
+    Rejections,
     Reply,
     RequestGroup,
     Sleep,
     StartWeightUpdate,
     Step,
-    StepResult,
     Stop,
     SyncResult,
     TokenizedPrompt,
@@ -56,7 +60,6 @@ from sidecar.ranks.commands import (
 )
 
 log = logging.getLogger(__name__)
-MAX_WEIGHT_VERSION = 2**63 - 1  # an int64, as trainers count steps and metrics carry it
 
 
 def rank_main(spec: RankSpec, conn: Connection) -> None:
@@ -134,17 +137,6 @@ def error_info(e: BaseException, rank: str | None = None, index: int | None = No
     return ErrorInfo(name, str(e) or name, "internal", None, rank, index)
 
 
-def check_version(version: object, live: int | None, model: str) -> None:
-    """A sync's version is an integer in (live, MAX_WEIGHT_VERSION]: versions only grow, so a version
-    names one set of weights and outputs tagged with it can be traced back to them (InvalidRequestError
-    naming `version` otherwise)."""
-    if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version <= MAX_WEIGHT_VERSION:
-        raise InvalidRequestError("version", f"must be an integer in [0, 2**63 - 1], got {version!r}")
-    if live is not None and version <= live:
-        raise InvalidRequestError("version", f"{version} is not newer than the live {model} version {live}: "
-                                             f"versions only grow; send {live + 1} or more")
-
-
 class RankServer:
     """Serves one rank's commands; `request_ids` are the requests this rank's engine still holds.
 
@@ -154,6 +146,7 @@ class RankServer:
 
     def __init__(self, llm: Any, conn: Connection, rank: int) -> None:
         self.llm = llm
+        self.weights = llm.worker.weights  # a sync runs through the engine's WeightUpdater directly
         self.conn = conn
         self.rank = rank
         self.request_ids: set[str] = set()
@@ -201,7 +194,7 @@ class RankServer:
                                                         "internal", None, self.rank_key), status=reply.status))
 
     # ---- generation -------------------------------------------------------------------------
-    def _step(self, cmd: Step) -> StepResult:
+    def _step(self, cmd: Step) -> Rejections:
         for rid in cmd.aborts:
             self.llm.abort(rid)
             self.request_ids.discard(rid)
@@ -216,7 +209,7 @@ class RankServer:
             except Exception:
                 self._abort_all()  # the engine's state is suspect: drop every request, report the error
                 raise
-        return StepResult(rejected)
+        return Rejections(rejected)
 
     def _add_group(self, group: RequestGroup) -> ErrorInfo | None:
         try:
@@ -269,24 +262,17 @@ class RankServer:
         self.request_ids.clear()
 
     # ---- control commands -------------------------------------------------------------------
-    def _sleep(self, cmd: Sleep) -> dict[str, Any]:
-        return dict(self.llm.sleep(cmd.level, cmd.in_flight).as_dict())
+    def _sleep(self, cmd: Sleep) -> TransitionStats:
+        return self.llm.sleep(cmd.level, cmd.in_flight)
 
-    def _wake_up(self, cmd: WakeUp) -> dict[str, Any]:
-        return dict(self.llm.wake_up(list(cmd.tags) if cmd.tags is not None else None).as_dict())
+    def _wake_up(self, cmd: WakeUp) -> TransitionStats:
+        return self.llm.wake_up(list(cmd.tags) if cmd.tags is not None else None)
 
     def _init_weight_transfer(self, cmd: InitWeightTransfer) -> None:
-        self.llm.worker.init_weight_transfer_engine(cmd.info)
+        self.weights.init_transfer(cmd.info)
 
     def _start_weight_update(self, cmd: StartWeightUpdate) -> None:
-        live = self.llm.worker.weights.versions.get(cmd.model)
-        check_version(cmd.version, live, cmd.model)
-        if cmd.model == "target":
-            self.llm.start_weight_update(cmd.version, cmd.manifest, allow_cast=cmd.allow_cast)
-        elif cmd.model == "draft":
-            self.llm.start_draft_weight_update(cmd.version, cmd.manifest, allow_cast=cmd.allow_cast)
-        else:
-            raise InvalidRequestError("model", f"must be 'target' or 'draft', got {cmd.model!r}")
+        self.weights.start(cmd.model, cmd.version, cmd.manifest, allow_cast=cmd.allow_cast)
 
     def _update_weights(self, cmd: UpdateWeights) -> UpdateReply:
         begin = time.perf_counter()
@@ -298,14 +284,14 @@ class RankServer:
             except Exception as e:
                 # The trainer's send() waits in the plan agreement: refuse it, so it fails now, not at its timeout.
                 try:
-                    self.llm.worker.weights.refuse_update()
+                    self.weights.refuse_update()
                 except Exception as refusal:  # the group is broken now; the start's error is the answer
                     log.warning("rank %d: refusing the update after its failed start failed too: %s", self.rank,
                                 refusal)
                     e.add_note(f"refusing the sender's plan agreement failed too: {refusal}")
                 raise
             start_s = time.perf_counter() - t0
-        delivered = self.llm.update_weights(cmd.info, digests_follow=cmd.finish)
+        delivered = self.weights.update(cmd.info, digests_follow=cmd.finish)
         result = self._finish(delivered) if cmd.finish else None
         return UpdateReply(start_s, result, time.perf_counter() - begin)
 
@@ -315,34 +301,32 @@ class RankServer:
     def _finish(self, digests: Any) -> SyncResult:
         # The audit is the whole of finish; nobody reads a held manifest here (GET /checksums digests afresh).
         t0 = time.perf_counter()
-        result = self.llm.finish_weight_update(digests, held_manifest=False)
+        result = self.weights.finish(digests, held_manifest=False)
         audit_s = time.perf_counter() - t0
         report = result.report
         return SyncResult(result.model, result.version, result.rank, report.ok, report.summary(),
                           report.tensors_checked, result.received.algorithm, audit_s)
 
     def _abort_weight_update(self, cmd: AbortWeightUpdate) -> bool:
-        weights = self.llm.worker.weights
+        weights = self.weights
         was_open = any(weights.state(m)["session_open"] for m in weights.versions)
         weights.abort(cmd.reason)
         return was_open
 
-    def _read_manifest(self, cmd: ReadManifest) -> dict[str, Any]:
-        """A manifest of `cmd.model`; when the updater says the model is torn it carries `torn: true` and
-        `torn_reason`, and its weight_version is then the live version the bytes are NOT."""
-        weights = self.llm.worker.weights
+    def _read_manifest(self, cmd: ReadManifest) -> Manifest:
+        """A manifest of `cmd.model`; while the updater says the model is torn it carries the torn_reason,
+        and its weight_version is then the live version the bytes are NOT."""
+        weights = self.weights
         if cmd.source == "held":
-            out = dict(weights.held_manifest(cmd.model, cmd.algorithm).to_dict())
+            manifest = weights.held_manifest(cmd.model, cmd.algorithm)
         elif cmd.source == "received":
-            out = dict(weights.received_manifest(cmd.model, cmd.algorithm).to_dict())
+            manifest = weights.received_manifest(cmd.model, cmd.algorithm)
         else:
             raise InvalidRequestError("source", f"must be 'held' or 'received', got {cmd.source!r}")
         state = weights.state(cmd.model)
-        if state["torn"]:
-            out["torn"], out["torn_reason"] = True, state["torn_reason"]
-        return out
+        return dataclasses.replace(manifest, torn_reason=state["torn_reason"]) if state["torn"] else manifest
 
-    def plan(self) -> dict[str, Any]:
+    def plan(self) -> RankPlan:
         """This rank's device memory plan and model facts (reported once, at startup), and the torch
         thread count it runs with (--threads, or the default of sidecar/ranks/pool.py `rank_threads`)."""
         import torch
@@ -352,35 +336,33 @@ class RankServer:
         llm, worker = self.llm, self.llm.worker
         mem = worker.memory
         assert mem is not None
-        return {
-            "rank": self.rank_key, "pid": os.getpid(), "device": str(worker.device),
-            "dtype": str(worker.dtype).removeprefix("torch."),
-            "weights_bytes": {t: mem.arena(t).nbytes for t in WEIGHT_TAGS if t in mem.tags},
-            "kv_blocks": worker.num_blocks, "kv_bytes": mem.arena(KV_TAG).nbytes if KV_TAG in mem.tags else 0,
-            "block_size": llm.config.cache.block_size, "max_model_len": llm.max_model_len,
-            "vocab_size": llm.model_config.vocab_size, "models": sorted(worker.models),
-            "model": llm.config.model, "draft_model": llm.config.draft_model,
-            "has_tokenizer": llm.tokenizer is not None, "num_threads": torch.get_num_threads(),
-        }
+        return RankPlan(
+            rank=self.rank_key, pid=os.getpid(), device=str(worker.device),
+            dtype=str(worker.dtype).removeprefix("torch."),
+            weights_bytes={t: mem.arena(t).nbytes for t in WEIGHT_TAGS if t in mem.tags},
+            kv_blocks=worker.num_blocks, kv_bytes=mem.arena(KV_TAG).nbytes if KV_TAG in mem.tags else 0,
+            block_size=llm.config.cache.block_size, max_model_len=llm.max_model_len,
+            vocab_size=llm.model_config.vocab_size, models=tuple(sorted(worker.models)),
+            model=str(llm.config.model), draft_model=llm.config.draft_model,
+            has_tokenizer=llm.tokenizer is not None, num_threads=torch.get_num_threads())
 
     @property
     def rank_key(self) -> str:
         return str(self.llm.worker.rank_key)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> RankStatus:
         worker = self.llm.worker
         weights = worker.weights
-        return {
-            "rank": self.rank_key, "pid": os.getpid(), "ready": worker.is_ready(), "sleeping": self.llm.is_sleeping,
-            "arenas": worker.memory.states() if worker.memory is not None else {},
-            "weight_versions": weights.versions, "torn": weights.torn,
-            "loaded": weights.loaded, "unfinished": len(self.request_ids),
-            "gc_frozen": self.gc_frozen,  # the warm heap frozen at start (inference/memory/host_heap.py)
-        }
+        arenas = worker.memory.states() if worker.memory is not None else {}
+        return RankStatus(
+            rank=self.rank_key, pid=os.getpid(), ready=worker.is_ready(), sleeping=self.llm.is_sleeping,
+            arenas={tag: str(a["state"]) for tag, a in arenas.items()},
+            weight_versions=weights.versions, torn=weights.torn, loaded=weights.loaded,
+            unfinished=len(self.request_ids), gc_frozen=self.gc_frozen)
 
     def shutdown(self) -> None:
         worker = self.llm.worker
-        for step in (worker.close_weight_transfer_engine, worker.shutdown, _destroy_group):
+        for step in (worker.weights.close_transfer, worker.shutdown, _destroy_group):
             try:
                 step()
             except Exception:  # exiting anyway: log and keep releasing the rest
