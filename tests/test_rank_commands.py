@@ -9,7 +9,9 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing import Pipe
+from multiprocessing.connection import Connection
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -19,14 +21,16 @@ from inference.engine.llm import LLM
 from inference.memory.sleep import TransitionStats
 from sidecar.ranks.commands import (
     COMMANDS,
+    CONTROL_COMMANDS,
+    AddRequests,
     Command,
+    Events,
     ReadManifest,
-    Rejections,
     Reply,
     RequestGroup,
+    SetPaused,
     Sleep,
     StartWeightUpdate,
-    Step,
     Stop,
     UnknownCommandError,
     UpdateWeights,
@@ -68,8 +72,8 @@ def _ok(reply: Reply) -> object:
     return reply.value
 
 
-def test_the_table_handles_every_declared_command_and_nothing_else(server: RankServer) -> None:
-    assert set(server.handlers) == set(COMMANDS) - {Stop}  # Stop ends the loop itself
+def test_the_table_handles_every_control_command_and_nothing_else(server: RankServer) -> None:
+    assert set(server.handlers) == set(CONTROL_COMMANDS)  # the queue commands are the loop's own
     assert all(issubclass(c, Command) for c in COMMANDS)
 
 
@@ -91,11 +95,11 @@ def test_the_serve_loop_refuses_over_the_pipe_and_stops_on_stop() -> None:
     loop.start()
     try:
         mine.send(Reboot())
-        assert mine.poll(60)
-        reply = mine.recv()
-        assert not reply.ok and "'Reboot'" in reply.error.message
+        reply = _next(mine, Reply)
+        assert not reply.ok and reply.error is not None and "'Reboot'" in reply.error.message
         mine.send(ReadManifest("target", "held"))
-        assert mine.poll(60) and mine.recv().value.rank == RANK  # still serving
+        assert _next(mine, Reply).value.rank == RANK  # still serving
+        _next(mine, Events)  # the boundary's report: nothing runs
         mine.send(Stop())
         loop.join(30)
         assert not loop.is_alive() and not mine.poll(0.2)  # Stop sends no reply
@@ -107,7 +111,7 @@ def test_the_serve_loop_refuses_over_the_pipe_and_stops_on_stop() -> None:
 
 def test_the_driver_refuses_undeclared_commands_before_sending() -> None:
     driver = Driver(SimpleNamespace(size=1), step_timeout_s=1.0, rpc_timeout_s=1.0)  # type: ignore[arg-type]
-    for cmd in (Reboot(), DeepSleep(), Step(), Stop()):
+    for cmd in (Reboot(), DeepSleep(), AddRequests(RequestGroup("g0", (), "sync")), SetPaused(True), Stop()):
         with pytest.raises(UnknownCommandError) as e:
             driver.call(cmd)
         assert e.value.command == type(cmd).__name__ and type(cmd).__name__ in str(e.value)
@@ -117,29 +121,100 @@ def test_the_driver_refuses_undeclared_commands_before_sending() -> None:
         check_declared(("step", {}))
 
 
-def test_step_generates_what_the_engine_generates(server: RankServer) -> None:
+def _next(conn: Connection, kind: type) -> Any:
+    """The next message of `kind` from the rank (Events in between are skipped when a Reply is awaited)."""
+    while True:
+        assert conn.poll(60), f"no {kind.__name__} within 60 s"
+        message = conn.recv()
+        if isinstance(message, kind):
+            return message
+        assert isinstance(message, Events), message
+
+
+@pytest.fixture
+def loop() -> Iterator[tuple[Connection, RankServer]]:
+    """A rank server running its engine loop on a thread; the test holds the sidecar's end of the pipe."""
+    mine, theirs = Pipe()
+    server = RankServer(LLM(device="cpu", kv_cache_bytes=KV_BYTES), theirs, 0)
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    try:
+        yield mine, server
+    finally:
+        mine.send(Stop())
+        thread.join(30)
+        server.shutdown()
+        mine.close()
+        theirs.close()
+
+
+def _outputs(conn: Connection, request_ids: set[str], replies: list[Reply] | None = None) -> dict[str, Any]:
+    """Read the rank's reports until every request of `request_ids` finished (Replies kept in `replies`)."""
+    finished: dict[str, Any] = {}
+    while not request_ids <= set(finished):
+        assert conn.poll(60), f"still waiting for {sorted(request_ids - set(finished))}"
+        message = conn.recv()
+        if isinstance(message, Reply):
+            assert replies is not None, message
+            replies.append(message)
+            finished.update((o.request_id, o) for o in message.finished)
+            continue
+        assert isinstance(message, Events) and message.failed is None and not message.rejected, message
+        finished.update((o.request_id, o) for o in message.finished)
+    return finished
+
+
+def test_the_rank_steps_on_its_own_and_generates_what_the_engine_generates(loop: tuple) -> None:
+    """One AddRequests and nothing else: the rank steps until done and reports the outputs, equal to
+    the in-process engine's, then says it stopped stepping."""
+    conn, _ = loop
     prompts = [[5, 17, 42, 99], "The river ran slowly"]
     want = [o.outputs[0].token_ids for o in LLM(device="cpu", kv_cache_bytes=KV_BYTES).generate(prompts, GREEDY)]
-    group = RequestGroup("g0", tuple((f"g0-{i}", p, GREEDY) for i, p in enumerate(prompts)), True)
-    reply = server.handle(Step(groups=(group,), run=True))
-    assert _ok(reply) == Rejections({})
-    finished = {o.request_id: o for o in reply.finished}
-    for _ in range(50):
-        if len(finished) == len(prompts):
-            break
-        reply = server.handle(Step(run=True))
-        finished.update((o.request_id, o) for o in reply.finished)
+    conn.send(AddRequests(RequestGroup("g0", tuple((f"g0-{i}", p, GREEDY) for i, p in enumerate(prompts)), "sync")))
+    finished = _outputs(conn, {"g0-0", "g0-1"})
     assert [finished[f"g0-{i}"].outputs[0].token_ids for i in range(len(prompts))] == want
-    assert reply.status is not None and reply.status.unfinished == 0
+    events = _next(conn, Events) if conn.poll(5) else None
+    while events is not None and events.stepping:  # the report that ends the steps
+        events = _next(conn, Events)
+    if events is not None:
+        assert events.applied == 1 and events.status.unfinished == 0
+    assert not conn.poll(0.3)  # idle: nothing more to say
 
 
-def test_a_bad_prompt_rejects_its_whole_group(server: RankServer) -> None:
-    group = RequestGroup("g1", (("g1-0", [1, 2], GREEDY), ("g1-1", [10**9], GREEDY)), True)
-    reply = server.handle(Step(groups=(group,), run=False))
-    result = _ok(reply)
-    assert isinstance(result, Rejections) and set(result.rejected) == {"g1"}
-    assert (result.rejected["g1"].index, result.rejected["g1"].kind) == (1, "invalid")
-    assert reply.status is not None and reply.status.unfinished == 0  # the good prompt was taken back too
+def test_control_commands_run_between_steps_and_change_no_output(loop: tuple) -> None:
+    """A ReadManifest sent while the rank steps is answered between two steps; the generation goes on
+    to the same tokens as without it."""
+    conn, _ = loop
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = LLM(device="cpu", kv_cache_bytes=KV_BYTES).generate([[3, 1, 4, 1, 5]], long)[0].outputs[0].token_ids
+    conn.send(AddRequests(RequestGroup("g0", (("g0-0", [3, 1, 4, 1, 5], long),), "sync")))
+    conn.send(ReadManifest("target", "held"))
+    replies: list[Reply] = []
+    finished = _outputs(conn, {"g0-0"}, replies)
+    assert finished["g0-0"].outputs[0].token_ids == want
+    assert len(replies) == 1 and replies[0].ok and isinstance(replies[0].value, Manifest)
+
+
+def test_a_paused_rank_holds_its_requests_until_resumed(loop: tuple) -> None:
+    conn, _ = loop
+    conn.send(SetPaused(True))
+    conn.send(AddRequests(RequestGroup("g0", (("g0-0", [7, 8, 9], GREEDY),), "sync")))
+    events = _next(conn, Events)
+    while events.applied < 2:
+        events = _next(conn, Events)
+    assert not events.stepping and events.status.unfinished == 1 and not events.finished
+    assert not conn.poll(0.3)  # paused: no step, nothing to report
+    conn.send(SetPaused(False))
+    assert len(_outputs(conn, {"g0-0"})["g0-0"].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_a_bad_prompt_rejects_its_whole_group(loop: tuple) -> None:
+    conn, _ = loop
+    conn.send(AddRequests(RequestGroup("g1", (("g1-0", [1, 2], GREEDY), ("g1-1", [10**9], GREEDY)), "sync")))
+    events = _next(conn, Events)
+    assert set(events.rejected) == {"g1"}
+    assert (events.rejected["g1"].index, events.rejected["g1"].kind) == (1, "invalid")
+    assert events.status.unfinished == 0 and not events.stepping  # the good prompt was taken back too
 
 
 def test_sleep_wake_and_manifests_through_the_table(server: RankServer) -> None:

@@ -1,10 +1,13 @@
-"""What crosses the pipe between the sidecar process and its rank processes, declared in one place.
+"""What crosses the pipes between the sidecar process and its rank processes, declared in one place.
 
-Every command is a frozen dataclass; `reply` is the type of the value each rank answers with (the
-rank server asserts it). The driver (sidecar/ranks/driver.py) sends command objects; the rank server
-(sidecar/ranks/server.py) dispatches them by type through one table to explicit handler code. A
-command that is not in COMMANDS is refused on both sides with UnknownCommandError naming it: no
-method name crosses the pipe, nothing is looked up by name on the far side.
+Every command is a frozen dataclass. The driver (sidecar/ranks/driver.py) sends each to rank 0, which
+runs its own engine loop (sidecar/ranks/server.py) and hands every rank the same commands at the same
+step boundary. Queue commands (AddRequests, AbortRequests, SetPaused, Stop) get no reply: rank 0
+reports unasked, in `Events`, what finished, what it refused and its status. Control commands (the
+rest) get one `Reply` from every rank, whose value is a `reply` (the rank server asserts it); the
+rank server dispatches them by type through one table to explicit handler code. A command that is
+not in COMMANDS is refused on both sides with UnknownCommandError naming it: no method name crosses
+the pipe, nothing is looked up by name on the far side.
 
 Also here, because both sides import them: RankSpec (what a rank process is built from), RankPlan
 (what it reports once, at startup), RankStatus (its state, on every reply), Reply (the envelope of
@@ -92,7 +95,8 @@ class RankPlan:
 
 @dataclass
 class Reply:
-    """One rank's answer to one command. `finished`: outputs that finished during it (rank 0 only)."""
+    """One rank's answer to one control command. `finished`: outputs that finished during it (rank 0
+    only: a sleep that drained the queue, a step in flight that a weight sync settled)."""
 
     ok: bool
     value: Any = None
@@ -126,14 +130,24 @@ class UnknownCommandError(SidecarError):
         super().__init__(f"{where}: {self.command!r} is not a declared rank command (declared: {declared})")
 
 
-# ---- replies --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Rejections:
-    """The request groups a Step refused (group id -> why); the same on every rank."""
+@dataclass
+class Events:
+    """What a rank reports unasked at a step boundary (rank 0 at every boundary that has news; another
+    rank only when its step failed). `applied`: the commands rank 0 took from the sidecar process so
+    far; with `stepping` (it steps on) it tells the driver whether it owes news, so that a rank that
+    stopped answering is told from an idle one (sidecar/ranks/driver.py). `rejected`: request groups
+    refused at admission (group id -> why). `failed`: a step raised; the requests `dropped` are gone."""
 
+    applied: int
+    stepping: bool
+    status: RankStatus
+    finished: list[RequestOutput] = field(default_factory=list)
     rejected: dict[str, ErrorInfo] = field(default_factory=dict)
+    failed: ErrorInfo | None = None
+    dropped: tuple[str, ...] = ()
 
 
+# ---- replies --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SyncResult:
     """A passed audit at the end of one weight sync on one rank (a failed one raises instead): the
@@ -183,13 +197,24 @@ class RequestGroup:
 
 
 @dataclass(frozen=True)
-class Step(Command):
-    """Abort `aborts`, add `groups`, then run one engine step when `run` and the engine can step."""
+class AddRequests(Command):
+    """Queue one request group (all or none); it is answered in Events: finished, or rejected."""
 
-    aborts: tuple[str, ...] = ()
-    groups: tuple[RequestGroup, ...] = ()
-    run: bool = False
-    reply: ClassVar[type] = Rejections
+    group: RequestGroup
+
+
+@dataclass(frozen=True)
+class AbortRequests(Command):
+    """Drop these requests (their caller went away); nothing answers them."""
+
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SetPaused(Command):
+    """Stop (or resume) stepping; queued requests wait, control commands still run."""
+
+    paused: bool
 
 
 @dataclass(frozen=True)
@@ -278,8 +303,10 @@ class ReadManifest(Command):
     reply: ClassVar[type] = Manifest
 
 
-COMMANDS: tuple[type[Command], ...] = (Step, Stop, Sleep, WakeUp, InitWeightTransfer, StartWeightUpdate,
-                                       UpdateWeights, FinishWeightUpdate, AbortWeightUpdate, ReadManifest)
+QUEUE_COMMANDS: tuple[type[Command], ...] = (AddRequests, AbortRequests, SetPaused, Stop)  # the driver's own
+CONTROL_COMMANDS: tuple[type[Command], ...] = (Sleep, WakeUp, InitWeightTransfer, StartWeightUpdate, UpdateWeights,
+                                               FinishWeightUpdate, AbortWeightUpdate, ReadManifest)
+COMMANDS: tuple[type[Command], ...] = QUEUE_COMMANDS + CONTROL_COMMANDS
 
 
 def check_declared(command: object, where: str = "the rank pipe") -> None:

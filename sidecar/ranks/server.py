@@ -1,19 +1,21 @@
-"""The rank side of sidecar/ranks/pool.py: one TP rank's process, its LLM, and the command loop.
+"""The rank side of sidecar/ranks/pool.py: one TP rank's process, its LLM, and its engine loop.
 
-Commands (sidecar/ranks/commands.py) arrive over the Pipe in the same order on every rank and are
-dispatched by their type through one table (`RankServer.handlers`) to the handler below; a message
-the table does not hold is refused with UnknownCommandError naming it. `Step` aborts, adds the new
-request groups (a group is all-or-nothing: the prompts of one HTTP call, already tokenized by the
-sidecar process; one the engine cannot serve now is refused or held as its `wait` says) and runs one
-llm.step(); every rank returns the rejected groups (the same on every rank: validation is
-deterministic), rank 0 also the finished RequestOutputs. `Stop` ends the loop without a reply.
-Every reply carries this rank's status (sleep state per tag, weight versions, torn flags), so the
-parent always has a fresh snapshot without asking. Exceptions travel back as ErrorInfo. What the
-weights are (versions, torn, received manifests) and whether a step may run are asked of the engine
-(`worker.weights`, `worker.is_ready()`) at each use; this server keeps no copy.
+`RankServer.serve` is the loop: at each step boundary it takes the commands that arrived
+(sidecar/ranks/commands.py), applies them in order, then runs one llm.step() when the engine has
+work, is ready and is not paused; with nothing to do it blocks on its pipe. Rank 0 reads the sidecar
+process's pipe and hands the commands of each boundary to every other rank over its own pipe to it,
+so all ranks apply the same commands at the same boundary and take the same steps (SPMD; the others
+block on that pipe between steps, which the model's collectives would make them wait for anyway).
+Queue commands add request groups (all or nothing, already tokenized by the sidecar process; one
+the engine cannot serve now is refused or held as its `wait` says), abort requests or pause. Control
+commands run between steps, never mid-step, through one table (`RankServer.handlers`), and every
+rank answers each with a Reply carrying its status; a message the table does not hold is refused
+with UnknownCommandError naming it. Rank 0 reports finished outputs, refused groups and its status
+in `Events` after each boundary that has news, and at least every HEARTBEAT_S while it steps.
 
-The engine's modules (torch, the LLM) are imported inside the functions that run on the rank: the
-sidecar process imports this module for `rank_main` and stays free of them.
+What the weights are and whether a step may run are asked of the engine (`worker.weights`,
+`worker.is_ready()`) at each use; this server keeps no copy. The engine's modules (torch, the LLM)
+are imported inside the functions that run on the rank.
 """
 
 from __future__ import annotations
@@ -34,21 +36,23 @@ from inference.memory.host_heap import freeze_startup_heap
 from inference.memory.sleep import TransitionStats
 from sidecar.child_process import die_with_parent
 from sidecar.ranks.commands import (
+    AbortRequests,
     AbortWeightUpdate,
+    AddRequests,
     Command,
     ErrorInfo,
+    Events,
     FinishWeightUpdate,
     InitWeightTransfer,
     RankPlan,
     RankSpec,
     RankStatus,
     ReadManifest,
-    Rejections,
     Reply,
     RequestGroup,
+    SetPaused,
     Sleep,
     StartWeightUpdate,
-    Step,
     Stop,
     SyncResult,
     TokenizedPrompt,
@@ -61,9 +65,13 @@ from sidecar.ranks.commands import (
 
 log = logging.getLogger(__name__)
 
+HEARTBEAT_S = 0.25  # rank 0 reports at least this often while it steps: the driver's sign of life
 
-def rank_main(spec: RankSpec, conn: Connection) -> None:
-    """Entry point of a rank process (multiprocessing spawn)."""
+
+def rank_main(spec: RankSpec, conn: Connection, followers: tuple[Connection, ...] = (),
+              leader: Connection | None = None) -> None:
+    """Entry point of a rank process (multiprocessing spawn). Rank 0 gets the sending ends of a pipe to
+    every other rank (`followers`); each other rank the receiving end of its own (`leader`)."""
     die_with_parent(spec.parent_pid, signal.SIGKILL)  # else the closed Pipe ends the command loop
     # Ctrl-C in a terminal signals the whole process group: the parent decides how the ranks stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -71,7 +79,7 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
                         format=f"%(asctime)s rank{spec.rank} %(levelname)s %(name)s: %(message)s")
     try:
         llm = _build_llm(spec)
-        server = RankServer(llm, conn, spec.rank)
+        server = RankServer(llm, conn, spec.rank, followers=followers, leader=leader)
         server.gc_frozen = freeze_startup_heap().objects
         conn.send(Reply(True, server.plan(), status=server.status()))
     except BaseException as e:
@@ -138,22 +146,31 @@ def error_info(e: BaseException, rank: str | None = None, index: int | None = No
 
 
 class RankServer:
-    """Serves one rank's commands; `request_ids` are the requests this rank's engine still holds.
+    """Runs one rank's engine loop; `request_ids` are the requests this rank's engine still holds.
 
-    `handlers` is the command table: every command of sidecar/ranks/commands.py except Stop (which ends
-    `serve`) maps to one method here, and nothing else is dispatched.
+    `handlers` is the table of control commands: each maps to one method here, and nothing else is
+    dispatched. Rank 0 has `followers` (pipes to the other ranks); another rank has its `leader`.
     """
 
-    def __init__(self, llm: Any, conn: Connection, rank: int) -> None:
+    def __init__(self, llm: Any, conn: Connection, rank: int, *, followers: tuple[Connection, ...] = (),
+                 leader: Connection | None = None) -> None:
         self.llm = llm
         self.weights = llm.worker.weights  # a sync runs through the engine's WeightUpdater directly
         self.conn = conn
         self.rank = rank
+        self.followers = followers
+        self.leader = leader
         self.request_ids: set[str] = set()
-        self._finished: list[RequestOutput] = []  # finished by the current command's steps, not yet sent
+        self.paused = False
+        self.applied = 0  # commands taken from the sidecar process (rank 0)
         self.gc_frozen = 0  # objects rank_main froze once this server was built (inference/memory/host_heap.py)
+        self._forward: list[Command] = []  # rank 0: commands of its own for the next boundary
+        self._rejected: dict[str, ErrorInfo] = {}
+        self._will_step = False  # can_step() as of the end of the last boundary (no command since)
+        self._reported_stepping = False
+        self._last_report = 0.0
         self.handlers: dict[type[Command], Callable[[Any], Any]] = {
-            Step: self._step, Sleep: self._sleep, WakeUp: self._wake_up,
+            Sleep: self._sleep, WakeUp: self._wake_up,
             InitWeightTransfer: self._init_weight_transfer, StartWeightUpdate: self._start_weight_update,
             UpdateWeights: self._update_weights, FinishWeightUpdate: self._finish_weight_update,
             AbortWeightUpdate: self._abort_weight_update, ReadManifest: self._read_manifest,
@@ -161,18 +178,89 @@ class RankServer:
 
     # ---- the loop ---------------------------------------------------------------------------
     def serve(self) -> None:
+        """Step while there is work; apply the commands of each boundary first. Returns at Stop, or
+        when the sidecar process (or, on another rank, rank 0) is gone."""
         while True:
-            try:
-                cmd = self.conn.recv()
-            except (EOFError, OSError):
+            commands = self._boundary()
+            if commands is None:
                 log.warning("rank %d: the sidecar process is gone; exiting", self.rank)
                 return
-            if isinstance(cmd, Stop):
-                return
+            for cmd in commands:
+                if isinstance(cmd, Stop):
+                    return
+                self.apply(cmd)
+            self.step(bool(commands))
+
+    def can_step(self) -> bool:
+        """Whether this boundary runs a step: the same answer on every rank (their states are SPMD)."""
+        return not self.paused and self.llm.has_unfinished() and self.llm.worker.is_ready()
+
+    def _boundary(self) -> list[Command] | None:
+        """The commands every rank applies at this boundary, in order (None: the sender is gone). Rank 0
+        takes what arrived (waiting only while it has no step to run) and hands it on."""
+        try:
+            if self.leader is not None:
+                return list(self.leader.recv())
+            commands, self._forward = self._forward, []
+            if not commands and not self._will_step:
+                commands.append(self.conn.recv())  # nothing to do until the sidecar process sends
+                self.applied += 1
+            while self.conn.poll():
+                commands.append(self.conn.recv())
+                self.applied += 1
+            for follower in self.followers:
+                follower.send(tuple(commands))
+        except (EOFError, OSError):
+            return None
+        return commands
+
+    def apply(self, cmd: object) -> None:
+        """One command at a step boundary: a queue command here, a control command through the table
+        (every rank answers it)."""
+        if type(cmd) is AddRequests:
+            error = self._add_group(cmd.group)
+            if error is not None:
+                self._rejected[cmd.group.group_id] = error
+        elif type(cmd) is AbortRequests:
+            for rid in cmd.request_ids:
+                self.llm.abort(rid)
+                self.request_ids.discard(rid)
+        elif type(cmd) is SetPaused:
+            self.paused = cmd.paused
+        else:
             self._send(self.handle(cmd))
 
+    def step(self, news: bool = False) -> None:
+        """Run one engine step if this boundary may; rank 0 then reports what there is to tell (`news`:
+        it took commands at this boundary, so the driver awaits word of them). A step that raises
+        drops every request (the engine's state is suspect) and says so; on another rank than 0
+        the ranks no longer hold the same requests, which the driver treats as the rank's failure."""
+        finished: list[RequestOutput] = []
+        failed, dropped = None, ()
+        if self._will_step if not news else self.can_step():
+            try:
+                finished = self.llm.step()
+            except Exception as e:
+                log.exception("rank %d: a step failed; dropping every request", self.rank)
+                failed, dropped = error_info(e, self.rank_key), tuple(sorted(self.request_ids))
+                self._abort_all()
+                if self.followers:  # the others drop them too, at the next boundary
+                    self._forward.append(AbortRequests(dropped))
+        finished = self._take_finished(finished)
+        stepping = self._will_step = self.can_step()
+        if self.rank != 0:
+            if failed is not None:
+                self.conn.send(Events(self.applied, False, self.status(), failed=failed, dropped=dropped))
+            return
+        now = time.monotonic()
+        if (news or finished or self._rejected or failed is not None or stepping != self._reported_stepping
+                or (stepping and now - self._last_report >= HEARTBEAT_S)):
+            rejected, self._rejected = self._rejected, {}
+            self.conn.send(Events(self.applied, stepping, self.status(), finished, rejected, failed, dropped))
+            self._reported_stepping, self._last_report = stepping, now
+
     def handle(self, cmd: object) -> Reply:
-        """Run one command through the table; any failure becomes the reply's ErrorInfo."""
+        """Run one control command through the table; any failure becomes the reply's ErrorInfo."""
         try:
             handler = self.handlers.get(type(cmd))  # exact type: a subclass is not declared
             if handler is None:
@@ -194,23 +282,6 @@ class RankServer:
                                                         "internal", None, self.rank_key), status=reply.status))
 
     # ---- generation -------------------------------------------------------------------------
-    def _step(self, cmd: Step) -> Rejections:
-        for rid in cmd.aborts:
-            self.llm.abort(rid)
-            self.request_ids.discard(rid)
-        rejected = {}
-        for group in cmd.groups:
-            error = self._add_group(group)
-            if error is not None:
-                rejected[group.group_id] = error
-        if cmd.run and self.request_ids and self.llm.worker.is_ready():
-            try:
-                self._finished += self.llm.step()
-            except Exception:
-                self._abort_all()  # the engine's state is suspect: drop every request, report the error
-                raise
-        return Rejections(rejected)
-
     def _add_group(self, group: RequestGroup) -> ErrorInfo | None:
         try:
             self._admit(group.wait)
@@ -249,9 +320,10 @@ class RankServer:
         if llm.worker.weights.needs_trainer():  # torn, or waiting for a first sync
             llm.check_ready()
 
-    def _take_finished(self) -> list[RequestOutput]:
-        """What finished in this command: its steps' outputs, then those sleep() drained."""
-        outs, self._finished = self._finished + self.llm.take_finished(), []
+    def _take_finished(self, stepped: list[RequestOutput] | None = None) -> list[RequestOutput]:
+        """What finished: a step's outputs, then those finished outside a step (a sleep's drain, the
+        step in flight a weight sync settled); reported by rank 0 only."""
+        outs = (stepped or []) + self.llm.take_finished()
         for out in outs:
             self.request_ids.discard(out.request_id)
         return outs if self.rank == 0 else []
