@@ -2,8 +2,8 @@
 
 `LLM` drives one Worker. With tensor parallelism every rank runs its own LLM over the same requests
 in lockstep (SPMD): scheduling is deterministic, logits are gathered to every rank and the sampling
-generators share a seed, so all ranks produce the same tokens; the driver feeds every rank the same
-calls.
+generators share a seed, so all ranks produce the same tokens; the sidecar's rank loop
+(sidecar/ranks/server.py) feeds every rank the same calls at the same step boundary.
 
 With async scheduling (SchedulerConfig.async_scheduling; the Decision in docs/architecture.md) a
 step() schedules and launches step i + 1 while step i still runs on the device, then reads back and

@@ -183,7 +183,8 @@ class RankServer:
         while True:
             commands = self._boundary()
             if commands is None:
-                log.warning("rank %d: the sidecar process is gone; exiting", self.rank)
+                log.warning("rank %d: its command pipe closed (the sidecar process or rank 0 is gone); exiting",
+                            self.rank)
                 return
             for cmd in commands:
                 if isinstance(cmd, Stop):
