@@ -1,19 +1,16 @@
 """What crosses the pipes between the sidecar process and its rank processes, declared in one place.
 
-Every command is a frozen dataclass. The driver (sidecar/ranks/driver.py) sends each to rank 0, which
-runs its own engine loop (sidecar/ranks/server.py) and hands every rank the same commands at the same
-step boundary. Queue commands (AddRequests, AbortRequests, SetPaused, Stop) get no reply: rank 0
-reports unasked, in `Events`, what finished, what it refused and its status. Control commands (the
-rest) get one `Reply` from every rank, whose value is a `reply` (the rank server asserts it); the
-rank server dispatches them by type through one table to explicit handler code. A command that is
-not in COMMANDS is refused on both sides with UnknownCommandError naming it: no method name crosses
-the pipe, nothing is looked up by name on the far side.
+Every command is a frozen dataclass, sent by the driver (sidecar/ranks/driver.py) to rank 0, whose
+engine loop (sidecar/ranks/server.py) hands every rank the same commands at the same step boundary.
+Queue commands (AddRequests, AbortRequests, SetPaused, Stop) get no reply: rank 0 reports unasked,
+in `Events`, what finished, what it refused and its status. A control command (the rest) gets one
+`Reply` from every rank, whose value is its `reply` type (asserted on the rank). A command not in
+COMMANDS is refused on both sides with UnknownCommandError naming it: no method name crosses.
 
-Also here, because both sides import them: RankSpec (what a rank process is built from), RankPlan
-(what it reports once, at startup), RankStatus (its state, on every reply), Reply (the envelope of
-every answer: value or error, the rank's status, finished outputs) and ErrorInfo (an exception as it
-travels). Everything crossing the pipe is a typed, picklable value, never a dict read by key: the
-replies are dataclasses declared here or the engine's own (TransitionStats, checksum.Manifest).
+Also here: RankSpec (what a rank is built from), RankPlan (what it reports at startup), RankStatus
+(its state, on every report), Reply and ErrorInfo (an exception as it travels). Everything crossing
+is a typed, picklable value, never a dict read by key: these dataclasses or the engine's own
+(TransitionStats, checksum.Manifest).
 """
 
 from __future__ import annotations

@@ -1,20 +1,17 @@
 """The driver thread: the only user of the rank pool's pipes. It queues requests on the ranks and
 reads back what they produce; it does not drive their steps.
 
-HTTP handlers never touch the ranks. They `submit` prompts or `call` a declared control command
-(sidecar/ranks/commands.py: Sleep, WakeUp, the weight-update commands, ReadManifest) and await a
-Future. The driver thread sends each new request group, abort and pause to rank 0 as it comes, and
-the control commands one at a time; the ranks run their own engine loop (sidecar/ranks/server.py),
-apply them at a step boundary and answer: rank 0's Events resolve the futures of finished and
-refused requests, every rank's Reply the control call's. When there is nothing to send or read it
-waits on the pipes (no busy loop).
+HTTP handlers never touch the ranks: they `submit` prompts or `call` a declared control command
+(sidecar/ranks/commands.py) and await a Future. The driver thread sends each request group, abort
+and pause to rank 0 as it comes, and control commands one at a time; the ranks run their own engine
+loop (sidecar/ranks/server.py) and answer: rank 0's Events resolve the futures of finished and
+refused requests, every rank's Reply the control call's. Idle, it waits on the pipes (no busy loop).
 
 Failure rule: a dead or hung rank breaks the pool for good (the SPMD ranks cannot continue without
-it). Every pending and later call then fails at once with a RankError of kind "unavailable" naming
-the rank; /health turns 503. Hung means: owing word (rank 0 has commands it has not reported taking,
-or said it steps on) and silent for --step-timeout-s, or a control command unanswered past its
+it); every pending and later call fails at once with a RankError of kind "unavailable" naming the
+rank, and /health turns 503. Hung: rank 0 owes word (commands it has not reported taking, or it said
+it steps on) and was silent for --step-timeout-s, or a control command went unanswered past its
 timeout; the culprit is named from the processes' states (a stopped rank before a busy one).
-Restarting the sidecar is the recovery.
 """
 
 from __future__ import annotations

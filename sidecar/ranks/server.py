@@ -1,21 +1,17 @@
 """The rank side of sidecar/ranks/pool.py: one TP rank's process, its LLM, and its engine loop.
 
-`RankServer.serve` is the loop: at each step boundary it takes the commands that arrived
-(sidecar/ranks/commands.py), applies them in order, then runs one llm.step() when the engine has
-work, is ready and is not paused; with nothing to do it blocks on its pipe. Rank 0 reads the sidecar
-process's pipe and hands the commands of each boundary to every other rank over its own pipe to it,
-so all ranks apply the same commands at the same boundary and take the same steps (SPMD; the others
-block on that pipe between steps, which the model's collectives would make them wait for anyway).
-Queue commands add request groups (all or nothing, already tokenized by the sidecar process; one
-the engine cannot serve now is refused or held as its `wait` says), abort requests or pause. Control
-commands run between steps, never mid-step, through one table (`RankServer.handlers`), and every
-rank answers each with a Reply carrying its status; a message the table does not hold is refused
-with UnknownCommandError naming it. Rank 0 reports finished outputs, refused groups and its status
-in `Events` after each boundary that has news, and at least every HEARTBEAT_S while it steps.
-
-What the weights are and whether a step may run are asked of the engine (`worker.weights`,
-`worker.is_ready()`) at each use; this server keeps no copy. The engine's modules (torch, the LLM)
-are imported inside the functions that run on the rank.
+`RankServer.serve` is the loop: at each step boundary it applies the commands that arrived
+(sidecar/ranks/commands.py) in order, then runs one llm.step() when the engine has work, is ready
+and is not paused; with nothing to do it blocks on its pipe. Rank 0 reads the sidecar process's pipe
+and hands each boundary's commands to every other rank over a pipe of its own, so all ranks apply
+the same commands at the same boundary and take the same steps (SPMD). Queue commands add request
+groups (all or nothing, already tokenized; one the engine cannot serve now is refused or held as its
+`wait` says), abort requests or pause. Control commands run between steps, never mid-step, through
+one table (`RankServer.handlers`); every rank answers each with a Reply carrying its status. Rank 0
+reports finished outputs, refused groups and its status in `Events` after each boundary with news,
+and at least every HEARTBEAT_S while it steps. What the weights are and whether a step may run are
+asked of the engine (`worker.weights`, `worker.is_ready()`) at each use; this server keeps no copy.
+The engine's modules (torch, the LLM) are imported inside the functions that run on the rank.
 """
 
 from __future__ import annotations
