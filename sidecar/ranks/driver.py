@@ -20,6 +20,7 @@ import contextlib
 import itertools
 import logging
 import os
+import queue
 import threading
 import time
 from collections import deque
@@ -141,9 +142,14 @@ class Driver:
         self.tokens_total = 0
         self._token_events: deque[tuple[float, int]] = deque()
         self._thread = threading.Thread(target=self._loop, name="sidecar-driver", daemon=True)
+        # Sends run on a thread of their own: a large command must not block the reads (rank 0 may be
+        # sending a large report meanwhile, and waits for us to read it before it reads again).
+        self._outgoing: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_loop, name="sidecar-driver-send", daemon=True)
 
     # ---- entry points (any thread) ------------------------------------------------------------
     def start(self) -> None:
+        self._sender.start()
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -161,8 +167,10 @@ class Driver:
         if interrupt is not None:
             interrupt()
         self._wake()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        self._outgoing.put(None)
+        for thread in (self._thread, self._sender):
+            if thread.is_alive():
+                thread.join(timeout)
 
     def submit(self, requests: list[tuple[Any, SamplingParams]], wait: bool = True) -> Future:
         """Queue one group of prompts; the future resolves to their RequestOutputs in order, or to a
@@ -287,15 +295,32 @@ class Driver:
             try:
                 self._exchange(outbox)
             except RankFailure as e:
-                with self._cv:
-                    self._fail_locked(str(e), e.rank)
-                    running, self._running, self.busy = self._running, None, None
-                if running is not None:
-                    _settle(running.future, error=unavailable(str(e), self._rank_key(e.rank)))
+                self._broken(e)
             except Exception as e:  # a bug of ours: fail what was in flight, keep the thread alive
                 log.exception("driver: unexpected error")
                 with self._cv:
                     self._fail_all_locked(RankError(ErrorInfo(type(e).__name__, str(e), "internal")))
+
+    def _send_loop(self) -> None:
+        while True:
+            cmd = self._outgoing.get()
+            if cmd is None:
+                return
+            try:
+                self.pool.send(cmd)
+            except RankFailure as e:
+                self._broken(e)
+            except Exception as e:  # a bug of ours (an unpicklable command, say): the ranks cannot go on
+                log.exception("driver: sending %s failed", type(cmd).__name__)
+                self._broken(RankFailure(f"sending {type(cmd).__name__} to rank 0 failed: {e}", 0))
+
+    def _broken(self, e: RankFailure) -> None:
+        """The pool failed for good: fail every call, the control command on the ranks included."""
+        with self._cv:
+            self._fail_locked(str(e), e.rank)
+            running, self._running, self.busy = self._running, None, None
+        if running is not None:
+            _settle(running.future, error=unavailable(str(e), self._rank_key(e.rank)))
 
     def _take_outbox_locked(self) -> list[Command]:
         """The queue commands to send now, then the next control command if none runs."""
@@ -318,8 +343,8 @@ class Driver:
     def _exchange(self, commands: list[Command]) -> None:
         """Send `commands` to rank 0, wait for word from any rank (or a wake-up), and absorb it."""
         for cmd in commands:
-            self.pool.send(cmd)
-        self._sent += len(commands)
+            self._outgoing.put(cmd)
+        self._sent += len(commands)  # owed from now: a rank 0 that stopped reading is silent too
         messages = self.pool.receive(self._wait_s(), self._wake_r)
         for rank, message in messages:
             if rank == 0:
