@@ -5,8 +5,11 @@ and the commands do what the HTTP endpoints rely on."""
 
 from __future__ import annotations
 
+import queue
 import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
@@ -24,7 +27,9 @@ from sidecar.ranks.commands import (
     CONTROL_COMMANDS,
     AddRequests,
     Command,
+    ErrorInfo,
     Events,
+    RankStatus,
     ReadManifest,
     Reply,
     RequestGroup,
@@ -37,7 +42,7 @@ from sidecar.ranks.commands import (
     WakeUp,
     check_declared,
 )
-from sidecar.ranks.driver import Driver
+from sidecar.ranks.driver import Driver, RankError
 from sidecar.ranks.server import RankServer
 from tests.helpers_sidecar import KV_BYTES
 
@@ -246,3 +251,90 @@ def test_an_update_carrying_a_start_answers_the_starts_error_and_opens_nothing(s
     assert "init_weight_transfer_engine" in no_group.error.message
     assert weights.refuse_update() is False  # nothing to refuse on without a group
     assert not weights.state("target")["session_open"]
+
+
+# ---- the driver's side of a failed step (a scripted pool of two ranks) ------------------------------
+STATUS = RankStatus(RANK, 1, True, False, {}, {"target": 0}, {"target": False}, {"target": True}, 0, 0)
+
+
+class ScriptedPool:
+    """Two ranks whose messages the test writes (`inbox`); what the driver sends lands in `sent`."""
+
+    size = 2
+    plans = [SimpleNamespace(rank="dp0:pp0:tp0"), SimpleNamespace(rank="dp0:pp0:tp1")]  # noqa: RUF012
+
+    def __init__(self) -> None:
+        self.sent: list[Command] = []
+        self.inbox: queue.Queue[tuple[int, object]] = queue.Queue()
+
+    def send(self, cmd: Command) -> None:
+        self.sent.append(cmd)
+
+    def receive(self, timeout: float, wake_fd: int | None = None) -> list[tuple[int, object]]:
+        try:
+            messages = [self.inbox.get(timeout=min(timeout, 0.01))]
+        except queue.Empty:
+            return []
+        while not self.inbox.empty():
+            messages.append(self.inbox.get_nowait())
+        return messages
+
+    def dead_rank(self) -> None:
+        return None
+
+    def alive(self) -> list[bool]:
+        return [True, True]
+
+
+def _failed_step(steps: int, dropped: tuple[str, ...]) -> Events:
+    why = ErrorInfo("StateError", "scheduler made no progress", "state", None, RANK)
+    return Events(1, False, steps, STATUS, failed=why, dropped=dropped)
+
+
+@pytest.fixture
+def scripted() -> Iterator[tuple[Driver, ScriptedPool]]:
+    pool = ScriptedPool()
+    driver = Driver(pool, step_timeout_s=30.0, rpc_timeout_s=30.0)  # type: ignore[arg-type]
+    driver.start()
+    yield driver, pool
+    driver.stop()
+
+
+def _submitted(driver: Driver, pool: ScriptedPool) -> Future:
+    fut = driver.submit([([1, 2, 3], GREEDY)])
+    deadline = time.monotonic() + 10
+    while not pool.sent:
+        assert time.monotonic() < deadline, "the driver never sent the request"
+        time.sleep(0.01)
+    assert isinstance(pool.sent[0], AddRequests) and pool.sent[0].group.group_id == "g0"
+    return fut
+
+
+@pytest.mark.parametrize("rank_0_first", [True, False])
+def test_a_step_that_failed_on_every_rank_fails_its_requests_and_the_ranks_serve_on(
+        scripted: tuple[Driver, ScriptedPool], rank_0_first: bool) -> None:
+    driver, pool = scripted
+    fut = _submitted(driver, pool)
+    reports = [(0, _failed_step(3, ("g0-0",))), (1, _failed_step(3, ("g0-0",)))]
+    for report in reports if rank_0_first else reports[::-1]:
+        pool.inbox.put(report)
+    with pytest.raises(RankError) as e:
+        fut.result(10)
+    assert e.value.info.kind == "state" and "no progress" in str(e.value)
+    time.sleep(0.1)
+    assert driver.failure is None and driver.queued_sequences() == 0
+
+
+def test_a_step_that_failed_on_another_rank_only_breaks_the_pool_naming_it(
+        scripted: tuple[Driver, ScriptedPool]) -> None:
+    driver, pool = scripted
+    fut = _submitted(driver, pool)
+    pool.inbox.put((1, _failed_step(5, ("g0-0",))))
+    time.sleep(0.1)
+    assert driver.failure is None  # rank 0 has not reported step 5 yet
+    pool.inbox.put((0, Events(1, True, 5, STATUS)))  # rank 0 ran step 5 and steps on
+    with pytest.raises(RankError) as e:
+        fut.result(10)
+    assert e.value.info.kind == "unavailable" and e.value.info.rank == "dp0:pp0:tp1"
+    assert "rank 1 failed step 5" in str(e.value) and "rank 0 did not" in str(e.value)
+    assert driver.failure_rank == "dp0:pp0:tp1"

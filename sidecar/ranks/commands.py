@@ -132,11 +132,13 @@ class Events:
     """What a rank reports unasked at a step boundary (rank 0 at every boundary that has news; another
     rank only when its step failed). `applied`: the commands rank 0 took from the sidecar process so
     far; with `stepping` (it steps on) it tells the driver whether it owes news, so that a rank that
-    stopped answering is told from an idle one (sidecar/ranks/driver.py). `rejected`: request groups
-    refused at admission (group id -> why). `failed`: a step raised; the requests `dropped` are gone."""
+    stopped answering is told from an idle one (sidecar/ranks/driver.py). `steps`: the steps this rank
+    ran (the same count on every rank). `rejected`: request groups refused at admission (group id ->
+    why). `failed`: the last step raised; the requests `dropped` are gone."""
 
     applied: int
     stepping: bool
+    steps: int
     status: RankStatus
     finished: list[RequestOutput] = field(default_factory=list)
     rejected: dict[str, ErrorInfo] = field(default_factory=dict)

@@ -134,6 +134,9 @@ class Driver:
         self._applied = 0
         self._stepping = False
         self._heard = time.monotonic()  # when rank 0 last said anything
+        self._steps = 0  # the steps rank 0 reported running
+        self._failed_steps: deque[int] = deque(maxlen=64)  # those of them that raised
+        self._follower_failures: dict[int, tuple[int, str]] = {}  # step -> (rank, why), until rank 0 tells
         self._wake_r, self._wake_w = os.pipe()  # a new request or command wakes the thread's wait
         os.set_blocking(self._wake_w, False)
         self.busy: str | None = None  # the name of the control command running now
@@ -378,10 +381,16 @@ class Driver:
             raise self.pool.timed_out(list(range(self.pool.size)), "a generation step", self.step_timeout_s)
 
     def _absorb_events(self, rank: int, events: Events) -> None:
-        if rank != 0:  # only a failed step speaks up here: this rank dropped its requests, the others did not
+        if rank != 0:  # another rank speaks up only when its step failed: fine if rank 0's failed too
             info = events.failed
             why = f"{info.type}: {info.message}" if info is not None else "an unexpected report"
-            raise RankFailure(f"rank {rank} failed a step ({why}); the ranks no longer hold the same requests", rank)
+            self._follower_failures[events.steps] = (rank, why)
+            self._check_follower_failures()
+            return
+        self._steps = events.steps
+        if events.failed is not None:
+            self._failed_steps.append(events.steps)
+        self._check_follower_failures()
         with self._cv:
             self._applied, self._stepping = events.applied, events.stepping
             self.statuses[0] = events.status
@@ -398,6 +407,16 @@ class Driver:
                     if group is not None:
                         self._drop_locked(group)
                         _settle(group.future, error=error)
+
+    def _check_follower_failures(self) -> None:
+        """A step that raised on another rank but not on rank 0 (once rank 0 reported past it): the ranks
+        no longer hold the same requests, and cannot go on."""
+        for step, (rank, why) in list(self._follower_failures.items()):
+            if step in self._failed_steps:
+                del self._follower_failures[step]  # every rank dropped the same requests
+            elif self._steps >= step:
+                raise RankFailure(f"rank {rank} failed step {step} ({why}) and rank 0 did not: the ranks no longer "
+                                  "hold the same requests", rank)
 
     def _absorb_reply(self, rank: int, reply: Reply) -> None:
         running = self._running

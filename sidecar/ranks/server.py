@@ -159,6 +159,7 @@ class RankServer:
         self.request_ids: set[str] = set()
         self.paused = False
         self.applied = 0  # commands taken from the sidecar process (rank 0)
+        self.steps = 0  # steps run (the same count on every rank)
         self.gc_frozen = 0  # objects rank_main froze once this server was built (inference/memory/host_heap.py)
         self._forward: list[Command] = []  # rank 0: commands of its own for the next boundary
         self._rejected: dict[str, ErrorInfo] = {}
@@ -230,11 +231,13 @@ class RankServer:
     def step(self, news: bool = False) -> None:
         """Run one engine step if this boundary may; rank 0 then reports what there is to tell (`news`:
         it took commands at this boundary, so the driver awaits word of them). A step that raises
-        drops every request (the engine's state is suspect) and says so; on another rank than 0
-        the ranks no longer hold the same requests, which the driver treats as the rank's failure."""
+        drops every request (the engine's state is suspect) and every rank says so: the driver fails
+        those requests when rank 0 failed that step too, else the ranks no longer hold the same
+        requests and it breaks the pool."""
         finished: list[RequestOutput] = []
         failed, dropped = None, ()
         if self._will_step if not news else self.can_step():
+            self.steps += 1
             try:
                 finished = self.llm.step()
             except Exception as e:
@@ -247,13 +250,14 @@ class RankServer:
         stepping = self._will_step = self.can_step()
         if self.rank != 0:
             if failed is not None:
-                self.conn.send(Events(self.applied, False, self.status(), failed=failed, dropped=dropped))
+                self.conn.send(Events(self.applied, False, self.steps, self.status(), failed=failed, dropped=dropped))
             return
         now = time.monotonic()
         if (news or finished or self._rejected or failed is not None or stepping != self._reported_stepping
                 or (stepping and now - self._last_report >= HEARTBEAT_S)):
             rejected, self._rejected = self._rejected, {}
-            self.conn.send(Events(self.applied, stepping, self.status(), finished, rejected, failed, dropped))
+            self.conn.send(Events(self.applied, stepping, self.steps, self.status(), finished, rejected, failed,
+                                  dropped))
             self._reported_stepping, self._last_report = stepping, now
 
     def handle(self, cmd: object) -> Reply:
