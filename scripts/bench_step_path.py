@@ -5,8 +5,9 @@ arguments) on the same device, with the same torch thread count and a frozen war
 the other (the idle one only waits). A step's cost is measured free of prefill and of per-call
 overhead (HTTP, tokenization, the first step): for each batch size, one greedy ignore_eos call of
 `--short` and one of `--long` max_tokens, and per-step time = (T(long) - T(short)) / (long - short),
-medians over `--repeats` rounds that alternate which path runs first. One JSON line per batch size: sidecar_step_us,
-inprocess_step_us and ratio = sidecar / in-process (1.0: the sidecar's path adds nothing per step).
+medians over `--repeats` rounds that alternate which path runs first. One JSON line per batch size:
+sidecar_step_us, inprocess_step_us and ratio = sidecar / in-process (1.0: the sidecar's path adds
+nothing per step), and the same from the fastest call of each kind (`_min`: steadier on a busy host).
 
     python3 scripts/bench_step_path.py                                   # CPU, the tiny model, batch 1 and 128
     python3 scripts/bench_step_path.py --device cuda --model qwen2-0.5b  # the 0.5B shape, random bf16 weights
@@ -110,8 +111,8 @@ def timed_sidecar(web: Any, prompts: list[list[int]], tokens: int) -> float:
     return took
 
 
-def per_step_us(short: list[float], long: list[float], steps: int) -> float:
-    return (statistics.median(long) - statistics.median(short)) / steps * 1e6
+def per_step_us(short: list[float], long: list[float], steps: int, stat: Any = statistics.median) -> float:
+    return (stat(long) - stat(short)) / steps * 1e6
 
 
 def main() -> None:
@@ -159,10 +160,14 @@ def main() -> None:
                 steps = args.long - args.short
                 sc = per_step_us(times["sc_short"], times["sc_long"], steps)
                 inp = per_step_us(times["in_short"], times["in_long"], steps)
+                sc_min = per_step_us(times["sc_short"], times["sc_long"], steps, min)
+                in_min = per_step_us(times["in_short"], times["in_long"], steps, min)
                 print(json.dumps({"device": args.device, "model": args.model, "batch": batch,
                                   "prompt_len": args.prompt_len, "short": args.short, "long": args.long,
                                   "repeats": args.repeats, "threads": args.threads, "sidecar_step_us": round(sc, 1),
                                   "inprocess_step_us": round(inp, 1), "ratio": round(sc / inp, 4),
+                                  "sidecar_step_us_min": round(sc_min, 1), "inprocess_step_us_min": round(in_min, 1),
+                                  "ratio_min": round(sc_min / in_min, 4),
                                   "sidecar_long_s": round(statistics.median(times["sc_long"]), 4),
                                   "inprocess_long_s": round(statistics.median(times["in_long"]), 4)}), flush=True)
     finally:
