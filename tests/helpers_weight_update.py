@@ -70,24 +70,23 @@ class Link:
         info = self.sender.init_info()
         with ThreadPoolExecutor(1) as pool:
             connecting = pool.submit(self.sender.connect)
-            worker.init_weight_transfer_engine(info)
+            worker.weights.init_transfer(info)
             connecting.result(timeout=30)
 
     def sync(self, state: dict[str, torch.Tensor], version: int, which: str = "target",
              allow_cast: bool = False, sent: dict[str, torch.Tensor] | None = None,
              held_manifest: bool = False) -> UpdateResult:
         manifest = self.sender.manifest(state, version)
-        start = self.worker.start_weight_update if which == "target" else self.worker.start_draft_weight_update
-        start(version, manifest, allow_cast=allow_cast)
+        self.worker.weights.start(which, version, manifest, allow_cast=allow_cast)
         digests = self.transfer(sent if sent is not None else state)
-        return self.worker.finish_weight_update(digests, held_manifest=held_manifest)
+        return self.worker.weights.finish(digests, held_manifest=held_manifest)
 
     def transfer(self, state: dict[str, torch.Tensor]) -> Any:
         """send() beside update_weights(); the receiver's error wins, then the sender's."""
         with ThreadPoolExecutor(1) as pool:
             sending = pool.submit(self.sender.send, state)
             try:
-                self.worker.update_weights()
+                self.worker.weights.update()
             finally:
                 sender_error = sending.exception(timeout=60)
         if sender_error is not None:
@@ -96,4 +95,4 @@ class Link:
 
 
 def held(worker: Worker, which: str = "target") -> dict[str, str]:
-    return worker.compute_weight_checksums(which)
+    return worker.weights.checksums(which)

@@ -110,22 +110,22 @@ def test_plain_digests_are_compared_without_building_the_expected_manifest(
     monkeypatch.setattr(audit, "expected_manifest", counting)
     for version in (1, 2):
         state = perturbed(dirs["target"], 20 + version)
-        worker.start_weight_update(version, link.sender.manifest(state, version))
+        worker.weights.start("target", version, link.sender.manifest(state, version))
         link.transfer(state)
         plain = [digest_bytes(flat_bytes(state[name]).numpy().tobytes()) for name in state]
-        result = worker.finish_weight_update({"digests": plain})
+        result = worker.weights.finish({"digests": plain})
         assert result.report.ok and result.report.tensors_checked == len(state)
         assert {r.name: r.digest for r in result.received.records} == dict(zip(state, plain))
     assert built == [], "equal lists need no expected manifest"
     # After cached compares, one differing digest still fails naming the tensor and the rank.
     state = perturbed(dirs["target"], 30)
-    worker.start_weight_update(3, link.sender.manifest(state, 3))
+    worker.weights.start("target", 3, link.sender.manifest(state, 3))
     link.transfer(state)
     plain = [digest_bytes(flat_bytes(state[name]).numpy().tobytes()) for name in state]
     i = list(state).index(Q1)
     plain[i] = f"{int(plain[i], 16) ^ 1:032x}"
     with pytest.raises(ChecksumMismatch, match=f"'{Q1}' on rank {RANK}") as err:
-        worker.finish_weight_update({"digests": plain})
+        worker.weights.finish({"digests": plain})
     first = err.value.report.first_tensor
     assert (first.kind, first.tensor, first.rank) == ("digest", Q1, RANK) and built == [1]
     assert worker.weights.torn["target"] and worker.weights.versions["target"] == 2

@@ -23,6 +23,7 @@ from inference.core import CompletionOutput, RequestOutput, SamplingParams
 from inference.models.tiny import TinyModelSpec, random_weights
 from inference.transfer.sender import WeightSender
 from sidecar.client import SidecarBusyError, SidecarClient, SidecarRequestError, SidecarStateError
+from sidecar.ranks.commands import RankPlan
 from tests.helpers_sidecar import Sidecar, launch
 from trainer_hooks.hook import WeightSyncHook
 
@@ -169,9 +170,10 @@ def test_a_generic_500_keeps_the_connection() -> None:
     from sidecar.http.metrics import Metrics
 
     driver = _BrokenDriver()
-    plan = {"rank": "dp0:pp0:tp0", "pid": 1, "device": "cpu", "weights_bytes": {}, "kv_blocks": 1, "kv_bytes": 1,
-            "vocab_size": 512, "max_model_len": 64, "model": "m", "draft_model": None, "models": ["target"],
-            "dtype": "float32", "block_size": 16, "has_tokenizer": False}
+    plan = RankPlan(**{"rank": "dp0:pp0:tp0", "pid": 1, "device": "cpu", "weights_bytes": {}, "kv_blocks": 1,
+                       "kv_bytes": 1,
+            "vocab_size": 512, "max_model_len": 64, "model": "m", "draft_model": None, "models": ("target",),
+            "dtype": "float32", "block_size": 16, "has_tokenizer": False, "num_threads": 1})
     app = create_app(ServerState(driver, LaunchConfig(), [plan], Metrics(driver)))  # type: ignore[arg-type]
     sock = socket.create_server(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="off", access_log=False))
@@ -199,7 +201,7 @@ class _BrokenDriver:
     failure_rank = None
     paused = False
     busy = None
-    statuses: list[dict[str, Any]] = [{}]  # noqa: RUF012
+    statuses: list[Any] = [None]  # noqa: RUF012
     tokens_total = 0
     pool = SimpleNamespace(alive=lambda: [True])
 

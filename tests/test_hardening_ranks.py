@@ -124,6 +124,28 @@ def test_a_stopped_rank_is_named_and_the_503_carries_its_rank(tp2: Sidecar) -> N
         assert again.value.rank == RANKS[1]
 
 
+def test_a_generation_longer_than_the_step_timeout_is_no_hang() -> None:
+    """The rank steps on its own and says so while it does (at least every HEARTBEAT_S): a call whose
+    steps together take several times --step-timeout-s is served, and so is one sent meanwhile; only a
+    rank silent for a whole timeout while it owes word is hung."""
+    timeout_s = 1.0
+    server = launch("--step-timeout-s", str(timeout_s))
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    try:
+        with SidecarClient(server.url, timeout=120) as c, ThreadPoolExecutor(1) as pool:
+            t0 = time.monotonic()
+            running = pool.submit(c.generate, [[i + 3, 7, 11] for i in range(48)], long)
+            time.sleep(timeout_s)
+            assert len(c.generate(["meanwhile"], GREEDY)[0].outputs[0].token_ids) == 3
+            outs = running.result()
+            took = time.monotonic() - t0
+            assert [len(o.outputs[0].token_ids) for o in outs] == [400] * 48
+            assert took > 2 * timeout_s, f"the call took {took:.2f} s: too short to tell a hang"
+            assert c.health()["status"] == "ok"
+    finally:
+        server.stop()
+
+
 def test_sigterm_during_a_stalled_sync_answers_json_and_exits_in_seconds() -> None:
     """The trainer opened a sync and never sends: /weights/update waits on the rank. SIGTERM answers it
     with a JSON 503 at once (not a bare 500 after uvicorn's grace period) and the launcher exits within

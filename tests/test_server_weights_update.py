@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from sidecar.config import LaunchConfig
 from sidecar.http.app import ServerState, create_app
 from sidecar.http.metrics import Metrics
-from sidecar.ranks.commands import ErrorInfo, SyncResult, UpdateReply
+from sidecar.ranks.commands import ErrorInfo, RankPlan, SyncResult, UpdateReply
 from sidecar.ranks.driver import RankError
 
 KEY = "k-123"
@@ -34,7 +34,7 @@ class StubDriver:
     paused = False
     busy = None
     tokens_total = 0
-    statuses: list[dict[str, Any]] = [{}]  # noqa: RUF012
+    statuses: list[Any] = [None]  # noqa: RUF012
     pool = SimpleNamespace(alive=lambda: [True])
 
     def __init__(self) -> None:
@@ -64,9 +64,9 @@ class StubDriver:
 
 
 def _app(key: str | None = None) -> tuple[Any, StubDriver, Metrics]:
-    plan = {"rank": RANK, "pid": 1, "device": "cpu", "weights_bytes": {}, "kv_blocks": 1, "kv_bytes": 1,
+    plan = RankPlan(**{"rank": RANK, "pid": 1, "device": "cpu", "weights_bytes": {}, "kv_blocks": 1, "kv_bytes": 1,
             "vocab_size": 512, "max_model_len": 64, "model": "m", "draft_model": None, "models": ["target"],
-            "dtype": "float32", "block_size": 16, "has_tokenizer": False}
+            "dtype": "float32", "block_size": 16, "has_tokenizer": False})
     driver = StubDriver()
     metrics = Metrics(driver)  # type: ignore[arg-type]
     app = create_app(ServerState(driver, LaunchConfig(api_key=key, max_body_mb=1), [plan], metrics))  # type: ignore[arg-type]

@@ -219,7 +219,7 @@ def test_draft_sync_changes_acceptance_not_target_outputs(tmp_path: Path) -> Non
     sampled = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     before = llm.generate(prompts, sampled)
     assert all(o.metrics["spec_acceptance_rate"] < 0.5 for o in before)
-    target_digests = llm.worker.compute_weight_checksums("target")
+    target_digests = llm.worker.weights.checksums("target")
 
     link = Link(llm.worker)
     state = dict(iter_hf_tensors(target))  # draft := the target's weights
@@ -230,7 +230,7 @@ def test_draft_sync_changes_acceptance_not_target_outputs(tmp_path: Path) -> Non
     after = llm.generate(prompts, sampled)
     assert [o.outputs[0].token_ids for o in after] == [o.outputs[0].token_ids for o in before]
     assert [o.metrics["spec_acceptance_rate"] for o in after] == [1.0, 1.0]
-    assert llm.worker.compute_weight_checksums("target") == target_digests
+    assert llm.worker.weights.checksums("target") == target_digests
     assert llm.weight_version == 0 and all(o.weight_version == 0 for o in after)
 
 

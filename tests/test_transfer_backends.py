@@ -154,16 +154,16 @@ def test_a_registered_backend_carries_a_sync_end_to_end(fake: BackendSpec, tmp_p
     assert InitInfo.from_dict(info).backend == "counting"
     with ThreadPoolExecutor(1) as pool:
         connecting = pool.submit(sender.connect)
-        worker.init_weight_transfer_engine(info)
+        worker.weights.init_transfer(info)
         connecting.result(timeout=30)
     try:
         state = perturbed(dirs["target"], 5)
-        worker.start_weight_update(1, sender.manifest(state, 1))
+        worker.weights.start("target", 1, sender.manifest(state, 1))
         with ThreadPoolExecutor(1) as pool:
             sending = pool.submit(sender.send, state)
-            worker.update_weights()
+            worker.weights.update()
             digests = sending.result(timeout=60)
-        assert worker.finish_weight_update(digests).report.ok and worker.weights.version() == 1
+        assert worker.weights.finish(digests).report.ok and worker.weights.version() == 1
         assert held(worker) == loader_digests(dirs["target"], state, tmp_path / "ref")
         sent, received = CountingBackend.ends
         assert (sent.sent, received.received, received.last_mode) == (1, 1, "chain")
@@ -171,7 +171,7 @@ def test_a_registered_backend_carries_a_sync_end_to_end(fake: BackendSpec, tmp_p
         assert worker.weights.receiver is not None and worker.weights.receiver.backend is received
     finally:
         sender.close()
-        worker.close_weight_transfer_engine()
+        worker.weights.close_transfer()
     unregister("counting")
     with pytest.raises(InvalidRequestError, match="must be one of"):
         InitInfo.from_dict(info)

@@ -192,14 +192,14 @@ def test_a_sender_that_plans_otherwise_is_stopped_before_a_byte_moves(tmp_path: 
         before = held(worker)
         state = perturbed(dirs["target"], 5)
         end.plan_id = lambda: f"gloo/chain/{2 * chain.STREAM_BYTES}/{chain.ALONE_BYTES}"  # type: ignore[method-assign]
-        worker.start_weight_update(1, link.sender.manifest(state, 1))
+        worker.weights.start("target", 1, link.sender.manifest(state, 1))
         with pytest.raises(TransferError, match=r"plan .*differs"):
             link.transfer(state)
         assert held(worker) == before, "a byte was written before the ends agreed"
-        worker.abort_weight_update()
+        worker.weights.abort()
         del end.plan_id  # the class's own again
         assert link.sync(state, 2).report.ok
         assert held(worker) == loader_digests(dirs["target"], state, tmp_path / "ref")
     finally:
         link.sender.close()
-        worker.close_weight_transfer_engine()
+        worker.weights.close_transfer()

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from checksum import ChecksumMismatch
-from inference.core import InvalidRequestError, StateError
+from inference.core import InvalidRequestError, SamplingParams, StateError
+from inference.engine.llm import LLM
 from inference.transfer.groups import TransferError
 from tests.helpers_fault import flipped_on_arrival
 from tests.helpers_weight_update import Q1, RANK, Link, held, loader_digests, make_worker, perturbed, tiny_model_dirs
@@ -65,7 +66,7 @@ def test_draft_update_without_a_draft_model_is_refused(dirs: dict[str, Path]) ->
     link = Link(worker)
     assert not worker.weights.has_draft
     with pytest.raises(InvalidRequestError, match=f"rank {RANK}: no draft model"):
-        worker.start_draft_weight_update(1, link.sender.manifest(perturbed(dirs["draft"], 1), 1))
+        worker.weights.start("draft", 1, link.sender.manifest(perturbed(dirs["draft"], 1), 1))
 
 
 def _unknown(m: list[dict]) -> str:
@@ -102,7 +103,7 @@ def test_bad_manifest_is_refused_before_anything_changes(dirs: dict[str, Path], 
     tensors = link.sender.manifest(state, 1)["tensors"]
     name = corrupt(tensors)
     with pytest.raises(InvalidRequestError) as err:
-        worker.start_weight_update(1, {"version": 1, "tensors": tensors})
+        worker.weights.start("target", 1, {"version": 1, "tensors": tensors})
     assert err.value.field == name and f"rank {RANK}" in str(err.value)
     assert held(worker) == before
     assert worker.weights.is_servable("target") and not worker.weights.torn["target"]
@@ -114,7 +115,7 @@ def test_cast_only_when_allowed(dirs: dict[str, Path], tmp_path: Path) -> None:
     link = Link(worker)
     state = perturbed(dirs["target"], 40, torch.float16)
     with pytest.raises(InvalidRequestError, match="allow_cast"):
-        worker.start_weight_update(1, link.sender.manifest(state, 1))
+        worker.weights.start("target", 1, link.sender.manifest(state, 1))
     result = link.sync(state, 1, allow_cast=True)
     assert result.report.ok and {r.dtype for r in result.received.records} == {"float16"}
     assert held(worker) == loader_digests(dirs["target"], state, tmp_path / "ref")
@@ -153,10 +154,10 @@ def test_audit_fails_on_a_tensor_the_sender_did_not_vouch_for(dirs: dict[str, Pa
     worker = make_worker(dirs)
     link = Link(worker)
     state = perturbed(dirs["target"], 65)
-    worker.start_weight_update(1, link.sender.manifest(state, 1))
+    worker.weights.start("target", 1, link.sender.manifest(state, 1))
     digests = [r for r in link.transfer(state) if r.name != Q1]
     with pytest.raises(ChecksumMismatch) as err:
-        worker.finish_weight_update(digests)
+        worker.weights.finish(digests)
     first = err.value.report.first_tensor
     assert (first.kind, first.tensor, first.rank) == ("extra", Q1, RANK)
     assert worker.weights.torn["target"] and worker.weights.versions["target"] == 0
@@ -185,9 +186,9 @@ def test_a_repeated_manifest_is_parsed_and_routed_once_until_it_or_the_model_cha
     bad = link.sender.manifest(state, 5)
     bad["tensors"][0]["shape"] = [1, 2]  # a changed manifest is parsed and validated afresh
     with pytest.raises(InvalidRequestError, match="shape"):
-        worker.start_weight_update(5, bad)
+        worker.weights.start("target", 5, bad)
     with pytest.raises(InvalidRequestError, match="shape"):  # and refused again, never served from a cache
-        worker.start_weight_update(5, bad)
+        worker.weights.start("target", 5, bad)
     assert worker.weights.manifests.parses == 2 and worker.weights.routings_built == 3
     assert link.sync(state, 5).report.ok and worker.weights.manifests.parses == 2
 
@@ -196,28 +197,28 @@ def test_session_state_rules(dirs: dict[str, Path]) -> None:
     worker = make_worker(dirs)
     state = perturbed(dirs["target"], 70)
     with pytest.raises(StateError, match="init_weight_transfer_engine"):
-        worker.start_weight_update(1, [])
+        worker.weights.start("target", 1, [])
     link = Link(worker)
     manifest = link.sender.manifest(state, 1)
     with pytest.raises(StateError, match="without a matching start"):
-        worker.update_weights()
+        worker.weights.update()
     with pytest.raises(StateError, match="without a matching start"):
-        worker.finish_weight_update([])
-    worker.start_weight_update(1, manifest)
+        worker.weights.finish([])
+    worker.weights.start("target", 1, manifest)
     with pytest.raises(StateError, match="is open"):
-        worker.start_draft_weight_update(1, manifest)
+        worker.weights.start("draft", 1, manifest)
     with pytest.raises(StateError, match="session is open"):
-        worker.reset_weights()
+        worker.weights.reset()
     assert not worker.weights.is_servable("target") and worker.weights.is_servable("draft")
     digests = link.transfer(state)  # the first session is intact and completes
     with pytest.raises(StateError, match="twice"):
-        worker.update_weights()
+        worker.weights.update()
     assert worker.weights.torn["target"], "a session that failed after writing leaves the model torn"
     with pytest.raises(StateError, match="without a matching start"):
-        worker.finish_weight_update(digests)
-    worker.start_weight_update(2, link.sender.manifest(state, 2))
+        worker.weights.finish(digests)
+    worker.weights.start("target", 2, link.sender.manifest(state, 2))
     with pytest.raises(StateError, match="before update_weights"):
-        worker.finish_weight_update(digests)
+        worker.weights.finish(digests)
     assert link.sync(state, 3).report.ok and worker.weights.is_servable("target")
 
 
@@ -226,12 +227,12 @@ def test_disagreeing_ends_stop_before_writing_and_the_group_survives(dirs: dict[
     link = Link(worker)
     state = perturbed(dirs["target"], 80)
     before = held(worker)
-    worker.start_weight_update(5, link.sender.manifest(state, 5))
+    worker.weights.start("target", 5, link.sender.manifest(state, 5))
     link.sender.manifest(state, 6)  # the trainer moved on to another version
     with pytest.raises(TransferError, match="plan"):
         link.transfer(state)
     link.sender.manifest(state, 6)
-    worker.start_weight_update(6, link.sender.manifest(state, 6))
+    worker.weights.start("target", 6, link.sender.manifest(state, 6))
     with pytest.raises((TransferError, InvalidRequestError)):  # send() got other tensors than announced
         link.transfer({n: t.double() for n, t in state.items()})
     assert held(worker) == before and not worker.weights.torn["target"]
@@ -243,7 +244,7 @@ def test_new_init_replaces_the_old_group_and_abandons_its_session(dirs: dict[str
     old = Link(worker, timeout_s=3.0)
     state = perturbed(dirs["target"], 85)
     assert old.sync(state, 1).report.ok
-    worker.start_weight_update(2, old.sender.manifest(state, 2))
+    worker.weights.start("target", 2, old.sender.manifest(state, 2))
     new = Link(worker)  # e.g. the trainer restarted: its old group must not linger
     assert worker.weights.is_servable("target"), "no byte moved in the abandoned session: not torn"
     with pytest.raises(TransferError):
@@ -252,7 +253,7 @@ def test_new_init_replaces_the_old_group_and_abandons_its_session(dirs: dict[str
     info = new.sender.init_info()
     with ThreadPoolExecutor(1) as pool:  # the same sender re-inits the same worker: a fresh session
         connecting = pool.submit(new.sender.connect)
-        worker.init_weight_transfer_engine(info)
+        worker.weights.init_transfer(info)
         connecting.result(timeout=30)
     assert new.sync(state, 3).report.ok
 
@@ -265,7 +266,7 @@ def test_update_needs_awake_weights_and_refills_a_level_2_sleep(dirs: dict[str, 
     for level in (1, 2):
         worker.sleep(level)
         with pytest.raises(StateError, match="asleep"):
-            worker.start_weight_update(1, manifest)
+            worker.weights.start("target", 1, manifest)
         worker.wake_up()
     assert not worker.is_ready(), "level 2 dropped the weights: nothing to serve until a sync"
     assert link.sync(state, 1).report.ok
@@ -276,11 +277,30 @@ def test_update_needs_awake_weights_and_refills_a_level_2_sleep(dirs: dict[str, 
 def test_reset_weights_then_sync(dirs: dict[str, Path]) -> None:
     worker = make_worker(dirs)
     link = Link(worker)
-    worker.reset_weights("target")
+    worker.weights.reset("target")
     assert not worker.weights.is_servable("target") and not worker.weights.loaded["target"]
     assert all(p.count_nonzero() == 0 for p in worker.models["target"].parameters())
     link.sync(perturbed(dirs["target"], 90), 1)
     assert worker.weights.is_servable("target") and worker.weights.loaded["target"]
+
+
+def test_an_in_process_llm_refuses_an_older_version_naming_model_and_versions(dirs: dict[str, Path]) -> None:
+    """Versions only grow in the engine itself (the WeightUpdater), not only behind the sidecar: an
+    in-process LLM at version 3 refuses 3 and 2, naming the model and both versions, and changes nothing."""
+    llm = LLM(str(dirs["target"]), device="cpu", dtype="float32", kv_cache_bytes=1 << 20)
+    link = Link(llm.worker)
+    state = perturbed(dirs["target"], 30)
+    assert link.sync(state, 3).report.ok and llm.weight_version == 3
+    for stale in (3, 2):
+        with pytest.raises(InvalidRequestError) as e:
+            llm.start_weight_update(stale, link.sender.manifest(state, stale))
+        assert e.value.field == "version"
+        assert f"{stale} is not newer than the live target version 3" in e.value.message, e.value.message
+    for bad in (-1, 2**63, True, "4"):
+        with pytest.raises(InvalidRequestError, match="must be an integer"):
+            llm.start_weight_update(bad, link.sender.manifest(state, 4))  # type: ignore[arg-type]
+    assert llm.weight_version == 3 and not llm.worker.weights.state("target")["session_open"]
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))[0].weight_version == 3
 
 
 def test_sender_imports_no_engine_module() -> None:

@@ -66,27 +66,27 @@ def test_ipc_sync_between_two_processes_on_one_gpu(model_dir: Path, tmp_path: Pa
     proc = ctx.Process(target=_ipc_sender, args=(out, inbox, str(model_dir), mode, bucket_bytes))
     proc.start()
     try:
-        worker.init_weight_transfer_engine(out.get(timeout=120))
+        worker.weights.init_transfer(out.get(timeout=120))
         expected = perturbed(model_dir, 1)
         opened = []
         for version in (1, 2):
             if version == 2:
                 step = delta(model_dir, 2)
                 expected = {n: t + step[n] for n, t in expected.items()}
-            worker.start_weight_update(version, out.get(timeout=120))
-            worker.update_weights()
+            worker.weights.start("target", version, out.get(timeout=120))
+            worker.weights.update()
             records, exported = out.get(timeout=120)
-            result = worker.finish_weight_update(records)
+            result = worker.weights.finish(records)
             assert result.report.ok and worker.weights.is_servable("target")
             assert worker.weights.receiver.backend.last_mode == mode
             ref = loader_digests(model_dir, expected, tmp_path / f"ref{version}")
-            assert worker.compute_weight_checksums() == ref, f"version {version}: params differ from the loader's"
+            assert worker.weights.checksums() == ref, f"version {version}: params differ from the loader's"
             opened.append((worker.weights.receiver.backend.importer.opened_total, exported))
             assert worker.weights.receiver.backend.direct_plans_built == (mode == "direct"), "the copy plan was rebuilt"
             inbox.put("next")
         assert opened[0] == opened[1], "the second sync opened or exported handles again"
         assert opened[0][0] > 0
-        worker.close_weight_transfer_engine()
+        worker.weights.close_transfer()
         inbox.put("bye")
     finally:
         proc.join(timeout=60)
@@ -119,22 +119,22 @@ def test_ipc_layout_is_sent_only_when_it_changed(model_dir: Path, tmp_path: Path
     proc = ctx.Process(target=_moving_sender, args=(out, inbox, str(model_dir)))
     proc.start()
     try:
-        worker.init_weight_transfer_engine(out.get(timeout=120))
+        worker.weights.init_transfer(out.get(timeout=120))
         seen = []
         for version in (1, 2, 3):
-            worker.start_weight_update(version, out.get(timeout=120))
-            worker.update_weights()
-            assert worker.finish_weight_update(out.get(timeout=120)).report.ok
+            worker.weights.start("target", version, out.get(timeout=120))
+            worker.weights.update()
+            assert worker.weights.finish(out.get(timeout=120)).report.ok
             backend = worker.weights.receiver.backend
             seen.append((backend.layouts_received, backend.importer.opened_total, backend.direct_plans_built))
             state = perturbed(model_dir, 1)
             expected = state if version < 3 else {n: t + 0.5 for n, t in state.items()}
             ref = loader_digests(model_dir, expected, tmp_path / f"ref{version}")
-            assert worker.compute_weight_checksums() == ref, f"version {version}: params differ from the loader's"
+            assert worker.weights.checksums() == ref, f"version {version}: params differ from the loader's"
             inbox.put("next")
         assert seen[0][0] == 1 and seen[1] == seen[0], "an unchanged layout was sent or applied again"
         assert seen[2][0] == 2 and seen[2][1] > seen[0][1] and seen[2][2] == 2, "a changed layout was not used"
-        worker.close_weight_transfer_engine()
+        worker.weights.close_transfer()
         inbox.put("bye")
     finally:
         proc.join(timeout=60)
@@ -145,5 +145,5 @@ def test_gloo_into_a_cuda_worker(model_dir: Path, tmp_path: Path) -> None:
     worker = cuda_worker(model_dir)
     state = perturbed(model_dir, 3)
     assert Link(worker).sync(state, 1).report.ok
-    assert worker.compute_weight_checksums() == loader_digests(model_dir, state, tmp_path / "ref")
-    assert all(k.startswith(RANK) for k in worker.compute_weight_checksums())
+    assert worker.weights.checksums() == loader_digests(model_dir, state, tmp_path / "ref")
+    assert all(k.startswith(RANK) for k in worker.weights.checksums())

@@ -31,11 +31,11 @@ def _sync(link: Link, state: dict[str, torch.Tensor], version: int, *, deliver: 
     """start -> send(deliver_digests=deliver) beside update(digests_follow=follow): (what update returned,
     the sender's records); the receiver's error wins, then the sender's."""
     worker = link.worker
-    worker.start_weight_update(version, link.sender.manifest(state, version))
+    worker.weights.start("target", version, link.sender.manifest(state, version))
     with ThreadPoolExecutor(1) as pool:
         sending = pool.submit(link.sender.send, state, deliver_digests=deliver)
         try:
-            delivered = worker.update_weights(digests_follow=follow)
+            delivered = worker.weights.update(digests_follow=follow)
         finally:
             sender_error = sending.exception(timeout=60)
     if sender_error is not None:
@@ -51,7 +51,7 @@ def test_update_returns_the_senders_digests_and_finish_takes_them(dirs: dict[str
         delivered, records = _sync(link, state, version)
         assert delivered == {"algorithm": link.sender.algorithm, "digests": [r.digest for r in records]}
         assert worker.weights.state("target")["session_open"]  # committing is finish's, with these digests
-        result = worker.finish_weight_update(delivered)
+        result = worker.weights.finish(delivered)
         assert result.report.ok and result.report.tensors_checked == len(state) and result.version == version
         assert held(worker) == loader_digests(dirs["target"], state, tmp_path / f"ref{version}")
     assert worker.weights.versions["target"] == 2 and worker.weights.is_servable("target")
@@ -64,12 +64,12 @@ def test_a_flipped_byte_fails_the_delivered_audit_naming_tensor_and_rank(dirs: d
     with flipped_on_arrival(Q1):
         delivered, _ = _sync(link, perturbed(dirs["target"], 73), 1)
     with pytest.raises(ChecksumMismatch) as err:
-        worker.finish_weight_update(delivered)
+        worker.weights.finish(delivered)
     first = err.value.report.first_tensor
     assert (first.kind, first.tensor, first.rank) == ("digest", Q1, RANK)
     assert worker.weights.torn["target"] and worker.weights.versions["target"] == 0
     delivered, _ = _sync(link, perturbed(dirs["target"], 74), 2)
-    assert worker.finish_weight_update(delivered).report.ok and worker.weights.is_servable("target")
+    assert worker.weights.finish(delivered).report.ok and worker.weights.is_servable("target")
 
 
 @pytest.mark.parametrize("deliver, follow", [(True, False), (False, True)])
@@ -84,7 +84,7 @@ def test_ends_that_disagree_on_delivery_stop_before_a_byte_moves(dirs: dict[str,
     assert held(worker) == before and not worker.weights.torn["target"]  # no byte moved
     assert link.sender.connected
     delivered, _ = _sync(link, perturbed(dirs["target"], 76), 1)  # the group is still usable
-    assert worker.finish_weight_update(delivered).report.ok
+    assert worker.weights.finish(delivered).report.ok
 
 
 def test_a_sender_without_digests_fails_every_ranks_audit_at_once(dirs: dict[str, Path],
@@ -97,17 +97,17 @@ def test_a_sender_without_digests_fails_every_ranks_audit_at_once(dirs: dict[str
 
     monkeypatch.setattr(link.sender, "_start_digests", broken)
     with ThreadPoolExecutor(1) as pool:  # the sender raises its own error; the rank learns it had none
-        worker.start_weight_update(1, link.sender.manifest(perturbed(dirs["target"], 77), 1))
+        worker.weights.start("target", 1, link.sender.manifest(perturbed(dirs["target"], 77), 1))
         sending = pool.submit(link.sender.send, perturbed(dirs["target"], 77), deliver_digests=True)
         with pytest.raises(StateError, match=f"rank {RANK}: the sender could not digest"):
-            worker.update_weights(digests_follow=True)
+            worker.weights.update(digests_follow=True)
         with pytest.raises(RuntimeError, match="digest kernel failed"):
             sending.result(timeout=30)
     weights = worker.weights
     assert weights.torn["target"] and not weights.state("target")["session_open"] and weights.versions["target"] == 0
     monkeypatch.undo()
     delivered, _ = _sync(link, perturbed(dirs["target"], 78), 1)  # the group is still usable
-    assert worker.finish_weight_update(delivered).report.ok and weights.is_servable("target")
+    assert worker.weights.finish(delivered).report.ok and weights.is_servable("target")
 
 
 def test_delivery_needs_digests_and_its_message_has_a_fixed_length(dirs: dict[str, Path]) -> None:

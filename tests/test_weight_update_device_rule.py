@@ -130,10 +130,10 @@ def test_a_byte_flipped_in_the_held_weights_fails_naming_tensor_and_rank(dirs: d
     qkv = dict(worker.models["target"].named_parameters())["model.layers.1.self_attn.qkv_proj.weight"]
     flip_held_after_landing(monkeypatch, worker.weights, qkv)  # the first byte of the q rows: Q1
     state = perturbed(dirs["target"], 4)
-    worker.start_weight_update(1, link.sender.manifest(state, 1))
+    worker.weights.start("target", 1, link.sender.manifest(state, 1))
     digests = link.transfer(state)
     with pytest.raises(ChecksumMismatch) as err:
-        worker.finish_weight_update(digests)
+        worker.weights.finish(digests)
     first = err.value.report.first_tensor
     assert (first.kind, first.tensor, first.rank) == ("digest", Q1, RANK)
     assert len(launches) == 2 and worker.weights.torn["target"]
@@ -165,31 +165,31 @@ def test_finish_digests_of_another_rule_fail_naming_both(dirs: dict[str, Path]) 
     link = Link(make_worker(dirs, draft=False))  # host rule, no kernel needed
     state = perturbed(dirs["target"], 8)
     worker = link.worker
-    worker.start_weight_update(1, {**link.sender.manifest(state, 1), "algorithm": DEVICE_ALGORITHM})
+    worker.weights.start("target", 1, {**link.sender.manifest(state, 1), "algorithm": DEVICE_ALGORITHM})
     records = link.transfer(state)  # the sender's own manifest() said ALGORITHM: its records are of it
     with pytest.raises(ChecksumMismatch, match=f"expected {ALGORITHM}, got {DEVICE_ALGORITHM}") as err:
-        worker.finish_weight_update({"algorithm": ALGORITHM, "tensors": [r.__dict__ for r in records]})
+        worker.weights.finish({"algorithm": ALGORITHM, "tensors": [r.__dict__ for r in records]})
     assert err.value.report.first.kind == "algorithm" and worker.weights.torn["target"]
     # Digests that name no rule are the session's; the compact form lists them in manifest order.
-    worker.start_weight_update(2, {**link.sender.manifest(state, 2), "algorithm": DEVICE_ALGORITHM})
+    worker.weights.start("target", 2, {**link.sender.manifest(state, 2), "algorithm": DEVICE_ALGORITHM})
     link.transfer(state)
     compact = [python_xxhash(state)[name] for name in state]
-    assert worker.finish_weight_update({"digests": compact}).report.ok
+    assert worker.weights.finish({"digests": compact}).report.ok
 
 
 def test_bad_rules_and_digest_lists_name_their_field(dirs: dict[str, Path]) -> None:
     link = Link(make_worker(dirs, draft=False))
     state = perturbed(dirs["target"], 9)
     with pytest.raises(InvalidRequestError) as bad:
-        link.worker.start_weight_update(1, {**link.sender.manifest(state, 1), "algorithm": "xxh3_64k"})
+        link.worker.weights.start("target", 1, {**link.sender.manifest(state, 1), "algorithm": "xxh3_64k"})
     assert bad.value.field == "manifest.algorithm" and "xxh3_64_seg64k" in str(bad.value)
     with pytest.raises(InvalidRequestError) as unknown:
         WeightSender("gloo", digest_algorithm="md5")
     assert unknown.value.field == "digest_algorithm"
-    link.worker.start_weight_update(1, link.sender.manifest(state, 1))
+    link.worker.weights.start("target", 1, link.sender.manifest(state, 1))
     link.transfer(state)
     with pytest.raises(InvalidRequestError) as short:
-        link.worker.finish_weight_update({"digests": ["0" * 32]})
+        link.worker.weights.finish({"digests": ["0" * 32]})
     assert short.value.field == "sender_digests.digests"
 
 
@@ -199,15 +199,15 @@ def test_a_layout_key_stands_for_the_tensors_once_parsed(dirs: dict[str, Path]) 
     full = link.sender.manifest(state, 1)
     short = {k: v for k, v in full.items() if k != "tensors"}
     with pytest.raises(InvalidRequestError) as unknown:
-        link.worker.start_weight_update(1, short)  # never parsed here: the caller must send the tensors
+        link.worker.weights.start("target", 1, short)  # never parsed here: the caller must send the tensors
     assert unknown.value.field == "manifest.layout"
-    link.worker.start_weight_update(1, full)
-    link.worker.finish_weight_update(link.transfer(state))
+    link.worker.weights.start("target", 1, full)
+    link.worker.weights.finish(link.transfer(state))
     parses = link.worker.weights.manifests.parses
     again = link.sender.manifest(state, 2)
     assert again["layout"] == full["layout"]
-    link.worker.start_weight_update(2, {k: v for k, v in again.items() if k != "tensors"})
-    assert link.worker.finish_weight_update(link.transfer(state)).report.ok
+    link.worker.weights.start("target", 2, {k: v for k, v in again.items() if k != "tensors"})
+    assert link.worker.weights.finish(link.transfer(state)).report.ok
     assert link.worker.weights.manifests.parses == parses
 
 
@@ -217,11 +217,11 @@ def test_update_collects_the_held_digest_so_finish_only_compares(dirs: dict[str,
     link = device_link(dirs)
     worker = link.worker
     state = perturbed(dirs["target"], 11)
-    worker.start_weight_update(1, link.sender.manifest(state, 1))
+    worker.weights.start("target", 1, link.sender.manifest(state, 1))
     digests = link.transfer(state)
     collected = worker.weights._session.held_received
     assert collected is not None and len(launches) == 2
-    result = worker.finish_weight_update(digests)
+    result = worker.weights.finish(digests)
     assert result.report.ok and result.received is collected[1] and len(launches) == 2
     assert {r.name: r.digest for r in result.received.records} == python_xxhash(state)
 
@@ -232,14 +232,14 @@ def test_a_settled_digest_drops_what_update_collected(dirs: dict[str, Path], lau
     link = device_link(dirs)
     worker = link.worker
     state = perturbed(dirs["target"], 12)
-    worker.start_weight_update(1, link.sender.manifest(state, 1))
+    worker.weights.start("target", 1, link.sender.manifest(state, 1))
     digests = link.transfer(state)
     worker.weights.settle_digest()
     assert worker.weights._session.held_received is None
     qkv = dict(worker.models["target"].named_parameters())["model.layers.1.self_attn.qkv_proj.weight"]
     qkv.detach().view(-1)[:1].view(torch.uint8)[:1].bitwise_xor_(1)  # the first byte of the q rows: Q1
     with pytest.raises(ChecksumMismatch) as err:
-        worker.finish_weight_update(digests)
+        worker.weights.finish(digests)
     first = err.value.report.first_tensor
     assert (first.kind, first.tensor, first.rank) == ("digest", Q1, RANK) and len(launches) == 3
 

@@ -91,23 +91,23 @@ def _run(model_dir: Path, mode: str, flip: bool, monkeypatch: pytest.MonkeyPatch
     proc.start()
     outcomes: list[Any] = []
     try:
-        worker.init_weight_transfer_engine(out.get(timeout=120))
+        worker.weights.init_transfer(out.get(timeout=120))
         for version in (1, 2):
             manifest = out.get(timeout=120)
             assert manifest["algorithm"] == DEVICE_ALGORITHM
-            worker.start_weight_update(version, manifest)
-            delivered = worker.update_weights(digests_follow=deliver)
+            worker.weights.start("target", version, manifest)
+            delivered = worker.weights.update(digests_follow=deliver)
             records, algorithm, layouts = out.get(timeout=120)
             if deliver:  # the same digests, over the group instead of through the test's queue
                 assert delivered == {"algorithm": algorithm, "digests": [r["digest"] for r in records]}
             try:
-                outcomes.append((worker.finish_weight_update(delivered if deliver else records), algorithm, layouts))
+                outcomes.append((worker.weights.finish(delivered if deliver else records), algorithm, layouts))
             except ChecksumMismatch as e:
                 outcomes.append(e)
                 inbox.put("stop")
                 break
             inbox.put("next")
-        worker.close_weight_transfer_engine()
+        worker.weights.close_transfer()
         inbox.put("bye")
     finally:
         proc.join(timeout=60)
@@ -145,10 +145,10 @@ def test_a_byte_flipped_in_held_cuda_weights_fails_naming_tensor_and_rank(model_
     qkv = dict(worker.models["target"].named_parameters())["model.layers.1.self_attn.qkv_proj.weight"]
     flip_held_after_landing(monkeypatch, worker.weights, qkv)  # the first byte of the q rows: Q1
     state = perturbed(model_dir, 3)
-    worker.start_weight_update(2, link.sender.manifest(state, 2))
+    worker.weights.start("target", 2, link.sender.manifest(state, 2))
     digests = link.transfer(state)
     with pytest.raises(ChecksumMismatch) as err:
-        worker.finish_weight_update(digests)
+        worker.weights.finish(digests)
     first = err.value.report.first_tensor
     assert (first.kind, first.tensor, first.rank) == ("digest", Q1, RANK) and worker.weights.torn["target"]
 

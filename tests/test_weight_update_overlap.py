@@ -71,7 +71,7 @@ def in_thread(fn: Any) -> tuple[threading.Thread, dict[str, Any]]:
 
 def received(worker: Any, link: Link, state: dict, version: int) -> Any:
     """start + update_weights (+ send); returns the sender's digests with the side digest running."""
-    worker.start_weight_update(version, link.sender.manifest(state, version))
+    worker.weights.start("target", version, link.sender.manifest(state, version))
     return link.transfer(state)
 
 
@@ -80,7 +80,7 @@ def test_finish_waits_for_the_side_digest_and_passes(dirs: dict[str, Path], gate
     link = Link(worker)
     digests = received(worker, link, perturbed(dirs["target"], 1), 1)
     assert gate.entered.wait(10), "update_weights did not start the received digest"
-    finishing, out = in_thread(lambda: worker.finish_weight_update(digests))
+    finishing, out = in_thread(lambda: worker.weights.finish(digests))
     finishing.join(BLOCKED_S)
     assert finishing.is_alive(), "finish must wait for the digest it audits"
     gate.opened.set()
@@ -106,7 +106,7 @@ def test_sleep_while_the_digest_runs_waits_and_finish_audits_what_is_held(dirs: 
     # The bytes of an unaudited update are not mirrored, so the sleep dropped them: the digest
     # taken before it must not vouch for them.
     with pytest.raises(StateError, match="put to sleep"):
-        worker.finish_weight_update(digests)
+        worker.weights.finish(digests)
     assert worker.weights.torn["target"]
     worker.wake_up()
     assert link.sync(state, 2).report.ok and worker.weights.is_servable("target")
@@ -121,7 +121,7 @@ def test_a_digest_dropped_by_sleep_is_taken_again_from_the_held_bytes(dirs: dict
     worker.sleep(1)
     worker.wake_up()  # the weights come back poisoned: nothing mirrored them
     with pytest.raises(ChecksumMismatch):
-        worker.finish_weight_update(digests)
+        worker.weights.finish(digests)
     assert worker.weights.torn["target"] and not worker.weights.is_servable("target")
 
 
@@ -131,13 +131,13 @@ def test_abort_waits_for_the_side_digest(dirs: dict[str, Path], gate: Gate) -> N
     state = perturbed(dirs["target"], 4)
     received(worker, link, state, 1)
     assert gate.entered.wait(10)
-    aborting, out = in_thread(lambda: worker.abort_weight_update("the trainer gave up"))
+    aborting, out = in_thread(lambda: worker.weights.abort("the trainer gave up"))
     aborting.join(BLOCKED_S)
     assert aborting.is_alive(), "the session ended while its digest still read the model"
     gate.opened.set()
     aborting.join(30)
     assert "error" not in out and worker.weights.torn["target"]
-    worker.reset_weights("target")  # nothing reads the model any more
+    worker.weights.reset("target")  # nothing reads the model any more
     assert link.sync(state, 2).report.ok
 
 
@@ -146,7 +146,7 @@ def test_a_failed_finish_waits_for_the_side_digest(dirs: dict[str, Path], gate: 
     link = Link(worker)
     received(worker, link, perturbed(dirs["target"], 5), 1)
     assert gate.entered.wait(10)
-    finishing, out = in_thread(lambda: worker.finish_weight_update({"tensors": "not a list"}))
+    finishing, out = in_thread(lambda: worker.weights.finish({"tensors": "not a list"}))
     finishing.join(BLOCKED_S)
     assert finishing.is_alive()
     gate.opened.set()
@@ -175,4 +175,4 @@ def test_the_received_digest_starts_before_the_status_step(dirs: dict[str, Path]
     digests = received(worker, link, perturbed(dirs["target"], 1), 1)
     assert seen == [True]
     gate.opened.set()
-    assert worker.finish_weight_update(digests).report.ok
+    assert worker.weights.finish(digests).report.ok

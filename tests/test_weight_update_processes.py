@@ -75,10 +75,10 @@ def test_dead_sender_tears_the_model_and_a_new_init_recovers(dirs: dict[str, Pat
     proc = ctx.Process(target=_dying_sender, args=(out, str(dirs["target"]), how))
     proc.start()
     try:
-        worker.init_weight_transfer_engine(out.get(timeout=60))
-        worker.start_weight_update(1, out.get(timeout=60))
+        worker.weights.init_transfer(out.get(timeout=60))
+        worker.weights.start("target", 1, out.get(timeout=60))
         with pytest.raises(TransferError, match=rf"bucket \d+ of \d+ (from group rank 0 )?failed on rank {RANK}"):
-            worker.update_weights()
+            worker.weights.update()
     finally:
         if how == "stall":
             proc.kill()
@@ -88,7 +88,7 @@ def test_dead_sender_tears_the_model_and_a_new_init_recovers(dirs: dict[str, Pat
     assert worker.weights.torn["target"] and not worker.weights.is_servable("target")
     assert "failed" in worker.weights.state("target")["torn_reason"]
     with pytest.raises(StateError, match="broken"):
-        worker.start_weight_update(1, [])
+        worker.weights.start("target", 1, [])
     state = perturbed(dirs["target"], 101)
     assert Link(worker).sync(state, 1).report.ok
     assert worker.weights.is_servable("target")
@@ -103,15 +103,15 @@ def _tp_receiver(rank: int, port: int, info: dict, model_dir: str, inbox: Any, o
         worker = Worker(EngineConfig(model=model_dir, device="cpu", dtype="float32", tp_size=2), tp=tp)
         worker.init_device()
         worker.load_model()
-        worker.init_weight_transfer_engine(info)
+        worker.weights.init_transfer(info)
         for version, flip in ((1, False), (2, rank == 1)):
-            worker.start_weight_update(version, inbox.get(timeout=60))
+            worker.weights.start("target", version, inbox.get(timeout=60))
             with flipped_on_arrival(Q1) if flip else nullcontext():
-                delivered = worker.update_weights(digests_follow=deliver)  # with deliver: the sender's digests
+                delivered = worker.weights.update(digests_follow=deliver)  # with deliver: the sender's digests
             digests = inbox.get(timeout=60)
             try:
-                result = worker.finish_weight_update(delivered if deliver else digests)
-                out.put((rank, version, "ok", result.report.ok, worker.compute_weight_checksums()))
+                result = worker.weights.finish(delivered if deliver else digests)
+                out.put((rank, version, "ok", result.report.ok, worker.weights.checksums()))
             except ChecksumMismatch as e:
                 out.put((rank, version, "mismatch", str(e), e.report.first_tensor.tensor))
     except Exception:

@@ -2,8 +2,8 @@
 
 `LLM` drives one Worker. With tensor parallelism every rank runs its own LLM over the same requests
 in lockstep (SPMD): scheduling is deterministic, logits are gathered to every rank and the sampling
-generators share a seed, so all ranks produce the same tokens; the driver feeds every rank the same
-calls.
+generators share a seed, so all ranks produce the same tokens; the sidecar's rank loop
+(sidecar/ranks/server.py) feeds every rank the same calls at the same step boundary.
 
 With async scheduling (SchedulerConfig.async_scheduling; the Decision in docs/architecture.md) a
 step() schedules and launches step i + 1 while step i still runs on the device, then reads back and
@@ -115,6 +115,8 @@ class LLM:
         self._overlap = (StepOverlap(self.scheduler, self.worker, self._apply_results)
                          if config.scheduler.overlaps_steps(self.worker.device.type) else None)
         self._num_with_stops = 0  # live requests with stop strings (their steps run the detokenizer)
+        weights = self.worker.weights  # however a sync reaches it (this API or a rank server), the engine hears
+        weights.before_write, weights.on_live = self._before_weight_write, self._on_weights_live
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
@@ -379,24 +381,27 @@ class LLM:
         out, self._finished_while_draining = self._finished_while_draining, []
         return out
 
-    # ---- weight updates (the worker's weights component runs them: inference/weights/) --------
+    # ---- weight updates (the worker's weights component runs them: inference/weights/updater.py) ----
     def start_weight_update(self, version: int, manifest: Any, *, allow_cast: bool = False) -> None:
-        self._finished_while_draining.extend(self._settle())  # no step may read weights being written
-        self.worker.start_weight_update(version, manifest, allow_cast=allow_cast)
+        self.worker.weights.start("target", version, manifest, allow_cast=allow_cast)
 
     def start_draft_weight_update(self, version: int, manifest: Any, *, allow_cast: bool = False) -> None:
-        self._finished_while_draining.extend(self._settle())
-        self.worker.start_draft_weight_update(version, manifest, allow_cast=allow_cast)
+        self.worker.weights.start("draft", version, manifest, allow_cast=allow_cast)
 
     def update_weights(self, update_info: Any = None, *, digests_follow: bool = False) -> Any:
-        return self.worker.update_weights(update_info, digests_follow=digests_follow)
+        return self.worker.weights.update(update_info, digests_follow=digests_follow)
 
     def finish_weight_update(self, sender_digests: Any, **kwargs: Any) -> Any:
         """Audit the update; on success the version goes live (a target update is then the engine's
-        weight_version). Any update drops the prefix cache and recomputes running sequences (their
-        KV came from the old weights). A mismatch raises (the model stays torn, nothing changes here)."""
-        self._finished_while_draining.extend(self._settle())  # (settled at start: normally nothing)
-        result = self.worker.finish_weight_update(sender_digests, **kwargs)
+        weight_version). A mismatch raises (the model stays torn, nothing changes here)."""
+        return self.worker.weights.finish(sender_digests, **kwargs)
+
+    def _before_weight_write(self) -> None:
+        """A sync is about to write or audit the weights: no step may be in flight on them."""
+        self._finished_while_draining.extend(self._settle())
+
+    def _on_weights_live(self, which: str) -> None:
+        """Any update drops the prefix cache and recomputes running sequences: their KV came from the
+        old weights."""
         self.scheduler.preempt_all()
         self.block_manager.reset_prefix_cache()
-        return result

@@ -4,7 +4,7 @@ init_device -> load_model -> determine_available_memory -> initialize_kv_cache -
 execute_model* -> shutdown, with sleep/wake in between; the rules follow the seed (vLLM's GPU worker).
 The engine's half of weight syncs is one component the Worker owns, `self.weights`
 (inference/weights/updater.py): it alone knows each model's weight version, torn state and weights
-arena. The weight-update lifecycle methods below only delegate to it, so callers keep one entry point.
+arena, and callers run a sync through it directly.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import Literal, overload
 
 import torch
 
@@ -30,7 +30,6 @@ from inference.parallel import TPInfo, resolve_device
 from inference.runner.runner import InFlightStep, ModelRunner
 from inference.sched.scheduler import ScheduledBatch, StepResult
 from inference.spec.decoder import SpecDecoder
-from inference.weights.state import UpdateResult
 from inference.weights.updater import WeightUpdater
 
 log = logging.getLogger(__name__)
@@ -356,32 +355,3 @@ class Worker:
     @property
     def rank_key(self) -> str:
         return f"dp{self.dp_rank}:pp{self.pp_rank}:tp{self.tp.rank}"
-
-    # ---- weight updates: the lifecycle, delegated to self.weights (inference/weights/updater.py) ----
-    def init_weight_transfer_engine(self, init_info: Any) -> None:
-        self.weights.init_transfer(init_info)
-
-    def close_weight_transfer_engine(self) -> None:
-        self.weights.close_transfer()
-
-    def start_weight_update(self, version: int, manifest: Any, *, allow_cast: bool = False) -> None:
-        self.weights.start("target", version, manifest, allow_cast=allow_cast)
-
-    def start_draft_weight_update(self, version: int, manifest: Any, *, allow_cast: bool = False) -> None:
-        self.weights.start("draft", version, manifest, allow_cast=allow_cast)
-
-    def update_weights(self, update_info: Any = None, *, digests_follow: bool = False) -> Any:
-        """Receive the open session's bytes; with `digests_follow`, returns the sender's digests for finish."""
-        return self.weights.update(update_info, digests_follow=digests_follow)
-
-    def finish_weight_update(self, sender_digests: Any, *, held_manifest: bool = False) -> UpdateResult:
-        return self.weights.finish(sender_digests, held_manifest=held_manifest)
-
-    def abort_weight_update(self, reason: str = "aborted by the caller") -> None:
-        self.weights.abort(reason)
-
-    def reset_weights(self, which: str | None = None) -> None:
-        self.weights.reset(which)
-
-    def compute_weight_checksums(self, which: str = "target") -> dict[str, str]:
-        return self.weights.checksums(which)

@@ -6,10 +6,13 @@ arena holds them (`ARENA_OF`). LLM, the Worker and the rank server ask it and ke
 
 Per sync: init_transfer(init_info) once (again after any wire failure), then start(which, version,
 manifest) -> update() -> finish(sender_digests); or, when the sender delivers its digests in the
-sync (inference/transfer/delivery.py), update(digests_follow=True) returns them for finish. The
-Worker's lifecycle methods (start_weight_update, ...) delegate here. Rules:
-- start validates the whole manifest against the model before any byte moves (InvalidRequestError
-  naming the tensor and this rank); a failed start changes nothing.
+sync (inference/transfer/delivery.py), update(digests_follow=True) returns them for finish. Its engine
+(LLM) listens: `before_write` settles the step in flight before a start or finish, `on_live` drops
+what the old weights computed once a version goes live. Rules:
+- Versions only grow: start refuses a version that is not an integer in (live, INT64_MAX], so a version
+  names one set of weights and outputs tagged with it trace back to them. start validates the whole
+  manifest against the model before any byte moves (InvalidRequestError naming the field or tensor
+  and this rank); a failed start changes nothing.
 - A second start while a session is open, and update/finish without start, are StateErrors.
 - Any failure after start ends the session. The model is torn from the moment its first byte may be
   overwritten until an audit passes: a failed or abandoned update leaves it torn, and a torn model
@@ -36,12 +39,13 @@ unaudited bytes, so finish digests what the model holds after it), and every end
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from checksum import ChecksumMismatch, Manifest, Report, digest_tensors
-from inference.core import InvalidRequestError, StateError
+from inference.core import INT64_MAX, InvalidRequestError, StateError
 from inference.memory.arenas import WEIGHT_TAGS
 from inference.transfer.digests import manifest_algorithm
 from inference.transfer.groups import InitInfo
@@ -79,6 +83,8 @@ class WeightUpdater:
         self.manifests = ManifestCache()  # parsed manifests, reused while the sender's layout repeats
         self.routings_built = 0  # route_manifest runs (tests check the route cache with it)
         self._digests = HeldDigests()
+        self.before_write: Callable[[], None] | None = None  # the engine settles its step in flight
+        self.on_live: Callable[[str], None] | None = None  # a model's new version went live
 
     # ---- what the weights are (asked by LLM, the Worker and the rank server) ------------------------
     def _state(self, which: str) -> ModelWeightState:
@@ -186,7 +192,12 @@ class WeightUpdater:
 
     # ---- a session ----------------------------------------------------------------------------------
     def start(self, which: str, version: int, manifest: Any, *, allow_cast: bool = False) -> None:
+        """Open an update session of `which` to `version` (see the module docstring's rules)."""
         rank = self._host.rank_key
+        if which not in ARENA_OF:
+            raise InvalidRequestError("model", f"must be 'target' or 'draft', got {which!r}")
+        if self.before_write is not None:
+            self.before_write()  # no step may read weights being written
         if which == "draft" and not self.has_draft:
             raise InvalidRequestError("draft", f"rank {rank}: no draft model is loaded, so a draft weight update "
                                       "has nothing to write; nothing was written")
@@ -198,10 +209,9 @@ class WeightUpdater:
         if self.receiver is None or self.receiver.broken is not None:
             why = "was never initialized" if self.receiver is None else f"is broken ({self.receiver.broken})"
             raise StateError(f"rank {rank}: the weight transfer group {why}; call init_weight_transfer_engine first")
-        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-            raise InvalidRequestError("version", f"must be an integer >= 0, got {version!r}")
         if which not in self._host.models:
             raise StateError(f"rank {rank}: no {which} model loaded")
+        self._check_version(which, version)
         manifest_version, specs = self.manifests.parse(manifest)
         if manifest_version is not None and manifest_version != version:
             raise InvalidRequestError("manifest.version", f"is {manifest_version}, but the update is for version "
@@ -210,6 +220,16 @@ class WeightUpdater:
         routing = self._routing(which, specs, allow_cast)
         target = UpdateTarget(which, self._host.model_configs[which], routing, rank, algorithm)
         self._session = Session(which, version, specs, target, algorithm)
+
+    def _check_version(self, which: str, version: object) -> None:
+        """Versions only grow: InvalidRequestError naming `version` unless it is an integer in
+        (live, INT64_MAX] (an int64, as trainers count steps and metrics carry it)."""
+        if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version <= INT64_MAX:
+            raise InvalidRequestError("version", f"must be an integer in [0, 2**63 - 1], got {version!r}")
+        live = self._state(which).version
+        if version <= live:
+            raise InvalidRequestError("version", f"rank {self._host.rank_key}: {version} is not newer than the "
+                                      f"live {which} version {live}: versions only grow; send {live + 1} or more")
 
     def _routing(self, which: str, specs: ParsedManifest, allow_cast: bool) -> Routing:
         """route_manifest (validation included), cached while the manifest and the parameters stay the same."""
@@ -279,6 +299,8 @@ class WeightUpdater:
         """
         session = self._require_session("finish_weight_update")
         rank = self._host.rank_key
+        if self.before_write is not None:
+            self.before_write()  # (settled at start: normally nothing)
         try:
             if not session.received:
                 raise StateError(f"rank {rank}: finish_weight_update before update_weights completed")
@@ -300,6 +322,8 @@ class WeightUpdater:
         self._set_arena_valid(session.which, True)
         self._received[session.which] = received
         self._session = None
+        if self.on_live is not None:
+            self.on_live(session.which)
         return UpdateResult(session.which, session.version, rank, report, received, held)
 
     def abort(self, reason: str = "aborted by the caller") -> None:

@@ -21,12 +21,15 @@ import socket
 import sys
 from collections.abc import MutableMapping, Sequence
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from inference import envs
 from inference.core import InvalidRequestError
 from inference.memory.host_heap import freeze_startup_heap
 from sidecar.config import FIELD_TYPES, LaunchConfig, build_config, engine_default
+
+if TYPE_CHECKING:
+    from sidecar.ranks.commands import RankPlan
 
 log = logging.getLogger("sidecar.launch")
 
@@ -132,9 +135,6 @@ def launch(cfg: LaunchConfig) -> int:
             driver = Driver(pool, step_timeout_s=cfg.step_timeout_s, rpc_timeout_s=cfg.rpc_timeout_s,
                             max_queued=cfg.max_queued_sequences,
                             hold_while_asleep=cfg.hold_while_asleep)
-            # Until the first command, /state shows what the ranks reported at startup (awake, weight
-            # version 0, every arena's state) rather than nothing.
-            driver.statuses = list(pool.startup_statuses)
             driver.start()
             serve(cfg, sock, driver, plans)
         except _Stop:
@@ -230,12 +230,12 @@ def visible_devices(indices: Sequence[int], current: str | None, count: int) -> 
     return ",".join(entries[i] for i in indices)
 
 
-def describe_plan(plan: dict[str, Any]) -> str:
+def describe_plan(plan: RankPlan) -> str:
     names = {"weights": "target", "draft_weights": "draft"}
-    weights = ", ".join(f"{names.get(tag, tag)} {_mib(n)}" for tag, n in plan["weights_bytes"].items())
-    return (f"rank {plan['rank']} (pid {plan['pid']}) on {plan['device']} {plan['dtype']}: weights {weights}; "
-            f"KV cache {plan['kv_blocks']} blocks x {plan['block_size']} tokens = {_mib(plan['kv_bytes'])}; "
-            f"max_model_len {plan['max_model_len']}; {plan['num_threads']} torch thread(s)")
+    weights = ", ".join(f"{names.get(tag, tag)} {_mib(n)}" for tag, n in plan.weights_bytes.items())
+    return (f"rank {plan.rank} (pid {plan.pid}) on {plan.device} {plan.dtype}: weights {weights}; "
+            f"KV cache {plan.kv_blocks} blocks x {plan.block_size} tokens = {_mib(plan.kv_bytes)}; "
+            f"max_model_len {plan.max_model_len}; {plan.num_threads} torch thread(s)")
 
 
 def _mib(n: int) -> str:
@@ -254,7 +254,7 @@ def event_loop() -> tuple[asyncio.AbstractEventLoop, str]:
     return uvloop.new_event_loop(), "httptools"
 
 
-def serve(cfg: LaunchConfig, sock: socket.socket, driver: Any, plans: list[dict[str, Any]]) -> None:
+def serve(cfg: LaunchConfig, sock: socket.socket, driver: Any, plans: list[RankPlan]) -> None:
     """Serve until a signal; returns (or raises _Stop) after uvicorn has shut down."""
     import uvicorn
 
@@ -262,10 +262,10 @@ def serve(cfg: LaunchConfig, sock: socket.socket, driver: Any, plans: list[dict[
     from sidecar.http.metrics import Metrics
 
     tokenizer = None
-    if plans[0]["has_tokenizer"]:
+    if plans[0].has_tokenizer:
         from inference.text.tokenizer import Tokenizer
 
-        tokenizer = Tokenizer.from_dir(cfg.tokenizer or plans[0]["model"])
+        tokenizer = Tokenizer.from_dir(cfg.tokenizer or plans[0].model)
     state = ServerState(driver, cfg, plans, Metrics(driver), tokenizer=tokenizer)
     loop, http = event_loop()
     app = create_app(state)

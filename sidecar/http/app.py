@@ -193,7 +193,7 @@ def check_params(body: Any, state: ServerState, prefix: str) -> SamplingParams:
     the ranks check the prompt's length with the same code. A 400 naming the field otherwise."""
     try:
         params: SamplingParams = body.to_params()
-        params.check_limits(state.vocab_size, int(state.plans[0]["max_model_len"]))
+        params.check_limits(state.vocab_size, state.plans[0].max_model_len)
     except InvalidRequestError as e:
         name = e.field.removeprefix("sampling_params.")
         raise ApiError(400, type(e).__name__, e.message, f"{prefix}.{name}" if prefix else name) from None

@@ -42,14 +42,13 @@ def add_audit_routes(router: APIRouter, state: ServerState) -> None:
     async def checksums(model: Literal["target", "draft"] = "target", source: Literal["held", "received"] = "held",
                         algorithm: str | None = None) -> dict[str, Any]:
         manifests = await rank_manifests(state, model, source, _checked(algorithm))
-        return {"model": model, "source": source, "manifests": manifests}
+        return {"model": model, "source": source, "manifests": [m.to_dict() for m in manifests]}
 
     @router.post("/audit", summary="Compare ranks (replicas) and, optionally, expected digests")
     async def audit_endpoint(body: AuditRequest, algorithm: str | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
         rule = _checked(algorithm) or (expected_algorithm(body.expected) if body.source == "held" else None)
-        dicts = await rank_manifests(state, body.model, body.source, rule)
-        actual = [Manifest.from_dict(d, f"rank {i}") for i, d in enumerate(dicts)]
+        actual = await rank_manifests(state, body.model, body.source, rule)
         report = audit_manifests(actual, body.expected, body.source)
         out = report_dict(report, body.model, body.source)  # a torn rank is a "torn" mismatch: not ok
         out["torn"] = {m.rank: m.torn_reason for m in actual if m.torn}
@@ -61,7 +60,7 @@ def add_audit_routes(router: APIRouter, state: ServerState) -> None:
 
 
 async def rank_manifests(state: ServerState, model: Literal["target", "draft"], source: Literal["held", "received"],
-                         algorithm: str | None = None) -> list[dict[str, Any]]:
+                         algorithm: str | None = None) -> list[Manifest]:
     return await call(state, ReadManifest(model, source, algorithm))
 
 

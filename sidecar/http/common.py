@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 
 from sidecar.config import LaunchConfig
 from sidecar.http.metrics import Metrics
-from sidecar.ranks.commands import Command
+from sidecar.ranks.commands import Command, RankPlan
 from sidecar.ranks.driver import Driver, RankError
 
 STATUS_OF_KIND = {"invalid": 400, "state": 409, "checksum": 409, "busy": 429, "transfer": 502,
@@ -43,7 +43,7 @@ class ServerState:
 
     driver: Driver
     config: LaunchConfig
-    plans: list[dict[str, Any]]
+    plans: list[RankPlan]
     metrics: Metrics
     tokenizer: Any = None  # inference.text.tokenizer.Tokenizer, for the token strings of OpenAI logprobs
     intake: Any = None  # sidecar.http.intake.Intake: limits and tokenization of generation calls (create_app)
@@ -53,11 +53,11 @@ class ServerState:
 
     @property
     def vocab_size(self) -> int:
-        return int(self.plans[0]["vocab_size"])
+        return self.plans[0].vocab_size
 
     @property
     def served_model_name(self) -> str:
-        return str(self.plans[0]["model"]).rstrip("/").rsplit("/", 1)[-1]
+        return self.plans[0].model.rstrip("/").rsplit("/", 1)[-1]
 
 
 def error_response(status: int, type_: str, message: str, field: str | None = None,

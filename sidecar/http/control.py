@@ -53,30 +53,29 @@ Body = TypeVar("Body", bound=BaseModel)
 
 def state_dict(state: ServerState) -> dict[str, Any]:
     d = state.driver
-    statuses = d.statuses
-    head = statuses[0] if statuses else {}
+    statuses = [st for st in d.statuses if st is not None]
+    head = d.statuses[0] if d.statuses else None
     plan = state.plans[0]
     alive = d.pool.alive()
     ranks = []
-    for i, (st, pl) in enumerate(zip(statuses, state.plans)):
+    for i, (st, pl) in enumerate(zip(d.statuses, state.plans)):
         ranks.append({
-            "rank": pl["rank"], "pid": pl["pid"], "alive": alive[i] if i < len(alive) else False,
-            "device": pl["device"], "ready": st.get("ready"), "sleeping": st.get("sleeping"),
-            "tags": {t: a["state"] for t, a in st.get("arenas", {}).items()},
-            "weight_versions": st.get("weight_versions", {}), "torn": st.get("torn", {}),
-            "gc_frozen": st.get("gc_frozen", 0),
-            "weights_bytes": pl["weights_bytes"], "kv_blocks": pl["kv_blocks"], "kv_bytes": pl["kv_bytes"]})
+            "rank": pl.rank, "pid": pl.pid, "alive": alive[i] if i < len(alive) else False,
+            "device": pl.device, "ready": st and st.ready, "sleeping": st and st.sleeping,
+            "tags": dict(st.arenas) if st else {}, "weight_versions": dict(st.weight_versions) if st else {},
+            "torn": dict(st.torn) if st else {}, "gc_frozen": st.gc_frozen if st else 0,
+            "weights_bytes": pl.weights_bytes, "kv_blocks": pl.kv_blocks, "kv_bytes": pl.kv_bytes})
     return {
         "healthy": d.failure is None, "failure": d.failure, "paused": d.paused, "busy": d.busy,
-        "sleeping": head.get("sleeping"), "ready": head.get("ready"),
-        "tags": {t: a["state"] for t, a in head.get("arenas", {}).items()},
-        "weight_versions": head.get("weight_versions", {}),
-        "torn": {m: any(st.get("torn", {}).get(m, False) for st in statuses) for m in plan["models"]},
+        "sleeping": head and head.sleeping, "ready": head and head.ready,
+        "tags": dict(head.arenas) if head else {},
+        "weight_versions": dict(head.weight_versions) if head else {},
+        "torn": {m: any(st.torn.get(m, False) for st in statuses) for m in plan.models},
         "queue_depth": d.queue_depth(), "queued_sequences": d.queued_sequences(),
-        "engine_unfinished": head.get("unfinished", 0),
+        "engine_unfinished": head.unfinished if head else 0,
         "tp": len(state.plans), "ranks": ranks,
-        "model": {k: plan[k] for k in ("model", "draft_model", "models", "dtype", "vocab_size", "max_model_len",
-                                       "block_size")},
+        "model": {k: getattr(plan, k) for k in ("model", "draft_model", "models", "dtype", "vocab_size",
+                                                "max_model_len", "block_size")},
         "transfer": {"backend": state.config.transfer, "bucket_bytes": state.config.bucket_bytes,
                      "num_receivers": len(state.plans)},
         "uptime_s": time.time() - state.started,
@@ -124,7 +123,7 @@ def _add_lifecycle_routes(router: APIRouter, state: ServerState) -> None:
     async def sleep(body: SleepRequest | None = None) -> dict[str, Any]:
         body = body or SleepRequest()
         t0 = time.perf_counter()
-        ranks = await call(state, Sleep(body.level, body.in_flight))
+        ranks = [r.as_dict() for r in await call(state, Sleep(body.level, body.in_flight))]
         state.metrics.sleep_seconds.labels(str(body.level)).observe(time.perf_counter() - t0)
         return {"ranks": ranks, "state": state_dict(state)}
 
@@ -132,7 +131,7 @@ def _add_lifecycle_routes(router: APIRouter, state: ServerState) -> None:
     async def wake_up(body: WakeRequest | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
         tags = body.tags if body is not None else None
-        ranks = await call(state, WakeUp(tuple(tags) if tags is not None else None))
+        ranks = [r.as_dict() for r in await call(state, WakeUp(tuple(tags) if tags is not None else None))]
         state.metrics.wake_seconds.observe(time.perf_counter() - t0)
         return {"ranks": ranks, "state": state_dict(state)}
 

@@ -22,7 +22,7 @@ from typing import Any
 from inference.core import InvalidRequestError, SamplingParams
 from inference.text.prompts import GilFreeTokenizer, check_text, check_token_ids
 from sidecar.http.common import ApiError
-from sidecar.ranks.commands import TokenizedPrompt
+from sidecar.ranks.commands import RankPlan, TokenizedPrompt
 
 
 @dataclass(frozen=True)
@@ -107,8 +107,8 @@ def _bad(index: int, e: InvalidRequestError) -> ApiError:
     return ApiError(400, type(e).__name__, e.message, e.field, index=index)
 
 
-def build_intake(tokenizer: Any, config: Any, plan: dict[str, Any]) -> Intake:
+def build_intake(tokenizer: Any, config: Any, plan: RankPlan) -> Intake:
     """The Intake of a sidecar: its tokenizer (inference.text.tokenizer.Tokenizer or None), its LaunchConfig's
     limits and the model facts of rank 0's startup plan."""
-    return Intake(GilFreeTokenizer(tokenizer) if tokenizer is not None else None, int(plan["vocab_size"]),
-                  int(plan["max_model_len"]), config.max_prompt_chars, config.max_request_sequences)
+    return Intake(GilFreeTokenizer(tokenizer) if tokenizer is not None else None, plan.vocab_size,
+                  plan.max_model_len, config.max_prompt_chars, config.max_request_sequences)

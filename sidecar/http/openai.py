@@ -48,10 +48,10 @@ def add_openai_routes(router: APIRouter, state: ServerState) -> None:
 
 def model_card(state: ServerState) -> dict[str, Any]:
     """The served model as /v1/models lists it, with its max_model_len and current weight version."""
-    head = state.driver.statuses[0] if state.driver.statuses else {}
+    head = state.driver.statuses[0] if state.driver.statuses else None
     return {"id": state.served_model_name, "object": "model", "created": int(state.started), "owned_by": "sidecar",
-            "root": str(state.plans[0]["model"]), "max_model_len": int(state.plans[0]["max_model_len"]),
-            "weight_version": head.get("weight_versions", {}).get("target")}
+            "root": state.plans[0].model, "max_model_len": state.plans[0].max_model_len,
+            "weight_version": head.weight_versions.get("target") if head is not None else None}
 
 
 def _refuse_unsupported(body: Any) -> None:
@@ -92,7 +92,7 @@ def render_prompt(state: ServerState, body: Any) -> TokenizedPrompt:
 def chat_params(state: ServerState, body: Any, prompt_len: int) -> SamplingParams:
     """The SamplingParams of a chat body; max_tokens unset takes what max_model_len leaves after the
     prompt (a prompt that leaves nothing is refused, naming messages)."""
-    max_model_len = int(state.plans[0]["max_model_len"])
+    max_model_len = state.plans[0].max_model_len
     data = body.sampling_dict()
     if "max_tokens" not in data:
         if prompt_len >= max_model_len:

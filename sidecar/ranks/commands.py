@@ -1,15 +1,16 @@
-"""What crosses the pipe between the sidecar process and its rank processes, declared in one place.
+"""What crosses the pipes between the sidecar process and its rank processes, declared in one place.
 
-Every command is a frozen dataclass; `reply` is the type of the value each rank answers with (the
-rank server asserts it). The driver (sidecar/ranks/driver.py) sends command objects; the rank server
-(sidecar/ranks/server.py) dispatches them by type through one table to explicit handler code. A
-command that is not in COMMANDS is refused on both sides with UnknownCommandError naming it: no
-method name crosses the pipe, nothing is looked up by name on the far side.
+Every command is a frozen dataclass, sent by the driver (sidecar/ranks/driver.py) to rank 0, whose
+engine loop (sidecar/ranks/server.py) hands every rank the same commands at the same step boundary.
+Queue commands (AddRequests, AbortRequests, SetPaused, Stop) get no reply: rank 0 reports unasked,
+in `Events`, what finished, what it refused and its status. A control command (the rest) gets one
+`Reply` from every rank, whose value is its `reply` type (asserted on the rank). A command not in
+COMMANDS is refused on both sides with UnknownCommandError naming it: no method name crosses.
 
-Also here, because both sides import them: RankSpec (what a rank process is built from), Reply
-(the envelope of every answer: value or error, the rank's status, finished outputs) and ErrorInfo
-(an exception as it travels). Everything here is picklable and torch-free, so the sidecar process
-can unpickle replies without the engine.
+Also here: RankSpec (what a rank is built from), RankPlan (what it reports at startup), RankStatus
+(its state, on every report), Reply and ErrorInfo (an exception as it travels). Everything crossing
+is a typed, picklable value, never a dict read by key: these dataclasses or the engine's own
+(TransitionStats, checksum.Manifest).
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from checksum import Manifest
 from inference.config import EngineConfig
 from inference.core import RequestOutput, SamplingParams, SidecarError
+from inference.memory.sleep import TransitionStats
 
 ErrorKind = Literal["invalid", "state", "checksum", "busy", "transfer", "unavailable", "memory", "internal"]
 WaitMode = Literal["never", "sync", "always"]
@@ -48,14 +51,54 @@ class ErrorInfo:
     index: int | None = None  # which prompt of a request group failed
 
 
+@dataclass(frozen=True)
+class RankStatus:
+    """One rank's state as it reported it last: `arenas` maps each memory arena's tag to its state
+    ("awake", "asleep", ...); `unfinished` counts the requests its engine holds."""
+
+    rank: str
+    pid: int
+    ready: bool
+    sleeping: bool
+    arenas: dict[str, str]
+    weight_versions: dict[str, int]
+    torn: dict[str, bool]
+    loaded: dict[str, bool]
+    unfinished: int
+    gc_frozen: int  # objects frozen once at start (inference/memory/host_heap.py)
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What one rank reports once, at startup: its device memory plan, the model's facts, and the torch
+    thread count it runs with (--threads, or sidecar/ranks/pool.py `rank_threads`)."""
+
+    rank: str
+    pid: int
+    device: str
+    dtype: str
+    weights_bytes: dict[str, int]  # per weights arena tag
+    kv_blocks: int
+    kv_bytes: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    models: tuple[str, ...]
+    model: str
+    draft_model: str | None
+    has_tokenizer: bool
+    num_threads: int
+
+
 @dataclass
 class Reply:
-    """One rank's answer to one command. `finished`: outputs that finished during it (rank 0 only)."""
+    """One rank's answer to one control command. `finished`: outputs that finished during it (rank 0
+    only: a sleep that drained the queue, a step in flight that a weight sync settled)."""
 
     ok: bool
     value: Any = None
     error: ErrorInfo | None = None
-    status: dict[str, Any] = field(default_factory=dict)
+    status: RankStatus | None = None
     finished: list[RequestOutput] = field(default_factory=list)
 
 
@@ -84,14 +127,26 @@ class UnknownCommandError(SidecarError):
         super().__init__(f"{where}: {self.command!r} is not a declared rank command (declared: {declared})")
 
 
-# ---- replies --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class StepResult:
-    """The request groups a Step refused (group id -> why); the same on every rank."""
+@dataclass
+class Events:
+    """What a rank reports unasked at a step boundary (rank 0 at every boundary that has news; another
+    rank only when its step failed). `applied`: the commands rank 0 took from the sidecar process so
+    far; with `stepping` (it steps on) it tells the driver whether it owes news, so that a rank that
+    stopped answering is told from an idle one (sidecar/ranks/driver.py). `steps`: the steps this rank
+    ran (the same count on every rank). `rejected`: request groups refused at admission (group id ->
+    why). `failed`: the last step raised; the requests `dropped` are gone."""
 
+    applied: int
+    stepping: bool
+    steps: int
+    status: RankStatus
+    finished: list[RequestOutput] = field(default_factory=list)
     rejected: dict[str, ErrorInfo] = field(default_factory=dict)
+    failed: ErrorInfo | None = None
+    dropped: tuple[str, ...] = ()
 
 
+# ---- replies --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SyncResult:
     """A passed audit at the end of one weight sync on one rank (a failed one raises instead): the
@@ -141,13 +196,24 @@ class RequestGroup:
 
 
 @dataclass(frozen=True)
-class Step(Command):
-    """Abort `aborts`, add `groups`, then run one engine step when `run` and the engine can step."""
+class AddRequests(Command):
+    """Queue one request group (all or none); it is answered in Events: finished, or rejected."""
 
-    aborts: tuple[str, ...] = ()
-    groups: tuple[RequestGroup, ...] = ()
-    run: bool = False
-    reply: ClassVar[type] = StepResult
+    group: RequestGroup
+
+
+@dataclass(frozen=True)
+class AbortRequests(Command):
+    """Drop these requests (their caller went away); nothing answers them."""
+
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SetPaused(Command):
+    """Stop (or resume) stepping; queued requests wait, control commands still run."""
+
+    paused: bool
 
 
 @dataclass(frozen=True)
@@ -157,19 +223,19 @@ class Stop(Command):
 
 @dataclass(frozen=True)
 class Sleep(Command):
-    """Release device memory. Reply: the rank's TransitionStats as a dict."""
+    """Release device memory. Reply: the rank's TransitionStats."""
 
     level: int = 1
     in_flight: Literal["finish", "hold"] = "finish"  # "finish": run queued requests to the end first
-    reply: ClassVar[type] = dict
+    reply: ClassVar[type] = TransitionStats
 
 
 @dataclass(frozen=True)
 class WakeUp(Command):
-    """Map "weights" and/or "kv_cache" back (None: all). Reply: TransitionStats as a dict."""
+    """Map "weights" and/or "kv_cache" back (None: all). Reply: the rank's TransitionStats."""
 
     tags: tuple[str, ...] | None = None
-    reply: ClassVar[type] = dict
+    reply: ClassVar[type] = TransitionStats
 
 
 @dataclass(frozen=True)
@@ -227,16 +293,19 @@ class ReadManifest(Command):
     """The digests of `model`: "held" (this rank's shards, engine names, digested now) or "received"
     (the last finished sync's full tensors, trainer names). `algorithm`: the digest rule of "held"
     (None: the rank's default, the device rule on a GPU); for "received" it must be the sync's rule, if
-    given. Reply: checksum.Manifest as a dict."""
+    given. Reply: the checksum.Manifest, its torn_reason set while the model is torn (its weight_version
+    is then the live version the bytes are NOT)."""
 
     model: Literal["target", "draft"] = "target"
     source: Literal["held", "received"] = "held"
     algorithm: str | None = None
-    reply: ClassVar[type] = dict
+    reply: ClassVar[type] = Manifest
 
 
-COMMANDS: tuple[type[Command], ...] = (Step, Stop, Sleep, WakeUp, InitWeightTransfer, StartWeightUpdate,
-                                       UpdateWeights, FinishWeightUpdate, AbortWeightUpdate, ReadManifest)
+QUEUE_COMMANDS: tuple[type[Command], ...] = (AddRequests, AbortRequests, SetPaused, Stop)  # the driver's own
+CONTROL_COMMANDS: tuple[type[Command], ...] = (Sleep, WakeUp, InitWeightTransfer, StartWeightUpdate, UpdateWeights,
+                                               FinishWeightUpdate, AbortWeightUpdate, ReadManifest)
+COMMANDS: tuple[type[Command], ...] = QUEUE_COMMANDS + CONTROL_COMMANDS
 
 
 def check_declared(command: object, where: str = "the rank pipe") -> None:

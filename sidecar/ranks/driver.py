@@ -1,22 +1,26 @@
-"""The driver thread: the only user of the rank pool's channels; it turns HTTP calls into SPMD commands.
+"""The driver thread: the only user of the rank pool's pipes. It queues requests on the ranks and
+reads back what they produce; it does not drive their steps.
 
-HTTP handlers never touch the ranks. They `submit` prompts or `call` a declared command
-(sidecar/ranks/commands.py: Sleep, WakeUp, the weight-update commands, ReadManifest) and await a Future.
-The driver thread batches every newly arrived request group and abort into one `Step` command
-(broadcast to every rank; each adds them and runs one llm.step()), resolves the futures of the
-requests rank 0 reports finished, and runs control commands between steps, gathering every rank's
-reply. When there is nothing to do it blocks on a condition variable (no busy loop); while asleep,
-paused or torn, held requests cost nothing.
+HTTP handlers never touch the ranks: they `submit` prompts or `call` a declared control command
+(sidecar/ranks/commands.py) and await a Future. The driver thread sends each request group, abort
+and pause to rank 0 as it comes, and control commands one at a time; the ranks run their own engine
+loop (sidecar/ranks/server.py) and answer: rank 0's Events resolve the futures of finished and
+refused requests, every rank's Reply the control call's. Idle, it waits on the pipes (no busy loop).
 
 Failure rule: a dead or hung rank breaks the pool for good (the SPMD ranks cannot continue without
-it). Every pending and later call then fails at once with a RankError of kind "unavailable" naming
-the rank; /health turns 503. Restarting the sidecar is the recovery.
+it); every pending and later call fails at once with a RankError of kind "unavailable" naming the
+rank, and /health turns 503. Hung: rank 0 owes word (commands it has not reported taking, or it said
+it steps on) and was silent for --step-timeout-s, or a control command went unanswered past its
+timeout; the culprit is named from the processes' states (a stopped rank before a busy one).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import os
+import queue
 import threading
 import time
 from collections import deque
@@ -26,13 +30,16 @@ from typing import Any
 
 from inference.core import RequestOutput, SamplingParams, SidecarError
 from sidecar.ranks.commands import (
+    QUEUE_COMMANDS,
+    AbortRequests,
+    AddRequests,
     Command,
     ErrorInfo,
+    Events,
+    RankStatus,
     Reply,
     RequestGroup,
-    Step,
-    StepResult,
-    Stop,
+    SetPaused,
     UnknownCommandError,
     WaitMode,
     check_declared,
@@ -41,7 +48,7 @@ from sidecar.ranks.pool import RankFailure, RankPool
 
 log = logging.getLogger(__name__)
 
-IDLE_POLL_S = 0.5  # how often an idle driver checks that its ranks are alive
+IDLE_POLL_S = 0.5  # the longest the driver waits without looking at its queues and clocks
 TOKENS_WINDOW_S = 10.0  # tokens/s is measured over this trailing window
 
 
@@ -86,12 +93,17 @@ class _Group:
     def sequences_of(self, request_id: str) -> int:
         return int(self.requests[int(request_id.rsplit("-", 1)[1])][2].n)
 
+    def command(self) -> AddRequests:
+        return AddRequests(RequestGroup(self.group_id, tuple(self.requests), self.wait))
+
 
 @dataclass
 class _Control:
     cmd: Command
     timeout: float
     future: Future
+    deadline: float = 0.0
+    replies: dict[int, Reply] = field(default_factory=dict)
 
 
 class Driver:
@@ -106,8 +118,7 @@ class Driver:
         self.max_queued = max_queued  # sequences
         self.hold_while_asleep = hold_while_asleep
         self._cv = threading.Condition()
-        self._new: list[_Group] = []
-        self._aborts: list[str] = []
+        self._outbox: deque[_Group | Command] = deque()  # queue commands for rank 0, in order
         self._controls: deque[_Control] = deque()
         self._groups: dict[str, _Group] = {}  # group_id -> group, from submit until resolved
         self._owner: dict[str, str] = {}  # request_id -> group_id
@@ -118,16 +129,30 @@ class Driver:
         self._failure_rank: str | None = None  # the rank key the failure names, when one does
         self._queued_sequences = 0  # sum of every group's `pending`
         self._running: _Control | None = None  # the control command on the ranks now
-        self._engine_unfinished = 0
-        self._engine_ready = True
+        # rank 0 owes word while it has not reported taking every command sent, or said it steps on
+        self._sent = 0
+        self._applied = 0
+        self._stepping = False
+        self._heard = time.monotonic()  # when rank 0 last said anything
+        self._steps = 0  # the steps rank 0 reported running
+        self._failed_steps: deque[int] = deque(maxlen=64)  # those of them that raised
+        self._follower_failures: dict[int, tuple[int, str]] = {}  # step -> (rank, why), until rank 0 tells
+        self._wake_r, self._wake_w = os.pipe()  # a new request or command wakes the thread's wait
+        os.set_blocking(self._wake_w, False)
         self.busy: str | None = None  # the name of the control command running now
-        self.statuses: list[dict[str, Any]] = [{} for _ in range(pool.size)]
+        # each rank's last reported status (its startup report until it sends another)
+        self.statuses: list[RankStatus | None] = list(getattr(pool, "startup_statuses", None) or [None] * pool.size)
         self.tokens_total = 0
         self._token_events: deque[tuple[float, int]] = deque()
         self._thread = threading.Thread(target=self._loop, name="sidecar-driver", daemon=True)
+        # Sends run on a thread of their own: a large command must not block the reads (rank 0 may be
+        # sending a large report meanwhile, and waits for us to read it before it reads again).
+        self._outgoing: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_loop, name="sidecar-driver-send", daemon=True)
 
     # ---- entry points (any thread) ------------------------------------------------------------
     def start(self) -> None:
+        self._sender.start()
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -144,8 +169,11 @@ class Driver:
         interrupt = getattr(self.pool, "interrupt", None)
         if interrupt is not None:
             interrupt()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        self._wake()
+        self._outgoing.put(None)
+        for thread in (self._thread, self._sender):
+            if thread.is_alive():
+                thread.join(timeout)
 
     def submit(self, requests: list[tuple[Any, SamplingParams]], wait: bool = True) -> Future:
         """Queue one group of prompts; the future resolves to their RequestOutputs in order, or to a
@@ -169,8 +197,8 @@ class Driver:
             self._queued_sequences += sequences
             self._groups[gid] = group
             self._owner.update((rid, gid) for rid, _, _ in reqs)
-            self._new.append(group)
-            self._cv.notify_all()
+            self._outbox.append(group)
+        self._wake()
         return fut
 
     def abort(self, future: Future) -> None:
@@ -181,35 +209,38 @@ class Driver:
                 return
             self._drop_locked(group)
             if group.sent:
-                self._aborts.extend(rid for rid, _, _ in group.requests)
+                self._outbox.append(AbortRequests(tuple(rid for rid, _, _ in group.requests)))
             else:
-                self._new.remove(group)
+                self._outbox.remove(group)
             future.cancel()
-            self._cv.notify_all()
+        self._wake()
 
     def call(self, cmd: Command, timeout: float | None = None) -> Future:
         """Run the control command `cmd` on every rank between two steps; the future resolves to the
         list of per-rank reply values (each a `type(cmd).reply`, rank order), or a RankError.
-        Raises UnknownCommandError for an undeclared command, and for Step and Stop (the driver's own)."""
-        if isinstance(cmd, (Step, Stop)):
-            raise UnknownCommandError(cmd, "Driver.call (Step and Stop are the driver's own)")
+        Raises UnknownCommandError for an undeclared command, and for the queue commands (the driver's own)."""
+        if isinstance(cmd, QUEUE_COMMANDS):
+            raise UnknownCommandError(cmd, "Driver.call (the queue commands are the driver's own)")
         check_declared(cmd, "Driver.call")
         fut: Future = Future()
         with self._cv:
             if self._refuse_locked(fut):
                 return fut
             self._controls.append(_Control(cmd, timeout or self.rpc_timeout_s, fut))
-            self._cv.notify_all()
+        self._wake()
         return fut
 
     def pause(self) -> None:
         with self._cv:
             self._paused = True
+            self._outbox.append(SetPaused(True))
+        self._wake()
 
     def resume(self) -> None:
         with self._cv:
             self._paused = False
-            self._cv.notify_all()
+            self._outbox.append(SetPaused(False))
+        self._wake()
 
     @property
     def paused(self) -> bool:
@@ -251,99 +282,162 @@ class Driver:
         while self._token_events and self._token_events[0][0] < now - TOKENS_WINDOW_S:
             self._token_events.popleft()
 
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # the pipe is full: the thread has wake-ups pending anyway
+            os.write(self._wake_w, b"!")
+
     # ---- the thread -----------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
-            work = self._next_work()
-            if work is None:
-                return
+            with self._cv:
+                while self._failure is not None and not self._stopping:
+                    self._cv.wait(IDLE_POLL_S)
+                if self._stopping:
+                    return
+                outbox = self._take_outbox_locked()
             try:
-                if isinstance(work, _Control):
-                    self._run_control(work)
-                else:
-                    self._run_step(*work)
+                self._exchange(outbox)
             except RankFailure as e:
-                with self._cv:
-                    self._fail_locked(str(e), e.rank)
+                self._broken(e)
             except Exception as e:  # a bug of ours: fail what was in flight, keep the thread alive
                 log.exception("driver: unexpected error")
                 with self._cv:
                     self._fail_all_locked(RankError(ErrorInfo(type(e).__name__, str(e), "internal")))
 
-    def _next_work(self) -> _Control | tuple[list[_Group], list[str], bool] | None:
-        with self._cv:
-            while True:
-                if self._stopping:
-                    return None
-                if self._failure is None:
-                    if self._controls:
-                        return self._controls.popleft()
-                    run = not self._paused and self._engine_ready
-                    if self._new or self._aborts or (run and self._engine_unfinished):
-                        groups, aborts = self._new, self._aborts
-                        self._new, self._aborts = [], []
-                        for g in groups:
-                            g.sent = True
-                        return groups, aborts, run
-                self._cv.wait(IDLE_POLL_S)
-                if self._failure is None and not self._stopping:
-                    dead = self.pool.dead_rank()
-                    if dead is not None:
-                        self._fail_locked(f"rank {dead[0]} process exited (exit code {dead[1]})", dead[0])
-
-    def _run_step(self, groups: list[_Group], aborts: list[str], run: bool) -> None:
-        cmd = Step(tuple(aborts), tuple(RequestGroup(g.group_id, tuple(g.requests), g.wait) for g in groups), run)
-        replies = self.pool.broadcast(cmd, self.step_timeout_s, "a generation step")
-        failed = _first_error(replies)
-        with self._cv:
-            self._absorb_status(replies)
-            if failed is not None:  # the ranks dropped every request: fail them all
-                self._fail_all_locked(RankError(failed, [r.error for r in replies if r.error]), only_sent=True)
+    def _send_loop(self) -> None:
+        while True:
+            cmd = self._outgoing.get()
+            if cmd is None:
                 return
-            value: StepResult = replies[0].value
-            for gid, err in value.rejected.items():
+            try:
+                self.pool.send(cmd)
+            except RankFailure as e:
+                self._broken(e)
+            except Exception as e:  # a bug of ours (an unpicklable command, say): the ranks cannot go on
+                log.exception("driver: sending %s failed", type(cmd).__name__)
+                self._broken(RankFailure(f"sending {type(cmd).__name__} to rank 0 failed: {e}", 0))
+
+    def _broken(self, e: RankFailure) -> None:
+        """The pool failed for good: fail every call, the control command on the ranks included."""
+        with self._cv:
+            self._fail_locked(str(e), e.rank)
+            running, self._running, self.busy = self._running, None, None
+        if running is not None:
+            _settle(running.future, error=unavailable(str(e), self._rank_key(e.rank)))
+
+    def _take_outbox_locked(self) -> list[Command]:
+        """The queue commands to send now, then the next control command if none runs."""
+        commands: list[Command] = []
+        while self._outbox:
+            item = self._outbox.popleft()
+            if isinstance(item, _Group):
+                item.sent = True
+                commands.append(item.command())
+            else:
+                commands.append(item)
+        while self._running is None and self._controls:
+            ctl = self._controls.popleft()
+            if ctl.future.set_running_or_notify_cancel():
+                ctl.deadline = time.monotonic() + ctl.timeout
+                self._running, self.busy = ctl, type(ctl.cmd).__name__
+                commands.append(ctl.cmd)
+        return commands
+
+    def _exchange(self, commands: list[Command]) -> None:
+        """Send `commands` to rank 0, wait for word from any rank (or a wake-up), and absorb it."""
+        for cmd in commands:
+            self._outgoing.put(cmd)
+        self._sent += len(commands)  # owed from now: a rank 0 that stopped reading is silent too
+        messages = self.pool.receive(self._wait_s(), self._wake_r)
+        for rank, message in messages:
+            if rank == 0:
+                self._heard = time.monotonic()
+            if isinstance(message, Events):
+                self._absorb_events(rank, message)
+            elif isinstance(message, Reply):
+                self._absorb_reply(rank, message)
+            else:
+                raise RankFailure(f"rank {rank} sent {type(message).__name__}, which is no reply", rank)
+        self._check_clocks()
+
+    def _owes_word(self) -> bool:
+        return self._running is None and (self._applied < self._sent or self._stepping)
+
+    def _wait_s(self) -> float:
+        now = time.monotonic()
+        if self._running is not None:
+            return max(0.0, min(IDLE_POLL_S, self._running.deadline - now))
+        if self._owes_word():
+            return max(0.0, min(IDLE_POLL_S, self._heard + self.step_timeout_s - now))
+        return IDLE_POLL_S
+
+    def _check_clocks(self) -> None:
+        now = time.monotonic()
+        running = self._running
+        if running is not None and now >= running.deadline:
+            pending = [r for r in range(self.pool.size) if r not in running.replies]
+            raise self.pool.timed_out(pending, type(running.cmd).__name__, running.timeout)
+        if self._owes_word() and now - self._heard >= self.step_timeout_s:
+            raise self.pool.timed_out(list(range(self.pool.size)), "a generation step", self.step_timeout_s)
+
+    def _absorb_events(self, rank: int, events: Events) -> None:
+        if rank != 0:  # another rank speaks up only when its step failed: fine if rank 0's failed too
+            info = events.failed
+            why = f"{info.type}: {info.message}" if info is not None else "an unexpected report"
+            self._follower_failures[events.steps] = (rank, why)
+            self._check_follower_failures()
+            return
+        self._steps = events.steps
+        if events.failed is not None:
+            self._failed_steps.append(events.steps)
+        self._check_follower_failures()
+        with self._cv:
+            self._applied, self._stepping = events.applied, events.stepping
+            self.statuses[0] = events.status
+            for gid, err in events.rejected.items():
                 group = self._groups.get(gid)
                 if group is not None:
                     self._drop_locked(group)
-                    if not group.future.done():  # an awaiting HTTP task may have been cancelled
-                        group.future.set_exception(RankError(err))
-            self._resolve_locked(replies[0].finished)
+                    _settle(group.future, error=RankError(err))  # an awaiting HTTP task may have been cancelled
+            self._resolve_locked(events.finished)
+            if events.failed is not None:  # rank 0 dropped every request it held: fail their groups
+                error = RankError(events.failed)
+                for gid in dict.fromkeys(rid.rsplit("-", 1)[0] for rid in events.dropped):
+                    group = self._groups.get(gid)
+                    if group is not None:
+                        self._drop_locked(group)
+                        _settle(group.future, error=error)
 
-    def _run_control(self, ctl: _Control) -> None:
-        if not ctl.future.set_running_or_notify_cancel():
-            return
-        what = type(ctl.cmd).__name__
-        self.busy = what
+    def _check_follower_failures(self) -> None:
+        """A step that raised on another rank but not on rank 0 (once rank 0 reported past it): the ranks
+        no longer hold the same requests, and cannot go on."""
+        for step, (rank, why) in list(self._follower_failures.items()):
+            if step in self._failed_steps:
+                del self._follower_failures[step]  # every rank dropped the same requests
+            elif self._steps >= step:
+                raise RankFailure(f"rank {rank} failed step {step} ({why}) and rank 0 did not: the ranks no longer "
+                                  "hold the same requests", rank)
+
+    def _absorb_reply(self, rank: int, reply: Reply) -> None:
+        running = self._running
+        if running is None or rank in running.replies:
+            raise RankFailure(f"rank {rank} answered a control command that is not running", rank)
+        running.replies[rank] = reply
         with self._cv:
-            self._running = ctl
-        try:
-            replies = self.pool.broadcast(ctl.cmd, ctl.timeout, what)
-        except RankFailure as e:
-            _settle(ctl.future, error=unavailable(str(e), self._rank_key(e.rank)))
-            raise
-        finally:
-            self.busy = None
-            with self._cv:
-                self._running = None
-        with self._cv:
-            self._absorb_status(replies)
-            self._resolve_locked(replies[0].finished)
-        failed = _first_error(replies)
+            if reply.status is not None:
+                self.statuses[rank] = reply.status
+            self._resolve_locked(reply.finished)
+            if len(running.replies) < self.pool.size:
+                return
+            self._running, self.busy = None, None
+        replies = [running.replies[r] for r in range(self.pool.size)]
+        failed = next((r.error for r in replies if not r.ok), None)
         if failed is not None:
-            _settle(ctl.future, error=RankError(failed, [r.error for r in replies if r.error]))
+            _settle(running.future, error=RankError(failed, [r.error for r in replies if r.error]))
         else:
-            _settle(ctl.future, [r.value for r in replies])
+            _settle(running.future, [r.value for r in replies])
 
     # ---- bookkeeping (caller holds the lock) ----------------------------------------------------
-    def _absorb_status(self, replies: list[Reply]) -> None:
-        for i, r in enumerate(replies):
-            if r.status:
-                self.statuses[i] = r.status
-        head = replies[0].status
-        if head:
-            self._engine_unfinished = int(head.get("unfinished", 0))
-            self._engine_ready = bool(head.get("ready", True))
-
     def _resolve_locked(self, finished: list[RequestOutput]) -> None:
         if finished:
             now = time.monotonic()
@@ -383,7 +477,7 @@ class Driver:
 
     def _rank_key(self, rank: int | None) -> str | None:
         plans = getattr(self.pool, "plans", None) or []
-        return str(plans[rank]["rank"]) if rank is not None and 0 <= rank < len(plans) else None
+        return plans[rank].rank if rank is not None and 0 <= rank < len(plans) else None
 
     def _fail_locked(self, message: str, rank: int | None = None) -> None:
         if self._failure is None:
@@ -392,22 +486,15 @@ class Driver:
             self._failure, self._failure_rank = message, self._rank_key(rank)
         self._fail_all_locked(unavailable(self._failure, self._failure_rank))
 
-    def _fail_all_locked(self, error: RankError, only_sent: bool = False) -> None:
-        """Fail every pending group and control call (only_sent: just the groups the ranks held)."""
+    def _fail_all_locked(self, error: RankError) -> None:
+        """Fail every pending group and control call."""
         for group in list(self._groups.values()):
-            if only_sent and not group.sent:
-                continue
             self._drop_locked(group)
             if not group.future.done():
                 group.future.set_exception(error)
-        if not only_sent:
-            self._new = []
-            while self._controls:
-                ctl = self._controls.popleft()
-                if not ctl.future.done():
-                    ctl.future.set_exception(error)
+        self._outbox.clear()
+        while self._controls:
+            ctl = self._controls.popleft()
+            if not ctl.future.done():
+                ctl.future.set_exception(error)
         self._cv.notify_all()
-
-
-def _first_error(replies: list[Reply]) -> ErrorInfo | None:
-    return next((r.error for r in replies if not r.ok), None)

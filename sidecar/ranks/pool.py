@@ -1,19 +1,17 @@
 """Tensor-parallel worker processes: one spawned process per rank, each running its own LLM (SPMD).
 
-Parent side: `RankPool` starts the processes, owns one Pipe per rank, broadcasts a command to every
-rank and gathers every reply, with a timeout on every wait and the process sentinels watched, so a
+Parent side: `RankPool` starts the processes and owns one Pipe per rank: it sends every command to
+rank 0 (`send`) and reads what any rank says (`receive`), with the process sentinels watched, so a
 dead rank is reported (RankFailure, naming it) instead of waited for. Rank side: `rank_main` builds
-the TP group (gloo on CPU, NCCL on CUDA, device cuda:<rank>) and the LLM, reports its memory plan,
-then serves the declared commands (sidecar/ranks/commands.py, sidecar/ranks/server.py) until told to stop
-or the parent goes away.
+the TP group (gloo on CPU, NCCL on CUDA, device cuda:<rank>) and the LLM, reports its plan, then
+runs its engine loop (sidecar/ranks/server.py) until told to stop or the parent goes away. Rank 0
+holds a one-way pipe to every other rank, over which it hands on the commands of each step boundary.
 
-A timeout names its culprit from the processes' states (`_timed_out`): a stopped or exited rank
+A timeout names its culprit from the processes' states (`timed_out`): a stopped or exited rank
 before a busy one, a busy one before one that only waits; `interrupt()` ends a wait at once when the
 sidecar stops (a stalled weight sync must not hold the shutdown for its timeout).
 
-Invariants: commands reach every rank in the same order (the engine is SPMD, see
-docs/architecture.md), and a command's replies are all read before the next command is sent; a
-pool that broke that rule (a timeout, a dead rank) is `broken` for good and refuses every command.
+Invariant: a pool that failed (a timeout, a dead rank) is `broken` for good and refuses every command.
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ from typing import Any
 
 from inference.core import SidecarError
 from sidecar.config import LaunchConfig, engine_config
-from sidecar.ranks.commands import Command, RankSpec, Reply, Stop, check_declared
+from sidecar.ranks.commands import Command, RankPlan, RankSpec, RankStatus, Reply, Stop, check_declared
 from sidecar.ranks.server import rank_main
 
 log = logging.getLogger(__name__)
@@ -81,10 +79,11 @@ class RankPool:
         self.size = cfg.tp
         self.device = device
         self.broken: str | None = None
-        self.plans: list[dict[str, Any]] = []
-        self.startup_statuses: list[dict[str, Any]] = []  # each rank's status as it reported at startup
+        self.plans: list[RankPlan] = []
+        self.startup_statuses: list[RankStatus | None] = []  # each rank's status as it reported at startup
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
+        self._peer_ends: list[Connection] = []  # rank 0 -> rank r pipes, this process's copies until spawned
         self._wake_r, self._wake_w = os.pipe()  # interrupt() makes a gather return at once
         threads = rank_threads(cfg.threads, device, self.size)
         port = free_port() if self.size > 1 else 0
@@ -95,16 +94,23 @@ class RankPool:
                        for r in range(self.size)]
 
     # ---- lifecycle --------------------------------------------------------------------------
-    def start(self) -> list[dict[str, Any]]:
+    def start(self) -> list[RankPlan]:
         """Spawn every rank and wait for each to report its memory plan (RankFailure otherwise)."""
         ctx = mp.get_context("spawn")
+        peers = [ctx.Pipe(duplex=False) for _ in self._specs[1:]]  # (rank r's end, rank 0's end)
+        self._peer_ends = [end for pair in peers for end in pair]
         for spec in self._specs:
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=rank_main, args=(spec, child), name=f"sidecar-rank{spec.rank}")
+            followers = tuple(send for _, send in peers) if spec.rank == 0 else ()
+            leader = peers[spec.rank - 1][0] if spec.rank > 0 else None
+            proc = ctx.Process(target=rank_main, args=(spec, child, followers, leader), name=f"sidecar-rank{spec.rank}")
             proc.start()
             child.close()  # the parent keeps only its end, so a dead rank reads as EOF
             self._procs.append(proc)
             self._conns.append(parent)
+        for end in self._peer_ends:  # only the ranks hold them: a dead rank 0 reads as EOF on the others
+            end.close()
+        self._peer_ends = []
         replies = self._gather(self.cfg.startup_timeout_s, "startup")
         failed = [(r, rep) for r, rep in enumerate(replies) if not rep.ok]
         if failed:
@@ -113,7 +119,7 @@ class RankPool:
             self.broken = f"rank {rank} failed to start"
             raise RankFailure(f"rank {rank} failed to start: {rep.error.type}: {rep.error.message}", rank)
         self.plans = [rep.value for rep in replies]
-        self.startup_statuses = [dict(rep.status) for rep in replies]
+        self.startup_statuses = [rep.status for rep in replies]
         return self.plans
 
     def close(self, timeout: float = JOIN_TIMEOUT_S) -> None:
@@ -124,10 +130,9 @@ class RankPool:
         """
         if self.broken is not None:
             timeout = min(timeout, BROKEN_JOIN_TIMEOUT_S)
-        for conn, proc in zip(self._conns, self._procs):
-            if proc.is_alive():
-                with contextlib.suppress(OSError):  # it died meanwhile; reaped below
-                    conn.send(Stop())
+        if self._conns and self._procs[0].is_alive():  # rank 0 hands it on; the others also stop at EOF
+            with contextlib.suppress(OSError):  # it died meanwhile; reaped below
+                self._conns[0].send(Stop())
         deadline = time.monotonic() + timeout
         for proc in self._procs:
             proc.join(max(0.0, deadline - time.monotonic()))
@@ -166,17 +171,43 @@ class RankPool:
         return None
 
     # ---- commands ---------------------------------------------------------------------------
-    def broadcast(self, cmd: Command, timeout: float, what: str) -> list[Reply]:
-        """Send `cmd` to every rank and return every rank's reply, in rank order."""
-        check_declared(cmd, "RankPool.broadcast")
+    def send(self, cmd: Command) -> None:
+        """Send `cmd` to rank 0, which hands it to every rank at its next step boundary."""
+        check_declared(cmd, "RankPool.send")
         if self.broken is not None:
             raise RankFailure(f"the rank processes cannot serve: {self.broken}")
+        try:
+            self._conns[0].send(cmd)
+        except OSError as e:
+            raise self._fail(f"rank 0 is gone ({e}) while sending {type(cmd).__name__}", 0) from e
+
+    def receive(self, timeout: float, wake_fd: int | None = None) -> list[tuple[int, Any]]:
+        """Every message any rank has sent, as (rank, message) in each rank's order; waits up to
+        `timeout` for the first (or for `wake_fd` to turn readable, which it drains). RankFailure when
+        a rank died or the sidecar is stopping."""
+        if self.broken is not None:
+            raise RankFailure(f"the rank processes cannot serve: {self.broken}")
+        extra = [self._wake_r] + ([wake_fd] if wake_fd is not None else [])
+        ready = wait([*self._conns, *(p.sentinel for p in self._procs), *extra], timeout=timeout)
+        if self._wake_r in ready:
+            raise self._fail("the sidecar is stopping: stopped waiting for the ranks", None)
+        if wake_fd is not None and wake_fd in ready:
+            os.read(wake_fd, 4096)
+        messages: list[tuple[int, Any]] = []
         for rank, conn in enumerate(self._conns):
             try:
-                conn.send(cmd)
-            except OSError as e:
-                raise self._fail(f"rank {rank} is gone ({e}) while sending {what}", rank) from e
-        return self._gather(timeout, what)
+                while conn.poll():
+                    messages.append((rank, conn.recv()))
+            except (EOFError, OSError):
+                raise self._fail(self._death(rank, "its engine loop"), rank) from None
+        for rank, proc in enumerate(self._procs):
+            if proc.sentinel in ready:
+                raise self._fail(self._death(rank, "its engine loop"), rank)
+        return messages
+
+    def timed_out(self, pending: list[int], what: str, timeout: float) -> RankFailure:
+        """The failure of ranks `pending` not answering `what` within `timeout` (the pool breaks)."""
+        return self._timed_out(pending, what, timeout)
 
     def _gather(self, timeout: float, what: str) -> list[Reply]:
         replies: dict[int, Reply] = {}

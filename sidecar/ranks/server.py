@@ -1,19 +1,17 @@
-"""The rank side of sidecar/ranks/pool.py: one TP rank's process, its LLM, and the command loop.
+"""The rank side of sidecar/ranks/pool.py: one TP rank's process, its LLM, and its engine loop.
 
-Commands (sidecar/ranks/commands.py) arrive over the Pipe in the same order on every rank and are
-dispatched by their type through one table (`RankServer.handlers`) to the handler below; a message
-the table does not hold is refused with UnknownCommandError naming it. `Step` aborts, adds the new
-request groups (a group is all-or-nothing: the prompts of one HTTP call, already tokenized by the
-sidecar process; one the engine cannot serve now is refused or held as its `wait` says) and runs one
-llm.step(); every rank returns the rejected groups (the same on every rank: validation is
-deterministic), rank 0 also the finished RequestOutputs. `Stop` ends the loop without a reply.
-Every reply carries this rank's status (sleep state per tag, weight versions, torn flags), so the
-parent always has a fresh snapshot without asking. Exceptions travel back as ErrorInfo. What the
-weights are (versions, torn, received manifests) and whether a step may run are asked of the engine
-(`worker.weights`, `worker.is_ready()`) at each use; this server keeps no copy.
-
-The engine's modules (torch, the LLM) are imported inside the functions that run on the rank: the
-sidecar process imports this module for `rank_main` and stays free of them.
+`RankServer.serve` is the loop: at each step boundary it applies the commands that arrived
+(sidecar/ranks/commands.py) in order, then runs one llm.step() when the engine has work, is ready
+and is not paused; with nothing to do it blocks on its pipe. Rank 0 reads the sidecar process's pipe
+and hands each boundary's commands to every other rank over a pipe of its own, so all ranks apply
+the same commands at the same boundary and take the same steps (SPMD). Queue commands add request
+groups (all or nothing, already tokenized; one the engine cannot serve now is refused or held as its
+`wait` says), abort requests or pause. Control commands run between steps, never mid-step, through
+one table (`RankServer.handlers`); every rank answers each with a Reply carrying its status. Rank 0
+reports finished outputs, refused groups and its status in `Events` after each boundary with news,
+and at least every HEARTBEAT_S while it steps. What the weights are and whether a step may run are
+asked of the engine (`worker.weights`, `worker.is_ready()`) at each use; this server keeps no copy.
+The engine's modules (torch, the LLM) are imported inside the functions that run on the rank.
 """
 
 from __future__ import annotations
@@ -28,23 +26,29 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
+from checksum import Manifest
 from inference.core import InvalidRequestError, RequestOutput, StateError
 from inference.memory.host_heap import freeze_startup_heap
+from inference.memory.sleep import TransitionStats
 from sidecar.child_process import die_with_parent
 from sidecar.ranks.commands import (
+    AbortRequests,
     AbortWeightUpdate,
+    AddRequests,
     Command,
     ErrorInfo,
+    Events,
     FinishWeightUpdate,
     InitWeightTransfer,
+    RankPlan,
     RankSpec,
+    RankStatus,
     ReadManifest,
     Reply,
     RequestGroup,
+    SetPaused,
     Sleep,
     StartWeightUpdate,
-    Step,
-    StepResult,
     Stop,
     SyncResult,
     TokenizedPrompt,
@@ -56,11 +60,14 @@ from sidecar.ranks.commands import (
 )
 
 log = logging.getLogger(__name__)
-MAX_WEIGHT_VERSION = 2**63 - 1  # an int64, as trainers count steps and metrics carry it
+
+HEARTBEAT_S = 0.25  # rank 0 reports at least this often while it steps: the driver's sign of life
 
 
-def rank_main(spec: RankSpec, conn: Connection) -> None:
-    """Entry point of a rank process (multiprocessing spawn)."""
+def rank_main(spec: RankSpec, conn: Connection, followers: tuple[Connection, ...] = (),
+              leader: Connection | None = None) -> None:
+    """Entry point of a rank process (multiprocessing spawn). Rank 0 gets the sending ends of a pipe to
+    every other rank (`followers`); each other rank the receiving end of its own (`leader`)."""
     die_with_parent(spec.parent_pid, signal.SIGKILL)  # else the closed Pipe ends the command loop
     # Ctrl-C in a terminal signals the whole process group: the parent decides how the ranks stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -68,7 +75,7 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
                         format=f"%(asctime)s rank{spec.rank} %(levelname)s %(name)s: %(message)s")
     try:
         llm = _build_llm(spec)
-        server = RankServer(llm, conn, spec.rank)
+        server = RankServer(llm, conn, spec.rank, followers=followers, leader=leader)
         server.gc_frozen = freeze_startup_heap().objects
         conn.send(Reply(True, server.plan(), status=server.status()))
     except BaseException as e:
@@ -134,33 +141,33 @@ def error_info(e: BaseException, rank: str | None = None, index: int | None = No
     return ErrorInfo(name, str(e) or name, "internal", None, rank, index)
 
 
-def check_version(version: object, live: int | None, model: str) -> None:
-    """A sync's version is an integer in (live, MAX_WEIGHT_VERSION]: versions only grow, so a version
-    names one set of weights and outputs tagged with it can be traced back to them (InvalidRequestError
-    naming `version` otherwise)."""
-    if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version <= MAX_WEIGHT_VERSION:
-        raise InvalidRequestError("version", f"must be an integer in [0, 2**63 - 1], got {version!r}")
-    if live is not None and version <= live:
-        raise InvalidRequestError("version", f"{version} is not newer than the live {model} version {live}: "
-                                             f"versions only grow; send {live + 1} or more")
-
-
 class RankServer:
-    """Serves one rank's commands; `request_ids` are the requests this rank's engine still holds.
+    """Runs one rank's engine loop; `request_ids` are the requests this rank's engine still holds.
 
-    `handlers` is the command table: every command of sidecar/ranks/commands.py except Stop (which ends
-    `serve`) maps to one method here, and nothing else is dispatched.
+    `handlers` is the table of control commands: each maps to one method here, and nothing else is
+    dispatched. Rank 0 has `followers` (pipes to the other ranks); another rank has its `leader`.
     """
 
-    def __init__(self, llm: Any, conn: Connection, rank: int) -> None:
+    def __init__(self, llm: Any, conn: Connection, rank: int, *, followers: tuple[Connection, ...] = (),
+                 leader: Connection | None = None) -> None:
         self.llm = llm
+        self.weights = llm.worker.weights  # a sync runs through the engine's WeightUpdater directly
         self.conn = conn
         self.rank = rank
+        self.followers = followers
+        self.leader = leader
         self.request_ids: set[str] = set()
-        self._finished: list[RequestOutput] = []  # finished by the current command's steps, not yet sent
+        self.paused = False
+        self.applied = 0  # commands taken from the sidecar process (rank 0)
+        self.steps = 0  # steps run (the same count on every rank)
         self.gc_frozen = 0  # objects rank_main froze once this server was built (inference/memory/host_heap.py)
+        self._forward: list[Command] = []  # rank 0: commands of its own for the next boundary
+        self._rejected: dict[str, ErrorInfo] = {}
+        self._will_step = False  # can_step() as of the end of the last boundary (no command since)
+        self._reported_stepping = False
+        self._last_report = 0.0
         self.handlers: dict[type[Command], Callable[[Any], Any]] = {
-            Step: self._step, Sleep: self._sleep, WakeUp: self._wake_up,
+            Sleep: self._sleep, WakeUp: self._wake_up,
             InitWeightTransfer: self._init_weight_transfer, StartWeightUpdate: self._start_weight_update,
             UpdateWeights: self._update_weights, FinishWeightUpdate: self._finish_weight_update,
             AbortWeightUpdate: self._abort_weight_update, ReadManifest: self._read_manifest,
@@ -168,18 +175,93 @@ class RankServer:
 
     # ---- the loop ---------------------------------------------------------------------------
     def serve(self) -> None:
+        """Step while there is work; apply the commands of each boundary first. Returns at Stop, or
+        when the sidecar process (or, on another rank, rank 0) is gone."""
         while True:
-            try:
-                cmd = self.conn.recv()
-            except (EOFError, OSError):
-                log.warning("rank %d: the sidecar process is gone; exiting", self.rank)
+            commands = self._boundary()
+            if commands is None:
+                log.warning("rank %d: its command pipe closed (the sidecar process or rank 0 is gone); exiting",
+                            self.rank)
                 return
-            if isinstance(cmd, Stop):
-                return
+            for cmd in commands:
+                if isinstance(cmd, Stop):
+                    return
+                self.apply(cmd)
+            self.step(bool(commands))
+
+    def can_step(self) -> bool:
+        """Whether this boundary runs a step: the same answer on every rank (their states are SPMD)."""
+        return not self.paused and self.llm.has_unfinished() and self.llm.worker.is_ready()
+
+    def _boundary(self) -> list[Command] | None:
+        """The commands every rank applies at this boundary, in order (None: the sender is gone). Rank 0
+        takes what arrived (waiting only while it has no step to run) and hands it on."""
+        try:
+            if self.leader is not None:
+                return list(self.leader.recv())
+            commands, self._forward = self._forward, []
+            if not commands and not self._will_step:
+                commands.append(self.conn.recv())  # nothing to do until the sidecar process sends
+                self.applied += 1
+            while self.conn.poll():
+                commands.append(self.conn.recv())
+                self.applied += 1
+            for follower in self.followers:
+                follower.send(tuple(commands))
+        except (EOFError, OSError):
+            return None
+        return commands
+
+    def apply(self, cmd: object) -> None:
+        """One command at a step boundary: a queue command here, a control command through the table
+        (every rank answers it)."""
+        if type(cmd) is AddRequests:
+            error = self._add_group(cmd.group)
+            if error is not None:
+                self._rejected[cmd.group.group_id] = error
+        elif type(cmd) is AbortRequests:
+            for rid in cmd.request_ids:
+                self.llm.abort(rid)
+                self.request_ids.discard(rid)
+        elif type(cmd) is SetPaused:
+            self.paused = cmd.paused
+        else:
             self._send(self.handle(cmd))
 
+    def step(self, news: bool = False) -> None:
+        """Run one engine step if this boundary may; rank 0 then reports what there is to tell (`news`:
+        it took commands at this boundary, so the driver awaits word of them). A step that raises
+        drops every request (the engine's state is suspect) and every rank says so: the driver fails
+        those requests when rank 0 failed that step too, else the ranks no longer hold the same
+        requests and it breaks the pool."""
+        finished: list[RequestOutput] = []
+        failed, dropped = None, ()
+        if self._will_step if not news else self.can_step():
+            self.steps += 1
+            try:
+                finished = self.llm.step()
+            except Exception as e:
+                log.exception("rank %d: a step failed; dropping every request", self.rank)
+                failed, dropped = error_info(e, self.rank_key), tuple(sorted(self.request_ids))
+                self._abort_all()
+                if self.followers:  # the others drop them too, at the next boundary
+                    self._forward.append(AbortRequests(dropped))
+        finished = self._take_finished(finished)
+        stepping = self._will_step = self.can_step()
+        if self.rank != 0:
+            if failed is not None:
+                self.conn.send(Events(self.applied, False, self.steps, self.status(), failed=failed, dropped=dropped))
+            return
+        now = time.monotonic()
+        if (news or finished or self._rejected or failed is not None or stepping != self._reported_stepping
+                or (stepping and now - self._last_report >= HEARTBEAT_S)):
+            rejected, self._rejected = self._rejected, {}
+            self.conn.send(Events(self.applied, stepping, self.steps, self.status(), finished, rejected, failed,
+                                  dropped))
+            self._reported_stepping, self._last_report = stepping, now
+
     def handle(self, cmd: object) -> Reply:
-        """Run one command through the table; any failure becomes the reply's ErrorInfo."""
+        """Run one control command through the table; any failure becomes the reply's ErrorInfo."""
         try:
             handler = self.handlers.get(type(cmd))  # exact type: a subclass is not declared
             if handler is None:
@@ -201,23 +283,6 @@ class RankServer:
                                                         "internal", None, self.rank_key), status=reply.status))
 
     # ---- generation -------------------------------------------------------------------------
-    def _step(self, cmd: Step) -> StepResult:
-        for rid in cmd.aborts:
-            self.llm.abort(rid)
-            self.request_ids.discard(rid)
-        rejected = {}
-        for group in cmd.groups:
-            error = self._add_group(group)
-            if error is not None:
-                rejected[group.group_id] = error
-        if cmd.run and self.request_ids and self.llm.worker.is_ready():
-            try:
-                self._finished += self.llm.step()
-            except Exception:
-                self._abort_all()  # the engine's state is suspect: drop every request, report the error
-                raise
-        return StepResult(rejected)
-
     def _add_group(self, group: RequestGroup) -> ErrorInfo | None:
         try:
             self._admit(group.wait)
@@ -256,9 +321,10 @@ class RankServer:
         if llm.worker.weights.needs_trainer():  # torn, or waiting for a first sync
             llm.check_ready()
 
-    def _take_finished(self) -> list[RequestOutput]:
-        """What finished in this command: its steps' outputs, then those sleep() drained."""
-        outs, self._finished = self._finished + self.llm.take_finished(), []
+    def _take_finished(self, stepped: list[RequestOutput] | None = None) -> list[RequestOutput]:
+        """What finished: a step's outputs, then those finished outside a step (a sleep's drain, the
+        step in flight a weight sync settled); reported by rank 0 only."""
+        outs = (stepped or []) + self.llm.take_finished()
         for out in outs:
             self.request_ids.discard(out.request_id)
         return outs if self.rank == 0 else []
@@ -269,24 +335,17 @@ class RankServer:
         self.request_ids.clear()
 
     # ---- control commands -------------------------------------------------------------------
-    def _sleep(self, cmd: Sleep) -> dict[str, Any]:
-        return dict(self.llm.sleep(cmd.level, cmd.in_flight).as_dict())
+    def _sleep(self, cmd: Sleep) -> TransitionStats:
+        return self.llm.sleep(cmd.level, cmd.in_flight)
 
-    def _wake_up(self, cmd: WakeUp) -> dict[str, Any]:
-        return dict(self.llm.wake_up(list(cmd.tags) if cmd.tags is not None else None).as_dict())
+    def _wake_up(self, cmd: WakeUp) -> TransitionStats:
+        return self.llm.wake_up(list(cmd.tags) if cmd.tags is not None else None)
 
     def _init_weight_transfer(self, cmd: InitWeightTransfer) -> None:
-        self.llm.worker.init_weight_transfer_engine(cmd.info)
+        self.weights.init_transfer(cmd.info)
 
     def _start_weight_update(self, cmd: StartWeightUpdate) -> None:
-        live = self.llm.worker.weights.versions.get(cmd.model)
-        check_version(cmd.version, live, cmd.model)
-        if cmd.model == "target":
-            self.llm.start_weight_update(cmd.version, cmd.manifest, allow_cast=cmd.allow_cast)
-        elif cmd.model == "draft":
-            self.llm.start_draft_weight_update(cmd.version, cmd.manifest, allow_cast=cmd.allow_cast)
-        else:
-            raise InvalidRequestError("model", f"must be 'target' or 'draft', got {cmd.model!r}")
+        self.weights.start(cmd.model, cmd.version, cmd.manifest, allow_cast=cmd.allow_cast)
 
     def _update_weights(self, cmd: UpdateWeights) -> UpdateReply:
         begin = time.perf_counter()
@@ -298,14 +357,14 @@ class RankServer:
             except Exception as e:
                 # The trainer's send() waits in the plan agreement: refuse it, so it fails now, not at its timeout.
                 try:
-                    self.llm.worker.weights.refuse_update()
+                    self.weights.refuse_update()
                 except Exception as refusal:  # the group is broken now; the start's error is the answer
                     log.warning("rank %d: refusing the update after its failed start failed too: %s", self.rank,
                                 refusal)
                     e.add_note(f"refusing the sender's plan agreement failed too: {refusal}")
                 raise
             start_s = time.perf_counter() - t0
-        delivered = self.llm.update_weights(cmd.info, digests_follow=cmd.finish)
+        delivered = self.weights.update(cmd.info, digests_follow=cmd.finish)
         result = self._finish(delivered) if cmd.finish else None
         return UpdateReply(start_s, result, time.perf_counter() - begin)
 
@@ -315,34 +374,32 @@ class RankServer:
     def _finish(self, digests: Any) -> SyncResult:
         # The audit is the whole of finish; nobody reads a held manifest here (GET /checksums digests afresh).
         t0 = time.perf_counter()
-        result = self.llm.finish_weight_update(digests, held_manifest=False)
+        result = self.weights.finish(digests, held_manifest=False)
         audit_s = time.perf_counter() - t0
         report = result.report
         return SyncResult(result.model, result.version, result.rank, report.ok, report.summary(),
                           report.tensors_checked, result.received.algorithm, audit_s)
 
     def _abort_weight_update(self, cmd: AbortWeightUpdate) -> bool:
-        weights = self.llm.worker.weights
+        weights = self.weights
         was_open = any(weights.state(m)["session_open"] for m in weights.versions)
         weights.abort(cmd.reason)
         return was_open
 
-    def _read_manifest(self, cmd: ReadManifest) -> dict[str, Any]:
-        """A manifest of `cmd.model`; when the updater says the model is torn it carries `torn: true` and
-        `torn_reason`, and its weight_version is then the live version the bytes are NOT."""
-        weights = self.llm.worker.weights
+    def _read_manifest(self, cmd: ReadManifest) -> Manifest:
+        """A manifest of `cmd.model`; while the updater says the model is torn it carries the torn_reason,
+        and its weight_version is then the live version the bytes are NOT."""
+        weights = self.weights
         if cmd.source == "held":
-            out = dict(weights.held_manifest(cmd.model, cmd.algorithm).to_dict())
+            manifest = weights.held_manifest(cmd.model, cmd.algorithm)
         elif cmd.source == "received":
-            out = dict(weights.received_manifest(cmd.model, cmd.algorithm).to_dict())
+            manifest = weights.received_manifest(cmd.model, cmd.algorithm)
         else:
             raise InvalidRequestError("source", f"must be 'held' or 'received', got {cmd.source!r}")
         state = weights.state(cmd.model)
-        if state["torn"]:
-            out["torn"], out["torn_reason"] = True, state["torn_reason"]
-        return out
+        return dataclasses.replace(manifest, torn_reason=state["torn_reason"]) if state["torn"] else manifest
 
-    def plan(self) -> dict[str, Any]:
+    def plan(self) -> RankPlan:
         """This rank's device memory plan and model facts (reported once, at startup), and the torch
         thread count it runs with (--threads, or the default of sidecar/ranks/pool.py `rank_threads`)."""
         import torch
@@ -352,35 +409,33 @@ class RankServer:
         llm, worker = self.llm, self.llm.worker
         mem = worker.memory
         assert mem is not None
-        return {
-            "rank": self.rank_key, "pid": os.getpid(), "device": str(worker.device),
-            "dtype": str(worker.dtype).removeprefix("torch."),
-            "weights_bytes": {t: mem.arena(t).nbytes for t in WEIGHT_TAGS if t in mem.tags},
-            "kv_blocks": worker.num_blocks, "kv_bytes": mem.arena(KV_TAG).nbytes if KV_TAG in mem.tags else 0,
-            "block_size": llm.config.cache.block_size, "max_model_len": llm.max_model_len,
-            "vocab_size": llm.model_config.vocab_size, "models": sorted(worker.models),
-            "model": llm.config.model, "draft_model": llm.config.draft_model,
-            "has_tokenizer": llm.tokenizer is not None, "num_threads": torch.get_num_threads(),
-        }
+        return RankPlan(
+            rank=self.rank_key, pid=os.getpid(), device=str(worker.device),
+            dtype=str(worker.dtype).removeprefix("torch."),
+            weights_bytes={t: mem.arena(t).nbytes for t in WEIGHT_TAGS if t in mem.tags},
+            kv_blocks=worker.num_blocks, kv_bytes=mem.arena(KV_TAG).nbytes if KV_TAG in mem.tags else 0,
+            block_size=llm.config.cache.block_size, max_model_len=llm.max_model_len,
+            vocab_size=llm.model_config.vocab_size, models=tuple(sorted(worker.models)),
+            model=str(llm.config.model), draft_model=llm.config.draft_model,
+            has_tokenizer=llm.tokenizer is not None, num_threads=torch.get_num_threads())
 
     @property
     def rank_key(self) -> str:
         return str(self.llm.worker.rank_key)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> RankStatus:
         worker = self.llm.worker
         weights = worker.weights
-        return {
-            "rank": self.rank_key, "pid": os.getpid(), "ready": worker.is_ready(), "sleeping": self.llm.is_sleeping,
-            "arenas": worker.memory.states() if worker.memory is not None else {},
-            "weight_versions": weights.versions, "torn": weights.torn,
-            "loaded": weights.loaded, "unfinished": len(self.request_ids),
-            "gc_frozen": self.gc_frozen,  # the warm heap frozen at start (inference/memory/host_heap.py)
-        }
+        arenas = worker.memory.states() if worker.memory is not None else {}
+        return RankStatus(
+            rank=self.rank_key, pid=os.getpid(), ready=worker.is_ready(), sleeping=self.llm.is_sleeping,
+            arenas={tag: str(a["state"]) for tag, a in arenas.items()},
+            weight_versions=weights.versions, torn=weights.torn, loaded=weights.loaded,
+            unfinished=len(self.request_ids), gc_frozen=self.gc_frozen)
 
     def shutdown(self) -> None:
         worker = self.llm.worker
-        for step in (worker.close_weight_transfer_engine, worker.shutdown, _destroy_group):
+        for step in (worker.weights.close_transfer, worker.shutdown, _destroy_group):
             try:
                 step()
             except Exception:  # exiting anyway: log and keep releasing the rest
