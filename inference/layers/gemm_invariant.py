@@ -9,8 +9,7 @@ a prefill of 8192 tokens, a decode batch of 128, a batch of 1 and a spec-decode 
   function of the weight shape and the device's SM count only (`pick_tiles`), so the tl.dot instruction
   shape, the K order (BLOCK_K steps in order, split-K partials summed in split order) and hence a row's
   bits are the same in any row block at any M; the kernel is not even specialized on M.
-- Elsewhere (CPU, fp32 on CUDA, Triton missing): `invariant.tiled_linear`, products
-  of a fixed number of rows per call (the facts it rests on: inference/layers/invariant.py).
+- Elsewhere (CPU, fp32 on CUDA, Triton missing): `invariant.tiled_linear`, a fixed row count per call.
 
 The mode's norms and SiLU*up run in their own launches, never in this GEMM's prologue (measured slower:
 docs/benchmarks.md, "Experiments decided").
