@@ -8,27 +8,11 @@ of its 64 KiB segments). A tensor's digest is combined from its items' digests w
 finishes. The code below says "segment" for a work item.
 Small tensors (one segment, at most half a chunk) are packed, in input order, into "packs" of at
 most one chunk: a pack is one work item, staged with one gather and one copy, and its tensors are
-hashed back to back from the one buffer. A model's hundreds of norms, biases and projections then
-cost a handful of items, not one copy, event and thread hand-off each.
+hashed back to back from the one buffer, so hundreds of norms and biases cost a handful of items.
 
-Roles in one run:
-- pool threads ("hashers") claim segments, largest tensors first (a tensor's segments in order),
-  and hash one segment at a time. Host segments are hashed in place. A staged segment's chunks
-  arrive in its lane (a FIFO) and are hashed in byte order.
-- the calling thread is the copier: it picks the next chunk, takes a free buffer, issues the copy
-  (on CUDA: on a dedicated copy stream, then records the buffer's event) and only then appends
-  (buffer, size) to the segment's lane.
-Invariants:
-- a chunk lies inside one segment (chunks are cut from each segment's start), so neither the chunk
-  size nor the thread count changes a digest; a pack is one chunk, and each of its tensors is
-  hashed from its own byte range;
-- a hasher reads a buffer only after waiting on that buffer's copy (its event);
-- a buffer goes back to the free list only after its hash finished, so it is never refilled early;
-- a segment's chunks are issued and hashed in byte order;
-- at most `max_queued` copies are outstanding on the copy stream, so who gets the next buffer is
-  decided late and goes to the claimed segment with the most bytes left to issue: claimed
-  segments progress together and none is starved by the many small tensors around it;
-- at most MAX_AHEAD chunks per segment are issued and not yet hashed, so no segment hoards buffers.
+Invariant: a chunk lies inside one segment (chunks are cut from each segment's start) and a pack's
+tensors are hashed from their own byte ranges, so neither the chunk size, the packing nor the thread
+count changes a digest. The roles and the buffer rules of one run: `_Run`.
 """
 
 from __future__ import annotations
@@ -124,7 +108,20 @@ def run_jobs(
 
 
 class _Run:
-    """Shared state of one run; every field below `lock` is guarded by it."""
+    """Shared state of one run; every field below `lock` is guarded by it.
+
+    Pool threads ("hashers") claim segments, largest tensors first (a tensor's segments in order), and
+    hash one at a time: host segments in place, a staged segment's chunks from its lane (a FIFO) in byte
+    order. The calling thread is the copier: it picks the next chunk, takes a free buffer, issues the copy
+    (on CUDA: on a dedicated copy stream, then records the buffer's event) and only then appends
+    (buffer, size) to the segment's lane. Invariants:
+    - a hasher reads a buffer only after waiting on that buffer's copy (its event);
+    - a buffer goes back to the free list only after its hash finished, so it is never refilled early;
+    - at most `max_queued` copies are outstanding on the copy stream, so who gets the next buffer is
+      decided late: the claimed segment with the most bytes left to issue, so claimed segments progress
+      together and none is starved by the many small tensors around it;
+    - at most MAX_AHEAD chunks per segment are issued and not yet hashed, so no segment hoards buffers.
+    """
 
     def __init__(self, jobs: list[Job], staging: Staging | None, chunk_bytes: int, max_queued: int,
                  algorithm: Algorithm) -> None:

@@ -69,11 +69,11 @@ class SchedulerConfig:
     # With a draft model too: its plain steps overlap, the draft follows them; the speculative ones run
     # synchronously (docs/architecture.md, "Speculation on the tail").
     async_scheduling: bool | None = None
-    # Speculative decoding on the tail only (issue 24): decodes get draft tokens while at most this many
+    # Speculative decoding on the tail only: decodes get draft tokens while at most this many
     # decodes run; a fuller batch decodes plainly (the draft only mirrors its tokens into its cache),
     # because verifying k + 1 rows per sequence pays off while a step is bound by reading the weights,
-    # not once the batch fills the device. 0: speculate at every batch size. 16: the H200's 7B rollout
-    # with a draft ran 11.9-13.1k tok/s at 16 against 10.3-11.3k at 64 (docs/benchmarks.md, session 14).
+    # not once the batch fills the device. 0: speculate at every batch size. 16: the 7B rollout with a
+    # draft ran faster at 16 than at 64 (the figures: docs/benchmarks.md).
     spec_max_batch: int = 16
 
     def overlaps_steps(self, device_type: str) -> bool:
@@ -101,7 +101,8 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     # Batch-invariant mode (docs/invariance.md): a request's tokens and logprobs have the same bits
     # whatever runs beside it (batch, prefill or decode, prefix hits, chunking, preemption, a draft).
-    # Off by default until the H200 shows its cost under 5% (issue 23; scripts/bench_invariance.py).
+    # Off by default: it costs more than 5% of the default's time at batch 1 (docs/invariance.md, "Cost";
+    # scripts/bench/invariance.py measures it).
     batch_invariant: bool = False
 
 

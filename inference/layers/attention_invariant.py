@@ -10,17 +10,9 @@ after a preemption's recompute. So every path sums the keys of a query in the sa
     the online-softmax update m' = max(m, max s), p = exp(s - m'), l' = l exp(m - m') + sum p,
     acc' = acc exp(m - m') + sum p v; out = acc / l.
 
-A tile holding no key the query may see leaves its (m, l, acc) untouched, so a prefill query walks
-exactly the tiles a decode query at its position walks. Each tile's reductions have a fixed length
-(KEY_TILE keys, head_dim) over contiguous memory, which torch reduces serially per output element
-whatever the other dimensions hold (layers/invariant.py), and everything else is elementwise. The paged
-path (the backend) reads a key past a query's position as zeros, masked to p = 0, so a prefill query
-(whose later keys exist) and a decode query (whose do not) sum the very same terms; `tiled_attention`
-over contiguous keys masks real keys there (p v = +-0), equal up to the sign of an exactly zero output.
-
-`TiledReferenceAttention` is the reference backend of the mode (eager torch, any device). The Triton
-backend gets `TritonAttention.batch_invariant()` (one KV split, prefill and decode on the same tiles and
-dot shapes; inference/layers/triton_attention.py). `batch_invariant_backend` maps a backend to its mode.
+`TiledReferenceAttention` is the mode's reference backend (eager torch, any device); the Triton backend
+gets `TritonAttention.batch_invariant()` (inference/layers/triton_attention.py). `batch_invariant_backend`
+maps a backend to its mode. Why the tiles give every path the same bits: `_attend`.
 """
 
 from __future__ import annotations
@@ -75,7 +67,15 @@ def paged_tiled_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 def _attend(q: torch.Tensor, positions: torch.Tensor, fetch: TileFetch, n_keys: int, scale: float,
             sliding_window: int | None) -> torch.Tensor:
-    """The tile loop of the module docstring over keys [0, n_keys) for query rows q [R, Hq, D]."""
+    """The tile loop of the module docstring over keys [0, n_keys) for query rows q [R, Hq, D].
+
+    A tile holding no key the query may see leaves its (m, l, acc) untouched, so a prefill query walks
+    exactly the tiles a decode query at its position walks. Each tile's reductions have a fixed length
+    (KEY_TILE keys, head_dim) over contiguous memory, which torch reduces serially per output element
+    whatever the other dimensions hold (layers/invariant.py), and everything else is elementwise. The
+    paged path reads a key past a query's position as zeros, masked to p = 0, so a prefill query (whose
+    later keys exist) and a decode query (whose do not) sum the very same terms; `tiled_attention` over
+    contiguous keys masks real keys there (p v = +-0), equal up to the sign of an exactly zero output."""
     rows, hq, dim = q.shape
     q32 = q.float()
     m = torch.full((rows, hq), float("-inf"), device=q.device)

@@ -8,19 +8,11 @@ a prefill of 8192 tokens, a decode batch of 128, a batch of 1 and a spec-decode 
   gemm_invariant_kernels.py. Its tiles (`InvariantTiles`: BLOCK_M x BLOCK_N x BLOCK_K, split-K) are a
   function of the weight shape and the device's SM count only (`pick_tiles`), so the tl.dot instruction
   shape, the K order (BLOCK_K steps in order, split-K partials summed in split order) and hence a row's
-  bits are the same in any row block at any M; the kernel is not even specialized on M. BLOCK_M = 64
-  (one Hopper warpgroup's wgmma): a decode batch of 1 pads 63 rows, which costs tensor-core work only
-  (no bytes), and a batch of 128 is two row blocks. Programs are ordered so that the row blocks that
-  read one weight tile run side by side (groups of 8 row blocks, row block fastest): the weight comes
-  from HBM about once per step, not once per row block.
-- Elsewhere (CPU, fp32 on CUDA, Triton missing): `invariant.tiled_linear`, products
-  of a fixed number of rows per call (the facts it rests on: inference/layers/invariant.py).
+  bits are the same in any row block at any M; the kernel is not even specialized on M.
+- Elsewhere (CPU, fp32 on CUDA, Triton missing): `invariant.tiled_linear`, a fixed row count per call.
 
-Launches per decoder layer in the mode, besides attention (one launch: decode rotates in the kernel): 7
-(add_rms_norm, qkv, o_proj, add_rms_norm, gate_up, silu_and_mul, down), plus the split sum of each split-K
-product. Forming the norms and SiLU*up in the GEMM's prologue made the mode's batch-1 step 1.54x slower
-(docs/benchmarks.md, "Experiments decided"), so the mode keeps them apart. The kernel lets PDL schedule
-the next kernel only after its main loop (earlier, the waiting dependents held SMs its later programs need).
+The mode's norms and SiLU*up run in their own launches, never in this GEMM's prologue (measured slower:
+docs/benchmarks.md, "Experiments decided").
 """
 
 from __future__ import annotations
@@ -41,14 +33,18 @@ try:
 except ImportError:  # the torch path serves without Triton
     triton = None
 
-BLOCK_M = 64  # rows of x per program, for every M (see the module note)
+BLOCK_M = 64  # rows of x per program, for every M (see InvariantTiles)
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
 class InvariantTiles:
     """Launch shape of one weight: grid (row blocks x column blocks, split_k). Everything here fixes a
-    row's bits except num_stages and group_m (scheduling only); none of it may depend on M."""
+    row's bits except num_stages and group_m (scheduling only); none of it may depend on M.
+    block_m = 64 (one Hopper warpgroup's wgmma): a decode batch of 1 pads 63 rows, which costs
+    tensor-core work only (no bytes), and a batch of 128 is two row blocks. Programs are ordered so
+    that the group_m row blocks reading one weight tile run side by side (row block fastest): the
+    weight comes from HBM about once per step, not once per row block."""
 
     block_n: int
     block_k: int
@@ -70,7 +66,7 @@ def pick_tiles(n: int, k: int, num_sms: int) -> InvariantTiles:
 
 
 def split_for(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int:
-    """pick_tiles' K split for these blocks (also what scripts/bench_gemv.py --inv-tiles gives a tile)."""
+    """pick_tiles' K split for these blocks (also what scripts/bench/gemv.py --inv-tiles gives a tile)."""
     blocks = triton.cdiv(n, block_n)
     split = 1
     while split < 4 and blocks * split < num_sms and k >= 2 * (2 * split) * block_k:
@@ -103,7 +99,8 @@ def invariant_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                    tiles: InvariantTiles | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias) in one launch of _invariant_gemm_kernel (row blocks x column
     blocks x split-K; with split-K, a second launch sums the partials in split order), fp32 accumulation;
-    `tiles` (tests, benchmarks) overrides invariant_tiles."""
+    `tiles` (tests, benchmarks) overrides invariant_tiles. The kernel lets PDL schedule the next kernel
+    only after its main loop: dependents waiting earlier would hold SMs its later programs need."""
     (m, k), n = x.shape, weight.shape[0]
     assert weight.shape[1] == k and x.stride(-1) == 1 and weight.is_contiguous(), (x.shape, weight.shape)
     assert bias is None or (bias.shape == (n,) and bias.is_contiguous()), None if bias is None else bias.shape

@@ -1,20 +1,17 @@
 """Small-M matmul (GEMV) in Triton: y = x W^T (+ b) for x with at most MAX_M rows (kernels in gemv_kernels.py).
 
-At decode batch sizes cuBLAS spends several microseconds per projection on weights that the H200
-streams in one or two; this kernel streams each weight element exactly once. A program owns
-BLOCK_N output rows, walks its K range in BLOCK_K chunks (loading the next weight tile while it
-multiplies this one; the first before PDL's wait) and multiplies each weight tile with all (<= 8)
-rows of x, keeping fp32 products per lane and reducing once at the end. When the output has too few
-row blocks to fill the SMs, K is split: every split writes fp32 partials, and a second launch sums them
-in split order, adds the bias and rounds (deterministic, so a graph replay equals eager bit for bit; it
-ran the decode step faster than the last split merging them in the GEMV). Nothing reads the host, so
-every path can be captured in a CUDA graph. Linears route only one row here (ROUTE_MAX_M); 2-8 rows go
-to cuBLAS, which ran them faster. The measurements: docs/benchmarks.md, "Experiments decided".
+At decode batch sizes cuBLAS spends several microseconds per projection on weights that the GPU streams
+in one or two; this kernel streams each weight element exactly once. A program owns BLOCK_N output
+rows, walks its K range in BLOCK_K chunks (loading the next weight tile while it multiplies this one;
+the first before PDL's wait) and multiplies each weight tile with all (<= 8) rows of x, keeping fp32
+products per lane and reducing once at the end. When the output has too few row blocks to fill the
+SMs, K is split: every split writes fp32 partials, and a second launch sums them in split order, adds
+the bias and rounds (deterministic, so a graph replay equals eager bit for bit). Nothing reads the
+host, so every path can be captured in a CUDA graph. Linears route only one row here (ROUTE_MAX_M).
 
-`silu_mul_gemv` is the MLP down projection of a fused [gate; up] activation: silu(gate) * up is formed
-tile by tile in registers (rounded where the eager silu_and_mul rounds) and never written out.
-`norm_gemv` is a pre-norm projection (qkv, gate_up): the residual add and RMSNorm of add_rms_norm are
-formed the same way, each program first computing its rows' variance over the whole K.
+`silu_mul_gemv` (the MLP down projection of a fused [gate; up]) and `norm_gemv` (a pre-norm projection:
+qkv, gate_up) form their input tile by tile in registers, rounded where the eager silu_and_mul and
+add_rms_norm round, and never write it out; norm_gemv's programs each compute their rows' variance first.
 """
 
 from __future__ import annotations
@@ -35,8 +32,8 @@ except ImportError:  # the engine runs without Triton, on cuBLAS
     triton = None
 
 MAX_M = 8  # the kernel's most rows
-# The most rows a linear routes to it: at 2-8 decode rows cuBLAS ran the decode step faster (batch 8 on the
-# H100: 1,036 us against 1,331 with 8; the norm prologue and the "dot" tiles lose there).
+# The most rows a linear routes to it: at 2-8 decode rows cuBLAS ran the decode step faster (the norm
+# prologue and the "dot" tiles lose there; docs/benchmarks.md, "Experiments decided").
 ROUTE_MAX_M = 1
 SILU_MUL_MAX_M = 1
 SILU_MUL_MAX_WEIGHT = 1 << 23  # elements of the down projection (Qwen2-0.5B: 4.4M; 7B: 68M)
@@ -78,7 +75,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def pick_config(m: int, n: int, k: int, num_sms: int, prologue: str = "") -> GemvConfig:
-    """Block sizes for [m, k] x [n, k]^T, fitted to sweeps on the H200 (scripts/bench_gemv.py --sweep).
+    """Block sizes for [m, k] x [n, k]^T, fitted to sweeps on the H200 (scripts/bench/gemv.py --sweep).
 
     One row of x: "lanes" with long K blocks and 2-4 output rows per program, except for wide outputs
     (gate_up, LM head), where tensor cores on a 32-row block read the weight faster. Several rows: "dot".

@@ -3,30 +3,13 @@
 In the mode, every value a row of the forward computes depends only on that row's own inputs, never on
 how many rows share the call or where the row sits in it. Elementwise IEEE operations (+, -, *, /,
 sqrt, casts) and max/argmax are exact and never break it; sums and matrix products do, through the
-order their kernels choose. What torch 2.13 (CPU, MKL, AVX-512, 2 threads) was found to do, by
-probing row results alone against the same rows inside batches of 1 to 1024 (scripts/probe_invariance.py
-repeats the probes):
-
-- F.linear / torch.mm, float32: a 1-row product takes MKL's GEMV, several rows a GEMM whose blocking
-  follows the row count; a row's bits differ between every pair of batch sizes tried, at every shape.
-  The same product computed in calls of a FIXED row count (zero-padded) gives every row the same bits
-  whatever its tile position, neighbours or the memory alignment of the tile: `tiled_linear`.
-  torch.bmm over stacked tiles does not (its threading follows the number of tiles). bfloat16 (oneDNN)
-  keeps 1-row and many-row results equal but not every position in a large batch; in fixed tiles it
-  held at every position tried.
-- Row sums over the last dimension: one row's sum is split across threads when it alone is reduced
-  and the row is at least torch's grain (32768 elements); several rows are reduced one per thread, in
-  the serial order. Shorter rows are always reduced serially. `row_sum` cuts long rows into fixed
-  chunks first, so its order never depends on the batch.
-- Elementwise functions: a contiguous loop runs 32 elements at a time through the SIMD version of a
-  function and the remainder through the scalar one; which elements fall in the remainder follows the
-  tensor's size and where threads split it. exp, log, sqrt, rsqrt and division gave the same bits on
-  both paths for 2^20 inputs; F.silu and sigmoid (and exp2) did not (6% of inputs), so a row of a
-  SiLU could change with the batch (seen: the row where two threads split a [333, 100] gate).
-  `silu_and_mul_invariant` writes SiLU as x / (1 + exp(-x)) in float32, the Triton kernel's formula.
-- RMSNorm as add_rms_norm_torch computes it (mean of squares per row, rsqrt, products) is invariant
-  for rows under 32768 elements, so the mode keeps it as it is.
-
+order their kernels choose. What torch does was found by probing rows alone against the same rows in
+batches of 1 to 1024 (the facts: docs/invariance.md, "What torch does on this CPU"; the probes:
+scripts/tools/probe_invariance.py). The answers, one a function:
+- `tiled_linear`: products in calls of a FIXED row count (MKL's blocking follows the row count);
+- `row_sum`: long rows in fixed chunks (torch splits a lone long row's sum across threads);
+- `silu_and_mul_invariant`: SiLU as x / (1 + exp(-x)) (F.silu's SIMD and scalar paths round differently).
+RMSNorm as add_rms_norm_torch computes it is invariant for rows under 32768 elements and stays as it is.
 These facts hold for one torch build, machine and thread count: a replay on another machine or with
 another number of threads may differ (as TP 1 and TP 2 may), and the tests hold the engine to them.
 """

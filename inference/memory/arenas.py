@@ -4,19 +4,15 @@ An `Arena` is one region of memory; model parameters and the KV cache are views 
 the arena frees them all at once and restoring it makes every view valid again without touching the
 module. Three tags exist: "weights" (target model), "draft_weights" (draft model) and "kv_cache".
 
-Levels (what `MemoryManager.sleep` does to each awake arena):
-- level 1: weights arenas are copied to a host mirror (allocated once, reused), then released;
-- level 2: weights arenas are released without a copy (the next weight sync refills them);
-- the KV cache is released without a copy at both levels.
-Module buffers (rotary tables and the like) never live in an arena, so they survive every level.
-
-Invariants:
+Levels (`MemoryManager.sleep`): level 1 copies the weights arenas to a host mirror (allocated once,
+reused) and releases them; level 2 releases them without a copy (the next weight sync refills them);
+the KV cache is released without a copy at both. Module buffers (rotary tables and the like) never
+live in an arena, so they survive every level. Invariants:
 - An arena is AWAKE (memory present), ASLEEP_MIRRORED (released, bytes held by the host mirror) or
   ASLEEP_EMPTY (released, bytes lost). `contents_valid` is False from a drop until `mark_loaded`.
-- Views keep their identity across a cycle. On CUDA they also keep their address (the virtual
-  range is reserved once; see inference/memory/vmm.py), so captured CUDA graphs stay valid.
-- Nothing may read or write an asleep arena: on CUDA that is an illegal address, on CPU a read
-  of freed memory. The worker checks `MemoryManager.check_ready()` before running the model.
+- Views keep their identity across a cycle; on CUDA also their address (inference/memory/vmm.py).
+- Nothing may read or write an asleep arena (on CUDA an illegal address, on CPU freed memory): the
+  worker checks `MemoryManager.check_ready()` before running the model.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 By the time an engine is warm, its process holds a few hundred thousand objects the collector tracks
 (torch, Triton, the model's modules, the captured graphs' bookkeeping): 228k in a CPU process holding
-the Qwen2-0.5B shape, where one full collection took 114 ms (the 2-core box). The collector runs a full
+the Qwen2-0.5B shape, where one full collection takes over 100 ms on a small host. The collector runs a full
 collection whenever enough new objects survived (a quarter of the old ones), and it walks every one of
 those startup objects each time: a host stall of that length in the middle of a rollout step or of a
 weight sync. `freeze_startup_heap` moves them to the collector's permanent generation (gc.freeze), so

@@ -3,20 +3,15 @@
 `VmmRange` reserves a virtual address range once (cuMemAddressReserve) and maps physical memory into
 it (cuMemCreate + cuMemMap per physical allocation, then one cuMemSetAccess for the whole range);
 releasing unmaps and frees the physical memory (cuMemUnmap + cuMemRelease) but keeps the
-reservation, so the next map lands at the same address. By default an arena is one physical
-allocation, so a level-2 wake costs three driver calls per arena. `CudaArena` wraps the range as
-one uint8 torch tensor without a copy; parameter and KV views into it therefore keep their data_ptr
-across sleep and wake, and captured CUDA graphs stay valid.
-
-Invariants:
-- An allocation is either mapped (its memory readable and writable once map_all returns) and owns a
-  handle, or unmapped with no handle.
-- A map attempt that fails (out of memory or otherwise) unmaps and releases whatever it mapped, so
-  a failed wake leaves the arena exactly as asleep as before; it may be retried.
-- Every driver call's CUresult is checked; failures raise VmmError naming the call.
-- The reservation is freed only by `close()`.
-- A level-2 wake neither synchronizes nor empties torch's cache (only a retry after an
-  out-of-memory does); a sleep synchronizes once, since queued kernels may still use the memory.
+reservation, so the next map lands at the same address. `CudaArena` wraps the range as one uint8
+torch tensor without a copy; parameter and KV views into it therefore keep their data_ptr across
+sleep and wake, and captured CUDA graphs stay valid. Invariants:
+- An allocation is either mapped (readable and writable once map_all returns) and owns a handle, or
+  unmapped with no handle; the reservation is freed only by `close()`.
+- A failed map attempt unmaps and releases whatever it mapped, so a failed wake leaves the arena
+  exactly as asleep as before; it may be retried. Every CUresult is checked (VmmError names the call).
+- A sleep synchronizes once (queued kernels may still use the memory); a level-2 wake neither
+  synchronizes nor empties torch's cache (only a retry after an out-of-memory does).
 """
 
 from __future__ import annotations

@@ -10,10 +10,9 @@ Invariants:
   torch.Generator drawn in a fixed tensor order; the BPE trainer is deterministic.
 - A model directory appears whole or not at all: files are written to a temporary sibling
   directory which is then renamed into place.
-- Token ids: 0 <|endoftext|> (eos, pad), 1 <|startoftext|> (bos; prepended by the tokenizers of the
-  families whose class says tokenizer_adds_bos, llama and mistral, as real Llama checkpoints do),
-  2 <|im_start|>, 3 <|im_end|> (a second eos in config.json and generation_config.json). Byte-level,
-  so every string encodes without unknown tokens.
+- Token ids: 0 <|endoftext|> (eos, pad), 1 <|startoftext|> (bos, prepended where the family's class
+  says tokenizer_adds_bos, as real Llama checkpoints do), 2 <|im_start|>, 3 <|im_end|> (a second eos
+  in config.json and generation_config.json). Byte-level: every string encodes without unknown tokens.
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ if TYPE_CHECKING:
 
 FAMILIES = family_names()  # the shipped ones; a family registered later can be written too
 # The dtypes a tiny model is written in. torch itself is imported only where weights are drawn, so that
-# `sidecar make-model --help` and the demo's argument parsing stay fast (scripts/check_help_speed.py).
+# `sidecar make-model --help` and the demo's argument parsing stay fast (scripts/tools/check_help_speed.py).
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|startoftext|>", "<|im_start|>", "<|im_end|>")

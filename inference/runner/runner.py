@@ -70,7 +70,7 @@ class ModelRunner:
         self.block_size = 0
         self.graphs: CUDAGraphRunner | None = None  # set by capture_graphs
         # rows -> steps that ran the eager forward although decode graphs exist (a prefill chunk in the
-        # batch, a size or table width past the graphs'): benchmarks read it (bench_rollout eager_by_batch)
+        # batch, a size or table width past the graphs'): benchmarks read it (scripts/bench/rollout.py eager_by_batch)
         self.eager_steps: Counter[int] = Counter()
         self.verify_graphs: CUDAGraphRunner | None = None  # spec-decode verify rows (capture_graphs)
         self.greedy_graphs: GreedyGraphs | None = None

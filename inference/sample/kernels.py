@@ -1,33 +1,15 @@
 """The sampler's noise, thresholds and race: Triton kernels and the torch twins they must equal.
 
-Noise: a counter-based generator. The uniform of (row seed, output position, vocabulary index) is a
-pure function of the three integers, so a row's draw depends on nothing else in the batch. A row key
-(k0, k1) is mixed from (seed, position) by lowbias32-style 32-bit rounds (xor-shift, multiply); the
-index then goes through two more rounds, h = mix(mix(index ^ k0) ^ k1): a bijection of the index for
-each key (a row's hashes never collide), and the outer round keeps two rows whose keys differ
-in few bits from drawing related noise. torch holds the uint32 words in int64 (masked, multiplied in
-16-bit halves so nothing overflows), so both sides compute the same integers and the same float32
-w = fl(fl(h) + 0.5) * 2^-32, clamped to 1 - 2^-24. E = -log(1 - w) ~ Exp(1); the race needs log E,
-taken as log w + w/2 + 5w^2/24 for w < 2^-7 (error < 2^-24), else log(-log(1 - w)): a small E, the one
-that wins a race for a rare token, keeps its relative precision down to 2^-33 (a float32 uniform fed
-to -log(u) bottoms out at 6e-8).
-
-Race: x = (logit - row max) * (1 / T) in float32, so x <= 0 for every finite T > 0 (1/T is clamped to
-the largest float32): no temperature overflows, and the top token has x = 0. Kept entries score
-x - log E, others -inf; the token is the first index of the max score (argmax's tie rule). Its
-processed logprob is x - log(sum of exp(x) over kept entries). Per (row, chunk of _RACE_SPAN columns)
-programs reduce to (max score, first index, mass); the chunk geometry does not depend on the batch,
-so neither does a row's token nor any bit of its processed logprob.
-
-Thresholds: a row keeps the entries with logit >= thr and x >= log(min_p). thr = max(top-k's: the
-k-th largest logit; top-p's: the smallest logit v of the top-k survivors whose mass strictly above v
-is < p times their total mass). Ties at a threshold all stay, so the kept set depends on values
-only, never on an order; the top token always stays (a top_p that underflows float32 keeps exactly
-the tokens tied at the max). The torch twin is the definition, by a sort. The kernel finds the same
-logit without one: a 16-ary search over the order-preserving integer keys of the float32 logits
-(bf16 logits have 16-bit keys: 4 passes over the row per filter; float32: 8), one program per row; a
-row without top-k and top-p runs no pass. Kernel and twin sum masses in different orders: they can
-disagree only for a token whose mass sits within rounding of the top-p boundary.
+Each torch twin is the definition, and its Triton kernel computes the same bits (the thresholds: the
+same logit, up to the summation order at the top-p boundary); the tests hold each pair equal.
+- Noise (`uniforms_torch`, `log_exponential_torch`): a counter-based generator. The uniform of (row
+  seed, output position, vocabulary index) is a pure function of the three integers, so a row's draw
+  depends on nothing else in the batch.
+- Race (`race_torch`): the token is the first index of the max of x - log E over the kept entries,
+  x the temperature-scaled logit. Programs cover fixed column chunks (_RACE_SPAN), so neither a row's
+  token nor any bit of its processed logprob follows the batch.
+- Thresholds (`thresholds_torch`): top-k and top-p as one logit threshold per row, ties kept, so the
+  kept set depends on values only, never on an order; the kernel finds it without a sort.
 """
 
 from __future__ import annotations
@@ -76,7 +58,9 @@ def mix32_torch(x: torch.Tensor) -> torch.Tensor:
 
 
 def row_keys_torch(seeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two 32-bit key words per row (int64 holding uint32) of (seed [B] int64 >= 0, position [B])."""
+    """The two 32-bit key words per row (int64 holding uint32) of (seed [B] int64 >= 0, position [B]),
+    mixed by lowbias32-style 32-bit rounds (xor-shift, multiply). torch holds the uint32 words in int64
+    (masked, multiplied in 16-bit halves so nothing overflows), so it computes the kernels' integers."""
     s0, s1, p = seeds & _M32, (seeds >> 32) & _M32, positions & _M32
     k0 = mix32_torch(s0 ^ mix32_torch(s1 ^ mix32_torch(p ^ _SALT0)))
     k1 = mix32_torch(s1 ^ mix32_torch(s0 ^ mix32_torch(p ^ _SALT1)))
@@ -84,7 +68,11 @@ def row_keys_torch(seeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch.
 
 
 def uniforms_torch(seeds: torch.Tensor, positions: torch.Tensor, n_cols: int) -> torch.Tensor:
-    """w [B, n_cols] float32 in (0, 1): the uniform of (seed, position, column) per row."""
+    """w [B, n_cols] float32 in (0, 1): the uniform of (seed, position, column) per row.
+
+    The column goes through two more rounds, h = mix(mix(column ^ k0) ^ k1): a bijection of the column
+    for each key (a row's hashes never collide), and the outer round keeps two rows whose keys differ in
+    few bits from drawing related noise. w = fl(fl(h) + 0.5) * 2^-32, clamped to 1 - 2^-24."""
     k0, k1 = row_keys_torch(seeds, positions)
     cols = torch.arange(n_cols, dtype=torch.int64, device=seeds.device)
     h = mix32_torch(mix32_torch(cols[None, :] ^ k0[:, None]) ^ k1[:, None])
@@ -92,7 +80,9 @@ def uniforms_torch(seeds: torch.Tensor, positions: torch.Tensor, n_cols: int) ->
 
 
 def log_exponential_torch(w: torch.Tensor) -> torch.Tensor:
-    """log E with E = -log(1 - w) ~ Exp(1), small E at full relative precision (see the module note)."""
+    """log E with E = -log(1 - w) ~ Exp(1): log w + w/2 + 5w^2/24 for w < 2^-7 (error < 2^-24), else
+    log(-log(1 - w)). A small E, the one that wins a race for a rare token, keeps its relative precision
+    down to 2^-33 (a float32 uniform fed to -log(u) bottoms out at 6e-8)."""
     small = w < SMALL_W
     log_t = torch.log(torch.where(small, w, 1.0 - w))
     return torch.where(small, log_t + w * (0.5 + w * SERIES_C2), torch.log(-log_t))
@@ -101,7 +91,12 @@ def log_exponential_torch(w: torch.Tensor) -> torch.Tensor:
 # ---- thresholds and race (torch twins) ----------------------------------------------------------------
 def thresholds_torch(logits: torch.Tensor, row_max: torch.Tensor, inv_temps: torch.Tensor, top_ks: torch.Tensor,
                      top_ps: torch.Tensor) -> torch.Tensor:
-    """thr [B] float32 (the definition; -inf where a row has neither filter): see the module note."""
+    """thr [B] float32, the definition by a sort (-inf where a row has neither filter).
+
+    thr = max(top-k's: the k-th largest logit; top-p's: the smallest logit v of the top-k survivors whose
+    mass strictly above v is < p times their total mass). Ties at a threshold all stay and the top token
+    always stays (a top_p that underflows float32 keeps exactly the tokens tied at the max). A row keeps
+    the entries with logit >= thr and x >= log(min_p) (`scaled_logits`)."""
     vals = logits.float().sort(dim=-1, descending=True).values
     n_cols = vals.shape[-1]
     ks = top_ks.long().clamp(1, n_cols)
@@ -133,7 +128,13 @@ def scaled_logits(logits: torch.Tensor, row_max: torch.Tensor, inv_temps: torch.
 
 def race_torch(x: torch.Tensor, keep: torch.Tensor, seeds: torch.Tensor,
                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token [B] int64, mass [B] float32): the race's winner and the sum of exp(x) over kept entries."""
+    """(token [B] int64, mass [B] float32): the race's winner and the sum of exp(x) over kept entries.
+
+    x = (logit - row max) * (1 / T) in float32, so x <= 0 for every finite T > 0 (1/T is clamped to the
+    largest float32): no temperature overflows, and the top token has x = 0. Kept entries score
+    x - log E, others -inf; the token is the first index of the max score (argmax's tie rule). Its
+    processed logprob is x - log(mass). The kernel reduces per (row, chunk of _RACE_SPAN columns)
+    programs to (max score, first index, mass), a chunk geometry that does not depend on the batch."""
     log_e = log_exponential_torch(uniforms_torch(seeds, positions, x.shape[-1]))
     score = torch.where(keep, x - log_e, float("-inf"))
     return score.argmax(dim=-1), row_sum(torch.where(keep, x.exp(), 0.0))
@@ -148,7 +149,11 @@ def float_key(v: float) -> int:
 
 def thresholds_triton(logits: torch.Tensor, row_max: torch.Tensor, inv_temps: torch.Tensor, top_ks: torch.Tensor,
                       top_ps: torch.Tensor) -> torch.Tensor:
-    """thresholds_torch without a sort: one program per row searches the key space (module note)."""
+    """thresholds_torch without a sort: one program per row finds the same logit by a 16-ary search over
+    the order-preserving integer keys of the float32 logits (bf16 logits have 16-bit keys: 4 passes over
+    the row per filter; float32: 8); a row without top-k and top-p runs no pass. Kernel and twin sum
+    masses in different orders: they can disagree only for a token whose mass sits within rounding of
+    the top-p boundary."""
     assert logits.dim() == 2 and logits.stride(1) == 1, (logits.shape, logits.stride())
     rows, cols = logits.shape
     shift = _KEY_SHIFT[logits.dtype]

@@ -2,29 +2,16 @@
 
 Stateless and small. Greedy rows (temperature 0) take the first argmax of the raw logits. Other rows
 scale by their temperature, keep what passes top-k, top-p and min-p, and draw with the exponential
-race (argmax of x - log E, E ~ Exp(1)): no host sync, no torch.multinomial. Every row's noise comes
-from a counter-based generator keyed by (row seed, output position, vocabulary index)
-(inference/sample/kernels.py, which also defines the thresholds and their tie rule), so a row's
-token depends only on its seed, its position and its logits: never on the batch, the order of its
-rows or preemption. A seeded sequence's row seed is its own; the runner gives an unseeded row
-`unseeded_seed(runner seed, list-of-rows count, row)`, equal on every TP rank; rows built with no
-seed at all (tests, spec decoding's batches) draw one per call from the generator given to `sample`.
-Reported logprobs come from the raw logits ("raw") or from the processed distribution ("processed"),
-per row.
-
-On CUDA a step is a few Triton launches over all rows at once: the raw row statistics (max, first
-argmax, log(sum(exp(x - max))) by a two-stage chunked reduction: a single 152k-column row is
-otherwise one CTA's work), the thresholds (only when a row has top-k or top-p; a search, no sort)
-and the race (per (row, chunk) programs, then a merge that picks the token and writes its logprob).
-Elsewhere the torch twins run. No [B, V] log_softmax is materialized: a reported logprob is
-(x[i] - max) - log_sum for the few ids reported.
-
-Batch invariance (SamplingBatch.invariant, the engine's batch-invariant mode): the raw statistics'
-chunking follows the batch size on CUDA (fewer chunks per row when more rows fill the device), so in the
-mode every row is cut as a lone row would be (`row_stats_triton(invariant=True)`); the thresholds and the
-race chunk a row by the vocabulary alone already. The torch twins reduce each row alone in every mode
-(layers/invariant.row_sum: a long row in fixed chunks, as torch would otherwise split a lone row's sum
-across threads).
+race (argmax of x - log E, E ~ Exp(1)): no host sync, no torch.multinomial. A row's noise is keyed by
+(row seed, output position, vocabulary index) (inference/sample/kernels.py), so its token depends only
+on its seed, its position and its logits: never on the batch, the order of its rows or preemption.
+A seeded sequence's row seed is its own; the runner gives an unseeded row `unseeded_seed(runner seed,
+list-of-rows count, row)`, equal on every TP rank; rows built with no seed at all (tests, spec
+decoding's batches) draw one per call from the generator given to `sample`. Reported logprobs come
+from the raw logits or the processed distribution, per row, for the few ids reported (no [B, V]
+log_softmax). On CUDA a step is a few Triton launches over all rows (row statistics, thresholds when a
+row has top-k or top-p, the race); elsewhere the torch twins run. In the batch-invariant mode
+(SamplingBatch.invariant) every row's statistics are chunked as a lone row's (`row_stats_triton`).
 """
 
 from __future__ import annotations
@@ -265,8 +252,11 @@ def row_chunks(rows: int, cols: int, target: int, block: int = _ROW_BLOCK) -> tu
 
 def row_stats_triton(x: torch.Tensor, invariant: bool = False) -> RowStats:
     """Stage 1: each (row, chunk) program reduces its columns to (max, first argmax, sum exp(x - max));
-    stage 2: one program per row merges its chunks. Reads x in its own dtype, once. invariant: every row
-    is chunked as a lone row is (the chunking depends on the vocabulary and the device only)."""
+    stage 2: one program per row merges its chunks (a single 152k-column row would otherwise be one
+    CTA's work). Reads x in its own dtype, once. The chunking follows the batch size (fewer chunks per
+    row when more rows fill the device); invariant: every row is chunked as a lone row is (the chunking
+    depends on the vocabulary and the device only). The thresholds and the race chunk a row by the
+    vocabulary alone already, and the torch twins reduce each row alone in every mode (row_sum)."""
     assert x.dim() == 2, x.shape
     if x.stride(1) != 1:
         x = x.contiguous()

@@ -1,20 +1,17 @@
 """Paged KV blocks with ref counts and a prefix cache. Pure Python.
 
 Block ids 0..num_blocks-1 index the runner's KV tensor. A block holds the KV of block_size
-consecutive tokens of one or more sequences (shared prefixes: ref_count > 1).
-
-Prefix cache:
+consecutive tokens of one or more sequences (shared prefixes: ref_count > 1). Prefix cache:
 - A FULL block whose KV is COMPUTED is registered under a content hash chained over its tokens and
   its prefix (block_hash(parent_hash, tokens)). Registration happens in commit(), after the step that
   wrote the KV finished, never at allocation: a sequence can never hit KV that is still being written.
 - A hit is verified: the stored tokens must equal the block's tokens and the stored parent entry must
   be the entry hit just before (every registration gets a never-reused key). So a hash collision, even
   one that ignores the prefix, can only cost a miss, never serve wrong KV.
-- Freed registered blocks stay hittable. A fresh allocation takes unregistered free blocks first, then
-  evicts registered ones least recently freed first; a block reused for other content loses its entry.
-
-Free pool order (front = next to reuse): unregistered blocks at the front, registered ones behind them
-in the order they were freed. A sequence's blocks are freed tail first, so its prefix outlives its tail.
+- Freed registered blocks stay hittable. The free pool holds unregistered blocks at the front (next to
+  reuse) and registered ones behind them in the order they were freed, so an allocation evicts the
+  least recently freed; a block reused for other content loses its entry. A sequence's blocks are
+  freed tail first, so its prefix outlives its tail.
 """
 
 from __future__ import annotations

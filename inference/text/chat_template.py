@@ -12,8 +12,7 @@ non-ASCII text, `raise_exception(msg)` and `strftime_now(fmt)`, a no-op `{% gene
 tools, documents, the special tokens (bos_token, eos_token, pad_token, unk_token) and any extra
 keyword (e.g. enable_thinking). The rendered text already holds the template's special tokens, so it
 is encoded with add_special_tokens=False (as transformers' apply_chat_template(tokenize=True) does).
-
-jinja2 is a dependency of torch and of the server extra; it is imported here only, on first use.
+jinja2 (a dependency of torch and of the server extra) is imported here only, on first use.
 """
 
 from __future__ import annotations

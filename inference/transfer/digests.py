@@ -11,11 +11,8 @@ that rule, on whatever device it has (a CPU rank computes the device rule on the
   per 64 KiB come back, and nothing waits until `PendingRecords.result()`. No byte goes through host memory.
 - anything else (the host rule, CPU tensors, tensors of several devices): checksum.digest_tensors on this
   owner's side thread, after the work queued so far on the current stream of `after` (a CUDA device) when given.
-The tensors must stay alive and unchanged until `result()` (or `settle()`) returned.
-
-One RecordDigests per owner (a WeightSender, a Worker): its DeviceDigester keeps the segment tables of the
-layouts it saw (a sync's tensors keep their addresses, so each later launch finds its table) and is not
-thread-safe, so an owner launches from one thread at a time.
+The tensors must stay alive and unchanged until `result()` (or `settle()`) returned. One RecordDigests
+per owner (a WeightSender, a Worker), launching from one thread at a time.
 """
 
 from __future__ import annotations
@@ -117,7 +114,9 @@ class PendingRecords:
 
 
 class RecordDigests:
-    """One owner's digests (see the module docstring)."""
+    """One owner's digests (see the module docstring). Its DeviceDigester keeps the segment tables of the
+    layouts it saw (a sync's tensors keep their addresses, so each later launch finds its table) and is
+    not thread-safe, so an owner launches from one thread at a time."""
 
     def __init__(self, thread_name: str) -> None:
         self._thread_name = thread_name

@@ -1,22 +1,18 @@
 """CUDA IPC for the `ipc` backend: a storage is exported once, opened once, reused every sync.
 
-Decision ("direct" mode): when every tensor the trainer sends is a contiguous CUDA tensor on the
-sender's device, the receivers copy straight from the trainer's own (IPC-mapped) storages into
-their parameters: one device copy of the bytes, no packing, a handful of kernel launches
-(`copy_pairs`: one `_foreach_copy_` per dtype for the many small tensors, a plain copy for each
-large one). Otherwise ("packed" mode) the sender packs the plan's buckets into two shared bucket
-buffers (double buffering) that receivers unpack. Either way the sender's send() returns only
-after every receiver acknowledged it finished reading, because the trainer's next step will
-overwrite those tensors.
+"direct" mode: when every tensor the trainer sends is a contiguous CUDA tensor on the sender's
+device, the receivers copy straight from the trainer's own (IPC-mapped) storages into their
+parameters: one device copy of the bytes, no packing, a handful of kernel launches (`CopyPlan`).
+Otherwise ("packed") the sender packs the plan's buckets into two shared bucket buffers that the
+receivers unpack. The steps of both modes: inference/transfer/backends/ipc.py.
 
 Handles: the exporter keys storages by their device address and keeps a reference to each (so an
 address cannot be reused while a receiver may still hold its mapping); a storage gets an integer
 id and its handle travels once. Each sync's layout lists the live ids; storages not used by a sync
 are dropped by both ends after it. Handles are plain JSON (no pickle on the wire); the GPU is named
-by UUID, since the two processes may number devices differently.
-Cost of reuse: the storages of the last sync stay alive until the next one (the receiver maps them;
-torch's IPC limbo would keep them anyway). A trainer that gathers temporary full tensors per sync
-(FSDP-style) should pass ipc_mode="packed" so only the two shared buckets stay alive.
+by UUID, since the two processes may number devices differently. The storages of the last sync stay
+alive until the next one, so a trainer that gathers temporary full tensors per sync (FSDP-style)
+should pass ipc_mode="packed": then only the two shared buckets stay alive.
 """
 
 from __future__ import annotations

@@ -12,8 +12,7 @@ an RL loop that sends one layout every step parses and validates it once.
 Invariants (tests/test_transfer_plan.py): every byte of every tensor lands in exactly one segment;
 segments of one bucket never overlap and fit in `bucket_bytes`; whole tensors start on an ALIGN
 boundary (so a bucket slice can be viewed as the tensor's dtype without a copy); the plan depends on
-nothing but (specs, bucket_bytes). `plan_fingerprint` condenses what both ends must agree on into
-one integer that they compare before the first byte moves.
+nothing but (specs, bucket_bytes). Both ends compare `plan_fingerprint` before the first byte moves.
 """
 
 from __future__ import annotations

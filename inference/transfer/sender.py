@@ -3,26 +3,16 @@ inference.core and the light inference.transfer modules only), so any trainer pr
 
 Lifecycle: `init_info()` (starts the store; a JSON-able dict for the sidecar's
 init_weight_transfer_engine), `connect()` (blocks until every receiver joined; run it while the
-sidecar joins), then per sync: `manifest(named_tensors, version)` (for the sidecar's start),
-`send(named_tensors)` (concurrently with the sidecar's update_weights; returns the sender's digests
-for its finish, under the rule `manifest()` named; with `deliver_digests=True` it also hands them to the
-ranks in the sync, inference/transfer/delivery.py, so they finish in their update), and at the end
-`close()`. After any TransferError the group is broken: call init_info() again (a new session id),
-give it to the sidecar, and connect() again; the store server is reused.
+sidecar joins), then per sync: `manifest(named_tensors, version)` (for the sidecar's start; it names
+the sync's digest rule), `send(named_tensors)` (concurrently with the sidecar's update_weights;
+returns the sender's digests for its finish, or with `deliver_digests=True` hands them to the ranks
+in the sync, inference/transfer/delivery.py), and at the end `close()`. After any TransferError the
+group is broken: call init_info() again (a new session id), give it to the sidecar, and connect()
+again; the store server is reused.
 
-How the bytes move is the backend's (inference/transfer/backends/: the registry names each one and
-its file): the sender builds its end from the registry by name and keeps it across sessions. gloo
-and nccl pack bucket k+1 while bucket k is on the wire; ipc lets the ranks copy straight from the
-trainer's GPU memory ("direct" mode decision: inference/transfer/ipc.py).
-
-Digests: `manifest()` picks the sync's rule (inference/transfer/digests.py: the device rule for CUDA
-tensors, the host rule for CPU tensors, unless `digest_algorithm` fixes one) and names it in the
-manifest, so every receiver knows it at start. `send()` starts its digest before the plan agreement,
-while the receivers are still on their way to it: CUDA tensors in ONE kernel launch on a digest
-stream of the sender's own, ordered after the trainer's writes (it only reads, so it may run beside
-packing and the receivers' reads), CPU tensors on a side thread. It collects them while the receivers
-copy when its end of the transfer only waits (ipc direct), else after the transfer. A CUDA tensor never
-goes through host memory to be hashed. On CUDA, connect() compiles the kernel (seconds, once) while the receivers join.
+How the bytes move is the backend's (inference/transfer/backends/): the sender builds its end from
+the registry by name and keeps it across sessions. gloo and nccl pack bucket k+1 while bucket k is on
+the wire; ipc lets the ranks copy straight from the trainer's GPU memory (inference/transfer/ipc.py).
 """
 
 from __future__ import annotations
@@ -112,7 +102,8 @@ class WeightSender:
     def connect(self) -> None:
         """Join the group as rank 0; blocks until every receiver joined (TransferError on timeout).
 
-        Replaces the current group, if any. A failed connect burns its session id too.
+        Replaces the current group, if any. A failed connect burns its session id too. On CUDA it
+        compiles the digest kernel (seconds, once) while the receivers join.
         """
         if self._next_info is None:
             raise StateError("call init_info() and give it to the sidecar's init_weight_transfer_engine "
@@ -156,7 +147,9 @@ class WeightSender:
     def manifest(self, named_tensors: NamedTensors, version: int) -> dict[str, Any]:
         """What the sidecar's start_weight_update takes: {"version", "tensors": [spec dicts in send order],
         "algorithm": the digest rule of this sync, "layout": the key that may stand for "tensors" once the
-        receivers parsed them (inference/transfer/plan.py ManifestCache)}. The dicts are fresh each call."""
+        receivers parsed them (inference/transfer/plan.py ManifestCache)}. The dicts are fresh each call.
+        The rule (inference/transfer/digests.py): the device rule for CUDA tensors, the host rule for CPU
+        tensors, unless `digest_algorithm` fixes one; every receiver knows it at start."""
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise InvalidRequestError("version", f"must be an integer >= 0, got {version!r}")
         items = _items(named_tensors)
@@ -185,7 +178,13 @@ class WeightSender:
         `deliver_digests`: the receivers get the digests too, over the group, right after the bytes
         (inference/transfer/delivery.py), so each audits and commits in its update: the sidecar's
         update must say so (POST /weights/update "finish": true), else both ends stop at the plan
-        agreement with nothing written."""
+        agreement with nothing written.
+
+        The digest starts before the plan agreement, while the receivers are still on their way to it:
+        CUDA tensors in ONE kernel launch on a digest stream of the sender's own, ordered after the
+        trainer's writes (it only reads, so it may run beside packing and the receivers' reads), CPU
+        tensors on a side thread. It is collected while the receivers copy when this end only waits
+        (ipc direct), else after the transfer. A CUDA tensor never goes through host memory to be hashed."""
         group = self._require_group()
         if self._pending is None:
             raise StateError("send() before manifest(): the receivers need the manifest to start")

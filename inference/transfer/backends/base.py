@@ -1,11 +1,9 @@
 """The interface of a weight-transfer backend (`TransferBackend`), and what its variants share.
 
 An instance is one end of the wire: the sender's (WeightSender builds one and keeps it across
-sessions; `new_session` at each connect) or one receiver's (WeightReceiver builds one per group).
-It is built from its registry entry (inference/transfer/backends/__init__.py), never by name.
-
-Every end walks one sync in the same order (the protocol: inference/transfer/receiver.py), so no
-collective can pair with the wrong one:
+sessions; `new_session` at each connect) or one receiver's (WeightReceiver builds one per group),
+built from its registry entry (inference/transfer/backends/__init__.py), never by name. Every end
+walks one sync in the same order (inference/transfer/receiver.py), so no collective mispairs:
 1. ONE all-reduce agrees on the plan's fingerprint, followed by the backend's own keys and values
    (`agreement_size` of each; the sender's from `prepare_send`, a receiver's from
    `receiver_agreement`): a backend adds control data without adding a round trip;
