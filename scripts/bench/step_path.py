@@ -9,8 +9,8 @@ medians over `--repeats` rounds that alternate which path runs first. One JSON l
 sidecar_step_us, inprocess_step_us and ratio = sidecar / in-process (1.0: the sidecar's path adds
 nothing per step), and the same from the fastest call of each kind (`_min`: steadier on a busy host).
 
-    python3 scripts/bench_step_path.py                                   # CPU, the tiny model, batch 1 and 128
-    python3 scripts/bench_step_path.py --device cuda --model qwen2-0.5b  # the 0.5B shape, random bf16 weights
+    python3 scripts/bench/step_path.py                                   # CPU, the tiny model, batch 1 and 128
+    python3 scripts/bench/step_path.py --device cuda --model qwen2-0.5b  # the 0.5B shape, random bf16 weights
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file from a checkout too
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file from a checkout too
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def model_dir(name: str) -> str:
