@@ -176,14 +176,13 @@ def assert_within_a_rounding(got: tuple[torch.Tensor, ...], want: tuple[torch.Te
 @pytest.mark.cuda
 @pytest.mark.parametrize("batch", [1, 8])
 @pytest.mark.parametrize("shape", MODEL_SHAPES)
-@pytest.mark.parametrize("single", [0, 128])
-def test_cuda_fused_rope_decode(ta: ModuleType, batch: int, shape: tuple[int, int, int], single: int) -> None:
-    """Compiled, on the model shapes (Qwen2-0.5B, 7B, GQA 1), bf16, default and batch-1 long tiles: the
-    fused launch against rotary_qk + the plain launch, and against the reference on the rotated inputs."""
+def test_cuda_fused_rope_decode(ta: ModuleType, batch: int, shape: tuple[int, int, int]) -> None:
+    """Compiled, on the model shapes (Qwen2-0.5B, 7B, GQA 1), bf16: the fused launch against rotary_qk +
+    the plain launch, and against the reference on the rotated inputs."""
     rng = random.Random(batch)
     contexts = [2048] + [rng.randint(1, 2048) for _ in range(batch - 1)]
     b = make_batch([1] * batch, contexts, *shape, 16, torch.bfloat16, seed=batch, device=DEVICE)
-    backend = ta.TritonAttention(ta.TritonAttentionTiles(single_decode_block_n=single))
+    backend = ta.TritonAttention(ta.TritonAttentionTiles())
     rope = rope_for(b, decode_positions(b), theta=1e6)
     assert backend.fuses_rope(b.q, b.k, rope)
     got, want = both_paths(backend, b, rope)
