@@ -11,7 +11,8 @@ neither on threads, nor on how a segment's bytes are streamed into its hasher, n
 
 SEGMENT_BYTES belongs to the definition, not to tuning: another value gives other digests for every
 tensor larger than it, so it may only change together with ALGORITHM (the name manifests carry).
-The code reads it from this module at call time, which lets tests shrink it with monkeypatch.
+A rule object takes its sizes as constructor arguments whose defaults are these constants; the rules
+the registry (ALGORITHMS) holds use the defaults, and tests build others to reach boundaries cheaply.
 
 A second rule, DEVICE_ALGORITHM ("xxh3_64_seg64k"), is built to be hashed where the bytes are (a GPU
 kernel: checksum/device_kernels.py) and still reproduced by plain python-xxhash:
@@ -37,8 +38,8 @@ ALGORITHM = "xxh3_128_seg64m"  # the default rule: what every caller that names 
 SEGMENT_BYTES = 64 << 20  # 64 MiB; part of ALGORITHM's definition, never a knob
 DEVICE_ALGORITHM = "xxh3_64_seg64k"  # the rule a GPU hashes at memory speed (checksum/device_digest.py)
 SEG64K_BYTES = 64 << 10  # 64 KiB; part of DEVICE_ALGORITHM's definition, never a knob
-# DEVICE_ALGORITHM's host work item: 1024 segments hashed by one thread. Tuning only (read at call time,
-# tests shrink it); a multiple of SEG64K_BYTES, so items never split a segment.
+# DEVICE_ALGORITHM's host work item: 1024 segments hashed by one thread. Tuning only (any multiple of
+# SEG64K_BYTES gives the same digests: items never split a segment).
 SEG64K_ITEM_BYTES = 64 << 20
 
 # Names manifests used for earlier definitions, and why a reader refuses them.
@@ -49,14 +50,14 @@ RETIRED_ALGORITHMS = {
 }
 
 
-def segment_spans(nbytes: int) -> list[tuple[int, int]]:
+def segment_spans(nbytes: int, segment: int = SEGMENT_BYTES) -> list[tuple[int, int]]:
     """The [start, end) byte ranges of the segments of `nbytes` bytes, in order.
 
     Invariants: at least one span (an empty tensor is one empty segment); spans tile [0, nbytes);
-    every span but the last is exactly SEGMENT_BYTES long.
+    every span but the last is exactly `segment` (SEGMENT_BYTES: ALGORITHM's definition) bytes long.
     """
     assert nbytes >= 0, f"negative byte count {nbytes}"
-    segment = SEGMENT_BYTES
+    assert segment > 0, f"segment of {segment} bytes"
     if nbytes <= segment:
         return [(0, nbytes)]
     return [(start, min(start + segment, nbytes)) for start in range(0, nbytes, segment)]
@@ -112,12 +113,17 @@ class Algorithm(Protocol):
 
 
 class Segments64M:
-    """ALGORITHM: a work item is a 64 MiB segment, its digest the segment's 16-byte xxh3-128."""
+    """ALGORITHM: a work item is a 64 MiB segment, its digest the segment's 16-byte xxh3-128.
+    `segment_bytes`: another size is another rule (tests use small ones under the same name)."""
 
     name = ALGORITHM
 
+    def __init__(self, segment_bytes: int = SEGMENT_BYTES) -> None:
+        assert segment_bytes > 0, f"segment of {segment_bytes} bytes"
+        self.segment_bytes = segment_bytes
+
     def work_spans(self, nbytes: int) -> list[tuple[int, int]]:
-        return segment_spans(nbytes)
+        return segment_spans(nbytes, self.segment_bytes)
 
     def hasher(self) -> Hasher:
         return xxhash.xxh3_128()
@@ -127,16 +133,20 @@ class Segments64M:
 
 
 class Segments64K:
-    """DEVICE_ALGORITHM on the host: a work item is SEG64K_ITEM_BYTES (the last one shorter), its
-    digest the concatenated 8-byte xxh3-64 digests of its 64 KiB segments (the tensor's last one
-    zero-padded)."""
+    """DEVICE_ALGORITHM on the host: a work item is `item_bytes` (the last one shorter), its digest the
+    concatenated 8-byte xxh3-64 digests of its 64 KiB segments (the tensor's last one zero-padded).
+    The item size never changes a digest."""
 
     name = DEVICE_ALGORITHM
 
+    def __init__(self, item_bytes: int = SEG64K_ITEM_BYTES) -> None:
+        assert item_bytes > 0 and item_bytes % SEG64K_BYTES == 0, \
+            f"work item {item_bytes} must be whole 64 KiB segments"
+        self.item_bytes = item_bytes
+
     def work_spans(self, nbytes: int) -> list[tuple[int, int]]:
         assert nbytes >= 0, f"negative byte count {nbytes}"
-        item = SEG64K_ITEM_BYTES
-        assert item > 0 and item % SEG64K_BYTES == 0, f"work item {item} must be whole 64 KiB segments"
+        item = self.item_bytes
         return [(start, min(start + item, nbytes)) for start in range(0, nbytes, item)]
 
     def hasher(self) -> Hasher:

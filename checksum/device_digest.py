@@ -34,8 +34,9 @@ import functools
 import importlib
 import operator
 import os
+import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -49,9 +50,9 @@ from checksum.definition import (
 )
 from checksum.tensor_bytes import flat_bytes, host_view
 
-# Tests set this (with TRITON_INTERPRET=1 in the environment before Triton is imported) to run the
-# kernel on CPU tensors in Triton's interpreter.
-FORCE_ON_CPU = False
+# Set only inside kernel_on_cpu(): an Event, not a ContextVar, so a sender's or receiver's worker thread
+# sees it too.
+_ON_CPU = threading.Event()
 PAIR_BYTES = 16  # the segment table's unit (see device_kernels._segments_kernel)
 _PAIRS_PER_SEGMENT = SEG64K_BYTES // PAIR_BYTES
 _NBYTES = operator.attrgetter("nbytes")
@@ -84,12 +85,32 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@contextlib.contextmanager
+def kernel_on_cpu(on: bool = True) -> Iterator[None]:
+    """Inside (process-wide, every thread): CPU tensors can be hashed by the kernel, in Triton's
+    interpreter (TRITON_INTERPRET=1 before Triton is imported): how tests run it without a GPU.
+    on=False: not even there (a test's end that must hash on the host). The previous state comes back."""
+    was = _ON_CPU.is_set()
+    _set_on_cpu(on)
+    try:
+        yield
+    finally:
+        _set_on_cpu(was)
+
+
+def _set_on_cpu(on: bool) -> None:
+    if on:
+        _ON_CPU.set()
+    else:
+        _ON_CPU.clear()
+
+
 def can_hash_on(device: torch.device) -> bool:
-    """Whether tensors on `device` can be hashed by the kernel: CUDA with Triton (CPU only when tests
-    force Triton's interpreter)."""
+    """Whether tensors on `device` can be hashed by the kernel: CUDA with Triton (CPU only inside
+    kernel_on_cpu() under Triton's interpreter)."""
     if device.type == "cuda":
         return _kernels() is not None
-    return device.type == "cpu" and FORCE_ON_CPU and interpreting() and _kernels() is not None
+    return device.type == "cpu" and _ON_CPU.is_set() and interpreting() and _kernels() is not None
 
 
 def pick_algorithm(tensors: Iterable[torch.Tensor]) -> str:

@@ -1,8 +1,8 @@
 """How the gloo backend moves a sync's bytes: a chain of point-to-point messages, one per small bucket,
 written in place wherever both ends allow it and posted all at once where no buffer is needed.
 
-The plan (`plan`): buckets of STREAM_BYTES at most, and a tensor of ALONE_BYTES or more never shares
-one: each of its pieces is a bucket of its own (plan_buckets' `alone_bytes`); the smaller tensors
+The plan (`ChainSizes.plan`): buckets of STREAM_BYTES at most, and a tensor of ALONE_BYTES or more never
+shares one: each of its pieces is a bucket of its own (plan_buckets' `alone_bytes`); the smaller tensors
 share buckets around them. One bucket is one message, tagged with its index, so either end may post
 its messages in any order and gloo pairs them by tag.
 
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,10 +51,21 @@ DEPTH = 4  # ring buffers at each end, for the buckets that are packed or unpack
 Pending = tuple[Any, str]  # (a started send or receive, what to name in its error)
 
 
-def plan(specs: ParsedManifest, bucket_bytes: int) -> Sequence[Bucket]:
-    """The buckets of a gloo sync of `specs` in a session agreed on `bucket_bytes`."""
-    size = min(bucket_bytes, STREAM_BYTES)
-    return specs.plan(size, min(ALONE_BYTES, size))
+@dataclass(frozen=True)
+class ChainSizes:
+    """The chain's byte thresholds (defaults: the constants above; tests use smaller ones). They enter
+    the plan id, so two ends with other sizes stop at the agreement."""
+
+    stream_bytes: int = STREAM_BYTES
+    alone_bytes: int = ALONE_BYTES
+
+    def plan(self, specs: ParsedManifest, bucket_bytes: int) -> Sequence[Bucket]:
+        """The buckets of a gloo sync of `specs` in a session agreed on `bucket_bytes`."""
+        size = min(bucket_bytes, self.stream_bytes)
+        return specs.plan(size, min(self.alone_bytes, size))
+
+    def plan_id(self) -> str:
+        return f"chain/{self.stream_bytes}/{self.alone_bytes}"
 
 
 def _start(group: TransferGroup, send: bool, buf: torch.Tensor, peer: int, k: int, n: int) -> Pending:
