@@ -122,9 +122,6 @@ class LaunchConfig:
                                                   "(init_info.timeout_s); more gets 400. The driver waits a "
                                                   "weight command for --rpc-timeout-s plus this, so a dead "
                                                   "trainer is a 502 and a torn model, never a dead rank", gt=0.0)
-    weight_session_lease_s: float = option(300.0, "seconds an open weight-update session may sit idle between "
-                                                  "the trainer's calls; then it is aborted (POST /weights/abort "
-                                                  "does it at once) and generation resumes", gt=0.0)
     # Limits (docs/limits.md): an RL batch (a 32k-token prompt, n=64, thousands of sequences) passes; 50 MB
     # of text or millions of sequences from one call are refused before any work.
     max_body_mb: int = option(64, "MiB of one HTTP request body; a larger one gets 413 before it is read", min=1)
