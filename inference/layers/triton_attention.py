@@ -48,9 +48,6 @@ class TritonAttentionTiles:
     # A decode split takes at least this many KV tiles: contexts up to decode_split_tiles * decode_block_n
     # keys run in one pass; longer ones split as the static split count allows.
     decode_split_tiles: int = 2
-    # Decode rotates q and the new k itself when the caller passes them unrotated with their Rope (one
-    # rotary launch a layer fewer); False: rotary_qk runs first.
-    fused_decode_rope: bool = True
     # The most rows of one sequence a decode launch may hold (spec-decode verify: num_speculative_tokens
     # + 1); 1 compiles the owner check out (triton_attention_kernels.py).
     decode_max_rows: int = 16
@@ -82,7 +79,7 @@ class TritonAttentionTiles:
         bits for a token decoded as for one prefilled."""
         n = self.decode_block_n
         return replace(self, prefill_block_m=16, fp32_prefill_block_m=16, prefill_block_n=n, fp32_prefill_block_n=n,
-                       num_splits=1, fused_decode_rope=True, exact_rounding=True)
+                       num_splits=1, exact_rounding=True)
 
     def __post_init__(self) -> None:
         blocks = (self.prefill_block_m, self.prefill_block_n, self.fp32_prefill_block_m,
@@ -193,7 +190,7 @@ class TritonAttention:
         """Whether a decode launch rotates q/k itself: the fused rotary path, a power-of-two
         head dim and one dtype for q and k (rotary_qk's own conditions) and the table rotary_qk reads."""
         dim = q.shape[2]
-        return (self.tiles.fused_decode_rope and rope.fused and dim & (dim - 1) == 0 and k.dtype == q.dtype
+        return (rope.fused and dim & (dim - 1) == 0 and k.dtype == q.dtype
                 and rope.cache.dtype == torch.float32 and rope.cache.is_contiguous() and rope.cache.shape[1] == dim
                 and rope.positions.shape == (q.shape[0],) and rope.positions.device == q.device)
 
