@@ -1,29 +1,17 @@
-"""The digest definition in one place: how a tensor's bytes are cut into segments, and how the
-segments' hashes make the digest (docs/checksums.md, "The digest of a tensor").
+"""The digest definitions in one place (docs/checksums.md, "The digest of a tensor").
 
+ALGORITHM ("xxh3_128_seg64m"), the default rule; `.digest()` is XXH3-128's canonical big-endian form:
     nbytes <= SEGMENT_BYTES: digest = xxh3_128(bytes).hexdigest()
     otherwise:               digest = xxh3_128(d_0 + d_1 + ... + d_k).hexdigest(),
                              d_i = xxh3_128(bytes[i*SEGMENT_BYTES : (i+1)*SEGMENT_BYTES]).digest()
-
-`.digest()` is XXH3-128's canonical 16-byte (big-endian) form, i.e. bytes.fromhex(hexdigest()).
-Segments are independent, so any number of threads may hash one tensor, and the result depends
-neither on threads, nor on how a segment's bytes are streamed into its hasher, nor on the device.
-
-SEGMENT_BYTES belongs to the definition, not to tuning: another value gives other digests for every
-tensor larger than it, so it may only change together with ALGORITHM (the name manifests carry).
-A rule object takes its sizes as constructor arguments whose defaults are these constants; the rules
-the registry (ALGORITHMS) holds use the defaults, and tests build others to reach boundaries cheaply.
-
-A second rule, DEVICE_ALGORITHM ("xxh3_64_seg64k"), is built to be hashed where the bytes are (a GPU
-kernel: checksum/device_kernels.py) and still reproduced by plain python-xxhash:
-
+DEVICE_ALGORITHM ("xxh3_64_seg64k"), hashed where the bytes are (checksum/device_kernels.py):
     s_i    = xxh3_64(bytes[i*65536 : (i+1)*65536], zero-padded to 65536 bytes).digest()   (8 bytes)
     digest = xxh3_128(s_0 + s_1 + ... + s_k + nbytes.to_bytes(8, "big")).hexdigest()     (no s_i if empty)
-
-Every segment is exactly 64 KiB, so a kernel needs XXH3's long path for one length only, and thousands
-of segments fill the GPU; the length suffix tells apart tensors that differ only by trailing zeros.
-Both rules are `Algorithm`s: how the host pipeline (checksum/staging.py) cuts a tensor into work
-items, hashes one item, and combines the items' digests. Manifests name the rule they used.
+Segments are independent: a digest depends neither on threads, nor on how a segment's bytes are
+streamed, nor on the device. A segment size belongs to its definition (another size gives other
+digests), so it changes only with the rule's name, which manifests carry. An `Algorithm` object takes
+its sizes as constructor arguments whose defaults are these constants: ALGORITHMS holds those, and
+tests build others to reach segment boundaries with small tensors.
 """
 
 from __future__ import annotations
