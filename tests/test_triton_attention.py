@@ -239,12 +239,22 @@ def test_decode_num_splits_depends_on_static_shapes(ta: ModuleType) -> None:
     assert ta.decode_num_splits(1, 2, 2, 16, tiles, num_sms=132) == 1  # one KV tile: nothing to split
 
 
-def test_decode_keeps_its_tiles_at_every_batch(ta: ModuleType) -> None:
-    """Decode launches take 64-key tiles at every batch size, with and without verify rows: the 128-key
-    tiles for large batches lost on the H100's decode step (docs/benchmarks.md, "Experiments decided")."""
+def test_large_decode_batches_take_long_tiles(ta: ModuleType) -> None:
+    """A model without speculative decoding (decode_max_rows 1) takes 128-key tiles in decode launches of
+    at least long_decode_min_seqs sequences; with verify rows possible (the default 16), in the
+    batch-invariant mode and below the threshold the tiles stay 64. Results equal the reference over one
+    to three long tiles of context."""
     b32 = make_batch([1] * 32, [20] * 32, 4, 2, 16, 16, torch.float32, seed=3, table_width=8)
-    for backend in (ta.TritonAttention(), ta.TritonAttention().for_decode_rows(1)):
-        assert backend.plan(b32.q, b32.k_cache, b32.meta).block_n == 64
+    rows1 = ta.TritonAttention().for_decode_rows(1)
+    assert rows1.plan(b32.q, b32.k_cache, b32.meta).block_n == 128
+    assert ta.TritonAttention().plan(b32.q, b32.k_cache, b32.meta).block_n == 64
+    assert rows1.batch_invariant().plan(b32.q, b32.k_cache, b32.meta).block_n == 64
+    b31 = make_batch([1] * 31, [20] * 31, 4, 2, 16, 16, torch.float32, seed=3, table_width=8)
+    assert rows1.plan(b31.q, b31.k_cache, b31.meta).block_n == 64
+    small = ta.TritonAttention(ta.TritonAttentionTiles(decode_max_rows=1, long_decode_min_seqs=2))
+    b = make_batch([1, 1, 1], [100, 250, 390], 14, 2, 64, 16, torch.float32, seed=5, table_width=32)
+    assert small.plan(b.q, b.k_cache, b.meta).block_n == 128
+    assert_matches_reference(small, b)
 
 
 def test_registry_selects_triton(ta: ModuleType) -> None:

@@ -63,6 +63,11 @@ class TritonAttentionTiles:
     # H200, the verify rows of 8 / 16 sequences 109 -> 91 / 209 -> 166 us on the H100 (7B heads;
     # docs/benchmarks.md).
     verify_programs_per_sm: int = 4
+    # Decode launches of at least long_decode_min_seqs sequences, one row each (no draft: a draft's verify
+    # rows and plain decode must sum their keys in the same tiles), take keys in tiles of
+    # long_decode_block_n: the rollout's 129-512-row steps ran 12% faster with them on the H100.
+    long_decode_block_n: int = 128
+    long_decode_min_seqs: int = 32
     # Launch without FP contraction (Triton's enable_fp_fusion=False): every product and sum rounds as
     # written, so an in-kernel rotation rounds as rotary_qk does (which launches so) instead of one bf16
     # step apart in a few elements. The batch-invariant mode's tiles set it.
@@ -79,11 +84,17 @@ class TritonAttentionTiles:
         bits for a token decoded as for one prefilled."""
         n = self.decode_block_n
         return replace(self, prefill_block_m=16, fp32_prefill_block_m=16, prefill_block_n=n, fp32_prefill_block_n=n,
-                       num_splits=1, exact_rounding=True)
+                       num_splits=1, exact_rounding=True, long_decode_block_n=n)
+
+    def for_decode(self, num_seqs: int) -> TritonAttentionTiles:
+        """The tiles a decode launch of num_seqs sequences uses (a static shape: graph-safe)."""
+        if num_seqs >= self.long_decode_min_seqs and self.decode_max_rows == 1:
+            return replace(self, decode_block_n=self.long_decode_block_n)
+        return self
 
     def __post_init__(self) -> None:
         blocks = (self.prefill_block_m, self.prefill_block_n, self.fp32_prefill_block_m,
-                  self.fp32_prefill_block_n, self.decode_block_n)
+                  self.fp32_prefill_block_n, self.decode_block_n, self.long_decode_block_n)
         assert all(b >= 16 and b & (b - 1) == 0 for b in blocks), blocks
         assert self.num_splits is None or (self.num_splits >= 1 and self.num_splits & (self.num_splits - 1) == 0)
         assert self.decode_split_tiles >= 1, self.decode_split_tiles
@@ -208,6 +219,7 @@ class TritonAttention:
         if meta.is_decode:
             assert num_seqs == num_tokens, (num_seqs, num_tokens)
             sms = num_sms(q.device)
+            tiles = tiles.for_decode(num_seqs)
             if self.max_rows(num_tokens, meta) > 1:
                 tiles = replace(tiles, decode_programs_per_sm=tiles.verify_programs_per_sm)
             splits = decode_num_splits(num_seqs, num_kv_heads, meta.block_tables.shape[1], page, tiles, sms)
