@@ -34,7 +34,7 @@ from inference.transfer.sender import WeightSender
 from trainer_hooks.client_errors import SidecarChecksumError, SidecarConnectionError, SidecarUnavailableError
 from trainer_hooks.fleet import Fleet
 from trainer_hooks.logprob_gap import measure_logprob_gap
-from trainer_hooks.rollout_pool import DEFAULT_POOL, prompt_list, staleness
+from trainer_hooks.rollout_pool import DEFAULT_POOL, staleness
 from trainer_hooks.sources import collect_weights
 from trainer_hooks.trainer_host import trainer_host
 
@@ -190,11 +190,9 @@ class WeightSyncHook:
         t0 = time.perf_counter()
         pool = self.rollout_pool
         self.pooled = True
-        new: set[str] = set()
-        if prompt_list(prompts):
-            new.update(self._call(self.client.submit_rollouts, prompts, sampling, pool=pool))
-        take = self._call(self.client.take_rollouts, min_groups, max_groups if max_groups is not None else
-                          (min_groups or None), pool=pool, timeout_s=timeout_s)
+        take = self._call(self.client.rollouts, prompts, sampling, min_groups=min_groups, max_groups=max_groups,
+                          pool=pool, timeout_s=timeout_s)
+        new = set(take.submitted)
         if take.failed:
             log.warning("%d rollout group(s) of pool %r failed on the sidecar (resubmit their prompts):\n%s",
                         len(take.failed), pool, "\n".join(f"  {g}: {why}" for g, why in take.failed.items()))

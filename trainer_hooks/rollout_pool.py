@@ -24,12 +24,14 @@ TAKE_MARGIN_S = 30.0  # the HTTP timeout of a take: its own wait plus this
 class RolloutTake:
     """One take's answer: `groups` are RequestOutputs (request_id = the group id), oldest submitted first;
     `failed` maps the id of each group the ranks failed to its error message (resubmit those);
-    `counts` is what the pool holds after the take; `weight_version` the live one at the take."""
+    `counts` is what the pool holds after the take; `weight_version` the live one at the take
+    (a fleet's: its version)."""
 
     groups: list[RequestOutput]
     weight_version: int | None
     failed: dict[str, str] = field(default_factory=dict)
-    counts: dict[str, int] = field(default_factory=dict)
+    counts: dict[str, Any] = field(default_factory=dict)
+    submitted: list[str] = field(default_factory=list)  # the groups the call submitted (SidecarClient.rollouts)
 
 
 def prompt_list(prompts: Any) -> list[Any]:

@@ -3,7 +3,8 @@
 POST /rollouts submits prompts to a pool named by the client; each prompt is one group (its n
 samples), queued on the driver as its own request group and held through sleep, a sync or a torn
 model (wait "always"). POST /rollouts/take answers once `min_groups` groups are finished (every sample
-done), oldest submitted first, or at its timeout with what is ready; GET /rollouts/{pool} counts.
+done), oldest submitted first, or at its timeout with what is ready (only the named groups when it
+names them: a fleet's choice); GET /rollouts/{pool} counts and lists the finished ones.
 Invariants: a group leaves its pool only in a take's answer, so it is returned at most once, and a
 finished group waits in the sidecar until some caller with the same pool id takes it (a trainer
 killed between two calls loses nothing). The pools hold at most --max-pool-sequences sequences.
@@ -55,6 +56,8 @@ class TakeRequest(_Body):
                                    "finished ones")
     timeout_s: float = Field(60.0, ge=0.0, le=MAX_TAKE_WAIT_S, description="answer with what is ready after "
                              "this long; the answer comes at once when the pool holds no unfinished group")
+    group_ids: list[str] | None = Field(None, max_length=65536, description="only these groups (a fleet takes "
+                                        "the ones it chose); null: any")
 
 
 class PoolCounts(BaseModel):
@@ -62,6 +65,10 @@ class PoolCounts(BaseModel):
     finished: int = Field(description="groups finished and not taken")
     failed: int = Field(description="groups the ranks failed, not yet reported by a take")
     sequences: int = Field(description="sequences (n per group) of this pool's groups, all states")
+
+
+class PoolStatus(PoolCounts):
+    finished_ids: list[str] = Field(description="the finished groups' ids, oldest submitted first")
 
 
 class RolloutsResponse(BaseModel):
@@ -158,11 +165,12 @@ class RolloutPools:
         """Wait for `min_groups` finished groups (or no unfinished one, or the timeout), then remove and
         return the oldest finished ones. Nothing is removed for a caller that went away while waiting."""
         deadline = time.monotonic() + body.timeout_s
+        wanted = set(body.group_ids) if body.group_ids is not None else None
         while True:
-            groups = self._pools.get(body.pool, {})
-            finished = sum(g.output is not None for g in groups.values())
+            groups = self._chosen(body.pool, wanted)
+            finished = sum(g.output is not None for g in groups)
             left = deadline - time.monotonic()
-            if finished >= body.min_groups or all(g.done for g in groups.values()) or left <= 0:
+            if finished >= body.min_groups or all(g.done for g in groups) or left <= 0:
                 break
             event = self._changed.setdefault(body.pool, asyncio.Event())
             try:
@@ -170,7 +178,7 @@ class RolloutPools:
             except asyncio.TimeoutError:
                 if request is not None and await request.is_disconnected():
                     raise ApiError(499, "ClientClosedRequest", "the client went away; nothing was taken") from None
-        taken, failed = self._remove(body.pool, body.max_groups)
+        taken, failed = self._remove(body.pool, self._chosen(body.pool, wanted), body.max_groups)
         version = self._live_version()
         return TakeResponse(pool=body.pool, weight_version=version, counts=self.counts(body.pool),
                             groups=[TakenGroup(group_id=g.group_id, output=output_of(g.output)) for g in taken
@@ -178,10 +186,19 @@ class RolloutPools:
                             failed=[FailedGroup(group_id=g.group_id, error=g.error) for g in failed
                                     if g.error is not None])
 
-    def _remove(self, pool: str, max_groups: int | None) -> tuple[list[_Group], list[_Group]]:
+    def status(self, pool: str) -> PoolStatus:
+        finished = [g.group_id for g in self._pools.get(pool, {}).values() if g.output is not None]
+        return PoolStatus(**self.counts(pool).model_dump(), finished_ids=finished)
+
+    def _chosen(self, pool: str, wanted: set[str] | None) -> list[_Group]:
+        """The pool's groups in submission order, only those in `wanted` when given."""
+        groups = self._pools.get(pool, {}).values()
+        return list(groups) if wanted is None else [g for g in groups if g.group_id in wanted]
+
+    def _remove(self, pool: str, chosen: list[_Group], max_groups: int | None) -> tuple[list[_Group], list[_Group]]:
         groups = self._pools.get(pool, {})
-        finished = [g for g in groups.values() if g.output is not None][:max_groups]
-        failed = [g for g in groups.values() if g.error is not None]
+        finished = [g for g in chosen if g.output is not None][:max_groups]
+        failed = [g for g in groups.values() if g.error is not None]  # reported by the first take, chosen or not
         for g in finished + failed:
             del groups[g.group_id]
             self.held -= g.sequences
@@ -224,11 +241,11 @@ def add_rollout_routes(router: APIRouter, state: ServerState, check_params: Call
     async def take(body: TakeRequest, request: Request) -> TakeResponse:
         return await pools.take(body, request, output_of)
 
-    @router.get("/rollouts/{pool}", response_model=PoolCounts, summary="A rollout pool's counts")
-    async def counts(pool: str) -> PoolCounts:
+    @router.get("/rollouts/{pool}", response_model=PoolStatus, summary="A rollout pool's counts and finished groups")
+    async def status(pool: str) -> PoolStatus:
         if re.fullmatch(POOL_PATTERN, pool) is None:
             raise ApiError(400, "InvalidRequestError", f"must match {POOL_PATTERN}", "pool")
-        return pools.counts(pool)
+        return pools.status(pool)
 
     return pools
 
