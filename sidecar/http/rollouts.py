@@ -139,7 +139,7 @@ class RolloutPools:
             groups[group.group_id] = group
             self.held += group.sequences
             fut = driver.submit([item], wait="always")
-            fut.add_done_callback(lambda f, g=group, p=pool: loop.call_soon_threadsafe(self._settle, p, g, f))
+            fut.add_done_callback(lambda f, g=group, p=pool: _on_loop(loop, self._settle, p, g, f))
             ids.append(group.group_id)
         return ids
 
@@ -249,3 +249,8 @@ def add_rollout_routes(router: APIRouter, state: ServerState, check_params: Call
 
     return pools
 
+
+def _on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+    """Run fn on the event loop's thread; at shutdown the loop may be closed, and the pools go with it."""
+    if not loop.is_closed():
+        loop.call_soon_threadsafe(fn, *args)
