@@ -1,7 +1,8 @@
 """Rollout pools against a real `sidecar launch` on the tiny model (CPU): every submitted group comes back
 exactly once across partial takes, min_groups is honoured, oldest first, the unfinished tail of a step is
-held through a sleep and a real sync, a killed trainer loses nothing the sidecar finished, and the pool
-bound refuses with a named field. Each test leaves its pools empty (the bound counts every pool)."""
+held through a sleep and a real sync, a killed trainer loses nothing the sidecar finished, a take whose
+caller went away takes nothing, concurrent takes share nothing, and the pool bound refuses with a named
+field. Each test leaves its pools empty (the bound counts every pool)."""
 
 from __future__ import annotations
 
@@ -11,16 +12,19 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 
-from inference.core import SamplingParams
+from inference.core import CompletionOutput, RequestOutput, SamplingParams
 from inference.models.tiny import make_tiny_model
 from tests.helpers_sidecar import REPO, Sidecar, launch
 from trainer_hooks import WeightSyncHook
 from trainer_hooks.client import SidecarClient
 from trainer_hooks.client_errors import SidecarBusyError, SidecarRequestError
+from trainer_hooks.rollout_pool import staleness
 from trainer_hooks.toy_policy import ToyPolicy
 
 POOL_BOUND = 64
@@ -136,7 +140,7 @@ def test_hook_carries_the_tail_over_a_sleep_and_a_real_sync(client: SidecarClien
 _TRAINER = textwrap.dedent("""
     import json, sys, time
     import torch
-    from inference.core import SamplingParams
+    from inference.core import CompletionOutput, RequestOutput, SamplingParams
     from trainer_hooks import WeightSyncHook
     from trainer_hooks.client import SidecarClient
 
@@ -189,3 +193,37 @@ def test_bad_pool_ids_and_bounds_are_refused(client: SidecarClient) -> None:
     with pytest.raises(SidecarRequestError) as e:
         client.take_rollouts(1, pool="ok", timeout_s=1e6)
     assert e.value.field == "timeout_s"
+
+
+def test_a_take_times_out_with_what_is_ready_and_concurrent_takes_share_nothing(client: SidecarClient) -> None:
+    pool = "concurrent"
+    slow = client.submit_rollouts([_prompt(0)], _tokens(800), pool=pool)
+    t0 = time.monotonic()
+    assert client.take_rollouts(1, pool=pool, timeout_s=0.3).groups == []  # the timeout answers with nothing
+    assert time.monotonic() - t0 < 5.0
+    ids = client.submit_rollouts([_prompt(i) for i in range(1, 9)], _tokens(2), pool=pool)
+    with ThreadPoolExecutor(2) as ex:
+        takes = list(ex.map(lambda _: client.take_rollouts(4, 4, pool=pool, timeout_s=60.0), range(2)))
+    got = [o.request_id for t in takes for o in t.groups]
+    assert sorted(got) == sorted(ids) and len(set(got)) == 8
+    assert _drain(client, pool) == slow
+
+
+def test_a_take_whose_caller_went_away_takes_nothing(client: SidecarClient) -> None:
+    pool = "gone"
+    ids = client.submit_rollouts([_prompt(0)], _tokens(800), pool=pool)
+    with httpx.Client(base_url=client.url, timeout=0.3) as http, pytest.raises(httpx.ReadTimeout):
+        http.post("/rollouts/take", json={"pool": pool, "min_groups": 1, "timeout_s": 60.0})
+    assert _drain(client, pool) == ids  # finished after its first taker left: still there for the next
+
+
+def test_staleness_counts_samples_by_their_oldest_token_and_tokens_by_their_own() -> None:
+    fresh = CompletionOutput(index=0, token_ids=[1, 2, 3], logprobs=[0.0] * 3, weight_version_spans=[(0, 5)])
+    mixed = CompletionOutput(index=1, token_ids=[1, 2, 3, 4], logprobs=[0.0] * 4,
+                             weight_version_spans=[(0, 3), (1, 4), (3, 5)])
+    bare = CompletionOutput(index=0, token_ids=[7, 8], logprobs=[0.0] * 2)  # no spans: the output's version
+    outs = [RequestOutput("a", [1], [fresh, mixed], weight_version=3),
+            RequestOutput("b", [1], [bare], weight_version=4)]
+    samples, tokens = staleness(outs, live=5)
+    assert samples == {0: 1, 1: 1, 2: 1}
+    assert tokens == {0: 3 + 1, 1: 2 + 2, 2: 1}

@@ -14,6 +14,7 @@ All pool state lives on the event loop's thread; the driver thread only schedule
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import re
 import time
@@ -173,11 +174,10 @@ class RolloutPools:
             if finished >= body.min_groups or all(g.done for g in groups) or left <= 0:
                 break
             event = self._changed.setdefault(body.pool, asyncio.Event())
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(event.wait(), min(left, _POLL_S))
-            except asyncio.TimeoutError:
-                if request is not None and await request.is_disconnected():
-                    raise ApiError(499, "ClientClosedRequest", "the client went away; nothing was taken") from None
+            await _check_connected(request)
+        await _check_connected(request)  # no await between this check and the removal below
         taken, failed = self._remove(body.pool, self._chosen(body.pool, wanted), body.max_groups)
         version = self._live_version()
         return TakeResponse(pool=body.pool, weight_version=version, counts=self.counts(body.pool),
@@ -248,6 +248,11 @@ def add_rollout_routes(router: APIRouter, state: ServerState, check_params: Call
         return pools.status(pool)
 
     return pools
+
+
+async def _check_connected(request: Request | None) -> None:
+    if request is not None and await request.is_disconnected():
+        raise ApiError(499, "ClientClosedRequest", "the client went away; nothing was taken")
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
