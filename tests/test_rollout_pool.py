@@ -181,6 +181,7 @@ def test_the_pool_bound_refuses_naming_the_field(client: SidecarClient) -> None:
         client.submit_rollouts([_prompt(0)], _tokens(1, n=1), pool="another")
     assert e.value.status == 429 and e.value.field == "prompts" and "--max-pool-sequences" in e.value.message
     assert client.rollout_counts("another")["sequences"] == 0  # nothing of a refused call was submitted
+    assert f"sidecar_rollout_pool_sequences {float(POOL_BOUND)}" in client.metrics()
     assert len(_drain(client, pool)) == POOL_BOUND // 4
     client.submit_rollouts([_prompt(0)], _tokens(1, n=1), pool="another")  # room again once taken
     assert len(_drain(client, "another")) == 1

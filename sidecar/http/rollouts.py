@@ -156,6 +156,9 @@ class RolloutPools:
         if event is not None:
             event.set()
 
+    def finished_groups(self) -> int:
+        return sum(g.output is not None for groups in self._pools.values() for g in groups.values())
+
     def counts(self, pool: str) -> PoolCounts:
         groups = self._pools.get(pool, {}).values()
         return PoolCounts(pending=sum(not g.done for g in groups), finished=sum(g.output is not None for g in groups),
@@ -216,6 +219,10 @@ def add_rollout_routes(router: APIRouter, state: ServerState, check_params: Call
     """The pool routes on `router`; `check_params` and `output_of` are the generation routes' own
     (sidecar/http/app.py), so a pool's params and outputs read exactly as /generate's."""
     pools = RolloutPools(state)
+    state.metrics.add_gauge("sidecar_rollout_pool_sequences", "Sequences held in rollout pools (submitted, not "
+                            "taken), bounded by --max-pool-sequences", lambda: pools.held)
+    state.metrics.add_gauge("sidecar_rollout_pool_finished_groups", "Finished rollout groups waiting to be taken",
+                            pools.finished_groups)
 
     @router.post("/rollouts", response_model=RolloutsResponse,
                  summary="Submit prompts to a rollout pool: one group (n samples) per prompt")
