@@ -1,28 +1,17 @@
-"""The digest definition in one place: how a tensor's bytes are cut into segments, and how the
-segments' hashes make the digest (docs/checksums.md, "The digest of a tensor").
+"""The digest definitions in one place (docs/checksums.md, "The digest of a tensor").
 
+ALGORITHM ("xxh3_128_seg64m"), the default rule; `.digest()` is XXH3-128's canonical big-endian form:
     nbytes <= SEGMENT_BYTES: digest = xxh3_128(bytes).hexdigest()
     otherwise:               digest = xxh3_128(d_0 + d_1 + ... + d_k).hexdigest(),
                              d_i = xxh3_128(bytes[i*SEGMENT_BYTES : (i+1)*SEGMENT_BYTES]).digest()
-
-`.digest()` is XXH3-128's canonical 16-byte (big-endian) form, i.e. bytes.fromhex(hexdigest()).
-Segments are independent, so any number of threads may hash one tensor, and the result depends
-neither on threads, nor on how a segment's bytes are streamed into its hasher, nor on the device.
-
-SEGMENT_BYTES belongs to the definition, not to tuning: another value gives other digests for every
-tensor larger than it, so it may only change together with ALGORITHM (the name manifests carry).
-The code reads it from this module at call time, which lets tests shrink it with monkeypatch.
-
-A second rule, DEVICE_ALGORITHM ("xxh3_64_seg64k"), is built to be hashed where the bytes are (a GPU
-kernel: checksum/device_kernels.py) and still reproduced by plain python-xxhash:
-
+DEVICE_ALGORITHM ("xxh3_64_seg64k"), hashed where the bytes are (checksum/device_kernels.py):
     s_i    = xxh3_64(bytes[i*65536 : (i+1)*65536], zero-padded to 65536 bytes).digest()   (8 bytes)
     digest = xxh3_128(s_0 + s_1 + ... + s_k + nbytes.to_bytes(8, "big")).hexdigest()     (no s_i if empty)
-
-Every segment is exactly 64 KiB, so a kernel needs XXH3's long path for one length only, and thousands
-of segments fill the GPU; the length suffix tells apart tensors that differ only by trailing zeros.
-Both rules are `Algorithm`s: how the host pipeline (checksum/staging.py) cuts a tensor into work
-items, hashes one item, and combines the items' digests. Manifests name the rule they used.
+Segments are independent: a digest depends neither on threads, nor on how a segment's bytes are
+streamed, nor on the device. A segment size belongs to its definition (another size gives other
+digests), so it changes only with the rule's name, which manifests carry. An `Algorithm` object takes
+its sizes as constructor arguments whose defaults are these constants: ALGORITHMS holds those, and
+tests build others to reach segment boundaries with small tensors.
 """
 
 from __future__ import annotations
@@ -37,8 +26,8 @@ ALGORITHM = "xxh3_128_seg64m"  # the default rule: what every caller that names 
 SEGMENT_BYTES = 64 << 20  # 64 MiB; part of ALGORITHM's definition, never a knob
 DEVICE_ALGORITHM = "xxh3_64_seg64k"  # the rule a GPU hashes at memory speed (checksum/device_digest.py)
 SEG64K_BYTES = 64 << 10  # 64 KiB; part of DEVICE_ALGORITHM's definition, never a knob
-# DEVICE_ALGORITHM's host work item: 1024 segments hashed by one thread. Tuning only (read at call time,
-# tests shrink it); a multiple of SEG64K_BYTES, so items never split a segment.
+# DEVICE_ALGORITHM's host work item: 1024 segments hashed by one thread. Tuning only (any multiple of
+# SEG64K_BYTES gives the same digests: items never split a segment).
 SEG64K_ITEM_BYTES = 64 << 20
 
 # Names manifests used for earlier definitions, and why a reader refuses them.
@@ -49,14 +38,14 @@ RETIRED_ALGORITHMS = {
 }
 
 
-def segment_spans(nbytes: int) -> list[tuple[int, int]]:
+def segment_spans(nbytes: int, segment: int = SEGMENT_BYTES) -> list[tuple[int, int]]:
     """The [start, end) byte ranges of the segments of `nbytes` bytes, in order.
 
     Invariants: at least one span (an empty tensor is one empty segment); spans tile [0, nbytes);
-    every span but the last is exactly SEGMENT_BYTES long.
+    every span but the last is exactly `segment` (SEGMENT_BYTES: ALGORITHM's definition) bytes long.
     """
     assert nbytes >= 0, f"negative byte count {nbytes}"
-    segment = SEGMENT_BYTES
+    assert segment > 0, f"segment of {segment} bytes"
     if nbytes <= segment:
         return [(0, nbytes)]
     return [(start, min(start + segment, nbytes)) for start in range(0, nbytes, segment)]
@@ -112,12 +101,17 @@ class Algorithm(Protocol):
 
 
 class Segments64M:
-    """ALGORITHM: a work item is a 64 MiB segment, its digest the segment's 16-byte xxh3-128."""
+    """ALGORITHM: a work item is a 64 MiB segment, its digest the segment's 16-byte xxh3-128.
+    `segment_bytes`: another size is another rule (tests use small ones under the same name)."""
 
     name = ALGORITHM
 
+    def __init__(self, segment_bytes: int = SEGMENT_BYTES) -> None:
+        assert segment_bytes > 0, f"segment of {segment_bytes} bytes"
+        self.segment_bytes = segment_bytes
+
     def work_spans(self, nbytes: int) -> list[tuple[int, int]]:
-        return segment_spans(nbytes)
+        return segment_spans(nbytes, self.segment_bytes)
 
     def hasher(self) -> Hasher:
         return xxhash.xxh3_128()
@@ -127,16 +121,20 @@ class Segments64M:
 
 
 class Segments64K:
-    """DEVICE_ALGORITHM on the host: a work item is SEG64K_ITEM_BYTES (the last one shorter), its
-    digest the concatenated 8-byte xxh3-64 digests of its 64 KiB segments (the tensor's last one
-    zero-padded)."""
+    """DEVICE_ALGORITHM on the host: a work item is `item_bytes` (the last one shorter), its digest the
+    concatenated 8-byte xxh3-64 digests of its 64 KiB segments (the tensor's last one zero-padded).
+    The item size never changes a digest."""
 
     name = DEVICE_ALGORITHM
 
+    def __init__(self, item_bytes: int = SEG64K_ITEM_BYTES) -> None:
+        assert item_bytes > 0 and item_bytes % SEG64K_BYTES == 0, \
+            f"work item {item_bytes} must be whole 64 KiB segments"
+        self.item_bytes = item_bytes
+
     def work_spans(self, nbytes: int) -> list[tuple[int, int]]:
         assert nbytes >= 0, f"negative byte count {nbytes}"
-        item = SEG64K_ITEM_BYTES
-        assert item > 0 and item % SEG64K_BYTES == 0, f"work item {item} must be whole 64 KiB segments"
+        item = self.item_bytes
         return [(start, min(start + item, nbytes)) for start in range(0, nbytes, item)]
 
     def hasher(self) -> Hasher:

@@ -1,30 +1,19 @@
 """DEVICE_ALGORITHM digests hashed where the bytes are: one kernel launch per device for many tensors.
 
-A launch hashes every 64 KiB segment of every tensor (checksum/device_kernels.py) into one int64
-per segment holding its canonical 8-byte xxh3-64 digest; those come to the host in ONE copy (8 bytes
-per 64 KiB), and each tensor's digest is the xxh3-128 of its segments' digests and its length there
-(checksum/definition.py, `combine_seg64k`), streamed from that one buffer over byte ranges precomputed per
-layout (`combine_seg64k_runs`: no host copy, no fresh host pages to fault in). No byte of a tensor leaves
-the device, and nothing waits on the device before `PendingDigests.result()`.
+A launch hashes every 64 KiB segment of every tensor (checksum/device_kernels.py) into one int64 each,
+its canonical 8-byte xxh3-64 digest; those come to the host in one copy, and each tensor's digest is the
+xxh3-128 of its segments' digests and its length (definition.combine_seg64k_runs, streamed from that
+buffer). No byte of a tensor leaves the device; nothing waits on the device before `result()`.
 
-- The kernel reads each tensor in place when it is contiguous, its address and byte count are
-  multiples of 16 and it is neither a conjugate nor a negative view. Anything else (rare: odd-sized
-  bool or uint8 tensors, slices, transposes) is first copied on the device into a zeroed scratch
-  buffer, 16-byte aligned, zero-padded; never through host memory.
-- The segment table (each segment's offset, in 16-byte pairs, from a fixed base pointer or from the
-  launch's scratch buffer, and its length) is built on the host once per layout, i.e. per (device,
-  tensors' addresses and sizes), and kept (LRU, `max_layouts`): a sync's tensors keep their
-  addresses from one sync to the next.
-- A launch over the same tensors as a recent one (same device and, per tensor, the same address, byte
-  count, contiguity and conj/neg bits, all read in C-level passes) reuses that launch's sources and
-  table without per-tensor Python; only launches that need no scratch copy are kept so. The key holds
-  every address, so tensors that moved (a sleep/wake, a reallocation) miss and are hashed where they
-  are now; only ints are kept, never the tensors (a sleep must be able to free them).
-- Work runs on the caller's current stream, after whatever the caller queued there (a digest right
-  after a write sees it). Tensors must stay alive and unchanged until `result()`; writes queued later
-  on the same stream are ordered after the kernel.
-- Triton is imported on first use, never at `import checksum` (the package is a leaf: torch + xxhash).
-  Without Triton `can_hash_on` is False and callers hash on the host (checksum/digest.py).
+Invariants:
+- A tensor the kernel cannot read in place (not contiguous, address or size not a multiple of 16, a
+  conjugate or negative view) is first copied on the device into a zeroed, aligned scratch buffer.
+- Segment tables are built once per layout (device, addresses, sizes) and kept (LRU, `max_layouts`); the
+  keys hold ints only, so a moved tensor misses and is hashed where it is now, and none is kept alive.
+- Work runs on the caller's current stream; tensors must stay alive and unchanged until `result()`.
+- Triton is imported on first use, never at `import checksum` (a leaf: torch + xxhash); without it
+  `can_hash_on` is False and callers hash on the host. CPU tensors reach the kernel only inside
+  `kernel_on_cpu()`, under Triton's interpreter (tests).
 """
 
 from __future__ import annotations
@@ -34,8 +23,9 @@ import functools
 import importlib
 import operator
 import os
+import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -49,9 +39,9 @@ from checksum.definition import (
 )
 from checksum.tensor_bytes import flat_bytes, host_view
 
-# Tests set this (with TRITON_INTERPRET=1 in the environment before Triton is imported) to run the
-# kernel on CPU tensors in Triton's interpreter.
-FORCE_ON_CPU = False
+# Set only inside kernel_on_cpu(): an Event, not a ContextVar, so a sender's or receiver's worker thread
+# sees it too.
+_ON_CPU = threading.Event()
 PAIR_BYTES = 16  # the segment table's unit (see device_kernels._segments_kernel)
 _PAIRS_PER_SEGMENT = SEG64K_BYTES // PAIR_BYTES
 _NBYTES = operator.attrgetter("nbytes")
@@ -84,12 +74,32 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@contextlib.contextmanager
+def kernel_on_cpu(on: bool = True) -> Iterator[None]:
+    """Inside (process-wide, every thread): CPU tensors can be hashed by the kernel, in Triton's
+    interpreter (TRITON_INTERPRET=1 before Triton is imported): how tests run it without a GPU.
+    on=False: not even there (a test's end that must hash on the host). The previous state comes back."""
+    was = _ON_CPU.is_set()
+    _set_on_cpu(on)
+    try:
+        yield
+    finally:
+        _set_on_cpu(was)
+
+
+def _set_on_cpu(on: bool) -> None:
+    if on:
+        _ON_CPU.set()
+    else:
+        _ON_CPU.clear()
+
+
 def can_hash_on(device: torch.device) -> bool:
-    """Whether tensors on `device` can be hashed by the kernel: CUDA with Triton (CPU only when tests
-    force Triton's interpreter)."""
+    """Whether tensors on `device` can be hashed by the kernel: CUDA with Triton (CPU only inside
+    kernel_on_cpu() under Triton's interpreter)."""
     if device.type == "cuda":
         return _kernels() is not None
-    return device.type == "cpu" and FORCE_ON_CPU and interpreting() and _kernels() is not None
+    return device.type == "cpu" and _ON_CPU.is_set() and interpreting() and _kernels() is not None
 
 
 def pick_algorithm(tensors: Iterable[torch.Tensor]) -> str:

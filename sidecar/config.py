@@ -1,23 +1,16 @@
 """The launch configuration of `sidecar launch`: one frozen dataclass, the only declaration of its options.
 
-Each field carries its help text and bounds (field metadata). Everything else is generated from the
-fields: the command-line flags with their types, defaults and help (sidecar/cli/launch.py), the
-SIDECAR_<FIELD> environment variables (read through inference/envs.py), the config-file keys, the
-validation, and, for fields marked `engine`, the EngineConfig every rank runs (`engine_config`).
-docs/configuration.md lists them; tests/test_config.py holds that list and the engine mapping complete.
+Each field carries its help text and bounds. Generated from the fields: the command-line flags
+(sidecar/cli/launch.py), the SIDECAR_<FIELD> environment variables (read through inference/envs.py),
+the config-file keys, the validation, and, for fields marked `engine`, the EngineConfig every rank runs
+(`engine_config`). docs/configuration.md lists them; tests/test_config.py holds that list complete.
+Sources, highest precedence first: flags, SIDECAR_* variables, a config file (JSON, or TOML where
+`tomllib` exists), the defaults. A file's unknown key is an error naming it; SIDECAR_* variables that
+name no field are ignored (SIDECAR_HOME is a switch of inference/envs.py). Engine options default to
+None, "not chosen": inference/config.py owns their defaults, so none is declared twice.
 
-Sources, highest precedence first: command-line flags, SIDECAR_* environment variables, a config
-file (JSON, or TOML when `tomllib` is available), the defaults below. Every source uses the field
-names (dashes and underscores are the same in a file). Unknown keys in a file are an error naming the
-key; SIDECAR_* variables that name no field are ignored (SIDECAR_HOME, for one, is a switch of
-inference/envs.py).
-
-Engine options default to None, "not chosen": the engine's own default then applies (inference/config.py
-owns those values; --help shows them), so a default is never declared twice.
-
-Invariant: a LaunchConfig that exists is valid (`__post_init__` validates), and it holds only what
-the user chose; values found at run time (the resolved device, KV blocks) live elsewhere. The one
-thing read at construction is --api-key-file, whose contents become `api_key`.
+Invariant: a LaunchConfig that exists is valid (`__post_init__` validates) and holds only what the user
+chose; values found at run time live elsewhere. The one thing read at construction is --api-key-file.
 """
 
 from __future__ import annotations
@@ -122,9 +115,6 @@ class LaunchConfig:
                                                   "(init_info.timeout_s); more gets 400. The driver waits a "
                                                   "weight command for --rpc-timeout-s plus this, so a dead "
                                                   "trainer is a 502 and a torn model, never a dead rank", gt=0.0)
-    weight_session_lease_s: float = option(300.0, "seconds an open weight-update session may sit idle between "
-                                                  "the trainer's calls; then it is aborted (POST /weights/abort "
-                                                  "does it at once) and generation resumes", gt=0.0)
     # Limits (docs/limits.md): an RL batch (a 32k-token prompt, n=64, thousands of sequences) passes; 50 MB
     # of text or millions of sequences from one call are refused before any work.
     max_body_mb: int = option(64, "MiB of one HTTP request body; a larger one gets 413 before it is read", min=1)

@@ -23,14 +23,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-@pytest.fixture
-def small_segments(monkeypatch: pytest.MonkeyPatch) -> int:
-    """The digest definition's segment shrunk for this test (see tests/helpers_checksum.py)."""
-    from tests.helpers_checksum import shrink_segments  # here: nothing may import triton before the env above
-
-    return shrink_segments(monkeypatch)
-
-
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     """torch on one thread for a module: on this 2-core box two threads contend many times slower, and

@@ -4,15 +4,14 @@ dtype and a mixed set."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import xxhash
 
-import checksum.definition
+from checksum.definition import Segments64M
 
 MIB = 1 << 20
 SEGMENT = 64 * MIB  # the documented segment size, written out here rather than imported
-SMALL_SEGMENT = 1000  # tests that shrink the segment (module constant) to reach boundaries cheaply
+SMALL_SEGMENT = 1000  # tests that shrink the segment to reach boundaries cheaply
 SEG64K = 64 * 1024  # the device rule's segment, written out here rather than imported
 
 DTYPES = [
@@ -36,12 +35,11 @@ def xxh64k(data: bytes) -> str:
     return xxhash.xxh3_128(b"".join(parts) + len(data).to_bytes(8, "big")).hexdigest()
 
 
-def shrink_segments(monkeypatch: pytest.MonkeyPatch) -> int:
-    """Shrink the definition's segment so small tensors have many segments (production stays 64 MiB);
-    the test files' `small_segments` fixture."""
-    assert checksum.definition.SEGMENT_BYTES == SEGMENT
-    monkeypatch.setattr(checksum.definition, "SEGMENT_BYTES", SMALL_SEGMENT)
-    return SMALL_SEGMENT
+def small_segments_rule() -> Segments64M:
+    """The default rule with SMALL_SEGMENT-byte segments, so small tensors have many segments (a
+    Digester given it as `rules` hashes by it; the definition's own rule stays 64 MiB)."""
+    assert Segments64M().segment_bytes == SEGMENT
+    return Segments64M(SMALL_SEGMENT)
 
 
 def storage_bytes(t: torch.Tensor) -> bytes:

@@ -112,7 +112,7 @@ def test_the_invariant_tiles_rotate_in_decode_with_exact_rounding(ta: ModuleType
     contraction; decode rows and verify rows keep rotary_qk's bits (here in the interpreter; compiled on
     the GPU: test_cuda_exact_rounding_rotates_with_rotary_qks_bits)."""
     tiles = ta.TritonAttentionTiles(**SMALL_TILES).batch_invariant()
-    assert tiles.fused_decode_rope and tiles.exact_rounding and tiles.num_splits == 1
+    assert tiles.exact_rounding and tiles.num_splits == 1
     backend = ta.TritonAttention(tiles)
     b = make_batch([1, 1, 1], [9, 40, 1], 4, 2, 16, 8, torch.bfloat16, seed=8, pad_rows=1, table_width=6)
     assert backend.fuses_rope(b.q, b.k, rope_for(b, decode_positions(b)))
@@ -123,19 +123,15 @@ def test_the_invariant_tiles_rotate_in_decode_with_exact_rounding(ta: ModuleType
 
 
 def test_rope_falls_back_to_rotary_first(ta: ModuleType) -> None:
-    """A head dim that is not a power of two, the tiles' switch off, and prefill all rotate before the
-    launch; the result equals rotary_qk followed by the plain launch either way."""
+    """A head dim that is not a power of two, and prefill, rotate before the launch; the result equals
+    rotary_qk followed by the plain launch either way."""
     odd = make_batch([1, 1], [12, 3], 4, 2, 24, 8, torch.float32, seed=3)
     backend = ta.TritonAttention(ta.TritonAttentionTiles(**SMALL_TILES))
     assert not backend.fuses_rope(odd.q, odd.k, rope_for(odd, decode_positions(odd)))
-    off = ta.TritonAttention(ta.TritonAttentionTiles(**SMALL_TILES, fused_decode_rope=False))
-    b = make_batch([1, 1], [12, 3], 4, 2, 16, 8, torch.float32, seed=4)
-    assert not off.fuses_rope(b.q, b.k, rope_for(b, decode_positions(b)))
     prefill = make_batch([3, 5], [7, 5], 4, 2, 16, 8, torch.float32, seed=5)
     prefill_positions = [p for q_len, c in zip([3, 5], [7, 5]) for p in range(c - q_len, c)]
-    for backend_, batch, positions in ((backend, odd, decode_positions(odd)), (off, b, decode_positions(b)),
-                                       (backend, prefill, prefill_positions)):
-        fused_run, plain_run = both_paths(backend_, batch, rope_for(batch, positions))
+    for batch, positions in ((odd, decode_positions(odd)), (prefill, prefill_positions)):
+        fused_run, plain_run = both_paths(backend, batch, rope_for(batch, positions))
         assert_same_bits(fused_run, plain_run)
 
 
@@ -176,14 +172,13 @@ def assert_within_a_rounding(got: tuple[torch.Tensor, ...], want: tuple[torch.Te
 @pytest.mark.cuda
 @pytest.mark.parametrize("batch", [1, 8])
 @pytest.mark.parametrize("shape", MODEL_SHAPES)
-@pytest.mark.parametrize("single", [0, 128])
-def test_cuda_fused_rope_decode(ta: ModuleType, batch: int, shape: tuple[int, int, int], single: int) -> None:
-    """Compiled, on the model shapes (Qwen2-0.5B, 7B, GQA 1), bf16, default and batch-1 long tiles: the
-    fused launch against rotary_qk + the plain launch, and against the reference on the rotated inputs."""
+def test_cuda_fused_rope_decode(ta: ModuleType, batch: int, shape: tuple[int, int, int]) -> None:
+    """Compiled, on the model shapes (Qwen2-0.5B, 7B, GQA 1), bf16: the fused launch against rotary_qk +
+    the plain launch, and against the reference on the rotated inputs."""
     rng = random.Random(batch)
     contexts = [2048] + [rng.randint(1, 2048) for _ in range(batch - 1)]
     b = make_batch([1] * batch, contexts, *shape, 16, torch.bfloat16, seed=batch, device=DEVICE)
-    backend = ta.TritonAttention(ta.TritonAttentionTiles(single_decode_block_n=single))
+    backend = ta.TritonAttention(ta.TritonAttentionTiles())
     rope = rope_for(b, decode_positions(b), theta=1e6)
     assert backend.fuses_rope(b.q, b.k, rope)
     got, want = both_paths(backend, b, rope)
@@ -218,7 +213,8 @@ def test_cuda_fused_rope_verify_rows(ta: ModuleType) -> None:
 def test_decoder_decode_steps_rotate_in_the_kernel(ta: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tiny Qwen2 (GQA 2:1, head dim 16) on the triton backend: a prefill of three sequences, then decode
     steps. With the fused rotary, only the prefill calls rotary_qk (decode rotates in the attention kernel),
-    and every step's hidden states equal the unfused path's bit for bit (Triton's interpreter)."""
+    and every step's hidden states equal those of the same backend rotating first (a backend that takes no
+    rope, so the layer runs rotary_qk), bit for bit (Triton's interpreter)."""
     config = ModelConfig(family="qwen2", vocab_size=32, hidden_size=32, intermediate_size=48, num_layers=2,
                          num_heads=2, num_kv_heads=1, head_dim=16, rms_norm_eps=1e-6, rope=RopeConfig(),
                          max_position_embeddings=64, tie_word_embeddings=True, qkv_bias=True, qk_norm=False)
@@ -226,10 +222,11 @@ def test_decoder_decode_steps_rotate_in_the_kernel(ta: ModuleType, monkeypatch: 
     apply_qk = Rope.apply_qk
     monkeypatch.setattr(Rope, "apply_qk", lambda self, q, k: rotations.append(q.shape[0]) or apply_qk(self, q, k))
     runs = []
-    for fuse in (True, False):
-        tiles = ta.TritonAttentionTiles(**SMALL_TILES, fused_decode_rope=fuse)
+    rotating_first = type("RotatingFirst", (ta.TritonAttention,), {"takes_rope": False})
+    for backend_class in (ta.TritonAttention, rotating_first):
         torch.manual_seed(0)
-        model = build_model(config, TPInfo(), torch.float32, "cpu", ta.TritonAttention(tiles))
+        backend = backend_class(ta.TritonAttentionTiles(**SMALL_TILES))
+        model = build_model(config, TPInfo(), torch.float32, "cpu", backend)
         for p in model.parameters():
             p.data.normal_(0, 0.3)
         model.bind_kv_cache(torch.full(model.kv_cache_spec().shape(12, 4), float("nan")))

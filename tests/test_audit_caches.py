@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import os
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +25,12 @@ from tests.helpers_weight_update import DIMS, Q1, RANK, Link, make_worker, pertu
 
 
 @pytest.fixture
-def kernel(monkeypatch: pytest.MonkeyPatch) -> DeviceDigester:
+def kernel() -> Iterator[DeviceDigester]:
     pytest.importorskip("triton")
     if not device_digest.interpreting():
         pytest.skip("Triton was imported without TRITON_INTERPRET=1")
-    monkeypatch.setattr(device_digest, "FORCE_ON_CPU", True)
-    return DeviceDigester()
+    with device_digest.kernel_on_cpu():
+        yield DeviceDigester()
 
 
 def host(tensors: list[torch.Tensor]) -> list[str]:

@@ -210,7 +210,7 @@ def test_on_the_gpu_the_fused_rotation_with_exact_rounding_changes_no_bit(
     contraction; prefill (rotary_qk), decode at any batch and a draft's verify still agree."""
     from inference.layers import triton_attention
 
-    assert triton_attention.TritonAttentionTiles().batch_invariant().fused_decode_rope
+    assert triton_attention.TritonAttentionTiles().batch_invariant().exact_rounding
     gpu = {"device": "cuda", "dtype": "bfloat16", "kv_cache_bytes": 64 << 20}
     llm = engine(models, **gpu)
     lone = generate(llm, prompts, "seeded", [[i] for i in range(len(prompts))])

@@ -148,7 +148,7 @@ def test_triton_attention_in_the_mode_gives_a_query_the_same_bits_on_every_path(
     default = TritonAttention(TritonAttentionTiles(decode_block_n=16))
     backend = batch_invariant_backend(default)
     tiles = backend.tiles
-    assert tiles.num_splits == 1 and tiles.fused_decode_rope and tiles.exact_rounding and tiles.prefill_block_n == 16
+    assert tiles.num_splits == 1 and tiles.exact_rounding and tiles.prefill_block_n == 16
     for path, (got, want) in _attention_paths(backend, dtype).items():
         assert torch.equal(got, want), path
     # the default tiles (prefill tiles of other shapes, split-KV decode at batch 1) differ somewhere

@@ -12,6 +12,7 @@ import os
 import random
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -44,13 +45,12 @@ EMPTY_DIGEST = "2c0a8a99dc147d5445c3b49d035665b2"  # xxh3_128 of eight zero byte
 
 
 @pytest.fixture
-def kernel(monkeypatch: pytest.MonkeyPatch) -> DeviceDigester:
+def kernel() -> Iterator[DeviceDigester]:
     """A DeviceDigester whose kernel runs on DEVICE (CPU tensors through Triton's interpreter)."""
     pytest.importorskip("triton")
-    if DEVICE == "cpu":
-        monkeypatch.setattr(device_digest, "FORCE_ON_CPU", True)
-    assert device_digest.can_hash_on(torch.device(DEVICE))
-    return DeviceDigester()
+    with device_digest.kernel_on_cpu(DEVICE == "cpu"):
+        assert device_digest.can_hash_on(torch.device(DEVICE))
+        yield DeviceDigester()
 
 
 def random_bytes(n: int, seed: int) -> torch.Tensor:
@@ -74,11 +74,10 @@ def test_host_rule_equals_the_rule_written_out() -> None:
     assert len({digest_bytes(bytes(n), DEVICE_ALGORITHM) for n in (0, 1, 2, SEG64K, SEG64K + 1)}) == 5
 
 
-def test_segment_stream_ignores_chunking(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_segment_stream_ignores_chunking() -> None:
     """The host pipeline may feed a segment in any chunks; work items (shrunk here) never split one."""
-    monkeypatch.setattr(definition, "SEG64K_ITEM_BYTES", 2 * SEG64K)
     data = random_bytes(5 * SEG64K + 333, 1).numpy().tobytes()
-    rule = definition.get_algorithm(DEVICE_ALGORITHM)
+    rule = definition.Segments64K(item_bytes=2 * SEG64K)
     rng = random.Random(0)
     items = []
     for start, end in rule.work_spans(len(data)):
@@ -91,13 +90,14 @@ def test_segment_stream_ignores_chunking(monkeypatch: pytest.MonkeyPatch) -> Non
     assert len(items) == 3 and rule.combine(items, len(data)) == xxh64k(data)
 
 
-def test_host_pipeline_with_staging_and_small_items(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_host_pipeline_with_staging_and_small_items() -> None:
     """CPU tensors hashed in place, and streamed through host buffers in odd chunks, give the rule."""
-    monkeypatch.setattr(definition, "SEG64K_ITEM_BYTES", 2 * SEG64K)
+    small_items = [definition.Segments64K(item_bytes=2 * SEG64K)]
     tensors = {f"t{n}": random_bytes(n, n) for n in [*SIZES, 5 * SEG64K + 7]}
     tensors["strided"] = random_tensor((300, 90), torch.float32, 3)[::2, 1::3]
     expected = [xxh64k(host_bytes(t)) for t in tensors.values()]
-    for digester in (Digester(2), Digester(3, chunk_bytes=5000, staging="always")):
+    for digester in (Digester(2, rules=small_items),
+                     Digester(3, chunk_bytes=5000, staging="always", rules=small_items)):
         with digester:
             assert [r.digest for r in digester.digest(tensors, algorithm=DEVICE_ALGORITHM)] == expected
 
@@ -189,12 +189,12 @@ def test_flipped_byte_fails_the_audit_naming_the_tensor(kernel: DeviceDigester) 
 
 
 def test_without_triton_cuda_and_cpu_tensors_hash_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(device_digest, "FORCE_ON_CPU", True)
     monkeypatch.setattr(device_digest, "_kernels", lambda: None)
-    assert not device_digest.can_hash_on(torch.device("cpu"))
-    assert not device_digest.can_hash_on(torch.device("cuda"))
-    t = random_bytes(SEG64K + 9, 3)
-    assert Digester(1).digest({"t": t}, algorithm=DEVICE_ALGORITHM)[0].digest == xxh64k(host_bytes(t))
+    with device_digest.kernel_on_cpu():
+        assert not device_digest.can_hash_on(torch.device("cpu"))
+        assert not device_digest.can_hash_on(torch.device("cuda"))
+        t = random_bytes(SEG64K + 9, 3)
+        assert Digester(1).digest({"t": t}, algorithm=DEVICE_ALGORITHM)[0].digest == xxh64k(host_bytes(t))
 
 
 def test_pick_algorithm_keeps_cpu_tensors_on_the_default() -> None:

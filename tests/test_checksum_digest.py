@@ -17,7 +17,6 @@ import pytest
 import torch
 import xxhash
 
-import checksum.definition
 import checksum.staging_buffers
 from checksum import Digester, TensorRecord, digest_bytes, digest_tensor, digest_tensors
 from checksum.staging import Job, run_jobs
@@ -28,6 +27,7 @@ from tests.helpers_checksum import (
     SMALL_SEGMENT,
     mixed_tensors,
     random_tensor,
+    small_segments_rule,
     storage_bytes,
     xxh,
 )
@@ -86,30 +86,36 @@ def test_conjugate_view_hashes_its_visible_values() -> None:
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("chunk_bytes", [1, 100, 300, SMALL_SEGMENT, 4096])  # 300 does not divide a segment
 def test_digests_do_not_depend_on_threads_chunks_or_staging(
-    staging: str, threads: int, chunk_bytes: int, small_segments: int
+    staging: str, threads: int, chunk_bytes: int
 ) -> None:
     tensors = mixed_tensors()
-    assert tensors["big"].nbytes > 6 * small_segments and tensors["strided"].nbytes > small_segments
+    assert tensors["big"].nbytes > 6 * SMALL_SEGMENT and tensors["strided"].nbytes > SMALL_SEGMENT
     expected = [TensorRecord(n, str(t.dtype).removeprefix("torch."), tuple(t.shape),
-                             xxh(storage_bytes(t), small_segments)) for n, t in tensors.items()]
+                             xxh(storage_bytes(t), SMALL_SEGMENT)) for n, t in tensors.items()]
     digester = Digester(threads, chunk_bytes=chunk_bytes, staging=staging,  # type: ignore[arg-type]
-                        num_buffers=2 if chunk_bytes == 1 else None, max_queued_copies=2)
+                        num_buffers=2 if chunk_bytes == 1 else None, max_queued_copies=2,
+                        rules=[small_segments_rule()])
     assert digester.digest(tensors) == expected
     assert digester.digest(list(tensors.items())) == expected  # reused buffers, same answer
     digester.close()
 
 
-def test_segments_are_hashed_in_order_and_each_byte_counts(small_segments: int) -> None:
-    a = random_tensor((small_segments,), torch.uint8, 20)
-    b = random_tensor((small_segments,), torch.uint8, 21)
+def test_segments_are_hashed_in_order_and_each_byte_counts() -> None:
+    digester = Digester(1, rules=[small_segments_rule()])
+
+    def digest(t: torch.Tensor) -> str:
+        return digester.digest({"t": t})[0].digest
+
+    a = random_tensor((SMALL_SEGMENT,), torch.uint8, 20)
+    b = random_tensor((SMALL_SEGMENT,), torch.uint8, 21)
     tail = random_tensor((7,), torch.uint8, 22)
-    ab, ba = digest_tensor(torch.cat([a, b, tail])), digest_tensor(torch.cat([b, a, tail]))
-    assert ab == xxh(a.numpy().tobytes() + b.numpy().tobytes() + tail.numpy().tobytes(), small_segments)
+    ab, ba = digest(torch.cat([a, b, tail])), digest(torch.cat([b, a, tail]))
+    assert ab == xxh(a.numpy().tobytes() + b.numpy().tobytes() + tail.numpy().tobytes(), SMALL_SEGMENT)
     assert ab != ba
-    for position in (0, small_segments + 3, 2 * small_segments + 6):  # first, middle, last segment
+    for position in (0, SMALL_SEGMENT + 3, 2 * SMALL_SEGMENT + 6):  # first, middle, last segment
         flipped = torch.cat([a, b, tail])
         flipped[position] ^= 0x10
-        assert digest_tensor(flipped) != ab, position
+        assert digest(flipped) != ab, position
 
 
 # -- the real 64 MiB segment, on CPU (shrinking it in the tests above could hide a wrong constant) --
@@ -272,13 +278,16 @@ class AsyncHostStaging:
 @pytest.mark.parametrize(("threads", "chunk_bytes", "num_buffers", "max_queued"),
                          [(1, 64, 1, 1), (3, 100, 4, 2), (4, 997, 9, 6), (3, SMALL_SEGMENT, 5, 3)])
 def test_pipeline_with_asynchronous_copies(threads: int, chunk_bytes: int, num_buffers: int,
-                                           max_queued: int, small_segments: int) -> None:
+                                           max_queued: int) -> None:
     tensors = [*mixed_tensors().items(), ("long", random_tensor((5000,), torch.int16, 11))]
-    expected = Digester(1).digest(tensors)
+    rule = small_segments_rule()
+    expected = Digester(1, rules=[rule]).digest(tensors)
+    assert expected != Digester(1).digest(tensors), "the small rule cuts the larger tensors otherwise"
     jobs = [Job(i, t, t.numel() * t.element_size(), staged=True)
             for i, (_, t) in enumerate(tensors) if t.numel()]
     with ThreadPoolExecutor(threads) as pool:
-        run_jobs(jobs, (AsyncHostStaging(chunk_bytes, num_buffers), None), pool, threads, chunk_bytes, max_queued)
+        run_jobs(jobs, (AsyncHostStaging(chunk_bytes, num_buffers), None), pool, threads, chunk_bytes, max_queued,
+                 rule)
     assert {j.index: j.digest for j in jobs} == {i: r.digest for i, r in enumerate(expected) if tensors[i][1].numel()}
 
 

@@ -12,6 +12,7 @@ from tests.helpers_checksum import (
     SMALL_SEGMENT,
     mixed_tensors,
     random_tensor,
+    small_segments_rule,
     storage_bytes,
     xxh,
 )
@@ -61,7 +62,7 @@ def test_cuda_and_cpu_tensors_in_one_call_keep_input_order() -> None:
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("chunk_bytes", [100, 300, SMALL_SEGMENT, 4096])
-def test_cuda_segments_with_any_chunk_size(chunk_bytes: int, small_segments: int) -> None:
+def test_cuda_segments_with_any_chunk_size(chunk_bytes: int) -> None:
     """Many segments per tensor on the device: chunks are cut per segment, whatever their size."""
     def tensors(device: str) -> dict[str, torch.Tensor]:
         out = mixed_tensors(device)
@@ -70,8 +71,8 @@ def test_cuda_segments_with_any_chunk_size(chunk_bytes: int, small_segments: int
 
     cpu = tensors("cpu")
     expected = [TensorRecord(n, str(t.dtype).removeprefix("torch."), tuple(t.shape),
-                             xxh(storage_bytes(t), small_segments)) for n, t in cpu.items()]
-    with Digester(4, chunk_bytes=chunk_bytes, num_buffers=5) as digester:
+                             xxh(storage_bytes(t), SMALL_SEGMENT)) for n, t in cpu.items()]
+    with Digester(4, chunk_bytes=chunk_bytes, num_buffers=5, rules=[small_segments_rule()]) as digester:
         assert digester.digest(tensors("cuda")) == expected
 
 

@@ -133,19 +133,87 @@ def _module_names(tree: ast.AST) -> dict[str, str]:
     return names
 
 
-def test_no_test_sets_a_kernel_module_flag() -> None:
-    """Tests reach a kernel path through an argument, the inputs or kernel_device.interpreted_on_cpu(),
-    never by assigning an UPPER_CASE global of inference/layers (monkeypatch.setattr(module, "FLAG", ...))."""
+def _constant_name(name: str) -> bool:
+    """UPPER_CASE, leading underscores allowed: a module constant or flag by the house's naming."""
+    bare = name.lstrip("_")
+    return bool(bare) and bare.isupper()
+
+
+def _package_globals() -> set[str]:
+    """Every UPPER_CASE name a module of the four packages assigns or imports at its top level."""
+    names = set()
+    for path in _modules():
+        for node in ast.parse(path.read_text(), path.name).body:
+            if isinstance(node, ast.ImportFrom):
+                names |= {a.asname or a.name for a in node.names if _constant_name(a.asname or a.name)}
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name) and _constant_name(n.id)}
+    return names
+
+
+def _assigned_globals(tree: ast.AST, modules: dict[str, str], package_globals: set[str]) -> list[tuple[int, str]]:
+    """(line, target) of every assignment of an UPPER_CASE global of the packages in a test module:
+    setattr(module, "NAME", ...) (monkeypatch's or the builtin), setattr("pkg.module.NAME", ...) and
+    module.NAME = .... The module is the test's import of it, or any other name (a fixture that returns
+    one) whose attribute is a name some package module defines; a module outside the packages is left
+    alone."""
+    found = []
+
+    def check(line: int, owner: ast.expr, attr: str) -> None:
+        if not _constant_name(attr):
+            return
+        module = modules.get(owner.id, "") if isinstance(owner, ast.Name) else ""
+        ours = module.split(".")[0] in PACKAGES
+        if ours or (not module and attr in package_globals):
+            found.append((line, f"{module or ast.unparse(owner)}.{attr}"))
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and (
+                (isinstance(node.func, ast.Attribute) and node.func.attr == "setattr")
+                or (isinstance(node.func, ast.Name) and node.func.id == "setattr")) and node.args:
+            first = node.args[0]
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                path, _, attr = first.value.rpartition(".")
+                if path.split(".")[0] in PACKAGES and _constant_name(attr):
+                    found.append((node.lineno, first.value))
+            elif len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+                check(node.lineno, first, node.args[1].value)
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                for t in ast.walk(target):
+                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id != "self":
+                        check(node.lineno, t.value, t.attr)
+    return found
+
+
+def test_no_test_assigns_a_module_global_of_the_packages() -> None:
+    """Tests reach a path through an argument (a size, a rule, a backend's field), the inputs or a scoped
+    context (kernel_device.interpreted_on_cpu(), device_digest.kernel_on_cpu()), never by assigning an
+    UPPER_CASE global of checksum, inference, sidecar or trainer_hooks. Function spies stay allowed."""
+    package_globals = _package_globals()
+    assert {"SEGMENT_BYTES", "STREAM_BYTES", "LOG2E"} <= package_globals  # the scan finds what it must
     bad = []
     for path in sorted((REPO / "tests").rglob("*.py")):
         tree = ast.parse(path.read_text(), path.name)
-        modules = _module_names(tree)
-        for node in ast.walk(tree):
-            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "setattr"
-                    and len(node.args) >= 2 and isinstance(node.args[0], ast.Name)
-                    and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
-                continue
-            module, attr = modules.get(node.args[0].id, ""), node.args[1].value
-            if module.startswith(("inference.layers", "inference.envs")) and attr.isupper():
-                bad.append(f"{path.name}:{node.lineno} {module}.{attr}")
+        bad += [f"{path.name}:{line} {what}" for line, what in _assigned_globals(tree, _module_names(tree),
+                                                                                 package_globals)]
     assert not bad, bad
+
+
+def test_the_scan_sees_each_form_of_assignment() -> None:
+    sample = ast.parse("""
+from checksum import definition
+import inference.layers.triton_attention as ta
+import os
+monkeypatch.setattr(definition, "SEGMENT_BYTES", 1)
+monkeypatch.setattr("inference.transfer.backends.chain.STREAM_BYTES", 2)
+setattr(fixture_module, "_INTERPRET", False)
+ta.LOG2E = 1.0
+monkeypatch.setattr(os, "SEP", "/")
+monkeypatch.setattr(definition, "digest_bytes", spy)
+end.sizes = None
+""")
+    found = _assigned_globals(sample, _module_names(sample), {"SEGMENT_BYTES", "_INTERPRET", "LOG2E"})
+    assert sorted(line for line, _ in found) == [5, 6, 7, 8], found

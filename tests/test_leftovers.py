@@ -83,7 +83,7 @@ def test_every_module_the_sidecar_imports_is_declared() -> None:
     # what a declared distribution brings itself (fastapi brings starlette)
     brought = {_requirement_name(r) for d in declared for r in _requires(d) if "extra ==" not in r}
     dists = md.packages_distributions()
-    files = [*sorted((REPO / "sidecar").glob("*.py")), REPO / "inference" / "chat_template.py"]
+    files = [*sorted((REPO / "sidecar").rglob("*.py")), REPO / "inference" / "text" / "chat_template.py"]
     missing = {}
     for module in sorted(_imported_modules(files)):
         names = {d.lower().replace("_", "-") for d in dists.get(module, [module])}

@@ -6,7 +6,7 @@ weights by the rule asked for, or the one the expected manifest names; received 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,14 +40,17 @@ class RecordingClient(SidecarClient):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.sent: list[tuple[str, Any]] = []
+        request, begin = self.wire.request, self.wire.begin
 
-    def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        self.sent.append((path, kw.get("json")))
-        return super()._request(method, path, **kw)
+        def recorded_request(method: str, path: str, **kw: Any) -> httpx.Response:
+            self.sent.append((path, kw.get("json")))
+            return request(method, path, **kw)
 
-    def _deferred(self, method: str, path: str, json: Any, timeout: float | None) -> Callable[[], httpx.Response]:
-        self.sent.append((path, json))
-        return super()._deferred(method, path, json, timeout)
+        def recorded_begin(method: str, path: str, json: Any, timeout: float | None = None) -> Any:
+            self.sent.append((path, json))
+            return begin(method, path, json, timeout)
+
+        self.wire.request, self.wire.begin = recorded_request, recorded_begin  # type: ignore[method-assign]
 
 
 def started_manifests(c: RecordingClient) -> list[Any]:
@@ -137,7 +140,7 @@ def test_an_unknown_layout_key_is_answered_by_sending_the_tensors(server: Sideca
         with RecordingClient(server.url, timeout=60) as c:
             c.connect_sender(sender)
             version = c.state()["weight_versions"]["target"] + 1
-            c._layouts.add(sender.manifest(half, version)["layout"])
+            c.weights.layouts.add(sender.manifest(half, version)["layout"])
             t0 = time.monotonic()
             assert c.sync_weights(sender, half, version=version, allow_cast=True)["ok"]
             assert ["tensors" in m for m in started_manifests(c)] == [False, True]

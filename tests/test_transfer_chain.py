@@ -45,8 +45,11 @@ def _tensors() -> list[torch.Tensor]:
             torch.empty(0)]  # an empty bucket (planned by hand below)
 
 
+SIZES = chain.ChainSizes(STREAM, ALONE)
+
+
 def _plan(specs: Sequence[TensorSpec]) -> list[Bucket]:
-    plan = list(chain.plan(ParsedManifest(specs[:-1]), BUCKET))
+    plan = list(SIZES.plan(ParsedManifest(specs[:-1]), BUCKET))
     return [*plan, Bucket(len(plan), 0, (Segment(len(specs) - 1, 0, 0, 0),))]
 
 
@@ -87,11 +90,11 @@ def _end(info: dict[str, Any], rank: int, die: int | None, stall: bool, out: Any
     """One group rank in a process of its own: sends or receives `_tensors()` through GlooBackend and
     puts (rank, outcome, detail, seconds) on `out`. Rank `die` joins the group, then exits at once (or,
     with `stall`, stays silent past everyone's timeout)."""
-    chain.STREAM_BYTES, chain.ALONE_BYTES = STREAM, ALONE
     full = InitInfo(**info)
     tensors = _tensors()
     specs = [TensorSpec.of(f"t{i}", t) for i, t in enumerate(tensors)]
     end = GlooBackend(BACKEND, torch.device("cpu"), "sender" if rank == 0 else f"rank {rank}", BUCKET)
+    end.sizes = SIZES
     group = TransferGroup(full, rank, torch.device("cpu"), label=end.label)
     if rank == die:
         if stall:
@@ -140,9 +143,7 @@ def _run_group(world: int, die: int | None = None, stall: bool = False) -> dict[
     return results
 
 
-def test_the_plan_covers_every_case_of_the_chain(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(chain, "STREAM_BYTES", STREAM)
-    monkeypatch.setattr(chain, "ALONE_BYTES", ALONE)
+def test_the_plan_covers_every_case_of_the_chain() -> None:
     tensors = _tensors()
     specs = [TensorSpec.of(f"t{i}", t) for i, t in enumerate(tensors)]
     plan = _plan(specs)
@@ -191,13 +192,14 @@ def test_a_sender_that_plans_otherwise_is_stopped_before_a_byte_moves(tmp_path: 
     try:
         before = held(worker)
         state = perturbed(dirs["target"], 5)
-        end.plan_id = lambda: f"gloo/chain/{2 * chain.STREAM_BYTES}/{chain.ALONE_BYTES}"  # type: ignore[method-assign]
+        assert end.plan_id() == f"gloo/chain/{chain.STREAM_BYTES}/{chain.ALONE_BYTES}"
+        end.sizes = chain.ChainSizes(2 * chain.STREAM_BYTES)
         worker.weights.start("target", 1, link.sender.manifest(state, 1))
         with pytest.raises(TransferError, match=r"plan .*differs"):
             link.transfer(state)
         assert held(worker) == before, "a byte was written before the ends agreed"
         worker.weights.abort()
-        del end.plan_id  # the class's own again
+        end.sizes = chain.ChainSizes()  # the receivers' own again
         assert link.sync(state, 2).report.ok
         assert held(worker) == loader_digests(dirs["target"], state, tmp_path / "ref")
     finally:

@@ -22,6 +22,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from inference import envs
 from inference.batch import AttentionMetadata
 from inference.core import InvalidRequestError, StateError
 from inference.layers.attention import ReferenceAttention, get_attention_backend, store_kv
@@ -238,24 +239,6 @@ def test_decode_num_splits_depends_on_static_shapes(ta: ModuleType) -> None:
     assert ta.decode_num_splits(1, 2, 2, 16, tiles, num_sms=132) == 1  # one KV tile: nothing to split
 
 
-def test_one_sequence_decode_takes_long_tiles(ta: ModuleType) -> None:
-    """With single_decode_block_n set, batch 1 decode takes 128-key tiles on 8 warps, one tile per split;
-    two sequences keep the usual tiles; the default (0) keeps them everywhere. Results equal the
-    reference at 1 to 3 tiles of context."""
-    tiles = ta.TritonAttentionTiles(single_decode_block_n=128)
-    backend = ta.TritonAttention(tiles)
-    one = make_batch([1], [300], 14, 2, 64, 16, torch.float32, seed=21, table_width=32)
-    two = make_batch([1, 1], [300, 20], 14, 2, 64, 16, torch.float32, seed=21, table_width=32)
-    plan = backend.plan(one.q, one.k_cache, one.meta)
-    assert (plan.block_n, plan.split_tiles, plan.num_warps) == (128, 1, 8) and plan.splits > 1
-    plan2 = backend.plan(two.q, two.k_cache, two.meta)
-    assert (plan2.block_n, plan2.split_tiles, plan2.num_warps) == (64, 2, 4)
-    assert ta.TritonAttention().plan(one.q, one.k_cache, one.meta).block_n == 64
-    for context in (100, 200, 300):  # one, two (merged) and three tiles
-        assert_matches_reference(backend, make_batch([1], [context], 14, 2, 64, 16, torch.float32, seed=context,
-                                                     table_width=32))
-
-
 def test_decode_keeps_its_tiles_at_every_batch(ta: ModuleType) -> None:
     """Decode launches take 64-key tiles at every batch size, with and without verify rows: the 128-key
     tiles for large batches lost on the H100's decode step (docs/benchmarks.md, "Experiments decided")."""
@@ -277,7 +260,7 @@ def test_registry_without_triton_names_the_missing_package(monkeypatch: pytest.M
 
 
 def test_cpu_tensors_need_the_interpreter(ta: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ta, "_INTERPRET", False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     b = make_batch([1], [3], 2, 1, 16, 8, torch.float32, device="cpu")
     with pytest.raises(StateError, match="CUDA"):
         run(ta.TritonAttention(), b)
@@ -286,7 +269,7 @@ def test_cpu_tensors_need_the_interpreter(ta: ModuleType, monkeypatch: pytest.Mo
 @pytest.mark.parametrize("case", ["qwen2", "mistral"])
 def test_model_with_triton_backend_matches_transformers(ta: ModuleType, case: str, tmp_path: Path) -> None:
     """A tiny model (GQA; Mistral: sliding window 4) through prefill and two decode steps, fp32, CPU."""
-    if not ta._INTERPRET:
+    if not envs.TRITON_INTERPRET.get():
         pytest.skip("the tiny-model helpers run on the CPU, where the kernels need the interpreter")
     hf = make_hf_checkpoint(case, tmp_path)
     model = load_ours(tmp_path)
@@ -323,14 +306,14 @@ def test_cuda_decode_matches_reference(ta: ModuleType, batch: int, shape: tuple[
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize(("split_tiles", "fused_store"), [(2, True), (4, True), (1, True), (1, False)])
+@pytest.mark.parametrize("split_tiles", [2, 4, 1])
 @pytest.mark.parametrize("batch", [1, 8])
-def test_cuda_decode_paths_match_reference(ta: ModuleType, split_tiles: int, fused_store: bool, batch: int) -> None:
+def test_cuda_decode_paths_match_reference(ta: ModuleType, split_tiles: int, batch: int) -> None:
     """Qwen2-0.5B heads, bf16: single pass (<= 128 keys by default) and splits merged by the last split,
-    with the KV store in the kernel and separate, over short and long contexts in one batch."""
+    over short and long contexts in one batch."""
     contexts = [200, 3000, 256, 257, 1, 129, 4096, 64][:batch]
     b = make_batch([1] * batch, contexts, 14, 2, 64, 16, torch.bfloat16, seed=batch, table_width=256)
-    tiles = ta.TritonAttentionTiles(decode_split_tiles=split_tiles, fused_decode_store=fused_store)
+    tiles = ta.TritonAttentionTiles(decode_split_tiles=split_tiles)
     assert_matches_reference(ta.TritonAttention(tiles), b)
 
 

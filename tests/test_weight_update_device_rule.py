@@ -49,8 +49,8 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
         real(*args, **kwargs)
 
     monkeypatch.setattr(device_kernels, "launch", counted)
-    monkeypatch.setattr(device_digest, "FORCE_ON_CPU", True)
-    yield counts
+    with device_digest.kernel_on_cpu():
+        yield counts
 
 
 def device_link(dirs: dict[str, Path]) -> Link:
@@ -88,15 +88,12 @@ def test_a_cpu_receiver_computes_the_device_rule_on_the_host(dirs: dict[str, Pat
     real = link.sender._digests.launch
 
     def sender_only(*args: Any, **kwargs: Any) -> Any:
-        monkeypatch.setattr(device_digest, "FORCE_ON_CPU", True)
-        try:
+        with device_digest.kernel_on_cpu():
             return real(*args, **kwargs)
-        finally:
-            monkeypatch.setattr(device_digest, "FORCE_ON_CPU", False)
 
     monkeypatch.setattr(link.sender._digests, "launch", sender_only)
-    monkeypatch.setattr(device_digest, "FORCE_ON_CPU", False)
-    result = link.sync(perturbed(dirs["target"], 2), 1)
+    with device_digest.kernel_on_cpu(False):
+        result = link.sync(perturbed(dirs["target"], 2), 1)
     assert result.report.ok and result.received.algorithm == DEVICE_ALGORITHM
     assert len(launches) == 1, "only the sender's digests ran on the kernel"
 
@@ -151,11 +148,11 @@ def test_the_cpu_gloo_path_keeps_the_host_rule(dirs: dict[str, Path], monkeypatc
         raise AssertionError("CPU tensors of a default sender never reach the kernel")
 
     monkeypatch.setattr(device_kernels, "launch", no_kernel)
-    monkeypatch.setattr(device_digest, "FORCE_ON_CPU", True)  # even where the kernel could run on the CPU
     link = Link(make_worker(dirs, draft=False))
     state = perturbed(dirs["target"], 7)
-    assert link.sender.manifest(state, 1)["algorithm"] == ALGORITHM
-    result = link.sync(state, 1)
+    with device_digest.kernel_on_cpu():  # even where the kernel could run on the CPU
+        assert link.sender.manifest(state, 1)["algorithm"] == ALGORITHM
+        result = link.sync(state, 1)
     assert result.report.ok and result.received.algorithm == ALGORITHM
     assert {r.name: r.digest for r in result.received.records} == {
         n: digest_bytes(flat_bytes(t).numpy().tobytes()) for n, t in state.items()}

@@ -1,50 +1,18 @@
 """The "triton" attention backend: flash-attention style kernels over the paged KV cache.
 
-Same contract as ReferenceAttention (see inference/layers/attention.py and inference/batch.py); this
-module imports triton, so import it only where triton is installed (attention.py registers it lazily).
-
-Kernels (in inference/layers/triton_attention_kernels.py; the split-KV end in attention_splits.py):
-  _store_kv_kernel          one program per token: writes its k/v at slot_mapping[t]; slot < 0 (the
-                            padded rows of CUDA-graph batches) is skipped. Prefill only (decode fuses it).
-  _paged_attention_kernel   one program per (query tile, kv head, kv split). A tile holds BLOCK_Q
-                            tokens x GROUP_PAD query heads of one kv head group (GQA), so each KV tile
-                            is loaded once for the whole group; online softmax in fp32 (base 2).
-
-Decode, one launch: a split takes at least `decode_split_tiles` KV tiles, so a context that fits in one
-split is computed by split 0 alone, which normalizes and stores the output (single pass; the other
-splits exit at once). A longer context spreads over several splits that write fp32 partials; the last
-of them to finish (an acq_rel counter per (sequence, kv head), reset by that split) merges them. The
-choice is made per sequence on the device, so one graph captured for max_model_len serves both.
-Decode also stores the new token's k/v itself (split 0 writes them; every split takes key ctx - 1 from
-k/v rather than from the cache), so a decode layer is one launch instead of store + attention + merge.
-decode_split_tiles = 2 is where one pass stopped losing to more splits, and a one-sequence launch may
-take longer tiles (tiles.single_decode_block_n, opt-in: see its comment); the measurements are in
-docs/benchmarks.md, scripts/bench_decode_parts.py repeats them.
-Several rows of one sequence in a decode launch (spec-decode verify, inference/runner/inputs.py): row i + 1
-needs row i's new key, which row i's split 0 stores in this same launch, and programs run in no fixed
-order on a GPU. So no row reads another row's new k/v from the cache: for keys ctx - max_rows .. ctx - 2
-(only the last KV tile or two) a program finds the launch row that writes each key (row seq -/+ j whose
-slot equals the key's slot; the rows of a sequence are consecutive, ascending or descending) and takes
-that row's k and v from the inputs. max_rows = min(T, meta.rows_per_seq or tiles.decode_max_rows) is a
-launch argument (rows_per_seq 1: a plain decode graph of a model with a draft compiles the check out); a
-launch holding more rows of one sequence than that is not supported (SpecDecoder refuses such a k). The
-extra loads are masked, so where no row matches (plain decode) they read nothing; a batch-1 launch
-compiles the check out (MULTI_ROW), and so does every launch of a target without a draft model (the
-worker builds its backend with for_decode_rows(1)).
-Decode can also rotate (ROPE): the caller hands q and k over unrotated with their Rope, and each program
-rotates its q rows and the new key at the row's position (the other rows' keys of a verify launch at
-the key's position), rounding as rotary_qk does; the k cache receives the rotated key. One rotary launch a
-layer fewer; prefill rotates first (rotary_qk). Compiled, the two rotations may differ in a few elements
-by one rounding, so every decode path uses the same one.
-All three kernels take PDL (inference/layers/pdl.py): nothing is read or written before wait(PDL).
+Same contract as ReferenceAttention (inference/layers/attention.py). Imports triton: attention.py
+registers it lazily. The kernels are in triton_attention_kernels.py; this module plans their launches.
+Prefill stores k/v, then attends; a decode layer is one launch that stores the new k/v itself, may
+rotate q and k (given unrotated with their Rope), and splits long contexts over KV splits that the last
+split to finish merges. A split takes at least `decode_split_tiles` KV tiles, so a context within one
+split runs in a single pass; the choice is made per sequence on the device.
 
 Invariants:
-- Decode (meta.is_decode) reads only device tensors and static shapes (T, heads, block_tables.shape[1]),
-  so it can be captured in a CUDA graph; its split count depends only on those shapes.
+- Decode reads only device tensors and static shapes (T, heads, block_tables.shape[1]), so it can be
+  captured in a CUDA graph, and its split count depends only on those shapes.
 - The merge counters are one int32 buffer per backend and device, zero between launches (the merging
   split resets its counter); decode launches sharing a backend run on one stream at a time.
-- Prefill finds each tile's sequence on the device from cu_query_lens (grid = T // BLOCK_Q + B), so it
-  needs no host list either.
+- A decode launch holds at most max_rows rows of one sequence (SpecDecoder refuses a larger k).
 - A row whose context is empty (a padded row: context_lens 0) gets an all-zero output and reads nothing.
 """
 
@@ -55,13 +23,14 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
+from inference import envs
 from inference.batch import AttentionMetadata
 from inference.core import StateError
 from inference.layers.kernel_device import num_sms
 from inference.layers.merge_counters import MergeCounters
 from inference.layers.pdl import launch_kwargs
 from inference.layers.rotary import Rope
-from inference.layers.triton_attention_kernels import _INTERPRET, LOG2E, _paged_attention_kernel, _store_kv_kernel
+from inference.layers.triton_attention_kernels import LOG2E, _paged_attention_kernel, _store_kv_kernel
 
 
 @dataclass(frozen=True)
@@ -79,12 +48,8 @@ class TritonAttentionTiles:
     # A decode split takes at least this many KV tiles: contexts up to decode_split_tiles * decode_block_n
     # keys run in one pass; longer ones split as the static split count allows.
     decode_split_tiles: int = 2
-    fused_decode_store: bool = True  # decode writes the new k/v inside the attention kernel (one launch)
-    # Decode with the fused store rotates q and the new k itself when the caller passes them unrotated
-    # with their Rope (one rotary launch a layer fewer); False: rotary_qk runs first.
-    fused_decode_rope: bool = True
-    # With the fused store, the most rows of one sequence a decode launch may hold (spec-decode verify:
-    # num_speculative_tokens + 1); see "several rows of one sequence" above.
+    # The most rows of one sequence a decode launch may hold (spec-decode verify: num_speculative_tokens
+    # + 1); 1 compiles the owner check out (triton_attention_kernels.py).
     decode_max_rows: int = 16
     num_warps: int = 4
     num_stages: int = 2
@@ -98,12 +63,6 @@ class TritonAttentionTiles:
     # H200, the verify rows of 8 / 16 sequences 109 -> 91 / 209 -> 166 us on the H100 (7B heads;
     # docs/benchmarks.md).
     verify_programs_per_sm: int = 4
-    # Opt-in: a one-sequence decode launch (batch 1) is latency-bound and runs faster with longer KV tiles
-    # on more warps, one tile per split (128; much slower at large batches: docs/benchmarks.md).
-    # Off (0) by default: speculative decoding's verify rows run on the tiles above, and greedy output with
-    # a draft equals output without only while plain decode sums its keys in the same tiles (same bits).
-    single_decode_block_n: int = 0
-    single_decode_num_warps: int = 8
     # Launch without FP contraction (Triton's enable_fp_fusion=False): every product and sum rounds as
     # written, so an in-kernel rotation rounds as rotary_qk does (which launches so) instead of one bf16
     # step apart in a few elements. The batch-invariant mode's tiles set it.
@@ -117,21 +76,14 @@ class TritonAttentionTiles:
         a decode tile holds (its group padded to 16), so both dots run on [max(16, group), head_dim]
         operands; decode rotates q and the new key in the kernel with every launch's FP contraction off
         (exact_rounding), so the rotation rounds as rotary_qk's in prefill and the k cache holds the same
-        bits for a token decoded as for one prefilled; no long batch-1 tiles."""
+        bits for a token decoded as for one prefilled."""
         n = self.decode_block_n
         return replace(self, prefill_block_m=16, fp32_prefill_block_m=16, prefill_block_n=n, fp32_prefill_block_n=n,
-                       num_splits=1, fused_decode_rope=True, exact_rounding=True, single_decode_block_n=0)
-
-    def for_decode(self, num_seqs: int) -> TritonAttentionTiles:
-        """The tiles a decode launch of num_seqs sequences uses (a static shape: graph-safe)."""
-        if num_seqs == 1 and self.single_decode_block_n:
-            return replace(self, decode_block_n=self.single_decode_block_n, decode_split_tiles=1,
-                           num_warps=self.single_decode_num_warps)
-        return self
+                       num_splits=1, exact_rounding=True)
 
     def __post_init__(self) -> None:
         blocks = (self.prefill_block_m, self.prefill_block_n, self.fp32_prefill_block_m,
-                  self.fp32_prefill_block_n, self.decode_block_n, self.single_decode_block_n or 16)
+                  self.fp32_prefill_block_n, self.decode_block_n)
         assert all(b >= 16 and b & (b - 1) == 0 for b in blocks), blocks
         assert self.num_splits is None or (self.num_splits >= 1 and self.num_splits & (self.num_splits - 1) == 0)
         assert self.decode_split_tiles >= 1, self.decode_split_tiles
@@ -218,32 +170,32 @@ class TritonAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None, rope: Rope | None = None) -> torch.Tensor:
-        if not (q.is_cuda or _INTERPRET):
+        interpreted = not q.is_cuda  # CPU tensors run only in Triton's interpreter
+        if interpreted and not envs.TRITON_INTERPRET.get():
             raise StateError("the triton attention backend needs CUDA tensors (or TRITON_INTERPRET=1)")
         assert q.dtype == k_cache.dtype == v_cache.dtype, (q.dtype, k_cache.dtype, v_cache.dtype)
         assert q.shape[2] == k_cache.shape[3] and q.shape[1] % k_cache.shape[2] == 0, (q.shape, k_cache.shape)
-        fused_store = meta.is_decode and self.tiles.fused_decode_store and q.shape[0] > 0
-        if rope is not None and not (fused_store and self.fuses_rope(q, k, rope)):
+        if rope is not None and not (meta.is_decode and self.fuses_rope(q, k, rope)):
             q, k = rope.apply_qk(q, k)
             rope = None
-        if not fused_store:
+        if not meta.is_decode:  # decode stores the new k/v inside the attention launch
             store_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if q.shape[0] == 0:
             return out
-        self._launch(q, (k, v) if fused_store else None, k_cache, v_cache, out, meta, scale, sliding_window, rope)
+        self._launch(q, k, v, k_cache, v_cache, out, meta, scale, sliding_window, rope, interpreted)
         return out
 
     def fuses_rope(self, q: torch.Tensor, k: torch.Tensor, rope: Rope) -> bool:
-        """Whether a fused-store decode launch rotates q/k itself: the fused rotary path, a power-of-two
+        """Whether a decode launch rotates q/k itself: the fused rotary path, a power-of-two
         head dim and one dtype for q and k (rotary_qk's own conditions) and the table rotary_qk reads."""
         dim = q.shape[2]
-        return (self.tiles.fused_decode_rope and rope.fused and dim & (dim - 1) == 0 and k.dtype == q.dtype
+        return (rope.fused and dim & (dim - 1) == 0 and k.dtype == q.dtype
                 and rope.cache.dtype == torch.float32 and rope.cache.is_contiguous() and rope.cache.shape[1] == dim
                 and rope.positions.shape == (q.shape[0],) and rope.positions.device == q.device)
 
     def max_rows(self, num_tokens: int, meta: AttentionMetadata) -> int:
-        """The most rows of one sequence a fused-store decode launch holds (static: graph-safe)."""
+        """The most rows of one sequence a decode launch holds (static: graph-safe)."""
         return min(num_tokens, meta.rows_per_seq or self.tiles.decode_max_rows, self.tiles.decode_max_rows)
 
     def plan(self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> LaunchPlan:
@@ -256,9 +208,7 @@ class TritonAttention:
         if meta.is_decode:
             assert num_seqs == num_tokens, (num_seqs, num_tokens)
             sms = num_sms(q.device)
-            tiles = tiles.for_decode(num_seqs)
-            rows = self.max_rows(num_tokens, meta) if tiles.fused_decode_store else 1
-            if rows > 1:
+            if self.max_rows(num_tokens, meta) > 1:
                 tiles = replace(tiles, decode_programs_per_sm=tiles.verify_programs_per_sm)
             splits = decode_num_splits(num_seqs, num_kv_heads, meta.block_tables.shape[1], page, tiles, sms)
             # A decode tile is one token: its group's heads are padded to 16 rows for tl.dot.
@@ -272,14 +222,13 @@ class TritonAttention:
         return LaunchPlan(num_tokens // block_q + num_seqs, group_pad, block_q, block_n, 1,
                           _pow2_at_least(num_seqs), num_warps=tiles.num_warps)
 
-    def _launch(self, q: torch.Tensor, new_kv: tuple[torch.Tensor, torch.Tensor] | None, k_cache: torch.Tensor,
+    def _launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None, rope: Rope | None = None) -> None:
-        """new_kv: the decode step's (k, v) [T, Hkv, D] when the kernel stores them itself; rope: q and
-        k come unrotated and the kernel rotates them (fused-store decode only)."""
-        assert rope is None or new_kv is not None
+                sliding_window: int | None, rope: Rope | None, interpreted: bool) -> None:
+        """k, v [T, Hkv, D]: the step's new keys and values, which a decode launch stores itself (prefill
+        stored them before); rope: q and k come unrotated and the kernel rotates them (decode only)."""
+        assert rope is None or meta.is_decode
         num_tokens, num_heads, dim = q.shape
-        k, v = new_kv if new_kv is not None else (q, q)  # (q, q): unused placeholders
         assert k.stride(-1) == v.stride(-1) == 1, (k.stride(), v.stride())
         assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
         assert meta.block_tables.shape[0] == meta.cu_query_lens.shape[0] - 1 and meta.block_tables.stride(1) == 1
@@ -293,7 +242,7 @@ class TritonAttention:
             part_m = part_l = part_acc = out  # unused by the kernel when NUM_SPLITS == 1
         counters = self.merge_counters(q.device, plan.grid0 * k_cache.shape[2]) if plan.splits > 1 else out
         # Static (T and the tiles), so a captured graph keeps it; 1: no row can own another's keys.
-        max_rows = self.max_rows(num_tokens, meta) if new_kv is not None else 1
+        max_rows = self.max_rows(num_tokens, meta) if meta.is_decode else 1
         strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
                    k_cache.stride(2), meta.block_tables.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1))
         window = sliding_window if sliding_window is not None else 0
@@ -304,9 +253,9 @@ class TritonAttention:
             meta.cu_query_lens.shape[0] - 1, scale * LOG2E, window, max_rows, *strides,
             GROUP=num_heads // k_cache.shape[2], GROUP_PAD=plan.group_pad, HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad,
             PAGE=k_cache.shape[1], BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, BLOCK_B=plan.block_b,
-            NUM_SPLITS=plan.splits, SPLIT_TILES=plan.split_tiles, FUSED_STORE=new_kv is not None,
-            IS_DECODE=meta.is_decode, HAS_WINDOW=sliding_window is not None,
+            NUM_SPLITS=plan.splits, SPLIT_TILES=plan.split_tiles, IS_DECODE=meta.is_decode,
+            HAS_WINDOW=sliding_window is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            DOT_UPCAST=_INTERPRET and q.dtype == torch.bfloat16, MULTI_ROW=max_rows > 1, ROPE=rope is not None,
+            DOT_UPCAST=interpreted and q.dtype == torch.bfloat16, MULTI_ROW=max_rows > 1, ROPE=rope is not None,
             num_warps=plan.num_warps, num_stages=self.tiles.num_stages, enable_fp_fusion=not self.tiles.exact_rounding,
             **launch_kwargs(q))

@@ -1,17 +1,27 @@
-"""Triton kernels of the "triton" attention backend; inference/layers/triton_attention.py explains
-them and launches them. Kept apart so the host-side planning reads on its own."""
+"""Triton kernels of the "triton" attention backend (inference/layers/triton_attention.py plans and
+launches them).
+
+_store_kv_kernel writes each token's k/v at its slot (slot < 0, a padded row, is skipped): prefill only.
+_paged_attention_kernel runs one program per (query tile, kv head, kv split); a tile holds BLOCK_Q tokens
+x GROUP_PAD query heads of one kv head (GQA), so each KV tile is loaded once for the whole group; online
+softmax in fp32, base 2. In decode it also stores the new token's k/v (split 0 writes them; every split
+takes key ctx - 1 from k/v, not from the cache), rotates q and the new key with ROPE, and ends in
+attention_splits._finish_splits: a context within one split is normalized by split 0 alone, a longer one
+is merged by the last split to finish. Several rows of one sequence in a launch (spec-decode verify,
+MULTI_ROW): no row reads another row's new key from the cache; for keys ctx - max_rows .. ctx - 2 a
+program finds the launch row that writes each key (the rows of a sequence are consecutive) and takes its
+k and v from the inputs. Every kernel takes PDL: nothing is read or written before wait(PDL).
+"""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from inference import envs
 from inference.layers.attention_splits import _finish_splits
 from inference.layers.pdl import launch_dependents, wait
 
 LOG2E = 1.4426950408889634
-_INTERPRET = envs.TRITON_INTERPRET.get()
 
 
 @triton.jit
@@ -53,8 +63,8 @@ def _paged_attention_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLIT_TILES: tl.constexpr, FUSED_STORE: tl.constexpr,
-    IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLIT_TILES: tl.constexpr, IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     MULTI_ROW: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr,
 ):
     launch_dependents(PDL)  # the next kernel (o_proj) waits for this whole grid before it reads `out`
@@ -92,10 +102,13 @@ def _paged_attention_kernel(
     else:
         cos = d.to(tl.float32)  # unused
         sin = cos
-    if FUSED_STORE:  # decode: the new token's k/v come from k_ptr/v_ptr, and split 0 writes them to the cache
+    if IS_DECODE:  # the new token's k/v come from k_ptr/v_ptr, and split 0 writes them to the cache
         k_new, v_new = _store_new_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, seq, kvh, d, d_valid, split,
                                      stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
                                      cos, sin, PAGE, ROPE, HEAD_DIM)
+    else:  # placeholders: _attend_tile reads them only in decode
+        k_new = cos
+        v_new = cos
     q_rows = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh
     q_mask = row_valid[:, None] & d_valid[None, :]
     q = tl.load(q_rows + d[None, :], mask=q_mask, other=0.0)
@@ -117,9 +130,6 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    if not FUSED_STORE:  # placeholders: _attend_tile reads them only with FUSED_STORE
-        k_new = cos
-        v_new = cos
     # MULTI_ROW: keys ctx - max_rows .. ctx - 2 may be new keys of other rows of this launch, so the tiles
     # from t_near on check who writes each key. They run in a loop of their own: a branch inside the main
     # loop stops Triton pipelining its loads (1.5-1.8x the time per layer on the H200; docs/benchmarks.md). A row
@@ -142,14 +152,14 @@ def _paged_attention_kernel(
         m_i, l_i, acc = _attend_tile(
             t, lo, hi, ctx, max_rows, num_seqs, seq, kvh, q, q_pos, m_i, l_i, acc, bt_ptr, stride_bt,
             kc_ptr, vc_ptr, stride_cb, stride_cs, stride_ch, d, d_valid, k_new, v_new, slot_ptr, k_ptr, v_ptr,
-            cs_ptr, stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, window, PAGE, BLOCK_N, FUSED_STORE,
+            cs_ptr, stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, window, PAGE, BLOCK_N, IS_DECODE,
             False, HAS_WINDOW, DOT_PRECISION, DOT_UPCAST, ROPE, HEAD_DIM)
     if MULTI_ROW:
         for t in range(t_mid, t_end):
             m_i, l_i, acc = _attend_tile(
                 t, lo, hi, ctx, max_rows, num_seqs, seq, kvh, q, q_pos, m_i, l_i, acc, bt_ptr, stride_bt,
                 kc_ptr, vc_ptr, stride_cb, stride_cs, stride_ch, d, d_valid, k_new, v_new, slot_ptr, k_ptr, v_ptr,
-                cs_ptr, stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, window, PAGE, BLOCK_N, FUSED_STORE,
+                cs_ptr, stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, window, PAGE, BLOCK_N, IS_DECODE,
                 True, HAS_WINDOW, DOT_PRECISION, DOT_UPCAST, ROPE, HEAD_DIM)
 
     out_offs = tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
@@ -165,7 +175,7 @@ def _paged_attention_kernel(
 def _attend_tile(t, lo, hi, ctx, max_rows, num_seqs, seq, kvh, q, q_pos, m_i, l_i, acc, bt_ptr, stride_bt,
                  kc_ptr, vc_ptr, stride_cb, stride_cs, stride_ch, d, d_valid, k_new, v_new, slot_ptr, k_ptr, v_ptr,
                  cs_ptr, stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, window,
-                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_STORE: tl.constexpr, CHECK_OWNERS: tl.constexpr,
+                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IS_DECODE: tl.constexpr, CHECK_OWNERS: tl.constexpr,
                  HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
                  ROPE: tl.constexpr, HEAD_DIM: tl.constexpr):
     """KV tile t of one program: its keys' scores against the tile's queries, folded into the online
@@ -177,7 +187,7 @@ def _attend_tile(t, lo, hi, ctx, max_rows, num_seqs, seq, kvh, q, q_pos, m_i, l_
     kv_off = page * stride_cb + (k_pos % PAGE) * stride_cs + kvh * stride_ch
     # Masked loads return 0, never stale cache bytes (which may hold NaN) that p = 0 would not hide.
     k_t = tl.load(kc_ptr + kv_off[None, :] + d[:, None], mask=k_valid[None, :] & d_valid[:, None], other=0.0)
-    if FUSED_STORE:  # the cache slot of key ctx - 1 may not be written yet: take the new key itself
+    if IS_DECODE:  # the cache slot of key ctx - 1 may not be written yet: take the new key itself
         is_new = k_pos == ctx - 1
         k_t = tl.where(is_new[None, :], k_new[:, None], k_t)
     if CHECK_OWNERS:
@@ -195,7 +205,7 @@ def _attend_tile(t, lo, hi, ctx, max_rows, num_seqs, seq, kvh, q, q_pos, m_i, l_
     s = tl.where(allowed, s, float("-inf"))
     m_new, l_i, p, alpha = _softmax_step(s, m_i, l_i)
     v = tl.load(vc_ptr + kv_off[:, None] + d[None, :], mask=k_valid[:, None] & d_valid[None, :], other=0.0)
-    if FUSED_STORE:
+    if IS_DECODE:
         v = tl.where(is_new[:, None], v_new[None, :], v)
     if CHECK_OWNERS:  # noqa: SIM102 - `near` exists only under the constexpr, so the two ifs stay apart
         if near:

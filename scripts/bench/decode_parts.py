@@ -1,12 +1,10 @@
 """Benchmark two parts of a decode step: the decode attention kernel and the sampler. One JSON line per case.
 
 Attention (Qwen2-0.5B heads by default: 14 q / 2 kv heads, head_dim 64, bf16, block 16): the same decode
-step under six tilings, each as a CUDA graph of `--layers` forwards (one step's layers; each stores
+step under several tilings, each as a CUDA graph of `--layers` forwards (one step's layers; each stores
 the new k/v and attends) with block tables as wide as max_model_len, as the engine captures them:
-  previous   KV store kernel, every split writes partials, a merge kernel (the peer: three launches)
-  split1     one launch: KV store fused, splits of >= 1 KV tile merged by the last split to finish
+  split1     splits of >= 1 KV tile merged by the last split to finish
   split4     the same with splits of >= 4 tiles (single pass up to 256 keys at 64-key tiles)
-  single     at batch 1, 128-key tiles on 8 warps, one per split (opt-in single_decode_block_n)
   rows1      the default with the multi-row owner check compiled out (decode_max_rows 1)
   auto       the default tiles (decode_split_tiles 2: single pass up to 128 keys)
 With --verify-rows R each sequence is R consecutive verify rows (positions context - R .. context - 1, as
@@ -38,10 +36,8 @@ from inference.layers.attention import ReferenceAttention
 from inference.sample.sampler import SamplingBatch, sample, sample_reference
 from scripts.bench.attention import decode_case, graph_replay, timer
 
-VARIANTS = {"previous": {"decode_split_tiles": 1, "fused_decode_store": False},
-            "split1": {"decode_split_tiles": 1},
+VARIANTS = {"split1": {"decode_split_tiles": 1},
             "split4": {"decode_split_tiles": 4},
-            "single": {"single_decode_block_n": 128},  # batch 1: 128-key tiles on 8 warps, one per split
             "rows1": {"decode_max_rows": 1},  # the multi-row owner check compiled out
             "auto": {},
             # the rollout's sweep: more programs per SM (more splits), longer tiles, deeper pipelines, more warps
@@ -140,8 +136,6 @@ def attention_rows(args: argparse.Namespace) -> list[dict]:
                     row[f"{name}_err"] = (step()[0].float() - want).abs().max().item()
                     row[f"{name}_us_per_layer"] = round(measure(graph_replay(step)) * 1e3 / args.layers, 2)
                     row[f"{name}_splits"] = backend.plan(q, kc, meta).splits
-                if "previous" in args.variants and "auto" in args.variants:
-                    row["speedup_auto_vs_previous"] = round(row["previous_us_per_layer"] / row["auto_us_per_layer"], 2)
                 rows.append(row)
     return rows
 
@@ -181,7 +175,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, nargs="+", default=[272, 4096],
                     help="graph table widths (272: generate.py's 128 + 128 + 16)")
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--variants", nargs="+", default=["previous", "split1", "split4", "single", "rows1", "auto"],
+    ap.add_argument("--variants", nargs="+", default=["split1", "split4", "rows1", "auto"],
                     choices=VARIANT_NAMES)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--verify-rows", type=int, default=0,

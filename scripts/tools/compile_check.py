@@ -42,9 +42,9 @@ SHAPES = {"qwen2-0.5b": (7, 64), "qwen2.5-7b": (7, 128)}
 _COMMON = {"PAGE": 16, "BLOCK_N": 64, "NUM_SPLITS": 8, "SPLIT_TILES": 2, "HAS_WINDOW": False,
            "DOT_PRECISION": "tf32", "DOT_UPCAST": False, "PDL": True}
 KERNELS = {  # name: (kernel, its own constexprs besides _COMMON, GROUP and HEAD_DIM)
-    "decode": (_paged_attention_kernel, {"GROUP_PAD": 16, "BLOCK_Q": 1, "BLOCK_B": 1, "FUSED_STORE": True,
+    "decode": (_paged_attention_kernel, {"GROUP_PAD": 16, "BLOCK_Q": 1, "BLOCK_B": 1,
                                          "IS_DECODE": True, "MULTI_ROW": False}),
-    "verify_rows": (_paged_attention_kernel, {"GROUP_PAD": 16, "BLOCK_Q": 1, "BLOCK_B": 1, "FUSED_STORE": True,
+    "verify_rows": (_paged_attention_kernel, {"GROUP_PAD": 16, "BLOCK_Q": 1, "BLOCK_B": 1,
                                               "IS_DECODE": True, "MULTI_ROW": True}),
 }
 

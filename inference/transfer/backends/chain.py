@@ -1,38 +1,25 @@
 """How the gloo backend moves a sync's bytes: a chain of point-to-point messages, one per small bucket,
 written in place wherever both ends allow it and posted all at once where no buffer is needed.
 
-The plan (`plan`): buckets of STREAM_BYTES at most, and a tensor of ALONE_BYTES or more never shares
-one: each of its pieces is a bucket of its own (plan_buckets' `alone_bytes`); the smaller tensors
-share buckets around them. One bucket is one message, tagged with its index, so either end may post
-its messages in any order and gloo pairs them by tag.
+The plan (`ChainSizes`): buckets of `stream_bytes` at most; a tensor of `alone_bytes` or more never shares
+one. Each bucket is one message tagged with its index, so either end may post in any order. A bucket
+that is one piece of one tensor goes straight from the sender's host tensor and into the receiver's
+parameter where the sink gives one (`Sink.direct_destinations`), all posted at the start; the others
+go through a ring of DEPTH host buffers. The sender sends to group rank 1; receiver r receives from
+r - 1 and forwards to r + 1 as each bucket lands, so every process moves each byte about once.
 
-In place: a bucket that is one piece of one tensor is sent straight from the sender's tensor when that
-is contiguous on the host, and received straight into the receiver's parameter when the sink gives
-the tensor a host destination (`Sink.direct_destinations`; TP=1, same dtype). Those bytes are never
-packed or unpacked, and their messages are all posted at the start: gloo's threads then move them
-back to back, without this thread between two messages (on this box, 4 MiB messages all posted at
-once move about twice the bytes per second of a window of a few, or of one 512 MiB broadcast). The
-other buckets (the shared ones, a CUDA trainer's, a rank that shards or casts) go through a ring of
-DEPTH host buffers. Either end decides for itself; the messages are the same.
-
-The chain: the sender (group rank 0) sends each bucket to rank 1 only; receiver r receives from r - 1
-and forwards each bucket to r + 1 (the last forwards nothing) as it lands. gloo's host broadcast is
-one-to-all: there the sender would write every byte once per receiver. In the chain every process
-moves each byte about once in and once out, in parallel. One receiver is a chain of one.
-
-Invariants: every end derives the same buckets from the agreed plan; each non-empty bucket is one
-message tagged with its index (an empty one is none); every receiver ends with the sender's exact
-bytes. A ring buffer is reused only after its bucket was unpacked and forwarded (a receiver) or sent
-(the sender). The traffic runs on the session's gloo control group, between steps (1) and (3) of the
-protocol, so it never overlaps a collective. Every wait has the group's timeout and names the bucket
-and the peer; a failed wait breaks the group (TransferGroup.wait), as a failed broadcast does. A
-receiver whose unpack failed keeps receiving and forwarding to the end, so no other rank hangs.
+Invariants: every end derives the same buckets from the agreed plan (the sizes enter the plan id); every
+receiver ends with the sender's exact bytes; a ring buffer is reused only after its bucket was unpacked
+and forwarded (or sent). The traffic runs on the session's gloo control group between the agreement and
+the status step. Every wait has the group's timeout and names the bucket and the peer; a receiver whose
+unpack failed keeps receiving and forwarding to the end, so no other rank hangs.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,10 +37,21 @@ DEPTH = 4  # ring buffers at each end, for the buckets that are packed or unpack
 Pending = tuple[Any, str]  # (a started send or receive, what to name in its error)
 
 
-def plan(specs: ParsedManifest, bucket_bytes: int) -> Sequence[Bucket]:
-    """The buckets of a gloo sync of `specs` in a session agreed on `bucket_bytes`."""
-    size = min(bucket_bytes, STREAM_BYTES)
-    return specs.plan(size, min(ALONE_BYTES, size))
+@dataclass(frozen=True)
+class ChainSizes:
+    """The chain's byte thresholds (defaults: the constants above; tests use smaller ones). They enter
+    the plan id, so two ends with other sizes stop at the agreement."""
+
+    stream_bytes: int = STREAM_BYTES
+    alone_bytes: int = ALONE_BYTES
+
+    def plan(self, specs: ParsedManifest, bucket_bytes: int) -> Sequence[Bucket]:
+        """The buckets of a gloo sync of `specs` in a session agreed on `bucket_bytes`."""
+        size = min(bucket_bytes, self.stream_bytes)
+        return specs.plan(size, min(self.alone_bytes, size))
+
+    def plan_id(self) -> str:
+        return f"chain/{self.stream_bytes}/{self.alone_bytes}"
 
 
 def _start(group: TransferGroup, send: bool, buf: torch.Tensor, peer: int, k: int, n: int) -> Pending:

@@ -23,11 +23,13 @@ from inference.transfer.plan import Bucket, ParsedManifest, TensorSpec
 class GlooBackend(BroadcastBackend):
     """The bytes go over the control group itself: no data plane, buckets on the host."""
 
+    sizes = chain.ChainSizes()  # the chain's thresholds (an instance may take others: tests)
+
     def plan(self, specs: ParsedManifest) -> Sequence[Bucket]:
-        return chain.plan(specs, self.bucket_bytes)
+        return self.sizes.plan(specs, self.bucket_bytes)
 
     def plan_id(self) -> str:
-        return f"{self.spec.name}/chain/{chain.STREAM_BYTES}/{chain.ALONE_BYTES}"
+        return f"{self.spec.name}/{self.sizes.plan_id()}"
 
     def send(self, group: TransferGroup, plan: Sequence[Bucket], tensors: list[torch.Tensor],
              agreed: Sequence[bool]) -> None:
