@@ -1,9 +1,10 @@
 """The examples run as written: each in a subprocess against a real `sidecar launch --model DIR` on the tiny
-model. examples/hf_trainer.py on the CPU (the dev extra brings transformers and accelerate);
-examples/deepspeed_grpo.py on a GPU shared with the sidecar (the deepspeed extra, --sender ipc)."""
+model. examples/hf_trainer.py and examples/grpo_partial.py on the CPU (the dev extra brings transformers and
+accelerate); examples/deepspeed_grpo.py on a GPU shared with the sidecar (the deepspeed extra, --sender ipc)."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -32,6 +33,24 @@ def test_hf_trainer_example_syncs_every_step(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # one sync (and audit) per optimizer step: the rollout after training comes from version 3
     assert proc.stdout.strip().splitlines()[-1].startswith("weight version 3: "), proc.stdout
+    assert code == 0, server.log
+
+
+def test_grpo_partial_example_trains_on_the_first_groups_and_carries_the_tail(tmp_path: Path) -> None:
+    model = make_tiny_model(tmp_path / "model")
+    server = launch("--model", str(model))
+    try:
+        proc = subprocess.run([sys.executable, "examples/grpo_partial.py", "--url", server.url, "--model", str(model),
+                               "--steps", "3", "--groups", "3", "--oversample", "2"], cwd=REPO, env=_env(),
+                              capture_output=True, text=True, timeout=300)
+    finally:
+        code = server.stop()
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # the example asserts no group came back twice
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["version"] == 3 and summary["groups"] == 9, summary  # one sync per step, min_groups each
+    assert sum(summary["staleness_samples"].values()) == 9 * 4
+    left = summary["left"]
+    assert left["pending"] + left["finished"] == 2 and left["failed"] == 0, left  # the over-sampled tail waits
     assert code == 0, server.log
 
 

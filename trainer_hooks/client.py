@@ -38,6 +38,7 @@ from trainer_hooks.client_errors import (
     SidecarTransferError,
     SidecarUnavailableError,
 )
+from trainer_hooks.rollout_pool import DEFAULT_POOL, TAKE_MARGIN_S, RolloutTake, prompt_list
 from trainer_hooks.sync import SyncPeer, connect_one, sync_one
 from trainer_hooks.wire import Wire, error_from_response
 
@@ -122,6 +123,46 @@ class SidecarClient:
                                        if isinstance(sampling_params, Sequence) else params_dict(sampling_params))
         data = self._post("/generate", body, timeout=timeout or self.long_timeout)
         return [request_output(i, o) for i, o in enumerate(data["outputs"])]
+
+    # ---- rollout pools (sidecar/http/rollouts.py; trainer_hooks/rollout_pool.py) ----------------------
+    def submit_rollouts(self, prompts: Any, sampling_params: Any = None, *, pool: str = DEFAULT_POOL) -> list[str]:
+        """POST /rollouts: one group (n samples) per prompt in `pool`; the group ids in prompt order."""
+        body: dict[str, Any] = {"pool": pool, "prompts": [p if isinstance(p, str) else list(p)
+                                                          for p in prompt_list(prompts)]}
+        if sampling_params is not None:
+            body["sampling_params"] = ([params_dict(p) for p in sampling_params]
+                                       if isinstance(sampling_params, Sequence) else params_dict(sampling_params))
+        return list(self._post("/rollouts", body)["group_ids"])
+
+    def take_rollouts(self, min_groups: int = 1, max_groups: int | None = None, *, pool: str = DEFAULT_POOL,
+                      timeout_s: float = 600.0, group_ids: Sequence[str] | None = None) -> RolloutTake:
+        """POST /rollouts/take: once `min_groups` groups of `pool` are finished (or none is unfinished, or
+        after timeout_s), at most `max_groups` of them, oldest submitted first, each returned only once;
+        only the groups named by `group_ids` when given."""
+        body = {"pool": pool, "min_groups": min_groups, "max_groups": max_groups, "timeout_s": timeout_s,
+                "group_ids": list(group_ids) if group_ids is not None else None}
+        data = self._post("/rollouts/take", body, timeout=timeout_s + TAKE_MARGIN_S)
+        groups = []
+        for g in data["groups"]:
+            out = request_output(0, g["output"])
+            out.request_id = g["group_id"]
+            groups.append(out)
+        failed = {f["group_id"]: f"{f['error']['type']}: {f['error']['message']}" for f in data["failed"]}
+        return RolloutTake(groups, data["weight_version"], failed, dict(data["counts"]))
+
+    def rollout_counts(self, pool: str = DEFAULT_POOL) -> dict[str, Any]:
+        """GET /rollouts/{pool}: pending, finished, failed (groups), sequences, finished_ids (oldest first)."""
+        return dict(self._get(f"/rollouts/{pool}"))
+
+    def rollouts(self, prompts: Any, sampling_params: Any = None, *, min_groups: int, max_groups: int | None = None,
+                 pool: str = DEFAULT_POOL, timeout_s: float = 600.0) -> RolloutTake:
+        """Submit `prompts` as new groups of `pool` (none when empty; their ids in the answer's `submitted`),
+        then take: earlier unfinished groups come first (oldest first); `max_groups` None takes min_groups."""
+        submitted = self.submit_rollouts(prompts, sampling_params, pool=pool) if prompt_list(prompts) else []
+        take = self.take_rollouts(min_groups, max_groups if max_groups is not None else (min_groups or None),
+                                  pool=pool, timeout_s=timeout_s)
+        take.submitted = submitted
+        return take
 
     def completions(self, prompt: Any, *, timeout: float | None = None, **fields: Any) -> dict[str, Any]:
         """POST /v1/completions with OpenAI fields (model, max_tokens, temperature, n, stop, seed, ...)."""

@@ -1,7 +1,7 @@
 """`Fleet`: several sidecar replicas behind one trainer, used wherever a SidecarClient is.
 
 `Fleet([url, ...])` has the client's API that `WeightSyncHook` uses (state, sleep, wake_up,
-sync_weights, generate), over every replica at once. Its invariants:
+sync_weights, generate, rollouts), over every replica at once. Its invariants:
 - One weight version across the fleet: rollouts go only to replicas in rotation, and a replica is in
   rotation only while it holds the fleet's version. One that fails its audit, misses a sync, dies or
   answers with another version is taken out with its reason, and its next good sync re-admits it.
@@ -16,7 +16,9 @@ httpx at module level (clients are built from URLs on first use; `sidecar status
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
+import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -36,6 +38,7 @@ from trainer_hooks.fleet_replicas import (
     sequences_of,
     sync_report,
 )
+from trainer_hooks.rollout_pool import DEFAULT_POOL, RolloutTake
 from trainer_hooks.sync import GONE, FleetGroup, StepFailed
 
 __all__ = ["Fleet", "FleetError", "FleetGoneError"]
@@ -63,6 +66,8 @@ class Fleet:
         self._lock = threading.Lock()  # rotation, outstanding counts, version
         self._contacted = False
         self.pool = ThreadPoolExecutor(max(4, 4 * len(items)), thread_name_prefix="fleet")
+        self._pooled: dict[tuple[str, int, str], _Pooled] = {}  # (pool, replica, group id): groups not taken
+        self._order = itertools.count()  # the fleet's submission order of pooled groups
         self._group = FleetGroup(self.pool)
 
     @staticmethod
@@ -362,6 +367,130 @@ class Fleet:
                                                    "retries": len(call.tried[i]) - 1})
         return [o for o in call.results if o is not None]
 
+    # ---- partial rollouts: the replicas' rollout pools (docs/async-rl.md) ------------------------------
+    def rollouts(self, prompts: Any, sampling_params: Any = None, *, min_groups: int, max_groups: int | None = None,
+                 pool: str = DEFAULT_POOL, timeout_s: float = 600.0, poll_s: float = 0.05) -> RolloutTake:
+        """SidecarClient.rollouts over the fleet: each prompt becomes a group in `pool` of the replica in
+        rotation with the fewest sequences outstanding; the call returns once `min_groups` groups are
+        finished on the replicas together (or none is unfinished, or after timeout_s), at most
+        `max_groups` (default min_groups), oldest first across replicas: groups this fleet did not submit
+        (a dead trainer's) first, then in the order this fleet submitted them. Group ids read
+        "dp{i}/{id}". The fleet reads the replicas' pools every `poll_s` and takes exactly the groups it
+        chose, so the others stay in their sidecar. A replica that goes away is taken out and the groups
+        this fleet placed there are submitted again elsewhere (their samples were never returned)."""
+        self._contact()
+        items = _prompt_list(prompts)
+        per = _params_list(sampling_params, len(items))
+        per = per if isinstance(per, list) else [per] * len(items)
+        submitted = self._submit_pooled(pool, [(next(self._order), p, sp) for p, sp in zip(items, per)])
+        limit = max_groups if max_groups is not None else (min_groups or None)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            finished, counts, failing = self._pool_status(pool)
+            if len(finished) >= min_groups or not counts["pending"] or time.monotonic() >= deadline:
+                break
+            time.sleep(poll_s)
+        take = self._take_pooled(pool, sorted(finished)[:limit], counts, failing)
+        take.submitted = submitted
+        return take
+
+    def _submit_pooled(self, pool: str, entries: list[tuple[int, Any, Any]]) -> list[str]:
+        """Place (order, prompt, params) entries, one POST /rollouts per replica; a replica that went away
+        is taken out and its entries placed again. The fleet's ids of the groups, in entry order."""
+        ids: dict[int, str] = {}
+        while entries:
+            with self._lock:
+                loads = {r.index: r.outstanding + self._pooled_load(r.index) for r in self.replicas if r.in_rotation}
+            picks = pick_replicas(loads, [sequences_of(sp) for _, _, sp in entries], [set()] * len(entries))
+            if not loads or any(p is None for p in picks):
+                raise FleetGoneError(self._reasons("no replica is left in rotation for rollouts",
+                                                   {r.index: r.reason for r in self.replicas}))
+            placed: dict[int, list[tuple[int, Any, Any]]] = {}
+            for entry, p in zip(entries, picks):
+                placed.setdefault(int(p), []).append(entry)  # type: ignore[arg-type]
+            found = self.each([self.replicas[i] for i in placed], lambda r, placed=placed: r.client.submit_rollouts(
+                [e[1] for e in placed[r.index]], [e[2] for e in placed[r.index]], pool=pool))
+            entries = []
+            for i, got in found.items():
+                if isinstance(got, GONE):
+                    self.take_out(self.replicas[i], f"went away at a rollout submission: {got}")
+                    entries += placed[i]
+                    continue
+                if isinstance(got, BaseException):
+                    raise got
+                with self._lock:
+                    for (order, prompt, sp), gid in zip(placed[i], got):
+                        self._pooled[(pool, i, gid)] = _Pooled(order, prompt, sp)
+                        ids[order] = f"{self.replicas[i].name}/{gid}"
+        return [ids[o] for o in sorted(ids)]
+
+    def _pooled_load(self, index: int) -> int:
+        return sum(sequences_of(g.params) for (_, i, _), g in self._pooled.items() if i == index)
+
+    def _pool_status(self, pool: str) -> tuple[list[tuple[tuple[int, int, int], int, str]], dict[str, int], set[int]]:
+        """Every replica's finished groups of `pool`, as (order key, replica, group id), the summed counts
+        and the replicas holding failed groups. A replica that went away is taken out and this fleet's
+        groups on it placed again."""
+        with self._lock:  # those in rotation, and any holding groups this fleet placed
+            holding = {i for (p, i, _) in self._pooled if p == pool}
+            polled = [r for r in self.replicas if r.in_rotation or r.index in holding]
+        found = self.each(polled, lambda r: r.client.rollout_counts(pool))
+        finished, counts, failing = [], {"pending": 0, "finished": 0, "failed": 0, "sequences": 0}, set()
+        for i, got in found.items():
+            if isinstance(got, BaseException):
+                if not isinstance(got, GONE):
+                    raise got
+                counts["pending"] += self._lost_pool(pool, i, f"went away while generating rollouts: {got}")
+                continue
+            for key in counts:
+                counts[key] += int(got[key])
+            if got["failed"]:
+                failing.add(i)
+            for pos, gid in enumerate(got["finished_ids"]):
+                mine = self._pooled.get((pool, i, gid))
+                finished.append(((1, mine.order, 0) if mine is not None else (0, pos, i), i, gid))
+        return finished, counts, failing
+
+    def _lost_pool(self, pool: str, index: int, reason: str) -> int:
+        """Take a replica that went away out; place this fleet's groups on it again (how many)."""
+        with self._lock:
+            lost = sorted((g.order, g.prompt, g.params) for (p, i, gid), g in list(self._pooled.items())
+                          if p == pool and i == index and self._pooled.pop((p, i, gid)))
+        if self.replicas[index].in_rotation:
+            self.take_out(self.replicas[index], reason)
+        if lost:
+            self._submit_pooled(pool, lost)
+        return len(lost)
+
+    def _take_pooled(self, pool: str, chosen: list[tuple[Any, int, str]], counts: dict[str, int],
+                     failing: set[int]) -> RolloutTake:
+        """Take exactly the `chosen` groups (and report every failed one), in the chosen order."""
+        wanted: dict[int, list[str]] = {i: [] for i in failing}
+        for _, i, gid in chosen:
+            wanted.setdefault(i, []).append(gid)
+        found = self.each([self.replicas[i] for i in wanted], lambda r: r.client.take_rollouts(
+            0, None, pool=pool, timeout_s=0.0, group_ids=wanted[r.index]))
+        outputs: dict[tuple[int, str], RequestOutput] = {}
+        failed: dict[str, str] = {}
+        for i, got in found.items():
+            if isinstance(got, BaseException):
+                if not isinstance(got, GONE):
+                    raise got
+                self._lost_pool(pool, i, f"went away at a rollout take: {got}")
+                continue
+            name = self.replicas[i].name
+            failed.update({f"{name}/{gid}": why for gid, why in got.failed.items()})
+            with self._lock:
+                for gid in [o.request_id for o in got.groups] + list(got.failed):
+                    self._pooled.pop((pool, i, gid), None)
+            for o in got.groups:
+                outputs[(i, o.request_id)] = dataclasses.replace(
+                    o, request_id=f"{name}/{o.request_id}", metrics={**o.metrics, "replica": i})
+        groups = [outputs[(i, gid)] for _, i, gid in chosen if (i, gid) in outputs]
+        left = {**counts, "finished": counts["finished"] - len(groups), "failed": 0,
+                "sequences": counts["sequences"] - sum(len(o.outputs) for o in groups)}
+        return RolloutTake(groups, self.version, failed, left)
+
     def _retry_elsewhere(self, call: _Rollout, replica: Replica, idxs: list[int],
                          running: dict[Future, tuple[Replica, list[int]]], reason: str) -> None:
         with self._lock:
@@ -431,6 +560,15 @@ class _Rollout:
         self.costs = [sequences_of(p) for p in per]
         self.tried = [[] for _ in range(n)]
         self.results = [None] * n
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pooled:
+    """A group this fleet submitted to a replica's pool and has not taken: what placing it again needs."""
+
+    order: int
+    prompt: Any
+    params: Any
 
 
 def wait_first(running: Mapping[Future, Any]) -> tuple[Future, set[Future]]:

@@ -34,6 +34,7 @@ from inference.transfer.sender import WeightSender
 from trainer_hooks.client_errors import SidecarChecksumError, SidecarConnectionError, SidecarUnavailableError
 from trainer_hooks.fleet import Fleet
 from trainer_hooks.logprob_gap import measure_logprob_gap
+from trainer_hooks.rollout_pool import DEFAULT_POOL, staleness
 from trainer_hooks.sources import collect_weights
 from trainer_hooks.trainer_host import trainer_host
 
@@ -71,7 +72,7 @@ class WeightSyncHook:
                  retry_on_mismatch: bool = False, rank: int | None = None, is_sender: bool | None = None,
                  sender_rank: int = 0, allow_cast: bool = False, log_path: str | Path | None = None,
                  transfer_timeout_s: float = 120.0, logprob_gap: bool = False,
-                 trainer_host: str | None = None) -> None:
+                 trainer_host: str | None = None, rollout_pool: str = DEFAULT_POOL) -> None:
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level!r}")
         if sync_every < 1 or grad_accum_steps < 1:
@@ -88,6 +89,8 @@ class WeightSyncHook:
         # sidecar on another machine (trainer_hooks/trainer_host.py)
         self.trainer_host = trainer_host
         self.logprob_gap = logprob_gap  # measure the trainer-vs-rollout gap after each rollouts() call
+        self.rollout_pool = rollout_pool  # the sidecar's pool of partial rollouts (rollouts(min_groups=...))
+        self.pooled = False  # groups may be unfinished in the pool: sleep holds them instead of finishing them
         self._sender: WeightSender | None = sender if isinstance(sender, WeightSender) else None
         self._backend = sender if isinstance(sender, str) else None
         self._owns_sender = self._sender is None
@@ -108,7 +111,9 @@ class WeightSyncHook:
 
     def sleep(self) -> None:
         if self.is_sender and not self.asleep:
-            self._timed("sleep_ms", self.client.sleep, self.sleep_level)
+            # unfinished pool groups are held (their KV recomputed after the wake), not run to the end now
+            args = (self.sleep_level, "hold") if self.pooled else (self.sleep_level,)
+            self._timed("sleep_ms", self.client.sleep, *args)
         self.asleep, self.weights_fresh = True, False
 
     def after_optimizer_step(self) -> dict[str, Any] | None:
@@ -148,8 +153,19 @@ class WeightSyncHook:
         self.weights_fresh = True
         return report
 
-    def rollouts(self, prompts: Any, sampling: SamplingParams | Any = None, *, broadcast: bool = False) -> list[Any]:
+    def rollouts(self, prompts: Any, sampling: SamplingParams | Any = None, *, min_groups: int | None = None,
+                 max_groups: int | None = None, timeout_s: float = 600.0, broadcast: bool = False) -> list[Any]:
         """Wake the KV cache (and the weights if no sync refilled them) and generate on the sending rank.
+
+        Without min_groups: every prompt's group (its n samples), in prompt order. With min_groups=G:
+        the prompts join the sidecar's rollout pool (`rollout_pool`) as new groups and the call returns
+        once G groups are finished, at most `max_groups` (default G), oldest submitted first: groups left
+        unfinished by earlier calls (or by a trainer that died) come before this call's. The rest keep
+        generating in the sidecar and are held through the next sleep and sync (docs/async-rl.md).
+        Fewer than G come back only if none is left unfinished or after timeout_s. Each output's
+        request_id is its group id. stats: rollout_groups, rollout_carried (groups submitted before this
+        call), rollout_left (groups left in the pool), staleness_samples / staleness_tokens (histograms of
+        versions behind the live one: each sample's oldest token; each token).
 
         broadcast: also hand the outputs to every other rank (torch.distributed, the trainer's group).
         With logprob_gap=True the hook then measures the trainer-vs-rollout logprob gap (stats).
@@ -157,7 +173,10 @@ class WeightSyncHook:
         outputs: list[Any] = []
         if self.is_sender:
             self.wake()
-            outputs = self._timed("generate_ms", self.client.generate, prompts, sampling)
+            if min_groups is None:
+                outputs = self._timed("generate_ms", self.client.generate, prompts, sampling)
+            else:
+                outputs = self._partial(prompts, sampling, min_groups, max_groups, timeout_s)
         if broadcast and torch.distributed.is_available() and torch.distributed.is_initialized():
             box = [outputs]
             torch.distributed.broadcast_object_list(box, src=self.sender_rank)
@@ -165,6 +184,25 @@ class WeightSyncHook:
         if self.logprob_gap and outputs:
             self._measure_gap(outputs)
         return outputs
+
+    def _partial(self, prompts: Any, sampling: Any, min_groups: int, max_groups: int | None,
+                 timeout_s: float) -> list[Any]:
+        t0 = time.perf_counter()
+        pool = self.rollout_pool
+        self.pooled = True
+        take = self._call(self.client.rollouts, prompts, sampling, min_groups=min_groups, max_groups=max_groups,
+                          pool=pool, timeout_s=timeout_s)
+        new = set(take.submitted)
+        if take.failed:
+            log.warning("%d rollout group(s) of pool %r failed on the sidecar (resubmit their prompts):\n%s",
+                        len(take.failed), pool, "\n".join(f"  {g}: {why}" for g, why in take.failed.items()))
+        samples, tokens = staleness(take.groups, take.weight_version if take.weight_version is not None
+                                    else self.version)
+        self.stats.update(rollout_ms=_ms(t0), rollout_groups=len(take.groups),
+                          rollout_carried=sum(o.request_id not in new for o in take.groups),
+                          rollout_left=take.counts.get("pending", 0) + take.counts.get("finished", 0),
+                          rollout_failed=dict(take.failed), staleness_samples=samples, staleness_tokens=tokens)
+        return take.groups
 
     def _measure_gap(self, outputs: list[Any]) -> None:
         """stats["logprob_gap_*"]: self.model's logprobs of the rollout tokens against the rollout's

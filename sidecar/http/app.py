@@ -42,6 +42,7 @@ from sidecar.http.models import (
 )
 from sidecar.http.openai import add_openai_routes
 from sidecar.http.openai_format import completion_response
+from sidecar.http.rollouts import add_rollout_routes
 from sidecar.ranks.driver import RankError
 
 __all__ = ["ApiError", "ServerState", "create_app"]
@@ -61,6 +62,7 @@ def create_app(state: ServerState) -> FastAPI:
     _add_generation_routes(router, state)
     add_control_routes(router, state)
     add_openai_routes(router, state)
+    app.state.rollouts = add_rollout_routes(router, state, check_params, _prompt_out)
     app.include_router(open_router)
     app.include_router(router)
     _document_lean_update(app)

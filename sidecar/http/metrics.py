@@ -7,7 +7,7 @@ nothing between scrapes. prometheus-client is imported here only (the `server` e
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -53,6 +53,10 @@ class Metrics:
         self.http_errors = Counter("sidecar_http_errors", "Error responses by status", ["status"], registry=r)
         r.register(_GenerationCollector(source))
 
+    def add_gauge(self, name: str, doc: str, read: Callable[[], float]) -> None:
+        """A gauge read at scrape time by `read` (on the event loop: the scrape is an async route)."""
+        self.registry.register(_ReadGauge(name, doc, read))
+
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
@@ -75,6 +79,17 @@ class _GenerationCollector(Collector):
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # collected fresh at every scrape
+
+
+class _ReadGauge(Collector):
+    def __init__(self, name: str, doc: str, read: Callable[[], float]) -> None:
+        self.name, self.doc, self.read = name, doc, read
+
+    def collect(self) -> Iterator[Metric]:
+        yield _gauge(self.name, self.doc, self.read())
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
 
 
 def _gauge(name: str, doc: str, value: Any) -> GaugeMetricFamily:

@@ -175,12 +175,14 @@ class Driver:
             if thread.is_alive():
                 thread.join(timeout)
 
-    def submit(self, requests: list[tuple[Any, SamplingParams]], wait: bool = True) -> Future:
+    def submit(self, requests: list[tuple[Any, SamplingParams]], wait: bool | WaitMode = True) -> Future:
         """Queue one group of prompts; the future resolves to their RequestOutputs in order, or to a
         RankError (a rejected prompt names its index; the whole group is then refused). The queue limit
         counts sequences (n per prompt), the unit of work and memory of the engine. `wait`: the call's
-        own; what it holds through is commands.RequestGroup's `wait` (hold_while_asleep: "always")."""
-        mode: WaitMode = "never" if not wait else "always" if self.hold_while_asleep else "sync"
+        own; what it holds through is commands.RequestGroup's `wait` (hold_while_asleep: "always"); a
+        WaitMode string is used as is (the rollout pool's groups are held through every state)."""
+        mode: WaitMode = (wait if isinstance(wait, str) else "never" if not wait
+                          else "always" if self.hold_while_asleep else "sync")
         fut: Future = Future()
         sequences = sum(int(params.n) for _, params in requests)
         with self._cv:

@@ -1,0 +1,68 @@
+"""Fleet.rollouts(min_groups=...) over two real `sidecar launch` replicas of the tiny model (CPU): groups
+spread over both, every group returned exactly once, oldest first across replicas, and the groups of a
+replica that dies are placed again on the other."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from inference.core import SamplingParams
+from tests.helpers_sidecar import Sidecar, launch
+from trainer_hooks.fleet import Fleet
+
+
+@pytest.fixture
+def replicas() -> Iterator[list[Sidecar]]:
+    procs = [launch(), launch("--dp-rank", "1")]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def _params(length: int) -> SamplingParams:
+    return SamplingParams(n=2, temperature=1.0, max_tokens=length, ignore_eos=True)
+
+
+def test_fleet_rollouts_take_each_group_once_oldest_first(replicas: list[Sidecar]) -> None:
+    with Fleet([r.url for r in replicas]) as fleet:
+        # oldest first across replicas: 4 finished groups, placed alternately, come back in submission order
+        first = fleet.rollouts([[10 + i, 11, 12] for i in range(4)], _params(2), min_groups=4, max_groups=1)
+        deadline = time.monotonic() + 60
+        while sum(r.client.rollout_counts("default")["finished"] for r in fleet.replicas) < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        rest = fleet.rollouts([], min_groups=3)
+        order = [o.prompt_token_ids[0] for o in first.groups + rest.groups]
+        assert order == [10, 11, 12, 13], order
+        assert {o.metrics["replica"] for o in first.groups + rest.groups} == {0, 1}
+        assert rest.counts["sequences"] == 0
+
+        # partial steps: every submitted group exactly once
+        seen: list[str] = []
+        prompts = 0
+        for _ in range(3):
+            batch = fleet.rollouts([[30 + prompts + j, 1, 2] for j in range(3)],
+                                   [_params(n) for n in (3, 80, 5)], min_groups=2)
+            prompts += 3
+            assert len(batch.groups) == 2 and len(batch.submitted) == 3
+            seen += [o.request_id for o in batch.groups]
+        seen += [o.request_id for o in fleet.rollouts([], min_groups=99, max_groups=99).groups]
+        assert len(seen) == len(set(seen)) == prompts
+
+
+def test_a_dead_replicas_groups_are_placed_again(replicas: list[Sidecar]) -> None:
+    with Fleet([r.url for r in replicas]) as fleet:
+        step = fleet.rollouts([[50 + i, 1, 2] for i in range(4)], [_params(3)] + [_params(1500)] * 3, min_groups=1)
+        assert [o.prompt_token_ids[0] for o in step.groups] == [50]
+        replicas[1].proc.send_signal(signal.SIGKILL)  # dp1 holds some of the long groups
+        rest = fleet.rollouts([], min_groups=3, timeout_s=120.0)
+        assert sorted(o.prompt_token_ids[0] for o in rest.groups) == [51, 52, 53]
+        assert all(len(c.token_ids) == 1500 for o in rest.groups for c in o.outputs)
+        assert {o.metrics["replica"] for o in rest.groups} == {0}
+        assert 1 not in fleet.in_rotation
