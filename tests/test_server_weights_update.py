@@ -66,7 +66,7 @@ class StubDriver:
 def _app(key: str | None = None) -> tuple[Any, StubDriver, Metrics]:
     plan = RankPlan(**{"rank": RANK, "pid": 1, "device": "cpu", "weights_bytes": {}, "kv_blocks": 1, "kv_bytes": 1,
             "vocab_size": 512, "max_model_len": 64, "model": "m", "draft_model": None, "models": ["target"],
-            "dtype": "float32", "block_size": 16, "has_tokenizer": False})
+            "dtype": "float32", "block_size": 16, "has_tokenizer": False, "num_threads": 1})
     driver = StubDriver()
     metrics = Metrics(driver)  # type: ignore[arg-type]
     app = create_app(ServerState(driver, LaunchConfig(api_key=key, max_body_mb=1), [plan], metrics))  # type: ignore[arg-type]
