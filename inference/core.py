@@ -212,6 +212,9 @@ class SyncPolicy:
                                                        f"or null, got {k!r}")
 
 
+DEFAULT_SYNC_POLICY = SyncPolicy()  # the engine's on_sync, no staleness bound
+
+
 @dataclass
 class CompletionOutput:
     """One sampled completion. `logprobs[i]` is the logprob of `token_ids[i]` (see logprobs_mode)."""
