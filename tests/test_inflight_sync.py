@@ -244,3 +244,28 @@ def test_a_bad_policy_is_refused_naming_its_field(dirs: dict[str, Path], refs: d
         engine(dirs["v0"], on_sync="sometimes")
     assert e.value.field == "on_sync"
     assert not refs[0].has_unfinished()
+
+
+def test_colocated_a_sync_while_requests_are_held_through_a_sleep(dirs: dict[str, Path],
+                                                                   refs: dict[int, LLM]) -> None:
+    """Colocated: sleep(in_flight="hold") drops every KV, so after the wake and the sync "keep" has no KV
+    to keep and continues as "recompute" does (a fresh request's continuation under the new weights);
+    "abort" restarts from its prompt. Each request comes back once."""
+    run = Run(engine(dirs["v0"]))
+    modes = {run.llm.add_request(p, GREEDY, on_sync=m): m for p, m in zip(PROMPTS, ["keep", "recompute", "abort"])}
+    run.step_until(SYNC_AFTER)
+    k = {s.request_id: s.num_generated for s in run.llm.scheduler.running}
+    run.llm.sleep(1, in_flight="hold")
+    run.llm.wake_up()
+    run.sync(dirs["v1"], 1)
+    outs = run.finish(list(modes))
+    for rid, mode in modes.items():
+        o, c = outs[rid], outs[rid].outputs[0]
+        if mode == "abort":
+            assert c.weight_version_spans == [(0, 1)] and c.restarts == 1
+            assert c.token_ids == greedy(refs[1], o.prompt_token_ids, GREEDY.max_tokens)
+        else:
+            assert c.weight_version_spans == [(0, 0), (k[rid], 1)] and c.restarts == 0
+            assert c.token_ids[k[rid]:] == greedy(refs[1], o.prompt_token_ids + c.token_ids[:k[rid]],
+                                                  GREEDY.max_tokens - k[rid])
+    check_replay(outs, refs)
