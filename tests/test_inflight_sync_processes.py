@@ -16,12 +16,12 @@ from inference.core import RequestOutput, SamplingParams
 from inference.engine.llm import LLM
 from inference.models.tiny import TinyModelSpec, random_weights
 from inference.transfer.sender import WeightSender
-from tests.helpers_sidecar import Sidecar, launch
+from tests.helpers_sidecar import Sidecar, launch, server_ranks
 from tests.helpers_weight_update import Link
 from trainer_hooks.client import SidecarClient
 
 WEIGHTS = random_weights(TinyModelSpec(seed=5))
-MAX_TOKENS = 300  # long enough that every call is still running when the sync lands (the engine is paused)
+MAX_TOKENS = 120  # long enough that every call is still running when the engine is paused for the sync
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 PROMPTS = [[3, 17, 42, 7], [5, 9, 11, 13, 2, 8]]
 CALLS = {"keep": {"on_sync": "keep"}, "recompute": {"on_sync": "recompute"},
@@ -30,9 +30,10 @@ CALLS = {"keep": {"on_sync": "keep"}, "recompute": {"on_sync": "recompute"},
 STATE_TIMEOUT_S = 120.0
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[Sidecar]:
-    proc = launch("--on-sync", "abort")
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def server(request: pytest.FixtureRequest) -> Iterator[Sidecar]:
+    """TP 2 too: every rank applies the sync, and each request's mode, at the same step boundary."""
+    proc = launch("--on-sync", "abort", "--tp", str(request.param))
     try:
         yield proc
     finally:
@@ -70,7 +71,7 @@ def _replay(outs: list[RequestOutput], refs: dict[int, LLM]) -> None:
 
 
 def test_a_sync_mid_generation_keeps_recomputes_or_restarts_each_call_as_it_asked(server: Sidecar) -> None:
-    sender = WeightSender("gloo", num_receivers=1, timeout_s=60)
+    sender = WeightSender("gloo", num_receivers=server_ranks(server), timeout_s=60)
     with SidecarClient(server.url, timeout=120) as c, ThreadPoolExecutor(len(CALLS)) as pool:
         c.connect_sender(sender)
         old = int(c.state()["weight_versions"]["target"])
