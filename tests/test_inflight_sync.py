@@ -6,6 +6,7 @@ step runs while a sync writes; every request is returned exactly once in every m
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -50,12 +51,18 @@ def refs(dirs: dict[str, Path]) -> Iterator[dict[int, LLM]]:
 
 
 class Run:
-    """An engine, its sender, and every output collected (in step() and take_finished())."""
+    """An engine, its sender, every output collected (in step() and take_finished()) and the target
+    version live when each came back."""
 
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
         self.link = Link(llm.worker)
         self.outputs: list[RequestOutput] = []
+        self.returned_at: dict[str, int] = {}
+
+    def collect(self, outs: list[RequestOutput]) -> None:
+        self.outputs += outs
+        self.returned_at.update((o.request_id, self.llm.weight_version) for o in outs)
 
     def add(self, **policy: object) -> list[str]:
         return [self.llm.add_request(p, GREEDY, **policy) for p in PROMPTS]  # type: ignore[arg-type]
@@ -64,16 +71,16 @@ class Run:
         """Step until every running request has `tokens` committed tokens."""
         sched = self.llm.scheduler
         while any(s.num_generated - s.num_pending < tokens for s in sched.running + list(sched.waiting)):
-            self.outputs += self.llm.step()
+            self.collect(self.llm.step())
 
     def sync(self, model_dir: Path, version: int, which: str = "target") -> None:
         self.link.sync(state(model_dir), version, which)
-        self.outputs += self.llm.take_finished()
+        self.collect(self.llm.take_finished())
 
     def finish(self, ids: list[str]) -> dict[str, RequestOutput]:
         while self.llm.has_unfinished():
-            self.outputs += self.llm.step()
-        self.outputs += self.llm.take_finished()
+            self.collect(self.llm.step())
+        self.collect(self.llm.take_finished())
         got = [o.request_id for o in self.outputs]
         assert sorted(got) == sorted(ids), f"lost or returned twice: {got} for {ids}"
         return {o.request_id: o for o in self.outputs}
@@ -269,3 +276,37 @@ def test_colocated_a_sync_while_requests_are_held_through_a_sleep(dirs: dict[str
             assert c.token_ids[k[rid]:] == greedy(refs[1], o.prompt_token_ids + c.token_ids[:k[rid]],
                                                   GREEDY.max_tokens - k[rid])
     check_replay(outs, refs)
+
+
+@pytest.mark.parametrize("draft", [False, True], ids=["plain", "draft"])
+def test_repeated_syncs_over_a_sampled_batch_lose_nothing_and_bound_staleness(dirs: dict[str, Path],
+                                                                              draft: bool) -> None:
+    """Three syncs land while 9 sampled requests (n=2, each mode, some with max_staleness) run with async
+    steps: every request comes back once with all its tokens; spans start at 0 and grow in both index
+    and version; a bounded request's oldest version is within its bound of the version live when it
+    came back."""
+    options: dict[str, object] = {"async_scheduling": True, "max_num_seqs": 32}
+    if draft:
+        options.update(draft_model=str(dirs["draft"]), num_speculative_tokens=2)
+    run = Run(engine(dirs["v0"], **options))
+    params = SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=24, ignore_eos=True)
+    policies = [{"on_sync": m, "max_staleness": b} for m in ("keep", "recompute", "abort") for b in (None, 0, 1)]
+    ids = {run.llm.add_request([7 + i, 3, 9, i], params, **p): p for i, p in enumerate(policies)}  # type: ignore[arg-type]
+    for version, (tokens, model) in enumerate([(3, "v1"), (7, "v0"), (12, "v1")], start=1):
+        run.step_until(tokens)
+        run.sync(dirs[model], version)
+    outs = run.finish(list(ids))
+    for rid, o in outs.items():
+        returned_at = run.returned_at[rid]
+        for c in o.outputs:
+            spans = c.weight_version_spans
+            assert len(c.token_ids) == params.max_tokens and spans[0][0] == 0, (rid, c)
+            assert all(a[0] < b[0] and a[1] < b[1] for a, b in itertools.pairwise(spans)), spans
+            bound = ids[rid]["max_staleness"]
+            if bound is not None:
+                assert spans[0][1] >= returned_at - bound, (rid, spans, returned_at)
+            if ids[rid]["on_sync"] == "abort":
+                assert len(spans) == 1, spans
+            assert (c.draft_version_spans != []) == draft
+    strict = [c for rid, o in outs.items() if ids[rid] == {"on_sync": "keep", "max_staleness": 0} for c in o.outputs]
+    assert strict and all(c.restarts >= 1 for c in strict)  # each sync found them mid-generation
