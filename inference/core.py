@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import enum
 import math
+import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 LogprobsMode = Literal["raw", "processed"]
 OnSync = Literal["keep", "recompute", "abort"]
-ON_SYNC_MODES: tuple[str, ...] = ("keep", "recompute", "abort")
+ON_SYNC_MODES: tuple[str, ...] = typing.get_args(OnSync)
 
 
 class SidecarError(Exception):
