@@ -30,10 +30,11 @@ CALLS = {"keep": {"on_sync": "keep"}, "recompute": {"on_sync": "recompute"},
 STATE_TIMEOUT_S = 120.0
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+@pytest.fixture(scope="module", params=[("--async-scheduling",), ("--tp", "2")], ids=["tp1-async", "tp2"])
 def server(request: pytest.FixtureRequest) -> Iterator[Sidecar]:
-    """TP 2 too: every rank applies the sync, and each request's mode, at the same step boundary."""
-    proc = launch("--on-sync", "abort", "--tp", str(request.param))
+    """Async steps (the sync settles the step in flight first), and TP 2: every rank applies the sync,
+    and each request's mode, at the same step boundary."""
+    proc = launch("--on-sync", "abort", *request.param)
     try:
         yield proc
     finally:
