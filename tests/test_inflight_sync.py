@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from checksum import ChecksumMismatch
 from inference.core import InvalidRequestError, RequestOutput, SamplingParams
 from inference.engine.llm import LLM
 from inference.models.loader import iter_hf_tensors
 from inference.models.tiny import make_tiny_model
-from tests.helpers_weight_update import DIMS, Link
+from tests.helpers_weight_update import DIMS, Q1, Link
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 PROMPTS = [[3, 17, 42, 7], [5, 9, 11, 13, 2, 8], [60, 61]]
@@ -310,3 +311,32 @@ def test_repeated_syncs_over_a_sampled_batch_lose_nothing_and_bound_staleness(di
             assert (c.draft_version_spans != []) == draft
     strict = [c for rid, o in outs.items() if ids[rid] == {"on_sync": "keep", "max_staleness": 0} for c in o.outputs]
     assert strict and all(c.restarts >= 1 for c in strict)  # each sync found them mid-generation
+
+
+def test_a_failed_audit_mid_generation_changes_no_request_until_a_good_sync(dirs: dict[str, Path],
+                                                                            refs: dict[int, LLM]) -> None:
+    """All or nothing: a sync whose audit fails leaves the model torn and every request as it was (no
+    token from the torn bytes, nothing recomputed, restarted or lost); the next good sync applies the
+    modes, and the recompute request then continues as a fresh request under that version."""
+    run = Run(engine(dirs["v0"]))
+    ids = run.add(on_sync="recompute")
+    run.step_until(SYNC_AFTER)
+    seqs = list(run.llm.scheduler.running)
+    before = [(s.status, list(s.token_ids), list(s.block_table), s.num_computed_tokens) for s in seqs]
+    new = state(dirs["v1"])
+    weights = run.llm.worker.weights
+    weights.start("target", 1, run.link.sender.manifest(new, 1))
+    digests = [r for r in run.link.transfer(new) if r.name != Q1]
+    with pytest.raises(ChecksumMismatch):
+        weights.finish(digests)
+    assert weights.torn["target"] and run.llm.weight_version == 0
+    assert run.llm.step() == [] and run.llm.take_finished() == []
+    assert [(s.status, list(s.token_ids), list(s.block_table), s.num_computed_tokens) for s in seqs] == before
+    k = {s.request_id: s.num_generated for s in seqs}
+    run.sync(dirs["v1"], 2)
+    outs = run.finish(ids)
+    for rid, o in outs.items():
+        c = o.outputs[0]
+        assert c.weight_version_spans == [(0, 0), (k[rid], 2)] and c.restarts == 0
+        assert c.token_ids[k[rid]:] == greedy(refs[1], o.prompt_token_ids + c.token_ids[:k[rid]],
+                                              GREEDY.max_tokens - k[rid])
