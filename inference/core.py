@@ -235,6 +235,15 @@ class CompletionOutput:
     draft_version_spans: list[tuple[int, int]] = field(default_factory=list)
     restarts: int = 0  # times a sync restarted it from the prompt (on_sync="abort" or max_staleness)
 
+    def token_versions(self, draft: bool = False) -> list[int]:
+        """The version of each token, expanded from its spans (the draft's with draft=True: empty
+        without a draft)."""
+        spans = self.draft_version_spans if draft else self.weight_version_spans
+        out: list[int] = []
+        for (start, version), end in zip(spans, [s for s, _ in spans[1:]] + [len(self.token_ids)]):
+            out += [version] * (end - start)
+        return out
+
 
 @dataclass
 class RequestOutput:
@@ -253,3 +262,15 @@ class RequestOutput:
     prompt: str | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, over all n samples
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+def staleness_histogram(outputs: list[RequestOutput], live_version: int) -> dict[int, int]:
+    """Generated tokens by how many target versions behind `live_version` the weights that sampled them
+    were (0: on-policy), over every completion of `outputs`: the per-step figure an async RL loop
+    reports, and what an off-policy correction weighs."""
+    counts: dict[int, int] = {}
+    for o in outputs:
+        for c in o.outputs:
+            for version in c.token_versions():
+                counts[live_version - version] = counts.get(live_version - version, 0) + 1
+    return dict(sorted(counts.items()))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from checksum import ChecksumMismatch
-from inference.core import InvalidRequestError, RequestOutput, SamplingParams
+from inference.core import InvalidRequestError, RequestOutput, SamplingParams, staleness_histogram
 from inference.engine.llm import LLM
 from inference.models.loader import iter_hf_tensors
 from inference.models.tiny import make_tiny_model
@@ -130,7 +130,10 @@ def test_recompute_continues_as_a_fresh_request_under_the_new_weights(dirs: dict
         assert c.weight_version_spans == [(0, 0), (k, 1)] and o.weight_version == 0 and c.restarts == 0
         assert c.token_ids[:k] == greedy(refs[0], o.prompt_token_ids, k)
         assert c.token_ids[k:] == greedy(refs[1], o.prompt_token_ids + c.token_ids[:k], GREEDY.max_tokens - k)
+        assert c.token_versions() == [0] * k + [1] * (GREEDY.max_tokens - k)
     check_replay(outs, refs)
+    old = sum(before.values())
+    assert staleness_histogram(list(outs.values()), 1) == {0: len(ids) * GREEDY.max_tokens - old, 1: old}
 
 
 def test_abort_restarts_from_the_prompt_under_the_new_weights_once(dirs: dict[str, Path],
@@ -237,6 +240,7 @@ def test_draft_versions_are_recorded_beside_the_targets(dirs: dict[str, Path]) -
     for rid, o in outs.items():
         c = o.outputs[0]
         assert c.weight_version_spans == [(0, 0)] and c.draft_version_spans == [(0, 0), (k[rid], 7)]
+        assert c.token_versions(draft=True) == [0] * k[rid] + [7] * (GREEDY.max_tokens - k[rid])
     plain = engine(dirs["v0"]).generate(PROMPTS, GREEDY)
     assert all(o.outputs[0].draft_version_spans == [] for o in plain)  # no draft: no draft spans
 
