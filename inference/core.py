@@ -263,14 +263,3 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, over all n samples
     metrics: dict[str, float] = field(default_factory=dict)
 
-
-def staleness_histogram(outputs: list[RequestOutput], live_version: int) -> dict[int, int]:
-    """Generated tokens by how many target versions behind `live_version` the weights that sampled them
-    were (0: on-policy), over every completion of `outputs`: the per-step figure an async RL loop
-    reports, and what an off-policy correction weighs."""
-    counts: dict[int, int] = {}
-    for o in outputs:
-        for c in o.outputs:
-            for version in c.token_versions():
-                counts[live_version - version] = counts.get(live_version - version, 0) + 1
-    return dict(sorted(counts.items()))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from checksum import ChecksumMismatch
-from inference.core import InvalidRequestError, RequestOutput, SamplingParams, staleness_histogram
+from inference.core import InvalidRequestError, RequestOutput, SamplingParams
 from inference.engine.llm import LLM
 from inference.models.loader import iter_hf_tensors
 from inference.models.tiny import make_tiny_model
@@ -132,8 +132,6 @@ def test_recompute_continues_as_a_fresh_request_under_the_new_weights(dirs: dict
         assert c.token_ids[k:] == greedy(refs[1], o.prompt_token_ids + c.token_ids[:k], GREEDY.max_tokens - k)
         assert c.token_versions() == [0] * k + [1] * (GREEDY.max_tokens - k)
     check_replay(outs, refs)
-    old = sum(before.values())
-    assert staleness_histogram(list(outs.values()), 1) == {0: len(ids) * GREEDY.max_tokens - old, 1: old}
 
 
 def test_abort_restarts_from_the_prompt_under_the_new_weights_once(dirs: dict[str, Path],
