@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from inference.core import InvalidRequestError
+from inference.core import InvalidRequestError, OnSync
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,10 @@ class EngineConfig:
     # Off by default: it costs more than 5% of the default's time at batch 1 (docs/invariance.md, "Cost";
     # scripts/bench/invariance.py measures it).
     batch_invariant: bool = False
+    # What a request in flight does when a weight sync goes live, unless it says (core.SyncPolicy):
+    # "recompute" (its KV recomputed under the new weights), "keep" (its KV kept) or "abort" (restarted
+    # from its prompt). docs/design.md, "Syncs during generation".
+    on_sync: OnSync = "recompute"
 
 
 ENGINE_SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig}

@@ -1,4 +1,5 @@
-"""Shared types of every layer: sampling parameters, outputs, weight versions and errors.
+"""Shared types of every layer: sampling parameters, what a request does at a weight sync, outputs,
+weight versions and errors.
 
 This module imports nothing heavy (no torch) so that the HTTP layer, the trainer hooks and the
 client can all use it. No other module redefines these types.
@@ -8,10 +9,13 @@ from __future__ import annotations
 
 import enum
 import math
+import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 LogprobsMode = Literal["raw", "processed"]
+OnSync = Literal["keep", "recompute", "abort"]
+ON_SYNC_MODES: tuple[str, ...] = typing.get_args(OnSync)
 
 
 class SidecarError(Exception):
@@ -184,6 +188,34 @@ def _check_float(name: str, value: object, lo: float, hi: float, what: str) -> N
         raise _bad(name, f"must be {what}{extra}, got {value!r}")
 
 
+@dataclass(frozen=True)
+class SyncPolicy:
+    """What a request in flight does when a weight sync goes live (docs/design.md, "Syncs during
+    generation"); None fields take the engine's default (EngineConfig.on_sync; no staleness bound).
+
+    on_sync: "keep" continues on the KV it has (its tokens before the sync came from the old weights);
+    "recompute" recomputes its KV by prefill under the new weights, keeping its tokens; "abort" drops
+    its tokens and restarts it from the prompt. Either way it is returned once, when it finishes.
+    max_staleness=k: a sync that leaves its oldest token more than k target versions behind the live
+    one restarts it from the prompt (its tokens cannot be made fresher: they came from those weights).
+    Checked at construction (InvalidRequestError naming the field).
+    """
+
+    on_sync: OnSync | None = None
+    max_staleness: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.on_sync is not None and self.on_sync not in ON_SYNC_MODES:
+            raise InvalidRequestError("on_sync", f"must be one of {', '.join(ON_SYNC_MODES)}, got {self.on_sync!r}")
+        k = self.max_staleness
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= INT64_MAX):
+            raise InvalidRequestError("max_staleness", f"must be an integer >= 0 (versions behind the live one) "
+                                                       f"or null, got {k!r}")
+
+
+DEFAULT_SYNC_POLICY = SyncPolicy()  # the engine's on_sync, no staleness bound
+
+
 @dataclass
 class CompletionOutput:
     """One sampled completion. `logprobs[i]` is the logprob of `token_ids[i]` (see logprobs_mode)."""
@@ -195,17 +227,31 @@ class CompletionOutput:
     text: str | None = None
     top_logprobs: list[dict[int, float]] | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    # [(first token index, weight version), ...]: one entry unless the request was held across a sync
+    # [(first token index, weight version), ...]: one entry unless the request ran across a sync; the
+    # target's versions (which weights sampled each token)
     weight_version_spans: list[tuple[int, int]] = field(default_factory=list)
+    # the same for the draft model (speculative decoding): its live version when each token was
+    # committed; empty without a draft
+    draft_version_spans: list[tuple[int, int]] = field(default_factory=list)
+    restarts: int = 0  # times a sync restarted it from the prompt (on_sync="abort" or max_staleness)
+
+    def token_versions(self, draft: bool = False) -> list[int]:
+        """The version of each token, expanded from its spans (the draft's with draft=True: empty
+        without a draft)."""
+        spans = self.draft_version_spans if draft else self.weight_version_spans
+        out: list[int] = []
+        for (start, version), end in zip(spans, [s for s, _ in spans[1:]] + [len(self.token_ids)]):
+            out += [version] * (end - start)
+        return out
 
 
 @dataclass
 class RequestOutput:
     """The result of one prompt: its completions and the weight version that produced them.
 
-    `weight_version` is the oldest version that produced any of its tokens; a request held across a
-    weight sync (sleep with in_flight="hold") has several spans in its completions'
-    `weight_version_spans`.
+    `weight_version` is the oldest version that produced any of its tokens; a request that ran across
+    a weight sync (held through a sleep, or on_sync="keep" / "recompute") has several spans in its
+    completions' `weight_version_spans`.
     """
 
     request_id: str
@@ -216,3 +262,4 @@ class RequestOutput:
     prompt: str | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, over all n samples
     metrics: dict[str, float] = field(default_factory=dict)
+

@@ -25,7 +25,7 @@ from typing import Any
 
 from inference import envs
 from inference.config import ENGINE_SECTIONS, LOAD_FORMATS, EngineConfig, build_engine_config, engine_option_names
-from inference.core import InvalidRequestError
+from inference.core import ON_SYNC_MODES, InvalidRequestError
 from inference.transfer.backends import BACKEND_NAMES
 
 DEVICES = ("auto", "cuda", "cpu")
@@ -102,6 +102,10 @@ class LaunchConfig:
     batch_invariant: bool | None = option(None, "batch-invariant mode: a request's tokens and logprobs are the "
                                                 "same bits whatever runs beside it (docs/invariance.md)",
                                           engine="batch_invariant")
+    on_sync: str | None = option(None, "what a request in flight does when a weight sync goes live, unless its "
+                                       "call says (on_sync): recompute (its KV recomputed under the new weights), "
+                                       "keep (its KV kept) or abort (restarted from its prompt); unset: the "
+                                       "engine's recompute", engine="on_sync", choices=ON_SYNC_MODES)
     # ---- weight transfer ----
     transfer: str | None = option(None, "accept only this weight-transfer backend (unset: the one the "
                                         "trainer's init_info names)", choices=BACKEND_NAMES)

@@ -341,3 +341,48 @@ def test_random_workloads_match_the_unconstrained_run(trial: int) -> None:
     seqs = requests(sched)
     run_all(sched, runner, max_steps=100_000)
     assert outputs(seqs) == outputs(ref)
+
+
+@pytest.mark.parametrize("prefix", [True, False])
+def test_a_sync_keeps_recomputes_or_restarts_each_sequence_as_it_asked(prefix: bool) -> None:
+    """Scheduler.on_weights_live between two steps, under memory pressure (some sequences already
+    preempted): keep holds its blocks, recompute and abort go back to waiting (abort to its prompt), the
+    queue keeps arrival order, the KV the fake runner checks stays right, and every sequence finishes once
+    with what a run without the sync gives (the fake model does not change with the weights)."""
+    modes = ["keep", "recompute", "abort", "keep", "abort", "recompute"]
+
+    def start(sched: Scheduler) -> list[Sequence]:
+        seqs = []
+        for i, mode in enumerate(modes):
+            (seq,) = add_request(sched, f"r{i}", [i + 1] * 6, max_tokens=14, ignore_eos=True)
+            seq.on_sync = mode
+            seqs.append(seq)
+        return seqs
+
+    ref_sched, ref_runner = make(num_blocks=14, prefix=prefix)
+    ref = start(ref_sched)
+    run_all(ref_sched, ref_runner)
+    sched, runner = make(num_blocks=14, prefix=prefix)
+    seqs = start(sched)
+    for _ in range(6):
+        batch = sched.schedule()
+        check_invariants(sched, batch)
+        sched.commit(batch, runner(batch))
+    had = {s.seq_id: (s.status, s.num_generated, list(s.block_table)) for s in seqs}
+    assert any(status is SequenceStatus.WAITING and n for status, n, _ in had.values()), "no pressure"
+    restarted = sched.on_weights_live(1)
+    sched.block_manager.reset_prefix_cache()
+    assert sorted(s.seq_id for s in restarted) == sorted(s.seq_id for s in seqs if s.on_sync == "abort"
+                                                          and had[s.seq_id][1])
+    for s in seqs:
+        status, n, blocks = had[s.seq_id]
+        if s.on_sync == "keep":
+            assert (s.status, s.num_generated, s.block_table) == (status, n, blocks)
+        else:
+            assert s.status is SequenceStatus.WAITING and not s.block_table
+            aborted = s.on_sync == "abort" and n > 0
+            assert s.num_generated == (0 if aborted else n) and s.restarts == aborted
+    assert [s.arrival for s in sched.waiting] == sorted(s.arrival for s in sched.waiting)
+    run_all(sched, runner)
+    assert all(s.is_finished for s in seqs) and not sched.has_unfinished()
+    assert [s.completion_token_ids for s in seqs] == [s.completion_token_ids for s in ref]

@@ -113,14 +113,22 @@ class SidecarClient:
     # ---- generation ---------------------------------------------------------------------------
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  sampling_params: SamplingParams | Mapping[str, Any] | Sequence[Any] | None = None, *,
-                 wait: bool = True, timeout: float | None = None) -> list[RequestOutput]:
-        """RequestOutputs in prompt order (token ids, logprobs, text, weight version)."""
+                 wait: bool = True, timeout: float | None = None, on_sync: str | None = None,
+                 max_staleness: int | None = None) -> list[RequestOutput]:
+        """RequestOutputs in prompt order (token ids, logprobs, text, weight versions per token).
+        `on_sync` ("keep", "recompute", "abort"; None: the sidecar's --on-sync) and `max_staleness`
+        (None: unbounded): what a weight sync that lands while they run does to them
+        (inference.core.SyncPolicy)."""
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         body: dict[str, Any] = {"prompts": [p if isinstance(p, str) else list(p) for p in prompts], "wait": wait}
         if sampling_params is not None:
             body["sampling_params"] = ([params_dict(p) for p in sampling_params]
                                        if isinstance(sampling_params, Sequence) else params_dict(sampling_params))
+        if on_sync is not None:
+            body["on_sync"] = on_sync
+        if max_staleness is not None:
+            body["max_staleness"] = max_staleness
         data = self._post("/generate", body, timeout=timeout or self.long_timeout)
         return [request_output(i, o) for i, o in enumerate(data["outputs"])]
 
@@ -240,7 +248,9 @@ def request_output(i: int, o: dict[str, Any]) -> RequestOutput:
         finish_reason=FinishReason(c["finish_reason"]) if c["finish_reason"] else None, text=c["text"],
         top_logprobs=[{int(k): v for k, v in d.items()} for d in c["top_logprobs"]] if c["top_logprobs"] else None,
         stop_reason=c.get("stop_reason"),
-        weight_version_spans=[tuple(s) for s in c.get("weight_version_spans", [])]) for c in o["completions"]]
+        weight_version_spans=[tuple(s) for s in c.get("weight_version_spans", [])],
+        draft_version_spans=[tuple(s) for s in c.get("draft_version_spans", [])], restarts=c.get("restarts", 0))
+        for c in o["completions"]]
     return RequestOutput(request_id=str(i), prompt_token_ids=o["prompt_token_ids"], outputs=outs,
                          weight_version=o["weight_version"], prompt=o["prompt"],
                          num_cached_tokens=o["num_cached_tokens"])

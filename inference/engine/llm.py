@@ -9,6 +9,8 @@ With async scheduling (SchedulerConfig.async_scheduling; the Decision in docs/ar
 step() schedules and launches step i + 1 while step i still runs on the device, then reads back and
 commits step i: step i + 1 stays in flight when step() returns. Everything that must not overlap a
 step (sleep, a weight update) first settles the step in flight (`_settle`; inference/engine/async_step.py).
+A weight sync goes live between two steps; each request's SyncPolicy (on_sync, max_staleness) then
+says whether it keeps its KV, recomputes it or restarts from its prompt (Scheduler.on_weights_live).
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ from inference.core import (
     CompletionOutput,
     FinishReason,
     InvalidRequestError,
+    OnSync,
     RequestOutput,
     SamplingParams,
     StateError,
+    SyncPolicy,
 )
 from inference.engine.async_step import StepOverlap
 from inference.engine.step_stats import StepLog
@@ -86,6 +90,7 @@ class LLM:
             overrides.setdefault("tp_size", 1 if tp is None else tp.size)
             config = build_engine_config(str(model), **overrides)
         check_tp_size(config, tp)
+        SyncPolicy(config.on_sync)  # InvalidRequestError naming on_sync for an unknown mode
         self.config = config
         self.worker = Worker(config, tp, dp_rank=dp_rank)
         self.worker.init_device()
@@ -120,8 +125,12 @@ class LLM:
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, *, wait: bool = True, prompt_text: str | None = None) -> str:
+                    request_id: str | None = None, *, wait: bool = True, prompt_text: str | None = None,
+                    on_sync: OnSync | None = None, max_staleness: int | None = None) -> str:
         """Validate and queue one prompt. Raises InvalidRequestError naming the field; queues nothing then.
+
+        `on_sync` ("keep", "recompute", "abort"; None: EngineConfig.on_sync) and `max_staleness` say
+        what a weight sync that goes live while it runs does to it (inference.core.SyncPolicy).
 
         While the engine is asleep (or its weights await a sync) the request waits in the queue;
         with wait=False it is refused with a StateError instead. `prompt_text`: the text that `prompt`'s
@@ -129,10 +138,11 @@ class LLM:
         for the output only.
         """
         params = params or SamplingParams()
+        policy = SyncPolicy(on_sync, max_staleness)  # checked here, before anything is queued
         if not wait:
             self.check_ready()
         text, ids = self._checked(prompt, params)
-        return self._enqueue(text if prompt_text is None else prompt_text, ids, params, request_id)
+        return self._enqueue(text if prompt_text is None else prompt_text, ids, params, request_id, policy)
 
     def _checked(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
         """(text, token ids) of a valid request; InvalidRequestError naming the field otherwise."""
@@ -140,11 +150,15 @@ class LLM:
         self._check_prompt(ids, params)
         return text, ids
 
-    def _enqueue(self, text: str | None, ids: list[int], params: SamplingParams, request_id: str | None) -> str:
+    def _enqueue(self, text: str | None, ids: list[int], params: SamplingParams, request_id: str | None,
+                 policy: SyncPolicy) -> str:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
         seqs = Sequence.group(request_id, ids, params)
+        for s in seqs:
+            s.on_sync = policy.on_sync or self.config.on_sync
+            s.max_staleness = policy.max_staleness
         req = _Request(request_id, text, list(ids), seqs, time.monotonic())
         if params.stop and self.tokenizer is not None:
             req.detoks = {s.index: IncrementalDetokenizer(self.tokenizer, ids) for s in seqs}
@@ -242,11 +256,18 @@ class LLM:
             self.spec_stats.accepted += sum(len(r) - 1 for r in results if isinstance(r, list))
 
     def _record_versions(self, seqs: list[Sequence], results: list) -> None:
-        """Before a commit: the step's tokens start a span when the weight version changed."""
+        """Before a commit: the step's tokens start a span when the weight version (the target's, and
+        the draft's if there is one) changed."""
+        weights = self.worker.weights
         version = self.weight_version
+        draft = weights.version("draft") if weights.has_draft else None
         for seq, res in zip(seqs, results):  # runs for every row of every step: reads the sequence only
-            if seq.span_version != version and res is not None and not seq.is_finished:
+            if res is None or seq.is_finished:
+                continue
+            if seq.span_version != version:
                 seq.start_span(seq.num_generated - seq.num_pending, version)
+            if draft is not None and seq.draft_span_version != draft:
+                seq.start_draft_span(seq.num_generated - seq.num_pending, draft)
 
     def _apply_stop_strings(self, seqs: list[Sequence], results: list, before: list[int]) -> list[Sequence]:
         """Finish sequences whose new text completes a stop string (detection only; see _output);
@@ -292,7 +313,8 @@ class LLM:
                 index=s.index, token_ids=list(s.completion_token_ids), logprobs=list(s.logprobs),
                 finish_reason=s.finish_reason, text=text,
                 top_logprobs=list(s.top_logprobs) if s.top_logprobs is not None else None,
-                stop_reason=s.stop_reason, weight_version_spans=list(s.version_spans)))
+                stop_reason=s.stop_reason, weight_version_spans=list(s.version_spans),
+                draft_version_spans=list(s.draft_version_spans), restarts=s.restarts))
         versions = [v for s in req.seqs for _, v in s.version_spans]
         metrics = {"latency_s": time.monotonic() - req.arrival}
         proposed = sum(s.spec_proposed for s in req.seqs)
@@ -305,8 +327,11 @@ class LLM:
             metrics=metrics)
 
     def generate(self, prompts: Prompt | Seq[Prompt],
-                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt; outputs in prompt order. Nothing is queued if any input is bad."""
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
+                 on_sync: OnSync | None = None, max_staleness: int | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; outputs in prompt order. Nothing is queued if any input is bad.
+        `on_sync`, `max_staleness`: as add_request's, for every prompt."""
+        policy = SyncPolicy(on_sync, max_staleness)  # checked here, before anything is queued
         if isinstance(prompts, str) or (isinstance(prompts, Seq) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -318,7 +343,7 @@ class LLM:
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         checked = self._validate_all(prompts, params_list)
         self.check_ready()  # a synchronous call cannot wait for a wake-up that only the caller can do
-        ids = [self._enqueue(text, tokens, sp, None) for (text, tokens), sp in zip(checked, params_list)]
+        ids = [self._enqueue(text, tokens, sp, None, policy) for (text, tokens), sp in zip(checked, params_list)]
         results: dict[str, RequestOutput] = {}
         while any(i not in results for i in ids):
             for out in self.step():
@@ -401,7 +426,13 @@ class LLM:
         self._finished_while_draining.extend(self._settle())
 
     def _on_weights_live(self, which: str) -> None:
-        """Any update drops the prefix cache and recomputes running sequences: their KV came from the
-        old weights."""
-        self.scheduler.preempt_all()
+        """A version of `which` went live (its audit passed; no step in flight: `_before_weight_write`
+        settled it). Every live sequence follows its SyncPolicy (Scheduler.on_weights_live): kept,
+        recomputed, or restarted from its prompt (its stop-string detector restarts too). The prefix
+        cache is dropped: its KV came from the old weights (a kept sequence's blocks chain from the
+        forgotten entries, so they are never hit)."""
+        for seq in self.scheduler.on_weights_live(self.weight_version):
+            req = self._requests.get(seq.request_id)
+            if req is not None and req.detoks and self.tokenizer is not None:
+                req.detoks[seq.index] = IncrementalDetokenizer(self.tokenizer, req.prompt_ids)
         self.block_manager.reset_prefix_cache()

@@ -258,6 +258,24 @@ class Scheduler:
             self._preempt(self.running[-1])
         return count
 
+    def on_weights_live(self, live_version: int) -> list[Sequence]:
+        """A weight sync went live between two steps (none in flight): apply each live sequence's
+        policy (Sequence.on_sync, max_staleness; core.SyncPolicy). "keep" leaves it as it is; "recompute"
+        sends a running one back to waiting (its KV is recomputed by prefill, its tokens kept); "abort",
+        or a sequence whose oldest token is more than max_staleness versions behind `live_version`,
+        goes back to waiting and restarts from its prompt. Preempted sequences keep their arrival order
+        at the front of the queue. Returns the restarted sequences. The caller drops the prefix cache.
+        """
+        assert not self.in_flight, "a sync goes live between steps only"
+        restarted = [s for s in list(self.running) + list(self.waiting) if _restarts(s, live_version)]
+        again = {s.seq_id for s in restarted}
+        for seq in reversed(list(self.running)):  # latest first: appendleft keeps the order
+            if seq.seq_id in again or seq.on_sync != "keep":
+                self._preempt(seq)
+        for seq in restarted:
+            seq.restart()
+        return restarted
+
     # ---- a computed step in --------------------------------------------------------------------
     def commit(self, batch: ScheduledBatch, sampled: list[StepResult]) -> list[Sequence]:
         """Apply a finished step: advance computed tokens, register full blocks in the prefix cache,
@@ -548,6 +566,17 @@ class Scheduler:
         live.remove(seq)
         if not live:
             del self._requests[seq.request_id]
+
+
+def _restarts(seq: Sequence, live_version: int) -> bool:
+    """Whether a sync to `live_version` sends seq back to its prompt: its mode says so, or its oldest
+    token is too stale. One without a token has nothing to drop ("abort" then recomputes its KV)."""
+    if not seq.num_generated:
+        return False
+    if seq.on_sync == "abort":
+        return True
+    oldest, bound = seq.oldest_version, seq.max_staleness
+    return oldest is not None and bound is not None and live_version - oldest > bound
 
 
 def _may_stop(seq: Sequence, token_id: int, eos: frozenset[int], max_len: int) -> bool:

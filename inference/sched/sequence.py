@@ -8,6 +8,8 @@ Invariants the scheduler and the block manager keep:
   of block_table (len(block_table) * block_size >= num_computed_tokens).
 - A WAITING sequence holds no blocks and has num_computed_tokens == 0; a preempted one keeps its
   generated tokens and logprobs and recomputes their KV when it is admitted again.
+- token_ids shrinks only at `restart` (a waiting sequence back to its prompt: a weight sync dropped
+  its tokens) and `truncate` (a finished one); both clear the block_hashes memo.
 - With async scheduling the last entry of token_ids (and of logprobs) may be a placeholder for a
   token that a launched step samples on the device and the host has not read yet (num_pending == 1):
   placeholder(row) = -1 - row, row being the token's row among that step's sampled rows, so the
@@ -105,6 +107,12 @@ class Sequence:
         # per-step check reads the sequence alone: start_span keeps the two together
         self.version_spans: list[tuple[int, int]] = []
         self.span_version: int | None = None
+        self.draft_version_spans: list[tuple[int, int]] = []  # the same for the draft model's version
+        self.draft_span_version: int | None = None
+        # what a weight sync does to it (core.SyncPolicy, resolved against the engine's default)
+        self.on_sync = "recompute"
+        self.max_staleness: int | None = None
+        self.restarts = 0  # times a sync sent it back to its prompt
 
     @classmethod
     def group(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[Sequence]:
@@ -182,6 +190,29 @@ class Sequence:
         """Completion tokens from `index` on were sampled with weights of `version`."""
         self.version_spans.append((index, version))
         self.span_version = version
+
+    def start_draft_span(self, index: int, version: int) -> None:
+        """Completion tokens from `index` on were committed while the draft held `version`."""
+        self.draft_version_spans.append((index, version))
+        self.draft_span_version = version
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The target version of its oldest generated token (None: no token yet). Versions only grow."""
+        return self.version_spans[0][1] if self.version_spans else None
+
+    def restart(self) -> None:
+        """Back to the prompt: generated tokens, logprobs and version spans dropped (a weight sync made
+        them unwanted). Only a WAITING sequence (no blocks) restarts; its place in line is kept."""
+        assert self.status is SequenceStatus.WAITING and not self.block_table and not self.num_pending, self
+        del self.token_ids[self.num_prompt_tokens:]
+        self.logprobs.clear()
+        if self.top_logprobs is not None:
+            self.top_logprobs.clear()
+        self.version_spans, self.span_version = [], None
+        self.draft_version_spans, self.draft_span_version = [], None
+        self.block_hashes.clear()  # a memo of the dropped tokens too; rebuilt on demand
+        self.restarts += 1
 
     def truncate(self, num_tokens: int) -> None:
         """Drop tokens beyond `num_tokens` of a FINISHED sequence (a stop string inside a multi-token

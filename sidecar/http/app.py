@@ -26,7 +26,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from inference.core import InvalidRequestError, RequestOutput, SamplingParams, StateError
+from inference.core import (
+    DEFAULT_SYNC_POLICY,
+    InvalidRequestError,
+    RequestOutput,
+    SamplingParams,
+    StateError,
+    SyncPolicy,
+)
 from sidecar.http.common import ApiError, ServerState, await_future, error_response, rank_error_to_api
 from sidecar.http.control import WeightsUpdateGate, add_control_routes
 from sidecar.http.guard import RequestGuard, require_key
@@ -216,10 +223,11 @@ def _rename_prompt_errors(e: ApiError, prompts_field: str, params_field: str, pe
 
 
 async def run_group(request: Request, state: ServerState, prompts: list[Any], params: list[SamplingParams],
-                    wait: bool, names: tuple[str, str, bool]) -> list[RequestOutput]:
+                    wait: bool, names: tuple[str, str, bool],
+                    sync: SyncPolicy = DEFAULT_SYNC_POLICY) -> list[RequestOutput]:
     try:
         inputs = await encode_group(state.intake, prompts, params)  # limits, then tokenization off the loop
-        fut = state.driver.submit(list(zip(inputs, params)), wait=wait)
+        fut = state.driver.submit(list(zip(inputs, params)), wait=wait, sync=sync)
         return await await_future(request, fut, state.driver)
     except ApiError as e:
         raise _rename_prompt_errors(e, *names, e.index) from None
@@ -237,7 +245,7 @@ def _add_generation_routes(router: APIRouter, state: ServerState) -> None:
         params = [check_params(m, state, f"sampling_params[{i}]" if per_prompt else "sampling_params")
                   for i, m in enumerate(models)]
         outs = await run_group(request, state, list(body.prompts), params, body.wait,
-                               ("prompts", "sampling_params", per_prompt))
+                               ("prompts", "sampling_params", per_prompt), body.sync_policy())
         return GenerateResponse(outputs=[_prompt_out(o) for o in outs])
 
     @router.post("/v1/completions", summary="OpenAI-compatible completions (a subset)")
@@ -262,4 +270,6 @@ def _prompt_out(o: RequestOutput) -> PromptOut:
             finish_reason=c.finish_reason.value if c.finish_reason is not None else None,
             stop_reason=c.stop_reason,
             top_logprobs=[{str(k): v for k, v in d.items()} for d in c.top_logprobs] if c.top_logprobs else None,
-            weight_version_spans=[tuple(s) for s in c.weight_version_spans]) for c in o.outputs])
+            weight_version_spans=[tuple(s) for s in c.weight_version_spans],
+            draft_version_spans=[tuple(s) for s in c.draft_version_spans], restarts=c.restarts)
+            for c in o.outputs])

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from inference.core import SamplingParams
+from inference.core import OnSync, SamplingParams, SyncPolicy
 from sidecar.http.json_types import ExpectedJson, InitInfoJson, UpdateInfoJson
 
 WAIT_DOC = ("when the model cannot generate now: true holds the call through a weight sync in progress, "
@@ -65,6 +65,16 @@ class GenerateRequest(_Request):
     sampling_params: SamplingParamsModel | list[SamplingParamsModel] = Field(
         default_factory=SamplingParamsModel, description="one for all prompts, or one per prompt")
     wait: bool = Field(True, description=WAIT_DOC)
+    on_sync: OnSync | None = Field(None, description="what a weight sync that goes live while these run does "
+                                   "to them: keep (continue on their KV), recompute (KV recomputed under the new "
+                                   "weights, tokens kept) or abort (restarted from the prompt); null: the "
+                                   "sidecar's --on-sync (recompute unless set)")
+    max_staleness: int | None = Field(None, ge=0, description="a sync that leaves a completion's oldest token more "
+                                      "than this many target versions behind the live one restarts it from the "
+                                      "prompt; null: no bound")
+
+    def sync_policy(self) -> SyncPolicy:
+        return SyncPolicy(self.on_sync, self.max_staleness)
 
 
 class CompletionOut(BaseModel):
@@ -76,7 +86,13 @@ class CompletionOut(BaseModel):
     stop_reason: int | str | None = None
     top_logprobs: list[dict[str, float]] | None = None
     weight_version_spans: list[tuple[int, int]] = Field(
-        default_factory=list, description="(first token index, weight version) runs")
+        default_factory=list, description="[first token index, target weight version] runs: token i came from "
+        "the version of the last run starting at or before i")
+    draft_version_spans: list[tuple[int, int]] = Field(
+        default_factory=list, description="the same runs for the draft model's version (live when each token "
+                                          "was committed); empty without --draft-model")
+    restarts: int = Field(0, description="times a weight sync restarted it from the prompt (on_sync abort, or "
+                                         "max_staleness); its tokens are all from after the last restart")
 
 
 class PromptOut(BaseModel):

@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Literal
 
 from checksum import Manifest
 from inference.config import EngineConfig
-from inference.core import RequestOutput, SamplingParams, SidecarError
+from inference.core import DEFAULT_SYNC_POLICY, RequestOutput, SamplingParams, SidecarError, SyncPolicy
 from inference.memory.sleep import TransitionStats
 
 ErrorKind = Literal["invalid", "state", "checksum", "busy", "transfer", "unavailable", "memory", "internal"]
@@ -188,11 +188,13 @@ class RequestGroup:
     `wait`, when the engine cannot generate as the group arrives: "never" refuses it (409); "sync"
     holds it through a weight sync in progress but refuses it while the sidecar sleeps, a model is torn
     or awaits its first sync (states that end only when the trainer acts: holding would hang the
-    caller silently); "always" holds it through all of these (--hold-while-asleep)."""
+    caller silently); "always" holds it through all of these (--hold-while-asleep). `sync`: what a
+    weight sync that goes live while they run does to them (None fields: the engine's default)."""
 
     group_id: str
     requests: tuple[tuple[str, Prompt, SamplingParams], ...]
     wait: WaitMode
+    sync: SyncPolicy = DEFAULT_SYNC_POLICY
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
-from inference.core import RequestOutput, SamplingParams, SidecarError
+from inference.core import DEFAULT_SYNC_POLICY, RequestOutput, SamplingParams, SidecarError, SyncPolicy
 from sidecar.ranks.commands import (
     QUEUE_COMMANDS,
     AbortRequests,
@@ -86,6 +86,7 @@ class _Group:
     requests: list[tuple[str, Any, SamplingParams]]
     wait: WaitMode
     future: Future
+    sync: SyncPolicy = DEFAULT_SYNC_POLICY
     outputs: dict[str, RequestOutput] = field(default_factory=dict)
     sent: bool = False
     pending: int = 0  # sequences (n per prompt) not answered yet: what the queue limit counts
@@ -94,7 +95,7 @@ class _Group:
         return int(self.requests[int(request_id.rsplit("-", 1)[1])][2].n)
 
     def command(self) -> AddRequests:
-        return AddRequests(RequestGroup(self.group_id, tuple(self.requests), self.wait))
+        return AddRequests(RequestGroup(self.group_id, tuple(self.requests), self.wait, self.sync))
 
 
 @dataclass
@@ -175,12 +176,14 @@ class Driver:
             if thread.is_alive():
                 thread.join(timeout)
 
-    def submit(self, requests: list[tuple[Any, SamplingParams]], wait: bool | WaitMode = True) -> Future:
+    def submit(self, requests: list[tuple[Any, SamplingParams]], wait: bool | WaitMode = True,
+               sync: SyncPolicy = DEFAULT_SYNC_POLICY) -> Future:
         """Queue one group of prompts; the future resolves to their RequestOutputs in order, or to a
         RankError (a rejected prompt names its index; the whole group is then refused). The queue limit
         counts sequences (n per prompt), the unit of work and memory of the engine. `wait`: the call's
         own; what it holds through is commands.RequestGroup's `wait` (hold_while_asleep: "always"); a
-        WaitMode string is used as is (the rollout pool's groups are held through every state)."""
+        WaitMode string is used as is (the rollout pool's groups are held through every state).
+        `sync`: what a weight sync does to them while they run (commands.RequestGroup)."""
         mode: WaitMode = (wait if isinstance(wait, str) else "never" if not wait
                           else "always" if self.hold_while_asleep else "sync")
         fut: Future = Future()
@@ -195,7 +198,7 @@ class Driver:
                 return fut
             gid = f"g{next(self._ids)}"
             reqs = [(f"{gid}-{i}", prompt, params) for i, (prompt, params) in enumerate(requests)]
-            group = _Group(gid, reqs, mode, fut, pending=sequences)
+            group = _Group(gid, reqs, mode, fut, sync, pending=sequences)
             self._queued_sequences += sequences
             self._groups[gid] = group
             self._owner.update((rid, gid) for rid, _, _ in reqs)

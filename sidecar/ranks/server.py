@@ -289,12 +289,13 @@ class RankServer:
         except StateError as e:
             return error_info(e, self.rank_key)
         added: list[str] = []
+        policy = {"on_sync": group.sync.on_sync, "max_staleness": group.sync.max_staleness}
         for index, (rid, prompt, params) in enumerate(group.requests):
             try:
                 if isinstance(prompt, TokenizedPrompt):
-                    self.llm.add_request(prompt.token_ids, params, rid, prompt_text=prompt.text)
+                    self.llm.add_request(prompt.token_ids, params, rid, prompt_text=prompt.text, **policy)
                 else:
-                    self.llm.add_request(prompt, params, rid)
+                    self.llm.add_request(prompt, params, rid, **policy)
             except Exception as e:
                 for done in added:  # all or nothing: the caller gets one answer for the whole group
                     self.llm.abort(done)

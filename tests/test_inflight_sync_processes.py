@@ -1,0 +1,125 @@
+"""Requests in flight at a weight sync through a real `sidecar launch` (CPU, gloo): the per-call on_sync and
+max_staleness of POST /generate (SidecarClient.generate) and the sidecar's --on-sync default reach the
+engine; the sync lands between two steps of generations already running; each token's recorded version
+is the one that produced it (replayed, greedy, on in-process engines holding each version); keep,
+recompute and abort give what they promise, and every call gets each of its prompts back once."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import pytest
+
+from inference.core import RequestOutput, SamplingParams
+from inference.engine.llm import LLM
+from inference.models.tiny import TinyModelSpec, random_weights
+from inference.transfer.sender import WeightSender
+from tests.helpers_sidecar import Sidecar, launch, server_ranks
+from tests.helpers_weight_update import Link
+from trainer_hooks.client import SidecarClient
+
+WEIGHTS = random_weights(TinyModelSpec(seed=5))
+MAX_TOKENS = 120  # long enough that every call is still running when the engine is paused for the sync
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+PROMPTS = [[3, 17, 42, 7], [5, 9, 11, 13, 2, 8]]
+CALLS = {"keep": {"on_sync": "keep"}, "recompute": {"on_sync": "recompute"},
+         "default": {},  # the sidecar's --on-sync abort
+         "stale": {"on_sync": "keep", "max_staleness": 0}}
+STATE_TIMEOUT_S = 120.0
+
+
+@pytest.fixture(scope="module", params=[("--async-scheduling",), ("--tp", "2")], ids=["tp1-async", "tp2"])
+def server(request: pytest.FixtureRequest) -> Iterator[Sidecar]:
+    """Async steps (the sync settles the step in flight first), and TP 2: every rank applies the sync,
+    and each request's mode, at the same step boundary."""
+    proc = launch("--on-sync", "abort", *request.param)
+    try:
+        yield proc
+    finally:
+        assert proc.stop() == 0, proc.log
+
+
+def _when(client: SidecarClient, holds: object, what: str) -> dict:
+    """Poll /state until `holds(state)`; fail naming `what` after STATE_TIMEOUT_S."""
+    deadline = time.monotonic() + STATE_TIMEOUT_S
+    while True:
+        state = client.state()
+        if holds(state):  # type: ignore[operator]
+            return state
+        assert time.monotonic() < deadline, f"no {what} within {STATE_TIMEOUT_S} s: {state}"
+        time.sleep(0.01)  # a poll interval on the condition above, not a guess at timing: spare the 2 cores
+
+
+def _greedy(ref: LLM, prompt: list[int], max_tokens: int) -> list[int]:
+    return ref.generate(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))[0] \
+        .outputs[0].token_ids
+
+
+def _replay(outs: list[RequestOutput], refs: dict[int, LLM]) -> None:
+    """Each token equals what an engine holding its recorded version produces for its prefix."""
+    cases: dict[int, list[tuple[list[int], int]]] = {}
+    for o in outs:
+        c = o.outputs[0]
+        for i, token in enumerate(c.token_ids):
+            version = [v for start, v in c.weight_version_spans if start <= i][-1]
+            cases.setdefault(version, []).append((o.prompt_token_ids + c.token_ids[:i], token))
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for version, found in cases.items():
+        got = [r.outputs[0].token_ids[0] for r in refs[version].generate([p for p, _ in found], one)]
+        assert got == [t for _, t in found], f"tokens recorded as version {version} are not its"
+
+
+def test_a_sync_mid_generation_keeps_recomputes_or_restarts_each_call_as_it_asked(server: Sidecar) -> None:
+    sender = WeightSender("gloo", num_receivers=server_ranks(server), timeout_s=60)
+    with SidecarClient(server.url, timeout=120) as c, ThreadPoolExecutor(len(CALLS)) as pool:
+        c.connect_sender(sender)
+        old = int(c.state()["weight_versions"]["target"])
+        new = old + 1
+        calls: dict[str, Future] = {name: pool.submit(c.generate, PROMPTS, GREEDY, **policy)
+                                    for name, policy in CALLS.items()}
+        # every prompt is in the engine and has stepped (a rank reports after the step that follows new
+        # requests); pausing then holds them mid-generation while the sync goes through
+        _when(c, lambda s: s["engine_unfinished"] == len(CALLS) * len(PROMPTS), "calls in the engine")
+        c.pause()
+        assert c.sync_weights(sender, WEIGHTS, version=new)["ok"]
+        c.resume()
+        outs = {name: fut.result(timeout=STATE_TIMEOUT_S) for name, fut in calls.items()}
+        idle = _when(c, lambda s: s["engine_unfinished"] == 0 and s["queued_sequences"] == 0, "an idle engine")
+        assert idle["weight_versions"]["target"] == new
+    sender.close()
+
+    ref_old = LLM(None, device="cpu")
+    ref_new = LLM(None, device="cpu")
+    Link(ref_new.worker).sync(WEIGHTS, new)
+    refs = {old: ref_old, new: ref_new}
+    for name, got in outs.items():
+        assert [o.prompt_token_ids for o in got] == PROMPTS, name  # each prompt back once, in order
+        assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in got), name
+    for name in ("keep", "recompute"):
+        for o in outs[name]:
+            c0 = o.outputs[0]
+            (_, first), (k, second) = c0.weight_version_spans
+            assert (first, second) == (old, new) and 0 < k < MAX_TOKENS and c0.restarts == 0, (name, c0)
+            assert c0.token_ids[:k] == _greedy(ref_old, o.prompt_token_ids, k), name
+            if name == "recompute":  # the continuation of a fresh request of the same prefix, new weights
+                assert c0.token_ids[k:] == _greedy(ref_new, o.prompt_token_ids + c0.token_ids[:k], MAX_TOKENS - k)
+    _replay(outs["recompute"], refs)
+    for name in ("default", "stale"):  # --on-sync abort; max_staleness=0 under keep: restarted from the prompt
+        for o in outs[name]:
+            c0 = o.outputs[0]
+            assert c0.weight_version_spans == [(0, new)] and c0.restarts == 1 and o.weight_version == new, name
+            assert c0.token_ids == _greedy(ref_new, o.prompt_token_ids, MAX_TOKENS), name
+            assert c0.draft_version_spans == []  # no draft model
+    _replay(outs["default"], refs)
+
+
+def test_a_bad_policy_is_a_400_or_422_naming_its_field(server: Sidecar) -> None:
+    import httpx
+
+    with httpx.Client(base_url=server.url, timeout=60) as h:
+        r = h.post("/generate", json={"prompts": [[1, 2]], "on_sync": "later"})
+        assert r.status_code == 422 and r.json()["error"]["field"] == "on_sync", r.text
+        r = h.post("/generate", json={"prompts": [[1, 2]], "max_staleness": -1})
+        assert r.status_code == 422 and r.json()["error"]["field"] == "max_staleness", r.text
