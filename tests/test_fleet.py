@@ -66,8 +66,10 @@ class FakeReplica:
         self.keys = [f"dp{dp}:pp0:tp{k}" for k in range(ranks)]
         self.pids = [1000 + k for k in range(ranks)]
         self.alive, self.fail_audit, self.answer_version = True, False, None
+        self.answer_spans: list[tuple[int, int]] = []  # an answer begun under older weights (on_sync keep)
         self.calls: list[tuple[str, Any]] = []
         self.prompts: list[Any] = []
+        self.policies: list[dict[str, Any]] = []
 
     def _check(self) -> None:
         if not self.alive:
@@ -115,11 +117,16 @@ class FakeReplica:
         return {"audit": {"ok": True, "ranks": list(self.keys), "tensors_checked": 1, "algorithm": "x",
                           "summary": "ok"}}
 
-    def generate(self, prompts: list[Any], params: Any, wait: bool = True, timeout: Any = None) -> list[Any]:
+    def generate(self, prompts: list[Any], params: Any, wait: bool = True, timeout: Any = None,
+                 **policy: Any) -> list[Any]:
         self._check()
         self.prompts.append(prompts)
+        self.policies.append(policy)
         version = self.version if self.answer_version is None else self.answer_version
-        return [RequestOutput(str(i), list(p), [CompletionOutput(0, [7], None, FinishReason.LENGTH)], version)
+        spans = list(self.answer_spans)
+        oldest = spans[0][1] if spans else version
+        return [RequestOutput(str(i), list(p), [CompletionOutput(0, [7, 7], None, FinishReason.LENGTH,
+                                                                 weight_version_spans=spans)], oldest)
                 for i, p in enumerate(prompts)]
 
 
@@ -231,6 +238,20 @@ def test_first_contact_admits_the_newest_healthy_version_and_a_stale_answer_take
         reps[3].answer_version = 1  # e.g. restarted behind the fleet's back
         outs = fleet.generate([[1], [2]])
         assert {o.metrics["replica"] for o in outs} == {0} and fleet.in_rotation == [0]
+
+
+def test_an_answer_that_spans_a_sync_is_judged_by_its_newest_tokens() -> None:
+    """With on_sync keep or recompute an output begun under version 2 ends under 3: a replica whose newest
+    tokens are the fleet's version stays in rotation; one whose newest are older is taken out."""
+    reps = [FakeReplica("http://a", version=3), FakeReplica("http://b", version=3)]
+    with _fleet(*reps) as fleet:
+        reps[0].answer_spans = [(0, 2), (1, 3)]
+        outs = fleet.generate([[1], [2], [3]], on_sync="keep")
+        assert fleet.in_rotation == [0, 1] and {o.weight_version for o in outs} <= {2, 3}
+        assert all(p == {"on_sync": "keep"} for r in reps for p in r.policies)  # the policy reaches each call
+        reps[0].answer_spans = [(0, 1), (1, 2)]
+        outs = fleet.generate([[1], [2], [3]])
+        assert fleet.in_rotation == [1] and {o.metrics["replica"] for o in outs} == {1}
 
 
 def test_sleep_and_wake_reach_every_replica_and_fail_only_when_all_do() -> None:

@@ -123,3 +123,28 @@ def test_a_bad_policy_is_a_400_or_422_naming_its_field(server: Sidecar) -> None:
         assert r.status_code == 422 and r.json()["error"]["field"] == "on_sync", r.text
         r = h.post("/generate", json={"prompts": [[1, 2]], "max_staleness": -1})
         assert r.status_code == 422 and r.json()["error"]["field"] == "max_staleness", r.text
+
+
+def test_rollout_pool_groups_take_their_sync_policy(server: Sidecar) -> None:
+    """POST /rollouts carries on_sync and max_staleness to the engine as /generate does: a group kept
+    across a mid-generation sync has tokens of both versions, one left to the sidecar's --on-sync abort
+    restarts under the new weights, and each group is taken once."""
+    sender = WeightSender("gloo", num_receivers=server_ranks(server), timeout_s=60)
+    with SidecarClient(server.url, timeout=120) as c:
+        c.connect_sender(sender)
+        new = int(c.state()["weight_versions"]["target"]) + 1
+        kept = c.submit_rollouts([PROMPTS[0]], GREEDY, pool="policy", on_sync="keep")
+        restarted = c.submit_rollouts([PROMPTS[1]], GREEDY, pool="policy")
+        _when(c, lambda s: s["engine_unfinished"] == 2, "both groups in the engine")
+        c.pause()
+        assert c.sync_weights(sender, WEIGHTS, version=new)["ok"]
+        c.resume()
+        take = c.take_rollouts(2, pool="policy", timeout_s=STATE_TIMEOUT_S)
+    sender.close()
+    by_id = {o.request_id: o for o in take.groups}
+    assert sorted(by_id) == sorted(kept + restarted)
+    keep = by_id[kept[0]].outputs[0]
+    assert [v for _, v in keep.weight_version_spans] == [new - 1, new] and keep.restarts == 0, keep
+    abort = by_id[restarted[0]].outputs[0]
+    assert abort.weight_version_spans == [(0, new)] and abort.restarts == 1, abort
+    assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in take.groups)

@@ -133,10 +133,16 @@ class SidecarClient:
         return [request_output(i, o) for i, o in enumerate(data["outputs"])]
 
     # ---- rollout pools (sidecar/http/rollouts.py; trainer_hooks/rollout_pool.py) ----------------------
-    def submit_rollouts(self, prompts: Any, sampling_params: Any = None, *, pool: str = DEFAULT_POOL) -> list[str]:
-        """POST /rollouts: one group (n samples) per prompt in `pool`; the group ids in prompt order."""
+    def submit_rollouts(self, prompts: Any, sampling_params: Any = None, *, pool: str = DEFAULT_POOL,
+                        on_sync: str | None = None, max_staleness: int | None = None) -> list[str]:
+        """POST /rollouts: one group (n samples) per prompt in `pool`; the group ids in prompt order.
+        `on_sync` and `max_staleness` as for generate (what a sync that goes live mid-group does)."""
         body: dict[str, Any] = {"pool": pool, "prompts": [p if isinstance(p, str) else list(p)
                                                           for p in prompt_list(prompts)]}
+        if on_sync is not None:
+            body["on_sync"] = on_sync
+        if max_staleness is not None:
+            body["max_staleness"] = max_staleness
         if sampling_params is not None:
             body["sampling_params"] = ([params_dict(p) for p in sampling_params]
                                        if isinstance(sampling_params, Sequence) else params_dict(sampling_params))
@@ -163,10 +169,12 @@ class SidecarClient:
         return dict(self._get(f"/rollouts/{pool}"))
 
     def rollouts(self, prompts: Any, sampling_params: Any = None, *, min_groups: int, max_groups: int | None = None,
-                 pool: str = DEFAULT_POOL, timeout_s: float = 600.0) -> RolloutTake:
+                 pool: str = DEFAULT_POOL, timeout_s: float = 600.0, on_sync: str | None = None,
+                 max_staleness: int | None = None) -> RolloutTake:
         """Submit `prompts` as new groups of `pool` (none when empty; their ids in the answer's `submitted`),
         then take: earlier unfinished groups come first (oldest first); `max_groups` None takes min_groups."""
-        submitted = self.submit_rollouts(prompts, sampling_params, pool=pool) if prompt_list(prompts) else []
+        submitted = (self.submit_rollouts(prompts, sampling_params, pool=pool, on_sync=on_sync,
+                                          max_staleness=max_staleness) if prompt_list(prompts) else [])
         take = self.take_rollouts(min_groups, max_groups if max_groups is not None else (min_groups or None),
                                   pool=pool, timeout_s=timeout_s)
         take.submitted = submitted

@@ -330,17 +330,21 @@ class Fleet:
 
     # ---- rollouts -----------------------------------------------------------------------------------
     def generate(self, prompts: Any, sampling_params: Any = None, *, wait: bool = True,
-                 timeout: float | None = None) -> list[RequestOutput]:
+                 timeout: float | None = None, on_sync: str | None = None,
+                 max_staleness: int | None = None) -> list[RequestOutput]:
         """RequestOutputs in prompt order; each output's metrics has "replica" (its dp index) and "retries".
 
         Each prompt, with its n samples, goes to the replica with the fewest outstanding sequences; one
         call per replica, concurrently. A replica that dies mid-request (connection lost, 503) or answers
         with another weight version is taken out and its unfinished prompts go to the others at once,
-        each at most `max_retries` times; the call fails only when no replica is left for a prompt."""
+        each at most `max_retries` times; the call fails only when no replica is left for a prompt. A
+        replica's answer is stale when an output's newest tokens come from another version than the
+        fleet's (with on_sync keep or recompute an output may begin under an older one).
+        on_sync, max_staleness: SidecarClient.generate's."""
         self._contact()
         items = _prompt_list(prompts)
         params = _params_list(sampling_params, len(items))
-        call = _Rollout(items, params, wait, timeout)
+        call = _Rollout(items, params, wait, timeout, _policy(on_sync, max_staleness))
         running: dict[Future, tuple[Replica, list[int]]] = {}
         self._dispatch(call, range(len(items)), running)
         while running:
@@ -353,9 +357,9 @@ class Fleet:
             if error is not None:
                 raise error
             outs = done.result()
-            stale = self.version is not None and any(o.weight_version != self.version for o in outs)
+            stale = self.version is not None and any(_newest_version(o) != self.version for o in outs)
             if stale:
-                got = sorted({o.weight_version for o in outs})
+                got = sorted({_newest_version(o) for o in outs})
                 self._retry_elsewhere(call, replica, idxs, running,
                                       f"answered with weight version {got}, the fleet's is {self.version}")
                 continue
@@ -369,7 +373,8 @@ class Fleet:
 
     # ---- partial rollouts: the replicas' rollout pools (docs/async-rl.md) ------------------------------
     def rollouts(self, prompts: Any, sampling_params: Any = None, *, min_groups: int, max_groups: int | None = None,
-                 pool: str = DEFAULT_POOL, timeout_s: float = 600.0, poll_s: float = 0.05) -> RolloutTake:
+                 pool: str = DEFAULT_POOL, timeout_s: float = 600.0, poll_s: float = 0.05,
+                 on_sync: str | None = None, max_staleness: int | None = None) -> RolloutTake:
         """SidecarClient.rollouts over the fleet: each prompt becomes a group in `pool` of the replica in
         rotation with the fewest sequences outstanding; the call returns once `min_groups` groups are
         finished on the replicas together (or none is unfinished, or after timeout_s), at most
@@ -382,7 +387,8 @@ class Fleet:
         items = _prompt_list(prompts)
         per = _params_list(sampling_params, len(items))
         per = per if isinstance(per, list) else [per] * len(items)
-        submitted = self._submit_pooled(pool, [(next(self._order), p, sp) for p, sp in zip(items, per)])
+        policy = _policy(on_sync, max_staleness)
+        submitted = self._submit_pooled(pool, [(next(self._order), p, sp) for p, sp in zip(items, per)], policy)
         limit = max_groups if max_groups is not None else (min_groups or None)
         deadline = time.monotonic() + timeout_s
         while True:
@@ -394,7 +400,8 @@ class Fleet:
         take.submitted = submitted
         return take
 
-    def _submit_pooled(self, pool: str, entries: list[tuple[int, Any, Any]]) -> list[str]:
+    def _submit_pooled(self, pool: str, entries: list[tuple[int, Any, Any]],
+                       policy: dict[str, Any] | None = None) -> list[str]:
         """Place (order, prompt, params) entries, one POST /rollouts per replica; a replica that went away
         is taken out and its entries placed again. The fleet's ids of the groups, in entry order."""
         ids: dict[int, str] = {}
@@ -409,7 +416,7 @@ class Fleet:
             for entry, p in zip(entries, picks):
                 placed.setdefault(int(p), []).append(entry)  # type: ignore[arg-type]
             found = self.each([self.replicas[i] for i in placed], lambda r, placed=placed: r.client.submit_rollouts(
-                [e[1] for e in placed[r.index]], [e[2] for e in placed[r.index]], pool=pool))
+                [e[1] for e in placed[r.index]], [e[2] for e in placed[r.index]], pool=pool, **(policy or {})))
             entries = []
             for i, got in found.items():
                 if isinstance(got, GONE):
@@ -533,7 +540,7 @@ class Fleet:
         try:
             params = call.params if not isinstance(call.params, list) else [call.params[i] for i in group]
             return replica.client.generate([call.items[i] for i in group], params, wait=call.wait,
-                                           timeout=call.timeout)
+                                           timeout=call.timeout, **call.policy)
         finally:
             with self._lock:
                 replica.outstanding -= sum(call.costs[i] for i in group)
@@ -550,6 +557,7 @@ class _Rollout:
     params: Any
     wait: bool
     timeout: float | None
+    policy: dict[str, Any]  # on_sync, max_staleness: SidecarClient.generate's
     costs: list[int] = dataclasses.field(default_factory=list)
     tried: list[list[int]] = dataclasses.field(default_factory=list)  # per prompt, the replicas it was sent to
     results: list[RequestOutput | None] = dataclasses.field(default_factory=list)
@@ -591,3 +599,14 @@ def _params_list(sampling_params: Any, n: int) -> Any:
                                       f"{len(sampling_params)}")
         return list(sampling_params)
     return sampling_params
+
+
+def _newest_version(output: RequestOutput) -> int:
+    """The target version of an output's newest tokens: its last span's (one span: its weight_version)."""
+    spans = [span for c in output.outputs for span in c.weight_version_spans]
+    return max((version for _, version in spans), default=output.weight_version)
+
+
+def _policy(on_sync: str | None, max_staleness: int | None) -> dict[str, Any]:
+    """The sync policy's keyword arguments that are set (unset: the sidecar's own)."""
+    return {k: v for k, v in (("on_sync", on_sync), ("max_staleness", max_staleness)) if v is not None}

@@ -154,7 +154,8 @@ class WeightSyncHook:
         return report
 
     def rollouts(self, prompts: Any, sampling: SamplingParams | Any = None, *, min_groups: int | None = None,
-                 max_groups: int | None = None, timeout_s: float = 600.0, broadcast: bool = False) -> list[Any]:
+                 max_groups: int | None = None, timeout_s: float = 600.0, broadcast: bool = False,
+                 on_sync: str | None = None, max_staleness: int | None = None) -> list[Any]:
         """Wake the KV cache (and the weights if no sync refilled them) and generate on the sending rank.
 
         Without min_groups: every prompt's group (its n samples), in prompt order. With min_groups=G:
@@ -167,16 +168,19 @@ class WeightSyncHook:
         call), rollout_left (groups left in the pool), staleness_samples / staleness_tokens (histograms of
         versions behind the live one: each sample's oldest token; each token).
 
+        on_sync ("keep", "recompute", "abort"; None: the sidecar's --on-sync) and max_staleness: what a
+        weight sync that goes live while a sample runs does to it (docs/async-rl.md).
         broadcast: also hand the outputs to every other rank (torch.distributed, the trainer's group).
         With logprob_gap=True the hook then measures the trainer-vs-rollout logprob gap (stats).
         """
         outputs: list[Any] = []
         if self.is_sender:
             self.wake()
+            policy = {k: v for k, v in (("on_sync", on_sync), ("max_staleness", max_staleness)) if v is not None}
             if min_groups is None:
-                outputs = self._timed("generate_ms", self.client.generate, prompts, sampling)
+                outputs = self._timed("generate_ms", self.client.generate, prompts, sampling, **policy)
             else:
-                outputs = self._partial(prompts, sampling, min_groups, max_groups, timeout_s)
+                outputs = self._partial(prompts, sampling, min_groups, max_groups, timeout_s, policy)
         if broadcast and torch.distributed.is_available() and torch.distributed.is_initialized():
             box = [outputs]
             torch.distributed.broadcast_object_list(box, src=self.sender_rank)
@@ -186,12 +190,12 @@ class WeightSyncHook:
         return outputs
 
     def _partial(self, prompts: Any, sampling: Any, min_groups: int, max_groups: int | None,
-                 timeout_s: float) -> list[Any]:
+                 timeout_s: float, policy: dict[str, Any]) -> list[Any]:
         t0 = time.perf_counter()
         pool = self.rollout_pool
         self.pooled = True
         take = self._call(self.client.rollouts, prompts, sampling, min_groups=min_groups, max_groups=max_groups,
-                          pool=pool, timeout_s=timeout_s)
+                          pool=pool, timeout_s=timeout_s, **policy)
         new = set(take.submitted)
         if take.failed:
             log.warning("%d rollout group(s) of pool %r failed on the sidecar (resubmit their prompts):\n%s",

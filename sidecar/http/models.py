@@ -59,12 +59,9 @@ SamplingParamsModel = create_model(
     "take its defaults.", **sampling_fields(nullable=False))
 
 
-class GenerateRequest(_Request):
-    prompts: list[str | list[int]] = Field(min_length=1, description="strings, or lists of token ids; prompts x "
-                                           "n at most --max-request-sequences (docs/limits.md)")
-    sampling_params: SamplingParamsModel | list[SamplingParamsModel] = Field(
-        default_factory=SamplingParamsModel, description="one for all prompts, or one per prompt")
-    wait: bool = Field(True, description=WAIT_DOC)
+class SyncFields(BaseModel):
+    """What a weight sync that goes live while a request runs does to it (inference.core.SyncPolicy)."""
+
     on_sync: OnSync | None = Field(None, description="what a weight sync that goes live while these run does "
                                    "to them: keep (continue on their KV), recompute (KV recomputed under the new "
                                    "weights, tokens kept) or abort (restarted from the prompt); null: the "
@@ -75,6 +72,14 @@ class GenerateRequest(_Request):
 
     def sync_policy(self) -> SyncPolicy:
         return SyncPolicy(self.on_sync, self.max_staleness)
+
+
+class GenerateRequest(_Request, SyncFields):
+    prompts: list[str | list[int]] = Field(min_length=1, description="strings, or lists of token ids; prompts x "
+                                           "n at most --max-request-sequences (docs/limits.md)")
+    sampling_params: SamplingParamsModel | list[SamplingParamsModel] = Field(
+        default_factory=SamplingParamsModel, description="one for all prompts, or one per prompt")
+    wait: bool = Field(True, description=WAIT_DOC)
 
 
 class CompletionOut(BaseModel):

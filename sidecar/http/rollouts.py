@@ -26,10 +26,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from inference.core import RequestOutput, SamplingParams
+from inference.core import DEFAULT_SYNC_POLICY, RequestOutput, SamplingParams, SyncPolicy
 from sidecar.http.common import ApiError, ServerState, rank_error_to_api
 from sidecar.http.intake import encode_group
-from sidecar.http.models import ErrorBody, PromptOut, SamplingParamsModel
+from sidecar.http.models import ErrorBody, PromptOut, SamplingParamsModel, SyncFields
 from sidecar.ranks.driver import RankError
 
 POOL_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
@@ -41,7 +41,7 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)  # as every request body (sidecar/http/models.py)
 
 
-class RolloutsRequest(_Body):
+class RolloutsRequest(_Body, SyncFields):
     pool: str = Field(pattern=POOL_PATTERN, description="the pool's id, chosen by the client (a trainer that "
                       "restarts with the same id takes what its predecessor left)")
     prompts: list[str | list[int]] = Field(min_length=1, description="one group per prompt (its n samples); "
@@ -119,7 +119,8 @@ class RolloutPools:
         self._changed: dict[str, asyncio.Event] = {}  # pool -> set when one of its groups settles
         self._ids = itertools.count()
 
-    def submit(self, pool: str, work: list[tuple[Any, SamplingParams]]) -> list[str]:
+    def submit(self, pool: str, work: list[tuple[Any, SamplingParams]],
+               sync: SyncPolicy = DEFAULT_SYNC_POLICY) -> list[str]:
         """Queue each (tokenized prompt, params) as a group, all or none: 429 naming prompts past the
         pool bound or the driver's queue bound (checked here, with no await before the submits)."""
         sequences = sum(int(p.n) for _, p in work)
@@ -139,7 +140,7 @@ class RolloutPools:
             group = _Group(f"r{next(self._ids)}", int(item[1].n))
             groups[group.group_id] = group
             self.held += group.sequences
-            fut = driver.submit([item], wait="always")
+            fut = driver.submit([item], wait="always", sync=sync)
             fut.add_done_callback(lambda f, g=group, p=pool: _on_loop(loop, self._settle, p, g, f))
             ids.append(group.group_id)
         return ids
@@ -240,7 +241,7 @@ def add_rollout_routes(router: APIRouter, state: ServerState, check_params: Call
             if e.field == "prompt":
                 e.field = "prompts" if e.index is None else f"prompts[{e.index}]"
             raise
-        ids = pools.submit(body.pool, list(zip(inputs, params)))
+        ids = pools.submit(body.pool, list(zip(inputs, params)), body.sync_policy())
         return RolloutsResponse(pool=body.pool, group_ids=ids, counts=pools.counts(body.pool))
 
     @router.post("/rollouts/take", response_model=TakeResponse,
