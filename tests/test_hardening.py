@@ -165,9 +165,9 @@ def test_a_generic_500_keeps_the_connection() -> None:
     connection then serves the next request (Starlette's own 500 path closed it)."""
     import uvicorn
 
+    from sidecar.api.app import ServerState, create_app
+    from sidecar.api.metrics import Metrics
     from sidecar.config import LaunchConfig
-    from sidecar.http.app import ServerState, create_app
-    from sidecar.http.metrics import Metrics
 
     driver = _BrokenDriver()
     plan = RankPlan(**{"rank": "dp0:pp0:tp0", "pid": 1, "device": "cpu", "weights_bytes": {}, "kv_blocks": 1,

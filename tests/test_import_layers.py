@@ -156,8 +156,8 @@ def test_the_graph_sees_type_checking_imports() -> None:
             "if TYPE_CHECKING:\n"
             "    from checksum.compare import Report\n"
             "    from . import sibling\n")
-    assert list(imported_names("inference.spec.decoder", code)) == [
-        ("typing", "TYPE_CHECKING"), ("checksum.compare", "Report"), ("inference.spec", "sibling")]
+    assert list(imported_names("inference.speculative.decoder", code)) == [
+        ("typing", "TYPE_CHECKING"), ("checksum.compare", "Report"), ("inference.speculative", "sibling")]
 
 
 def test_no_import_cycles(graph: dict[str, set[str]]) -> None:
@@ -198,6 +198,6 @@ def test_the_client_imports_without_torch_or_the_engine() -> None:
             "from sidecar import SidecarClient\n"
             "assert SidecarClient is trainer_hooks.client.SidecarClient is sidecar.client.SidecarClient\n"
             "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('inference.engine.llm', "
-            "'inference.engine.worker', 'inference.models', 'sidecar.http.app', 'sidecar.rank')))\n"
+            "'inference.engine.worker', 'inference.models', 'sidecar.api.app', 'sidecar.rank')))\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

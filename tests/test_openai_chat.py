@@ -16,7 +16,7 @@ from inference.engine.llm import LLM
 from inference.models.tiny import IM_START_ID, make_tiny_model
 from inference.text.chat_template import render_chat
 from inference.text.tokenizer import Tokenizer
-from sidecar.http.openai_format import completion_response, text_offsets
+from sidecar.api.openai_format import completion_response, text_offsets
 from tests.helpers_sidecar import KV_BYTES, Sidecar, launch
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count the sacks of grain."}]

@@ -22,7 +22,7 @@ from inference.engine.worker import (
 from inference.runner.cuda_graphs import batch_ladder, extended_ladder
 from inference.sched.scheduler import ScheduledBatch
 from inference.sched.sequence import Sequence
-from inference.spec.decoder import SpecDecoder
+from inference.speculative.decoder import SpecDecoder
 
 TINY_KV_BYTES_PER_TOKEN = 2 * 3 * 4 * 16 * 4  # K and V x 3 layers x 4 kv heads x 16 dims x float32
 

@@ -10,8 +10,8 @@ import pytest
 
 from inference.core import InvalidRequestError, SamplingParams
 from inference.engine.llm import LLM
-from sidecar.http.app import ApiError, check_params
-from sidecar.http.models import CompletionRequest, SamplingParamsModel
+from sidecar.api.app import ApiError, check_params
+from sidecar.api.models import CompletionRequest, SamplingParamsModel
 
 FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
 

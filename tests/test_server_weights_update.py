@@ -1,4 +1,4 @@
-"""POST /weights/update, the one request of every sync, is one lean route (sidecar/http/control.py) without
+"""POST /weights/update, the one request of every sync, is one lean route (sidecar/api/control.py) without
 FastAPI's dependency and validation pass; every answer a client can get must still read as every other
 route's: the sync's answer, each 4xx naming its field, a rank's error (counted in the metrics), the body
 limit, the API key. In-process, on a stub driver that answers at once (the real sidecar's syncs go
@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from sidecar.api.app import ServerState, create_app
+from sidecar.api.metrics import Metrics
 from sidecar.config import LaunchConfig
-from sidecar.http.app import ServerState, create_app
-from sidecar.http.metrics import Metrics
 from sidecar.ranks.commands import ErrorInfo, RankPlan, SyncResult, UpdateReply
 from sidecar.ranks.driver import RankError
 

@@ -20,7 +20,7 @@ from inference.core import FinishReason, SamplingParams
 from inference.engine.llm import LLM
 from inference.models.loader import iter_hf_tensors
 from inference.models.tiny import make_tiny_model
-from inference.spec.decoder import SpecDecoder
+from inference.speculative.decoder import SpecDecoder
 from tests.helpers_models import make_hf_checkpoint, random_prompts
 from tests.helpers_weight_update import Link
 

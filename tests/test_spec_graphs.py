@@ -13,7 +13,7 @@ import torch
 from inference.core import SamplingParams
 from inference.engine.llm import LLM
 from inference.runner.cuda_graphs import CUDAGraphRunner, batch_ladder, extended_ladder
-from inference.spec.decoder import SpecDecoder
+from inference.speculative.decoder import SpecDecoder
 from tests.helpers_models import make_hf_checkpoint, random_prompts
 from tests.test_spec_decode import perturb_checkpoint
 

@@ -132,7 +132,7 @@ class SidecarClient:
         data = self._post("/generate", body, timeout=timeout or self.long_timeout)
         return [request_output(i, o) for i, o in enumerate(data["outputs"])]
 
-    # ---- rollout pools (sidecar/http/rollouts.py; trainer_hooks/rollout_pool.py) ----------------------
+    # ---- rollout pools (sidecar/api/rollouts.py; trainer_hooks/rollout_pool.py) ----------------------
     def submit_rollouts(self, prompts: Any, sampling_params: Any = None, *, pool: str = DEFAULT_POOL,
                         on_sync: str | None = None, max_staleness: int | None = None) -> list[str]:
         """POST /rollouts: one group (n samples) per prompt in `pool`; the group ids in prompt order.

@@ -1,7 +1,7 @@
 """The errors of `SidecarClient` (trainer_hooks/client.py), apart from it so that catching them needs
 neither httpx nor torch: the hook catches these classes, never class names or `type` strings.
 
-An error response becomes the class its HTTP status picks (sidecar/http/common.py maps the ranks'
+An error response becomes the class its HTTP status picks (sidecar/api/common.py maps the ranks'
 error kinds to statuses); a 409 whose type is the checksum package's ChecksumMismatch (a per-rank
 audit failed in a sync) is the narrower SidecarChecksumError, one whose type is ProtocolMismatch (the
 sidecar speaks another weight-sync protocol) SidecarProtocolError.
@@ -16,7 +16,7 @@ from inference.core import InvalidRequestError, SidecarError, StateError
 # checksum.ChecksumMismatch.__name__, as the server reports it (tests/test_client.py holds them equal;
 # importing checksum here would import torch into every client)
 CHECKSUM_MISMATCH = "ChecksumMismatch"
-PROTOCOL_MISMATCH = "ProtocolMismatch"  # the sidecar's 409 at /weights/init (sidecar/http/control.py)
+PROTOCOL_MISMATCH = "ProtocolMismatch"  # the sidecar's 409 at /weights/init (sidecar/api/control.py)
 
 
 class SidecarHTTPError(SidecarError):

@@ -1,4 +1,4 @@
-"""The trainer's side of a sidecar's rollout pools (sidecar/http/rollouts.py): submit, take, counts,
+"""The trainer's side of a sidecar's rollout pools (sidecar/api/rollouts.py): submit, take, counts,
 and the staleness of what was taken.
 
 A pool is named by the trainer; its groups (one prompt's n samples) live in the sidecar until taken,

@@ -1,5 +1,5 @@
 """The weight-sync protocol, trainer's side: ONE choreography, used by `SidecarClient` (one sidecar) and
-by `Fleet` (every rank of every replica in one transfer group); sidecar/http/control.py is the other side.
+by `Fleet` (every rank of every replica in one transfer group); sidecar/api/control.py is the other side.
 
 - Agree: POST /weights/init on every sidecar, carrying SYNC_PROTOCOL, while sender.connect() blocks (a
   refused init calls the sender's wait off at once). Another protocol is refused by either side, with

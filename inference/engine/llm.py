@@ -42,7 +42,7 @@ from inference.parallel import TPInfo
 from inference.sched.block_manager import BlockManager
 from inference.sched.scheduler import ScheduledBatch, Scheduler, StepResult
 from inference.sched.sequence import Sequence
-from inference.spec.decoder import SpecDecodeStats
+from inference.speculative.decoder import SpecDecodeStats
 from inference.text.prompts import check_text, check_token_ids
 from inference.text.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_search_start
 

@@ -29,7 +29,7 @@ from inference.models.loader import init_dummy_weights, load_weights
 from inference.parallel import TPInfo, resolve_device
 from inference.runner.runner import InFlightStep, ModelRunner
 from inference.sched.scheduler import ScheduledBatch, StepResult
-from inference.spec.decoder import SpecDecoder
+from inference.speculative.decoder import SpecDecoder
 from inference.weights.updater import WeightUpdater
 
 log = logging.getLogger(__name__)

@@ -44,7 +44,7 @@ class StepInputs:
 
 class Follower(Protocol):
     """A second model whose KV cache follows the runner's tokens in a launched step (the draft under
-    async scheduling, inference/spec/decoder.py): it computes the KV of every token the step computes,
+    async scheduling, inference/speculative/decoder.py): it computes the KV of every token the step computes,
     from the same resolved input ids, and nothing else."""
 
     def follow(self, inp: StepInputs) -> None: ...
@@ -236,7 +236,7 @@ class ModelRunner:
         """Decode graphs for batch_ladder(max_batch), one row per sequence, and per size a greedy and a
         sampling graph over their logits. With speculative decoding (verify_rows > 0) also the verify
         graphs: batch_ladder(verify_rows) of expanded rows, at most verify_rows_per_seq (k + 1) of one
-        sequence (inference/spec/decoder.py). Apart, so a plain step's attention compiles the multi-row
+        sequence (inference/speculative/decoder.py). Apart, so a plain step's attention compiles the multi-row
         check out and a verify's takes more KV splits (inference/layers/triton_attention.py)."""
         max_blocks = -(-max_model_len // self.block_size)
         self.graphs = CUDAGraphRunner(self.model, max_batch, max_blocks, self.block_size, self.device, self.dtype,

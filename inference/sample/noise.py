@@ -1,4 +1,4 @@
-"""The random draws of speculative decoding (inference/spec/decoder.py): the draft's proposals, the
+"""The random draws of speculative decoding (inference/speculative/decoder.py): the draft's proposals, the
 acceptance test and the residual draw, all from the sampler's counter-based generator
 (inference/sample/kernels.py), every row of a call in one launch, no per-row torch.Generator.
 

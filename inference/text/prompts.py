@@ -1,6 +1,6 @@
 """Prompt intake: the checks a prompt passes before any work, and tokenization that lets other threads run.
 
-Both the in-process engine (inference/engine/llm.py) and the sidecar's HTTP layer (sidecar/http/intake.py)
+Both the in-process engine (inference/engine/llm.py) and the sidecar's HTTP layer (sidecar/api/intake.py)
 check prompts here, so a prompt is refused for the same reasons, with the same message, either way:
 
 - A text prompt longer than `max_chars` characters is refused before it is tokenized (tokenizing

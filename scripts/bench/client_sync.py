@@ -110,7 +110,7 @@ class TimedClient(SidecarClient):
 
 
 def _server_timing(resp: Any) -> tuple[float | None, float | None, float | None]:
-    """The sidecar's `Server-Timing` app, handler and ranks durations (ms; sidecar/http/guard.py), None
+    """The sidecar's `Server-Timing` app, handler and ranks durations (ms; sidecar/api/guard.py), None
     where absent."""
     header = resp.headers.get("server-timing", "") if resp is not None else ""
     found = dict(re.findall(r"(app|handler|ranks);dur=([0-9.]+)", header))

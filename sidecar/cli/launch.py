@@ -258,8 +258,8 @@ def serve(cfg: LaunchConfig, sock: socket.socket, driver: Any, plans: list[RankP
     """Serve until a signal; returns (or raises _Stop) after uvicorn has shut down."""
     import uvicorn
 
-    from sidecar.http.app import ServerState, create_app
-    from sidecar.http.metrics import Metrics
+    from sidecar.api.app import ServerState, create_app
+    from sidecar.api.metrics import Metrics
 
     tokenizer = None
     if plans[0].has_tokenizer:

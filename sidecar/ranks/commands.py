@@ -29,7 +29,7 @@ WaitMode = Literal["never", "sync", "always"]
 
 @dataclass(frozen=True)
 class TokenizedPrompt:
-    """A prompt the sidecar process already checked and tokenized (sidecar/http/intake.py), so that no
+    """A prompt the sidecar process already checked and tokenized (sidecar/api/intake.py), so that no
     rank step ever waits on a tokenizer; `text` is kept for the output (None for token-id prompts)."""
 
     text: str | None
@@ -45,7 +45,7 @@ class ErrorInfo:
 
     type: str
     message: str
-    kind: ErrorKind  # picks the HTTP status (sidecar/http/common.py)
+    kind: ErrorKind  # picks the HTTP status (sidecar/api/common.py)
     field: str | None = None
     rank: str | None = None
     index: int | None = None  # which prompt of a request group failed

@@ -1,4 +1,4 @@
-"""JSON types of the weight and audit bodies (sidecar/http/models.py uses them): checked at the edge, passed
+"""JSON types of the weight and audit bodies (sidecar/api/models.py uses them): checked at the edge, passed
 on unchanged.
 
 Why: typed as plain `dict[str, Any]`, a wrong JSON type would reach code that assumes the right one, on

@@ -3,7 +3,7 @@
 A chat request is rendered with the served model's own chat template (tokenizer_config.json or
 chat_template.jinja; inference/text/chat_template.py), encoded without adding special tokens (the template
 wrote them), and submitted as token ids: the same tokens `LLM.generate` produces for the rendered
-text. It passes the intake of /v1/completions (sidecar/http/intake.py, docs/limits.md): n against
+text. It passes the intake of /v1/completions (sidecar/api/intake.py, docs/limits.md): n against
 --max-request-sequences and the messages' characters against --max-prompt-chars before any template
 runs, then rendering and tokenization in a worker thread (never on the event loop), the rendered
 prompt checked as a text prompt is. So an OpenAI client, or an RL environment that speaks chat, can
@@ -24,9 +24,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from inference.core import InvalidRequestError, RequestOutput, SamplingParams
-from sidecar.http.common import ApiError, ServerState, await_future
-from sidecar.http.models import ChatCompletionRequest
-from sidecar.http.openai_format import chat_response
+from sidecar.api.common import ApiError, ServerState, await_future
+from sidecar.api.models import ChatCompletionRequest
+from sidecar.api.openai_format import chat_response
 from sidecar.ranks.commands import TokenizedPrompt
 
 

@@ -16,8 +16,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from sidecar.api.metrics import Metrics
 from sidecar.config import LaunchConfig
-from sidecar.http.metrics import Metrics
 from sidecar.ranks.commands import Command, RankPlan
 from sidecar.ranks.driver import Driver, RankError
 
@@ -46,7 +46,7 @@ class ServerState:
     plans: list[RankPlan]
     metrics: Metrics
     tokenizer: Any = None  # inference.text.tokenizer.Tokenizer, for the token strings of OpenAI logprobs
-    intake: Any = None  # sidecar.http.intake.Intake: limits and tokenization of generation calls (create_app)
+    intake: Any = None  # sidecar.api.intake.Intake: limits and tokenization of generation calls (create_app)
     started: float = field(default_factory=time.time)
     sync_started: dict[str, tuple[float, int]] = field(default_factory=dict)  # model -> (t0, bytes)
     gc_frozen: int = 0  # objects this process froze once serving (launch_cli.serve, inference/memory/host_heap.py)

@@ -27,9 +27,9 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from inference.core import DEFAULT_SYNC_POLICY, RequestOutput, SamplingParams, SyncPolicy
-from sidecar.http.common import ApiError, ServerState, rank_error_to_api
-from sidecar.http.intake import encode_group
-from sidecar.http.models import ErrorBody, PromptOut, SamplingParamsModel, SyncFields
+from sidecar.api.common import ApiError, ServerState, rank_error_to_api
+from sidecar.api.intake import encode_group
+from sidecar.api.models import ErrorBody, PromptOut, SamplingParamsModel, SyncFields
 from sidecar.ranks.driver import RankError
 
 POOL_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
@@ -38,7 +38,7 @@ _POLL_S = 1.0  # how often a waiting take looks whether its caller went away
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)  # as every request body (sidecar/http/models.py)
+    model_config = ConfigDict(extra="forbid", strict=True)  # as every request body (sidecar/api/models.py)
 
 
 class RolloutsRequest(_Body, SyncFields):
@@ -218,7 +218,7 @@ class RolloutPools:
 def add_rollout_routes(router: APIRouter, state: ServerState, check_params: Callable[..., SamplingParams],
                        output_of: Callable[[RequestOutput], PromptOut]) -> RolloutPools:
     """The pool routes on `router`; `check_params` and `output_of` are the generation routes' own
-    (sidecar/http/app.py), so a pool's params and outputs read exactly as /generate's."""
+    (sidecar/api/app.py), so a pool's params and outputs read exactly as /generate's."""
     pools = RolloutPools(state)
     state.metrics.add_gauge("sidecar_rollout_pool_sequences", "Sequences held in rollout pools (submitted, not "
                             "taken), bounded by --max-pool-sequences", lambda: pools.held)

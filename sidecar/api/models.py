@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from inference.core import OnSync, SamplingParams, SyncPolicy
-from sidecar.http.json_types import ExpectedJson, InitInfoJson, UpdateInfoJson
+from sidecar.api.json_types import ExpectedJson, InitInfoJson, UpdateInfoJson
 
 WAIT_DOC = ("when the model cannot generate now: true holds the call through a weight sync in progress, "
             "false answers 409 at once; while the sidecar sleeps, a model is torn or awaits its first sync "

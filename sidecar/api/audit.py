@@ -24,9 +24,9 @@ from fastapi import APIRouter
 from checksum import ALGORITHMS, Manifest, ManifestError, Report, audit
 from inference.core import InvalidRequestError
 from inference.transfer.digests import sender_records
+from sidecar.api.common import ApiError, ServerState, call
+from sidecar.api.models import AuditRequest
 from sidecar.audit.rules import replica_report
-from sidecar.http.common import ApiError, ServerState, call
-from sidecar.http.models import AuditRequest
 from sidecar.ranks.commands import ReadManifest
 
 MAX_MISMATCH_ROWS = 1000

@@ -30,10 +30,10 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from checksum import ITEMSIZE, Report
-from sidecar.http.audit import add_audit_routes, report_dict
-from sidecar.http.common import ApiError, ServerState, await_future, call
-from sidecar.http.guard import note_handler_time, require_key
-from sidecar.http.models import SleepRequest, WakeRequest, WeightsInitRequest, WeightsUpdateRequest
+from sidecar.api.audit import add_audit_routes, report_dict
+from sidecar.api.common import ApiError, ServerState, await_future, call
+from sidecar.api.guard import note_handler_time, require_key
+from sidecar.api.models import SleepRequest, WakeRequest, WeightsInitRequest, WeightsUpdateRequest
 from sidecar.ranks.commands import (
     AbortWeightUpdate,
     Command,
@@ -199,7 +199,7 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
 class WeightsUpdateGate:
     """ASGI middleware (inside RequestGuard) that answers POST /weights/update itself, before FastAPI's
     routing (module docstring); every other request goes on to the app. `on_error(exc)`: the app's
-    answer to an exception (sidecar/http/app.py, error_answer), None for an unexpected one, which is
+    answer to an exception (sidecar/api/app.py, error_answer), None for an unexpected one, which is
     re-raised to RequestGuard's JSON 500."""
 
     def __init__(self, app: ASGIApp, state: ServerState, on_error: Callable[[Exception], Response | None]) -> None:
@@ -257,7 +257,7 @@ async def _lean_body(request: Request, model: type[Body], key: str | None) -> Bo
     `authorization`), then the body parsed as JSON (400 MalformedJSON naming `body`) and validated with
     `model` in python mode (422 naming the field), raised as FastAPI raises them."""
     require_key(key, request.headers)
-    raw = await request.body()  # the body limit's 413 is raised here (sidecar/http/guard.py)
+    raw = await request.body()  # the body limit's 413 is raised here (sidecar/api/guard.py)
     try:
         data = json.loads(raw)
     except ValueError as e:  # json's errors are ValueErrors (bad UTF-8 too)

@@ -1,5 +1,5 @@
-"""The HTTP control plane: a FastAPI app over the driver (generation here, control in sidecar/http/control.py,
-checksums and audits in sidecar/http/audit.py, what they share in sidecar/http/common.py).
+"""The HTTP control plane: a FastAPI app over the driver (generation here, control in sidecar/api/control.py,
+checksums and audits in sidecar/api/audit.py, what they share in sidecar/api/common.py).
 
 Errors: every error response is {"error": {"type", "message", "field", "rank"}}. Status codes:
 400 a bad value (malformed JSON, a value out of range; `field` names it), 422 a wrong type or an
@@ -7,7 +7,7 @@ unknown field (pydantic), 401 a missing or wrong API key, 404 an unknown route, 
 (asleep, torn, an update without start, a checksum mismatch: the model is torn), 413 a body over
 --max-body-mb, 429 too many queued sequences (docs/limits.md), 502 the weight wire failed (trainer
 gone, timeout), 503 a rank is dead or hung (`rank` names it), 507 not enough device memory to wake,
-500 a bug (sidecar/http/guard.py answers it; the connection stays usable).
+500 a bug (sidecar/api/guard.py answers it; the connection stays usable).
 
 Auth (decision): when an API key is set, every endpoint requires `Authorization: Bearer KEY` except
 GET /health and GET /metrics (probes and scrapers) and the OpenAPI docs. Reads such as /state and
@@ -34,11 +34,11 @@ from inference.core import (
     StateError,
     SyncPolicy,
 )
-from sidecar.http.common import ApiError, ServerState, await_future, error_response, rank_error_to_api
-from sidecar.http.control import WeightsUpdateGate, add_control_routes
-from sidecar.http.guard import RequestGuard, require_key
-from sidecar.http.intake import build_intake, encode_group
-from sidecar.http.models import (
+from sidecar.api.common import ApiError, ServerState, await_future, error_response, rank_error_to_api
+from sidecar.api.control import WeightsUpdateGate, add_control_routes
+from sidecar.api.guard import RequestGuard, require_key
+from sidecar.api.intake import build_intake, encode_group
+from sidecar.api.models import (
     CompletionOut,
     CompletionRequest,
     ErrorResponse,
@@ -47,9 +47,9 @@ from sidecar.http.models import (
     PromptOut,
     WeightsUpdateRequest,
 )
-from sidecar.http.openai import add_openai_routes
-from sidecar.http.openai_format import completion_response
-from sidecar.http.rollouts import add_rollout_routes
+from sidecar.api.openai import add_openai_routes
+from sidecar.api.openai_format import completion_response
+from sidecar.api.rollouts import add_rollout_routes
 from sidecar.ranks.driver import RankError
 
 __all__ = ["ApiError", "ServerState", "create_app"]
@@ -81,7 +81,7 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 def _document_lean_update(app: FastAPI) -> None:
-    """POST /weights/update is answered before FastAPI's routing (sidecar/http/control.py says why), so
+    """POST /weights/update is answered before FastAPI's routing (sidecar/api/control.py says why), so
     FastAPI leaves it out of its schema: it is added from its body model, for /docs and schema clients."""
     build = app.openapi
 
@@ -118,7 +118,7 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
     for kind in (ApiError, RankError, InvalidRequestError, StateError, RequestValidationError,
                  StarletteHTTPException):
         app.add_exception_handler(kind, partial(_error_handler, state))
-    # No handler for Exception here: sidecar/http/guard.py answers those (a handler here would run in
+    # No handler for Exception here: sidecar/api/guard.py answers those (a handler here would run in
     # Starlette's ServerErrorMiddleware, which re-raises, and the kept-alive connection would be dropped).
 
 
@@ -131,7 +131,7 @@ async def _error_handler(state: ServerState, _: Request, e: Exception) -> JSONRe
 def error_answer(state: ServerState, e: Exception) -> JSONResponse | None:
     """The app's JSON error answer to an exception a handler (or FastAPI) raised, counted in the metrics;
     None for an unexpected one (RequestGuard answers it with a 500). Every route answers through it (the
-    POST /weights/update of sidecar/http/control.py too), so every error reads the same."""
+    POST /weights/update of sidecar/api/control.py too), so every error reads the same."""
     if isinstance(e, ApiError):
         headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
         status, args = e.status, (e.type, e.message, e.field, e.rank)

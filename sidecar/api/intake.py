@@ -21,7 +21,7 @@ from typing import Any
 
 from inference.core import InvalidRequestError, SamplingParams
 from inference.text.prompts import GilFreeTokenizer, check_text, check_token_ids
-from sidecar.http.common import ApiError
+from sidecar.api.common import ApiError
 from sidecar.ranks.commands import RankPlan, TokenizedPrompt
 
 
@@ -60,7 +60,7 @@ class Intake:
             out.append(TokenizedPrompt(text, ids))
         return out
 
-    # ---- chat (/v1/chat/completions, sidecar/http/openai.py): the same limits, one rendered prompt ----
+    # ---- chat (/v1/chat/completions, sidecar/api/openai.py): the same limits, one rendered prompt ----
     def check_chat(self, n: int, chars: int) -> None:
         """A chat call's cheap checks, before its template is rendered: the sequences it asks for (its
         n; 400 naming n) and its messages' characters (400 naming messages). The rendered prompt is

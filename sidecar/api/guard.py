@@ -24,7 +24,7 @@ from typing import Any
 
 from starlette.exceptions import HTTPException
 
-from sidecar.http.common import ApiError, error_response
+from sidecar.api.common import ApiError, error_response
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class RequestGuard:
 
 
 def require_key(key: str | None, headers: Mapping[str, str]) -> None:
-    """The API-key rule (sidecar/http/app.py says which routes it guards): a 401 naming the field unless no
+    """The API-key rule (sidecar/api/app.py says which routes it guards): a 401 naming the field unless no
     key is set or `headers` (lower-case names) carry `Authorization: Bearer KEY`."""
     if key is None:
         return
