@@ -97,7 +97,7 @@ def test_http_models_are_generated_from_the_dataclass() -> None:
     ({"stop_token_ids": [100]}, "sampling_params.stop_token_ids", "outside the vocabulary"),
 ])
 def test_http_refuses_with_the_same_rules_naming_the_field(body: dict, field: str, message: str) -> None:
-    state = SimpleNamespace(vocab_size=100, plans=[{"max_model_len": 64}])
+    state = SimpleNamespace(vocab_size=100, plans=[SimpleNamespace(max_model_len=64)])
     with pytest.raises(ApiError, match=message) as e:
         check_params(SamplingParamsModel.model_validate(body), state, "sampling_params")
     assert (e.value.status, e.value.field) == (400, field)
