@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-FLIP_VARIABLE = "TEST_FLIP_ON_ARRIVAL"  # read only by tests/fault_injection/sitecustomize.py
+FLIP_VARIABLE = "TEST_FLIP_ON_ARRIVAL"  # these three are read only by tests/fault_injection/sitecustomize.py
+FLIP_RANK_VARIABLE = "TEST_FLIP_RANK"
+FLIP_TIMES_VARIABLE = "TEST_FLIP_TIMES"
 _SITE = Path(__file__).resolve().parent / "fault_injection"
 
 
@@ -27,17 +29,32 @@ def _flipped(tensor: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def patch_sink(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
-    """Every UpdateTarget flips tensor `name` on arrival: it is taken off the backends' direct copies, so
-    it comes through put(), which receives the flipped copy."""
+def patch_sink(monkeypatch: pytest.MonkeyPatch, name: str, rank: str | None = None, times: int | None = None) -> None:
+    """Every UpdateTarget (of rank key `rank` only, if given) flips tensor `name` on arrival, in its
+    first `times` syncs (every sync if None): it is taken off the backends' direct copies, so it comes
+    through put(), which receives the flipped copy."""
     from inference.weights.target import UpdateTarget
 
     direct, put = UpdateTarget.direct_destinations, UpdateTarget.put
+    syncs = [0]  # the UpdateTargets (one per sync) that chose to flip so far
+
+    def flips(target: UpdateTarget) -> bool:
+        chosen = target.__dict__.get("_test_flips")
+        if chosen is None:  # the sync's first call decides for the whole sync
+            chosen = (rank is None or target.rank == rank) and (times is None or syncs[0] < times)
+            syncs[0] += chosen
+            target.__dict__["_test_flips"] = chosen
+        return bool(chosen)
 
     def direct_destinations(self: UpdateTarget) -> Sequence[torch.Tensor | None]:
+        if not flips(self):
+            return direct(self)
         return tuple(None if r.spec.name == name else d for r, d in zip(self.routes, direct(self)))
 
     def flipping_put(self: UpdateTarget, items: Sequence[tuple[int, torch.Tensor]]) -> None:
+        if not flips(self):
+            put(self, items)
+            return
         put(self, [(i, _flipped(t) if self.routes[i].spec.name == name else t) for i, t in items])
 
     monkeypatch.setattr(UpdateTarget, "direct_destinations", direct_destinations)
@@ -52,10 +69,12 @@ def flipped_on_arrival(name: str) -> Iterator[None]:
         yield
 
 
-def flip_env(name: str) -> dict[str, str]:
-    """The environment of a subprocess whose ranks flip tensor `name` on arrival."""
+def flip_env(name: str, rank: str | None = None, times: int | None = None) -> dict[str, str]:
+    """The environment of a subprocess whose ranks (rank key `rank` only, if given) flip tensor `name` on
+    arrival, in their first `times` syncs (every sync if None)."""
     path = os.pathsep.join(p for p in (str(_SITE), str(_SITE.parent.parent), os.environ.get("PYTHONPATH", "")) if p)
-    return {"PYTHONPATH": path, FLIP_VARIABLE: name}
+    return {"PYTHONPATH": path, FLIP_VARIABLE: name, FLIP_RANK_VARIABLE: rank or "",
+            FLIP_TIMES_VARIABLE: "" if times is None else str(times)}
 
 
 def flip_held_after_landing(monkeypatch: pytest.MonkeyPatch, weights: object, param: torch.Tensor) -> None:

@@ -2,7 +2,8 @@
 max_staleness of POST /generate (SidecarClient.generate) and the sidecar's --on-sync default reach the
 engine; the sync lands between two steps of generations already running; each token's recorded version
 is the one that produced it (replayed, greedy, on in-process engines holding each version); keep,
-recompute and abort give what they promise, and every call gets each of its prompts back once."""
+recompute and abort give what they promise, and every call gets each of its prompts back once. With TP 2,
+a sync whose audit fails on one rank only leaves both ranks torn, and no call hangs."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from inference.core import RequestOutput, SamplingParams
 from inference.engine.llm import LLM
 from inference.models.tiny import TinyModelSpec, random_weights
 from inference.transfer.sender import WeightSender
+from tests.helpers_fault import flip_env
 from tests.helpers_sidecar import Sidecar, launch, server_ranks
 from tests.helpers_weight_update import Link
 from trainer_hooks.client import SidecarClient
+from trainer_hooks.client_errors import SidecarChecksumError
 
 WEIGHTS = random_weights(TinyModelSpec(seed=5))
 MAX_TOKENS = 120  # long enough that every call is still running when the engine is paused for the sync
@@ -148,3 +151,48 @@ def test_rollout_pool_groups_take_their_sync_policy(server: Sidecar) -> None:
     abort = by_id[restarted[0]].outputs[0]
     assert abort.weight_version_spans == [(0, new)] and abort.restarts == 1, abort
     assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in take.groups)
+
+
+def test_tp2_a_sync_failing_on_one_rank_goes_live_on_none_and_no_call_hangs() -> None:
+    """Rank 1 alone receives a flipped byte in the first sync, so its audit fails and rank 0's passes, with
+    calls mid-generation (paused, so they are, then resumed on the torn engine). The sync fails naming
+    rank 1 and the tensor; neither rank goes live (rank 0 alone would step into the model's TP
+    collectives and wait there for rank 1); /health answers; the calls wait on the torn engine and
+    finish after the next good sync, their tokens after it from the new weights."""
+    flipped, bad = "model.layers.0.self_attn.q_proj.weight", "dp0:pp0:tp1"
+    proc = launch("--tp", "2", env=flip_env(flipped, rank=bad, times=1))
+    try:
+        sender = WeightSender("gloo", num_receivers=2, timeout_s=60)
+        modes = ("keep", "recompute")
+        with SidecarClient(proc.url, timeout=120) as c, ThreadPoolExecutor(len(modes)) as pool:
+            c.connect_sender(sender)
+            old = int(c.state()["weight_versions"]["target"])
+            calls = [pool.submit(c.generate, PROMPTS, GREEDY, on_sync=mode) for mode in modes]
+            _when(c, lambda s: s["engine_unfinished"] == len(modes) * len(PROMPTS), "calls in the engine")
+            c.pause()
+            with pytest.raises(SidecarChecksumError) as failed:
+                c.sync_weights(sender, WEIGHTS, version=old + 1)
+            assert bad in failed.value.message and flipped in failed.value.message, failed.value
+            assert bad in (failed.value.rank or ""), failed.value
+            c.resume()
+            assert c.health()["status"] == "ok"
+            state = c.state()
+            for rank in state["ranks"]:  # both torn, the old version still the number of each
+                assert rank["torn"]["target"] and rank["weight_versions"]["target"] == old, rank
+            assert state["engine_unfinished"] == len(modes) * len(PROMPTS) and not any(f.done() for f in calls)
+            assert c.sync_weights(sender, WEIGHTS, version=old + 2)["ok"]
+            outs = [fut.result(timeout=STATE_TIMEOUT_S) for fut in calls]
+            assert not c.state()["torn"]["target"] and c.health()["status"] == "ok"
+        sender.close()
+    finally:
+        assert proc.stop() == 0, proc.log
+    ref_old, ref_new = LLM(None, device="cpu"), LLM(None, device="cpu")
+    Link(ref_new.worker).sync(WEIGHTS, old + 2)
+    for got in outs:
+        assert [o.prompt_token_ids for o in got] == PROMPTS
+        for o in got:
+            c0 = o.outputs[0]
+            (_, first), (k, second) = c0.weight_version_spans
+            assert (first, second) == (old, old + 2) and 0 < k < MAX_TOKENS and len(c0.token_ids) == MAX_TOKENS, c0
+            assert c0.token_ids[:k] == _greedy(ref_old, o.prompt_token_ids, k)
+    _replay([o for o in outs[1]], {old: ref_old, old + 2: ref_new})  # recompute: each token its version's

@@ -1,6 +1,6 @@
 """Weight updates with real processes: a sender that dies or stalls mid-sync (the worker lives on with its
 model torn, and a new init + sync recovers it), and TP=2 receivers that each hold their shard, where a
-flipped byte on one rank names that rank."""
+flipped byte on one rank tears both ranks and names that rank on each."""
 
 from __future__ import annotations
 
@@ -95,25 +95,29 @@ def test_dead_sender_tears_the_model_and_a_new_init_recovers(dirs: dict[str, Pat
     assert held(worker) == loader_digests(dirs["target"], state, tmp_path / "ref")
 
 
-def _tp_receiver(rank: int, port: int, info: dict, model_dir: str, inbox: Any, out: Any, deliver: bool) -> None:
+def _tp_receiver(rank: int, port: int, info: dict, dirs: dict[str, str], which: str, inbox: Any, out: Any,
+                 deliver: bool) -> None:
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                                 timeout=timedelta(seconds=60))
         tp = TPInfo(rank=rank, size=2, group=dist.new_group([0, 1]))
-        worker = Worker(EngineConfig(model=model_dir, device="cpu", dtype="float32", tp_size=2), tp=tp)
+        draft = dirs["draft"] if which == "draft" else None
+        worker = Worker(EngineConfig(model=dirs["target"], draft_model=draft, device="cpu", dtype="float32",
+                                     tp_size=2), tp=tp)
         worker.init_device()
         worker.load_model()
         worker.weights.init_transfer(info)
-        for version, flip in ((1, False), (2, rank == 1)):
-            worker.weights.start("target", version, inbox.get(timeout=60))
+        for version, flip in ((1, False), (2, rank == 1), (3, False)):
+            worker.weights.start(which, version, inbox.get(timeout=60))
             with flipped_on_arrival(Q1) if flip else nullcontext():
                 delivered = worker.weights.update(digests_follow=deliver)  # with deliver: the sender's digests
             digests = inbox.get(timeout=60)
             try:
                 result = worker.weights.finish(delivered if deliver else digests)
-                out.put((rank, version, "ok", result.report.ok, worker.weights.checksums()))
+                outcome = ("ok", result.report.ok, worker.weights.checksums(which))
             except ChecksumMismatch as e:
-                out.put((rank, version, "mismatch", str(e), e.report.first_tensor.tensor))
+                outcome = ("mismatch", str(e), {m.rank for m in e.report.mismatches}, e.report.first_tensor.tensor)
+            out.put((rank, version, *outcome, worker.weights.state(which)))
     except Exception:
         out.put((rank, 0, "error", traceback.format_exc(), None))
     finally:
@@ -121,46 +125,105 @@ def _tp_receiver(rank: int, port: int, info: dict, model_dir: str, inbox: Any, o
             dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("deliver", [False, True])
-def test_tp2_receivers_each_hold_their_shard_and_a_flip_names_its_rank(dirs: dict[str, Path], tmp_path: Path,
-                                                                       deliver: bool) -> None:
-    """With `deliver`, each rank takes the sender's digests from the group in its update (one request per
-    sync through the sidecar) instead of from the test."""
+@pytest.mark.parametrize("deliver, which", [(False, "target"), (True, "target"), (True, "draft")])
+def test_tp2_receivers_each_hold_their_shard_and_a_flip_on_one_rank_tears_both(
+        dirs: dict[str, Path], tmp_path: Path, deliver: bool, which: str) -> None:
+    """A byte flipped on rank 1 only: neither rank goes live (rank 0 alone would step into the model's TP
+    collectives while rank 1 stays torn), every rank's error names rank 1 and the tensor, and the next
+    good sync brings both live. With `deliver`, each rank takes the sender's digests from the group in
+    its update (one request per sync through the sidecar) instead of from the test."""
     sender = WeightSender("gloo", num_receivers=2, bucket_bytes=BUCKET, timeout_s=60)
     info = sender.init_info()
     ctx = mp.get_context("spawn")
     inboxes, out = [ctx.Queue(), ctx.Queue()], ctx.Queue()
     port = _free_port()  # for the receivers' own TP group
-    procs = [ctx.Process(target=_tp_receiver, args=(r, port, info, str(dirs["target"]), inboxes[r], out, deliver))
+    paths = {k: str(v) for k, v in dirs.items()}
+    procs = [ctx.Process(target=_tp_receiver, args=(r, port, info, paths, which, inboxes[r], out, deliver))
              for r in range(2)]
     for p in procs:
         p.start()
+    states = {}
     try:
         sender.connect()
         results = {}
-        for version, seed in ((1, 110), (2, 111)):
-            state = perturbed(dirs["target"], seed)
+        for version, seed in ((1, 110), (2, 111), (3, 112)):
+            states[version] = perturbed(dirs[which], seed)
             for inbox in inboxes:
-                inbox.put(sender.manifest(state, version))
-            digests = sender.send(state, deliver_digests=deliver)
+                inbox.put(sender.manifest(states[version], version))
+            digests = sender.send(states[version], deliver_digests=deliver)
             for inbox in inboxes:
                 inbox.put(digests)
             for _ in range(2):
                 rank, v, kind, *rest = out.get(timeout=60)
                 assert kind != "error", rest[0]
                 results[rank, v] = (kind, *rest)
-            if version == 1:
-                v1_state = state
     finally:
         for p in procs:
             p.join(timeout=30)
         sender.close()
     for r in range(2):
-        kind, ok, digests = results[r, 1]
-        assert kind == "ok" and ok
-        ref = loader_digests(dirs["target"], v1_state, tmp_path / "ref", TPInfo(r, 2, group=object()),
-                             rank=f"dp0:pp0:tp{r}")
-        assert digests == ref, f"rank {r} holds other bytes than the loader's shard"
-    assert results[0, 2][0] == "ok"
-    kind, message, tensor = results[1, 2]
-    assert kind == "mismatch" and tensor == Q1 and "dp0:pp0:tp1" in message
+        for version in (1, 3):
+            kind, ok, digests, state = results[r, version]
+            assert kind == "ok" and ok and state["version"] == version and state["servable"], (r, version, state)
+            ref = loader_digests(dirs[which], states[version], tmp_path / f"ref{version}",
+                                 TPInfo(r, 2, group=object()), rank=f"dp0:pp0:tp{r}")
+            assert digests == ref, f"rank {r} holds other bytes than the loader's shard of version {version}"
+        kind, message, bad_ranks, tensor, state = results[r, 2]
+        assert kind == "mismatch" and bad_ranks == {"dp0:pp0:tp1"} and tensor == Q1, (r, message)
+        assert "dp0:pp0:tp1" in message and Q1 in message, message
+        assert state["torn"] and not state["servable"] and state["version"] == 1, state  # both torn, none live
+
+
+def _tp_receiver_one_dies(rank: int, port: int, info: dict, model_dir: str, inbox: Any, out: Any) -> None:
+    """Both ranks receive version 1; rank 1 then dies before its finish, rank 0 finishes."""
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=timedelta(seconds=10))
+        worker = Worker(EngineConfig(model=model_dir, device="cpu", dtype="float32", tp_size=2),
+                        tp=TPInfo(rank=rank, size=2, group=dist.group.WORLD))
+        worker.init_device()
+        worker.load_model()
+        worker.weights.init_transfer(info)
+        worker.weights.start("target", 1, inbox.get(timeout=60))
+        worker.weights.update()
+        digests = inbox.get(timeout=60)
+        if rank == 1:
+            os._exit(3)
+        begin = time.monotonic()
+        try:
+            worker.weights.finish(digests)
+            out.put(("live", "", 0.0, worker.weights.state()))
+        except StateError as e:
+            out.put(("state", str(e), time.monotonic() - begin, worker.weights.state()))
+    except Exception:
+        out.put(("error", traceback.format_exc(), 0.0, None))
+
+
+def test_tp2_a_rank_that_dies_before_its_audit_leaves_the_other_torn_not_hung(dirs: dict[str, Path]) -> None:
+    """Rank 0's audit passes but rank 1 is gone: the agreement fails (at worst at the TP group's timeout)
+    and rank 0 stays torn, naming the failed agreement, instead of going live alone."""
+    sender = WeightSender("gloo", num_receivers=2, bucket_bytes=BUCKET, timeout_s=60)
+    info = sender.init_info()
+    ctx = mp.get_context("spawn")
+    inboxes, out = [ctx.Queue(), ctx.Queue()], ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_tp_receiver_one_dies, args=(r, port, info, str(dirs["target"]), inboxes[r], out))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        sender.connect()
+        state = perturbed(dirs["target"], 120)
+        for inbox in inboxes:
+            inbox.put(sender.manifest(state, 1))
+        digests = sender.send(state)
+        for inbox in inboxes:
+            inbox.put(digests)
+        kind, message, waited, weights = out.get(timeout=120)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+        sender.close()
+    assert procs[1].exitcode == 3
+    assert kind == "state" and "could not agree" in message and "dp0:pp0:tp0" in message, message
+    assert waited < 30 and weights["torn"] and not weights["servable"] and weights["version"] == 0, weights

@@ -6,6 +6,11 @@ a GPU, ONE kernel launch queued on the writing stream (`collect` takes its resul
 otherwise on a side thread, after an event recorded behind the writes (finish waits for it). One
 RecordDigests per rank (its device digester keeps the segment tables of the layouts it saw, and
 launches from one thread at a time).
+
+`agree_on_audit`: with TP > 1 the engine's ranks share one model, whose steps run collectives over
+their TP group, so a version goes live on every rank or on none: before any rank makes it live, one
+all-reduce of a failed flag over the TP group (the group's own timeout bounds it; TP=1 runs nothing),
+and only when some rank failed, one gather of each rank's verdict, so every rank's error names them.
 """
 
 from __future__ import annotations
@@ -15,9 +20,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from checksum import Manifest, Report, TensorRecord, compare, pick_algorithm
+from checksum import ChecksumMismatch, Manifest, Report, TensorRecord, compare, pick_algorithm
+from inference.core import StateError
+from inference.parallel import TPInfo
 from inference.transfer.digests import (
     PendingRecords,
     RecordDigests,
@@ -119,3 +127,45 @@ def audit_report(sender_digests: Any, expected: Manifest | None, session: Sessio
 def _expected(sender_digests: Any, session: Session, rank: str) -> Manifest:
     return expected_manifest(sender_digests, which=session.which, version=session.version, rank=rank,
                              specs=session.specs, algorithm=session.algorithm)
+
+
+def agree_on_audit(tp: TPInfo, device: torch.device | None, rank: str, failure: BaseException | None,
+                   report: Report | None, what: str) -> BaseException | None:
+    """The verdict every TP rank of the engine shares on one audit (`what` names it): None when every
+    rank passed, else the error this rank raises. `failure`: this rank's own (None: it passed, with
+    `report`). Every rank must call it at the same point (the ranks apply a sync's commands in step).
+
+    A rank that failed raises its own error. A rank that passed raises ChecksumMismatch over every
+    rank's report when each failing rank's failure was one (so it names their tensors and ranks), else
+    StateError naming the failing ranks and their errors. A collective that fails (a dead rank, at
+    the group's timeout) fails the audit on this rank: no rank may go live without knowing the others.
+    """
+    if tp.size == 1:
+        return failure
+    try:
+        on_device = device is not None and dist.get_backend(tp.group) == "nccl"  # NCCL moves device tensors only
+        flag = torch.tensor([int(failure is not None)], dtype=torch.int32, device=device if on_device else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=tp.group)
+        if not flag.item():
+            return None
+        mine = (rank, failure.report if isinstance(failure, ChecksumMismatch) else report,
+                None if failure is None else f"{type(failure).__name__}: {failure}")
+        verdicts: list[Any] = [None] * tp.size
+        dist.all_gather_object(verdicts, mine, group=tp.group)
+    except Exception as e:
+        if failure is not None:
+            failure.add_note(f"the TP ranks could not agree on {what}: {e}")
+            return failure
+        return StateError(f"rank {rank}: the TP ranks could not agree on {what} ({type(e).__name__}: {e}); "
+                          "this rank's audit passed, but it does not go live alone")
+    failed = [(key, message) for key, _, message in verdicts if message is not None]
+    names = ", ".join(key for key, _ in failed)
+    if failure is not None:
+        failure.add_note(f"{what} failed on rank(s) {names}; no TP rank goes live")
+        return failure
+    reports = [r for _, r, _ in verdicts if r is not None]
+    if sum(not r.ok for r in reports) == len(failed):  # every failure was a mismatch
+        return ChecksumMismatch(Report.merge(reports))
+    said = "; ".join(f"rank {key}: {message}" for key, message in failed)
+    return StateError(f"rank {rank}: {what} failed on rank(s) {names} ({said}); this rank's passed, but no TP "
+                      "rank goes live alone")

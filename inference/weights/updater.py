@@ -16,7 +16,8 @@ what the old weights computed once a version goes live. Rules:
 - A second start while a session is open, and update/finish without start, are StateErrors.
 - Any failure after start ends the session. The model is torn from the moment its first byte may be
   overwritten until an audit passes: a failed or abandoned update leaves it torn, and a torn model
-  is not servable. The version advances only when the audit passes.
+  is not servable. The version advances only when the audit passes, and with TP > 1 only when every
+  rank's audit passed (`finish`): no rank goes live, and enters the model's collectives, alone.
 - A TransferError breaks the group: the next start asks for a new init_transfer.
 - Weights are written or digested only while their arena is awake (`check_awake`: a released arena is
   an illegal address on CUDA; a level-2 wake leaves it awake but empty, which a sync refills). The
@@ -51,7 +52,7 @@ from inference.transfer.digests import manifest_algorithm
 from inference.transfer.groups import InitInfo
 from inference.transfer.plan import ManifestCache, ParsedManifest
 from inference.transfer.receiver import WeightReceiver
-from inference.weights.audit import HeldDigests, audit_report, early_expected
+from inference.weights.audit import HeldDigests, agree_on_audit, audit_report, early_expected
 from inference.weights.state import (
     ModelWeightState,
     RouteCache,
@@ -249,7 +250,9 @@ class WeightUpdater:
         """Receive every bucket of the open session. `update_info`: None or {} (or a list indexed by
         dp_rank * tp_size + tp_rank, one entry per rank, for multi-rank drivers). `digests_follow`: the
         sender delivers its digests in the sync (WeightSender.send(deliver_digests=True)); they are
-        returned, as `finish` takes them, for the caller to finish at once (None without)."""
+        returned, as `finish` takes them, for the caller to finish at once (None without). With TP > 1,
+        an update with `digests_follow` that fails after bytes may have moved takes part in the ranks'
+        agreement on the audit in finish's place (the others may have passed and wait in it)."""
         session = self._require_session("update_weights")
         host = self._host
         try:
@@ -274,6 +277,9 @@ class WeightUpdater:
             finally:
                 delivered = self.receiver.sender_digests(session.algorithm) if digests_follow else None
         except BaseException as e:
+            if digests_follow and session.bytes_moved:  # the other TP ranks may have passed: they wait in finish
+                agree_on_audit(host.tp, host.device, host.rank_key, e, None,
+                               f"the update of {session.which} version {session.version}")
             self._end_session(f"update to version {session.version} failed: {e}")
             raise
         return delivered
@@ -296,34 +302,54 @@ class WeightUpdater:
         (naming the first tensor and this rank) on a mismatch, a missing or an extra tensor, or digests
         of another rule; the model is then torn. `held_manifest` adds the digests of the parameters
         this rank holds (engine names, a second pass over every byte), for comparing replicas.
+        With TP > 1 every rank of the engine calls finish at the same boundary (with or without a
+        session), and the ranks agree on the verdict first (audit.py `agree_on_audit`): the version
+        goes live on every rank or on none, and a rank whose own audit passed raises the failing ranks'
+        error, its model torn too.
         """
-        session = self._require_session("finish_weight_update")
-        rank = self._host.rank_key
-        if self.before_write is not None:
-            self.before_write()  # (settled at start: normally nothing)
+        session, host = self._session, self._host
+        what = (f"the audit of {session.which} version {session.version}" if session is not None
+                else "finish_weight_update")
+        result: UpdateResult | None = None
+        failure: BaseException | None = None
         try:
-            if not session.received:
-                raise StateError(f"rank {rank}: finish_weight_update before update_weights completed")
-            expected = early_expected(sender_digests, session, rank)
-            if self._asleep(session.which) is not None:
-                raise StateError(f"rank {rank}: the {session.which} weights were put to sleep during the update, "
-                                 "which dropped the received bytes; wake_up and sync again")
-            records, received = self._digests.received(session)
-            checked = audit_report(sender_digests, expected, session, rank, records, received)
-            report = Report.merge([checked, session.target.tied_report(received)])
-            if not report.ok:
-                raise ChecksumMismatch(report)
-            held = self._held(session.which, session.version, session.algorithm) if held_manifest else None
+            session = self._require_session("finish_weight_update")
+            result = self._audit(session, sender_digests, held_manifest)
         except BaseException as e:
-            self._end_session(f"audit of version {session.version} failed: {e}")
-            raise
+            failure = e
+        failure = agree_on_audit(host.tp, host.device, host.rank_key, failure,
+                                 result.report if result is not None else None, what)
+        if failure is not None:
+            if self._session is not None:
+                self._end_session(f"audit of version {self._session.version} failed: {failure}")
+            raise failure
+        assert session is not None and result is not None
         state = self._state(session.which)
         state.version, state.torn, state.torn_reason, state.loaded = session.version, False, None, True
         self._set_arena_valid(session.which, True)
-        self._received[session.which] = received
+        self._received[session.which] = result.received
         self._session = None
         if self.on_live is not None:
             self.on_live(session.which)
+        return result
+
+    def _audit(self, session: Session, sender_digests: Any, held_manifest: bool) -> UpdateResult:
+        """This rank's own audit of the session (see finish); raises on any failure, changes no state."""
+        rank = self._host.rank_key
+        if self.before_write is not None:
+            self.before_write()  # (settled at start: normally nothing)
+        if not session.received:
+            raise StateError(f"rank {rank}: finish_weight_update before update_weights completed")
+        expected = early_expected(sender_digests, session, rank)
+        if self._asleep(session.which) is not None:
+            raise StateError(f"rank {rank}: the {session.which} weights were put to sleep during the update, "
+                             "which dropped the received bytes; wake_up and sync again")
+        records, received = self._digests.received(session)
+        checked = audit_report(sender_digests, expected, session, rank, records, received)
+        report = Report.merge([checked, session.target.tied_report(received)])
+        if not report.ok:
+            raise ChecksumMismatch(report)
+        held = self._held(session.which, session.version, session.algorithm) if held_manifest else None
         return UpdateResult(session.which, session.version, rank, report, received, held)
 
     def abort(self, reason: str = "aborted by the caller") -> None:
