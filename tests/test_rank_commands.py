@@ -35,11 +35,11 @@ from sidecar.ranks.commands import (
     RequestGroup,
     SetPaused,
     Sleep,
-    StartWeightUpdate,
     Stop,
     UnknownCommandError,
     UpdateWeights,
     WakeUp,
+    WeightStart,
     check_declared,
 )
 from sidecar.ranks.driver import Driver, RankError
@@ -236,17 +236,17 @@ def test_sleep_wake_and_manifests_through_the_table(server: RankServer) -> None:
 
     none_yet = server.handle(ReadManifest("target", "received"))
     assert not none_yet.ok and none_yet.error is not None and none_yet.error.kind == "state"
-    bad = server.handle(StartWeightUpdate("main", 1, []))  # type: ignore[arg-type]
-    assert not bad.ok and bad.error is not None and (bad.error.kind, bad.error.field) == ("invalid", "model")
+    alone = server.handle(WeightStart("target", 1, []))  # type: ignore[arg-type]
+    assert not alone.ok and alone.error is not None and "WeightStart" in alone.error.message  # never alone
 
 
 def test_an_update_carrying_a_start_answers_the_starts_error_and_opens_nothing(server: RankServer) -> None:
     """UpdateWeights(start=...) runs the start first; when it fails, that is the reply (no transfer group
     here, so there is no sender's agreement to refuse), and no session is left open."""
     weights = server.llm.worker.weights
-    bad = server.handle(UpdateWeights(start=StartWeightUpdate("main", 1, [])))  # type: ignore[arg-type]
+    bad = server.handle(UpdateWeights(start=WeightStart("main", 1, [])))  # type: ignore[arg-type]
     assert not bad.ok and bad.error is not None and (bad.error.kind, bad.error.field) == ("invalid", "model")
-    no_group = server.handle(UpdateWeights(start=StartWeightUpdate("target", 1, {"version": 1, "tensors": []})))
+    no_group = server.handle(UpdateWeights(start=WeightStart("target", 1, {"version": 1, "tensors": []})))
     assert not no_group.ok and no_group.error is not None and no_group.error.kind == "state"
     assert "init_weight_transfer_engine" in no_group.error.message
     assert weights.refuse_update() is False  # nothing to refuse on without a group

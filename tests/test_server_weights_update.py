@@ -47,8 +47,8 @@ class StubDriver:
         if self.error is not None:
             fut.set_exception(self.error)
         elif type(cmd).__name__ == "UpdateWeights":
-            result = SyncResult("target", 3, RANK, True, "ok", 7, "xxh3_64_seg64k", 0.0015) if cmd.finish else None
-            fut.set_result([UpdateReply(0.001 if cmd.start is not None else 0.0, result)])
+            result = SyncResult("target", 3, RANK, True, "ok", 7, "xxh3_64_seg64k", 0.0015)
+            fut.set_result([UpdateReply(0.001, result)])
         else:
             fut.set_result([False])  # AbortWeightUpdate: no session was open
         return fut
@@ -101,7 +101,7 @@ def test_a_sync_is_one_update_whose_answer_is_the_audit(served: tuple) -> None:
     assert status == 200 and answer["version"] == 3 and answer["audit"]["ok"] is True
     assert answer["audit"]["audit_ms"] == 1.5 and answer["ranks"] == [{"rank": RANK, "ok": True, "summary": "ok"}]
     (cmd,) = driver.calls
-    assert cmd.finish is True and cmd.start.version == 3 and cmd.start.manifest == START["manifest"]
+    assert cmd.start.version == 3 and cmd.start.manifest == START["manifest"]
     documented = client.get("/openapi.json").json()  # one implementation, the lean one, in the schema all the same
     assert documented["paths"]["/weights/update"]["post"]["requestBody"]["content"]["application/json"]
     assert "start" in documented["components"]["schemas"]["WeightsUpdateRequest"]["required"]

@@ -39,11 +39,11 @@ from sidecar.ranks.commands import (
     Command,
     InitWeightTransfer,
     Sleep,
-    StartWeightUpdate,
     SyncResult,
     UpdateReply,
     UpdateWeights,
     WakeUp,
+    WeightStart,
 )
 from trainer_hooks.sync import SYNC_PROTOCOL
 
@@ -226,14 +226,14 @@ class WeightsUpdateGate:
         if isinstance(info, list) and len(info) != len(state.plans):
             raise ApiError(400, "InvalidRequestError", f"a list needs one entry per rank ({len(state.plans)}), got "
                            f"{len(info)}", "update_info")
-        opening = StartWeightUpdate(start.model, start.version, start.manifest, start.allow_cast)
+        opening = WeightStart(start.model, start.version, start.manifest, start.allow_cast)
         t0 = time.perf_counter()
         # While another update is in flight the ranks refuse this start: that one's start time stays.
         opens = not state.sync_started
         if opens:
             state.sync_started[start.model] = (t0, _manifest_bytes(start.manifest, self.layout_bytes))
         try:
-            replies: list[UpdateReply] = await _weight_call(state, UpdateWeights(info, opening, True))
+            replies: list[UpdateReply] = await _weight_call(state, UpdateWeights(opening, info))
         except ApiError as e:
             if e.kind == "checksum":
                 state.metrics.audit_failures.inc()

@@ -164,9 +164,9 @@ class SyncResult:
 
 @dataclass(frozen=True)
 class UpdateReply:
-    """One rank's answer to UpdateWeights: the seconds its start took (0.0 without one), and with `finish`
-    the passed audit; `rank_s`: the rank's whole time on the command (start, receive, audit), so the
-    sidecar can tell its own hops (driver thread, rank pipe) from the rank's work."""
+    """One rank's answer to UpdateWeights: the seconds its start took and the passed audit; `rank_s`: the
+    rank's whole time on the command (start, receive, audit), so the sidecar can tell its own hops
+    (driver thread, rank pipe) from the rank's work."""
 
     start_s: float = 0.0
     result: SyncResult | None = None
@@ -248,8 +248,9 @@ class InitWeightTransfer(Command):
 
 
 @dataclass(frozen=True)
-class StartWeightUpdate(Command):
-    """Open an update session of `model` ("target" or "draft"): the whole manifest is validated first."""
+class WeightStart:
+    """What opens a sync's session on a rank: `model` ("target" or "draft"), its new version and its
+    manifest (validated whole before any byte is written). It travels inside UpdateWeights, never alone."""
 
     model: Literal["target", "draft"]
     version: int
@@ -259,25 +260,14 @@ class StartWeightUpdate(Command):
 
 @dataclass(frozen=True)
 class UpdateWeights(Command):
-    """Receive every bucket of the open session (blocks while the sender sends). With `start`, open that
-    session first, in this same command (POST /weights/update with "start": one round trip fewer per
-    sync); a start that fails refuses the sender's plan agreement, so the trainer's send() stops at once
-    instead of waiting out its timeout. With `finish`, the sender delivers its digests in the sync
-    (inference/transfer/delivery.py) and the rank audits and commits here, as FinishWeightUpdate would:
-    the whole sync is one command."""
+    """The whole sync on a rank (POST /weights/update): open the session of `start` (a start that fails
+    refuses the sender's plan agreement, so the trainer's send() stops at once instead of waiting out its
+    timeout), receive every bucket, take the digests the sender delivers in the sync
+    (inference/transfer/delivery.py), audit and commit."""
 
+    start: WeightStart
     info: Any = None
-    start: StartWeightUpdate | None = None
-    finish: bool = False
     reply: ClassVar[type] = UpdateReply
-
-
-@dataclass(frozen=True)
-class FinishWeightUpdate(Command):
-    """Audit the received bytes against the sender's digests; on success the version goes live."""
-
-    digests: Any
-    reply: ClassVar[type] = SyncResult
 
 
 @dataclass(frozen=True)
@@ -305,8 +295,8 @@ class ReadManifest(Command):
 
 
 QUEUE_COMMANDS: tuple[type[Command], ...] = (AddRequests, AbortRequests, SetPaused, Stop)  # the driver's own
-CONTROL_COMMANDS: tuple[type[Command], ...] = (Sleep, WakeUp, InitWeightTransfer, StartWeightUpdate, UpdateWeights,
-                                               FinishWeightUpdate, AbortWeightUpdate, ReadManifest)
+CONTROL_COMMANDS: tuple[type[Command], ...] = (Sleep, WakeUp, InitWeightTransfer, UpdateWeights, AbortWeightUpdate,
+                                               ReadManifest)
 COMMANDS: tuple[type[Command], ...] = QUEUE_COMMANDS + CONTROL_COMMANDS
 
 

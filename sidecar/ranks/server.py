@@ -38,7 +38,6 @@ from sidecar.ranks.commands import (
     Command,
     ErrorInfo,
     Events,
-    FinishWeightUpdate,
     InitWeightTransfer,
     RankPlan,
     RankSpec,
@@ -48,7 +47,6 @@ from sidecar.ranks.commands import (
     RequestGroup,
     SetPaused,
     Sleep,
-    StartWeightUpdate,
     Stop,
     SyncResult,
     TokenizedPrompt,
@@ -168,8 +166,7 @@ class RankServer:
         self._last_report = 0.0
         self.handlers: dict[type[Command], Callable[[Any], Any]] = {
             Sleep: self._sleep, WakeUp: self._wake_up,
-            InitWeightTransfer: self._init_weight_transfer, StartWeightUpdate: self._start_weight_update,
-            UpdateWeights: self._update_weights, FinishWeightUpdate: self._finish_weight_update,
+            InitWeightTransfer: self._init_weight_transfer, UpdateWeights: self._update_weights,
             AbortWeightUpdate: self._abort_weight_update, ReadManifest: self._read_manifest,
         }
 
@@ -345,32 +342,23 @@ class RankServer:
     def _init_weight_transfer(self, cmd: InitWeightTransfer) -> None:
         self.weights.init_transfer(cmd.info)
 
-    def _start_weight_update(self, cmd: StartWeightUpdate) -> None:
-        self.weights.start(cmd.model, cmd.version, cmd.manifest, allow_cast=cmd.allow_cast)
-
     def _update_weights(self, cmd: UpdateWeights) -> UpdateReply:
         begin = time.perf_counter()
-        start_s = 0.0
-        if cmd.start is not None:
-            t0 = time.perf_counter()
+        start = cmd.start
+        try:
+            self.weights.start(start.model, start.version, start.manifest, allow_cast=start.allow_cast)
+        except Exception as e:
+            # The trainer's send() waits in the plan agreement: refuse it, so it fails now, not at its timeout.
             try:
-                self._start_weight_update(cmd.start)
-            except Exception as e:
-                # The trainer's send() waits in the plan agreement: refuse it, so it fails now, not at its timeout.
-                try:
-                    self.weights.refuse_update()
-                except Exception as refusal:  # the group is broken now; the start's error is the answer
-                    log.warning("rank %d: refusing the update after its failed start failed too: %s", self.rank,
-                                refusal)
-                    e.add_note(f"refusing the sender's plan agreement failed too: {refusal}")
-                raise
-            start_s = time.perf_counter() - t0
-        delivered = self.weights.update(cmd.info, digests_follow=cmd.finish)
-        result = self._finish(delivered) if cmd.finish else None
-        return UpdateReply(start_s, result, time.perf_counter() - begin)
-
-    def _finish_weight_update(self, cmd: FinishWeightUpdate) -> SyncResult:
-        return self._finish(cmd.digests)
+                self.weights.refuse_update()
+            except Exception as refusal:  # the group is broken now; the start's error is the answer
+                log.warning("rank %d: refusing the update after its failed start failed too: %s", self.rank,
+                            refusal)
+                e.add_note(f"refusing the sender's plan agreement failed too: {refusal}")
+            raise
+        start_s = time.perf_counter() - begin
+        delivered = self.weights.update(cmd.info, digests_follow=True)
+        return UpdateReply(start_s, self._finish(delivered), time.perf_counter() - begin)
 
     def _finish(self, digests: Any) -> SyncResult:
         # The audit is the whole of finish; nobody reads a held manifest here (GET /checksums digests afresh).
