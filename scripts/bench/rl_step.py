@@ -1,21 +1,20 @@
-"""RL steps per second against a real `sidecar launch`: the synchronous loop against partial rollouts and syncs
-in flight, every mode in the same run, on the same sidecar.
+"""RL steps against a real `sidecar launch`: the synchronous loop against partial rollouts and syncs in flight,
+every mode in one run on one sidecar (docs/benchmarks.md, "RL step", defines each figure).
 
-This process is the trainer: a WeightSyncHook over a plain-torch policy (trainer_hooks/toy_policy.py) of the
-shape's names and sizes, synced over ipc (CUDA) or gloo (CPU) with the audit. Each step = rollouts (GRPO
-groups: --prompts groups of --samples samples, random prompt ids, temperature 1, one seed per group) + a train
-phase (--train-s of sleep standing in for the optimizer, default half the sync mode's first timed rollout, plus
-noise added in place to --perturb tensors) + a sync with audit. Modes (each its own pool on the sidecar):
-- sync: sleep, train, wake, sync; then the step's G groups, all waited for (a take of every group in flight);
-- partial_keep / partial_recompute: colocated; G x --oversample groups in flight, a step takes the first G
-  finished (min_groups=G), the rest are held across the sleep and the sync with on_sync keep / recompute and
-  taken first by the next step (the sleep drops the KV, so colocated keep goes on as recompute does);
-- disagg_keep: no sleep: the sidecar keeps generating while the trainer trains, the sync lands between two
-  engine steps with on_sync keep, the replacement groups are submitted right after the take.
-A group's length: no per-sample max_tokens crosses HTTP, so the n samples of a group share one length, by
-default the longest of n per-sample lognormal draws (scripts/bench/rollout.py's draw: a group ends when its
-longest sample does). One JSON line per mode; `tail_share` = per step, from when 90% of the groups it needs
-were finished (GET /rollouts/{pool}, polled) to the take's answer, summed over the steps' wall time.
+This process is the trainer: a WeightSyncHook over a plain-torch policy of the shape (the tiny checkpoint, or
+random bf16 Qwen weights on both ends), synced with the audit over ipc (CUDA) or gloo (CPU). A step = the
+rollouts of --prompts groups (G) of --samples samples + a train phase (--train-s, default half the sync mode's
+first timed rollout, plus noise added in place to --perturb tensors) + a sync. Modes, each in its own pool:
+sync (sleep, train, wake, sync; G groups, all waited for); partial_keep / partial_recompute (G x --oversample
+in flight, a step takes the first G finished, the rest are held across the sleep and the sync with that
+on_sync; the sleep drops the KV, so colocated keep goes on as recompute does); disagg_keep (no sleep: the
+sidecar generates through the train phase, the sync lands mid-generation, keep). A group's n samples share
+one length, since no per-sample max_tokens crosses HTTP: the longest of n lognormal draws, as a group of
+scripts/bench/rollout.py's batch ends with its longest sample. One JSON line per mode; --dry-run: the plan.
+
+    python3 -m scripts.bench.rl_step --shape qwen2-0.5b --steps 4      # CUDA, ipc
+    python3 -m scripts.bench.rl_step --shape tiny --steps 3 --prompts 8 --samples 2 --prompt-min 8 \
+        --prompt-max 24 --len-median 12 --len-cap 48                   # the CPU smoke (tests/test_bench_rl_step.py)
 """
 
 from __future__ import annotations
