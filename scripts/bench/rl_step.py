@@ -336,12 +336,15 @@ def launch_argv(args: argparse.Namespace, model_dir: str, extra: list[str]) -> l
 
 def plan(args: argparse.Namespace) -> dict[str, Any]:
     """What --dry-run prints: the loop and the first step's groups per mode (nothing is built or run)."""
-    vocab = 4096 if args.shape == "tiny" else 151936
+    from scripts.bench.rollout import vocab_size
+
+    vocab = vocab_size(args.shape)  # the prompts' draws consume the RNG by the vocabulary: the run's value
     lengths = [p.max_tokens for p in Workload(args, vocab).groups(math.ceil(args.prompts * args.oversample))[1]]
     return {"bench": "rl_step_plan", "shape": args.shape, "device": args.device, "backend": args.backend,
             "modes": args.modes, "steps": args.steps, "warmup_steps": args.warmup_steps, "prompts": args.prompts,
             "samples": args.samples, "oversample": args.oversample, "group_len": args.group_len,
-            "first_lengths": lengths, "train_s": args.train_s if args.train_s is not None
+            "first_lengths": lengths, "first_mean_len": round(statistics.mean(lengths), 1),
+            "first_longest": max(lengths), "train_s": args.train_s if args.train_s is not None
             else f"{args.train_frac} x the sync mode's first timed rollout",
             "sleep_level": args.sleep_level, "perturb": args.perturb, "max_staleness": args.max_staleness}
 
@@ -403,7 +406,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     device = args.device if args.device == "cpu" else "cuda:0"
     args.device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     policy, model_dir, extra = build_policy(args.shape, device)
-    vocab = policy.lm_head.weight.shape[0]
+    from scripts.bench.rollout import vocab_size
+
+    vocab = vocab_size(args.shape)
+    assert vocab == policy.lm_head.weight.shape[0], "the policy's vocabulary is the shape's"
     sidecar = Sidecar(launch_argv(args, model_dir, extra))
     rows: list[dict[str, Any]] = []
     loop = Loop(args, sidecar.url, policy, vocab)
