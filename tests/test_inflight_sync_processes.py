@@ -196,3 +196,25 @@ def test_tp2_a_sync_failing_on_one_rank_goes_live_on_none_and_no_call_hangs() ->
             assert (first, second) == (old, old + 2) and 0 < k < MAX_TOKENS and len(c0.token_ids) == MAX_TOKENS, c0
             assert c0.token_ids[:k] == _greedy(ref_old, o.prompt_token_ids, k)
     _replay([o for o in outs[1]], {old: ref_old, old + 2: ref_new})  # recompute: each token its version's
+
+
+def test_a_finished_group_waiting_past_its_max_staleness_is_generated_again(server: Sidecar) -> None:
+    """max_staleness also holds for a group that finished and waits to be taken: once a sync leaves it
+    more than k versions behind, the pool generates it again from its prompt (never lost, never returned
+    stale); a group without a bound comes back as it finished."""
+    sender = WeightSender("gloo", num_receivers=server_ranks(server), timeout_s=60)
+    short = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with SidecarClient(server.url, timeout=120) as c:
+        c.connect_sender(sender)
+        old = int(c.state()["weight_versions"]["target"])
+        bounded = c.submit_rollouts([PROMPTS[0]], short, pool="waiting", max_staleness=0)
+        free = c.submit_rollouts([PROMPTS[1]], short, pool="waiting")
+        _when(c, lambda s: c.rollout_counts("waiting")["finished"] == 2, "both groups finished")
+        assert c.sync_weights(sender, WEIGHTS, version=old + 1)["ok"]
+        take = c.take_rollouts(2, pool="waiting", timeout_s=STATE_TIMEOUT_S)
+    sender.close()
+    by_id = {o.request_id: o for o in take.groups}
+    assert sorted(by_id) == sorted(bounded + free)
+    again, kept = by_id[bounded[0]], by_id[free[0]]
+    assert again.weight_version == old + 1 and again.metrics["resubmitted"] == 1, again
+    assert kept.weight_version == old and kept.metrics["resubmitted"] == 0, kept

@@ -160,6 +160,7 @@ class SidecarClient:
         for g in data["groups"]:
             out = request_output(0, g["output"])
             out.request_id = g["group_id"]
+            out.metrics = {**out.metrics, "resubmitted": int(g.get("resubmitted", 0))}  # for max_staleness
             groups.append(out)
         failed = {f["group_id"]: f"{f['error']['type']}: {f['error']['message']}" for f in data["failed"]}
         return RolloutTake(groups, data["weight_version"], failed, dict(data["counts"]))

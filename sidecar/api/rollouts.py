@@ -81,6 +81,8 @@ class RolloutsResponse(BaseModel):
 class TakenGroup(BaseModel):
     group_id: str
     output: PromptOut
+    resubmitted: int = Field(0, description="times the pool generated this group again because it finished more "
+                             "than max_staleness versions behind the live one while it waited to be taken")
 
 
 class FailedGroup(BaseModel):
@@ -100,8 +102,11 @@ class TakeResponse(BaseModel):
 class _Group:
     group_id: str
     sequences: int
+    item: tuple[Any, SamplingParams]  # (tokenized prompt, params): what a resubmission sends again
+    sync: SyncPolicy
     output: RequestOutput | None = None
     error: ErrorBody | None = None
+    resubmitted: int = 0
 
     @property
     def done(self) -> bool:
@@ -133,17 +138,34 @@ class RolloutPools:
             raise ApiError(429, "QueueFull", f"{driver.queued_sequences()} sequences are queued and this call adds "
                            f"{sequences}; the limit is {driver.max_queued} (--max-queued-sequences): retry later",
                            "prompts")
-        loop = asyncio.get_running_loop()
         groups = self._pools.setdefault(pool, {})
         ids = []
         for item in work:
-            group = _Group(f"r{next(self._ids)}", int(item[1].n))
+            group = _Group(f"r{next(self._ids)}", int(item[1].n), item, sync)
             groups[group.group_id] = group
             self.held += group.sequences
-            fut = driver.submit([item], wait="always", sync=sync)
-            fut.add_done_callback(lambda f, g=group, p=pool: _on_loop(loop, self._settle, p, g, f))
+            self._send(pool, group)
             ids.append(group.group_id)
         return ids
+
+    def _send(self, pool: str, group: _Group) -> None:
+        loop = asyncio.get_running_loop()
+        fut = self.state.driver.submit([group.item], wait="always", sync=group.sync)
+        fut.add_done_callback(lambda f, g=group, p=pool: _on_loop(loop, self._settle, p, g, f))
+
+    def _resubmit_stale(self, pool: str) -> None:
+        """A finished group waiting to be taken that is now more than its max_staleness versions behind
+        the live one is generated again from its prompt (the engine bounds running groups the same way at
+        each sync): a take never returns what the bound refuses, and the group is not lost."""
+        live = self._live_version()
+        if live is None:
+            return
+        for group in self._pools.get(pool, {}).values():
+            bound = group.sync.max_staleness
+            if group.output is not None and bound is not None and live - group.output.weight_version > bound:
+                group.output = None
+                group.resubmitted += 1
+                self._send(pool, group)
 
     def _settle(self, pool: str, group: _Group, fut: Future) -> None:
         try:
@@ -172,6 +194,7 @@ class RolloutPools:
         deadline = time.monotonic() + body.timeout_s
         wanted = set(body.group_ids) if body.group_ids is not None else None
         while True:
+            self._resubmit_stale(body.pool)
             groups = self._chosen(body.pool, wanted)
             finished = sum(g.output is not None for g in groups)
             left = deadline - time.monotonic()
@@ -182,11 +205,12 @@ class RolloutPools:
                 await asyncio.wait_for(event.wait(), min(left, _POLL_S))
             await _check_connected(request)
         await _check_connected(request)  # no await between this check and the removal below
+        self._resubmit_stale(body.pool)
         taken, failed = self._remove(body.pool, self._chosen(body.pool, wanted), body.max_groups)
         version = self._live_version()
         return TakeResponse(pool=body.pool, weight_version=version, counts=self.counts(body.pool),
-                            groups=[TakenGroup(group_id=g.group_id, output=output_of(g.output)) for g in taken
-                                    if g.output is not None],
+                            groups=[TakenGroup(group_id=g.group_id, output=output_of(g.output),
+                                               resubmitted=g.resubmitted) for g in taken if g.output is not None],
                             failed=[FailedGroup(group_id=g.group_id, error=g.error) for g in failed
                                     if g.error is not None])
 
