@@ -65,9 +65,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     # Overlap each step's host work (schedule, input staging, commit) with the previous step on the
-    # device (docs/architecture.md, Decisions). None: on for CUDA; True: also on CPU (tests); False: off.
+    # device (docs/design.md, "Async scheduling"). None: on for CUDA; True: also on CPU (tests); False: off.
     # With a draft model too: its plain steps overlap, the draft follows them; the speculative ones run
-    # synchronously (docs/architecture.md, "Speculation on the tail").
+    # synchronously (docs/design.md, "Speculation on the tail").
     async_scheduling: bool | None = None
     # Speculative decoding on the tail only: decodes get draft tokens while at most this many
     # decodes run; a fuller batch decodes plainly (the draft only mirrors its tokens into its cache),
