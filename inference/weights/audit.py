@@ -143,7 +143,7 @@ def agree_on_audit(tp: TPInfo, device: torch.device | None, rank: str, failure: 
     if tp.size == 1:
         return failure
     try:
-        on_device = device is not None and dist.get_backend(tp.group) == "nccl"  # NCCL moves device tensors only
+        on_device = device is not None and dist.get_backend(tp.group) == dist.Backend.NCCL  # device tensors only
         flag = torch.tensor([int(failure is not None)], dtype=torch.int32, device=device if on_device else "cpu")
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=tp.group)
         if not flag.item():
