@@ -190,7 +190,7 @@ class RankPool:
         extra = [self._wake_r] + ([wake_fd] if wake_fd is not None else [])
         ready = wait([*self._conns, *(p.sentinel for p in self._procs), *extra], timeout=timeout)
         if self._wake_r in ready:
-            raise self._fail("the sidecar is stopping: stopped waiting for the ranks", None)
+            raise self._fail("the sidecar is stopping: stopped waiting for the ranks", None, stopping=True)
         if wake_fd is not None and wake_fd in ready:
             os.read(wake_fd, 4096)
         messages: list[tuple[int, Any]] = []
@@ -220,7 +220,7 @@ class RankPool:
             ready = wait([self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending]
                          + [self._wake_r], timeout=min(left, 1.0))
             if self._wake_r in ready:
-                raise self._fail(f"the sidecar is stopping: stopped waiting for {what}", None)
+                raise self._fail(f"the sidecar is stopping: stopped waiting for {what}", None, stopping=True)
             for r in pending:
                 if self._conns[r] in ready:
                     try:
@@ -254,9 +254,10 @@ class RankPool:
         proc.join(0.5)
         return f"rank {rank} (pid {proc.pid}) died during {what} (exit code {proc.exitcode})"
 
-    def _fail(self, message: str, rank: int | None) -> RankFailure:
+    def _fail(self, message: str, rank: int | None, stopping: bool = False) -> RankFailure:
+        """Mark the pool broken; a stop asked for is no error (the driver waits on the ranks all the time)."""
         self.broken = message
-        log.error("%s", message)
+        log.log(logging.INFO if stopping else logging.ERROR, "%s", message)
         return RankFailure(message, rank)
 
 
