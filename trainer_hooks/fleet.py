@@ -427,7 +427,7 @@ class Fleet:
                     raise got
                 with self._lock:
                     for (order, prompt, sp), gid in zip(placed[i], got):
-                        self._pooled[(pool, i, gid)] = _Pooled(order, prompt, sp)
+                        self._pooled[(pool, i, gid)] = _Pooled(order, prompt, sp, tuple(sorted((policy or {}).items())))
                         ids[order] = f"{self.replicas[i].name}/{gid}"
         return [ids[o] for o in sorted(ids)]
 
@@ -461,12 +461,12 @@ class Fleet:
     def _lost_pool(self, pool: str, index: int, reason: str) -> int:
         """Take a replica that went away out; place this fleet's groups on it again (how many)."""
         with self._lock:
-            lost = sorted((g.order, g.prompt, g.params) for (p, i, gid), g in list(self._pooled.items())
+            lost = sorted(((g.order, g.prompt, g.params), g.policy) for (p, i, gid), g in list(self._pooled.items())
                           if p == pool and i == index and self._pooled.pop((p, i, gid)))
         if self.replicas[index].in_rotation:
             self.take_out(self.replicas[index], reason)
-        if lost:
-            self._submit_pooled(pool, lost)
+        for policy in dict.fromkeys(policy for _, policy in lost):  # each group keeps its sync policy
+            self._submit_pooled(pool, [entry for entry, its in lost if its == policy], dict(policy))
         return len(lost)
 
     def _take_pooled(self, pool: str, chosen: list[tuple[Any, int, str]], counts: dict[str, int],
@@ -577,6 +577,7 @@ class _Pooled:
     order: int
     prompt: Any
     params: Any
+    policy: tuple[tuple[str, Any], ...] = ()  # on_sync, max_staleness as submitted
 
 
 def wait_first(running: Mapping[Future, Any]) -> tuple[Future, set[Future]]:
