@@ -38,7 +38,7 @@ from trainer_hooks.client_errors import (
     SidecarTransferError,
     SidecarUnavailableError,
 )
-from trainer_hooks.rollout_pool import DEFAULT_POOL, TAKE_MARGIN_S, RolloutTake, prompt_list
+from trainer_hooks.rollout_pool import DEFAULT_POOL, TAKE_MARGIN_S, RolloutTake, prompt_list, sync_fields
 from trainer_hooks.sync import SyncPeer, connect_one, sync_one
 from trainer_hooks.wire import Wire, error_from_response
 
@@ -119,16 +119,7 @@ class SidecarClient:
         `on_sync` ("keep", "recompute", "abort"; None: the sidecar's --on-sync) and `max_staleness`
         (None: unbounded): what a weight sync that lands while they run does to them
         (inference.core.SyncPolicy)."""
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        body: dict[str, Any] = {"prompts": [p if isinstance(p, str) else list(p) for p in prompts], "wait": wait}
-        if sampling_params is not None:
-            body["sampling_params"] = ([params_dict(p) for p in sampling_params]
-                                       if isinstance(sampling_params, Sequence) else params_dict(sampling_params))
-        if on_sync is not None:
-            body["on_sync"] = on_sync
-        if max_staleness is not None:
-            body["max_staleness"] = max_staleness
+        body = {**_work_body(prompts, sampling_params, on_sync, max_staleness), "wait": wait}
         data = self._post("/generate", body, timeout=timeout or self.long_timeout)
         return [request_output(i, o) for i, o in enumerate(data["outputs"])]
 
@@ -137,15 +128,7 @@ class SidecarClient:
                         on_sync: str | None = None, max_staleness: int | None = None) -> list[str]:
         """POST /rollouts: one group (n samples) per prompt in `pool`; the group ids in prompt order.
         `on_sync` and `max_staleness` as for generate (what a sync that goes live mid-group does)."""
-        body: dict[str, Any] = {"pool": pool, "prompts": [p if isinstance(p, str) else list(p)
-                                                          for p in prompt_list(prompts)]}
-        if on_sync is not None:
-            body["on_sync"] = on_sync
-        if max_staleness is not None:
-            body["max_staleness"] = max_staleness
-        if sampling_params is not None:
-            body["sampling_params"] = ([params_dict(p) for p in sampling_params]
-                                       if isinstance(sampling_params, Sequence) else params_dict(sampling_params))
+        body = {"pool": pool, **_work_body(prompts, sampling_params, on_sync, max_staleness)}
         return list(self._post("/rollouts", body)["group_ids"])
 
     def take_rollouts(self, min_groups: int = 1, max_groups: int | None = None, *, pool: str = DEFAULT_POOL,
@@ -263,3 +246,14 @@ def request_output(i: int, o: dict[str, Any]) -> RequestOutput:
     return RequestOutput(request_id=str(i), prompt_token_ids=o["prompt_token_ids"], outputs=outs,
                          weight_version=o["weight_version"], prompt=o["prompt"],
                          num_cached_tokens=o["num_cached_tokens"])
+
+
+def _work_body(prompts: Any, sampling_params: Any, on_sync: str | None, max_staleness: int | None) -> dict[str, Any]:
+    """What /generate and /rollouts both carry: the prompts (one, or a list), their sampling params (one
+    for all, or one per prompt) and the sync policy's fields that are set."""
+    body: dict[str, Any] = {"prompts": [p if isinstance(p, str) else list(p) for p in prompt_list(prompts)],
+                            **sync_fields(on_sync, max_staleness)}
+    if sampling_params is not None:
+        body["sampling_params"] = ([params_dict(p) for p in sampling_params]
+                                   if isinstance(sampling_params, Sequence) else params_dict(sampling_params))
+    return body

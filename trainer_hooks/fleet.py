@@ -38,7 +38,7 @@ from trainer_hooks.fleet_replicas import (
     sequences_of,
     sync_report,
 )
-from trainer_hooks.rollout_pool import DEFAULT_POOL, RolloutTake
+from trainer_hooks.rollout_pool import DEFAULT_POOL, RolloutTake, sync_fields
 from trainer_hooks.sync import GONE, FleetGroup, StepFailed
 
 __all__ = ["Fleet", "FleetError", "FleetGoneError"]
@@ -344,7 +344,7 @@ class Fleet:
         self._contact()
         items = _prompt_list(prompts)
         params = _params_list(sampling_params, len(items))
-        call = _Rollout(items, params, wait, timeout, _policy(on_sync, max_staleness))
+        call = _Rollout(items, params, wait, timeout, sync_fields(on_sync, max_staleness))
         running: dict[Future, tuple[Replica, list[int]]] = {}
         self._dispatch(call, range(len(items)), running)
         while running:
@@ -387,7 +387,7 @@ class Fleet:
         items = _prompt_list(prompts)
         per = _params_list(sampling_params, len(items))
         per = per if isinstance(per, list) else [per] * len(items)
-        policy = _policy(on_sync, max_staleness)
+        policy = sync_fields(on_sync, max_staleness)
         submitted = self._submit_pooled(pool, [(next(self._order), p, sp) for p, sp in zip(items, per)], policy)
         limit = max_groups if max_groups is not None else (min_groups or None)
         deadline = time.monotonic() + timeout_s
@@ -607,7 +607,3 @@ def _newest_version(output: RequestOutput) -> int:
     spans = [span for c in output.outputs for span in c.weight_version_spans]
     return max((version for _, version in spans), default=output.weight_version)
 
-
-def _policy(on_sync: str | None, max_staleness: int | None) -> dict[str, Any]:
-    """The sync policy's keyword arguments that are set (unset: the sidecar's own)."""
-    return {k: v for k, v in (("on_sync", on_sync), ("max_staleness", max_staleness)) if v is not None}

@@ -34,7 +34,7 @@ from inference.transfer.sender import WeightSender
 from trainer_hooks.client_errors import SidecarChecksumError, SidecarConnectionError, SidecarUnavailableError
 from trainer_hooks.fleet import Fleet
 from trainer_hooks.logprob_gap import measure_logprob_gap
-from trainer_hooks.rollout_pool import DEFAULT_POOL, staleness
+from trainer_hooks.rollout_pool import DEFAULT_POOL, staleness, sync_fields
 from trainer_hooks.sources import collect_weights
 from trainer_hooks.trainer_host import trainer_host
 
@@ -176,7 +176,7 @@ class WeightSyncHook:
         outputs: list[Any] = []
         if self.is_sender:
             self.wake()
-            policy = {k: v for k, v in (("on_sync", on_sync), ("max_staleness", max_staleness)) if v is not None}
+            policy = sync_fields(on_sync, max_staleness)
             if min_groups is None:
                 outputs = self._timed("generate_ms", self.client.generate, prompts, sampling, **policy)
             else:

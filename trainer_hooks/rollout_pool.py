@@ -41,6 +41,12 @@ def prompt_list(prompts: Any) -> list[Any]:
     return list(prompts)
 
 
+def sync_fields(on_sync: str | None, max_staleness: int | None) -> dict[str, Any]:
+    """The sync policy's fields that are set, as the generation bodies and calls carry them (an unset one
+    is the sidecar's own: its --on-sync, no staleness bound); the sidecar validates them."""
+    return {k: v for k, v in (("on_sync", on_sync), ("max_staleness", max_staleness)) if v is not None}
+
+
 def oldest_version(completion: Any, fallback: int) -> int:
     """The version of a sample's oldest token (its spans' smallest; `fallback` when it has none)."""
     spans = getattr(completion, "weight_version_spans", None) or []
