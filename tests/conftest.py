@@ -1,9 +1,19 @@
-"""Shared pytest wiring: the `cuda` mark skips itself where no GPU is present."""
+"""Shared pytest wiring: the `cuda` mark skips itself where no GPU is present; a run leaves nothing behind.
+
+Each run gets a private temp dir (TMPDIR and `tempfile.tempdir`, so subprocesses use it too): runs side
+by side on one machine do not see each other's files, and whatever the run leaves there, beside
+pytest's own basetemp, fails a run whose tests passed, as does a new untracked file in the work tree.
+The dir is removed at the end of a clean run (kept, and named, when something was left).
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,3 +41,51 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):
+        return  # an xdist worker: the controller's run owns the dir (inherited through TMPDIR)
+    run_tmp = Path(tempfile.mkdtemp(prefix="sidecar-tests-"))
+    config.stash[_RUN_TMP] = (run_tmp, os.environ.get("TMPDIR"))
+    config.stash[_UNTRACKED] = _untracked(config.rootpath)
+    os.environ["TMPDIR"] = str(run_tmp)
+    tempfile.tempdir = str(run_tmp)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    if _RUN_TMP not in config.stash:
+        return
+    run_tmp, old = config.stash[_RUN_TMP]
+    tempfile.tempdir = None
+    if old is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = old
+    left = sorted(p.name for p in run_tmp.iterdir() if not p.name.startswith("pytest-of-"))
+    new_files = sorted(_untracked(config.rootpath) - config.stash[_UNTRACKED])
+    if exitstatus == 0 and (left or new_files):
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if left:
+            reporter.write_line(f"the tests left {left} in the temp dir {run_tmp} (kept for a look)", red=True)
+        if new_files:
+            reporter.write_line(f"the tests left untracked files in the work tree: {new_files}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        return
+    if not left:
+        shutil.rmtree(run_tmp, ignore_errors=True)
+
+
+_RUN_TMP = pytest.StashKey[tuple[Path, "str | None"]]()
+_UNTRACKED = pytest.StashKey[frozenset[str]]()
+
+
+def _untracked(root: Path) -> frozenset[str]:
+    """Untracked, not ignored paths under `root` (empty outside a git work tree)."""
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all", "."], cwd=root,
+                             capture_output=True, text=True, timeout=60, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return frozenset()
+    return frozenset(line[3:] for line in out.splitlines() if line.startswith("?? "))

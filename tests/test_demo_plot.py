@@ -74,3 +74,19 @@ def test_a_bad_plot_path_is_refused_before_launching(plot: str, message: str, tm
     assert main(["demo", "--device", "cpu", "--plot", str(tmp_path / plot)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("sidecar demo: error: plot: --plot") and message in err
+
+
+def test_a_plot_path_without_extension_gets_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # --help promises PATH.png (or PATH.svg without matplotlib) for a PATH given without extension
+    monkeypatch.setattr(demo_plot, "_has_matplotlib", lambda: False)
+    assert demo_plot.plot_run(rows(), tmp_path / "run") == tmp_path / "run.svg"
+    assert plotted_points(tmp_path / "run.svg") == expected_points()
+
+
+def test_a_plot_path_without_extension_is_accepted_before_launching(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    # the check passes PATH and the next one (the model) refuses: nothing is launched either way
+    missing = tmp_path / "no-model"
+    assert main(["demo", "--device", "cpu", "--plot", str(tmp_path / "run"), "--model", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert "plot" not in err.split("error:", 1)[1].split(":", 1)[0] and "no-model" in err

@@ -156,11 +156,6 @@ def release(llm: LLM) -> None:
 # ---- engines --------------------------------------------------------------------------------------
 
 
-def tiny_draft_dir(model_dir: Path, layers: int) -> Path:
-    """A copy of the tiny checkpoint keeping its first `layers` layers (embedding, norm and head too)."""
-    return first_layers(model_dir, Path(tempfile.mkdtemp(prefix="bench-inv-draft-")) / "draft", layers)
-
-
 def build(args: argparse.Namespace, *, invariant: bool, kv_bytes: int | None = None, draft: bool = False) -> LLM:
     """The engine of --shape in the batch-invariant mode or not: default KV (or kv_bytes), with the cut
     draft when `draft`."""
@@ -171,9 +166,13 @@ def build(args: argparse.Namespace, *, invariant: bool, kv_bytes: int | None = N
         from inference.models.tiny import default_model_dir
 
         model_dir = default_model_dir()
-        if draft:
-            kw.update(draft_model=str(tiny_draft_dir(model_dir, args.draft_layers)), num_speculative_tokens=args.k)
-        return LLM(model_dir, device=args.device, dtype=args.dtype or "float32", **kw)
+        if not draft:
+            return LLM(model_dir, device=args.device, dtype=args.dtype or "float32", **kw)
+        # the draft: the tiny checkpoint's first layers, read once by the engine's construction
+        with tempfile.TemporaryDirectory(prefix="bench-inv-draft-") as tmp:
+            kw.update(draft_model=str(first_layers(model_dir, Path(tmp) / "draft", args.draft_layers)),
+                      num_speculative_tokens=args.k)
+            return LLM(model_dir, device=args.device, dtype=args.dtype or "float32", **kw)
     from scripts.bench.generate import SHAPES as QWEN
     from scripts.bench.spec import config_dir, tie_draft
 

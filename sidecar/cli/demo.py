@@ -63,7 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--start-timeout", type=float, default=180.0, help="seconds to wait for the sidecar to serve")
     p.add_argument("--plot", default=None, metavar="PATH",
                    help="also write a picture of the run (reward, sync, audit, sleep and wake per step): PATH.png "
-                        "with matplotlib (pip install 'sidecar[plot]'), else an SVG (PATH.svg, no dependency)")
+                        "with matplotlib (pip install 'sidecar[plot]'), else an SVG (PATH.svg, no dependency); "
+                        "a PATH without extension gets .png appended")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -111,8 +112,9 @@ def _check_plot_path(plot: str | None) -> None:
     if plot is None:
         return
     path = Path(plot)
-    if path.suffix.lower() not in (".png", ".svg"):
-        raise InvalidRequestError("plot", f"--plot {plot}: the picture is a .png or an .svg file")
+    if path.suffix and path.suffix.lower() not in (".png", ".svg"):
+        raise InvalidRequestError("plot", f"--plot {plot}: the picture is a .png or an .svg file (or give no "
+                                  "extension: .png is appended)")
     if not path.parent.is_dir():
         raise InvalidRequestError("plot", f"--plot {plot}: the directory {path.parent} does not exist")
 

@@ -171,7 +171,7 @@ def _plot(rows: list[dict[str, Any]], path: str) -> str:
     from sidecar.demo.plot import plot_run  # matplotlib (when installed) only when a picture is asked for
 
     written = plot_run(rows, path)
-    if written != Path(path):
+    if written.suffix == ".svg" and Path(path).suffix != ".svg":
         print(f"sidecar demo: matplotlib is not installed (pip install 'sidecar[plot]'): wrote an SVG, {written}",
               file=sys.stderr)
     return str(written)

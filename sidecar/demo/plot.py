@@ -3,11 +3,12 @@ than read: the reward (each point coloured by that step's audit: green passed, r
 sync, audit, sleep and wake times in milliseconds.
 
 A PNG through matplotlib when it is installed (the optional extra: `pip install 'sidecar[plot]'`),
-else an SVG written here by hand, so the demo needs nothing new. PATH ends in .png or .svg; .svg
-always gives the hand-written SVG, and .png without matplotlib gives the SVG beside it (PATH with
-.svg), which `plot_run` returns and the demo prints. Either file carries the numbers it shows: the SVG
-one <circle> per point with data-series, data-step and data-value; the PNG a text chunk "sidecar-demo"
-holding them as JSON, so a script (or a test) reads what was drawn without reading pixels.
+else an SVG written here by hand, so the demo needs nothing new. PATH ends in .png or .svg, or has no
+extension (then .png is appended); .svg always gives the hand-written SVG, and .png without matplotlib
+gives the SVG beside it (PATH with .svg), which `plot_run` returns and the demo prints. Either file
+carries the numbers it shows: the SVG one <circle> per point with data-series, data-step and
+data-value; the PNG a text chunk "sidecar-demo" holding them as JSON, so a script (or a test) reads
+what was drawn without reading pixels.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ Points = list[tuple[int, float]]
 
 def plot_run(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
     """Write the picture of `rows` (sidecar/demo/loop.py's per-step rows) and return the path written."""
-    path = Path(path)
+    path = with_extension(Path(path))
     assert path.suffix.lower() in SUFFIXES, path  # sidecar/cli/demo.py refuses others before the run
     data = series(rows)
     if path.suffix.lower() == ".png" and _has_matplotlib():
@@ -40,6 +41,11 @@ def plot_run(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
     out = path.with_suffix(".svg")
     out.write_text(render_svg(data), encoding="utf-8")
     return out
+
+
+def with_extension(path: Path) -> Path:
+    """PATH as given when it names its picture's type; PATH.png when it has no extension at all."""
+    return path if path.suffix else path.with_name(path.name + ".png")
 
 
 def series(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
