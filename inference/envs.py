@@ -17,7 +17,7 @@ This module imports nothing heavy (no torch): the CLI reads it before any engine
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -89,11 +89,32 @@ HOME = _switch("SIDECAR_HOME", str, None,
                "cache root: the embedded tiny models live in $SIDECAR_HOME/models (unset: ~/.cache/sidecar)",
                "call")
 
+KERNEL_CACHE = _switch("TRITON_CACHE_DIR", str, None,
+                       "Triton's own variable: where compiled kernels persist. Unset with SIDECAR_HOME set, the "
+                       "engine sets it to $SIDECAR_HOME/triton (`use_kernel_cache`), so a start finds the kernels "
+                       "an earlier one compiled there; unset without SIDECAR_HOME: Triton's ~/.triton/cache",
+                       "call", owner="triton")
+
 # ---- clients ------------------------------------------------------------------------------------------
 API_KEY = _switch("SIDECAR_API_KEY", str, None,
                   "the API key: `sidecar launch` requires it (the api_key field's SIDECAR_<FIELD> variable), "
                   "`sidecar status` and `sidecar audit --url` send it; unlike --api-key it does not show "
                   "in `ps`", "call")
+
+
+def use_kernel_cache(env: MutableMapping[str, str] | None = None) -> str | None:
+    """The directory compiled Triton kernels persist in: TRITON_CACHE_DIR when set; else, with
+    SIDECAR_HOME set, $SIDECAR_HOME/triton, written into the environment (`env`, os.environ unless
+    given) so Triton and every process started afterwards use it; else None (Triton's default)."""
+    env = os.environ if env is None else env
+    chosen = KERNEL_CACHE.get(env)
+    if chosen is not None:
+        return chosen
+    home = HOME.get(env)
+    if home is None:
+        return None
+    env[KERNEL_CACHE.name] = str(os.path.join(os.path.expanduser(home), "triton"))
+    return env[KERNEL_CACHE.name]
 
 
 def launch_overrides(fields: Iterable[str], env: Mapping[str, str] | None = None) -> dict[str, tuple[str, str]]:

@@ -97,8 +97,19 @@ def test_switches_parse_their_values_and_name_themselves_when_bad() -> None:
 
 def test_the_registry_holds_user_settings_only() -> None:
     """No experiment is a variable: a measured winner is the only code path (docs/benchmarks.md)."""
-    assert set(envs.SWITCHES) == {"SIDECAR_PDL", "TRITON_INTERPRET", "SIDECAR_HOME", "SIDECAR_API_KEY"}
+    assert set(envs.SWITCHES) == {"SIDECAR_PDL", "TRITON_INTERPRET", "SIDECAR_HOME", "SIDECAR_API_KEY",
+                                  "TRITON_CACHE_DIR"}
     assert len(envs.SWITCHES) <= 5
+
+
+def test_the_kernel_cache_lives_under_sidecar_home_unless_set() -> None:
+    """Compiled kernels persist where the user's other Sidecar files are, and a user's own choice wins."""
+    env = {"SIDECAR_HOME": "/data/sidecar"}
+    assert envs.use_kernel_cache(env) == "/data/sidecar/triton" == env["TRITON_CACHE_DIR"]
+    env = {"SIDECAR_HOME": "/data/sidecar", "TRITON_CACHE_DIR": "/mine"}
+    assert envs.use_kernel_cache(env) == "/mine" and env["TRITON_CACHE_DIR"] == "/mine"
+    env = {}
+    assert envs.use_kernel_cache(env) is None and env == {}  # Triton's own default
 
 
 def test_pdl_is_read_at_each_launch(monkeypatch: pytest.MonkeyPatch) -> None:

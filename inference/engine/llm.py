@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from inference import envs
 from inference.config import EngineConfig, build_engine_config
 from inference.core import (
     CompletionOutput,
@@ -36,6 +37,7 @@ from inference.core import (
 )
 from inference.engine.async_step import StepOverlap
 from inference.engine.step_stats import StepLog
+from inference.engine.warm_up import warm_up_engine
 from inference.engine.worker import Worker
 from inference.memory.sleep import TransitionStats
 from inference.parallel import TPInfo
@@ -91,6 +93,7 @@ class LLM:
             config = build_engine_config(str(model), **overrides)
         check_tp_size(config, tp)
         SyncPolicy(config.on_sync)  # InvalidRequestError naming on_sync for an unknown mode
+        envs.use_kernel_cache()  # before the first compile: kernels persist under SIDECAR_HOME when set
         self.config = config
         self.worker = Worker(config, tp, dp_rank=dp_rank)
         self.worker.init_device()
@@ -122,6 +125,8 @@ class LLM:
         self._num_with_stops = 0  # live requests with stop strings (their steps run the detokenizer)
         weights = self.worker.weights  # however a sync reaches it (this API or a rank server), the engine hears
         weights.before_write, weights.on_live = self._before_weight_write, self._on_weights_live
+        # compile what rollouts run now rather than in the first batch (on CPU nothing compiles)
+        self.warm_up_s = warm_up_engine(self) if self.worker.device.type == "cuda" else 0.0
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,

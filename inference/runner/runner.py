@@ -184,6 +184,18 @@ class ModelRunner:
         hidden = self.model(inp.input_ids, inp.positions, inp.meta).index_select(0, inp.last_token_index)
         return self.model.compute_logits(hidden)
 
+    def sampling_state(self) -> tuple[int, torch.Tensor]:
+        """What the noise of later unseeded rows depends on: the count of row lists built, the generator."""
+        return self._sb_builds, self.generator.get_state()
+
+    def restore_sampling_state(self, state: tuple[int, torch.Tensor]) -> None:
+        """Back to `sampling_state()`'s moment (a warm-up's steps leave no trace): later rows draw the
+        noise they would have drawn; the cached rows and the eager-step counts are dropped."""
+        self._sb_builds, generator = state
+        self.generator.set_state(generator)
+        self._sb_seqs, self._sb_rows, self._sb, self._sb_positions = [], None, None, None
+        self.eager_steps = Counter()
+
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         """The step's SamplingBatch. Its row tensors (params and noise seeds: a seeded sequence's own,
         `unseeded_seed` of this list of rows for the others) are built only when other sequences, or

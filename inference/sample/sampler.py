@@ -239,7 +239,7 @@ _ROW_BLOCK = 2048
 
 
 @lru_cache(maxsize=8)
-def _target_programs(device: torch.device) -> int:
+def target_programs(device: torch.device) -> int:
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
 
 
@@ -261,7 +261,7 @@ def row_stats_triton(x: torch.Tensor, invariant: bool = False) -> RowStats:
     if x.stride(1) != 1:
         x = x.contiguous()
     rows, cols = x.shape
-    chunks, span = row_chunks(1 if invariant else rows, cols, _target_programs(x.device))
+    chunks, span = row_chunks(1 if invariant else rows, cols, target_programs(x.device))
     # one float32 allocation for both partial sums and one for max and log_sum: each launch of this
     # function sits on the decode step's host path, where every allocation costs microseconds
     part_m, part_s = torch.empty((2, rows, chunks), dtype=torch.float32, device=x.device)
