@@ -58,6 +58,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if _RUN_TMP not in config.stash:
         return
     run_tmp, old = config.stash[_RUN_TMP]
+    _remove_helper_dirs()
     tempfile.tempdir = None
     if old is None:
         os.environ.pop("TMPDIR", None)
@@ -79,6 +80,17 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 _RUN_TMP = pytest.StashKey[tuple[Path, "str | None"]]()
 _UNTRACKED = pytest.StashKey[frozenset[str]]()
+
+
+def _remove_helper_dirs() -> None:
+    """The dirs helpers keep for the whole process (sidecar logs read after a stop), removed now rather
+    than at interpreter exit, which comes after this check."""
+    import sys
+
+    helpers = sys.modules.get("tests.helpers_sidecar")
+    if helpers is not None and helpers._log_dir.cache_info().currsize:
+        helpers._log_dir().cleanup()
+        helpers._log_dir.cache_clear()
 
 
 def _untracked(root: Path) -> frozenset[str]:

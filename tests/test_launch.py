@@ -109,6 +109,8 @@ def test_engine_settings_reach_the_ranks_and_the_key_file_guards_the_api(tmp_pat
             assert (model["max_model_len"], model["block_size"]) == (96, 8)
             # both processes froze their warm heap (inference/memory/host_heap.py): torch, the model, FastAPI
             assert state["gc_frozen"] > 10_000 and state["ranks"][0]["gc_frozen"] > 10_000, state
+            # the start-up warm-up's seconds (the serving line says them too); on CPU nothing compiles
+            assert state["ranks"][0]["warm_up_s"] == 0.0
             # the max_model_len policy of inference/core.py, applied by the rank after tokenizing
             with pytest.raises(SidecarHTTPError) as e:
                 c.generate([list(range(1, 11))], SamplingParams(max_tokens=87))

@@ -64,7 +64,8 @@ def state_dict(state: ServerState) -> dict[str, Any]:
             "device": pl.device, "ready": st and st.ready, "sleeping": st and st.sleeping,
             "tags": dict(st.arenas) if st else {}, "weight_versions": dict(st.weight_versions) if st else {},
             "torn": dict(st.torn) if st else {}, "gc_frozen": st.gc_frozen if st else 0,
-            "weights_bytes": pl.weights_bytes, "kv_blocks": pl.kv_blocks, "kv_bytes": pl.kv_bytes})
+            "weights_bytes": pl.weights_bytes, "kv_blocks": pl.kv_blocks, "kv_bytes": pl.kv_bytes,
+            "warm_up_s": pl.warm_up_s})
     return {
         "healthy": d.failure is None, "failure": d.failure, "paused": d.paused, "busy": d.busy,
         "sleeping": head and head.sleeping, "ready": head and head.ready,

@@ -235,7 +235,8 @@ def describe_plan(plan: RankPlan) -> str:
     weights = ", ".join(f"{names.get(tag, tag)} {_mib(n)}" for tag, n in plan.weights_bytes.items())
     return (f"rank {plan.rank} (pid {plan.pid}) on {plan.device} {plan.dtype}: weights {weights}; "
             f"KV cache {plan.kv_blocks} blocks x {plan.block_size} tokens = {_mib(plan.kv_bytes)}; "
-            f"max_model_len {plan.max_model_len}; {plan.num_threads} torch thread(s)")
+            f"max_model_len {plan.max_model_len}; {plan.num_threads} torch thread(s); "
+            f"warm-up {plan.warm_up_s:.1f} s")
 
 
 def _mib(n: int) -> str:
@@ -289,7 +290,9 @@ def serve(cfg: LaunchConfig, sock: socket.socket, driver: Any, plans: list[RankP
             await asyncio.sleep(0.05)
         if server.started:
             log.info("API docs at %s/docs", url)
-            print(SERVING_LINE.format(url=url), flush=True)
+            # the start-up pass that compiled what rollouts run (0 on CPU): the rank that took longest
+            warm_up_s = max(plan.warm_up_s for plan in plans)
+            print(f"{SERVING_LINE.format(url=url)} (warm-up {warm_up_s:.1f} s)", flush=True)
         await task
 
     try:

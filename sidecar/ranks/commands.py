@@ -88,6 +88,7 @@ class RankPlan:
     draft_model: str | None
     has_tokenizer: bool
     num_threads: int
+    warm_up_s: float = 0.0  # the start-up pass that compiled what rollouts run (inference/engine/warm_up.py)
 
 
 @dataclass

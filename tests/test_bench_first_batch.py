@@ -1,0 +1,20 @@
+"""scripts/bench/first_batch.py on the CPU (the smoke run; the lead runs it on the GPU): one JSON line with
+both batch times and their ratio, and its empty kernel cache removed afterwards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from scripts.bench import first_batch
+
+
+@pytest.mark.slow  # two tiny batches and an engine: ~15 s on the 2-core box
+def test_first_batch_prints_both_times_and_removes_its_cache(capsys: pytest.CaptureFixture[str]) -> None:
+    line = first_batch.main(["--shape", "tiny", "--prompts", "2", "--samples", "2", "--len-cap", "6",
+                             "--prompt-min", "4", "--prompt-max", "8", "--device", "cpu"])
+    assert line["first_s"] > 0 and line["second_s"] > 0
+    assert line["first_over_second"] == pytest.approx(line["first_s"] / line["second_s"], rel=0.01)
+    assert not Path(str(line["kernel_cache"]).removeprefix("empty (").rstrip(")")).exists()
+    assert capsys.readouterr().out.count("\n") == 1
