@@ -8,6 +8,9 @@ Manifests of two different algorithms have incomparable digests: that is one "al
 naming both, and their digests are not compared (names, dtypes and shapes still are).
 A torn actual manifest (a sync failed after its first byte may have been written) is always a "torn"
 mismatch, even where every digest matches: those bytes are not the weight version the manifest names.
+`Report.cause` tells the reader what a failed audit means, and the summary says it: other weights (a
+weight_version mismatch: digests of two versions differ, as they should) are not corrupted bytes (digests
+that differ at the same version).
 """
 
 from __future__ import annotations
@@ -110,19 +113,43 @@ class Report:
         """The first mismatch that names a tensor (skips rank- and manifest-level ones)."""
         return next((m for m in self.mismatches if m.tensor), None)
 
+    @property
+    def cause(self) -> str | None:
+        """What the mismatches mean, the first that applies: None (ok); "torn" (a rank holds no version);
+        "algorithm" (digests of two rules); "version" (the two sides are different weight versions, so
+        their digests differ as different weights do: not corruption); "layout" (only names, dtypes or
+        shapes differ: two layouts of the weights, e.g. a checkpoint's tensors against a rank's fused
+        parameters); "bytes" (same version and layout, other digests: the bytes are not the ones expected)."""
+        kinds = {m.kind for m in self.mismatches}
+        if not kinds:
+            return None
+        for kind, cause in (("torn", "torn"), ("algorithm", "algorithm"), ("weight_version", "version")):
+            if kind in kinds:
+                return cause
+        return "bytes" if "digest" in kinds else "layout"
+
     def summary(self) -> str:
-        """One line: the verdict; on failure the first mismatch, and the first tensor if that differs."""
+        """One line: the verdict; on failure the first mismatch, and the first tensor if that differs,
+        then what the mismatches mean (`cause`) when that is not plain from the first."""
         ranks = f"{len(self.ranks)} rank{'s' if len(self.ranks) != 1 else ''}"
         if self.ok:
             return f"OK: {self.tensors_checked} tensors on {ranks} match"
         assert self.first is not None
-        text = f"checksum mismatch: {self.first.describe()}"
+        cause = self.cause
+        head = "different weight version, not corrupted bytes" if cause == "version" else "checksum mismatch"
+        text = f"{head}: {self.first.describe()}"
         tensor = self.first_tensor
         if tensor is not None and tensor is not self.first:
             text += f"; first tensor: {tensor.describe()}"
         bad_ranks = len({m.rank for m in self.mismatches})
         count = f"{len(self.mismatches)} mismatch{'es' if len(self.mismatches) != 1 else ''}"
-        return text + f" [{count} on {bad_ranks} of {ranks}]"
+        text += f" [{count} on {bad_ranks} of {ranks}]"
+        if cause == "version":
+            digests = sum(m.kind == "digest" for m in self.mismatches)
+            text += f"; digests of two versions differ as different weights do ({digests} tensors here)"
+        elif cause == "bytes":
+            text += "; same weight version: these bytes are not the ones expected (corrupted or written outside a sync)"
+        return text
 
     def table(self, max_rows: int | None = None) -> str:
         """An aligned plain-text table of the mismatches (at most `max_rows`), then the summary."""

@@ -153,9 +153,14 @@ class Manifest:
 
 
 def load_manifests(path: str | Path) -> list[Manifest]:
-    """Every manifest in a file: a single JSON object, or a JSON list of them (one per rank)."""
+    """Every manifest in a file: a single JSON object, a JSON list of them (one per rank), or a sidecar's
+    GET /checksums answer saved as it came ({"model", "source", "manifests": [...]})."""
     source = str(path)
     data = _parse_json(_read(path), source)
+    if isinstance(data, dict) and "manifests" in data and "format" not in data:
+        if not isinstance(data["manifests"], list):
+            raise ManifestError(source, "manifests", f"expected a list, got {_json_type(data['manifests'])}")
+        data, source = data["manifests"], f"{source}: manifests"
     if not isinstance(data, list):
         return [Manifest.from_dict(data, source)]
     if not data:

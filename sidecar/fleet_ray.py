@@ -9,6 +9,9 @@ sidecar/cli/fleet.py ReplicaPlan builds, with --host <its node's IP> --port 0 [-
   a fractional `gpus_per_replica` (TP 1) lets several replicas share one GPU.
 - Port 0: the replica binds a free port on its node, and the node's IP is the one Ray reaches it by,
   so the driver reaches it too.
+- That address is not loopback, so a replica always has an API key: `api_key` (else $SIDECAR_API_KEY,
+  else a random one per fleet, `RayFleet.api_key`), given to it as SIDECAR_API_KEY (not on its command
+  line, where `ps` shows it) and to the Fleet's clients.
 Nothing outlives the fleet: a failed start, close() and the driver's death each end every replica
 (SIGTERM, then SIGKILL), actor and placement group. Ray is imported inside the functions only
 (`pip install "sidecar[ray]"`): sidecar imports without it. Operating it: docs/fleet.md.
@@ -22,6 +25,7 @@ import logging
 import os
 import queue
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from inference import envs
 from inference.core import InvalidRequestError
 from sidecar.child_process import die_with_parent, stdout_lines
 from sidecar.cli.fleet import STOP_TIMEOUT_S, ReplicaPlan, launch_flags, plan_replicas
@@ -45,7 +50,7 @@ POLL_S = 1.0  # longest single call into an actor while replicas start
 TAIL_LINES = 40
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
-__all__ = ["PlacedReplica", "RayFleet", "ReplicaStartError", "place_fleet"]
+__all__ = ["PlacedReplica", "RayFleet", "ReplicaStartError", "fleet_key", "place_fleet"]
 
 
 class ReplicaStartError(FleetError):
@@ -74,7 +79,7 @@ class ReplicaProcess:
     """Lives in replica i's Ray actor: its `sidecar launch` child, the child's stdout lines and log.
     Every method returns within about POLL_S (stop within stop_timeout_s)."""
 
-    def __init__(self, plan: ReplicaPlan, device: str, extra: list[str], log_dir: str | None) -> None:
+    def __init__(self, plan: ReplicaPlan, device: str, extra: list[str], log_dir: str | None, api_key: str) -> None:
         import ray
 
         self.plan, self.node = plan, ray.util.get_node_ip_address()
@@ -84,7 +89,8 @@ class ReplicaProcess:
         self.log_path = folder / f"replica{plan.dp_rank}.log"
         with open(self.log_path, "a") as err:
             self.proc = subprocess.Popen(plan.command(self.node, device, extra), stdout=subprocess.PIPE, stderr=err,
-                                         text=True, preexec_fn=functools.partial(die_with_parent, os.getpid()))
+                                         text=True, env={**os.environ, envs.API_KEY.name: api_key},
+                                         preexec_fn=functools.partial(die_with_parent, os.getpid()))
         self.lines = stdout_lines(self.proc)
 
     def started(self) -> dict[str, Any]:
@@ -178,6 +184,7 @@ class RayFleet(Fleet):
     def __init__(self, placement: _Placement, **fleet_options: Any) -> None:
         self._placement = placement
         self.placed = list(placement.placed)
+        self.api_key: str | None = fleet_options.get("api_key")  # every replica's (module docstring)
         try:
             super().__init__([p.url for p in self.placed], **fleet_options)
         except BaseException:
@@ -208,9 +215,11 @@ def place_fleet(replicas: int, *, device: str = "cuda", tp: int | Sequence[int] 
     --dp-rank, --tp, --host, --port, --device, --devices). gpus_per_replica: None gives each replica
     tp GPUs; a fraction below 1 shares a GPU between TP-1 replicas (give them --gpu-memory-utilization).
     log_dir: where each node writes replica<i>.log (unset: a temporary directory removed at close).
-    fleet_options: passed to Fleet (api_key, timeout, max_retries, ...).
+    fleet_options: passed to Fleet (api_key, timeout, max_retries, ...); api_key is every replica's too
+    (unset: $SIDECAR_API_KEY, else a random one; module docstring).
     """
     plans, extras, bundles = _plan(replicas, device, tp, launch_args, cpus_per_replica, gpus_per_replica, strategy)
+    fleet_options = {**fleet_options, "api_key": fleet_key(extras, fleet_options.get("api_key"))}
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -223,11 +232,22 @@ def place_fleet(replicas: int, *, device: str = "cuda", tp: int | Sequence[int] 
                          f"{startup_timeout_s:g} s; the cluster has {ray.available_resources()} free") from None
     placement = _Placement(pg, stop_timeout_s)
     try:
-        _start(placement, plans, extras, bundles, device, log_dir, startup_timeout_s)
+        _start(placement, plans, extras, bundles, device, log_dir, startup_timeout_s, fleet_options["api_key"])
     except BaseException:
         placement.close()
         raise
     return RayFleet(placement, **fleet_options)
+
+
+def fleet_key(extras: Sequence[Sequence[str]], api_key: str | None) -> str:
+    """The API key of a fleet's replicas, which bind a non-loopback address: `api_key`, else
+    $SIDECAR_API_KEY, else a random one. --api-key among the launch flags is refused: the fleet's clients
+    must know the key, so it goes through place_fleet(api_key=...)."""
+    for extra in extras:
+        if any(a.split("=", 1)[0] == "--api-key" for a in extra):
+            raise InvalidRequestError("launch_args", "--api-key is set by place_fleet for every replica and the "
+                                      "fleet's clients: pass place_fleet(..., api_key=KEY) instead")
+    return api_key or envs.API_KEY.get() or secrets.token_urlsafe(24)
 
 
 def _plan(replicas: int, device: str, tp: int | Sequence[int], launch_args: Sequence[Any], cpus: float,
@@ -265,7 +285,7 @@ def _plan(replicas: int, device: str, tp: int | Sequence[int], launch_args: Sequ
 
 
 def _start(placement: _Placement, plans: list[ReplicaPlan], extras: list[list[str]], bundles: list[dict[str, float]],
-           device: str, log_dir: str | None, timeout: float) -> None:
+           device: str, log_dir: str | None, timeout: float, api_key: str) -> None:
     """Create every actor (each starts its replica), wait for every serving line, then for every /health
     from here; fills placement.placed in dp order, or raises ReplicaStartError.
 
@@ -281,7 +301,7 @@ def _start(placement: _Placement, plans: list[ReplicaPlan], extras: list[list[st
         where = PlacementGroupSchedulingStrategy(placement.pg, placement_group_bundle_index=i)
         placement.actors.append(actor_class.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
                                                     scheduling_strategy=where, max_restarts=0)
-                                .remote(plan, device, extra, log_dir))
+                                .remote(plan, device, extra, log_dir, api_key))
     deadline = time.monotonic() + timeout
     infos, failures = _started(placement.actors, deadline)
     urls: dict[int, str] = {}

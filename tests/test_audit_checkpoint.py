@@ -5,6 +5,7 @@ to compare says so (exit 2) instead of "OK"."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -46,16 +47,29 @@ def test_a_sidecar_serving_the_checkpoint_matches_it(server: Sidecar, model_dir:
     assert proc.stdout.startswith("OK: 23 tensors on 1 rank match"), proc.stdout
 
 
-def test_the_checkpoint_as_it_is_gives_the_false_mismatches_the_docs_warn_of(
+def test_the_checkpoint_as_it_is_points_to_checkpoint_instead_of_false_mismatches(
         server: Sidecar, model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A manifest of the checkpoint's own tensors against the held one (either side) is one model in two
+    layouts: not a mismatch of every fused tensor, but bad input that names --checkpoint."""
     naive = manifest_from_tensors(dict(iter_hf_tensors(model_dir)), model="target", weight_version=0,
                                   rank="dp0:pp0:tp0")
     naive.save(tmp_path / "naive.json")
-    assert main(["audit", "--url", server.url, str(tmp_path / "naive.json")]) == 1
-    rows = [line.split()[:4] for line in capsys.readouterr().out.splitlines()[1:-1]]
-    assert ["dp0:pp0:tp0", "target", "missing", "model.layers.0.self_attn.q_proj.weight"] in rows
-    assert ["dp0:pp0:tp0", "target", "extra", "model.layers.0.self_attn.qkv_proj.weight"] in rows
-    assert ["dp0:pp0:tp0", "target", "extra", "model.layers.0.mlp.gate_up_proj.weight"] in rows
+    assert main(["audit", "--url", server.url, str(tmp_path / "naive.json")]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and len(out.err.splitlines()) == 1
+    assert "--checkpoint DIR" in out.err and "two layouts" in out.err
+    (tmp_path / "held.json").write_text(json.dumps(audit_process_json(server.url)))
+    assert main(["audit", str(tmp_path / "held.json"), str(tmp_path / "naive.json")]) == 2
+    assert "--checkpoint DIR" in capsys.readouterr().err
+    assert main(["audit", str(tmp_path / "naive.json"), str(model_dir / "model.safetensors")]) == 2
+    assert "a checkpoint, not a checksum manifest" in capsys.readouterr().err
+
+
+def audit_process_json(url: str) -> dict:
+    """GET /checksums as it comes (the file a user saves with curl)."""
+    import httpx
+
+    return httpx.get(f"{url}/checksums", timeout=60).json()
 
 
 def test_another_checkpoint_fails_naming_the_fused_tensor(server: Sidecar, tmp_path: Path,

@@ -15,12 +15,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 from torch import nn
 
 from inference.core import InvalidRequestError
 from inference.models.tiny import default_model_dir
-from sidecar.fleet_ray import ReplicaStartError, _plan, place_fleet
+from sidecar.fleet_ray import ReplicaStartError, _plan, fleet_key, place_fleet
 from tests.helpers_sidecar import KV_BYTES, REPO, pid_exists
 from tests.test_fleet_processes import GREEDY, PROMPTS, _new_weights, _served, _sync
 from trainer_hooks import WeightSyncHook
@@ -99,6 +100,8 @@ def test_ray_places_replicas_that_sync_once_serve_like_transformers_and_leave_no
         placed = fleet.placed
         assert [(p.dp_rank, p.tp) for p in placed] == [(0, 1), (1, 1)]
         assert all(p.url.startswith(f"http://{p.node}:") for p in placed)
+        # bound to the node's address, so never open: the fleet made a key, and only it gets in
+        assert fleet.api_key and all(httpx.get(f"{p.url}/state", timeout=30).status_code == 401 for p in placed)
         processes = set().union(*(_tree(p.pid) | {p.actor_pid} for p in placed))
         assert all(len(_tree(p.pid)) >= 2 for p in placed)  # `sidecar launch` and its rank process
         want = _new_weights(trainer, seed=21)
@@ -174,3 +177,14 @@ def test_the_helper_imports_without_ray_torch_or_prometheus() -> None:
     code = ("import sys\nimport sidecar.fleet_ray, trainer_hooks.fleet\n"
             "bad = sorted(m for m in ('ray', 'torch', 'prometheus_client') if m in sys.modules)\nassert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_the_fleets_key_is_given_or_made_never_a_launch_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SIDECAR_API_KEY", raising=False)
+    assert fleet_key([[]], "given-key") == "given-key"
+    made = fleet_key([["--log-level", "info"]], None)
+    assert len(made) >= 24 and made != fleet_key([[]], None)
+    monkeypatch.setenv("SIDECAR_API_KEY", "from-the-env")
+    assert fleet_key([[]], None) == "from-the-env"
+    with pytest.raises(InvalidRequestError, match=r"place_fleet\(\.\.\., api_key=KEY\)"):
+        fleet_key([["--api-key=x"]], None)

@@ -180,10 +180,28 @@ class Fleet:
         versions = [int(s.get("weight_versions", {}).get("target", 0)) for s in states]
         return {"healthy": all(s.get("healthy") for s in states) and len(states) == len(self.replicas),
                 "weight_versions": {"target": max(versions)},
+                # what a new hook attaching to the fleet takes over: asleep if any replica sleeps, the
+                # weights dropped if any dropped them (a sync refills every member)
+                "sleeping": any(s.get("sleeping") for s in states),
+                "tags": {"weights": _weights_state(states)},
+                "torn": {"target": all(s.get("torn", {}).get("target") for s in states)},
                 "transfer": {"backend": next(iter(backends), None),
                              "bucket_bytes": states[0].get("transfer", {}).get("bucket_bytes"),
                              "num_receivers": sum(len(s.get("ranks", [])) for s in states)},
                 "replicas": self._rows(found)}
+
+    def checksums(self, model: str = "target", source: str = "held",
+                  algorithm: str | None = None) -> list[dict[str, Any]]:
+        """Every rank's manifest of every replica in rotation (SidecarClient.checksums on each)."""
+        self._contact()
+        rotating = [r for r in self.replicas if r.in_rotation]
+        if not rotating:
+            raise FleetGoneError(self._reasons("no replica in rotation", {r.index: r.reason for r in self.replicas}))
+        found = self.each(rotating, lambda r: r.client.checksums(model, source, algorithm))
+        for e in found.values():
+            if isinstance(e, BaseException):
+                raise e
+        return [m for r in rotating for m in found[r.index]]
 
     def status(self) -> list[dict[str, Any]]:
         """One row per replica: name, url, reachable, healthy, version, torn, sleeping, in_rotation, reason,
@@ -578,6 +596,12 @@ class _Pooled:
     prompt: Any
     params: Any
     policy: tuple[tuple[str, Any], ...] = ()  # on_sync, max_staleness as submitted
+
+
+def _weights_state(states: Sequence[Mapping[str, Any]]) -> str:
+    """The weights arena of a fleet as one: dropped on some replica, else asleep on some, else awake."""
+    found = {(s.get("tags") or {}).get("weights", "awake") for s in states}
+    return next((state for state in ("asleep_empty", "asleep_mirrored") if state in found), "awake")
 
 
 def wait_first(running: Mapping[Future, Any]) -> tuple[Future, set[Future]]:

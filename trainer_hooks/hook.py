@@ -5,9 +5,11 @@ collectives (FSDP2 all-gathers, ZeRO-3 gathers), so all ranks collect together; 
 rank (rank 0 by default) keeps the full tensors and talks to the sidecar. Non-sending ranks never
 touch the client. The step counters are deterministic, so every rank syncs at the same call.
 
-Versions: the first sync uses the sidecar's live target version + 1; each passing sync advances
-`version` by one (a retried sync uses a fresh number). The draft, when given, is synced after the
-target under the same version, as model "draft".
+Attaching (a sidecar outlives its trainer): a new hook reads the sidecar's state first (`attach`: what
+sleeps, the live version), and before its first rollouts, unless it synced already, syncs its weights
+(sync_on_attach=True) or raises AttachError when the live weights are not the trainer's (False).
+Versions: the first sync uses the live target version + 1; each passing sync advances `version` by one
+(a retried sync uses a fresh number). The draft is synced after the target under the same version.
 
 Failure rules: an audit mismatch raises AuditError carrying the report table (or, with
 retry_on_mismatch, re-sends once first). A sidecar that cannot be reached or whose ranks died
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from checksum import Manifest, compare, digest_tensors
 from inference.core import SamplingParams, SidecarError, StateError
 from inference.transfer.backends import check_backend, default_backend
 from inference.transfer.sender import WeightSender
@@ -56,6 +59,11 @@ class SidecarGoneError(SidecarError):
     """The sidecar is unreachable or its ranks died; the message ends with its log's tail when known."""
 
 
+class AttachError(SidecarError):
+    """With sync_on_attach=False: the sidecar does not serve the trainer's weights (another version, other
+    digests, or a torn model); the message says which and how to sync instead."""
+
+
 class WeightSyncHook:
     """See the module docstring. `client` is a trainer_hooks.client.SidecarClient (or anything with its
     API that raises its errors, trainer_hooks/client_errors.py), or a trainer_hooks.fleet.Fleet.
@@ -72,7 +80,8 @@ class WeightSyncHook:
                  retry_on_mismatch: bool = False, rank: int | None = None, is_sender: bool | None = None,
                  sender_rank: int = 0, allow_cast: bool = False, log_path: str | Path | None = None,
                  transfer_timeout_s: float = 120.0, logprob_gap: bool = False,
-                 trainer_host: str | None = None, rollout_pool: str = DEFAULT_POOL) -> None:
+                 trainer_host: str | None = None, rollout_pool: str = DEFAULT_POOL,
+                 sync_on_attach: bool = True) -> None:
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level!r}")
         if sync_every < 1 or grad_accum_steps < 1:
@@ -101,6 +110,10 @@ class WeightSyncHook:
         self.version: int | None = None  # the live version this hook last synced (sender rank)
         self.asleep = False
         self.weights_fresh = False  # weights woken and refilled since the last sleep
+        self.weights_dropped = False  # the sidecar's weights are gone (sleep level 2): only a sync refills them
+        self.sync_on_attach = sync_on_attach
+        self.attached: dict[str, Any] | None = None  # the sidecar's state when this hook attached (sender rank)
+        self._attach_settled = False  # the first rollouts' sync or check ran (every rank)
         self.stats: dict[str, Any] = {}  # the last step's figures (ms), see _timed
         self._collected: dict[int, _ParameterViews] = {}  # id(model) -> its reusable views (plain modules)
 
@@ -110,10 +123,12 @@ class WeightSyncHook:
         self.sleep()
 
     def sleep(self) -> None:
+        self.attach()
         if self.is_sender and not self.asleep:
             # unfinished pool groups are held (their KV recomputed after the wake), not run to the end now
             args = (self.sleep_level, "hold") if self.pooled else (self.sleep_level,)
             self._timed("sleep_ms", self.client.sleep, *args)
+            self.weights_dropped = self.weights_dropped or self.sleep_level == 2
         self.asleep, self.weights_fresh = True, False
 
     def after_optimizer_step(self) -> dict[str, Any] | None:
@@ -141,6 +156,7 @@ class WeightSyncHook:
         if not self.is_sender:
             self.weights_fresh = True
             return None
+        self.attach()
         if self.asleep:
             self._timed("wake_weights_ms", self.client.wake_up, ["weights"])
         version = self._next_version()
@@ -150,7 +166,7 @@ class WeightSyncHook:
             self._sync_model("draft", draft, self.version if self.version is not None else version)
         self.stats.update(sync_ms=_ms(t0), version=self.version, audit="ok" if report.get("ok") else "mismatch",
                           algorithm=report.get("algorithm"), audit_ms=report.get("audit_ms"))  # the ranks' part
-        self.weights_fresh = True
+        self.weights_fresh, self.weights_dropped = True, False
         return report
 
     def rollouts(self, prompts: Any, sampling: SamplingParams | Any = None, *, min_groups: int | None = None,
@@ -173,6 +189,7 @@ class WeightSyncHook:
         broadcast: also hand the outputs to every other rank (torch.distributed, the trainer's group).
         With logprob_gap=True the hook then measures the trainer-vs-rollout logprob gap (stats).
         """
+        self._settle_attach()
         outputs: list[Any] = []
         if self.is_sender:
             self.wake()
@@ -218,12 +235,79 @@ class WeightSyncHook:
 
     def wake(self) -> None:
         """Wake the KV cache, and the weights too when no sync refilled them (level 1 restores them
-        from host memory; level 2 dropped them, so that is a StateError)."""
+        from host memory; level 2 dropped them, so that is a StateError). On a new hook this wakes a
+        sidecar that an earlier trainer left asleep."""
+        self.attach()
         if self.is_sender and self.asleep:
-            if not self.weights_fresh and self.sleep_level == 2:
-                raise StateError("sleep level 2 dropped the sidecar's weights; sync before rollouts")
+            if not self.weights_fresh and self.weights_dropped:
+                raise StateError("sleep level 2 dropped the sidecar's weights; sync before rollouts "
+                                 "(hook.sync(), or rollouts() with sync_on_attach=True)")
             self._timed("wake_kv_ms", self.client.wake_up, ["kv_cache"] if self.weights_fresh else None)
         self.asleep = False
+
+    def attach(self) -> dict[str, Any] | None:
+        """The handshake (module docstring), once, on the sending rank: read the sidecar's state and take
+        its sleep over (what is asleep, whether the weights were dropped). The state read, or None on
+        other ranks. Every call of the hook that talks to the sidecar runs it first."""
+        if not self.is_sender or self.attached is not None:
+            return self.attached
+        state = self._call(self.client.state)
+        weights = (state.get("tags") or {}).get("weights", "awake")  # its arena's state (inference/memory)
+        self.attached = state
+        self.asleep = bool(state.get("sleeping"))
+        self.weights_fresh = weights == "awake"
+        self.weights_dropped = weights == "asleep_empty"
+        log.info("attached to %s: target v%s, %s%s", _where(self.client),
+                 (state.get("weight_versions") or {}).get("target"), "asleep" if self.asleep else "awake",
+                 " (weights dropped)" if self.weights_dropped else "")
+        return state
+
+    def _settle_attach(self) -> None:
+        """Before the first rollouts of a hook that has not synced: sync (sync_on_attach) or check that
+        the live weights are the trainer's. Every rank runs it (collecting the weights is a collective)."""
+        if self._attach_settled:
+            return
+        self._attach_settled = True
+        if self.syncs:
+            return
+        if self.sync_on_attach:
+            self.sync()
+            return
+        named = self._collect(self.model)
+        if self.is_sender:
+            self._check_attached(named)
+
+    def _check_attached(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """sync_on_attach=False: AttachError unless the sidecar serves these weights. A sidecar at version 0
+        serves the checkpoint it was launched with, which the trainer says it holds too (its layout is the
+        engine's, so `sidecar audit --url URL --checkpoint DIR` is the check of those bytes); a later
+        version must be a sync of exactly these tensors (the digests of what it received)."""
+        state = self.attach() or {}
+        live = (state.get("weight_versions") or {}).get("target")
+        fix = "pass WeightSyncHook(..., sync_on_attach=True) (the default) to sync the trainer's weights first"
+        if (state.get("torn") or {}).get("target"):
+            raise AttachError(f"the sidecar at {_where(self.client)} holds no weight version (a sync failed "
+                              f"there; its model is torn): {fix}")
+        if not live:
+            log.info("attached with sync_on_attach=False to a sidecar at version 0 (its launch checkpoint)")
+            self.version = 0
+            return
+        try:
+            received = [Manifest.from_dict(m, "received") for m in self._call(self.client.checksums, "target",
+                                                                                 "received")]
+        except SidecarError as e:
+            raise AttachError(f"the sidecar at {_where(self.client)} serves target v{live}, whose digests cannot "
+                              f"be read to compare with the trainer's ({e}): {fix}") from e
+        mine = Manifest("target", int(live), received[0].rank, tuple(digest_tensors(
+            [(n, t.detach()) for n, t in named], algorithm=received[0].algorithm)), received[0].algorithm)
+        for theirs in received:
+            report = compare(mine, theirs)
+            if not report.ok:
+                bad = [m.tensor for m in report.mismatches if m.tensor]
+                raise AttachError(f"the sidecar at {_where(self.client)} serves target v{live}, not this trainer's "
+                                  f"weights: {len(bad)} of {len(mine.records)} tensors differ (first: "
+                                  f"{bad[0] if bad else report.summary()}); another trainer synced it: {fix}")
+        self.version = int(live)
 
     @contextlib.contextmanager
     def training(self) -> Iterator[WeightSyncHook]:
@@ -386,6 +470,13 @@ def _state(p: nn.Parameter | None) -> tuple[int, torch.Size] | None:
     return None if p is None else (p.data_ptr(), p.shape)
 
 
+def _where(client: Any) -> str:
+    """The sidecar's address for a message (a Fleet's: each replica's)."""
+    if isinstance(client, Fleet):
+        return "the fleet (" + ", ".join(r.url for r in client.replicas) + ")"
+    return str(getattr(client, "url", "the sidecar"))
+
+
 def _dist_rank() -> int:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank()
@@ -409,4 +500,4 @@ def sampling(**fields: Any) -> SamplingParams:
     return SamplingParams(**fields)
 
 
-__all__: Sequence[str] = ("AuditError", "SidecarGoneError", "WeightSyncHook", "sampling")
+__all__: Sequence[str] = ("AttachError", "AuditError", "SidecarGoneError", "WeightSyncHook", "sampling")

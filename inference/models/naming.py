@@ -14,16 +14,17 @@ tied checkpoints still carry it; we ignore it). Rotary inv_freq tables are skipp
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from inference.models.family import ModelFamily, ShardId
-from inference.models.registry import get_family
+from inference.models.registry import family_names, get_family
 
 if TYPE_CHECKING:
     from inference.config import ModelConfig
 
-__all__ = ["ShardId", "expected_hf_tensors", "family_of", "hf_to_param", "is_skipped", "o_proj_has_bias",
-           "param_to_hf"]
+__all__ = ["ShardId", "expected_hf_tensors", "family_of", "hf_layout_of", "hf_to_param", "is_skipped",
+           "o_proj_has_bias", "param_to_hf"]
 
 
 def family_of(config: ModelConfig) -> type[ModelFamily]:
@@ -58,3 +59,18 @@ def expected_hf_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every HF tensor name a checkpoint of this config must have, with its full (unsharded) shape,
     in the family's layout order. Skipped names (rotary tables, a tied lm_head) are not listed."""
     return family_of(config).expected_hf_tensors(config)
+
+
+def hf_layout_of(hf_names: Collection[str], param_names: Collection[str]) -> str | None:
+    """The family under which `hf_names` (a checkpoint's or a trainer's tensors) are the HF layout of
+    `param_names` (a rank's parameters): the names differ, and renaming the first gives the second, a tied
+    lm_head and rotary tables aside. None when no family does (they are not one model in two layouts)."""
+    ours, theirs = set(param_names) - {"lm_head.weight"}, set(hf_names)
+    if not ours or theirs == set(param_names):
+        return None
+    for name in family_names():
+        family = get_family(name)
+        renamed = {family.hf_to_param(n)[0] for n in theirs if "rotary_emb." not in n} - {"lm_head.weight"}
+        if renamed == ours:
+            return name
+    return None

@@ -51,10 +51,11 @@ class TransferError(SidecarError, RuntimeError):
 class InitInfo:
     """What a receiver needs to join the sender's group (JSON-able; the sidecar forwards it).
 
-    `ranks` optionally maps a rank key ("dp0:pp0:tp1") to its group rank; without it a receiver's
-    rank is 1 + dp_rank * tp_size + tp_rank. `auth`: the session's secret (WeightSender makes a random
-    one per session). It travels only in this dict (over the sidecar's authenticated HTTP API), never
-    through the store: every rank proves it holds it before any group traffic (`authenticate`).
+    `ranks` optionally maps a rank key ("dp0:pp0:tp1") to its group rank (a group of several sidecars);
+    without it the group is one sidecar's and a receiver's rank is 1 + tp_rank, whatever its dp rank.
+    `auth`: the session's secret (WeightSender makes a random one per session). It travels only in this
+    dict (over the sidecar's authenticated HTTP API), never through the store: every rank proves it holds
+    it before any group traffic (`authenticate`).
     """
 
     backend: str
@@ -109,8 +110,11 @@ class InitInfo:
     def timeout(self) -> timedelta:
         return timedelta(seconds=float(self.timeout_s))
 
-    def receiver_rank(self, rank_key: str, dp_rank: int, tp_rank: int, tp_size: int) -> int:
-        rank = self.ranks.get(rank_key) if self.ranks else 1 + dp_rank * tp_size + tp_rank
+    def receiver_rank(self, rank_key: str, tp_rank: int) -> int:
+        """The group rank of one sidecar rank: `ranks` names it when the group holds several sidecars (a
+        fleet). Without it the group is the sender and ONE sidecar, whose ranks are 1..tp in TP order
+        whatever its dp rank: the dp rank names a replica in reports, it places nothing in a group."""
+        rank = self.ranks.get(rank_key) if self.ranks else 1 + tp_rank
         if not isinstance(rank, int) or not 1 <= rank < self.world_size:
             raise InvalidRequestError(
                 "init_info.ranks", f"rank {rank_key} maps to group rank {rank!r}, outside 1..{self.world_size - 1}")

@@ -113,8 +113,9 @@ def _route(spec: TensorSpec, params: dict[str, nn.Parameter], config: ModelConfi
     param = params[param_name]
     held_dtype = dtype_name(param.dtype)
     if spec.dtype != held_dtype and not allow_cast:
-        raise bad(f"dtype {spec.dtype} differs from the {which} model's {held_dtype} "
-                  "(start with allow_cast=True to convert)")
+        raise bad(f"dtype {spec.dtype} differs from the {which} model's {held_dtype}: convert on the way in "
+                  "with WeightSyncHook(..., allow_cast=True) (SidecarClient.sync_weights(..., allow_cast=True)), "
+                  f"or serve the trainer's dtype: `sidecar launch --dtype {spec.dtype}`")
     held = None
     if tp_size == 1 and spec.dtype == held_dtype:
         held = _held_region(param, param_name, shard_id, spec.shape, expected, config)

@@ -178,7 +178,7 @@ class WeightUpdater:
         info = InitInfo.from_dict(init_info)
         if host.device is None:
             raise StateError(f"rank {host.rank_key}: init_device before init_weight_transfer_engine")
-        rank = info.receiver_rank(host.rank_key, host.dp_rank, host.tp.rank, host.tp.size)
+        rank = info.receiver_rank(host.rank_key, host.tp.rank)
         if self._session is not None:
             self._end_session(f"abandoned by a new init_weight_transfer_engine ({info.session_id})")
         self.close_transfer()
@@ -247,8 +247,8 @@ class WeightUpdater:
         return cache.routing
 
     def update(self, update_info: Any = None, *, digests_follow: bool = False) -> dict[str, Any] | None:
-        """Receive every bucket of the open session. `update_info`: None or {} (or a list indexed by
-        dp_rank * tp_size + tp_rank, one entry per rank, for multi-rank drivers). `digests_follow`: the
+        """Receive every bucket of the open session. `update_info`: None or {} (or a list with one entry per
+        rank of this sidecar, indexed by tp rank, for multi-rank drivers). `digests_follow`: the
         sender delivers its digests in the sync (WeightSender.send(deliver_digests=True)); they are
         returned, as `finish` takes them, for the caller to finish at once (None without). With TP > 1,
         an update with `digests_follow` that fails after bytes may have moved takes part in the ranks'
@@ -257,7 +257,7 @@ class WeightUpdater:
         host = self._host
         try:
             if isinstance(update_info, list):
-                update_info = update_info[host.dp_rank * host.tp.size + host.tp.rank]
+                update_info = update_info[host.tp.rank]
             if update_info not in (None, {}):
                 raise InvalidRequestError("update_info", f"must be empty: one call receives the whole plan, "
                                           f"got {update_info!r}")

@@ -124,6 +124,7 @@ def parse_expected(expected: Any, reference: Manifest) -> list[Manifest]:
 def report_dict(report: Report, model: str, source: str) -> dict[str, Any]:
     return {
         "ok": report.ok, "model": model, "source": source, "summary": report.summary(),
+        "cause": report.cause,  # what a failed audit means: other weights ("version") or bad bytes ("bytes")
         "table": report.table(max_rows=50), "ranks": list(report.ranks), "tensors_checked": report.tensors_checked,
         "mismatch_count": len(report.mismatches),
         "mismatches": [dataclasses.asdict(m) for m in report.mismatches[:MAX_MISMATCH_ROWS]],

@@ -109,7 +109,9 @@ def require_key(key: str | None, headers: Mapping[str, str]) -> None:
         return
     scheme, _, token = headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise ApiError(401, "Unauthorized", "missing or wrong API key: send 'Authorization: Bearer KEY'",
+        raise ApiError(401, "Unauthorized", "missing or wrong API key: send 'Authorization: Bearer KEY', KEY "
+                       "being the sidecar's (`sidecar launch --api-key` or SIDECAR_API_KEY); from Python "
+                       "SidecarClient(url, api_key=KEY), from the CLI --api-key KEY or SIDECAR_API_KEY",
                        "authorization")
 
 

@@ -37,8 +37,10 @@ from inference.parallel import TPInfo
 
 
 def checkpoint_manifests(model_dir: str | Path, held: Sequence[Manifest]) -> list[Manifest]:
-    """One expected manifest per held manifest: the same model, weight version, rank key and digest
-    rule, with the digests of what that rank holds when it serves `model_dir`.
+    """One expected manifest per held manifest: the same model, rank key and digest rule, weight version
+    0 (what `sidecar launch --model DIR` serves before any sync), with the digests of what that rank holds
+    when it serves `model_dir`. A synced sidecar's manifests then differ by version first, which the
+    report names as other weights, not corrupted bytes.
 
     Raises InvalidRequestError naming the tensor when the checkpoint is not a valid one of its own
     config.json (unknown, misshapen or missing tensors) or does not split over the ranks' TP size."""
@@ -58,7 +60,7 @@ def checkpoint_manifests(model_dir: str | Path, held: Sequence[Manifest]) -> lis
             if key not in done:
                 done[key] = _rank_manifest(config, ckpt, m, TPInfo(tp, tp_size, _NO_GROUP) if tp_size > 1
                                            else TPInfo(), dtypes)
-            out.append(Manifest(m.model, m.weight_version, m.rank, done[key].records, m.algorithm))
+            out.append(Manifest(m.model, 0, m.rank, done[key].records, m.algorithm))
     return out
 
 

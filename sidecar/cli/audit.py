@@ -3,13 +3,14 @@
 [EXPECTED.json | --checkpoint DIR]`: the same against a running sidecar.
 
 The first file holds what was expected, every further file what a rank holds; any file may hold one
-manifest or a JSON list of them. One expected manifest applies to every actual rank; several are
-matched by (model, rank key), and ranks found on only one side are reported. With --url every rank's
-manifest is fetched (GET /checksums; held weights digested by the rule EXPECTED.json names, or
---algorithm, else each rank's default), the ranks are compared with each other (the replica rule,
-sidecar/audit/rules.py), and against EXPECTED.json or the checkpoint laid out as a rank holds it
-(sidecar/audit/checkpoint.py). With neither, a sidecar without replicas has nothing to compare: that
-is said with exit 2, never "OK". Exit status: 0 all match, 1 mismatch, 2 bad input, nothing to
+manifest, a JSON list of them, or a saved GET /checksums answer. One expected manifest applies to every
+actual rank; several are matched by (model, rank key), and ranks found on only one side are reported.
+A checkpoint's tensor names against a rank's fused parameters are refused (exit 2, naming --checkpoint).
+With --url every rank's manifest is fetched (GET /checksums; held digests by the rule EXPECTED.json
+names, or --algorithm, else each rank's), the ranks are compared with each other (sidecar/audit/rules.py),
+and against EXPECTED.json or the checkpoint laid out as a rank holds it (sidecar/audit/checkpoint.py;
+a sidecar synced since launch is said to hold another version). With neither, a sidecar without replicas
+has nothing to compare: exit 2, never "OK". Exit status: 0 all match, 1 mismatch, 2 bad input, nothing to
 compare or an unreachable sidecar (a one-line error on stderr).
 checksum (and so torch) is imported inside the functions that need it, so that `sidecar audit --help`
 stays fast (scripts/tools/check_help_speed.py).
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import Counter
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from inference import envs
@@ -66,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
             from sidecar.audit.checkpoint import checkpoint_manifests
 
             expected = checkpoint_manifests(args.checkpoint, actual)
+            _note_synced(args, actual)
+        elif expected is not None:
+            _check_layouts(expected, actual)
         reports = [audit(expected, actual)] if expected is not None else []
         if args.url is not None and has_replicas(actual, args.source):
             from sidecar.audit.rules import replica_report
@@ -100,6 +105,37 @@ def _check_arguments(args: argparse.Namespace) -> None:
                                       "pass the sender's manifest of what it sent as EXPECTED.json")
     if args.expected is None and args.url is None:
         raise bad("EXPECTED.json", "give the expected manifest file (or --url)")
+
+
+def _check_layouts(expected: list[Manifest], actual: list[Manifest]) -> None:
+    """Refuse (exit 2) a comparison of one model in two layouts, which reads as a mismatch of every fused
+    tensor: a checkpoint's (or a trainer's) tensor names against a rank's held parameters."""
+    from checksum import ManifestError
+    from inference.models.naming import hf_layout_of
+
+    names = [({r.name for m in side for r in m.records}, label) for side, label in
+             ((expected, "EXPECTED.json"), (actual, "the actual manifests"))]
+    for (hf, hf_label), (ours, ours_label) in (names, names[::-1]):
+        family = hf_layout_of(hf, ours)
+        if family is not None:
+            raise ManifestError("<command line>", "EXPECTED.json", (
+                f"{hf_label} names a checkpoint's (a trainer's) tensors, {ours_label} a sidecar's held "
+                f"parameters (fused qkv_proj / gate_up_proj, the {family} layout): one model in two layouts, "
+                "whose names never match. Check a sidecar's held weights against a checkpoint with "
+                "`sidecar audit --url URL --checkpoint DIR`; compare a trainer's manifest with what its sync "
+                "delivered with `sidecar audit --url URL --source received EXPECTED.json`"))
+
+
+def _note_synced(args: argparse.Namespace, held: list[Manifest]) -> None:
+    """--checkpoint on a sidecar synced since launch: its weights are a trainer's, so say that before the
+    report's digest differences can read as corruption."""
+    versions = sorted({m.weight_version for m in held if m.weight_version})
+    if versions:
+        live = ", ".join(f"v{v}" for v in versions)
+        print(f"the sidecar holds {args.model} {live}: it was synced since launch, so it serves a trainer's "
+              "weights, not the checkpoint (v0); their digests differ as different weights do, which is not "
+              f"corruption. To audit those bytes: sidecar audit --url {args.url} --source received "
+              "TRAINER_MANIFEST.json")
 
 
 def has_replicas(actual: list[Manifest], source: str) -> bool:
@@ -148,6 +184,9 @@ def load_input(path: str) -> list[Manifest]:
     not a mismatch."""
     from checksum import ManifestError, load_manifests
 
+    if str(path).endswith(".safetensors") or Path(path).is_dir():
+        raise ManifestError(path, "<file>", "a checkpoint, not a checksum manifest: check a sidecar against it "
+                                            "with `sidecar audit --url URL --checkpoint DIR`")
     try:
         return load_manifests(path)
     except ManifestError:

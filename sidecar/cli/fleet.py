@@ -10,7 +10,8 @@ Prints one line per replica, then `Sidecar fleet serving on URL0 URL1 ...`: the 
 trainer_hooks.Fleet([...]), in dp order (scripts wait for that line). SIGTERM or SIGINT stops every
 replica (SIGTERM, joined with a timeout, then SIGKILL); should this command die without cleaning up,
 each replica gets SIGTERM (PR_SET_PDEATHSIG). A replica that exits on its own is reported on stderr
-with the command that restarts it, and the others keep serving; when none is left the command exits.
+with the command that restarts it on the port it served, and the others keep serving; when none is
+left the command exits.
 Exit status: 0 after a signal, 1 when a replica failed to start or every replica exited, 2 for bad
 arguments. Declaring the arguments imports no torch.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import os
 import queue
@@ -196,6 +198,10 @@ class _Replicas:
                 print(f"sidecar fleet: replica dp{plan.dp_rank} {why}", file=sys.stderr)
                 return None
             urls.append(url)
+            # the restart command brings it back where the fleet's clients look for it: the port it
+            # serves, not the planned 0 (a new free port would never be re-admitted)
+            served = int(url.rsplit(":", 1)[1].split("/", 1)[0])
+            self.plans[plan.dp_rank] = dataclasses.replace(plan, port=served)
             gpus = f", GPUs {','.join(map(str, plan.gpus))}" if plan.gpus is not None else ""
             print(f"replica dp{plan.dp_rank}: {url} (pid {proc.pid}, tp {plan.tp}{gpus})", flush=True)
         return urls

@@ -44,10 +44,23 @@ def run(args: argparse.Namespace) -> int:
         with SidecarClient(args.url, api_key=key, timeout=args.timeout, retries=1) as client:
             state = client.state()
     except SidecarError as e:
-        print(f"sidecar status: error: {e}", file=sys.stderr)
+        print(f"sidecar status: {explain_error(args.url, e)}", file=sys.stderr)
         return 2
     print(json.dumps(state, indent=2, sort_keys=True) if args.json else format_state(args.url, state))
     return 0 if state.get("healthy") else 1
+
+
+def explain_error(url: str, e: SidecarError) -> str:
+    """One line for an error reaching `url`: what it means and what to do, the cause last."""
+    from trainer_hooks.client_errors import SidecarAuthError, SidecarConnectionError
+
+    if isinstance(e, SidecarConnectionError):
+        return (f"no sidecar answers at {url}: start one with `sidecar launch`, or name its URL "
+                f"(`sidecar status URL`) ({e})")
+    if isinstance(e, SidecarAuthError):
+        return (f"the sidecar at {url} refused the API key: pass its key with --api-key KEY or "
+                f"SIDECAR_API_KEY ({e})")
+    return f"error: {e}"
 
 
 def format_state(url: str, s: dict[str, Any]) -> str:
