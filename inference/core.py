@@ -76,6 +76,9 @@ class SamplingParams:
     `logprobs_mode` says which distribution the reported logprobs come from:
     "raw" is log_softmax of the model's logits (what a trainer recomputes at temperature 1);
     "processed" is log_softmax after temperature, top-k, top-p and min-p (the sampling distribution).
+    Penalties (presence and frequency over the completion's tokens, OpenAI's and vLLM's; repetition
+    over prompt and completion, HF's) change the logits before anything else, so with one set both
+    modes report logprobs of the penalized logits; a row without penalties is never touched.
     A seeded request gives the same completion whatever else runs in the batch; sample i of n
     uses the seed derived from (seed, i).
     """
@@ -93,6 +96,12 @@ class SamplingParams:
     logprobs: int = _doc(0, f"top-k logprobs per token besides the sampled one's, 0..{MAX_LOGPROBS}")
     logprobs_mode: Literal["raw", "processed"] = _doc(
         "raw", "raw: the model's log_softmax; processed: the sampling distribution")
+    presence_penalty: float = _doc(0.0, "in [-2, 2]: subtracted from the logit of every token the completion "
+                                        "has generated so far (OpenAI's); 0 disables it")
+    frequency_penalty: float = _doc(0.0, "in [-2, 2]: subtracted from a token's logit once per time the "
+                                         "completion has generated it (OpenAI's); 0 disables it")
+    repetition_penalty: float = _doc(1.0, "in (0, 100]: the logit of every token of the prompt or the completion "
+                                          "is divided by it when positive, multiplied when not (HF's); 1 disables it")
 
     MAX_N = MAX_N
     MAX_LOGPROBS = MAX_LOGPROBS
@@ -127,6 +136,9 @@ class SamplingParams:
             raise _bad("ignore_eos", f"must be true or false, got {self.ignore_eos!r}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, 0, None)
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0, "in [-2, 2]")
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "in [-2, 2]")
+        _check_float("repetition_penalty", self.repetition_penalty, FLOAT32_TINY, 100.0, "in (0, 100]")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise _bad("stop", f"stop strings must be non-empty strings, got {s!r}")
@@ -134,6 +146,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Any penalty set: the engine changes this row's logits (inference/sample/penalties.py)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def check_limits(self, vocab_size: int, max_model_len: int, num_prompt_tokens: int | None = None) -> None:
         """Refuse what the served model cannot do; InvalidRequestError naming the field otherwise.

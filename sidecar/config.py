@@ -43,7 +43,11 @@ class LaunchConfig:
     """What `sidecar launch` serves and how."""
 
     # ---- what to serve ----
-    model: str | None = option(None, "HF model directory (default: the embedded tiny model)", metavar="DIR")
+    model: str | None = option(None, "HF model directory, or a model id (ORG/NAME) already in the local Hugging "
+                                     "Face cache (default: the embedded tiny model)", metavar="DIR|ID")
+    served_model_name: str | None = option(None, "the model name the OpenAI routes answer to (`model` of a request, "
+                                                 "/v1/models); unset: the --model id, or the directory's name",
+                                           metavar="NAME")
     tokenizer: str | None = option(None, "tokenizer directory (default: the model's)", engine="tokenizer",
                                    metavar="DIR")
     draft_model: str | None = option(None, "draft model directory: speculative decoding", engine="draft_model",

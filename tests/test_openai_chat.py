@@ -21,7 +21,7 @@ from tests.helpers_sidecar import KV_BYTES, Sidecar, launch
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count the sacks of grain."}]
 # What openai 3.x's client.chat.completions.create(...) sends for these arguments, byte for byte.
-OPENAI_BODY = {"model": "tiny", "messages": MESSAGES, "logprobs": True, "max_tokens": 8, "n": 2, "seed": 5,
+OPENAI_BODY = {"model": "tiny-chat", "messages": MESSAGES, "logprobs": True, "max_tokens": 8, "n": 2, "seed": 5,
                "stop": ["\n"], "temperature": 0.7, "top_logprobs": 2}
 
 
@@ -84,7 +84,7 @@ def _nulls(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_greedy_chat_defaults_max_tokens_to_the_rest_of_the_context(server: Sidecar, engine: LLM) -> None:
-    body = {"model": "x", "messages": [{"role": "user", "content": [{"type": "text", "text": "one, two,"}]}],
+    body = {"model": "tiny-chat", "messages": [{"role": "user", "content": [{"type": "text", "text": "one, two,"}]}],
             "temperature": 0, "max_completion_tokens": 5}
     resp = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
@@ -105,12 +105,16 @@ def test_models_lists_the_served_model_with_its_weight_version(server: Sidecar, 
 @pytest.mark.parametrize(("patch", "status", "field"), [
     ({"messages": []}, 422, "messages"),
     ({"messages": [{"role": "user", "content": "x", "colour": 1}]}, 422, "messages[0].colour"),
-    ({"stream": True}, 400, "stream"),
+    ({"stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"colour": 1}, 400, "colour"),
+    ({"model": "gpt-4"}, 404, "model"),
     ({"logprobs": None}, 400, "top_logprobs"),
     ({"top_logprobs": 21}, 400, "top_logprobs"),
     ({"max_tokens": 4000}, 400, "max_tokens"),
     ({"temperature": -1.0}, 400, "temperature"),
-    ({"presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"presence_penalty": 2.5}, 400, "presence_penalty"),
     ({"messages": [{"role": "user", "content": "one " * 3000}], "max_tokens": None}, 400, "messages"),
 ])
 def test_bad_chat_requests_name_the_field(server: Sidecar, patch: dict[str, Any], status: int, field: str) -> None:

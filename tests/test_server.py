@@ -82,7 +82,7 @@ def test_generate_over_http_equals_in_process_engine(client: SidecarClient, engi
 
 
 def test_openai_completions_match_generate(server: Sidecar, engine: LLM) -> None:
-    body = {"model": "anything", "prompt": ["Once upon", "The miller"], "max_tokens": 6, "temperature": 0.7,
+    body = {"prompt": ["Once upon", "The miller"], "max_tokens": 6, "temperature": 0.7,
             "seed": 3, "n": 2, "logprobs": 1, "stop": ["zzz"]}
     resp = post(server, "/v1/completions", body)
     assert resp.status_code == 200, resp.text
@@ -139,7 +139,8 @@ def test_malformed_json_auth_and_unknown_routes(server: Sidecar) -> None:
     resp = post(server, "/generate", content='{"prompts": [')
     assert resp.status_code == 400 and resp.json()["error"]["field"] == "body"
     assert post(server, "/v1/completions", {"prompt": "x", "n": 0}).json()["error"]["field"] == "n"
-    assert post(server, "/v1/completions", {"prompt": "x", "stream": True}).status_code == 400
+    assert post(server, "/v1/completions", {"prompt": "x", "stream_options": {}}).json()["error"]["field"] == (
+        "stream_options")
     for headers in ({"Authorization": ""}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY}"}):
         resp = httpx.post(server.url + "/generate", json={"prompts": ["x"]}, headers=headers, timeout=30)
         assert resp.status_code == 401 and resp.json()["error"]["type"] == "Unauthorized"

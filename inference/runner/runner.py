@@ -26,6 +26,7 @@ from inference.runner.cuda_graphs import CUDAGraphRunner, GreedyGraphs, Sampling
 from inference.runner.inputs import BlockTables, build_step_rows, decode_rows
 from inference.runner.pending_tokens import resolve_pending
 from inference.sample.batch import SamplingBatch, unseeded_seed
+from inference.sample.penalties import apply_penalties, penalized_rows
 from inference.sample.sampler import sample, sample_pairs
 from inference.sched.scheduler import ScheduledBatch
 from inference.sched.sequence import Sequence
@@ -81,6 +82,7 @@ class ModelRunner:
         self._sb_rows: SamplingBatch | None = None  # their row tensors
         self._sb_positions: array | None = None  # the output positions of the last batch built on them
         self._sb: SamplingBatch | None = None  # that batch
+        self._sb_penalized: list[int] = []  # its rows with a penalty (inference/sample/penalties.py)
         # async scheduling: the sampled pairs of the step launched last, where the next step's
         # placeholder input ids are read on the device (inference/runner/pending_tokens.py)
         self._pending_pairs: torch.Tensor | None = None
@@ -178,7 +180,10 @@ class ModelRunner:
                 return None, [], []
             logits = self._forward(inp)
             seqs = batch.seqs if len(sample_rows) == len(batch.seqs) else [batch.seqs[r] for r in sample_rows]
-        return self._sample(logits, self._sampling_batch(seqs), graphed), sample_rows, seqs
+        sb = self._sampling_batch(seqs)
+        if self._sb_penalized:  # rows with a penalty: their logits change in place (graph buffer included)
+            apply_penalties(logits, self._sb_penalized, seqs)
+        return self._sample(logits, sb, graphed), sample_rows, seqs
 
     def _forward(self, inp: StepInputs) -> torch.Tensor:
         hidden = self.model(inp.input_ids, inp.positions, inp.meta).index_select(0, inp.last_token_index)
@@ -209,6 +214,7 @@ class ModelRunner:
             self._sb_rows = SamplingBatch.build_rows([s.params for s in seqs], seeds, self.model_config.vocab_size,
                                                      self.device, self.batch_invariant)
             self._sb_seqs, self._sb, self._sb_positions = list(seqs), None, None
+            self._sb_penalized = penalized_rows(seqs)
         if self._sb_rows.all_greedy:
             return self._sb_rows
         positions = array("q", map(operator.sub, map(len, map(_TOKEN_IDS, seqs)), map(_NUM_PROMPT, seqs)))

@@ -1,7 +1,8 @@
 """The HTTP control plane: a FastAPI app over the driver (generation here, control in sidecar/api/control.py,
 checksums and audits in sidecar/api/audit.py, what they share in sidecar/api/common.py).
 
-Errors: every error response is {"error": {"type", "message", "field", "rank"}}. Status codes:
+Errors: every error response is {"error": {"type", "message", "field", "rank", "param", "code"}} (param
+repeats field, code is OpenAI's where one applies: OpenAI's error shape is a subset). Status codes:
 400 a bad value (malformed JSON, a value out of range; `field` names it), 422 a wrong type or an
 unknown field (pydantic), 401 a missing or wrong API key, 404 an unknown route, 409 a state conflict
 (asleep, torn, an update without start, a checksum mismatch: the model is torn), 413 a body over
@@ -17,7 +18,7 @@ GET /health and GET /metrics (probes and scrapers) and the OpenAPI docs. Reads s
 from __future__ import annotations
 
 import logging
-import uuid
+from concurrent.futures import Future
 from functools import partial
 from typing import Any
 
@@ -40,7 +41,6 @@ from sidecar.api.guard import RequestGuard, require_key
 from sidecar.api.intake import build_intake, encode_group
 from sidecar.api.models import (
     CompletionOut,
-    CompletionRequest,
     ErrorResponse,
     GenerateRequest,
     GenerateResponse,
@@ -48,7 +48,6 @@ from sidecar.api.models import (
     WeightsUpdateRequest,
 )
 from sidecar.api.openai import add_openai_routes
-from sidecar.api.openai_format import completion_response
 from sidecar.api.rollouts import add_rollout_routes
 from sidecar.ranks.driver import RankError
 
@@ -68,7 +67,7 @@ def create_app(state: ServerState) -> FastAPI:
     _add_open_routes(open_router, state)
     _add_generation_routes(router, state)
     add_control_routes(router, state)
-    add_openai_routes(router, state)
+    add_openai_routes(router, state, check_params, submit_group, rename_group_error)
     app.state.rollouts = add_rollout_routes(router, state, check_params, _prompt_out)
     app.include_router(open_router)
     app.include_router(router)
@@ -132,9 +131,10 @@ def error_answer(state: ServerState, e: Exception) -> JSONResponse | None:
     """The app's JSON error answer to an exception a handler (or FastAPI) raised, counted in the metrics;
     None for an unexpected one (RequestGuard answers it with a 500). Every route answers through it (the
     POST /weights/update of sidecar/api/control.py too), so every error reads the same."""
+    code = None
     if isinstance(e, ApiError):
         headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-        status, args = e.status, (e.type, e.message, e.field, e.rank)
+        status, args, code = e.status, (e.type, e.message, e.field, e.rank), e.code
     elif isinstance(e, RankError):
         a = rank_error_to_api(e)
         status, args, headers = a.status, (a.type, a.message, a.field, a.rank), None
@@ -153,7 +153,7 @@ def error_answer(state: ServerState, e: Exception) -> JSONResponse | None:
     else:
         return None
     state.metrics.http_errors.labels(str(status)).inc()
-    return error_response(status, *args, headers=headers)
+    return error_response(status, *args, headers=headers, code=code)
 
 
 def _validation_error(e: RequestValidationError) -> tuple[int, tuple[str, str, str]]:
@@ -222,15 +222,30 @@ def _rename_prompt_errors(e: ApiError, prompts_field: str, params_field: str, pe
     return e
 
 
+async def submit_group(state: ServerState, prompts: list[Any], params: list[SamplingParams], wait: bool,
+                       names: tuple[str, str, bool], sync: SyncPolicy = DEFAULT_SYNC_POLICY) -> Future:
+    """Check, tokenize (off the loop) and queue a group; the driver's future of its outputs. `names`:
+    the body's prompts field, params field, and whether params are per prompt (for error fields)."""
+    try:
+        inputs = await encode_group(state.intake, prompts, params)  # limits, then tokenization off the loop
+        return state.driver.submit(list(zip(inputs, params)), wait=wait, sync=sync)
+    except ApiError as e:
+        raise _rename_prompt_errors(e, *names, e.index) from None
+
+
+def rename_group_error(e: ApiError, names: tuple[str, str, bool]) -> ApiError:
+    """An error of a queued group (`submit_group`) with the body's field names."""
+    return _rename_prompt_errors(e, *names, e.index)
+
+
 async def run_group(request: Request, state: ServerState, prompts: list[Any], params: list[SamplingParams],
                     wait: bool, names: tuple[str, str, bool],
                     sync: SyncPolicy = DEFAULT_SYNC_POLICY) -> list[RequestOutput]:
+    fut = await submit_group(state, prompts, params, wait, names, sync)
     try:
-        inputs = await encode_group(state.intake, prompts, params)  # limits, then tokenization off the loop
-        fut = state.driver.submit(list(zip(inputs, params)), wait=wait, sync=sync)
         return await await_future(request, fut, state.driver)
     except ApiError as e:
-        raise _rename_prompt_errors(e, *names, e.index) from None
+        raise rename_group_error(e, names) from None
 
 
 def _add_generation_routes(router: APIRouter, state: ServerState) -> None:
@@ -247,18 +262,6 @@ def _add_generation_routes(router: APIRouter, state: ServerState) -> None:
         outs = await run_group(request, state, list(body.prompts), params, body.wait,
                                ("prompts", "sampling_params", per_prompt), body.sync_policy())
         return GenerateResponse(outputs=[_prompt_out(o) for o in outs])
-
-    @router.post("/v1/completions", summary="OpenAI-compatible completions (a subset)")
-    async def completions(body: CompletionRequest, request: Request) -> dict[str, Any]:
-        if body.stream:
-            raise ApiError(400, "InvalidRequestError", "streaming is not supported", "stream")
-        params = check_params(body, state, "")
-        prompts = body.prompts()
-        if not prompts:
-            raise ApiError(400, "InvalidRequestError", "must not be empty", "prompt")
-        outs = await run_group(request, state, prompts, [params] * len(prompts), body.wait, ("prompt", "", False))
-        return completion_response(outs, state.served_model_name, body.logprobs, state.tokenizer,
-                                   f"cmpl-{uuid.uuid4().hex}")
 
 
 def _prompt_out(o: RequestOutput) -> PromptOut:

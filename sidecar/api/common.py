@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from inference.models.hub_cache import is_model_id
 from sidecar.api.metrics import Metrics
 from sidecar.config import LaunchConfig
 from sidecar.ranks.commands import Command, RankPlan
@@ -30,9 +31,11 @@ class ApiError(Exception):
     """An error raised by the HTTP layer itself. `kind` is the rank error kind when it came from one."""
 
     def __init__(self, status: int, type_: str, message: str, field: str | None = None,
-                 rank: str | None = None, index: int | None = None, kind: str | None = None) -> None:
+                 rank: str | None = None, index: int | None = None, kind: str | None = None,
+                 code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.type, self.message, self.field, self.rank = status, type_, message, field, rank
+        self.code = code  # OpenAI's error code ("model_not_found", ...), when one applies
         self.index = index  # the prompt of a group that failed, when the ranks said which
         self.kind = kind
 
@@ -57,12 +60,29 @@ class ServerState:
 
     @property
     def served_model_name(self) -> str:
+        """--served-model-name; else the --model id as given (ORG/NAME from the hub cache); else the
+        model directory's name."""
+        if self.config.served_model_name:
+            return str(self.config.served_model_name)
+        if self.config.model and is_model_id(self.config.model):
+            return str(self.config.model)
         return self.plans[0].model.rstrip("/").rsplit("/", 1)[-1]
 
 
+def check_model(state: ServerState, name: str | None) -> None:
+    """404 in OpenAI's shape unless `name` is the served model's (None: the served model)."""
+    served = state.served_model_name
+    if name is not None and name != served:
+        raise ApiError(404, "NotFoundError", f"the model {name!r} does not exist: this sidecar serves {served!r} "
+                       "(--served-model-name); send that name or leave model out", "model", code="model_not_found")
+
+
 def error_response(status: int, type_: str, message: str, field: str | None = None,
-                   rank: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"error": {"type": type_, "message": message, "field": field, "rank": rank}}
+                   rank: str | None = None, headers: dict[str, str] | None = None,
+                   code: str | None = None) -> JSONResponse:
+    """The one error body: {"error": {type, message, field, rank, param, code}}; `param` (= field) and
+    `code` make it OpenAI's shape too, so OpenAI clients read the culprit where they look for it."""
+    body = {"error": {"type": type_, "message": message, "field": field, "rank": rank, "param": field, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 

@@ -112,16 +112,33 @@ class GenerateResponse(BaseModel):
     outputs: list[PromptOut]
 
 
-class _CompletionBody(_Sampling):
-    """The OpenAI /v1/completions subset: every SamplingParams field (so also top_k, min_p, ignore_eos,
-    stop_token_ids, logprobs_mode) plus `wait`. Sampling fields accept null as unset, as OpenAI
-    clients send it; `logprobs` null (the default) returns no logprobs."""
+class StreamOptions(BaseModel):
+    """OpenAI's stream_options; other keys are ignored (OpenAI adds them over time)."""
 
-    model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
-    stream: bool = False
+    model_config = ConfigDict(extra="allow", strict=True)
+    include_usage: bool | None = Field(None, description="a last chunk with empty choices and the usage")
+
+
+class _OpenAIBody(_Sampling):
+    """What both OpenAI bodies share. Unknown fields are kept (extra="allow") so that the route answers
+    them as OpenAI's server does: one 400 naming the field (sidecar/api/openai.py)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: str | None = Field(None, description="the served model's name (--served-model-name); another is a "
+                                                "404; null: the served model")
+    stream: bool = Field(False, description="server-sent events: data: {chunk} ... data: [DONE]")
+    stream_options: StreamOptions | None = Field(None, description="with stream: include_usage")
     user: str | None = None
     wait: bool = Field(True, description=WAIT_DOC)
+
+
+class _CompletionBody(_OpenAIBody):
+    """The OpenAI /v1/completions subset: every SamplingParams field (so also top_k, min_p, ignore_eos,
+    stop_token_ids, logprobs_mode, the penalties) plus `echo` and `wait`. Sampling fields accept null
+    as unset, as OpenAI clients send it; `logprobs` null (the default) returns no logprobs."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = Field(None, description="each choice's text starts with its prompt's")
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -161,25 +178,19 @@ class ChatMessage(_Request):
         return out
 
 
-class _ChatBody(_Request):
+class _ChatBody(_OpenAIBody):
     """The OpenAI /v1/chat/completions subset: messages rendered with the model's own chat template,
     n, temperature, top_p, max_tokens (or max_completion_tokens; unset: the rest of max_model_len),
-    stop, seed, logprobs + top_logprobs, and every other SamplingParams field (top_k, min_p,
-    ignore_eos, stop_token_ids, logprobs_mode); plus `add_generation_prompt` and
+    stop, seed, logprobs + top_logprobs, the penalties, and every other SamplingParams field (top_k,
+    min_p, ignore_eos, stop_token_ids, logprobs_mode); plus `add_generation_prompt` and
     `chat_template_kwargs` (vLLM's: extra template variables such as enable_thinking) and `wait`.
     Sampling fields accept null as unset, as OpenAI clients send it."""
 
-    model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
-    stream: bool = False
-    user: str | None = None
     max_completion_tokens: int | None = Field(None, description="OpenAI's newer name of max_tokens")
     top_logprobs: int | None = Field(None, description="0..20 most likely tokens per position (needs logprobs)")
-    frequency_penalty: float | None = Field(None, description="accepted only as 0 or null (no penalties here)")
-    presence_penalty: float | None = Field(None, description="accepted only as 0 or null (no penalties here)")
     add_generation_prompt: bool = Field(True, description="end the prompt with the assistant's turn header")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the template")
-    wait: bool = Field(True, description="while asleep or torn: wait (true) or get 409 at once (false)")
 
     def sampling_dict(self) -> dict[str, Any]:
         """The SamplingParams fields this body set (null counts as unset), with OpenAI's chat names mapped:
@@ -200,6 +211,25 @@ _chat_sampling["max_tokens"] = (int | None, Field(None, description="new tokens 
                                                                     "max_model_len leaves after the prompt"))
 ChatCompletionRequest = create_model("ChatCompletionRequest", __base__=_ChatBody, __doc__=_ChatBody.__doc__,
                                      **_chat_sampling)
+
+
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a text `prompt`, or chat `messages` rendered with the model's template."""
+
+    model: str | None = Field(None, description="the served model's name; another is a 404")
+    prompt: str | None = Field(None, description="text to tokenize (or messages)")
+    messages: list[ChatMessage] | None = Field(None, description="chat messages, rendered with the model's "
+                                                                 "chat template first (or prompt)")
+    add_special_tokens: bool | None = Field(None, description="add the tokenizer's special tokens (BOS); unset: "
+                                                              "true for a prompt, false for messages")
+    add_generation_prompt: bool = Field(True, description="messages: end with the assistant's turn header")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="messages: extra template variables")
+    return_token_strs: bool = Field(False, description="also each token's text")
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = Field(None, description="the served model's name; another is a 404")
+    tokens: list[int] = Field(description="token ids, decoded with special tokens kept")
 
 
 class SleepRequest(_Request):
@@ -248,6 +278,8 @@ class ErrorBody(BaseModel):
     message: str
     field: str | None = None
     rank: str | None = None
+    param: str | None = Field(None, description="the same as field: where OpenAI clients read it")
+    code: str | None = Field(None, description="OpenAI's error code where one applies (model_not_found, ...)")
 
 
 class ErrorResponse(BaseModel):

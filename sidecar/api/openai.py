@@ -1,49 +1,111 @@
-"""OpenAI-compatible routes beside /v1/completions (server.py): GET /v1/models and POST /v1/chat/completions.
+"""OpenAI-compatible routes: GET /v1/models, GET /v1/models/{id}, POST /v1/completions and
+/v1/chat/completions, each non-streamed or streamed (stream=true: sidecar/api/openai_stream.py).
 
 A chat request is rendered with the served model's own chat template (tokenizer_config.json or
-chat_template.jinja; inference/text/chat_template.py), encoded without adding special tokens (the template
-wrote them), and submitted as token ids: the same tokens `LLM.generate` produces for the rendered
-text. It passes the intake of /v1/completions (sidecar/api/intake.py, docs/limits.md): n against
---max-request-sequences and the messages' characters against --max-prompt-chars before any template
-runs, then rendering and tokenization in a worker thread (never on the event loop), the rendered
-prompt checked as a text prompt is. So an OpenAI client, or an RL environment that speaks chat, can
-point at the sidecar unchanged and still get what RL needs: `weight_version` on the response,
-`token_ids` on each choice, `prompt_token_ids`, and logprobs.
+chat_template.jinja; inference/text/chat_template.py), encoded without adding special tokens (the
+template wrote them), and submitted as token ids: the same tokens `LLM.generate` produces for the
+rendered text. Both pass the intake of /generate (sidecar/api/intake.py, docs/limits.md), tokenizing
+off the event loop. RL extras on the answers: `weight_version`, `token_ids` per choice,
+`prompt_token_ids`, and logprobs in OpenAI's shapes (openai_format.py).
 
-Errors are the API's usual ones: a bad value is a 400 naming the body's field (messages,
-max_tokens, top_logprobs, ...), a model without a tokenizer or a chat template a 400 naming
-"messages". Registered from server.py (`add_openai_routes`), behind the same API key.
+OpenAI's rules kept: `model` must be the served name (--served-model-name) or left out, else a 404
+naming both (code model_not_found); a known OpenAI field this server does not implement (tools,
+response_format other than text, logit_bias, ...) is one 400 naming it (code unsupported_parameter);
+an unknown field is a 400 "Unrecognized request argument supplied" naming it, as OpenAI answers.
+Every error is the app's body, which includes OpenAI's {message, type, param, code}.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
 
 from inference.core import InvalidRequestError, RequestOutput, SamplingParams
-from sidecar.api.common import ApiError, ServerState, await_future
-from sidecar.api.models import ChatCompletionRequest
-from sidecar.api.openai_format import chat_response
+from sidecar.api.common import ApiError, ServerState, await_future, check_model
+from sidecar.api.models import ChatCompletionRequest, CompletionRequest
+from sidecar.api.openai_format import chat_response, completion_response
+from sidecar.api.openai_stream import chat_chunks, completion_chunks, stream_when_done
+from sidecar.api.tokenize import add_tokenize_routes
 from sidecar.ranks.commands import TokenizedPrompt
 
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
-def add_openai_routes(router: APIRouter, state: ServerState) -> None:
+# OpenAI fields not implemented here -> the values that mean "not used" (accepted, nothing to do)
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}), "logit_bias": (None, {}), "suffix": (None, ""),
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
+    "web_search_options": (None,), "verbosity": (None,), "best_of": (None, 1),
+}
+# OpenAI fields that change nothing a client can observe of a self-hosted model: accepted, ignored
+IGNORED = frozenset({"parallel_tool_calls", "metadata", "service_tier", "store", "prompt_cache_key",
+                     "safety_identifier"})
+
+
+def add_openai_routes(router: APIRouter, state: ServerState, check_params: Callable[..., SamplingParams],
+                      submit_group: Callable[..., Any], rename_group_error: Callable[..., ApiError]) -> None:
+    """The routes on `router`; check_params, submit_group and rename_group_error are the app's
+    (sidecar/api/app.py): the same checks and queueing as /generate."""
+    add_tokenize_routes(router, state)
+
     @router.get("/v1/models", summary="OpenAI-compatible model list: the one served model")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [model_card(state)]}
 
-    @router.post("/v1/chat/completions", summary="OpenAI-compatible chat completions, with the model's chat template")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> dict[str, Any]:
-        _refuse_unsupported(body)
+    @router.get("/v1/models/{model_id:path}", summary="OpenAI-compatible model retrieve: 404 unless served")
+    async def model(model_id: str) -> dict[str, Any]:
+        check_model(state, model_id)
+        return model_card(state)
+
+    @router.post("/v1/completions", summary="OpenAI-compatible completions (a subset; stream too)")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        check_openai_body(state, body)
+        if body.echo and body.logprobs is not None:
+            raise _unsupported("echo", "echo with logprobs is not supported (prompt logprobs are not computed)")
+        params = check_params(body, state, "")
+        prompts = body.prompts()
+        if not prompts:
+            raise ApiError(400, "InvalidRequestError", "must not be empty", "prompt")
+        names = ("prompt", "", False)
+        fut = await submit_group(state, prompts, [params] * len(prompts), body.wait, names)
+        rid, echo = f"cmpl-{uuid.uuid4().hex}", bool(body.echo)
+        if body.stream:
+            def chunks(outs: list[RequestOutput]) -> Iterator[bytes]:
+                return completion_chunks(outs, state.served_model_name, body.logprobs, state.tokenizer, rid,
+                                         _include_usage(body), echo)
+            return _streaming(stream_when_done(fut, state.driver, chunks, lambda e: rename_group_error(e, names)))
+        try:
+            outs = await await_future(request, fut, state.driver)
+        except ApiError as e:
+            raise rename_group_error(e, names) from None
+        return completion_response(outs, state.served_model_name, body.logprobs, state.tokenizer, rid, echo)
+
+    @router.post("/v1/chat/completions", summary="OpenAI-compatible chat completions, with the model's chat "
+                                                 "template (stream too)")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        check_openai_body(state, body)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "InvalidRequestError", "needs logprobs: true", "top_logprobs")
         state.intake.check_chat(body.n if body.n is not None else 1, message_chars(body))
         prompt = await asyncio.to_thread(render_prompt, state, body)  # template + tokenizer off the loop
         params = chat_params(state, body, len(prompt.token_ids))
-        out = await _run(request, state, prompt, params, body)
-        return chat_response(out, state.served_model_name, bool(body.logprobs), state.tokenizer,
-                             f"chatcmpl-{uuid.uuid4().hex}")
+        fut = state.driver.submit([(prompt, params)], wait=body.wait)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            def chunks(outs: list[RequestOutput]) -> Iterator[bytes]:
+                return chat_chunks(outs[0], state.served_model_name, bool(body.logprobs), state.tokenizer, rid,
+                                   _include_usage(body))
+            return _streaming(stream_when_done(fut, state.driver, chunks, lambda e: _renamed(e, body)))
+        try:
+            outs = await await_future(request, fut, state.driver)
+        except ApiError as e:
+            raise _renamed(e, body) from None
+        return chat_response(outs[0], state.served_model_name, bool(body.logprobs), state.tokenizer, rid)
 
 
 def model_card(state: ServerState) -> dict[str, Any]:
@@ -54,14 +116,36 @@ def model_card(state: ServerState) -> dict[str, Any]:
             "weight_version": head.weight_versions.get("target") if head is not None else None}
 
 
-def _refuse_unsupported(body: Any) -> None:
-    if body.stream:
-        raise ApiError(400, "InvalidRequestError", "streaming is not supported", "stream")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(body, name) not in (None, 0, 0.0):
-            raise ApiError(400, "InvalidRequestError", "penalties are not supported: send 0 or leave it out", name)
-    if body.top_logprobs is not None and not body.logprobs:
-        raise ApiError(400, "InvalidRequestError", "needs logprobs: true", "top_logprobs")
+def check_openai_body(state: ServerState, body: Any) -> None:
+    """The model, then the fields sent that this server does not implement or does not know (one 400
+    naming the field), then stream_options without stream."""
+    check_model(state, body.model)
+    for name, value in (body.model_extra or {}).items():
+        if name in IGNORED:
+            continue
+        if name not in UNSUPPORTED:
+            raise ApiError(400, "InvalidRequestError", f"Unrecognized request argument supplied: {name}", name)
+        if value not in UNSUPPORTED[name] and not (name == "best_of" and value == body.n):
+            raise _unsupported(name, f"{name} is not supported by this server (send null or leave it out)")
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "InvalidRequestError", "only allowed with stream: true", "stream_options")
+
+
+def _unsupported(name: str, message: str) -> ApiError:
+    return ApiError(400, "InvalidRequestError", message, name, code="unsupported_parameter")
+
+
+def _streaming(chunks: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(chunks, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def _renamed(e: ApiError, body: Any) -> ApiError:
+    e.field = _body_field(e.field, body)
+    return e
+
+
+def _include_usage(body: Any) -> bool:
+    return bool(body.stream_options is not None and body.stream_options.include_usage)
 
 
 def message_chars(body: Any) -> int:
@@ -118,14 +202,3 @@ def _body_field(field: str | None, body: Any) -> str | None:
     if name == "max_tokens" and body.max_completion_tokens is not None:
         return "max_completion_tokens"
     return "top_logprobs" if name == "logprobs" else name
-
-
-async def _run(request: Request, state: ServerState, prompt: TokenizedPrompt, params: SamplingParams,
-               body: Any) -> RequestOutput:
-    fut = state.driver.submit([(prompt, params)], wait=body.wait)
-    try:
-        outs = await await_future(request, fut, state.driver)
-    except ApiError as e:
-        e.field = _body_field(e.field, body)
-        raise
-    return outs[0]

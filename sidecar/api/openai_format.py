@@ -1,12 +1,15 @@
 """The OpenAI response shapes, built from RequestOutputs: /v1/completions and /v1/chat/completions.
 
-Completions: choices are numbered prompt-major: choice i * n + j is sample j of prompt i. `logprobs`
+Completions: choices are numbered prompt-major: choice i * n + j is sample j of prompt i; with `echo`
+its text starts with the prompt's (the text sent, or the prompt's ids decoded). `logprobs`
 follows the legacy completions format (tokens, token_logprobs, top_logprobs, text_offset);
 `text_offset` is where each token's text starts in the completion text, which is decoded without
 special tokens: a sampled special token adds nothing to it (its `tokens` entry still names it).
 Chat: one prompt, its n samples as choices; `logprobs.content` holds {token, logprob, bytes,
 top_logprobs} per token. Both add `weight_version` (the oldest version that produced any token of
-the call) for RL callers, and chat choices add `token_ids` (the sampled ids: no re-tokenizing).
+the call) for RL callers, and every choice `token_ids` (the sampled ids: no re-tokenizing); a
+completions choice also its `prompt_token_ids`, a chat response one `prompt_token_ids`.
+The streamed forms of the same objects: sidecar/api/openai_stream.py.
 """
 
 from __future__ import annotations
@@ -19,30 +22,46 @@ from inference.text.tokenizer import IncrementalDetokenizer
 
 
 def completion_response(outs: list[RequestOutput], model: str, logprobs: int | None, tokenizer: Any,
-                        response_id: str) -> dict[str, Any]:
+                        response_id: str, echo: bool = False) -> dict[str, Any]:
     choices = []
-    prompt_tokens = completion_tokens = 0
     for i, out in enumerate(outs):
-        prompt_tokens += len(out.prompt_token_ids)
         n = len(out.outputs)
+        head = echo_text(out, tokenizer) if echo else ""
         for c in out.outputs:
-            completion_tokens += len(c.token_ids)
             choices.append({
                 "index": i * n + c.index,
-                "text": c.text if c.text is not None else "",
-                "finish_reason": c.finish_reason.value if c.finish_reason is not None else None,
+                "text": head + (c.text if c.text is not None else ""),
+                "finish_reason": finish_reason(c),
                 "logprobs": _logprobs(c, tokenizer) if logprobs is not None else None,
+                "token_ids": list(c.token_ids), "prompt_token_ids": list(out.prompt_token_ids),
             })
     return {
         "id": response_id, "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": choices,
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
-        "weight_version": min((o.weight_version for o in outs), default=0),
+        "choices": choices, "usage": usage(outs), "weight_version": min((o.weight_version for o in outs), default=0),
     }
 
 
-def _token_text(tokenizer: Any, token_id: int) -> str:
+def usage(outs: list[RequestOutput]) -> dict[str, int]:
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
+    completion_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def finish_reason(c: CompletionOutput) -> str | None:
+    return c.finish_reason.value if c.finish_reason is not None else None
+
+
+def echo_text(out: RequestOutput, tokenizer: Any) -> str:
+    """The prompt as echo repeats it: the text sent, or its token ids decoded (special tokens kept)."""
+    if out.prompt is not None:
+        return out.prompt
+    if tokenizer is None:
+        return "".join(f"<{t}>" for t in out.prompt_token_ids)
+    return str(tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False))
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
     if tokenizer is None:
         return f"<{token_id}>"  # a model without tokenizer.json: ids only
     return str(tokenizer.decode([token_id], skip_special_tokens=False))
@@ -69,11 +88,12 @@ def text_offsets(c: CompletionOutput, tokenizer: Any) -> list[int]:
 
 
 def _logprobs(c: CompletionOutput, tokenizer: Any) -> dict[str, Any]:
-    tokens = [_token_text(tokenizer, t) for t in c.token_ids]
+    """The legacy completions logprobs object of a whole choice."""
+    tokens = [token_text(tokenizer, t) for t in c.token_ids]
     offsets = text_offsets(c, tokenizer)
     top = None
     if c.top_logprobs is not None:
-        top = [{_token_text(tokenizer, tid): lp for tid, lp in d.items()} for d in c.top_logprobs]
+        top = [{token_text(tokenizer, tid): lp for tid, lp in d.items()} for d in c.top_logprobs]
     return {"tokens": tokens, "token_logprobs": list(c.logprobs), "top_logprobs": top, "text_offset": offsets}
 
 
@@ -83,23 +103,21 @@ def chat_response(out: RequestOutput, model: str, logprobs: bool, tokenizer: Any
     choices = [{
         "index": c.index,
         "message": {"role": "assistant", "content": c.text if c.text is not None else ""},
-        "finish_reason": c.finish_reason.value if c.finish_reason is not None else None,
-        "logprobs": {"content": _chat_logprobs(c, tokenizer)} if logprobs else None,
+        "finish_reason": finish_reason(c),
+        "logprobs": {"content": chat_logprobs(c, tokenizer)} if logprobs else None,
         "token_ids": list(c.token_ids),
     } for c in out.outputs]
-    completion_tokens = sum(len(c.token_ids) for c in out.outputs)
     return {
         "id": response_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": choices, "system_fingerprint": None,
-        "usage": {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": completion_tokens,
-                  "total_tokens": len(out.prompt_token_ids) + completion_tokens},
+        "choices": choices, "system_fingerprint": None, "usage": usage([out]),
         "prompt_token_ids": list(out.prompt_token_ids), "weight_version": out.weight_version,
     }
 
 
-def _chat_logprobs(c: CompletionOutput, tokenizer: Any) -> list[dict[str, Any]]:
+def chat_logprobs(c: CompletionOutput, tokenizer: Any) -> list[dict[str, Any]]:
+    """logprobs.content of a chat choice: one entry per token, its top_logprobs ranked."""
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = _token_text(tokenizer, token_id)
+        text = token_text(tokenizer, token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     content = []

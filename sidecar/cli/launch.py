@@ -19,7 +19,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -126,7 +126,8 @@ def launch(cfg: LaunchConfig) -> int:
             if visible is not None:
                 log.info("ranks on GPUs %s: CUDA_VISIBLE_DEVICES=%s (rank r reports cuda:r of these)",
                          cfg.devices, visible)
-            model_dir, device = resolve_model(cfg), rank_device(cfg)
+            cfg, model_dir = resolve_model(cfg, os.environ)  # HF_HUB_CACHE / HF_HOME: where ids are found
+            device = rank_device(cfg)
             log.info("starting %d rank process(es) on %s for %s", cfg.tp, device, model_dir)
             pool = RankPool(cfg, model_dir, device)
             plans = pool.start()
@@ -168,19 +169,25 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def resolve_model(cfg: LaunchConfig) -> str:
+def resolve_model(cfg: LaunchConfig, env: Mapping[str, str]) -> tuple[LaunchConfig, str]:
     """The model directory, checked here (config.json readable, family supported) so that a typo
-    fails in a second with exit status 2 instead of after spawning every rank."""
+    fails in a second with exit status 2 instead of after spawning every rank. A model id (ORG/NAME)
+    is found in the local Hugging Face cache (inference/models/hub_cache.py); a draft model's id is
+    replaced by its directory in the config the ranks get (--model stays as given: the served name)."""
     from inference.models.hf_config import read_model_config
+    from inference.models.hub_cache import resolve_model_dir
 
-    for path in (cfg.model, cfg.draft_model):
+    model_dir = resolve_model_dir(cfg.model, env) if cfg.model is not None else None
+    if cfg.draft_model is not None:
+        cfg = dataclasses.replace(cfg, draft_model=resolve_model_dir(cfg.draft_model, env, "draft_model"))
+    for path in (model_dir, cfg.draft_model):
         if path is not None:
             read_model_config(path)
-    if cfg.model is not None:
-        return cfg.model
+    if model_dir is not None:
+        return cfg, model_dir
     from inference.models.tiny import default_model_dir
 
-    return str(default_model_dir())
+    return cfg, str(default_model_dir())
 
 
 def rank_device(cfg: LaunchConfig) -> str:
