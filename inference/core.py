@@ -8,6 +8,7 @@ client can all use it. No other module redefines these types.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import typing
 from dataclasses import dataclass, field, fields
@@ -134,6 +135,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @functools.cached_property
+    def stop_id_set(self) -> frozenset[int]:
+        """stop_token_ids as a set: the per-token check of every row costs O(1), whatever their number."""
+        return frozenset(self.stop_token_ids)
 
     def check_limits(self, vocab_size: int, max_model_len: int, num_prompt_tokens: int | None = None) -> None:
         """Refuse what the served model cannot do; InvalidRequestError naming the field otherwise.

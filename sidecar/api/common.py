@@ -30,11 +30,13 @@ class ApiError(Exception):
     """An error raised by the HTTP layer itself. `kind` is the rank error kind when it came from one."""
 
     def __init__(self, status: int, type_: str, message: str, field: str | None = None,
-                 rank: str | None = None, index: int | None = None, kind: str | None = None) -> None:
+                 rank: str | None = None, index: int | None = None, kind: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.type, self.message, self.field, self.rank = status, type_, message, field, rank
         self.index = index  # the prompt of a group that failed, when the ranks said which
         self.kind = kind
+        self.headers = headers  # extra response headers (Retry-After)
 
 
 @dataclass

@@ -17,13 +17,13 @@ max_tokens, top_logprobs, ...), a model without a tokenizer or a chat template a
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
 
 from inference.core import InvalidRequestError, RequestOutput, SamplingParams
+from inference.text.chat_template import check_template_kwargs
 from sidecar.api.common import ApiError, ServerState, await_future
 from sidecar.api.models import ChatCompletionRequest
 from sidecar.api.openai_format import chat_response
@@ -38,8 +38,9 @@ def add_openai_routes(router: APIRouter, state: ServerState) -> None:
     @router.post("/v1/chat/completions", summary="OpenAI-compatible chat completions, with the model's chat template")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> dict[str, Any]:
         _refuse_unsupported(body)
-        state.intake.check_chat(body.n if body.n is not None else 1, message_chars(body))
-        prompt = await asyncio.to_thread(render_prompt, state, body)  # template + tokenizer off the loop
+        chars = message_chars(body)
+        state.intake.check_chat(body.n if body.n is not None else 1, chars, len(body.messages))
+        prompt = await state.intake.run_text(chars, render_prompt, state, body)  # template + tokenizer off the loop
         params = chat_params(state, body, len(prompt.token_ids))
         out = await _run(request, state, prompt, params, body)
         return chat_response(out, state.served_model_name, bool(body.logprobs), state.tokenizer,
@@ -81,6 +82,7 @@ def render_prompt(state: ServerState, body: Any) -> TokenizedPrompt:
         raise ApiError(400, "InvalidRequestError", "this model has no tokenizer.json: chat needs one (send token "
                                                    "ids to /generate instead)", "messages")
     try:
+        check_template_kwargs(body.chat_template_kwargs or {})
         text = tokenizer.apply_chat_template([m.template_dict() for m in body.messages],
                                              add_generation_prompt=body.add_generation_prompt,
                                              **(body.chat_template_kwargs or {}))
@@ -102,6 +104,7 @@ def chat_params(state: ServerState, body: Any, prompt_len: int) -> SamplingParam
     try:
         params = SamplingParams.from_dict(data)
         params.check_limits(state.vocab_size, max_model_len, prompt_len)
+        state.intake.check_params(params)
     except InvalidRequestError as e:
         raise ApiError(400, type(e).__name__, e.message, _body_field(e.field, body)) from None
     return params
