@@ -199,9 +199,16 @@ def manifest_from_tensors(
 # -- validation ---------------------------------------------------------------------------------
 
 
+MAX_FILE_BYTES = 1 << 30  # ~5M tensors' records: a bound, so /dev/zero or a FIFO cannot be read forever
+
+
 def _read(path: str | Path) -> str:
     try:
-        return Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+        if len(data) > MAX_FILE_BYTES:
+            raise ManifestError(str(path), "<file>", f"larger than {MAX_FILE_BYTES} bytes: not a manifest file")
+        return data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise ManifestError(str(path), "<file>", f"cannot read: {reason}") from exc
@@ -213,6 +220,8 @@ def _parse_json(text: str, source: str) -> object:
     except json.JSONDecodeError as exc:
         raise ManifestError(source, "<json>", f"invalid JSON at line {exc.lineno} column {exc.colno}: "
                             f"{exc.msg}") from None
+    except RecursionError:
+        raise ManifestError(source, "<json>", "nests too deeply: a manifest is an object of tensor records") from None
 
 
 def _check_header(source: str, format_version: object, algorithm: object, model: object,
@@ -285,8 +294,8 @@ def _records_valid(records: Sequence[object]) -> bool:
     if set(map(type, records)) - {TensorRecord}:
         return False
     names, dtypes, shapes, digests = zip(*map(_FIELDS, records)) if records else ((), (), (), ())
-    if set(map(type, names)) - {str} or not all(names):
-        return False
+    if set(map(type, names)) - {str} or not all(names) or not all(map(str.isascii, names)):
+        return False  # a non-ASCII name is checked one by one (a lone surrogate)
     if set(map(type, dtypes)) - {str} or not DTYPES.keys() >= set(dtypes):
         return False
     dims = list(itertools.chain.from_iterable(shapes)) if not set(map(type, shapes)) - {tuple} else None
@@ -296,10 +305,20 @@ def _records_valid(records: Sequence[object]) -> bool:
             and _DIGESTS_RE.fullmatch("".join(digests)) is not None)
 
 
+def _is_unicode(text: str) -> bool:
+    """No lone surrogate (JSON's unpaired \\ud800 escapes): such a name can be neither printed nor saved."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _check_record(source: str, where: str, record: TensorRecord) -> None:
     name, dtype, shape, digest = record.name, record.dtype, record.shape, record.digest
     # type(dtype) before membership: a list or dict as a dtype is unhashable (a TypeError, not a ManifestError)
-    if (type(name) is str and name and type(dtype) is str and dtype in DTYPES and type(shape) is tuple
+    if (type(name) is str and name and (name.isascii() or _is_unicode(name)) and type(dtype) is str
+            and dtype in DTYPES and type(shape) is tuple
             and all(type(s) is int and s >= 0 for s in shape)
             and type(digest) is str and _DIGEST_RE.fullmatch(digest) is not None):
         return  # the common case, decided without building a message
@@ -309,6 +328,8 @@ def _check_record(source: str, where: str, record: TensorRecord) -> None:
 def _check_record_fully(source: str, where: str, record: TensorRecord) -> None:
     if not isinstance(record.name, str) or not record.name:
         raise ManifestError(source, f"{where}.name", f"must be a non-empty string, got {record.name!r}")
+    if not _is_unicode(record.name):
+        raise ManifestError(source, f"{where}.name", f"is not valid Unicode (a lone surrogate): {record.name!r}")
     # one spelling per dtype (DTYPES' names), so comparing strings is exact
     if not isinstance(record.dtype, str) or record.dtype not in DTYPES:
         canonical = alias_of(record.dtype)

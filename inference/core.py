@@ -8,6 +8,7 @@ client can all use it. No other module redefines these types.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import typing
 from dataclasses import dataclass, field, fields
@@ -151,6 +152,11 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         """Any penalty set: the engine changes this row's logits (inference/sample/penalties.py)."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @functools.cached_property
+    def stop_id_set(self) -> frozenset[int]:
+        """stop_token_ids as a set: the per-token check of every row costs O(1), whatever their number."""
+        return frozenset(self.stop_token_ids)
 
     def check_limits(self, vocab_size: int, max_model_len: int, num_prompt_tokens: int | None = None) -> None:
         """Refuse what the served model cannot do; InvalidRequestError naming the field otherwise.

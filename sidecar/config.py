@@ -98,8 +98,8 @@ class LaunchConfig:
                                                  "GPU; unset: on for CUDA (with a draft too)",
                                            engine="async_scheduling")
     spec_max_batch: int | None = option(None, "with --draft-model: speculate only while at most this many "
-                                              "sequences decode (the tail of a rollout); 0: at every batch size; "
-                                              "unset: the engine's 64", engine="spec_max_batch", min=0)
+                                              "sequences decode (the tail of a rollout); 0: at every batch size",
+                                        engine="spec_max_batch", min=0)
     enforce_eager: bool | None = option(None, "no CUDA graphs", engine="enforce_eager")
     attention_backend: str | None = option(None, "auto (per device), reference (eager torch) or triton",
                                            engine="attention_backend")
@@ -130,6 +130,26 @@ class LaunchConfig:
                                             "longer one gets 400 before it is tokenized", min=1)
     max_request_sequences: int = option(16384, "sequences (prompts x n) one generation call may ask for; more "
                                                "get 400", min=1)
+    max_stops: int = option(256, "stop strings, and stop token ids, one prompt's sampling params may carry "
+                                 "(each list); more get 400", min=0)
+    max_stop_chars: int = option(16384, "characters of one prompt's stop strings together; more get 400", min=0)
+    max_response_tokens: int = option(1 << 27, "tokens one generation call may ask back, each top logprob "
+                                               "counted as one: the sum over its prompts of n x max_tokens x "
+                                               "(1 + logprobs); more get 400 before any work", min=1)
+    max_chat_messages: int = option(4096, "messages of one chat call; more get 400 before the template runs",
+                                    min=1)
+    text_workers: int | None = option(None, "threads that tokenize prompts and render chat templates; unset: "
+                                            "the machine's cores, at most 8", min=1)
+    max_text_queue: int = option(256, "generation calls waiting for a tokenizer thread; more get 503 with "
+                                      "Retry-After at once", min=1)
+    max_header_kb: int = option(64, "KiB of one HTTP request's line and headers; more get 431 and the "
+                                    "connection is closed", min=1)
+    header_timeout_s: float = option(30.0, "seconds for an HTTP request's line and headers to arrive once "
+                                           "it began; then the connection is closed", gt=0.0)
+    body_timeout_s: float = option(60.0, "seconds an HTTP request body may go without a new byte (a body "
+                                         "shorter than its Content-Length waits this long); then 408", gt=0.0)
+    max_connections: int = option(4096, "open HTTP connections; past it the longest-idle one is closed, or "
+                                        "the new one answered 503 when none is idle", min=1)
     max_queued_sequences: int = option(65536, "sequences (prompts x n) waiting or running; a call that would "
                                               "pass it gets 429 (retry later)", min=1)
     max_pool_sequences: int = option(65536, "sequences (prompts x n) held in rollout pools (POST /rollouts): "
@@ -152,8 +172,11 @@ class LaunchConfig:
             raise InvalidRequestError("host", "must be a non-empty host name or address")
         if self.api_key is not None and not self.api_key:
             raise InvalidRequestError("api_key", "must be a non-empty string when given")
+        if self.api_key is not None:
+            check_api_key(self.api_key, "api_key")
         if self.api_key_file is not None:
             key = read_key_file(self.api_key_file)
+            check_api_key(key, "api_key_file")
             if self.api_key is not None and self.api_key != key:
                 raise InvalidRequestError("api_key_file", "give the key once: --api-key (or SIDECAR_API_KEY) "
                                                           "or --api-key-file, not both")
@@ -227,15 +250,14 @@ def from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
 def load_config_file(path: str | Path) -> dict[str, Any]:
     """A flat table of launch options from JSON (.json) or TOML (any other suffix)."""
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise InvalidRequestError("config", f"cannot read {p}: {e.strerror or e}") from e
+    text = read_bounded(p, MAX_CONFIG_BYTES, "config")
     if p.suffix.lower() == ".json":
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise InvalidRequestError("config", f"{p} is not valid JSON: {e}") from e
+        except RecursionError:
+            raise InvalidRequestError("config", f"{p} nests too deeply: a config file is a flat table") from None
     else:
         data = _load_toml(p, text)
     if not isinstance(data, dict):
@@ -258,6 +280,8 @@ def _load_toml(p: Path, text: str) -> Any:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise InvalidRequestError("config", f"{p} is not valid TOML: {e}") from e
+    except RecursionError:
+        raise InvalidRequestError("config", f"{p} nests too deeply: a config file is a flat table") from None
 
 
 def _check_file_value(name: str, value: Any, source: str) -> Any:
@@ -309,14 +333,40 @@ def engine_config(cfg: LaunchConfig, model_dir: str, device: str) -> EngineConfi
 
 def read_key_file(path: str) -> str:
     """The first line of an API key file, stripped (InvalidRequestError naming api_key_file otherwise)."""
-    try:
-        text = Path(path).expanduser().read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise InvalidRequestError("api_key_file", f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from e
+    text = read_bounded(Path(path).expanduser(), MAX_KEY_FILE_BYTES, "api_key_file")
     key = text.strip().splitlines()[0].strip() if text.strip() else ""
     if not key:
         raise InvalidRequestError("api_key_file", f"{path} is empty")
     return key
+
+
+MAX_CONFIG_BYTES = 1 << 20  # a config file is a flat table of options: a few KiB
+MAX_KEY_FILE_BYTES = 1 << 16
+
+
+def read_bounded(path: Path, limit: int, field: str) -> str:
+    """A small text file's content, reading at most `limit` + 1 bytes (/dev/zero or a FIFO must not read
+    forever); InvalidRequestError naming `field` when it is larger, unreadable or not UTF-8."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as e:
+        raise InvalidRequestError(field, f"cannot read {path}: {e.strerror or e}") from e
+    if len(data) > limit:
+        raise InvalidRequestError(field, f"{path} is larger than {limit} bytes: not a {field.replace('_', ' ')}")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidRequestError(field, f"{path} is not UTF-8 text: {e}") from None
+
+
+def check_api_key(key: str, field: str) -> None:
+    """An API key travels in an HTTP header (`Authorization: Bearer KEY`): printable ASCII only, so that
+    every client can send the key it was given."""
+    if not key.isascii() or not key.isprintable():
+        at = next(i for i, ch in enumerate(key) if not (ch.isascii() and ch.isprintable()))
+        raise InvalidRequestError(field, f"character {at} of the key is not printable ASCII: an API key is sent "
+                                         "in an HTTP header, which cannot carry it")
 
 
 def parse_devices(text: object) -> tuple[int, ...]:

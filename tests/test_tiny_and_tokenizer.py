@@ -7,9 +7,11 @@ import hashlib
 import json
 import logging
 import os
+import random
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +29,8 @@ from inference.models.tiny import (
     default_model_dir,
     make_tiny_model,
 )
-from inference.text.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_search_start
+from inference.text.stop_strings import StopDetector, StopStrings
+from inference.text.tokenizer import IncrementalDetokenizer, Tokenizer
 from sidecar.cli import make_model as make_model_cli
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -271,12 +274,56 @@ def test_incremental_detokenizer_with_a_sentencepiece_style_tokenizer(tmp_path: 
         assert not any("\ufffd" in d for d in deltas)
 
 
-def test_find_stop_earliest_wins_and_ties_go_to_the_first_listed() -> None:
-    assert find_stop("abc STOP def END", ["END", "STOP"]) == (4, "STOP")
-    assert find_stop("abc STOP", ["STOP", "ST"]) == (4, "STOP")
-    assert find_stop("abc STOP", ["ST", "STOP"]) == (4, "ST")
-    assert find_stop("abc", ["x"]) is None
-    assert find_stop("aXb aXb", ["aXb"], start=1) == (4, "aXb")
+def _first_stop(text: str, stops: list[str], pieces: int = 1) -> tuple[int, str] | None:
+    """The stop the automaton reports for `text` fed in `pieces` chunks (the first chunk that completes one)."""
+    automaton, state, offset = StopStrings(stops), 0, 0
+    size = max(1, -(-len(text) // pieces))
+    for k in range(0, len(text), size):
+        state, hit = automaton.scan(state, text[k:k + size], offset)
+        offset += len(text[k:k + size])
+        if hit is not None:
+            return hit
+    return None
+
+
+def test_stop_strings_earliest_wins_and_ties_go_to_the_first_listed() -> None:
+    assert _first_stop("abc STOP def END", ["END", "STOP"]) == (4, "STOP")
+    assert _first_stop("abc STOP", ["STOP", "ST"]) == (4, "STOP")
+    assert _first_stop("abc STOP", ["ST", "STOP"]) == (4, "ST")
+    assert _first_stop("abc STOP", ["TOP", "STOP", "OP"]) == (4, "STOP")  # a longer match starts earlier
+    assert _first_stop("abc", ["x"]) is None
+    assert _first_stop("xaXb aXb", ["aXb"]) == (1, "aXb")
+    assert _first_stop("aaab", ["aab", "ab", "b"], pieces=4) == (1, "aab")  # across a failure link
+    assert _first_stop("abcabd", ["abd", "bca", "c"], pieces=6) == (2, "c")
+
+
+def test_stop_strings_agree_with_a_plain_search_on_random_text() -> None:
+    rng = random.Random(0)
+    for _ in range(300):
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 30)))
+        stops = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 5))]
+        pieces = rng.randint(1, 6)
+        expected, size, seen = None, max(1, -(-len(text) // pieces)), 0
+        for k in range(0, len(text), size):  # the plain search: the first chunk that completes a stop
+            seen = k + len(text[k:k + size])
+            found = [(text.find(s), i, s) for i, s in enumerate(stops) if 0 <= text.find(s) <= seen - len(s)]
+            if found:
+                start, _, stop = min(found)
+                expected = (start, stop)
+                break
+        assert _first_stop(text, stops, pieces) == expected, (text, stops, pieces)
+
+
+def test_a_million_stop_strings_cost_a_step_linear_in_its_new_text() -> None:
+    stops = [f"{i:07d}" for i in range(200_000)]  # 1.4M characters: built once per request
+    automaton = StopStrings(stops)
+    t0 = time.perf_counter()
+    state, hit = 0, None
+    for k in range(2000):  # 2,000 one-character steps, none completes a stop
+        state, hit = automaton.scan(state, "x", k)
+        assert hit is None
+    assert time.perf_counter() - t0 < 0.5  # a scan per stop string took ~10 ms per step here
+    assert automaton.scan(0, "ab0001234", 0)[1] == (2, "0001234")
 
 
 def test_stop_string_spanning_token_boundaries_is_found_while_streaming(
@@ -287,16 +334,15 @@ def test_stop_string_spanning_token_boundaries_is_found_while_streaming(
     stops = ["paid in cop", "grain 😀 an", "never"]
     ids = tok.encode(text)
     assert all(len(tok.encode(s, add_special_tokens=False)) > 1 for s in stops[:2])
-    detok = IncrementalDetokenizer(tok)
+    detector = StopDetector(tok, [], StopStrings(stops))
     hit = None
     for token in ids:
-        delta = detok.add([token])
-        hit = find_stop(detok.text, stops, stop_search_start(len(detok.text), len(delta), stops))
+        hit = detector.add([token])
         if hit is not None:
             break
     assert hit is not None
     index, stop = hit
-    assert stop == "grain 😀 an" and detok.text[:index] == "The miller weighed the "
+    assert stop == "grain 😀 an" and detector.text[:index] == "The miller weighed the "
 
 
 def test_default_model_dir_is_built_once_and_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

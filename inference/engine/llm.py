@@ -46,7 +46,8 @@ from inference.sched.scheduler import ScheduledBatch, Scheduler, StepResult
 from inference.sched.sequence import Sequence
 from inference.speculative.decoder import SpecDecodeStats
 from inference.text.prompts import check_text, check_token_ids
-from inference.text.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_search_start
+from inference.text.stop_strings import StopDetector, StopStrings
+from inference.text.tokenizer import Tokenizer
 
 Prompt = str | Seq[int]
 
@@ -77,7 +78,8 @@ class _Request:
     prompt_ids: list[int]
     seqs: list[Sequence]
     arrival: float
-    detoks: dict[int, IncrementalDetokenizer] = field(default_factory=dict)  # stop-string detection
+    detoks: dict[int, StopDetector] = field(default_factory=dict)  # stop-string detection, per sequence
+    stops: StopStrings | None = None  # the stop strings' automaton, shared by the request's sequences
 
 
 class LLM:
@@ -168,7 +170,8 @@ class LLM:
             s.max_staleness = policy.max_staleness
         req = _Request(request_id, text, list(ids), seqs, time.monotonic())
         if params.stop and self.tokenizer is not None:
-            req.detoks = {s.index: IncrementalDetokenizer(self.tokenizer, ids) for s in seqs}
+            req.stops = StopStrings(params.stop)  # linear in their characters (the HTTP intake bounds them)
+            req.detoks = {s.index: StopDetector(self.tokenizer, ids, req.stops) for s in seqs}
             self._num_with_stops += 1
         self._num_with_penalties += params.has_penalties
         self._requests[request_id] = req
@@ -298,11 +301,9 @@ class LLM:
             req = self._requests.get(seq.request_id)
             if req is None or not req.detoks:
                 continue
-            detok = req.detoks[seq.index]
+            detector = req.detoks[seq.index]
             for end in range(start_len + 1, seq.num_tokens + 1):
-                delta = detok.add(seq.token_ids[end - 1:end])
-                start = stop_search_start(len(detok.text), len(delta), seq.params.stop)
-                hit = find_stop(detok.text, seq.params.stop, start)
+                hit = detector.add(seq.token_ids[end - 1:end])
                 if hit is not None:
                     self.scheduler.finish(seq, FinishReason.STOP, hit[1])
                     seq.truncate(end)
@@ -450,6 +451,6 @@ class LLM:
         forgotten entries, so they are never hit)."""
         for seq in self.scheduler.on_weights_live(self.weight_version):
             req = self._requests.get(seq.request_id)
-            if req is not None and req.detoks and self.tokenizer is not None:
-                req.detoks[seq.index] = IncrementalDetokenizer(self.tokenizer, req.prompt_ids)
+            if req is not None and req.stops is not None and self.tokenizer is not None:
+                req.detoks[seq.index] = StopDetector(self.tokenizer, req.prompt_ids, req.stops)
         self.block_manager.reset_prefix_cache()

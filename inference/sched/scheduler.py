@@ -405,7 +405,7 @@ class Scheduler:
         params = seq.params
         if token_id in self.eos_token_ids and not params.ignore_eos:
             return FinishReason.STOP, None
-        if params.stop_token_ids and token_id in params.stop_token_ids:
+        if params.stop_token_ids and token_id in params.stop_id_set:
             return FinishReason.STOP, token_id
         if self._reaches_length(seq):
             return FinishReason.LENGTH, None
@@ -583,5 +583,5 @@ def _may_stop(seq: Sequence, token_id: int, eos: frozenset[int], max_len: int) -
     """The cheap screen before _stops (which applies the stop rules in full): False only for a token that
     no rule can stop on, so the common row of a commit costs no more than this."""
     num_tokens, params = len(seq.token_ids), seq.params
-    return (token_id in eos or bool(params.stop_token_ids) or num_tokens - seq.num_prompt_tokens >= params.max_tokens
+    return (token_id in eos or token_id in params.stop_id_set or num_tokens - seq.num_prompt_tokens >= params.max_tokens
             or num_tokens >= max_len)

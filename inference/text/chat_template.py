@@ -52,18 +52,34 @@ def special_token_strings(tokenizer_config: dict[str, Any]) -> dict[str, str]:
     return out
 
 
+RESERVED_VARIABLES = ("messages", "add_generation_prompt")  # the body's own fields, never kwargs
+
+
+def check_template_kwargs(kwargs: dict[str, Any]) -> None:
+    """Refuse template variables that the request sets itself (InvalidRequestError naming the key)."""
+    for name in RESERVED_VARIABLES:
+        if name in kwargs:
+            raise InvalidRequestError(f"chat_template_kwargs.{name}", f"is set by the request itself ({name} "
+                                      "is a field of the body): leave it out of chat_template_kwargs")
+
+
 def render_chat(template: str, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
                 special_tokens: dict[str, str] | None = None, **kwargs: Any) -> str:
     """The prompt text of `messages` under `template`. A template that fails (it raised, or it is not
     valid Jinja) is an InvalidRequestError naming "messages" with the template's own message."""
     import jinja2
 
+    check_template_kwargs(kwargs)
     variables = {"tools": None, "documents": None, **(special_tokens or {}), **kwargs}
     try:
         compiled = _compile(template)
         return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
     except jinja2.TemplateError as e:
         raise InvalidRequestError("messages", f"the model's chat template failed: {e}") from e
+    except (TypeError, ValueError, LookupError, AttributeError, RecursionError) as e:
+        # a template meeting values of a type it does not expect (a chat_template_kwargs value, a message)
+        raise InvalidRequestError("messages", f"the model's chat template failed on this chat: "
+                                              f"{type(e).__name__}: {e}") from e
 
 
 @functools.lru_cache(maxsize=8)

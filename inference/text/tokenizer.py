@@ -210,28 +210,3 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, self._skip) if ids else ""
-
-
-def find_stop(text: str, stop_strings: Sequence[str], start: int = 0) -> tuple[int, str] | None:
-    """The earliest stop string in text[start:]: (index in text, stop string), or None.
-
-    Ties at one index go to the stop string listed first. The caller truncates the output to
-    text[:index] (the stop string itself is not returned, as in OpenAI's API and vLLM).
-    Use `stop_search_start` to search only where a match could have appeared after a new delta.
-    """
-    best: tuple[int, str] | None = None
-    for stop in stop_strings:
-        assert stop, "stop strings are validated non-empty by SamplingParams"
-        i = text.find(stop, start)
-        if i != -1 and (best is None or i < best[0]):
-            best = (i, stop)
-    return best
-
-
-def stop_search_start(text_len: int, delta_len: int, stop_strings: Sequence[str]) -> int:
-    """First index where a stop string ending in the last `delta_len` characters could begin.
-
-    Earlier matches would have been found on earlier deltas, so the search per step stays small.
-    """
-    longest = max((len(s) for s in stop_strings), default=0)
-    return max(0, text_len - delta_len - longest + 1)

@@ -47,6 +47,9 @@ class TransferError(SidecarError, RuntimeError):
     """
 
 
+MAX_WORLD_SIZE = 1 << 16  # processes in one weight-transfer group; torch's own bound (int32) failed late
+
+
 @dataclass(frozen=True)
 class InitInfo:
     """What a receiver needs to join the sender's group (JSON-able; the sidecar forwards it).
@@ -92,11 +95,19 @@ class InitInfo:
         def bad(name: str, msg: str) -> InvalidRequestError:
             return InvalidRequestError(f"init_info.{name}", msg)
 
+        for name in ("backend", "master_host", "session_id", "auth"):
+            value = getattr(self, name)
+            if isinstance(value, str) and not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:  # JSON's lone \ud800: no socket or store key can carry it
+                    raise bad(name, "is not valid Unicode (a lone surrogate)") from None
         check_backend(self.backend, "init_info.backend")
         if not isinstance(self.master_port, int) or not 0 < self.master_port < 65536:
             raise bad("master_port", f"must be a TCP port, got {self.master_port!r}")
-        if not isinstance(self.world_size, int) or self.world_size < 2:
-            raise bad("world_size", f"must be an integer >= 2 (sender + receivers), got {self.world_size!r}")
+        if not isinstance(self.world_size, int) or not 2 <= self.world_size <= MAX_WORLD_SIZE:
+            raise bad("world_size", f"must be an integer in [2, {MAX_WORLD_SIZE}] (sender + receivers), got "
+                                    f"{self.world_size!r}")
         if not isinstance(self.bucket_bytes, int) or self.bucket_bytes <= 0:
             raise bad("bucket_bytes", f"must be a positive integer, got {self.bucket_bytes!r}")
         if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:

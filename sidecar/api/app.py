@@ -57,7 +57,8 @@ log = logging.getLogger(__name__)
 
 
 def create_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="Sidecar", version="0.1.0", responses={"4XX": {"model": ErrorResponse}},
+    # redirect_slashes off: /generate/ is a 404 naming the route, not a 307 that drops a POST's body
+    app = FastAPI(title="Sidecar", version="0.1.0", responses={"4XX": {"model": ErrorResponse}}, redirect_slashes=False,
                   description="Rollouts, sleep/wake, weight syncs and checksum audits of one sidecar.")
     app.state.sidecar = state
     state.intake = build_intake(state.tokenizer, state.config, state.plans[0])
@@ -75,7 +76,8 @@ def create_app(state: ServerState) -> FastAPI:
     # inside RequestGuard: Starlette wraps each later-added middleware around the earlier ones
     app.add_middleware(WeightsUpdateGate, state=state, on_error=partial(error_answer, state))  # type: ignore[arg-type]
     app.add_middleware(RequestGuard, max_body_bytes=state.config.max_body_mb << 20,  # type: ignore[arg-type]
-                       on_error=lambda status: state.metrics.http_errors.labels(str(status)).inc())
+                       on_error=lambda status: state.metrics.http_errors.labels(str(status)).inc(),
+                       body_timeout_s=state.config.body_timeout_s)
     return app
 
 
@@ -133,7 +135,7 @@ def error_answer(state: ServerState, e: Exception) -> JSONResponse | None:
     POST /weights/update of sidecar/api/control.py too), so every error reads the same."""
     code = None
     if isinstance(e, ApiError):
-        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else e.headers
         status, args, code = e.status, (e.type, e.message, e.field, e.rank), e.code
     elif isinstance(e, RankError):
         a = rank_error_to_api(e)
@@ -145,10 +147,10 @@ def error_answer(state: ServerState, e: Exception) -> JSONResponse | None:
     elif isinstance(e, RequestValidationError):
         (status, args), headers = _validation_error(e), None
     elif isinstance(e, StarletteHTTPException):
-        kind = {400: "MalformedBody", 404: "NotFound", 405: "MethodNotAllowed",
+        kind = {400: "MalformedBody", 404: "NotFound", 405: "MethodNotAllowed", 408: "RequestTimeout",
                 413: "PayloadTooLarge"}.get(e.status_code, "HTTPError")
         # FastAPI's own 400 is a body it could not parse (bytes that are not JSON in the declared encoding)
-        status, args = e.status_code, (kind, str(e.detail), "body" if e.status_code in (400, 413) else None)
+        status, args = e.status_code, (kind, str(e.detail), "body" if e.status_code in (400, 408, 413) else None)
         headers = e.headers
     else:
         return None
@@ -182,7 +184,8 @@ def field_path(loc: Any) -> str:
 
 
 def _add_open_routes(router: APIRouter, state: ServerState) -> None:
-    @router.get("/health", summary="200 while every rank is alive and answering, else 503")
+    @router.api_route("/health", methods=["GET", "HEAD"],
+                      summary="200 while every rank is alive and answering, else 503")
     async def health() -> JSONResponse:
         failure = state.driver.failure
         if failure is None:
@@ -203,6 +206,7 @@ def check_params(body: Any, state: ServerState, prefix: str) -> SamplingParams:
     try:
         params: SamplingParams = body.to_params()
         params.check_limits(state.vocab_size, state.plans[0].max_model_len)
+        state.intake.check_params(params)  # the per-step work it causes (stops) and its answer's size
     except InvalidRequestError as e:
         name = e.field.removeprefix("sampling_params.")
         raise ApiError(400, type(e).__name__, e.message, f"{prefix}.{name}" if prefix else name) from None

@@ -32,12 +32,13 @@ class ApiError(Exception):
 
     def __init__(self, status: int, type_: str, message: str, field: str | None = None,
                  rank: str | None = None, index: int | None = None, kind: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.type, self.message, self.field, self.rank = status, type_, message, field, rank
         self.code = code  # OpenAI's error code ("model_not_found", ...), when one applies
         self.index = index  # the prompt of a group that failed, when the ranks said which
         self.kind = kind
+        self.headers = headers  # extra response headers (Retry-After)
 
 
 @dataclass

@@ -3,7 +3,9 @@ every route, whatever its handler does.
 
 - A body larger than --max-body-mb is refused with 413 before it is read: at once when Content-Length
   says so, else as soon as the bytes received pass the limit (a chunked body). Nothing of it is parsed
-  or kept, so one client cannot make the process hold gigabytes.
+  or kept, so one client cannot make the process hold gigabytes. A body that makes no progress for
+  --body-timeout-s (a stalled client, a Content-Length larger than the body) is answered 408. After a
+  body of 8 MiB or more, the C heap's free pages are given back (inference/memory/host_heap.py).
 - Every answer the app writes carries `Server-Timing: app;dur=MS` (the app's time on the request; the
   weight calls add `handler;dur=MS`, and /weights/update `ranks;dur=MS`, the slowest rank's own time), so
   a client can split its own time into the wire's, the framework's, the sidecar's hops and the ranks'.
@@ -16,6 +18,7 @@ every route, whatever its handler does.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -24,10 +27,12 @@ from typing import Any
 
 from starlette.exceptions import HTTPException
 
+from inference.memory.host_heap import release_free_heap
 from sidecar.api.common import ApiError, error_response
 
 log = logging.getLogger(__name__)
 
+TRIM_AFTER_BYTES = 8 << 20  # a body this large leaves its parsed copies' memory to give back (host_heap.py)
 TIMING_KEY = "sidecar.timing"  # the scope key of a request's timing notes (an ASGI extension key)
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -45,14 +50,27 @@ class BodyTooLarge(HTTPException):
                          headers={"Connection": "close"})
 
 
-class RequestGuard:
-    """ASGI middleware: the body limit and the last-resort JSON 500 (module docstring). `on_error(status)`
-    counts the error responses it writes itself."""
+class BodyTooSlow(HTTPException):
+    """408, raised while the body is read: no new byte of it came for body_timeout_s (a client that
+    stalled, or a Content-Length larger than the body it sent)."""
 
-    def __init__(self, app: Any, max_body_bytes: int, on_error: Callable[[int], None]) -> None:
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(408, f"no byte of the request body arrived for {timeout_s} s (the sidecar's "
+                              "--body-timeout-s): is its Content-Length larger than the body?",
+                         headers={"Connection": "close"})
+
+
+class RequestGuard:
+    """ASGI middleware: the body limit, the body's progress timeout and the last-resort JSON 500 (module
+    docstring). `on_error(status)` counts the error responses it writes itself."""
+
+    def __init__(self, app: Any, max_body_bytes: int, on_error: Callable[[int], None],
+                 body_timeout_s: float | None = None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.on_error = on_error
+        self.body_timeout_s = body_timeout_s
+        self._trimming = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -64,15 +82,24 @@ class RequestGuard:
             error = BodyTooLarge(limit)
             await self._answer(scope, receive, send, 413, "PayloadTooLarge", str(error.detail), error.headers)
             return
-        seen = 0
+        seen, body_done, timeout_s = 0, False, self.body_timeout_s
 
         async def limited_receive() -> Message:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, body_done
+            if body_done or timeout_s is None:  # afterwards a receive waits for a disconnect: no bound
+                message = await receive()
+            else:
+                try:
+                    message = await asyncio.wait_for(receive(), timeout_s)
+                except TimeoutError:
+                    raise BodyTooSlow(timeout_s) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
                     raise BodyTooLarge(limit)
+                body_done = body_done or not message.get("more_body", False)
+            else:
+                body_done = True
             return message
 
         started = False
@@ -94,6 +121,13 @@ class RequestGuard:
                 raise
             log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
             await self._answer(scope, receive, send, 500, type(e).__name__, str(e) or type(e).__name__)
+        finally:
+            if seen >= TRIM_AFTER_BYTES and not self._trimming:  # after the answer: never delays it
+                self._trimming = True
+                try:
+                    await asyncio.to_thread(release_free_heap)
+                finally:
+                    self._trimming = False
 
     async def _answer(self, scope: Scope, receive: Receive, send: Send, status: int, type_: str, message: str,
                       headers: dict[str, str] | None = None) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 from inference.core import InvalidRequestError, SamplingParams
 from inference.text.prompts import GilFreeTokenizer, check_text, check_token_ids
 from sidecar.api.common import ApiError
+from sidecar.api.text_pool import TextPool, default_workers
 from sidecar.ranks.commands import RankPlan, TokenizedPrompt
 
 
@@ -34,14 +35,56 @@ class Intake:
     max_model_len: int
     max_prompt_chars: int
     max_request_sequences: int
+    max_stops: int = 256
+    max_stop_chars: int = 16384
+    max_response_tokens: int = 1 << 27
+    max_chat_messages: int = 4096
+    pool: TextPool | None = None  # the tokenizer threads (None: asyncio's default executor)
+
+    async def run_text(self, size: int, fn: Any, *args: Any) -> Any:
+        """fn(*args) on a tokenizer thread; `size` (characters or token ids) orders the queue."""
+        if self.pool is None:
+            return await asyncio.to_thread(fn, *args)
+        return await self.pool.run(size, fn, *args)
+
+    def check_params(self, params: SamplingParams) -> None:
+        """One prompt's sampling params against the per-request work they cause on every step: the number
+        of stop strings and stop token ids and the stop strings' characters (InvalidRequestError naming
+        the field; the ranks build one automaton from them, linear in their characters)."""
+        for name in ("stop", "stop_token_ids"):
+            count = len(getattr(params, name))
+            if count > self.max_stops:
+                raise InvalidRequestError(f"sampling_params.{name}", f"has {count} entries; at most "
+                                          f"{self.max_stops} are accepted (the sidecar's --max-stops)")
+        chars = sum(len(s) for s in params.stop)
+        if chars > self.max_stop_chars:
+            raise InvalidRequestError("sampling_params.stop", f"has {chars} characters; at most "
+                                      f"{self.max_stop_chars} are accepted (the sidecar's --max-stop-chars)")
+        self.check_response([params], "sampling_params.max_tokens")
+
+    def check_response(self, params: Sequence[SamplingParams], name: str) -> None:
+        """What a call may ask back: the sum of n x max_tokens x (1 + logprobs) over its prompts
+        (InvalidRequestError naming `name`), refused before any work: a 105-byte request could ask for a
+        70 MB answer."""
+        total = sum(p.n * p.max_tokens * (1 + p.logprobs) for p in params)
+        if total > self.max_response_tokens:
+            raise InvalidRequestError(name, f"asks back up to {total} tokens and logprobs (n x max_tokens x "
+                                      f"(1 + logprobs), summed over the prompts); one call may ask for at most "
+                                      f"{self.max_response_tokens} (the sidecar's --max-response-tokens): lower "
+                                      "them or split the call")
 
     def check_sequences(self, params: Sequence[SamplingParams]) -> None:
-        """Refuse a call asking for more sequences than one call may (400 naming the prompts)."""
+        """Refuse a call asking for more sequences, or a larger answer, than one call may (400 naming the
+        prompts, or the sampling params)."""
         total = sum(int(p.n) for p in params)
         if total > self.max_request_sequences:
             raise ApiError(400, "InvalidRequestError", f"{len(params)} prompt(s) with their n ask for {total} "
                            f"sequences; one call may ask for at most {self.max_request_sequences} (the sidecar's "
                            "--max-request-sequences): split it into several calls", "prompt")
+        try:
+            self.check_response(params, "sampling_params")
+        except InvalidRequestError as e:
+            raise ApiError(400, type(e).__name__, e.message, e.field) from None
 
     def encode(self, prompts: Sequence[Any], params: Sequence[SamplingParams]) -> list[TokenizedPrompt]:
         """Every prompt checked and tokenized, or ApiError 400 naming the first bad one (`index`).
@@ -61,10 +104,13 @@ class Intake:
         return out
 
     # ---- chat (/v1/chat/completions, sidecar/api/openai.py): the same limits, one rendered prompt ----
-    def check_chat(self, n: int, chars: int) -> None:
+    def check_chat(self, n: int, chars: int, messages: int = 0) -> None:
         """A chat call's cheap checks, before its template is rendered: the sequences it asks for (its
-        n; 400 naming n) and its messages' characters (400 naming messages). The rendered prompt is
-        checked again by `encode_chat`; this refuses a huge message before any template runs."""
+        n; 400 naming n), its number of messages and their characters (400 naming messages). The rendered
+        prompt is checked again by `encode_chat`; this refuses a huge chat before any template runs."""
+        if messages > self.max_chat_messages:
+            raise ApiError(400, "InvalidRequestError", f"has {messages} messages; at most "
+                           f"{self.max_chat_messages} are accepted (the sidecar's --max-chat-messages)", "messages")
         if n > self.max_request_sequences:
             raise ApiError(400, "InvalidRequestError", f"asks for {n} sequences; one call may ask for at most "
                            f"{self.max_request_sequences} (the sidecar's --max-request-sequences): split it into "
@@ -91,9 +137,16 @@ class Intake:
 
 async def encode_group(intake: Intake, prompts: Sequence[Any],
                        params: Sequence[SamplingParams]) -> list[TokenizedPrompt]:
-    """`intake.encode` off the event loop (asyncio's default executor)."""
+    """`intake.encode` on a tokenizer thread, after the checks that cost nothing here: the sequences, the
+    answer's size and each text prompt's length (len() of a str is O(1)), so a call that will be refused
+    for its size never waits for, nor holds, a tokenizer thread."""
     intake.check_sequences(params)
-    return await asyncio.to_thread(intake.encode, prompts, params)
+    size = 0
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str) and len(prompt) > intake.max_prompt_chars:
+            _at(i, check_text, prompt, "prompt", intake.max_prompt_chars)
+        size += len(prompt) if isinstance(prompt, (str, list)) else 0
+    return await intake.run_text(size, intake.encode, prompts, params)
 
 
 def _at(index: int, check: Any, *args: Any) -> None:
@@ -110,5 +163,7 @@ def _bad(index: int, e: InvalidRequestError) -> ApiError:
 def build_intake(tokenizer: Any, config: Any, plan: RankPlan) -> Intake:
     """The Intake of a sidecar: its tokenizer (inference.text.tokenizer.Tokenizer or None), its LaunchConfig's
     limits and the model facts of rank 0's startup plan."""
+    pool = TextPool(config.text_workers or default_workers(), config.max_text_queue)
     return Intake(GilFreeTokenizer(tokenizer) if tokenizer is not None else None, plan.vocab_size,
-                  plan.max_model_len, config.max_prompt_chars, config.max_request_sequences)
+                  plan.max_model_len, config.max_prompt_chars, config.max_request_sequences, config.max_stops,
+                  config.max_stop_chars, config.max_response_tokens, config.max_chat_messages, pool)

@@ -17,7 +17,6 @@ Every error is the app's body, which includes OpenAI's {message, type, param, co
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -26,6 +25,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from inference.core import InvalidRequestError, RequestOutput, SamplingParams
+from inference.text.chat_template import check_template_kwargs
 from sidecar.api.common import ApiError, ServerState, await_future, check_model
 from sidecar.api.models import ChatCompletionRequest, CompletionRequest
 from sidecar.api.openai_format import chat_response, completion_response
@@ -91,8 +91,9 @@ def add_openai_routes(router: APIRouter, state: ServerState, check_params: Calla
         check_openai_body(state, body)
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "InvalidRequestError", "needs logprobs: true", "top_logprobs")
-        state.intake.check_chat(body.n if body.n is not None else 1, message_chars(body))
-        prompt = await asyncio.to_thread(render_prompt, state, body)  # template + tokenizer off the loop
+        chars = message_chars(body)
+        state.intake.check_chat(body.n if body.n is not None else 1, chars, len(body.messages))
+        prompt = await state.intake.run_text(chars, render_prompt, state, body)  # template + tokenizer off the loop
         params = chat_params(state, body, len(prompt.token_ids))
         fut = state.driver.submit([(prompt, params)], wait=body.wait)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -165,6 +166,7 @@ def render_prompt(state: ServerState, body: Any) -> TokenizedPrompt:
         raise ApiError(400, "InvalidRequestError", "this model has no tokenizer.json: chat needs one (send token "
                                                    "ids to /generate instead)", "messages")
     try:
+        check_template_kwargs(body.chat_template_kwargs or {})
         text = tokenizer.apply_chat_template([m.template_dict() for m in body.messages],
                                              add_generation_prompt=body.add_generation_prompt,
                                              **(body.chat_template_kwargs or {}))
@@ -186,6 +188,7 @@ def chat_params(state: ServerState, body: Any, prompt_len: int) -> SamplingParam
     try:
         params = SamplingParams.from_dict(data)
         params.check_limits(state.vocab_size, max_model_len, prompt_len)
+        state.intake.check_params(params)
     except InvalidRequestError as e:
         raise ApiError(400, type(e).__name__, e.message, _body_field(e.field, body)) from None
     return params

@@ -20,6 +20,7 @@ import signal
 import socket
 import sys
 from collections.abc import Mapping, MutableMapping, Sequence
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -183,6 +184,9 @@ def resolve_model(cfg: LaunchConfig, env: Mapping[str, str]) -> tuple[LaunchConf
     for path in (model_dir, cfg.draft_model):
         if path is not None:
             read_model_config(path)
+    if cfg.tokenizer is not None and not (Path(cfg.tokenizer) / "tokenizer.json").is_file():
+        raise InvalidRequestError("tokenizer", f"{cfg.tokenizer} holds no tokenizer.json: give the directory of "
+                                               "the model's tokenizer, or leave --tokenizer out to use the model's")
     if model_dir is not None:
         return cfg, model_dir
     from inference.models.tiny import default_model_dir
@@ -262,6 +266,18 @@ def event_loop() -> tuple[asyncio.AbstractEventLoop, str]:
     return uvloop.new_event_loop(), "httptools"
 
 
+def http_protocol(cfg: LaunchConfig, http: str) -> Any:
+    """httptools' protocol bounded by the connection limits (sidecar/api/connection.py); h11 (no server
+    extra) keeps uvicorn's own bounds: its header size limit and the keep-alive timeout."""
+    from sidecar.api.connection import ConnectionLimits, ensure_descriptors, protocol_class
+
+    ensure_descriptors(cfg.max_connections)
+    if http != "httptools":
+        return http
+    return protocol_class(ConnectionLimits(cfg.max_header_kb << 10, cfg.header_timeout_s, KEEP_ALIVE_S,
+                                           cfg.max_connections))
+
+
 def serve(cfg: LaunchConfig, sock: socket.socket, driver: Any, plans: list[RankPlan]) -> None:
     """Serve until a signal; returns (or raises _Stop) after uvicorn has shut down."""
     import uvicorn
@@ -279,7 +295,8 @@ def serve(cfg: LaunchConfig, sock: socket.socket, driver: Any, plans: list[RankP
     app = create_app(state)
     state.gc_frozen = freeze_startup_heap().objects  # this process serves until it exits (host_heap.py)
     config = uvicorn.Config(app, log_config=None, log_level=cfg.log_level, access_log=False,
-                            lifespan="off", timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S, http=http)
+                            lifespan="off", timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S,
+                            http=http_protocol(cfg, http), h11_max_incomplete_event_size=cfg.max_header_kb << 10)
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
 

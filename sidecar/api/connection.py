@@ -1,0 +1,180 @@
+"""The HTTP connection under the app: uvicorn's httptools protocol with the bounds it lacks (docs/limits.md).
+
+- A connection's request line and headers: at most `max_header_bytes` (431), arriving within
+  `header_timeout_s` of their first byte (408); both answered in the JSON error shape, then closed.
+  Counted before the parser keeps them, so a 200 MB header costs one read buffer, not 200 MB.
+- A new connection that sends nothing for `header_timeout_s`, or one kept alive after a request that
+  sends nothing for `idle_timeout_s`, is closed.
+- At most `max_connections` are open: a new one closes the longest-idle one, or is answered 503 when
+  every open connection is busy. So idle sockets cannot use up the process's descriptors and /health
+  always gets through while any connection is idle.
+- The parser's own 400 (bytes that are not HTTP) is answered in the JSON error shape.
+- A response that closes the connection before its request body was read (a 413) is not followed by
+  a reset: the server half-closes and reads and drops what the client still sends for up to
+  `linger_s`, so the client reads the answer (closing with unread bytes makes the kernel send RST, and
+  the client saw "connection reset" instead of the 413).
+The body's own progress timeout is the app's (sidecar/api/guard.py): it sees the receive calls.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    max_header_bytes: int
+    header_timeout_s: float
+    idle_timeout_s: float
+    max_connections: int
+    linger_s: float = 2.0
+
+
+def error_bytes(status: int, reason: str, type_: str, message: str, field: str | None = None) -> bytes:
+    """A whole HTTP/1.1 response in the API's error shape, closing the connection."""
+    body = json.dumps({"error": {"type": type_, "message": message, "field": field, "rank": None}}).encode()
+    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            "connection: close\r\n\r\n")
+    return head.encode("ascii") + body
+
+
+class _LingeringTransport:
+    """The connection's transport as uvicorn sees it: `close()` lingers while a request body is unread."""
+
+    def __init__(self, transport: Any, protocol: Any) -> None:
+        self._transport = transport
+        self._protocol = protocol
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        self._protocol.close_lingering()
+
+
+def protocol_class(limits: ConnectionLimits) -> type:
+    """uvicorn's HttpToolsProtocol bound by `limits` (one class per server: its idle set is shared)."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    idle: dict[Any, None] = {}  # the idle connections, oldest first (insertion order)
+
+    class BoundedProtocol(HttpToolsProtocol):  # type: ignore[misc]
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            self._raw = transport
+            self._in_head, self._head_bytes, self._lingering = True, 0, False
+            self._head_timer: Any = None
+            full = len(self.connections) >= limits.max_connections
+            if full and idle:  # the longest-idle connection makes room
+                oldest = next(iter(idle))
+                idle.pop(oldest)
+                oldest.close_now()
+                full = False
+            super().connection_made(_LingeringTransport(transport, self))
+            if full:
+                self._refuse(503, "Service Unavailable", "TooManyConnections",
+                             f"{limits.max_connections} connections are open and busy (the sidecar's "
+                             "--max-connections): retry later")
+                return
+            self._go_idle(limits.header_timeout_s)  # a new connection owes its first request at once
+
+        def _go_idle(self, timeout_s: float) -> None:
+            idle[self] = None
+            self._unset_keepalive_if_required()
+            self.timeout_keep_alive_task = self.loop.call_later(timeout_s, self.close_now)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            idle.pop(self, None)
+            self._cancel_head_timer()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if self._lingering:
+                return  # read and dropped: the answer is out, the client is still sending its body
+            idle.pop(self, None)
+            if self._in_head:
+                if self._head_bytes == 0 and self._head_timer is None:
+                    self._head_timer = self.loop.call_later(limits.header_timeout_s, self._head_too_slow)
+                self._head_bytes += len(data)
+            super().data_received(data)
+            if self._in_head and self._head_bytes > limits.max_header_bytes and not self._lingering:
+                self._refuse(431, "Request Header Fields Too Large", "HeadersTooLarge",
+                             f"the request line and headers exceed {limits.max_header_bytes} bytes (the "
+                             "sidecar's --max-header-kb)", "headers")
+
+        def on_headers_complete(self) -> None:
+            self._in_head, self._head_bytes = False, 0
+            self._cancel_head_timer()
+            super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self._raw.is_closing() and not self._lingering and not self.pipeline:
+                self._in_head, self._head_bytes = True, 0
+                self._go_idle(limits.idle_timeout_s)
+
+        def send_400_response(self, msg: str) -> None:
+            self._refuse(400, "Bad Request", "MalformedRequest", f"{msg.rstrip('.')}: not an HTTP/1.1 request")
+
+        def _head_too_slow(self) -> None:
+            self._head_timer = None
+            if self._in_head and not self._raw.is_closing():
+                self._refuse(408, "Request Timeout", "RequestTimeout", "the request line and headers did not "
+                             f"arrive within {limits.header_timeout_s} s (the sidecar's --header-timeout-s)",
+                             "headers")
+
+        def _cancel_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _refuse(self, status: int, reason: str, type_: str, message: str, field: str | None = None) -> None:
+            idle.pop(self, None)
+            self._cancel_head_timer()
+            self._raw.write(error_bytes(status, reason, type_, message, field))
+            self.close_lingering(force=True)
+
+        def close_lingering(self, force: bool = False) -> None:
+            """Close after an answer; while a request's bytes may still come, half-close and drop them
+            for at most linger_s first (module docstring)."""
+            unread = force or (self.cycle is not None and self.cycle.more_body)
+            if not unread or self._raw.is_closing() or self._lingering or not self._raw.can_write_eof():
+                if not self._raw.is_closing():
+                    self._raw.close()
+                return
+            self._lingering = True
+            self._in_head = False
+            self._cancel_head_timer()
+            self._unset_keepalive_if_required()
+            self._raw.write_eof()
+            self._raw.resume_reading()
+            self.loop.call_later(limits.linger_s, self.close_now)
+
+        def close_now(self) -> None:
+            if not self._raw.is_closing():
+                self._raw.close()
+
+        def eof_received(self) -> bool | None:
+            if self._lingering:
+                self.close_now()
+            return super().eof_received()
+
+    return BoundedProtocol
+
+
+def ensure_descriptors(max_connections: int, spare: int = 256) -> None:
+    """Raise this process's soft descriptor limit to hold `max_connections` plus `spare` (files, pipes to
+    the ranks), up to the hard limit; warn when even that is too low."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max_connections + spare
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        if new < want:
+            log.warning("--max-connections %d needs %d descriptors but the hard limit is %d: lower "
+                        "--max-connections or raise `ulimit -n`", max_connections, want, hard)
