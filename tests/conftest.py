@@ -64,7 +64,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         os.environ.pop("TMPDIR", None)
     else:
         os.environ["TMPDIR"] = old
-    left = sorted(p.name for p in run_tmp.iterdir() if not p.name.startswith("pytest-of-"))
+    left = sorted(p.name for p in run_tmp.iterdir() if not p.name.startswith(TOOL_CACHES))
     new_files = sorted(_untracked(config.rootpath) - config.stash[_UNTRACKED])
     if exitstatus == 0 and (left or new_files):
         reporter = config.pluginmanager.get_plugin("terminalreporter")
@@ -78,6 +78,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         shutil.rmtree(run_tmp, ignore_errors=True)
 
 
+# what pytest and torch keep in the temp dir by their own design (removed with the run's dir)
+TOOL_CACHES = ("pytest-of-", "torchinductor_")
 _RUN_TMP = pytest.StashKey[tuple[Path, "str | None"]]()
 _UNTRACKED = pytest.StashKey[frozenset[str]]()
 
