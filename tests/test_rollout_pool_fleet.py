@@ -41,7 +41,9 @@ def test_fleet_rollouts_take_each_group_once_oldest_first(replicas: list[Sidecar
         order = [o.prompt_token_ids[0] for o in first.groups + rest.groups]
         assert order == [10, 11, 12, 13], order
         assert {o.metrics["replica"] for o in first.groups + rest.groups} == {0, 1}
-        assert rest.counts["sequences"] == 0
+        assert rest.counts["pending"] == rest.counts["finished"] == 0 and rest.counts["leased"] == 3
+        fleet.ack_rollouts()  # what the next call does: the taken groups leave their sidecars
+        assert sum(r.client.rollout_counts("default")["sequences"] for r in fleet.replicas) == 0
 
         # partial steps: every submitted group exactly once
         seen: list[str] = []

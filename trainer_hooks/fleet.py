@@ -388,6 +388,7 @@ class Fleet:
         per = _params_list(sampling_params, len(items))
         per = per if isinstance(per, list) else [per] * len(items)
         policy = sync_fields(on_sync, max_staleness)
+        self.ack_rollouts(pool)  # the last call's groups are used: they leave their sidecars
         submitted = self._submit_pooled(pool, [(next(self._order), p, sp) for p, sp in zip(items, per)], policy)
         limit = max_groups if max_groups is not None else (min_groups or None)
         deadline = time.monotonic() + timeout_s
@@ -399,6 +400,50 @@ class Fleet:
         take = self._take_pooled(pool, sorted(finished)[:limit], counts, failing)
         take.submitted = submitted
         return take
+
+    def ack_rollouts(self, pool: str = DEFAULT_POOL) -> int:
+        """SidecarClient.ack_rollouts on every replica this fleet took from (or never did: a new consumer
+        ends that replica's leases of the pool, a dead predecessor's). Groups removed."""
+        with self._lock:
+            holding = {i for (p, i, _) in self._pooled if p == pool}
+            polled = [r for r in self.replicas if r.in_rotation or r.index in holding]
+        owing = [r for r in polled if r.client.tickets.held(pool) != []]
+        found = self.each(owing, lambda r: r.client.ack_rollouts(pool))
+        for got in found.values():
+            if isinstance(got, BaseException) and not isinstance(got, GONE):
+                raise got
+        return sum(got for got in found.values() if isinstance(got, int))
+
+    def cancel_rollouts(self, group_ids: Sequence[str] | None = None, *, pool: str = DEFAULT_POOL) -> dict[str, Any]:
+        """SidecarClient.cancel_rollouts over the replicas, by fleet ids ("dp{i}/{id}"); None: the whole pool
+        on every replica. {"cancelled": [ids], "unknown": [ids]}."""
+        named: dict[int, list[str]] | None = None
+        unknown: list[str] = []
+        if group_ids is not None:
+            named = {}
+            by_name = {r.name: r.index for r in self.replicas}
+            for gid in group_ids:
+                name, _, local = gid.partition("/")
+                if name in by_name and local:
+                    named.setdefault(by_name[name], []).append(local)
+                else:
+                    unknown.append(gid)
+        targets = list(self.replicas) if named is None else [self.replicas[i] for i in named]
+        found = self.each(targets, lambda r: r.client.cancel_rollouts(None if named is None else named[r.index],
+                                                                       pool=pool))
+        cancelled: list[str] = []
+        for i, got in found.items():
+            if isinstance(got, BaseException):
+                if not isinstance(got, GONE):
+                    raise got
+                continue
+            name = self.replicas[i].name
+            cancelled += [f"{name}/{gid}" for gid in got["cancelled"]]
+            unknown += [f"{name}/{gid}" for gid in got["unknown"]]
+            with self._lock:
+                for gid in got["cancelled"]:
+                    self._pooled.pop((pool, i, gid), None)
+        return {"cancelled": cancelled, "unknown": unknown}
 
     def _submit_pooled(self, pool: str, entries: list[tuple[int, Any, Any]],
                        policy: dict[str, Any] | None = None) -> list[str]:
@@ -442,7 +487,7 @@ class Fleet:
             holding = {i for (p, i, _) in self._pooled if p == pool}
             polled = [r for r in self.replicas if r.in_rotation or r.index in holding]
         found = self.each(polled, lambda r: r.client.rollout_counts(pool))
-        finished, counts, failing = [], {"pending": 0, "finished": 0, "failed": 0, "sequences": 0}, set()
+        finished, counts, failing = [], {"pending": 0, "finished": 0, "leased": 0, "failed": 0, "sequences": 0}, set()
         for i, got in found.items():
             if isinstance(got, BaseException):
                 if not isinstance(got, GONE):
@@ -495,7 +540,7 @@ class Fleet:
                     o, request_id=f"{name}/{o.request_id}", metrics={**o.metrics, "replica": i})
         groups = [outputs[(i, gid)] for _, i, gid in chosen if (i, gid) in outputs]
         left = {**counts, "finished": counts["finished"] - len(groups), "failed": 0,
-                "sequences": counts["sequences"] - sum(len(o.outputs) for o in groups)}
+                "leased": counts["leased"] + len(groups)}
         return RolloutTake(groups, self.version, failed, left)
 
     def _retry_elsewhere(self, call: _Rollout, replica: Replica, idxs: list[int],
