@@ -98,6 +98,19 @@ def test_every_group_is_returned_exactly_once_across_partial_steps(client: Sidec
     assert sorted(returned) == sorted(submitted) and len(set(returned)) == len(returned)
 
 
+def test_each_sample_generates_its_own_max_tokens(client: SidecarClient) -> None:
+    pool = "lengths"
+    params = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=40, sample_max_tokens=(7, 40, 1),
+                            ignore_eos=True)
+    (gid,) = client.submit_rollouts([_prompt(0)], params, pool=pool)
+    (group,) = client.take_rollouts(1, pool=pool, timeout_s=60.0).groups
+    assert group.request_id == gid and [len(c.token_ids) for c in group.outputs] == [7, 40, 1]
+    with pytest.raises(SidecarRequestError) as e:  # one length per sample, or the field is named
+        client.submit_rollouts([_prompt(0)], {"n": 2, "max_tokens": 4, "sample_max_tokens": [3]}, pool=pool)
+    assert e.value.field == "sampling_params.sample_max_tokens" and "n=2" in e.value.message
+    assert _drain(client, pool) == []
+
+
 def test_min_groups_and_oldest_first(client: SidecarClient) -> None:
     pool = "oldest"
     ids = client.submit_rollouts([_prompt(i) for i in range(4)], _tokens(2), pool=pool)
