@@ -234,6 +234,8 @@ def test_iter_rollouts_yields_groups_in_completion_order(client: SidecarClient, 
         # the unfinished one stays generating and comes in a later call (which acknowledges the stream)
         rest = list(hook.iter_rollouts([_prompt(9)], _tokens(2), count=2))
         assert [len(o.outputs[0].token_ids) for o in rest] == [2, 300]
+        hook.rollouts([_prompt(5)], _tokens(2, n=3))  # a synchronous step has its histogram too
+        assert hook.stats["staleness_samples"] == {0: 3} and hook.stats["staleness_tokens"] == {0: 6}
     assert client.rollout_counts(pool)["sequences"] == 0
 
 
@@ -275,6 +277,9 @@ def test_bad_pool_ids_and_bounds_are_refused(client: SidecarClient) -> None:
     with pytest.raises(SidecarRequestError) as e:
         client.take_rollouts(1, pool="ok", timeout_s=1e6)
     assert e.value.field == "timeout_s"
+    with pytest.raises(SidecarRequestError) as e:
+        client.rollout_counts("ok", wait_s=1e6)
+    assert e.value.field == "wait_s"
 
 
 def test_a_take_times_out_with_what_is_ready_and_concurrent_takes_share_nothing(client: SidecarClient) -> None:

@@ -1,6 +1,6 @@
 """Fleet.rollouts(min_groups=...) over two real `sidecar launch` replicas of the tiny model (CPU): groups
-spread over both, every group returned exactly once, oldest first across replicas, and the groups of a
-replica that dies are placed again on the other."""
+spread over both, every group returned exactly once, oldest first across replicas, a stream yields them as
+they finish (Fleet.iter_rollouts), and the groups of a replica that dies are placed again on the other."""
 
 from __future__ import annotations
 
@@ -56,6 +56,16 @@ def test_fleet_rollouts_take_each_group_once_oldest_first(replicas: list[Sidecar
             seen += [o.request_id for o in batch.groups]
         seen += [o.request_id for o in fleet.rollouts([], min_groups=99, max_groups=99).groups]
         assert len(seen) == len(set(seen)) == prompts
+
+        # a stream yields each group as it finishes, whichever replica it ran on (long polls, no 50 ms polling)
+        stream = fleet.iter_rollouts([[70 + i, 1, 2] for i in range(4)], [_params(n) for n in (300, 3, 60, 8)],
+                                     count=3)
+        got = [(len(o.outputs[0].token_ids), o.metrics["replica"]) for o in stream]
+        assert sorted(n for n, _ in got[:2]) == [3, 8] and got[2][0] == 60 and {r for _, r in got} == {0, 1}
+        rest = list(fleet.iter_rollouts([], count=5))  # only the long one is left: the stream ends with it
+        assert [len(o.outputs[0].token_ids) for o in rest] == [300] and len(stream.submitted) == 4
+        fleet.ack_rollouts()
+        assert sum(r.client.rollout_counts("default")["sequences"] for r in fleet.replicas) == 0
 
 
 def test_a_dead_replicas_groups_are_placed_again(replicas: list[Sidecar]) -> None:

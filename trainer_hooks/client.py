@@ -179,9 +179,12 @@ class SidecarClient:
         body = {"pool": pool, "group_ids": list(group_ids) if group_ids is not None else None}
         return dict(self._post("/rollouts/cancel", body))
 
-    def rollout_counts(self, pool: str = DEFAULT_POOL) -> dict[str, Any]:
-        """GET /rollouts/{pool}: pending, finished, leased, failed (groups), sequences, finished_ids."""
-        return dict(self._get(f"/rollouts/{pool}"))
+    def rollout_counts(self, pool: str = DEFAULT_POOL, *, wait_s: float = 0.0,
+                       order: TakeOrder = "submitted") -> dict[str, Any]:
+        """GET /rollouts/{pool}: pending, finished, leased, failed (groups), sequences, finished_ids (in
+        `order`). wait_s > 0: a long poll, answered once a group is finished or none is unfinished."""
+        params = {"wait_s": wait_s, "order": order} if wait_s > 0 or order != "submitted" else None
+        return dict(self._get(f"/rollouts/{pool}", params=params, timeout=wait_s + TAKE_MARGIN_S))
 
     def rollouts(self, prompts: Any, sampling_params: Any = None, *, min_groups: int, max_groups: int | None = None,
                  pool: str = DEFAULT_POOL, timeout_s: float = 600.0, on_sync: str | None = None,

@@ -38,10 +38,12 @@ from trainer_hooks.fleet_replicas import (
     sequences_of,
     sync_report,
 )
-from trainer_hooks.rollout_pool import DEFAULT_POOL, RolloutTake, sync_fields
+from trainer_hooks.rollout_pool import DEFAULT_POOL, TAKE_MARGIN_S, RolloutStream, RolloutTake, sync_fields
 from trainer_hooks.sync import GONE, FleetGroup, StepFailed
 
 __all__ = ["Fleet", "FleetError", "FleetGoneError"]
+FLEET_POLL_S = 2.0  # the longest a stream's long poll waits on one replica (so closing the fleet waits no longer)
+_COUNTS = ("pending", "finished", "leased", "failed", "sequences")
 
 
 class Fleet:
@@ -383,13 +385,7 @@ class Fleet:
         "dp{i}/{id}". The fleet reads the replicas' pools every `poll_s` and takes exactly the groups it
         chose, so the others stay in their sidecar. A replica that goes away is taken out and the groups
         this fleet placed there are submitted again elsewhere (their samples were never returned)."""
-        self._contact()
-        items = _prompt_list(prompts)
-        per = _params_list(sampling_params, len(items))
-        per = per if isinstance(per, list) else [per] * len(items)
-        policy = sync_fields(on_sync, max_staleness)
-        self.ack_rollouts(pool)  # the last call's groups are used: they leave their sidecars
-        submitted = self._submit_pooled(pool, [(next(self._order), p, sp) for p, sp in zip(items, per)], policy)
+        submitted = self._start_pooled(pool, prompts, sampling_params, sync_fields(on_sync, max_staleness))
         limit = max_groups if max_groups is not None else (min_groups or None)
         deadline = time.monotonic() + timeout_s
         while True:
@@ -400,6 +396,26 @@ class Fleet:
         take = self._take_pooled(pool, sorted(finished)[:limit], counts, failing)
         take.submitted = submitted
         return take
+
+    def iter_rollouts(self, prompts: Any, sampling_params: Any = None, *, count: int, pool: str = DEFAULT_POOL,
+                      timeout_s: float = 600.0, on_sync: str | None = None,
+                      max_staleness: int | None = None) -> RolloutStream:
+        """SidecarClient.iter_rollouts over the fleet: groups placed as rollouts() places them, then yielded
+        as they finish. Each round long-polls every replica that may hold one (GET with wait_s, at most
+        one in flight per replica) and takes the finished groups of those that answered, each replica's in
+        its completion order; a replica that goes away is handled as rollouts() does."""
+        submitted = self._start_pooled(pool, prompts, sampling_params, sync_fields(on_sync, max_staleness))
+        return RolloutStream(_StreamRounds(self, pool).take, count, timeout_s, submitted)
+
+    def _start_pooled(self, pool: str, prompts: Any, sampling_params: Any, policy: dict[str, Any]) -> list[str]:
+        """What a partial call does first: acknowledge the last call's groups (they are used, so they leave
+        their sidecars), then place the new prompts."""
+        self._contact()
+        items = _prompt_list(prompts)
+        per = _params_list(sampling_params, len(items))
+        per = per if isinstance(per, list) else [per] * len(items)
+        self.ack_rollouts(pool)
+        return self._submit_pooled(pool, [(next(self._order), p, sp) for p, sp in zip(items, per)], policy)
 
     def ack_rollouts(self, pool: str = DEFAULT_POOL) -> int:
         """SidecarClient.ack_rollouts on every replica this fleet took from (or never did: a new consumer
@@ -515,13 +531,14 @@ class Fleet:
         return len(lost)
 
     def _take_pooled(self, pool: str, chosen: list[tuple[Any, int, str]], counts: dict[str, int],
-                     failing: set[int]) -> RolloutTake:
-        """Take exactly the `chosen` groups (and report every failed one), in the chosen order."""
+                     failing: set[int], ack: bool = True) -> RolloutTake:
+        """Take exactly the `chosen` groups (and report every failed one), in the chosen order; `ack`: as
+        SidecarClient.take_rollouts' (a stream's takes leave their predecessors unacknowledged)."""
         wanted: dict[int, list[str]] = {i: [] for i in failing}
         for _, i, gid in chosen:
             wanted.setdefault(i, []).append(gid)
         found = self.each([self.replicas[i] for i in wanted], lambda r: r.client.take_rollouts(
-            0, None, pool=pool, timeout_s=0.0, group_ids=wanted[r.index]))
+            0, None, pool=pool, timeout_s=0.0, group_ids=wanted[r.index], ack=ack))
         outputs: dict[tuple[int, str], RequestOutput] = {}
         failed: dict[str, str] = {}
         for i, got in found.items():
@@ -613,6 +630,56 @@ class _Rollout:
         self.costs = [sequences_of(p) for p in per]
         self.tried = [[] for _ in range(n)]
         self.results = [None] * n
+
+
+class _StreamRounds:
+    """The rounds of a fleet's stream of one pool: at most one long poll in flight per replica (a round
+    waits for the first answer; the others stay in flight for the next round), and the last counts each
+    replica answered, whose sum says when nothing is left to wait for. A replica that answered with
+    nothing unfinished or finished is not asked again (it would answer at once, every round); one whose
+    poll is still in flight counts as generating."""
+
+    def __init__(self, fleet: Fleet, pool: str) -> None:
+        self.fleet, self.pool = fleet, pool
+        self.polls: dict[int, Future] = {}
+        self.counts: dict[int, dict[str, int]] = {}
+
+    def take(self, max_groups: int, wait_s: float, first: bool) -> RolloutTake:
+        fleet, pool = self.fleet, self.pool
+        with fleet._lock:
+            holding = {i for (p, i, _) in fleet._pooled if p == pool}
+            replicas = [r for r in fleet.replicas if r.in_rotation or r.index in holding]
+        slice_s = min(wait_s, FLEET_POLL_S)
+        for r in replicas:
+            last = self.counts.get(r.index)
+            if r.index not in self.polls and (last is None or last["pending"] or last["finished"]):
+                self.polls[r.index] = fleet.pool.submit(r.client.rollout_counts, pool, wait_s=slice_s,
+                                                        order="completed")
+        if self.polls:
+            wait_futures(list(self.polls.values()), timeout=slice_s + TAKE_MARGIN_S, return_when=FIRST_COMPLETED)
+        finished: list[tuple[Any, int, str]] = []
+        failing: set[int] = set()
+        lost = 0
+        for i, fut in [(i, f) for i, f in self.polls.items() if f.done()]:
+            del self.polls[i]
+            try:
+                got = fut.result()
+            except GONE as e:
+                self.counts.pop(i, None)
+                lost += fleet._lost_pool(pool, i, f"went away while generating rollouts: {e}")
+                if lost:
+                    self.counts = {}  # its groups went to other replicas: ask every one again
+                continue
+            self.counts[i] = {k: int(got[k]) for k in _COUNTS}
+            if got["failed"]:
+                failing.add(i)
+            finished += [((0, pos, i), i, gid) for pos, gid in enumerate(got["finished_ids"])]
+        counts = {k: sum(c[k] for c in self.counts.values()) for k in _COUNTS}
+        counts["pending"] += lost + sum(not self.counts.get(i, {}).get("pending") for i in self.polls)
+        take = fleet._take_pooled(pool, finished[:max_groups], counts, failing, ack=False)
+        for o in take.groups:  # what the next answer of its replica will say
+            self.counts[o.metrics["replica"]]["finished"] -= 1
+        return take
 
 
 @dataclasses.dataclass(frozen=True)

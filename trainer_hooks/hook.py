@@ -165,8 +165,12 @@ class WeightSyncHook:
         generating in the sidecar and are held through the next sleep and sync (docs/async-rl.md).
         Fewer than G come back only if none is left unfinished or after timeout_s. Each output's
         request_id is its group id. stats: rollout_groups, rollout_carried (groups submitted before this
-        call), rollout_left (groups left in the pool), staleness_samples / staleness_tokens (histograms of
-        versions behind the live one: each sample's oldest token; each token).
+        call), rollout_left (groups left in the pool). Every call (with min_groups or not) sets
+        staleness_samples / staleness_tokens: histograms of versions behind the live one (each sample's
+        oldest token; each token) of what it returned, so each step reads its own.
+        A call with min_groups acknowledges what the previous one returned (those groups leave the
+        sidecar); its own stay leased in the sidecar until then, so a trainer killed before its next
+        call loses none (docs/async-rl.md, "Restarts").
 
         on_sync ("keep", "recompute", "abort"; None: the sidecar's --on-sync) and max_staleness: what a
         weight sync that goes live while a sample runs does to it (docs/async-rl.md).
@@ -179,6 +183,8 @@ class WeightSyncHook:
             policy = sync_fields(on_sync, max_staleness)
             if min_groups is None:
                 outputs = self._timed("generate_ms", self.client.generate, prompts, sampling, **policy)
+                samples, tokens = staleness(outputs, self.version)
+                self.stats.update(staleness_samples=samples, staleness_tokens=tokens)
             else:
                 outputs = self._partial(prompts, sampling, min_groups, max_groups, timeout_s, policy)
         if broadcast and torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -85,7 +85,8 @@ class PoolCounts(BaseModel):
 
 
 class PoolStatus(PoolCounts):
-    finished_ids: list[str] = Field(description="the finished groups' ids, oldest submitted first")
+    finished_ids: list[str] = Field(description="the ids of the finished groups not leased, oldest submitted "
+                                    "first (order=completed: the first finished first)")
 
 
 class RolloutsResponse(BaseModel):
@@ -306,20 +307,8 @@ class RolloutPools:
         finished groups (or no unfinished one, or the timeout), then lease the first ones in `order`.
         Nothing is taken for a caller that went away while waiting."""
         acked = self.acknowledge(body.pool, body.ack)
-        deadline = time.monotonic() + body.timeout_s
         wanted = set(body.group_ids) if body.group_ids is not None else None
-        while True:
-            self._expire()
-            self._resubmit_stale(body.pool)
-            groups = self._chosen(body.pool, wanted)
-            finished = sum(g.ready for g in groups)
-            left = deadline - time.monotonic()
-            if finished >= body.min_groups or all(g.done for g in groups) or left <= 0:
-                break
-            event = self._changed.setdefault(body.pool, asyncio.Event())
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(event.wait(), min(left, _POLL_S))
-            await _check_connected(request)
+        await self._wait(body.pool, wanted, body.min_groups, body.timeout_s, request)
         await _check_connected(request)  # no await between this check and the lease below
         self._expire()
         self._resubmit_stale(body.pool)
@@ -335,6 +324,23 @@ class RolloutPools:
                                                resubmitted=g.resubmitted) for g in taken],
                             failed=[FailedGroup(group_id=g.group_id, error=g.error) for g in failed  # type: ignore[arg-type]
                                     ], ticket=ticket, acked=acked)
+
+    async def _wait(self, pool: str, wanted: set[str] | None, min_groups: int, timeout_s: float,
+                    request: Request | None) -> None:
+        """Until `min_groups` of the chosen groups are ready, none of them is unfinished, or timeout_s; a
+        settle wakes it at once (no polling), the caller's presence is checked every _POLL_S."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._expire()
+            self._resubmit_stale(pool)
+            groups = self._chosen(pool, wanted)
+            left = deadline - time.monotonic()
+            if sum(g.ready for g in groups) >= min_groups or all(g.done for g in groups) or left <= 0:
+                return
+            event = self._changed.setdefault(pool, asyncio.Event())
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(event.wait(), min(left, _POLL_S))
+            await _check_connected(request)
 
     def cancel(self, pool: str, group_ids: list[str] | None) -> CancelResponse:
         """Drop the named groups (every group of the pool when None), whatever their state: a running
@@ -352,10 +358,17 @@ class RolloutPools:
         return CancelResponse(pool=pool, cancelled=[g.group_id for g in chosen], unknown=unknown,
                               counts=self.counts(pool))
 
-    def status(self, pool: str) -> PoolStatus:
+    async def status(self, pool: str, wait_s: float = 0.0, order: TakeOrder = "submitted",
+                     request: Request | None = None) -> PoolStatus:
+        """The pool's counts and ready groups' ids in `order`; with wait_s, once one is ready or none is
+        unfinished (a long poll: a fleet's stream waits on every replica at once this way)."""
+        if wait_s > 0:
+            await self._wait(pool, None, 1, wait_s, request)
         self._expire()
-        finished = [g.group_id for g in self._pools.get(pool, {}).values() if g.ready]
-        return PoolStatus(**self.counts(pool).model_dump(), finished_ids=finished)
+        ready = [g for g in self._pools.get(pool, {}).values() if g.ready]
+        if order == "completed":
+            ready.sort(key=lambda g: g.completed)
+        return PoolStatus(**self.counts(pool).model_dump(), finished_ids=[g.group_id for g in ready])
 
     def _chosen(self, pool: str, wanted: set[str] | None) -> list[_Group]:
         """The pool's groups that are not leased, in submission order, only those in `wanted` when given."""
@@ -420,11 +433,14 @@ def add_rollout_routes(router: APIRouter, state: ServerState, check_params: Call
     async def cancel(body: CancelRequest) -> CancelResponse:
         return pools.cancel(body.pool, body.group_ids)
 
-    @router.get("/rollouts/{pool}", response_model=PoolStatus, summary="A rollout pool's counts and finished groups")
-    async def status(pool: str) -> PoolStatus:
+    @router.get("/rollouts/{pool}", response_model=PoolStatus,
+                summary="A rollout pool's counts and finished groups (wait_s: once one is finished)")
+    async def status(pool: str, request: Request, wait_s: float = 0.0, order: TakeOrder = "submitted") -> PoolStatus:
         if re.fullmatch(POOL_PATTERN, pool) is None:
             raise ApiError(400, "InvalidRequestError", f"must match {POOL_PATTERN}", "pool")
-        return pools.status(pool)
+        if not 0.0 <= wait_s <= MAX_TAKE_WAIT_S:
+            raise ApiError(400, "InvalidRequestError", f"must lie in [0, {MAX_TAKE_WAIT_S:g}]", "wait_s")
+        return await pools.status(pool, wait_s, order, request)
 
     return pools
 
