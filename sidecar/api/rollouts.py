@@ -155,7 +155,7 @@ class _Group:
     error: ErrorBody | None = None
     resubmitted: int = 0
     future: Future | None = None  # the driver's, while it generates: what a cancel aborts
-    completed: int = 0  # the pools' count of settles when it finished: the completion order
+    completed: int = 0  # when it finished, counted in settles of every pool: the completion order
     ticket: str | None = None  # the last take that returned it
     leased: bool = False  # held for that take's ack, invisible to other takes
 
@@ -319,11 +319,11 @@ class RolloutPools:
         failed = [g for g in self._pools.get(body.pool, {}).values() if g.error is not None]  # reported once
         self._drop(body.pool, failed)
         ticket = self._lease(body.pool, taken, body.lease_s)
+        groups = [TakenGroup(group_id=g.group_id, output=output_of(g.output), resubmitted=g.resubmitted)  # type: ignore[arg-type]
+                  for g in taken]
+        errors = [FailedGroup(group_id=g.group_id, error=g.error) for g in failed]  # type: ignore[arg-type]
         return TakeResponse(pool=body.pool, weight_version=self._live_version(), counts=self.counts(body.pool),
-                            groups=[TakenGroup(group_id=g.group_id, output=output_of(g.output),  # type: ignore[arg-type]
-                                               resubmitted=g.resubmitted) for g in taken],
-                            failed=[FailedGroup(group_id=g.group_id, error=g.error) for g in failed  # type: ignore[arg-type]
-                                    ], ticket=ticket, acked=acked)
+                            groups=groups, failed=errors, ticket=ticket, acked=acked)
 
     async def _wait(self, pool: str, wanted: set[str] | None, min_groups: int, timeout_s: float,
                     request: Request | None) -> None:
