@@ -67,6 +67,17 @@ def test_fleet_rollouts_take_each_group_once_oldest_first(replicas: list[Sidecar
         fleet.ack_rollouts()
         assert sum(r.client.rollout_counts("default")["sequences"] for r in fleet.replicas) == 0
 
+        # cancel by fleet id, then the whole pool on every replica: nothing left generating anywhere
+        ids = fleet.rollouts([[90 + i, 1, 2] for i in range(3)], _params(1500), min_groups=0).submitted
+        one = fleet.cancel_rollouts([ids[0], "dp9/r1"])
+        assert one == {"cancelled": [ids[0]], "unknown": ["dp9/r1"]}
+        assert sorted(fleet.cancel_rollouts()["cancelled"]) == sorted(ids[1:])
+        deadline = time.monotonic() + 30
+        while any(r.client.state()["engine_unfinished"] for r in fleet.replicas):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert sum(r.client.rollout_counts("default")["sequences"] for r in fleet.replicas) == 0
+
 
 def test_a_dead_replicas_groups_are_placed_again(replicas: list[Sidecar]) -> None:
     with Fleet([r.url for r in replicas]) as fleet:
