@@ -11,7 +11,7 @@ import enum
 import functools
 import math
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 LogprobsMode = Literal["raw", "processed"]
@@ -68,7 +68,9 @@ class SamplingParams:
     Normalised on construction, so that every layer sees the same values:
     - a temperature in (0, 1e-5) becomes 0.0, greedy. Dividing logits by a smaller temperature
       overflows float32 (1e-40 is a float32 subnormal), which sampled garbage; vLLM draws the same line.
-    - `stop` and `stop_token_ids` become tuples (a lone string or id is one stop).
+    - `stop`, `stop_token_ids` and `sample_max_tokens` become tuples (a lone string or id is one stop).
+    `max_tokens` bounds every completion (the length checks read it); `sample_max_tokens` lowers it per
+    completion (`for_sample`), so sample i of one group stops at its own length.
     Refused, naming the field: a value float32 cannot carry (temperature above 3.4e38; a non-zero
     top_p or min_p below 1.2e-38, which the device would round to a subnormal or to 0: top_p=1e-300
     masked every token), top_k beyond int32 and seed beyond int64.
@@ -91,6 +93,9 @@ class SamplingParams:
     min_p: float = _doc(0.0, "drop tokens below min_p x the top probability, in [0, 1]; 0 disables it")
     seed: int | None = _doc(None, "a seeded completion does not depend on the rest of the batch; 0..2**63-1")
     max_tokens: int = _doc(16, "new tokens per completion, >= 1; prompt + max_tokens must fit max_model_len")
+    sample_max_tokens: tuple[int, ...] = _doc((), "one max_tokens per completion (n values, each in [1, "
+                                              "max_tokens]), for samples of one prompt with lengths of their own; "
+                                              "empty: max_tokens for all")
     stop_token_ids: tuple[int, ...] = _doc((), "token ids that end a completion (kept in its tokens)")
     stop: tuple[str, ...] = _doc((), "strings that end a completion (cut from its text)")
     ignore_eos: bool = _doc(False, "keep generating past the end-of-sequence token")
@@ -112,7 +117,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         if isinstance(self.stop_token_ids, int):
             object.__setattr__(self, "stop_token_ids", (self.stop_token_ids,))
-        for name in ("stop", "stop_token_ids"):
+        for name in ("stop", "stop_token_ids", "sample_max_tokens"):
             value = getattr(self, name)
             if not isinstance(value, (tuple, list)):
                 raise _bad(name, f"must be a list, got {type(value).__name__}")
@@ -130,6 +135,12 @@ class SamplingParams:
         if self.seed is not None:
             _check_int("seed", self.seed, 0, INT64_MAX)
         _check_int("max_tokens", self.max_tokens, 1, None)
+        if self.sample_max_tokens:
+            if len(self.sample_max_tokens) != self.n:
+                raise _bad("sample_max_tokens", f"needs one value per completion (n={self.n}), got "
+                                                f"{len(self.sample_max_tokens)}")
+            for t in self.sample_max_tokens:
+                _check_int("sample_max_tokens", t, 1, self.max_tokens)
         _check_int("logprobs", self.logprobs, 0, self.MAX_LOGPROBS)
         if self.logprobs_mode not in ("raw", "processed"):
             raise _bad("logprobs_mode", f"must be 'raw' or 'processed', got {self.logprobs_mode!r}")
@@ -157,6 +168,12 @@ class SamplingParams:
     def stop_id_set(self) -> frozenset[int]:
         """stop_token_ids as a set: the per-token check of every row costs O(1), whatever their number."""
         return frozenset(self.stop_token_ids)
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The params completion `index` runs with: its own max_tokens when sample_max_tokens gives one."""
+        if not self.sample_max_tokens:
+            return self
+        return replace(self, max_tokens=self.sample_max_tokens[index], sample_max_tokens=())
 
     def check_limits(self, vocab_size: int, max_model_len: int, num_prompt_tokens: int | None = None) -> None:
         """Refuse what the served model cannot do; InvalidRequestError naming the field otherwise.

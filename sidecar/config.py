@@ -153,8 +153,9 @@ class LaunchConfig:
     max_queued_sequences: int = option(65536, "sequences (prompts x n) waiting or running; a call that would "
                                               "pass it gets 429 (retry later)", min=1)
     max_pool_sequences: int = option(65536, "sequences (prompts x n) held in rollout pools (POST /rollouts): "
-                                            "submitted and not yet taken, every pool together; a submission "
-                                            "past it gets 429 naming prompts (take finished groups first)", min=1)
+                                            "submitted and not yet acknowledged or cancelled, every pool "
+                                            "together; a submission past it gets 429 naming prompts (take and "
+                                            "acknowledge finished groups first)", min=1)
     hold_while_asleep: bool = option(False, "hold generation calls that arrive while the sidecar sleeps, or "
                                             "while a model is torn or awaits its first sync, until it can "
                                             "serve; default: answer 409 at once, naming the state")

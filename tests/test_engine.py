@@ -132,6 +132,8 @@ def test_stop_token_ids_and_max_tokens(qwen2: Path) -> None:
     ([1, 2], {"max_tokens": 0}, "sampling_params.max_tokens"),
     ([1, 2], {"stop_token_ids": (10_000,)}, "sampling_params.stop_token_ids"),
     ([1, 2], {"max_tokens": 255}, "sampling_params.max_tokens"),  # 2 + 255 > max_model_len 256
+    ([1, 2], {"n": 2, "sample_max_tokens": (3,)}, "sampling_params.sample_max_tokens"),  # one per sample
+    ([1, 2], {"n": 2, "max_tokens": 4, "sample_max_tokens": (3, 5)}, "sampling_params.sample_max_tokens"),
 ])
 def test_bad_input_is_rejected_by_name_and_others_keep_running(
         qwen2: Path, prompt: list[int], params: dict, field: str) -> None:
@@ -150,6 +152,17 @@ def test_bad_input_is_rejected_by_name_and_others_keep_running(
         finished += llm.step()
     assert [o.request_id for o in finished] == [in_flight]
     assert len(finished[0].outputs[0].token_ids) == 32
+
+
+def test_each_sample_of_a_group_stops_at_its_own_max_tokens(qwen2: Path) -> None:
+    llm = small_llm(qwen2)
+    prompt = random_prompts([7], llm.model_config.vocab_size, seed=4)[0]
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=20, sample_max_tokens=[5, 20, 1], ignore_eos=True)
+    out = llm.generate([prompt], params)[0]
+    assert [len(c.token_ids) for c in out.outputs] == [5, 20, 1]
+    full = out.outputs[1].token_ids  # greedy: every sample is a prefix of the longest
+    assert all(c.token_ids == full[:len(c.token_ids)] and c.finish_reason is FinishReason.LENGTH
+               for c in out.outputs)
 
 
 def test_string_prompts_and_stop_strings(tmp_path: Path) -> None:

@@ -1,8 +1,10 @@
 """Rollout pools against a real `sidecar launch` on the tiny model (CPU): every submitted group comes back
 exactly once across partial takes, min_groups is honoured, oldest first, the unfinished tail of a step is
-held through a sleep and a real sync, a killed trainer loses nothing the sidecar finished, a take whose
-caller went away takes nothing, concurrent takes share nothing, and the pool bound refuses with a named
-field. Each test leaves its pools empty (the bound counts every pool)."""
+held through a sleep and a real sync, a trainer killed between two partial calls loses nothing the
+sidecar finished (its unacknowledged take comes back to its successor), a lease runs out, an iterator
+yields groups in completion order, cancelling aborts the running groups, a take whose caller went away
+takes nothing, concurrent takes share nothing, and the pool bound refuses with a named field. Each test
+leaves its pools empty (the bound counts every pool)."""
 
 from __future__ import annotations
 
@@ -58,9 +60,16 @@ def _prompt(i: int) -> list[int]:
     return [10 + i, 20 + i, 30 + i]
 
 
+EMPTY = {"pending": 0, "finished": 0, "leased": 0, "failed": 0, "sequences": 0}
+
+
 def _drain(client: SidecarClient, pool: str) -> list[str]:
+    """Take every group left, then acknowledge them: the pool is empty."""
     take = client.take_rollouts(10_000, None, pool=pool, timeout_s=120.0)
-    assert take.counts == {"pending": 0, "finished": 0, "failed": 0, "sequences": 0}, take.counts
+    assert take.counts["pending"] == take.counts["finished"] == 0, take.counts
+    client.ack_rollouts(pool)
+    counts = client.rollout_counts(pool)
+    assert {k: counts[k] for k in EMPTY} == EMPTY, counts
     return [o.request_id for o in take.groups]
 
 
@@ -89,6 +98,19 @@ def test_every_group_is_returned_exactly_once_across_partial_steps(client: Sidec
     assert sorted(returned) == sorted(submitted) and len(set(returned)) == len(returned)
 
 
+def test_each_sample_generates_its_own_max_tokens(client: SidecarClient) -> None:
+    pool = "lengths"
+    params = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=40, sample_max_tokens=(7, 40, 1),
+                            ignore_eos=True)
+    (gid,) = client.submit_rollouts([_prompt(0)], params, pool=pool)
+    (group,) = client.take_rollouts(1, pool=pool, timeout_s=60.0).groups
+    assert group.request_id == gid and [len(c.token_ids) for c in group.outputs] == [7, 40, 1]
+    with pytest.raises(SidecarRequestError) as e:  # one length per sample, or the field is named
+        client.submit_rollouts([_prompt(0)], {"n": 2, "max_tokens": 4, "sample_max_tokens": [3]}, pool=pool)
+    assert e.value.field == "sampling_params.sample_max_tokens" and "n=2" in e.value.message
+    assert _drain(client, pool) == []
+
+
 def test_min_groups_and_oldest_first(client: SidecarClient) -> None:
     pool = "oldest"
     ids = client.submit_rollouts([_prompt(i) for i in range(4)], _tokens(2), pool=pool)
@@ -97,7 +119,8 @@ def test_min_groups_and_oldest_first(client: SidecarClient) -> None:
     second = client.take_rollouts(2, 2, pool=pool)
     assert [o.request_id for o in first.groups] == ids[:1]
     assert [o.request_id for o in second.groups] == ids[1:3]
-    assert second.counts == {"pending": 0, "finished": 1, "failed": 0, "sequences": 2}
+    # the second take acknowledged the first; its own two groups stay leased until the next take
+    assert second.counts == {"pending": 0, "finished": 1, "leased": 2, "failed": 0, "sequences": 6}
     # an unfinished group holds a take back until min_groups are ready; the oldest comes first
     late = client.submit_rollouts([_prompt(9)], _tokens(600), pool=pool)
     t0 = time.monotonic()
@@ -140,7 +163,7 @@ def test_hook_carries_the_tail_over_a_sleep_and_a_real_sync(client: SidecarClien
 _TRAINER = textwrap.dedent("""
     import json, sys, time
     import torch
-    from inference.core import CompletionOutput, RequestOutput, SamplingParams
+    from inference.core import SamplingParams
     from trainer_hooks import WeightSyncHook
     from trainer_hooks.client import SidecarClient
 
@@ -148,30 +171,90 @@ _TRAINER = textwrap.dedent("""
     hook = WeightSyncHook(client, torch.nn.Linear(2, 2), rollout_pool="killed")
     prompts = [[40 + i, 41, 42] for i in range(8)]
     params = [SamplingParams(n=2, seed=i, max_tokens=3 if i < 2 else 300, ignore_eos=True) for i in range(8)]
-    out = hook.rollouts(prompts, params, min_groups=2)
-    print(json.dumps([[o.request_id, o.prompt_token_ids[0]] for o in out]), flush=True)
-    time.sleep(600)  # killed here, between two partial calls
+    for step in range(2):  # the second call acknowledges the first one's groups (the trainer used them)
+        out = hook.rollouts(prompts if step == 0 else [], params, min_groups=2)
+        print(json.dumps([[o.request_id, o.prompt_token_ids[0]] for o in out]), flush=True)
+    time.sleep(600)  # killed here, after the pool answered the second call, before anything acknowledged it
 """)
 
 
-def test_a_killed_trainer_loses_nothing_the_sidecar_finished(client: SidecarClient, tmp_path: Path) -> None:
+def test_killing_the_trainer_between_two_partial_calls_loses_nothing(client: SidecarClient, model_dir: Path,
+                                                                     tmp_path: Path) -> None:
     script = tmp_path / "trainer.py"
     script.write_text(_TRAINER)
     proc = subprocess.Popen([sys.executable, str(script), client.url], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
-        taken = json.loads(proc.stdout.readline())
+        used = json.loads(proc.stdout.readline())  # acknowledged by the second call
+        lost = json.loads(proc.stdout.readline())  # answered, never acknowledged
     finally:
         proc.kill()
         proc.wait(30)
-    assert len(taken) == 2
-    # a new trainer with the same pool id takes the 6 groups left, each once, every sample complete
-    rest = client.take_rollouts(6, pool="killed", timeout_s=120.0)
-    ids = [gid for gid, _ in taken] + [o.request_id for o in rest.groups]
-    firsts = [first for _, first in taken] + [o.prompt_token_ids[0] for o in rest.groups]
+    assert len(used) == len(lost) == 2
+    assert client.rollout_counts("killed")["leased"] == 2  # the dead trainer's last answer is still there
+    # a new trainer with the same pool id is a new consumer: the unacknowledged groups come back to it,
+    # then the rest; across the steps every group is returned exactly once, every sample complete
+    with WeightSyncHook(client, ToyPolicy.from_dir(model_dir), rollout_pool="killed") as hook:
+        rest = hook.rollouts([], min_groups=6, max_groups=6, timeout_s=120.0)
+    ids = [gid for gid, _ in used] + [o.request_id for o in rest]
+    firsts = [first for _, first in used] + [o.prompt_token_ids[0] for o in rest]
     assert len(set(ids)) == len(ids) == 8 and sorted(firsts) == list(range(40, 48))
-    assert all(len(o.outputs) == 2 and all(len(c.token_ids) in (3, 300) for c in o.outputs) for o in rest.groups)
-    assert client.rollout_counts("killed")["sequences"] == 0
+    assert {gid for gid, _ in lost} <= {o.request_id for o in rest}
+    assert all(len(o.outputs) == 2 and all(len(c.token_ids) in (3, 300) for c in o.outputs) for o in rest)
+    assert client.rollout_counts("killed")["sequences"] == 0  # the hook's close acknowledged its last take
+
+
+def test_an_unacknowledged_lease_returns_to_the_pool_and_an_ack_removes_it(client: SidecarClient) -> None:
+    pool = "lease"
+    ids = client.submit_rollouts([_prompt(i) for i in range(3)], _tokens(2), pool=pool)
+    _wait_finished(client, pool, 3)
+    first = client.take_rollouts(2, 2, pool=pool, lease_s=0.5)
+    assert [o.request_id for o in first.groups] == ids[:2] and first.ticket is not None
+    counts = client.rollout_counts(pool)
+    assert (counts["finished"], counts["leased"], counts["finished_ids"]) == (1, 2, ids[2:])
+    time.sleep(1.0)  # the lease runs out: its groups are takeable again, oldest first
+    assert client.rollout_counts(pool)["finished_ids"] == ids
+    again = client.take_rollouts(3, 3, pool=pool, ack=False)  # acknowledges nothing: still a known consumer
+    assert [o.request_id for o in again.groups] == ids
+    assert client.ack_rollouts(pool) == 3
+    assert client.rollout_counts(pool)["sequences"] == 0
+
+
+def test_iter_rollouts_yields_groups_in_completion_order(client: SidecarClient, model_dir: Path) -> None:
+    pool = "stream"
+    lengths = [300, 3, 60, 8]
+    with WeightSyncHook(client, ToyPolicy.from_dir(model_dir), rollout_pool=pool) as hook:
+        seen = []
+        t0 = time.monotonic()
+        for group in hook.iter_rollouts([_prompt(i) for i in range(4)], [_tokens(n) for n in lengths], count=3):
+            seen.append((len(group.outputs[0].token_ids), time.monotonic() - t0))
+        assert [n for n, _ in seen] == [3, 8, 60]  # shortest first: each came as it finished
+        assert hook.stats["rollout_groups"] == 3 and hook.stats["rollout_left"] == 1
+        assert hook.stats["staleness_samples"] == {0: 6}
+        # the unfinished one stays generating and comes in a later call (which acknowledges the stream)
+        rest = list(hook.iter_rollouts([_prompt(9)], _tokens(2), count=2))
+        assert [len(o.outputs[0].token_ids) for o in rest] == [2, 300]
+        hook.rollouts([_prompt(5)], _tokens(2, n=3))  # a synchronous step has its histogram too
+        assert hook.stats["staleness_samples"] == {0: 3} and hook.stats["staleness_tokens"] == {0: 6}
+    assert client.rollout_counts(pool)["sequences"] == 0
+
+
+def test_cancel_aborts_running_groups_by_id_or_the_whole_pool(client: SidecarClient) -> None:
+    pool = "cancel"
+    ids = client.submit_rollouts([_prompt(i) for i in range(4)], [_tokens(2)] + [_tokens(1500)] * 3, pool=pool)
+    _wait_finished(client, pool, 1)
+    one = client.cancel_rollouts([ids[1], "r-nope"], pool=pool)
+    assert one["cancelled"] == [ids[1]] and one["unknown"] == ["r-nope"]
+    assert {k: one["counts"][k] for k in ("pending", "finished", "sequences")} == {"pending": 2, "finished": 1,
+                                                                                  "sequences": 6}
+    whole = client.cancel_rollouts(pool=pool)
+    assert whole["cancelled"] == [ids[0], ids[2], ids[3]]
+    assert {k: whole["counts"][k] for k in EMPTY} == EMPTY
+    deadline = time.monotonic() + 30.0  # the ranks aborted them: nothing left running or queued
+    while (state := client.state())["engine_unfinished"] or state["queued_sequences"]:
+        assert time.monotonic() < deadline, state
+        time.sleep(0.1)
+    assert client.take_rollouts(1, pool=pool, timeout_s=0.0).groups == []
 
 
 def test_the_pool_bound_refuses_naming_the_field(client: SidecarClient) -> None:
@@ -194,6 +277,9 @@ def test_bad_pool_ids_and_bounds_are_refused(client: SidecarClient) -> None:
     with pytest.raises(SidecarRequestError) as e:
         client.take_rollouts(1, pool="ok", timeout_s=1e6)
     assert e.value.field == "timeout_s"
+    with pytest.raises(SidecarRequestError) as e:
+        client.rollout_counts("ok", wait_s=1e6)
+    assert e.value.field == "wait_s"
 
 
 def test_a_take_times_out_with_what_is_ready_and_concurrent_takes_share_nothing(client: SidecarClient) -> None:

@@ -1,6 +1,6 @@
 """Fleet.rollouts(min_groups=...) over two real `sidecar launch` replicas of the tiny model (CPU): groups
-spread over both, every group returned exactly once, oldest first across replicas, and the groups of a
-replica that dies are placed again on the other."""
+spread over both, every group returned exactly once, oldest first across replicas, a stream yields them as
+they finish (Fleet.iter_rollouts), and the groups of a replica that dies are placed again on the other."""
 
 from __future__ import annotations
 
@@ -41,7 +41,9 @@ def test_fleet_rollouts_take_each_group_once_oldest_first(replicas: list[Sidecar
         order = [o.prompt_token_ids[0] for o in first.groups + rest.groups]
         assert order == [10, 11, 12, 13], order
         assert {o.metrics["replica"] for o in first.groups + rest.groups} == {0, 1}
-        assert rest.counts["sequences"] == 0
+        assert rest.counts["pending"] == rest.counts["finished"] == 0 and rest.counts["leased"] == 3
+        fleet.ack_rollouts()  # what the next call does: the taken groups leave their sidecars
+        assert sum(r.client.rollout_counts("default")["sequences"] for r in fleet.replicas) == 0
 
         # partial steps: every submitted group exactly once
         seen: list[str] = []
@@ -54,6 +56,27 @@ def test_fleet_rollouts_take_each_group_once_oldest_first(replicas: list[Sidecar
             seen += [o.request_id for o in batch.groups]
         seen += [o.request_id for o in fleet.rollouts([], min_groups=99, max_groups=99).groups]
         assert len(seen) == len(set(seen)) == prompts
+
+        # a stream yields each group as it finishes, whichever replica it ran on (long polls, no 50 ms polling)
+        stream = fleet.iter_rollouts([[70 + i, 1, 2] for i in range(4)], [_params(n) for n in (300, 3, 60, 8)],
+                                     count=3)
+        got = [(len(o.outputs[0].token_ids), o.metrics["replica"]) for o in stream]
+        assert sorted(n for n, _ in got[:2]) == [3, 8] and got[2][0] == 60 and {r for _, r in got} == {0, 1}
+        rest = list(fleet.iter_rollouts([], count=5))  # only the long one is left: the stream ends with it
+        assert [len(o.outputs[0].token_ids) for o in rest] == [300] and len(stream.submitted) == 4
+        fleet.ack_rollouts()
+        assert sum(r.client.rollout_counts("default")["sequences"] for r in fleet.replicas) == 0
+
+        # cancel by fleet id, then the whole pool on every replica: nothing left generating anywhere
+        ids = fleet.rollouts([[90 + i, 1, 2] for i in range(3)], _params(1500), min_groups=0).submitted
+        one = fleet.cancel_rollouts([ids[0], "dp9/r1"])
+        assert one == {"cancelled": [ids[0]], "unknown": ["dp9/r1"]}
+        assert sorted(fleet.cancel_rollouts()["cancelled"]) == sorted(ids[1:])
+        deadline = time.monotonic() + 30
+        while any(r.client.state()["engine_unfinished"] for r in fleet.replicas):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert sum(r.client.rollout_counts("default")["sequences"] for r in fleet.replicas) == 0
 
 
 def test_a_dead_replicas_groups_are_placed_again(replicas: list[Sidecar]) -> None:

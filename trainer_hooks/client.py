@@ -38,7 +38,16 @@ from trainer_hooks.client_errors import (
     SidecarTransferError,
     SidecarUnavailableError,
 )
-from trainer_hooks.rollout_pool import DEFAULT_POOL, TAKE_MARGIN_S, RolloutTake, prompt_list, sync_fields
+from trainer_hooks.rollout_pool import (
+    DEFAULT_POOL,
+    TAKE_MARGIN_S,
+    RolloutStream,
+    RolloutTake,
+    TakeOrder,
+    Tickets,
+    prompt_list,
+    sync_fields,
+)
 from trainer_hooks.sync import SyncPeer, connect_one, sync_one
 from trainer_hooks.wire import Wire, error_from_response
 
@@ -71,6 +80,7 @@ class SidecarClient:
         self.timeout, self.long_timeout = timeout, long_timeout
         self.wire = Wire(self.url, headers, timeout, retries=retries, backoff_s=backoff_s, transport=transport)
         self.weights = SyncPeer(self.wire, long_timeout)  # the weight routes (trainer_hooks/sync.py)
+        self.tickets = Tickets()  # the rollout takes this client has not acknowledged yet, per pool
 
     def close(self) -> None:
         self.wire.close()
@@ -132,13 +142,22 @@ class SidecarClient:
         return list(self._post("/rollouts", body)["group_ids"])
 
     def take_rollouts(self, min_groups: int = 1, max_groups: int | None = None, *, pool: str = DEFAULT_POOL,
-                      timeout_s: float = 600.0, group_ids: Sequence[str] | None = None) -> RolloutTake:
+                      timeout_s: float = 600.0, group_ids: Sequence[str] | None = None,
+                      order: TakeOrder = "submitted", ack: bool = True, lease_s: float | None = None) -> RolloutTake:
         """POST /rollouts/take: once `min_groups` groups of `pool` are finished (or none is unfinished, or
-        after timeout_s), at most `max_groups` of them, oldest submitted first, each returned only once;
-        only the groups named by `group_ids` when given."""
+        after timeout_s), at most `max_groups` of them, oldest submitted first (`order="completed"`: the
+        first finished first); only the groups named by `group_ids` when given.
+
+        Two-phase: the answer's groups stay leased in the sidecar under its ticket until this client
+        acknowledges it, which its next take of the pool does (`ack=False` defers it) or `ack_rollouts`;
+        a trainer that dies first loses nothing. The first take of a pool by this client says it is a new
+        consumer: the pool's unacknowledged leases (a dead predecessor's) return to it first."""
         body = {"pool": pool, "min_groups": min_groups, "max_groups": max_groups, "timeout_s": timeout_s,
-                "group_ids": list(group_ids) if group_ids is not None else None}
-        data = self._post("/rollouts/take", body, timeout=timeout_s + TAKE_MARGIN_S)
+                "group_ids": list(group_ids) if group_ids is not None else None, "order": order,
+                **({"lease_s": lease_s} if lease_s is not None else {})}
+        with self.tickets.acking(pool, ack) as acks:
+            data = self._post("/rollouts/take", {**body, "ack": acks}, timeout=timeout_s + TAKE_MARGIN_S)
+            self.tickets.hold(pool, data.get("ticket"))
         groups = []
         for g in data["groups"]:
             out = request_output(0, g["output"])
@@ -146,23 +165,55 @@ class SidecarClient:
             out.metrics = {**out.metrics, "resubmitted": int(g.get("resubmitted", 0))}  # for max_staleness
             groups.append(out)
         failed = {f["group_id"]: f"{f['error']['type']}: {f['error']['message']}" for f in data["failed"]}
-        return RolloutTake(groups, data["weight_version"], failed, dict(data["counts"]))
+        return RolloutTake(groups, data["weight_version"], failed, dict(data["counts"]), ticket=data.get("ticket"))
 
-    def rollout_counts(self, pool: str = DEFAULT_POOL) -> dict[str, Any]:
-        """GET /rollouts/{pool}: pending, finished, failed (groups), sequences, finished_ids (oldest first)."""
-        return dict(self._get(f"/rollouts/{pool}"))
+    def ack_rollouts(self, pool: str = DEFAULT_POOL) -> int:
+        """POST /rollouts/ack: acknowledge every take of `pool` this client holds (their groups leave the
+        sidecar); for a client that never took from it, end the pool's leases instead. Groups removed."""
+        with self.tickets.acking(pool, True) as acks:
+            return int(self._post("/rollouts/ack", {"pool": pool, "ack": acks})["acked"])
+
+    def cancel_rollouts(self, group_ids: Sequence[str] | None = None, *, pool: str = DEFAULT_POOL) -> dict[str, Any]:
+        """POST /rollouts/cancel: drop the named groups of `pool` (None: all of them), aborting those still
+        generating. {"cancelled": [ids], "unknown": [ids], "counts": {...}}."""
+        body = {"pool": pool, "group_ids": list(group_ids) if group_ids is not None else None}
+        return dict(self._post("/rollouts/cancel", body))
+
+    def rollout_counts(self, pool: str = DEFAULT_POOL, *, wait_s: float = 0.0,
+                       order: TakeOrder = "submitted") -> dict[str, Any]:
+        """GET /rollouts/{pool}: pending, finished, leased, failed (groups), sequences, finished_ids (in
+        `order`). wait_s > 0: a long poll, answered once a group is finished or none is unfinished."""
+        params = {"wait_s": wait_s, "order": order} if wait_s > 0 or order != "submitted" else None
+        return dict(self._get(f"/rollouts/{pool}", params=params, timeout=wait_s + TAKE_MARGIN_S))
 
     def rollouts(self, prompts: Any, sampling_params: Any = None, *, min_groups: int, max_groups: int | None = None,
                  pool: str = DEFAULT_POOL, timeout_s: float = 600.0, on_sync: str | None = None,
                  max_staleness: int | None = None) -> RolloutTake:
         """Submit `prompts` as new groups of `pool` (none when empty; their ids in the answer's `submitted`),
-        then take: earlier unfinished groups come first (oldest first); `max_groups` None takes min_groups."""
+        then take: earlier unfinished groups come first (oldest first); `max_groups` None takes min_groups.
+        The take acknowledges this client's earlier takes of the pool (take_rollouts)."""
         submitted = (self.submit_rollouts(prompts, sampling_params, pool=pool, on_sync=on_sync,
                                           max_staleness=max_staleness) if prompt_list(prompts) else [])
         take = self.take_rollouts(min_groups, max_groups if max_groups is not None else (min_groups or None),
                                   pool=pool, timeout_s=timeout_s)
         take.submitted = submitted
         return take
+
+    def iter_rollouts(self, prompts: Any, sampling_params: Any = None, *, count: int, pool: str = DEFAULT_POOL,
+                      timeout_s: float = 600.0, on_sync: str | None = None,
+                      max_staleness: int | None = None) -> RolloutStream:
+        """Submit `prompts` as new groups, then yield finished groups of `pool` one by one in completion order
+        (each take waits in the sidecar for the next to finish: no polling) until `count` came, none is
+        left unfinished, or timeout_s passed. The first take acknowledges this client's earlier takes; the
+        stream's own are acknowledged by the next call's. The stream's `failed`, `counts`,
+        `weight_version`, `submitted` say what the takes said."""
+        submitted = (self.submit_rollouts(prompts, sampling_params, pool=pool, on_sync=on_sync,
+                                          max_staleness=max_staleness) if prompt_list(prompts) else [])
+
+        def take(max_groups: int, wait_s: float, first: bool) -> RolloutTake:
+            return self.take_rollouts(1, max_groups, pool=pool, timeout_s=wait_s, order="completed", ack=first)
+
+        return RolloutStream(take, count, timeout_s, submitted)
 
     def completions(self, prompt: Any, *, timeout: float | None = None, **fields: Any) -> dict[str, Any]:
         """POST /v1/completions with OpenAI fields (model, max_tokens, temperature, n, stop, seed, ...)."""

@@ -38,10 +38,12 @@ from trainer_hooks.fleet_replicas import (
     sequences_of,
     sync_report,
 )
-from trainer_hooks.rollout_pool import DEFAULT_POOL, RolloutTake, sync_fields
+from trainer_hooks.rollout_pool import DEFAULT_POOL, TAKE_MARGIN_S, RolloutStream, RolloutTake, sync_fields
 from trainer_hooks.sync import GONE, FleetGroup, StepFailed
 
 __all__ = ["Fleet", "FleetError", "FleetGoneError"]
+FLEET_POLL_S = 2.0  # the longest a stream's long poll waits on one replica (so closing the fleet waits no longer)
+_COUNTS = ("pending", "finished", "leased", "failed", "sequences")
 
 
 class Fleet:
@@ -401,12 +403,7 @@ class Fleet:
         "dp{i}/{id}". The fleet reads the replicas' pools every `poll_s` and takes exactly the groups it
         chose, so the others stay in their sidecar. A replica that goes away is taken out and the groups
         this fleet placed there are submitted again elsewhere (their samples were never returned)."""
-        self._contact()
-        items = _prompt_list(prompts)
-        per = _params_list(sampling_params, len(items))
-        per = per if isinstance(per, list) else [per] * len(items)
-        policy = sync_fields(on_sync, max_staleness)
-        submitted = self._submit_pooled(pool, [(next(self._order), p, sp) for p, sp in zip(items, per)], policy)
+        submitted = self._start_pooled(pool, prompts, sampling_params, sync_fields(on_sync, max_staleness))
         limit = max_groups if max_groups is not None else (min_groups or None)
         deadline = time.monotonic() + timeout_s
         while True:
@@ -417,6 +414,70 @@ class Fleet:
         take = self._take_pooled(pool, sorted(finished)[:limit], counts, failing)
         take.submitted = submitted
         return take
+
+    def iter_rollouts(self, prompts: Any, sampling_params: Any = None, *, count: int, pool: str = DEFAULT_POOL,
+                      timeout_s: float = 600.0, on_sync: str | None = None,
+                      max_staleness: int | None = None) -> RolloutStream:
+        """SidecarClient.iter_rollouts over the fleet: groups placed as rollouts() places them, then yielded
+        as they finish. Each round long-polls every replica that may hold one (GET with wait_s, at most
+        one in flight per replica) and takes the finished groups of those that answered, each replica's in
+        its completion order; a replica that goes away is handled as rollouts() does."""
+        submitted = self._start_pooled(pool, prompts, sampling_params, sync_fields(on_sync, max_staleness))
+        return RolloutStream(_StreamRounds(self, pool).take, count, timeout_s, submitted)
+
+    def _start_pooled(self, pool: str, prompts: Any, sampling_params: Any, policy: dict[str, Any]) -> list[str]:
+        """What a partial call does first: acknowledge the last call's groups (they are used, so they leave
+        their sidecars), then place the new prompts."""
+        self._contact()
+        items = _prompt_list(prompts)
+        per = _params_list(sampling_params, len(items))
+        per = per if isinstance(per, list) else [per] * len(items)
+        self.ack_rollouts(pool)
+        return self._submit_pooled(pool, [(next(self._order), p, sp) for p, sp in zip(items, per)], policy)
+
+    def ack_rollouts(self, pool: str = DEFAULT_POOL) -> int:
+        """SidecarClient.ack_rollouts on every replica this fleet took from (or never did: a new consumer
+        ends that replica's leases of the pool, a dead predecessor's). Groups removed."""
+        with self._lock:
+            holding = {i for (p, i, _) in self._pooled if p == pool}
+            polled = [r for r in self.replicas if r.in_rotation or r.index in holding]
+        owing = [r for r in polled if r.client.tickets.held(pool) != []]
+        found = self.each(owing, lambda r: r.client.ack_rollouts(pool))
+        for got in found.values():
+            if isinstance(got, BaseException) and not isinstance(got, GONE):
+                raise got
+        return sum(got for got in found.values() if isinstance(got, int))
+
+    def cancel_rollouts(self, group_ids: Sequence[str] | None = None, *, pool: str = DEFAULT_POOL) -> dict[str, Any]:
+        """SidecarClient.cancel_rollouts over the replicas, by fleet ids ("dp{i}/{id}"); None: the whole pool
+        on every replica. {"cancelled": [ids], "unknown": [ids]}."""
+        named: dict[int, list[str]] | None = None
+        unknown: list[str] = []
+        if group_ids is not None:
+            named = {}
+            by_name = {r.name: r.index for r in self.replicas}
+            for gid in group_ids:
+                name, _, local = gid.partition("/")
+                if name in by_name and local:
+                    named.setdefault(by_name[name], []).append(local)
+                else:
+                    unknown.append(gid)
+        targets = list(self.replicas) if named is None else [self.replicas[i] for i in named]
+        found = self.each(targets, lambda r: r.client.cancel_rollouts(None if named is None else named[r.index],
+                                                                       pool=pool))
+        cancelled: list[str] = []
+        for i, got in found.items():
+            if isinstance(got, BaseException):
+                if not isinstance(got, GONE):
+                    raise got
+                continue
+            name = self.replicas[i].name
+            cancelled += [f"{name}/{gid}" for gid in got["cancelled"]]
+            unknown += [f"{name}/{gid}" for gid in got["unknown"]]
+            with self._lock:
+                for gid in got["cancelled"]:
+                    self._pooled.pop((pool, i, gid), None)
+        return {"cancelled": cancelled, "unknown": unknown}
 
     def _submit_pooled(self, pool: str, entries: list[tuple[int, Any, Any]],
                        policy: dict[str, Any] | None = None) -> list[str]:
@@ -460,7 +521,7 @@ class Fleet:
             holding = {i for (p, i, _) in self._pooled if p == pool}
             polled = [r for r in self.replicas if r.in_rotation or r.index in holding]
         found = self.each(polled, lambda r: r.client.rollout_counts(pool))
-        finished, counts, failing = [], {"pending": 0, "finished": 0, "failed": 0, "sequences": 0}, set()
+        finished, counts, failing = [], {"pending": 0, "finished": 0, "leased": 0, "failed": 0, "sequences": 0}, set()
         for i, got in found.items():
             if isinstance(got, BaseException):
                 if not isinstance(got, GONE):
@@ -488,13 +549,14 @@ class Fleet:
         return len(lost)
 
     def _take_pooled(self, pool: str, chosen: list[tuple[Any, int, str]], counts: dict[str, int],
-                     failing: set[int]) -> RolloutTake:
-        """Take exactly the `chosen` groups (and report every failed one), in the chosen order."""
+                     failing: set[int], ack: bool = True) -> RolloutTake:
+        """Take exactly the `chosen` groups (and report every failed one), in the chosen order; `ack`: as
+        SidecarClient.take_rollouts' (a stream's takes leave their predecessors unacknowledged)."""
         wanted: dict[int, list[str]] = {i: [] for i in failing}
         for _, i, gid in chosen:
             wanted.setdefault(i, []).append(gid)
         found = self.each([self.replicas[i] for i in wanted], lambda r: r.client.take_rollouts(
-            0, None, pool=pool, timeout_s=0.0, group_ids=wanted[r.index]))
+            0, None, pool=pool, timeout_s=0.0, group_ids=wanted[r.index], ack=ack))
         outputs: dict[tuple[int, str], RequestOutput] = {}
         failed: dict[str, str] = {}
         for i, got in found.items():
@@ -513,7 +575,7 @@ class Fleet:
                     o, request_id=f"{name}/{o.request_id}", metrics={**o.metrics, "replica": i})
         groups = [outputs[(i, gid)] for _, i, gid in chosen if (i, gid) in outputs]
         left = {**counts, "finished": counts["finished"] - len(groups), "failed": 0,
-                "sequences": counts["sequences"] - sum(len(o.outputs) for o in groups)}
+                "leased": counts["leased"] + len(groups)}
         return RolloutTake(groups, self.version, failed, left)
 
     def _retry_elsewhere(self, call: _Rollout, replica: Replica, idxs: list[int],
@@ -586,6 +648,56 @@ class _Rollout:
         self.costs = [sequences_of(p) for p in per]
         self.tried = [[] for _ in range(n)]
         self.results = [None] * n
+
+
+class _StreamRounds:
+    """The rounds of a fleet's stream of one pool: at most one long poll in flight per replica (a round
+    waits for the first answer; the others stay in flight for the next round), and the last counts each
+    replica answered, whose sum says when nothing is left to wait for. A replica that answered with
+    nothing unfinished or finished is not asked again (it would answer at once, every round); one whose
+    poll is still in flight counts as generating."""
+
+    def __init__(self, fleet: Fleet, pool: str) -> None:
+        self.fleet, self.pool = fleet, pool
+        self.polls: dict[int, Future] = {}
+        self.counts: dict[int, dict[str, int]] = {}
+
+    def take(self, max_groups: int, wait_s: float, first: bool) -> RolloutTake:
+        fleet, pool = self.fleet, self.pool
+        with fleet._lock:
+            holding = {i for (p, i, _) in fleet._pooled if p == pool}
+            replicas = [r for r in fleet.replicas if r.in_rotation or r.index in holding]
+        slice_s = min(wait_s, FLEET_POLL_S)
+        for r in replicas:
+            last = self.counts.get(r.index)
+            if r.index not in self.polls and (last is None or last["pending"] or last["finished"]):
+                self.polls[r.index] = fleet.pool.submit(r.client.rollout_counts, pool, wait_s=slice_s,
+                                                        order="completed")
+        if self.polls:
+            wait_futures(list(self.polls.values()), timeout=slice_s + TAKE_MARGIN_S, return_when=FIRST_COMPLETED)
+        finished: list[tuple[Any, int, str]] = []
+        failing: set[int] = set()
+        lost = 0
+        for i, fut in [(i, f) for i, f in self.polls.items() if f.done()]:
+            del self.polls[i]
+            try:
+                got = fut.result()
+            except GONE as e:
+                self.counts.pop(i, None)
+                lost += fleet._lost_pool(pool, i, f"went away while generating rollouts: {e}")
+                if lost:
+                    self.counts = {}  # its groups went to other replicas: ask every one again
+                continue
+            self.counts[i] = {k: int(got[k]) for k in _COUNTS}
+            if got["failed"]:
+                failing.add(i)
+            finished += [((0, pos, i), i, gid) for pos, gid in enumerate(got["finished_ids"])]
+        counts = {k: sum(c[k] for c in self.counts.values()) for k in _COUNTS}
+        counts["pending"] += lost + sum(not self.counts.get(i, {}).get("pending") for i in self.polls)
+        take = fleet._take_pooled(pool, finished[:max_groups], counts, failing, ack=False)
+        for o in take.groups:  # what the next answer of its replica will say
+            self.counts[o.metrics["replica"]]["finished"] -= 1
+        return take
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,7 +37,7 @@ from inference.transfer.sender import WeightSender
 from trainer_hooks.client_errors import SidecarChecksumError, SidecarConnectionError, SidecarUnavailableError
 from trainer_hooks.fleet import Fleet
 from trainer_hooks.logprob_gap import measure_logprob_gap
-from trainer_hooks.rollout_pool import DEFAULT_POOL, staleness, sync_fields
+from trainer_hooks.rollout_pool import DEFAULT_POOL, RolloutTake, staleness, sync_fields
 from trainer_hooks.sources import collect_weights
 from trainer_hooks.trainer_host import trainer_host
 
@@ -181,8 +181,12 @@ class WeightSyncHook:
         generating in the sidecar and are held through the next sleep and sync (docs/async-rl.md).
         Fewer than G come back only if none is left unfinished or after timeout_s. Each output's
         request_id is its group id. stats: rollout_groups, rollout_carried (groups submitted before this
-        call), rollout_left (groups left in the pool), staleness_samples / staleness_tokens (histograms of
-        versions behind the live one: each sample's oldest token; each token).
+        call), rollout_left (groups left in the pool). Every call (with min_groups or not) sets
+        staleness_samples / staleness_tokens: histograms of versions behind the live one (each sample's
+        oldest token; each token) of what it returned, so each step reads its own.
+        A call with min_groups acknowledges what the previous one returned (those groups leave the
+        sidecar); its own stay leased in the sidecar until then, so a trainer killed before its next
+        call loses none (docs/async-rl.md, "Restarts").
 
         on_sync ("keep", "recompute", "abort"; None: the sidecar's --on-sync) and max_staleness: what a
         weight sync that goes live while a sample runs does to it (docs/async-rl.md).
@@ -196,6 +200,8 @@ class WeightSyncHook:
             policy = sync_fields(on_sync, max_staleness)
             if min_groups is None:
                 outputs = self._timed("generate_ms", self.client.generate, prompts, sampling, **policy)
+                samples, tokens = staleness(outputs, self.version)
+                self.stats.update(staleness_samples=samples, staleness_tokens=tokens)
             else:
                 outputs = self._partial(prompts, sampling, min_groups, max_groups, timeout_s, policy)
         if broadcast and torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -213,17 +219,46 @@ class WeightSyncHook:
         self.pooled = True
         take = self._call(self.client.rollouts, prompts, sampling, min_groups=min_groups, max_groups=max_groups,
                           pool=pool, timeout_s=timeout_s, **policy)
+        self._note_take(take, t0)
+        return take.groups
+
+    def iter_rollouts(self, prompts: Any, sampling: SamplingParams | Any = None, *, count: int,
+                      timeout_s: float = 600.0, on_sync: str | None = None,
+                      max_staleness: int | None = None) -> Iterator[Any]:
+        """rollouts(min_groups=count) one group at a time: the prompts join the pool, then each finished
+        group is yielded as it completes (completion order; the sidecar answers each take as a group
+        finishes), until `count` came (fewer if none is left unfinished, or after timeout_s). The stats
+        of rollouts() are set when the iteration ends. Sending rank only: other ranks get nothing."""
+        if not self.is_sender:
+            return
+        self.wake()
+        t0 = time.perf_counter()
+        self.pooled = True
+        stream = self._call(self.client.iter_rollouts, prompts, sampling, count=count, pool=self.rollout_pool,
+                            timeout_s=timeout_s, **sync_fields(on_sync, max_staleness))
+        it = iter(stream)
+        while True:
+            try:
+                group = self._call(next, it)
+            except StopIteration:
+                break
+            yield group
+        self._note_take(RolloutTake(stream.groups, stream.weight_version, stream.failed, stream.counts,
+                                    stream.submitted), t0)
+
+    def _note_take(self, take: RolloutTake, t0: float) -> None:
+        """The stats of a partial call (rollouts docstring); failed groups are logged."""
         new = set(take.submitted)
         if take.failed:
             log.warning("%d rollout group(s) of pool %r failed on the sidecar (resubmit their prompts):\n%s",
-                        len(take.failed), pool, "\n".join(f"  {g}: {why}" for g, why in take.failed.items()))
+                        len(take.failed), self.rollout_pool,
+                        "\n".join(f"  {g}: {why}" for g, why in take.failed.items()))
         samples, tokens = staleness(take.groups, take.weight_version if take.weight_version is not None
                                     else self.version)
         self.stats.update(rollout_ms=_ms(t0), rollout_groups=len(take.groups),
                           rollout_carried=sum(o.request_id not in new for o in take.groups),
                           rollout_left=take.counts.get("pending", 0) + take.counts.get("finished", 0),
                           rollout_failed=dict(take.failed), staleness_samples=samples, staleness_tokens=tokens)
-        return take.groups
 
     def _measure_gap(self, outputs: list[Any]) -> None:
         """stats["logprob_gap_*"]: self.model's logprobs of the rollout tokens against the rollout's
@@ -320,7 +355,14 @@ class WeightSyncHook:
             self.sync()
 
     def close(self) -> None:
-        """Close the sender if the hook made it (the sidecar itself is the caller's)."""
+        """Acknowledge the last rollouts taken (the trainer is done with them: they leave the sidecar's
+        pool) and close the sender if the hook made it (the sidecar itself is the caller's)."""
+        if self.pooled and self.is_sender:
+            try:
+                self.client.ack_rollouts(self.rollout_pool)
+            except SidecarError as e:  # the groups are not lost: they return to the pool after their lease
+                log.warning("could not acknowledge the last rollouts of pool %r: %s", self.rollout_pool, e)
+            self.pooled = False
         if self._owns_sender and self._sender is not None:
             self._sender.close()
             self._sender = None
@@ -331,6 +373,8 @@ class WeightSyncHook:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if exc[0] is not None:
+            self.pooled = False  # the step did not finish: its rollouts stay leased and return to the pool
         self.close()
 
     # ---- internals ----------------------------------------------------------------------------

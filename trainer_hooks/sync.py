@@ -35,7 +35,7 @@ from trainer_hooks.fleet_replicas import FleetError, Replica, SyncOutcome, fleet
 if TYPE_CHECKING:
     from trainer_hooks.wire import Pending, Wire
 
-SYNC_PROTOCOL = 1  # the version of this choreography and of the sidecar's weight routes
+SYNC_PROTOCOL = 2  # the version of this choreography and of the sidecar's routes (weights, rollout pools)
 LAYOUT_FIELD = "manifest.layout"  # the field of the sidecar's 400 for a layout key it does not know
 GONE = (SidecarConnectionError, SidecarUnavailableError)  # a sidecar that went away, not a bad request
 

@@ -116,9 +116,11 @@ class Sequence:
 
     @classmethod
     def group(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[Sequence]:
-        """The params.n samples of one request, sample 0 first; the others lead back to it."""
-        first = cls(request_id, 0, prompt_token_ids, params)
-        return [first] + [cls(request_id, i, prompt_token_ids, params, first) for i in range(1, params.n)]
+        """The params.n samples of one request, sample 0 first; the others lead back to it. Each runs with
+        its own max_tokens when the params give one per sample."""
+        first = cls(request_id, 0, prompt_token_ids, params.for_sample(0))
+        return [first] + [cls(request_id, i, prompt_token_ids, params.for_sample(i), first)
+                          for i in range(1, params.n)]
 
     @property
     def num_tokens(self) -> int:

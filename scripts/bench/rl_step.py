@@ -8,9 +8,10 @@ first timed rollout, plus noise added in place to --perturb tensors) + a sync. M
 sync (sleep, train, wake, sync; G groups, all waited for); partial_keep / partial_recompute (G x --oversample
 in flight, a step takes the first G finished, the rest are held across the sleep and the sync with that
 on_sync; the sleep drops the KV, so colocated keep goes on as recompute does); disagg_keep (no sleep: the
-sidecar generates through the train phase, the sync lands mid-generation, keep). A group's n samples share
-one length, since no per-sample max_tokens crosses HTTP: the longest of n lognormal draws, as a group of
-scripts/bench/rollout.py's batch ends with its longest sample. One JSON line per mode; --dry-run: the plan.
+sidecar generates through the train phase, the sync lands mid-generation, keep). Each sample generates its
+own lognormal draw, as in scripts/bench/rollout.py (`sample_max_tokens`: one max_tokens per sample of a
+group; --group-len max gives every sample its group's longest draw instead). One JSON line per mode;
+--dry-run: the plan.
 
     python3 -m scripts.bench.rl_step --shape qwen2-0.5b --steps 4      # CUDA, ipc
     python3 -m scripts.bench.rl_step --shape tiny --steps 3 --prompts 8 --samples 2 --prompt-min 8 \
@@ -52,28 +53,31 @@ class Workload:
     vocab: int
     rng: random.Random = field(init=False)
     drawn: int = 0
-    lengths: dict[tuple[int, ...], int] = field(default_factory=dict)  # prompt -> its group's length
+    lengths: dict[tuple[int, ...], list[int]] = field(default_factory=dict)  # prompt -> its samples' lengths
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.args.seed)
 
-    def draw(self) -> tuple[list[int], int]:
+    def draw(self) -> tuple[list[int], list[int]]:
+        """A prompt and its samples' lengths (each its own draw; all the longest with --group-len max)."""
         a, rng = self.args, self.rng
         mu = math.log(a.len_median)
         lens = [min(a.len_cap, max(1, round(rng.lognormvariate(mu, a.len_sigma)))) for _ in range(a.samples)]
         prompt = [rng.randrange(4, self.vocab) for _ in range(rng.randint(a.prompt_min, a.prompt_max))]
         self.drawn += 1
-        length = max(lens) if a.group_len == "max" else lens[0]
-        self.lengths[tuple(prompt)] = length
-        return prompt, length
+        if a.group_len == "max":
+            lens = [max(lens)] * len(lens)
+        self.lengths[tuple(prompt)] = lens
+        return prompt, lens
 
     def groups(self, count: int) -> tuple[list[list[int]], list[SamplingParams]]:
         prompts, params = [], []
         for _ in range(count):
-            prompt, length = self.draw()
+            prompt, lens = self.draw()
             prompts.append(prompt)
-            params.append(SamplingParams(n=self.args.samples, temperature=1.0, max_tokens=length, ignore_eos=True,
-                                         seed=1000 + self.drawn))
+            params.append(SamplingParams(n=self.args.samples, temperature=1.0, max_tokens=max(lens), ignore_eos=True,
+                                         seed=1000 + self.drawn,
+                                         sample_max_tokens=lens if self.args.group_len == "draw" else ()))
         return prompts, params
 
 
@@ -157,7 +161,7 @@ class ModeRun:
     consumed: int = 0
     failed: int = 0
     duplicates: int = 0
-    short_samples: int = 0  # samples that generated another length than their group's
+    short_samples: int = 0  # samples that generated another length than their own draw
     restarts: int = 0
     carried: int = 0
     tokens: int = 0
@@ -269,7 +273,7 @@ class Loop:
         out.failed += len(self.hook.stats.get("rollout_failed", {}))
         for o in batch:
             want = work.lengths[tuple(o.prompt_token_ids)]
-            out.short_samples += sum(len(c.token_ids) != want for c in o.outputs)
+            out.short_samples += sum(len(c.token_ids) != want[c.index] for c in o.outputs)
             out.short_samples += max(0, self.args.samples - len(o.outputs))
             out.restarts += sum(c.restarts for c in o.outputs)
         if not timed:
@@ -291,6 +295,7 @@ class Loop:
         left = int(counts.get("pending", 0)) + int(counts.get("finished", 0))
         if left:
             self.client.take_rollouts(left, None, pool=f"rlstep-{mode}", timeout_s=self.args.take_timeout_s)
+        self.client.ack_rollouts(f"rlstep-{mode}")  # the pool leaves the sidecar empty
         return left
 
 
@@ -340,6 +345,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
 
     vocab = vocab_size(args.shape)  # the prompts' draws consume the RNG by the vocabulary: the run's value
     lengths = [p.max_tokens for p in Workload(args, vocab).groups(math.ceil(args.prompts * args.oversample))[1]]
+    # first_lengths: each group's longest sample (its time on the engine)
     return {"bench": "rl_step_plan", "shape": args.shape, "device": args.device, "backend": args.backend,
             "modes": args.modes, "steps": args.steps, "warmup_steps": args.warmup_steps, "prompts": args.prompts,
             "samples": args.samples, "oversample": args.oversample, "group_len": args.group_len,
@@ -364,8 +370,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--len-median", type=float, default=350.0, help="lognormal median of a sample's length")
     ap.add_argument("--len-sigma", type=float, default=0.757)
     ap.add_argument("--len-cap", type=int, default=2048)
-    ap.add_argument("--group-len", choices=("max", "draw"), default="max",
-                    help="a group's length: the longest of its n per-sample draws, or one draw")
+    ap.add_argument("--group-len", choices=("draw", "max"), default="draw",
+                    help="draw: each sample generates its own draw (as bench rollout); max: every sample of a "
+                         "group its longest draw")
     ap.add_argument("--train-s", type=float, default=None, help="the train phase (default: --train-frac x the "
                                                                "sync mode's first timed rollout)")
     ap.add_argument("--train-frac", type=float, default=0.5)

@@ -29,7 +29,8 @@ class _Request(BaseModel):
 
 
 # SamplingParams travels as JSON: its tuples as lists (a lone stop string is one stop).
-_JSON_SHAPES: dict[str, Any] = {"stop_token_ids": list[int], "stop": str | list[str]}
+_JSON_SHAPES: dict[str, Any] = {"stop_token_ids": list[int], "stop": str | list[str],
+                                "sample_max_tokens": list[int]}
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
