@@ -68,6 +68,7 @@ class WeightReceiver:
             owed, self._owed = self._owed, None
             owed()
         parsed = specs if isinstance(specs, ParsedManifest) else ParsedManifest(specs)
+        tensors = len(parsed)  # the sender's digests are of the full tensors, a delta or not
         self.last_delta = None
         if self.info.delta:
             base = held_version if can_apply(sink) else -1
@@ -90,7 +91,7 @@ class WeightReceiver:
             on_agreed()
         self.backend.receive(self.group, plan, parsed, sink, same[1:], maxima)
         if digests_follow:
-            self._owed = post_digests(self.group, len(parsed))
+            self._owed = post_digests(self.group, tensors)
 
     def sender_digests(self, algorithm: str) -> dict[str, Any]:
         """Step 4 of a sync received with digests_follow (posted when receive returned): the sender's digests
