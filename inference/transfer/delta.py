@@ -187,18 +187,20 @@ def encode(spec: TensorSpec, new: torch.Tensor, old: torch.Tensor) -> tuple[Enco
     if k == 0:
         return Encoded(UNCHANGED), {**sizes, "index": 0, "runs": 0, "changed": 0}
     # a gap of g unchanged elements joins two runs when writing it (g * item bytes) costs less than a run
+    # header; the runs' sizes come from reductions, their bounds only when they are chosen
     gaps = changed[1:] - changed[:-1] - 1
-    breaks = torch.nonzero(gaps * item >= 2 * w).view(-1)
-    starts = torch.cat([changed[:1], changed[1:][breaks]])
-    ends = torch.cat([changed[:-1][breaks], changed[-1:]])
-    lens = ends - starts + 1
-    r, m = starts.numel(), int(lens.sum())
+    joined = gaps * item < 2 * w
+    r = k - int(joined.sum())
+    m = k + int((gaps * joined).sum())
     sizes.update(index=payload_bytes(spec, INDEX, k, 0), runs=payload_bytes(spec, RUNS, r, m), changed=k)
     best = min(("index", "runs", "dense"), key=lambda name: sizes[name])
     if best == "dense":
         return Encoded(DENSE), sizes
     if best == "index":
         return Encoded(INDEX, k, 0, idx=changed), sizes
+    breaks = torch.nonzero(~joined).view(-1)
+    starts = torch.cat([changed[:1], changed[1:][breaks]])
+    lens = torch.cat([changed[:-1][breaks], changed[-1:]]) - starts + 1
     first = torch.cumsum(lens, 0) - lens
     run_idx = torch.arange(m, device=new.device) + torch.repeat_interleave(starts - first, lens)
     return Encoded(RUNS, r, m, idx=starts, lens=lens, run_idx=run_idx), sizes
