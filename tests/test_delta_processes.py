@@ -20,7 +20,7 @@ from inference.engine.llm import LLM
 from inference.models.tiny import default_model_dir
 from inference.transfer.sender import WeightSender
 from tests.helpers_sidecar import KV_BYTES, connect_replicas, launch, launched, sync_replicas
-from trainer_hooks import collect_weights
+from trainer_hooks import Fleet, WeightSyncHook, collect_weights
 from trainer_hooks.client import SidecarClient
 from trainer_hooks.toy_policy import ToyPolicy
 
@@ -142,4 +142,22 @@ def test_a_fleet_of_three_takes_deltas_and_one_that_missed_a_version_makes_the_s
             sender.close()
             for c in clients:
                 c.close()
-    assert outs[0] == outs[1] == outs[2] == _fresh_engine_outputs(trainer.sent(), tmp_path)
+        assert outs[0] == outs[1] == outs[2] == _fresh_engine_outputs(trainer.sent(), tmp_path)
+
+        # the same through a Fleet and the hook: a bf16 policy (its parameters are what is sent)
+        policy = Trainer()
+        policy.policy.to(torch.bfloat16)
+        policy.opt = torch.optim.AdamW(policy.policy.parameters(), lr=1e-2)
+        hook_modes = []
+        with Fleet([s.url for s in servers], timeout=60) as fleet, \
+                WeightSyncHook(fleet, policy.policy, delta=True) as hook:
+            for _ in range(3):
+                with hook.training():
+                    policy.step()
+                hook_modes.append(fleet._group.sender.last_sync["mode"])
+        hook_outs = []
+        for s in servers:
+            with SidecarClient(s.url, timeout=60) as client:
+                hook_outs.append([o.outputs[0].token_ids for o in client.generate(PROMPTS, GREEDY)])
+        assert hook_modes == ["full", "delta", "delta"]
+        assert hook_outs[0] == hook_outs[1] == hook_outs[2] == _fresh_engine_outputs(policy.sent(), tmp_path / "hook")
