@@ -155,6 +155,7 @@ def test_a_fleet_of_three_takes_deltas_and_one_that_missed_a_version_makes_the_s
                 with hook.training():
                     policy.step()
                 hook_modes.append(fleet._group.sender.last_sync["mode"])
+            hook.wake()
         hook_outs = []
         for s in servers:
             with SidecarClient(s.url, timeout=60) as client:
