@@ -190,8 +190,8 @@ def encode(spec: TensorSpec, new: torch.Tensor, old: torch.Tensor) -> tuple[Enco
     # header; the runs' sizes come from reductions, their bounds only when they are chosen
     gaps = changed[1:] - changed[:-1] - 1
     joined = gaps * item < 2 * w
-    r = k - int(joined.sum())
-    m = k + int((gaps * joined).sum())
+    n_joined, gap_elements = torch.stack([joined.sum(), (gaps * joined).sum()]).tolist()  # one host sync
+    r, m = k - n_joined, k + gap_elements
     sizes.update(index=payload_bytes(spec, INDEX, k, 0), runs=payload_bytes(spec, RUNS, r, m), changed=k)
     best = min(("index", "runs", "dense"), key=lambda name: sizes[name])
     if best == "dense":

@@ -138,9 +138,9 @@ def wire(args: argparse.Namespace, lr: float, delta: bool) -> dict[str, Any]:
         return {"ms": statistics.median(times), "modes": sorted({s["mode"] for s in sent}),
                 "wire_bytes": max(s["wire_bytes"] for s in sent), "kept_copy_bytes": sent[-1]["kept_copy_bytes"]}
     finally:
+        updater.close_transfer()  # ipc: the mappings of the trainer's memory go before the trainer does
         to_child.put("done")
         child.join(120)
-        updater.close_transfer()
 
 
 def main() -> None:
