@@ -9,10 +9,9 @@ tensor: encoding and counts); otherwise it moves the full tensors: the fallback 
 A delta travels as ONE uint8 tensor ("delta") through the ordinary plan and backend, and the rank
 applies it in place (`apply_delta`) before the audit digests the FULL held tensors under the sync's
 rule, so a delta is proven against the trainer's full weights exactly as a full sync is.
-Encoding per tensor, the smallest wins (elements compared bitwise): UNCHANGED (0 bytes), INDEX (the
-changed indices, then their values), RUNS (start and length of each run of changed elements, gaps
-that cost less than a run header merged in, then the runs' values), DENSE (the whole tensor).
-Indices are int32 below 2**31 elements, else int64; every section starts on 8 bytes.
+Per tensor the smallest encoding wins (elements compared bitwise): UNCHANGED, INDEX (changed indices,
+then values), RUNS (start and length per run, gaps cheaper than a run header merged in, then values),
+DENSE (the whole tensor). Indices are int32 below 2**31 elements, else int64; sections 8-aligned.
 """
 
 from __future__ import annotations
