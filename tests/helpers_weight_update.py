@@ -63,10 +63,10 @@ class Link:
     """A sender on this process, connected to `worker` (the sender's calls run on a thread)."""
 
     def __init__(self, worker: Worker, bucket_bytes: int = BUCKET, timeout_s: float = 20.0,
-                 digest_algorithm: str | None = None) -> None:
+                 digest_algorithm: str | None = None, delta: bool = False) -> None:
         self.worker = worker
         self.sender = WeightSender("gloo", bucket_bytes=bucket_bytes, timeout_s=timeout_s,
-                                   digest_algorithm=digest_algorithm)
+                                   digest_algorithm=digest_algorithm, delta=delta)
         info = self.sender.init_info()
         with ThreadPoolExecutor(1) as pool:
             connecting = pool.submit(self.sender.connect)

@@ -81,7 +81,7 @@ class WeightSyncHook:
                  sender_rank: int = 0, allow_cast: bool = False, log_path: str | Path | None = None,
                  transfer_timeout_s: float = 120.0, logprob_gap: bool = False,
                  trainer_host: str | None = None, rollout_pool: str = DEFAULT_POOL,
-                 sync_on_attach: bool = True) -> None:
+                 sync_on_attach: bool = True, delta: bool = False) -> None:
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level!r}")
         if sync_every < 1 or grad_accum_steps < 1:
@@ -99,6 +99,7 @@ class WeightSyncHook:
         self.trainer_host = trainer_host
         self.logprob_gap = logprob_gap  # measure the trainer-vs-rollout gap after each rollouts() call
         self.rollout_pool = rollout_pool  # the sidecar's pool of partial rollouts (rollouts(min_groups=...))
+        self.delta = delta  # senders it builds send only what changed after a full sync (docs/sync-modes.md)
         self.pooled = False  # groups may be unfinished in the pool: sleep holds them instead of finishing them
         self._sender: WeightSender | None = sender if isinstance(sender, WeightSender) else None
         self._backend = sender if isinstance(sender, str) else None
@@ -447,7 +448,7 @@ class WeightSyncHook:
         urls = [r.url for r in self.client.replicas] if isinstance(self.client, Fleet) else [
             str(getattr(self.client, "url", ""))]
         kwargs: dict[str, Any] = {"num_receivers": num_receivers, "timeout_s": self.transfer_timeout_s,
-                                  "master_host": self.trainer_host or trainer_host(urls)}
+                                  "master_host": self.trainer_host or trainer_host(urls), "delta": self.delta}
         if transfer.get("bucket_bytes"):
             kwargs["bucket_bytes"] = int(transfer["bucket_bytes"])
         if check_backend(backend).cuda:

@@ -11,6 +11,8 @@ by `Fleet` (every rank of every replica in one transfer group); sidecar/api/cont
   sidecar's error (naming field and rank) wins.
 - A manifest whose layout a sidecar parsed travels as that key alone; a sidecar that does not know it
   (restarted) answers 400 on `manifest.layout`, and the round runs again with the tensors.
+- Delta syncs are the sender's (WeightSender(delta=True), negotiated in its init_info): each sync is still
+  this one round; the ranks and the sender decide delta or full over the group (inference/transfer/delta.py).
 - A fleet's group: the sender is rank 0; rank k of member j is 1 + (the ranks of the members before j) + k,
   given to each member as InitInfo.ranks; the group is reused while its members (and their pids) stay.
 """
@@ -35,7 +37,7 @@ from trainer_hooks.fleet_replicas import FleetError, Replica, SyncOutcome, fleet
 if TYPE_CHECKING:
     from trainer_hooks.wire import Pending, Wire
 
-SYNC_PROTOCOL = 2  # the version of this choreography and of the sidecar's routes (weights, rollout pools)
+SYNC_PROTOCOL = 2  # the version of this choreography and the sidecar's routes (2: acknowledged pool takes, delta offers)
 LAYOUT_FIELD = "manifest.layout"  # the field of the sidecar's 400 for a layout key it does not know
 GONE = (SidecarConnectionError, SidecarUnavailableError)  # a sidecar that went away, not a bad request
 

@@ -70,6 +70,7 @@ class InitInfo:
     session_id: str
     ranks: dict[str, int] | None = None
     auth: str | None = None
+    delta: bool = False  # every sync of the session starts with the delta offer (inference/transfer/delta.py)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -84,7 +85,7 @@ class InitInfo:
         unknown = sorted(set(d) - known)
         if unknown:
             raise InvalidRequestError(f"init_info.{unknown[0]}", f"unknown field (known: {sorted(known)})")
-        missing = sorted(known - {"ranks", "auth"} - set(d))
+        missing = sorted(known - {"ranks", "auth", "delta"} - set(d))
         if missing:
             raise InvalidRequestError(f"init_info.{missing[0]}", "missing field")
         info = cls(**d)
@@ -114,6 +115,8 @@ class InitInfo:
             raise bad("timeout_s", f"must be a positive number, got {self.timeout_s!r}")
         if not isinstance(self.session_id, str) or not self.session_id:
             raise bad("session_id", "must be a non-empty string")
+        if not isinstance(self.delta, bool):
+            raise bad("delta", f"must be true or false, got {self.delta!r}")
         if self.auth is not None and (not isinstance(self.auth, str) or len(self.auth) < 16):
             raise bad("auth", "must be the session's secret, a string of 16 or more characters")
 

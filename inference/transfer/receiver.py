@@ -9,7 +9,9 @@ all-reduce in which every receiver reports whether it unpacked everything: the s
 returns only after it, so an ipc sender never overwrites memory a receiver still reads, and a
 receiver's failure is reported to the trainer instead of passing silently; (4) only in a sync whose
 sender delivers its digests (agreed in step 1): one broadcast of them (inference/transfer/delivery.py),
-taken with `sender_digests` once the rank is ready to compare.
+taken with `sender_digests` once the rank is ready to compare. A session negotiated with delta syncs
+(`InitInfo.delta`) puts the offer before (1): one all-max that decides delta or full
+(inference/transfer/delta.py); a delta then walks (1)-(4) as a sync of one uint8 tensor.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from inference.transfer.backends import check_backend
 from inference.transfer.backends.base import Sink, TransferBackend, backend_class
 from inference.transfer.delivery import PLAN_SUFFIX, post_digests, read_digests
+from inference.transfer.delta import CODES, DeltaLayout, DeltaSink, can_apply, offer_agreed, offer_values
 from inference.transfer.groups import InitInfo, TransferError, TransferGroup
 from inference.transfer.plan import ParsedManifest, TensorSpec
 
@@ -40,6 +43,7 @@ class WeightReceiver:
         self.backend.check_device()
         self.group = TransferGroup(info, rank, device, label=label, data_plane=self.backend.data_plane)
         self._owed: Callable[[], bytes] | None = None  # a posted step 4 not taken yet (sender_digests)
+        self.last_delta: DeltaSink | None = None  # the last sync's delta sink (None: it was full)
 
     @property
     def broken(self) -> str | None:
@@ -50,17 +54,29 @@ class WeightReceiver:
         self.group.close()
 
     def receive(self, version: int, specs: ParsedManifest | Sequence[TensorSpec], sink: Sink,
-                on_agreed: Callable[[], None] | None = None, *, digests_follow: bool = False) -> None:
+                on_agreed: Callable[[], None] | None = None, *, digests_follow: bool = False,
+                held_version: int = -1) -> None:
         """Receive one whole sync into `sink`. Raises TransferError (group broken) or the sink's error.
 
         `on_agreed` runs once both ends agreed on the plan, just before the first byte may be written.
         `digests_follow`: the sender delivers its digests after the bytes (step 4): once this returns,
         call `sender_digests` (every end takes part in it, or the group's next collective mismatches).
+        `held_version`: in a delta session, the version this rank holds intact (-1: none), offered as
+        the base a delta may be applied to; a sink without a held region for every tensor offers -1.
         """
         if self._owed is not None:  # the last sync's step 4 was never taken: let it end before this sync
             owed, self._owed = self._owed, None
             owed()
         parsed = specs if isinstance(specs, ParsedManifest) else ParsedManifest(specs)
+        tensors = len(parsed)  # the sender's digests are of the full tensors, a delta or not
+        self.last_delta = None
+        if self.info.delta:
+            base = held_version if can_apply(sink) else -1
+            if offer_agreed(self.group.all_max(offer_values(base), "delta offer")):
+                codes = self.group.all_max([0] * (CODES * len(parsed)), "delta codes")
+                layout = DeltaLayout.from_codes(parsed, codes)
+                sink = self.last_delta = DeltaSink(sink, parsed, layout, self.device)
+                parsed = layout.wire_specs()
         plan_id = self.backend.plan_id() + (PLAN_SUFFIX if digests_follow else "")
         fingerprint = parsed.fingerprint(version, self.info.bucket_bytes, plan_id)
         keys, values = self.backend.receiver_agreement()
@@ -75,7 +91,7 @@ class WeightReceiver:
             on_agreed()
         self.backend.receive(self.group, plan, parsed, sink, same[1:], maxima)
         if digests_follow:
-            self._owed = post_digests(self.group, len(parsed))
+            self._owed = post_digests(self.group, tensors)
 
     def sender_digests(self, algorithm: str) -> dict[str, Any]:
         """Step 4 of a sync received with digests_follow (posted when receive returned): the sender's digests
@@ -88,6 +104,9 @@ class WeightReceiver:
     def refuse(self) -> None:
         """Take part in step (1) of a sync this rank cannot receive, with the fingerprint that never
         agrees (0): every end then stops before a byte moves and the group stays usable, so a sender
-        already waiting in the agreement fails at once instead of at its timeout."""
+        already waiting in the agreement fails at once instead of at its timeout. In a delta session the
+        offer comes first, where this rank offers no version (so no delta's codes follow)."""
+        if self.info.delta:
+            self.group.all_max(offer_values(-1), "delta offer")
         keys, values = self.backend.receiver_agreement()
         self.group.agree_many([0, *keys], values)

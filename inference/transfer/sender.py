@@ -13,6 +13,8 @@ again; the store server is reused.
 How the bytes move is the backend's (inference/transfer/backends/): the sender builds its end from
 the registry by name and keeps it across sessions. gloo and nccl pack bucket k+1 while bucket k is on
 the wire; ipc lets the ranks copy straight from the trainer's GPU memory (inference/transfer/ipc.py).
+With `delta=True` (negotiated in init_info) a sync moves only what changed since the copy every rank
+holds, or the full tensors when some rank does not hold it (inference/transfer/delta.py).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from inference.core import InvalidRequestError, StateError
 from inference.transfer.backends import check_backend
 from inference.transfer.backends.base import TransferBackend, backend_class
 from inference.transfer.delivery import PLAN_SUFFIX, send_digests
+from inference.transfer.delta import CODES, DeltaLayout, KeptCopy, offer_agreed, offer_values
 from inference.transfer.digests import PendingRecords, RecordDigests, check_algorithm
 from inference.transfer.groups import (
     InitInfo,
@@ -54,8 +57,10 @@ class WeightSender:
     def __init__(self, backend: str = "gloo", *, num_receivers: int = 1, master_host: str = "127.0.0.1",
                  master_port: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 120.0,
                  device: torch.device | str | None = None, ipc_mode: str = "auto",
-                 digest_algorithm: str | None = None) -> None:
-        """`digest_algorithm`: the digest rule of every sync (None: picked per sync from the tensors)."""
+                 digest_algorithm: str | None = None, delta: bool = False) -> None:
+        """`digest_algorithm`: the digest rule of every sync (None: picked per sync from the tensors).
+        `delta`: after a full sync, send only the elements that changed (module docstring); the sender
+        then keeps a copy of what it sent, where the tensors live (one model's bytes)."""
         spec = check_backend(backend, "backend")
         if ipc_mode not in IPC_MODES:
             raise InvalidRequestError("ipc_mode", f"must be one of {list(IPC_MODES)}, got {ipc_mode!r}")
@@ -83,6 +88,9 @@ class WeightSender:
         self._digests = RecordDigests("sender-digest")
         self._digest_streams: dict[torch.device, Any] = {}
         self._warmed = False  # the digest kernel is compiled for self.device (connect())
+        self.delta = bool(delta)
+        self.kept = KeptCopy()  # the base of the next delta (used only with delta=True)
+        self.last_sync: dict[str, Any] = {}  # how the last send() went: mode, wire bytes, encodings
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def init_info(self) -> dict[str, Any]:
@@ -96,7 +104,7 @@ class WeightSender:
         if self._next_info is None:
             self._next_info = InitInfo(self.backend, self._host, self._store.port, self.num_receivers + 1,
                                        self.bucket_bytes, float(self.timeout_s), new_session_id(),
-                                       auth=new_session_secret())
+                                       auth=new_session_secret(), delta=self.delta)
         return self._next_info.to_dict()
 
     def connect(self) -> None:
@@ -194,34 +202,44 @@ class WeightSender:
         items = _items(named_tensors)
         tensors = [t for _, t in items]  # every reader (packer, exporter, digests) detaches on its own
         problem = _mismatch(specs, items)
-        keys, values = [0] * self._end.agreement_size[0], [0] * self._end.agreement_size[1]
-        if problem is None:
-            try:
-                keys, values = self._end.prepare_send(specs, tensors)
-            except InvalidRequestError as e:
-                problem = e
-            assert (len(keys), len(values)) == self._end.agreement_size, "every end adds the same to step 1"
         # Started before the agreement: the receivers are still on their way to it (their start and update
         # requests), so the launch's host work and the kernel cost them nothing, and the kernel is done
         # before their copies compete for the GPU. A failure to start is raised after the status step,
-        # so the receivers are never left waiting in it.
+        # so the receivers are never left waiting in it. The digests are always of the FULL tensors.
         digests, failure = None, None
         if digest and problem is None:
             try:
                 digests = self._start_digests(items, algorithm, specs)
             except Exception as e:
                 failure = e
+        delta: tuple[DeltaLayout, torch.Tensor] | None = None
+        if self.delta:
+            try:
+                delta, problem = self._offer(group, specs, tensors, problem)
+            except BaseException:
+                _settle(digests)
+                self.kept.forget()
+                raise
+        wire_specs, wire_tensors = (delta[0].wire_specs(), [delta[1]]) if delta is not None else (specs, tensors)
+        keys, values = [0] * self._end.agreement_size[0], [0] * self._end.agreement_size[1]
+        if problem is None:
+            try:
+                keys, values = self._end.prepare_send(wire_specs, wire_tensors)
+            except InvalidRequestError as e:
+                problem = e
+            assert (len(keys), len(values)) == self._end.agreement_size, "every end adds the same to step 1"
         if self.device.type == "cuda":  # before the agreement: ipc receivers may read right after it
             torch.cuda.current_stream(self.device).synchronize()  # the trainer's writes have landed
         plan_id = self._end.plan_id() + (PLAN_SUFFIX if deliver_digests else "")
-        fingerprint = specs.fingerprint(version, self.bucket_bytes, plan_id)
+        fingerprint = wire_specs.fingerprint(version, self.bucket_bytes, plan_id)
         # one all-reduce (inference/transfer/receiver.py); 0 never matches: on a problem the receivers stop cleanly
         try:
             same, _ = group.agree_many([0 if problem else fingerprint, *keys], values)
         except BaseException:
             _settle(digests)
+            self.kept.forget()
             raise
-        if not same[0]:
+        if not same[0]:  # nothing was written anywhere: the ranks still hold the kept copy
             self._end.withdraw()
             _settle(digests)
             raise problem or TransferError(
@@ -233,16 +251,45 @@ class WeightSender:
             # send() only waits while the receivers copy: collect the digests in that wait, not after it
             records, failure = _collect(digests, failure)
         try:
-            self._end.send(group, self._end.plan(specs), tensors, same[1:])
+            self._end.send(group, self._end.plan(wire_specs), wire_tensors, same[1:])
+        except BaseException:
+            self.kept.forget()
+            raise
         finally:
             if records is None and digests is not None:
                 records, failure = _collect(digests, failure)
         if deliver_digests:  # every receiver waits for this message once the status step passed
             send_digests(group, records if failure is None else None, len(specs))
         if failure is not None:
+            self.kept.forget()
             raise failure
         self._pending = None
+        self.last_sync = {"mode": "delta" if delta is not None else "full",
+                          "wire_bytes": sum(s.nbytes for s in wire_specs), "full_bytes": sum(s.nbytes for s in specs)}
+        if delta is not None:
+            self.last_sync["encodings"] = delta[0].counts()
+        if self.delta:  # every rank wrote it (the status step passed): the base of the next delta
+            self.kept.commit(version, specs, tensors, delta)
         return records or []
+
+    def _offer(self, group: TransferGroup, specs: ParsedManifest, tensors: list[torch.Tensor],
+               problem: InvalidRequestError | None) -> tuple[tuple[DeltaLayout, torch.Tensor] | None,
+                                                             InvalidRequestError | None]:
+        """The delta offer (inference/transfer/delta.py): the delta to send, or None (full), and the problem
+        that stops this sync at the plan agreement. Encoded only once every rank holds the base; an encode
+        that fails still sends codes (none changed), so the receivers reach the agreement and stop there."""
+        base = self.kept.base_for(specs) if problem is None else -1
+        if not offer_agreed(group.all_max(offer_values(base), "delta offer")):
+            return None, problem
+        delta, codes = None, [0] * (CODES * len(specs))
+        try:
+            with torch.no_grad():
+                delta = self.kept.encode(specs, tensors)
+            codes = delta[0].codes
+        except Exception as e:
+            problem = InvalidRequestError("named_tensors", f"the delta could not be encoded: {e}")
+        group.all_max(codes, "delta codes")
+        return delta, problem
 
     def _start_digests(self, items: list[tuple[str, torch.Tensor]], algorithm: str,
                        specs: ParsedManifest) -> PendingRecords:

@@ -268,7 +268,8 @@ class WeightUpdater:
             # queued once the bytes landed, while the ranks report
             session.target.on_landed = lambda: self._launch_held_digest(session)
             self.receiver.receive(session.version, session.specs, session.target,
-                                  on_agreed=lambda: self._begin_writes(session), digests_follow=digests_follow)
+                                  on_agreed=lambda: self._begin_writes(session), digests_follow=digests_follow,
+                                  held_version=self._intact_version(session.which))
             session.received = True
             try:
                 if session.held_digests is None:  # a backend without landed()
@@ -419,6 +420,16 @@ class WeightUpdater:
     def _launch_held_digest(self, session: Session) -> None:
         if session.held_digests is None:
             session.held_digests = self._digests.launch(session, self._host.device)
+
+    def _intact_version(self, which: str) -> int:
+        """The live version of `which` when the bytes held are exactly it (loaded, not torn, awake and
+        valid: a level-2 sleep drops them), the base a delta sync may be applied to; else -1."""
+        state, memory, tag = self._state(which), self._host.memory, ARENA_OF[which]
+        if state.torn or not state.loaded or self._asleep(which) is not None:
+            return -1
+        if memory is not None and tag in memory.tags and not memory.contents_valid(tag):
+            return -1
+        return state.version
 
     def _begin_writes(self, session: Session) -> None:
         """Both ends agreed on the plan: from here on the model's bytes may change."""
