@@ -37,7 +37,7 @@ from trainer_hooks.fleet_replicas import FleetError, Replica, SyncOutcome, fleet
 if TYPE_CHECKING:
     from trainer_hooks.wire import Pending, Wire
 
-SYNC_PROTOCOL = 2  # the version of this choreography and the sidecar's routes (2: acknowledged pool takes, delta offers)
+SYNC_PROTOCOL = 2  # this choreography's and the sidecar routes' version (2: acknowledged pool takes, delta offers)
 LAYOUT_FIELD = "manifest.layout"  # the field of the sidecar's 400 for a layout key it does not know
 GONE = (SidecarConnectionError, SidecarUnavailableError)  # a sidecar that went away, not a bad request
 
