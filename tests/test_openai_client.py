@@ -6,6 +6,7 @@ goes away mid-stream (its request leaves the engine)."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -188,15 +189,17 @@ def test_tokenize_and_detokenize(server: Sidecar, engine: LLM) -> None:
     assert wrong.status_code == 404
 
 
-def test_a_client_that_goes_away_mid_stream_leaves_nothing_running(server: Sidecar) -> None:
+def test_tokens_stream_as_they_come_and_a_client_that_goes_away_leaves_nothing_running(server: Sidecar) -> None:
     body = {"model": NAME, "prompt": "The miller", "max_tokens": 1500, "n": 8, "temperature": 1.0,
             "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=60) as http, http.stream("POST", f"{server.url}/v1/completions", json=body):
-        deadline = time.monotonic() + 30
-        while httpx.get(f"{server.url}/state", timeout=30).json()["engine_unfinished"] == 0:
-            assert time.monotonic() < deadline, "the request never reached the engine"
-            time.sleep(0.1)
+    with httpx.Client(timeout=60) as http, http.stream("POST", f"{server.url}/v1/completions", json=body) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        lines = resp.iter_lines()  # kept open: leaving the loop by `break` would close the connection
+        while not ((line := next(lines)).startswith("data: ") and json.loads(line[6:])["choices"][0]["token_ids"]):
+            pass  # up to the first token
+        state = httpx.get(f"{server.url}/state", timeout=30).json()
+        assert state["queue_depth"] == 1, state  # the request still runs: 8 x 1,500 tokens take far longer
     t0 = time.monotonic()
     while (state := httpx.get(f"{server.url}/state", timeout=30).json())["engine_unfinished"] or state["queue_depth"]:
-        assert time.monotonic() - t0 < 10, state  # 8 x 1,500 tokens would take far longer
+        assert time.monotonic() - t0 < 10, state
         time.sleep(0.2)
