@@ -141,7 +141,7 @@ def test_stop_strings_and_their_variants(client: Any) -> None:
     assert none.choices[0].text == text
 
 
-def test_completions_logprobs_echo_token_ids_and_penalties(client: Any, engine: LLM) -> None:
+def test_completions_logprobs_echo_token_ids_and_penalties(client: Any, server: Sidecar, engine: LLM) -> None:
     got = client.completions.create(model=NAME, prompt="Once upon a", max_tokens=6, temperature=0.0, logprobs=2,
                                     echo=False)
     lp = got.choices[0].logprobs
@@ -158,6 +158,9 @@ def test_completions_logprobs_echo_token_ids_and_penalties(client: Any, engine: 
                                           extra_body={"repetition_penalty": 1.3})
     want = engine.generate(["Once upon a"], SamplingParams(**params, repetition_penalty=1.3))[0].outputs[0]
     assert penalized.choices[0].model_extra["token_ids"] == want.token_ids
+    generated = httpx.post(f"{server.url}/generate", timeout=60, json={
+        "prompts": ["Once upon a"], "sampling_params": {**params, "repetition_penalty": 1.3}}).json()
+    assert generated["outputs"][0]["completions"][0]["token_ids"] == want.token_ids  # /generate takes them too
 
 
 def test_an_unsupported_field_is_one_400_naming_it(client: Any, server: Sidecar) -> None:

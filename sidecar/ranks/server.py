@@ -8,10 +8,11 @@ the same commands at the same boundary and take the same steps (SPMD). Queue com
 groups (all or nothing, already tokenized; one the engine cannot serve now is refused or held as its
 `wait` says), abort requests or pause. Control commands run between steps, never mid-step, through
 one table (`RankServer.handlers`); every rank answers each with a Reply carrying its status. Rank 0
-reports finished outputs, refused groups and its status in `Events` after each boundary with news,
-and at least every HEARTBEAT_S while it steps. What the weights are and whether a step may run are
-asked of the engine (`worker.weights`, `worker.is_ready()`) at each use; this server keeps no copy.
-The engine's modules (torch, the LLM) are imported inside the functions that run on the rank.
+reports finished outputs, refused groups, the new tokens of streamed groups and its status in
+`Events` after each boundary with news, and at least every HEARTBEAT_S while it steps. What the
+weights are and whether a step may run are asked of the engine (`worker.weights`,
+`worker.is_ready()`) at each use; this server keeps no copy. The engine's modules (torch, the LLM)
+are imported inside the functions that run on the rank.
 """
 
 from __future__ import annotations
