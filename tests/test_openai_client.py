@@ -206,3 +206,19 @@ def test_tokens_stream_as_they_come_and_a_client_that_goes_away_leaves_nothing_r
     while (state := httpx.get(f"{server.url}/state", timeout=30).json())["engine_unfinished"] or state["queue_depth"]:
         assert time.monotonic() - t0 < 10, state
         time.sleep(0.2)
+
+
+def test_a_streamed_sample_restarted_by_a_sync_voids_its_stream() -> None:
+    """A weight sync that sends a sample back to its prompt (on_sync abort, max_staleness) makes what was
+    streamed void: the stream says so instead of sending a second beginning."""
+    from sidecar.api.openai_stream import StreamVoid, _Choice
+    from sidecar.ranks.commands import StreamDelta
+
+    choice = _Choice(None, (), False)
+    choice.add(StreamDelta("g0-0", 0, 0, 0, (5, 6), (-1.0, -2.0)))
+    choice.add(StreamDelta("g0-0", 0, 2, 0, (7,), (-1.0,)))
+    with pytest.raises(StreamVoid):
+        choice.add(StreamDelta("g0-0", 0, 0, 1, (9,), (-1.0,)))
+    fresh = _Choice(None, (), False)  # restarted before any token was streamed: nothing is void
+    fresh.add(StreamDelta("g0-1", 0, 0, 1, (9,), (-1.0,)))
+    assert fresh.token_ids == [9]
