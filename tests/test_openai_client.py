@@ -6,6 +6,7 @@ goes away mid-stream (its request leaves the engine)."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -140,7 +141,7 @@ def test_stop_strings_and_their_variants(client: Any) -> None:
     assert none.choices[0].text == text
 
 
-def test_completions_logprobs_echo_token_ids_and_penalties(client: Any, engine: LLM) -> None:
+def test_completions_logprobs_echo_token_ids_and_penalties(client: Any, server: Sidecar, engine: LLM) -> None:
     got = client.completions.create(model=NAME, prompt="Once upon a", max_tokens=6, temperature=0.0, logprobs=2,
                                     echo=False)
     lp = got.choices[0].logprobs
@@ -157,6 +158,9 @@ def test_completions_logprobs_echo_token_ids_and_penalties(client: Any, engine: 
                                           extra_body={"repetition_penalty": 1.3})
     want = engine.generate(["Once upon a"], SamplingParams(**params, repetition_penalty=1.3))[0].outputs[0]
     assert penalized.choices[0].model_extra["token_ids"] == want.token_ids
+    generated = httpx.post(f"{server.url}/generate", timeout=60, json={
+        "prompts": ["Once upon a"], "sampling_params": {**params, "repetition_penalty": 1.3}}).json()
+    assert generated["outputs"][0]["completions"][0]["token_ids"] == want.token_ids  # /generate takes them too
 
 
 def test_an_unsupported_field_is_one_400_naming_it(client: Any, server: Sidecar) -> None:
@@ -188,15 +192,33 @@ def test_tokenize_and_detokenize(server: Sidecar, engine: LLM) -> None:
     assert wrong.status_code == 404
 
 
-def test_a_client_that_goes_away_mid_stream_leaves_nothing_running(server: Sidecar) -> None:
+def test_tokens_stream_as_they_come_and_a_client_that_goes_away_leaves_nothing_running(server: Sidecar) -> None:
     body = {"model": NAME, "prompt": "The miller", "max_tokens": 1500, "n": 8, "temperature": 1.0,
             "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=60) as http, http.stream("POST", f"{server.url}/v1/completions", json=body):
-        deadline = time.monotonic() + 30
-        while httpx.get(f"{server.url}/state", timeout=30).json()["engine_unfinished"] == 0:
-            assert time.monotonic() < deadline, "the request never reached the engine"
-            time.sleep(0.1)
+    with httpx.Client(timeout=60) as http, http.stream("POST", f"{server.url}/v1/completions", json=body) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        lines = resp.iter_lines()  # kept open: leaving the loop by `break` would close the connection
+        while not ((line := next(lines)).startswith("data: ") and json.loads(line[6:])["choices"][0]["token_ids"]):
+            pass  # up to the first token
+        state = httpx.get(f"{server.url}/state", timeout=30).json()
+        assert state["queue_depth"] == 1, state  # the request still runs: 8 x 1,500 tokens take far longer
     t0 = time.monotonic()
     while (state := httpx.get(f"{server.url}/state", timeout=30).json())["engine_unfinished"] or state["queue_depth"]:
-        assert time.monotonic() - t0 < 10, state  # 8 x 1,500 tokens would take far longer
+        assert time.monotonic() - t0 < 10, state
         time.sleep(0.2)
+
+
+def test_a_streamed_sample_restarted_by_a_sync_voids_its_stream() -> None:
+    """A weight sync that sends a sample back to its prompt (on_sync abort, max_staleness) makes what was
+    streamed void: the stream says so instead of sending a second beginning."""
+    from sidecar.api.openai_stream import StreamVoid, _Choice
+    from sidecar.ranks.commands import StreamDelta
+
+    choice = _Choice(None, (), False)
+    choice.add(StreamDelta("g0-0", 0, 0, 0, (5, 6), (-1.0, -2.0)))
+    choice.add(StreamDelta("g0-0", 0, 2, 0, (7,), (-1.0,)))
+    with pytest.raises(StreamVoid):
+        choice.add(StreamDelta("g0-0", 0, 0, 1, (9,), (-1.0,)))
+    fresh = _Choice(None, (), False)  # restarted before any token was streamed: nothing is void
+    fresh.add(StreamDelta("g0-1", 0, 0, 1, (9,), (-1.0,)))
+    assert fresh.token_ids == [9]

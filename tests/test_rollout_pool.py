@@ -139,7 +139,7 @@ def test_hook_carries_the_tail_over_a_sleep_and_a_real_sync(client: SidecarClien
     import torch
 
     policy = ToyPolicy.from_dir(model_dir)
-    with WeightSyncHook(client, policy, rollout_pool="hook") as hook:
+    with WeightSyncHook(client, policy, rollout_pool="hook", sync_on_attach=False) as hook:  # v0 is the checkpoint
         long_short = [_tokens(1500), _tokens(3), _tokens(3)]
         step1 = hook.rollouts([_prompt(0), _prompt(1), _prompt(2)], long_short, min_groups=2)
         assert [o.prompt_token_ids for o in step1] == [_prompt(1), _prompt(2)]
@@ -166,9 +166,10 @@ _TRAINER = textwrap.dedent("""
     from inference.core import SamplingParams
     from trainer_hooks import WeightSyncHook
     from trainer_hooks.client import SidecarClient
+    from trainer_hooks.toy_policy import ToyPolicy
 
     client = SidecarClient(sys.argv[1])
-    hook = WeightSyncHook(client, torch.nn.Linear(2, 2), rollout_pool="killed")
+    hook = WeightSyncHook(client, ToyPolicy.from_dir(sys.argv[2]), rollout_pool="killed")  # syncs it on attach
     prompts = [[40 + i, 41, 42] for i in range(8)]
     params = [SamplingParams(n=2, seed=i, max_tokens=3 if i < 2 else 300, ignore_eos=True) for i in range(8)]
     for step in range(2):  # the second call acknowledges the first one's groups (the trainer used them)
@@ -182,7 +183,7 @@ def test_killing_the_trainer_between_two_partial_calls_loses_nothing(client: Sid
                                                                      tmp_path: Path) -> None:
     script = tmp_path / "trainer.py"
     script.write_text(_TRAINER)
-    proc = subprocess.Popen([sys.executable, str(script), client.url], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, str(script), client.url, str(model_dir)], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         used = json.loads(proc.stdout.readline())  # acknowledged by the second call

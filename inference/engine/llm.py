@@ -207,6 +207,12 @@ class LLM:
             self._num_with_stops -= bool(req.detoks)
             self._num_with_penalties -= req.seqs[0].params.has_penalties
 
+    def live_sequences(self, request_id: str) -> list[Sequence]:
+        """The samples of a request not returned yet ([] otherwise): what a streaming caller reads. Their
+        committed tokens are the first `num_generated - num_pending` of the completion."""
+        req = self._requests.get(request_id)
+        return req.seqs if req is not None else []
+
     def has_unfinished(self) -> bool:
         """Requests not returned yet, or a step in flight (async scheduling): step() has work."""
         return bool(self._requests) or (self._overlap is not None and self._overlap.in_flight is not None)

@@ -18,6 +18,7 @@ GET /health and GET /metrics (probes and scrapers) and the OpenAPI docs. Reads s
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future
 from functools import partial
 from typing import Any
@@ -227,12 +228,14 @@ def _rename_prompt_errors(e: ApiError, prompts_field: str, params_field: str, pe
 
 
 async def submit_group(state: ServerState, prompts: list[Any], params: list[SamplingParams], wait: bool,
-                       names: tuple[str, str, bool], sync: SyncPolicy = DEFAULT_SYNC_POLICY) -> Future:
+                       names: tuple[str, str, bool], sync: SyncPolicy = DEFAULT_SYNC_POLICY,
+                       on_progress: Callable[[int, Any], None] | None = None) -> Future:
     """Check, tokenize (off the loop) and queue a group; the driver's future of its outputs. `names`:
-    the body's prompts field, params field, and whether params are per prompt (for error fields)."""
+    the body's prompts field, params field, and whether params are per prompt (for error fields);
+    `on_progress`: stream it (Driver.submit)."""
     try:
         inputs = await encode_group(state.intake, prompts, params)  # limits, then tokenization off the loop
-        return state.driver.submit(list(zip(inputs, params)), wait=wait, sync=sync)
+        return state.driver.submit(list(zip(inputs, params)), wait=wait, sync=sync, on_progress=on_progress)
     except ApiError as e:
         raise _rename_prompt_errors(e, *names, e.index) from None
 

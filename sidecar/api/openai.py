@@ -18,18 +18,18 @@ Every error is the app's body, which includes OpenAI's {message, type, param, co
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from inference.core import InvalidRequestError, RequestOutput, SamplingParams
+from inference.core import InvalidRequestError, SamplingParams
 from inference.text.chat_template import check_template_kwargs
 from sidecar.api.common import ApiError, ServerState, await_future, check_model
 from sidecar.api.models import ChatCompletionRequest, CompletionRequest
-from sidecar.api.openai_format import chat_response, completion_response
-from sidecar.api.openai_stream import chat_chunks, completion_chunks, stream_when_done
+from sidecar.api.openai_format import chat_response, completion_response, echo_prompt
+from sidecar.api.openai_stream import ChatStream, CompletionStream, StreamFeed, stream_body
 from sidecar.api.tokenize import add_tokenize_routes
 from sidecar.ranks.commands import TokenizedPrompt
 
@@ -72,13 +72,16 @@ def add_openai_routes(router: APIRouter, state: ServerState, check_params: Calla
         if not prompts:
             raise ApiError(400, "InvalidRequestError", "must not be empty", "prompt")
         names = ("prompt", "", False)
-        fut = await submit_group(state, prompts, [params] * len(prompts), body.wait, names)
         rid, echo = f"cmpl-{uuid.uuid4().hex}", bool(body.echo)
         if body.stream:
-            def chunks(outs: list[RequestOutput]) -> Iterator[bytes]:
-                return completion_chunks(outs, state.served_model_name, body.logprobs, state.tokenizer, rid,
-                                         _include_usage(body), echo)
-            return _streaming(stream_when_done(fut, state.driver, chunks, lambda e: rename_group_error(e, names)))
+            feed = StreamFeed()
+            fut = await submit_group(state, prompts, [params] * len(prompts), body.wait, names,
+                                     on_progress=feed.on_progress)
+            texts = [echo_prompt(p, state.tokenizer) for p in prompts] if echo else None
+            fmt = CompletionStream(state.served_model_name, rid, _include_usage(body), state.tokenizer, params.n,
+                                   len(prompts), params.stop, body.logprobs, texts)
+            return _streaming(stream_body(fmt, feed, fut, state.driver, lambda e: rename_group_error(e, names)))
+        fut = await submit_group(state, prompts, [params] * len(prompts), body.wait, names)
         try:
             outs = await await_future(request, fut, state.driver)
         except ApiError as e:
@@ -95,13 +98,14 @@ def add_openai_routes(router: APIRouter, state: ServerState, check_params: Calla
         state.intake.check_chat(body.n if body.n is not None else 1, chars, len(body.messages))
         prompt = await state.intake.run_text(chars, render_prompt, state, body)  # template + tokenizer off the loop
         params = chat_params(state, body, len(prompt.token_ids))
-        fut = state.driver.submit([(prompt, params)], wait=body.wait)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
-            def chunks(outs: list[RequestOutput]) -> Iterator[bytes]:
-                return chat_chunks(outs[0], state.served_model_name, bool(body.logprobs), state.tokenizer, rid,
-                                   _include_usage(body))
-            return _streaming(stream_when_done(fut, state.driver, chunks, lambda e: _renamed(e, body)))
+            feed = StreamFeed()
+            fut = state.driver.submit([(prompt, params)], wait=body.wait, on_progress=feed.on_progress)
+            fmt = ChatStream(state.served_model_name, rid, _include_usage(body), state.tokenizer, params.n,
+                             params.stop, bool(body.logprobs))
+            return _streaming(stream_body(fmt, feed, fut, state.driver, lambda e: _renamed(e, body)))
+        fut = state.driver.submit([(prompt, params)], wait=body.wait)
         try:
             outs = await await_future(request, fut, state.driver)
         except ApiError as e:
@@ -125,7 +129,8 @@ def check_openai_body(state: ServerState, body: Any) -> None:
         if name in IGNORED:
             continue
         if name not in UNSUPPORTED:
-            raise ApiError(400, "InvalidRequestError", f"Unrecognized request argument supplied: {name}", name)
+            raise ApiError(400, "InvalidRequestError", f"Unrecognized request argument supplied: {name or repr(name)}",
+                           name or "body")
         if value not in UNSUPPORTED[name] and not (name == "best_of" and value == body.n):
             raise _unsupported(name, f"{name} is not supported by this server (send null or leave it out)")
     if body.stream_options is not None and not body.stream:

@@ -15,6 +15,7 @@ The streamed forms of the same objects: sidecar/api/openai_stream.py.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from inference.core import CompletionOutput, RequestOutput
@@ -54,11 +55,15 @@ def finish_reason(c: CompletionOutput) -> str | None:
 
 def echo_text(out: RequestOutput, tokenizer: Any) -> str:
     """The prompt as echo repeats it: the text sent, or its token ids decoded (special tokens kept)."""
-    if out.prompt is not None:
-        return out.prompt
+    return echo_prompt(out.prompt if out.prompt is not None else out.prompt_token_ids, tokenizer)
+
+
+def echo_prompt(prompt: str | Sequence[int], tokenizer: Any) -> str:
+    if isinstance(prompt, str):
+        return prompt
     if tokenizer is None:
-        return "".join(f"<{t}>" for t in out.prompt_token_ids)
-    return str(tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False))
+        return "".join(f"<{t}>" for t in prompt)
+    return str(tokenizer.decode(list(prompt), skip_special_tokens=False))
 
 
 def token_text(tokenizer: Any, token_id: int) -> str:
@@ -89,12 +94,15 @@ def text_offsets(c: CompletionOutput, tokenizer: Any) -> list[int]:
 
 def _logprobs(c: CompletionOutput, tokenizer: Any) -> dict[str, Any]:
     """The legacy completions logprobs object of a whole choice."""
-    tokens = [token_text(tokenizer, t) for t in c.token_ids]
-    offsets = text_offsets(c, tokenizer)
-    top = None
-    if c.top_logprobs is not None:
-        top = [{token_text(tokenizer, tid): lp for tid, lp in d.items()} for d in c.top_logprobs]
-    return {"tokens": tokens, "token_logprobs": list(c.logprobs), "top_logprobs": top, "text_offset": offsets}
+    return legacy_logprobs(c.token_ids, c.logprobs, c.top_logprobs, text_offsets(c, tokenizer), tokenizer)
+
+
+def legacy_logprobs(token_ids: Sequence[int], logprobs: Sequence[float], top: Sequence[dict[int, float]] | None,
+                    offsets: Sequence[int], tokenizer: Any) -> dict[str, Any]:
+    """The legacy completions logprobs object of some tokens (a choice, or a streamed chunk's)."""
+    return {"tokens": [token_text(tokenizer, t) for t in token_ids], "token_logprobs": list(logprobs),
+            "top_logprobs": [{token_text(tokenizer, tid): lp for tid, lp in d.items()} for d in top]
+            if top is not None else None, "text_offset": list(offsets)}
 
 
 def chat_response(out: RequestOutput, model: str, logprobs: bool, tokenizer: Any,
@@ -116,13 +124,19 @@ def chat_response(out: RequestOutput, model: str, logprobs: bool, tokenizer: Any
 
 def chat_logprobs(c: CompletionOutput, tokenizer: Any) -> list[dict[str, Any]]:
     """logprobs.content of a chat choice: one entry per token, its top_logprobs ranked."""
+    return chat_logprob_entries(c.token_ids, c.logprobs, c.top_logprobs, tokenizer)
+
+
+def chat_logprob_entries(token_ids: Sequence[int], logprobs: Sequence[float],
+                         tops: Sequence[dict[int, float]] | None, tokenizer: Any) -> list[dict[str, Any]]:
+    """logprobs.content entries of some tokens (a choice, or a streamed chunk's)."""
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         text = token_text(tokenizer, token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     content = []
-    for i, (token_id, logprob) in enumerate(zip(c.token_ids, c.logprobs)):
-        top = c.top_logprobs[i] if c.top_logprobs is not None else {}
+    for i, (token_id, logprob) in enumerate(zip(token_ids, logprobs)):
+        top = tops[i] if tops is not None else {}
         ranked = sorted(top.items(), key=lambda kv: kv[1], reverse=True)
         content.append({**entry(token_id, logprob), "top_logprobs": [entry(t, lp) for t, lp in ranked]})
     return content

@@ -128,6 +128,21 @@ class UnknownCommandError(SidecarError):
         super().__init__(f"{where}: {self.command!r} is not a declared rank command (declared: {declared})")
 
 
+@dataclass(frozen=True)
+class StreamDelta:
+    """Tokens one sample of a streamed request (RequestGroup.stream) committed since its last delta:
+    `first` is the index of the first of them in its completion, so a sample that a weight sync sent
+    back to its prompt (`restarts` grew) starts again at 0. Only rank 0 reports them."""
+
+    request_id: str
+    index: int  # the sample (0..n-1)
+    first: int
+    restarts: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    top_logprobs: tuple[dict[int, float], ...] | None = None
+
+
 @dataclass
 class Events:
     """What a rank reports unasked at a step boundary (rank 0 at every boundary that has news; another
@@ -135,7 +150,8 @@ class Events:
     far; with `stepping` (it steps on) it tells the driver whether it owes news, so that a rank that
     stopped answering is told from an idle one (sidecar/ranks/driver.py). `steps`: the steps this rank
     ran (the same count on every rank). `rejected`: request groups refused at admission (group id ->
-    why). `failed`: the last step raised; the requests `dropped` are gone."""
+    why). `failed`: the last step raised; the requests `dropped` are gone. `progress`: the new tokens
+    of streamed requests still running (a finished one's come whole in `finished`)."""
 
     applied: int
     stepping: bool
@@ -145,6 +161,7 @@ class Events:
     rejected: dict[str, ErrorInfo] = field(default_factory=dict)
     failed: ErrorInfo | None = None
     dropped: tuple[str, ...] = ()
+    progress: list[StreamDelta] = field(default_factory=list)
 
 
 # ---- replies --------------------------------------------------------------------------------------
@@ -190,12 +207,14 @@ class RequestGroup:
     holds it through a weight sync in progress but refuses it while the sidecar sleeps, a model is torn
     or awaits its first sync (states that end only when the trainer acts: holding would hang the
     caller silently); "always" holds it through all of these (--hold-while-asleep). `sync`: what a
-    weight sync that goes live while they run does to them (None fields: the engine's default)."""
+    weight sync that goes live while they run does to them (None fields: the engine's default).
+    `stream`: rank 0 reports their new tokens as they are committed (Events.progress)."""
 
     group_id: str
     requests: tuple[tuple[str, Prompt, SamplingParams], ...]
     wait: WaitMode
     sync: SyncPolicy = DEFAULT_SYNC_POLICY
+    stream: bool = False
 
 
 @dataclass(frozen=True)

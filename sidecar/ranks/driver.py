@@ -24,6 +24,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,7 @@ from sidecar.ranks.commands import (
     Reply,
     RequestGroup,
     SetPaused,
+    StreamDelta,
     UnknownCommandError,
     WaitMode,
     check_declared,
@@ -90,12 +92,14 @@ class _Group:
     outputs: dict[str, RequestOutput] = field(default_factory=dict)
     sent: bool = False
     pending: int = 0  # sequences (n per prompt) not answered yet: what the queue limit counts
+    on_progress: Callable[[int, StreamDelta], None] | None = None  # streamed: (prompt index, delta), driver thread
 
     def sequences_of(self, request_id: str) -> int:
         return int(self.requests[int(request_id.rsplit("-", 1)[1])][2].n)
 
     def command(self) -> AddRequests:
-        return AddRequests(RequestGroup(self.group_id, tuple(self.requests), self.wait, self.sync))
+        return AddRequests(RequestGroup(self.group_id, tuple(self.requests), self.wait, self.sync,
+                                        stream=self.on_progress is not None))
 
 
 @dataclass
@@ -177,13 +181,16 @@ class Driver:
                 thread.join(timeout)
 
     def submit(self, requests: list[tuple[Any, SamplingParams]], wait: bool | WaitMode = True,
-               sync: SyncPolicy = DEFAULT_SYNC_POLICY) -> Future:
+               sync: SyncPolicy = DEFAULT_SYNC_POLICY,
+               on_progress: Callable[[int, StreamDelta], None] | None = None) -> Future:
         """Queue one group of prompts; the future resolves to their RequestOutputs in order, or to a
         RankError (a rejected prompt names its index; the whole group is then refused). The queue limit
         counts sequences (n per prompt), the unit of work and memory of the engine. `wait`: the call's
         own; what it holds through is commands.RequestGroup's `wait` (hold_while_asleep: "always"); a
         WaitMode string is used as is (the rollout pool's groups are held through every state).
-        `sync`: what a weight sync does to them while they run (commands.RequestGroup)."""
+        `sync`: what a weight sync does to them while they run (commands.RequestGroup). `on_progress`:
+        stream them: called on the driver thread with (the prompt's index, each StreamDelta) before the future resolves
+        (it must only hand the delta on, e.g. loop.call_soon_threadsafe)."""
         mode: WaitMode = (wait if isinstance(wait, str) else "never" if not wait
                           else "always" if self.hold_while_asleep else "sync")
         fut: Future = Future()
@@ -198,7 +205,7 @@ class Driver:
                 return fut
             gid = f"g{next(self._ids)}"
             reqs = [(f"{gid}-{i}", prompt, params) for i, (prompt, params) in enumerate(requests)]
-            group = _Group(gid, reqs, mode, fut, sync, pending=sequences)
+            group = _Group(gid, reqs, mode, fut, sync, pending=sequences, on_progress=on_progress)
             self._queued_sequences += sequences
             self._groups[gid] = group
             self._owner.update((rid, gid) for rid, _, _ in reqs)
@@ -399,6 +406,11 @@ class Driver:
         with self._cv:
             self._applied, self._stepping = events.applied, events.stepping
             self.statuses[0] = events.status
+            for delta in events.progress:  # before `finished`: a group's deltas precede its outputs
+                gid = self._owner.get(delta.request_id)
+                group = self._groups.get(gid) if gid is not None else None
+                if group is not None and group.on_progress is not None:
+                    group.on_progress(int(delta.request_id.rsplit("-", 1)[1]), delta)
             for gid, err in events.rejected.items():
                 group = self._groups.get(gid)
                 if group is not None:

@@ -8,10 +8,11 @@ the same commands at the same boundary and take the same steps (SPMD). Queue com
 groups (all or nothing, already tokenized; one the engine cannot serve now is refused or held as its
 `wait` says), abort requests or pause. Control commands run between steps, never mid-step, through
 one table (`RankServer.handlers`); every rank answers each with a Reply carrying its status. Rank 0
-reports finished outputs, refused groups and its status in `Events` after each boundary with news,
-and at least every HEARTBEAT_S while it steps. What the weights are and whether a step may run are
-asked of the engine (`worker.weights`, `worker.is_ready()`) at each use; this server keeps no copy.
-The engine's modules (torch, the LLM) are imported inside the functions that run on the rank.
+reports finished outputs, refused groups, the new tokens of streamed groups and its status in
+`Events` after each boundary with news, and at least every HEARTBEAT_S while it steps. What the
+weights are and whether a step may run are asked of the engine (`worker.weights`,
+`worker.is_ready()`) at each use; this server keeps no copy. The engine's modules (torch, the LLM)
+are imported inside the functions that run on the rank.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from sidecar.ranks.commands import (
     SetPaused,
     Sleep,
     Stop,
+    StreamDelta,
     SyncResult,
     TokenizedPrompt,
     UnknownCommandError,
@@ -161,6 +163,8 @@ class RankServer:
         self.gc_frozen = 0  # objects rank_main froze once this server was built (inference/memory/host_heap.py)
         self._forward: list[Command] = []  # rank 0: commands of its own for the next boundary
         self._rejected: dict[str, ErrorInfo] = {}
+        # rank 0: streamed requests -> per sample (tokens reported, restarts when reported)
+        self._streams: dict[str, dict[int, tuple[int, int]]] = {}
         self._will_step = False  # can_step() as of the end of the last boundary (no command since)
         self._reported_stepping = False
         self._last_report = 0.0
@@ -220,6 +224,7 @@ class RankServer:
             for rid in cmd.request_ids:
                 self.llm.abort(rid)
                 self.request_ids.discard(rid)
+                self._streams.pop(rid, None)
         elif type(cmd) is SetPaused:
             self.paused = cmd.paused
         else:
@@ -249,13 +254,32 @@ class RankServer:
             if failed is not None:
                 self.conn.send(Events(self.applied, False, self.steps, self.status(), failed=failed, dropped=dropped))
             return
+        progress = self._take_progress() if self._streams else []
         now = time.monotonic()
-        if (news or finished or self._rejected or failed is not None or stepping != self._reported_stepping
+        if (news or finished or progress or self._rejected or failed is not None or stepping != self._reported_stepping
                 or (stepping and now - self._last_report >= HEARTBEAT_S)):
             rejected, self._rejected = self._rejected, {}
             self.conn.send(Events(self.applied, stepping, self.steps, self.status(), finished, rejected, failed,
-                                  dropped))
+                                  dropped, progress))
             self._reported_stepping, self._last_report = stepping, now
+
+    def _take_progress(self) -> list[StreamDelta]:
+        """The tokens streamed requests committed since their last delta (rank 0)."""
+        deltas = []
+        for rid, reported in self._streams.items():
+            for s in self.llm.live_sequences(rid):
+                done, restarts = reported.get(s.index, (0, s.restarts))
+                if restarts != s.restarts:
+                    done = 0  # sent back to its prompt: its completion starts again
+                committed = s.num_generated - s.num_pending
+                if committed <= done:
+                    continue
+                first, stop = s.num_prompt_tokens + done, s.num_prompt_tokens + committed
+                tops = tuple(s.top_logprobs[done:committed]) if s.top_logprobs is not None else None
+                deltas.append(StreamDelta(rid, s.index, done, s.restarts, tuple(s.token_ids[first:stop]),
+                                          tuple(s.logprobs[done:committed]), tops))
+                reported[s.index] = (committed, s.restarts)
+        return deltas
 
     def handle(self, cmd: object) -> Reply:
         """Run one control command through the table; any failure becomes the reply's ErrorInfo."""
@@ -300,6 +324,8 @@ class RankServer:
                 return error_info(e, self.rank_key, index)
             added.append(rid)
             self.request_ids.add(rid)
+        if group.stream and self.rank == 0:
+            self._streams.update((rid, {}) for rid in added)
         return None
 
     def _admit(self, wait: WaitMode) -> None:
@@ -325,12 +351,14 @@ class RankServer:
         outs = (stepped or []) + self.llm.take_finished()
         for out in outs:
             self.request_ids.discard(out.request_id)
+            self._streams.pop(out.request_id, None)
         return outs if self.rank == 0 else []
 
     def _abort_all(self) -> None:
         for rid in sorted(self.request_ids):
             self.llm.abort(rid)
         self.request_ids.clear()
+        self._streams.clear()
 
     # ---- control commands -------------------------------------------------------------------
     def _sleep(self, cmd: Sleep) -> TransitionStats:
