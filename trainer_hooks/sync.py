@@ -4,6 +4,8 @@ by `Fleet` (every rank of every replica in one transfer group); sidecar/api/cont
 - Agree: POST /weights/init on every sidecar, carrying SYNC_PROTOCOL, while sender.connect() blocks (a
   refused init calls the sender's wait off at once). Another protocol is refused by either side, with
   both versions named: a 409 from the sidecar, SidecarProtocolError here.
+- Own: the init answers a session (its session id and a nonce); every update carries it, and the
+  sidecar refuses (409 naming `session`) one of a session another init replaced.
 - Start, send, answer: per sidecar ONE POST /weights/update carrying the start, written before
   sender.send(named, deliver_digests=True). send() moves the bytes, then delivers its digests to every
   rank over the group; every rank compares and commits, so each update's answer is that sidecar's audit.
@@ -35,7 +37,7 @@ from trainer_hooks.fleet_replicas import FleetError, Replica, SyncOutcome, fleet
 if TYPE_CHECKING:
     from trainer_hooks.wire import Pending, Wire
 
-SYNC_PROTOCOL = 1  # the version of this choreography and of the sidecar's weight routes
+SYNC_PROTOCOL = 2  # the version of this choreography and of the sidecar's weight routes
 LAYOUT_FIELD = "manifest.layout"  # the field of the sidecar's 400 for a layout key it does not know
 GONE = (SidecarConnectionError, SidecarUnavailableError)  # a sidecar that went away, not a bad request
 
@@ -46,6 +48,7 @@ class SyncPeer:
     def __init__(self, wire: Wire, timeout: float | None = None) -> None:
         self.wire, self.timeout = wire, timeout
         self.layouts: set[str] = set()
+        self.session: dict[str, str] | None = None  # what the last init answered: every update carries it
 
     def init(self, init_info: Mapping[str, Any]) -> dict[str, Any]:
         """POST /weights/init: join the sender's group, speaking SYNC_PROTOCOL (module docstring)."""
@@ -62,12 +65,13 @@ class SyncPeer:
         if theirs != SYNC_PROTOCOL:
             raise SidecarProtocolError(409, PROTOCOL_MISMATCH, f"the sidecar speaks weight-sync protocol {theirs}, "
                                        f"this client protocol {SYNC_PROTOCOL}", "protocol")
+        self.session = answer.get("session")
         return answer
 
     def update(self, start: Mapping[str, Any], update_info: Any = None) -> Pending:
         """POST /weights/update carrying the start, written now; its answer (the audit) when read."""
-        return self.wire.begin("POST", "/weights/update", {"start": dict(start), "update_info": update_info},
-                               self.timeout)
+        body = {"start": dict(start), "update_info": update_info, "session": self.session}
+        return self.wire.begin("POST", "/weights/update", body, self.timeout)
 
     def abort(self) -> dict[str, Any]:
         """POST /weights/abort: end the open session now ({"aborted": whether one was open})."""

@@ -36,6 +36,10 @@ from inference.transfer.backends import check_backend
 log = logging.getLogger(__name__)
 
 _KEY_PREFIX = "sidecar-transfer"
+# The most timeouts a join waits out in a row, so a caller can bound it: the store connect (torch retries
+# it once, after a random delay of up to the timeout: 2), the secret's proofs, the control group's
+# rendezvous, the data plane's, and its warm-up broadcast.
+JOIN_TIMEOUTS = 6
 _POLL_S = 2e-4  # data plane completion polling interval: small next to any bucket's transfer time
 
 

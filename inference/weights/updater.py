@@ -123,7 +123,27 @@ class WeightUpdater:
         state, session = self._state(which), self._session
         return {"model": which, "version": state.version, "torn": state.torn, "torn_reason": state.torn_reason,
                 "loaded": state.loaded, "servable": self.is_servable(which),
-                "session_open": session is not None and session.which == which}
+                "session_open": session is not None and session.which == which,
+                "needs_sync": self.needs_sync_reason(which)}
+
+    def needs_sync_reason(self, which: str = "target") -> str | None:
+        """Why the bytes `which` holds are NOT its live version's, so that only a sync makes them so (None:
+        they are): torn (a failed or open update), dropped at a level-2 sleep and not refilled since, or
+        reset. The one answer every reader of "what weights does this rank hold" gives."""
+        state = self._state(which)
+        if state.torn:
+            return state.torn_reason or "torn"
+        memory, tag = self._host.memory, ARENA_OF[which]
+        if memory is not None and tag in memory.tags and not memory.contents_valid(tag):
+            return (f"its weights were released by a level-2 sleep and no sync has refilled them since: it "
+                    f"does not hold version {state.version}")
+        if not state.loaded:
+            return "its weights were reset; no sync has loaded them since"
+        return None
+
+    @property
+    def needs_sync(self) -> dict[str, str | None]:
+        return {w: self.needs_sync_reason(w) for w in self._host.models}
 
     def check_servable(self) -> None:
         """StateError naming the first model that may not serve, and why."""

@@ -66,6 +66,8 @@ class RankStatus:
     loaded: dict[str, bool]
     unfinished: int
     gc_frozen: int  # objects frozen once at start (inference/memory/host_heap.py)
+    # per model, why its bytes are not its live version's (WeightUpdater.needs_sync_reason); None: they are
+    needs_sync: dict[str, str | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,19 @@ class Events:
     rejected: dict[str, ErrorInfo] = field(default_factory=dict)
     failed: ErrorInfo | None = None
     dropped: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """A rank's sign of life, sent by a thread of its own at least every HEARTBEAT_S whatever its engine
+    loop is doing (sidecar/ranks/server.py), so a rank that is busy (a long step, a long command) is told
+    from one that stopped (sidecar/ranks/driver.py). `applied`: as in Events (rank 0). `doing`: "step",
+    a control command's name, or None while it waits for commands; `for_s`: how long it has been doing it."""
+
+    applied: int
+    steps: int
+    doing: str | None
+    for_s: float
 
 
 # ---- replies --------------------------------------------------------------------------------------

@@ -8,8 +8,11 @@ the same commands at the same boundary and take the same steps (SPMD). Queue com
 groups (all or nothing, already tokenized; one the engine cannot serve now is refused or held as its
 `wait` says), abort requests or pause. Control commands run between steps, never mid-step, through
 one table (`RankServer.handlers`); every rank answers each with a Reply carrying its status. Rank 0
-reports finished outputs, refused groups and its status in `Events` after each boundary with news,
-and at least every HEARTBEAT_S while it steps. What the weights are and whether a step may run are
+reports finished outputs, refused groups and its status in `Events` after each boundary with news.
+Every rank also runs a heartbeat thread: whatever its loop does (a step of minutes, a weight command),
+it sends a `Heartbeat` (what it does, for how long) whenever it sent nothing for HEARTBEAT_S (rank 0
+not while it waits for commands), so the driver tells a busy rank from a stopped one; every send
+holds one lock (a pipe is not thread-safe). What the weights are and whether a step may run are
 asked of the engine (`worker.weights`, `worker.is_ready()`) at each use; this server keeps no copy.
 The engine's modules (torch, the LLM) are imported inside the functions that run on the rank.
 """
@@ -20,6 +23,7 @@ import dataclasses
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -38,6 +42,7 @@ from sidecar.ranks.commands import (
     Command,
     ErrorInfo,
     Events,
+    Heartbeat,
     InitWeightTransfer,
     RankPlan,
     RankSpec,
@@ -59,7 +64,7 @@ from sidecar.ranks.commands import (
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_S = 0.25  # rank 0 reports at least this often while it steps: the driver's sign of life
+HEARTBEAT_S = 0.25  # every rank says something at least this often, busy or not: the driver's sign of life
 
 
 def rank_main(spec: RankSpec, conn: Connection, followers: tuple[Connection, ...] = (),
@@ -75,7 +80,7 @@ def rank_main(spec: RankSpec, conn: Connection, followers: tuple[Connection, ...
         llm = _build_llm(spec)
         server = RankServer(llm, conn, spec.rank, followers=followers, leader=leader)
         server.gc_frozen = freeze_startup_heap().objects
-        conn.send(Reply(True, server.plan(), status=server.status()))
+        server.post(Reply(True, server.plan(), status=server.status()))
     except BaseException as e:
         log.exception("rank %d failed to start", spec.rank)
         conn.send(Reply(False, error=error_info(e)))
@@ -164,6 +169,10 @@ class RankServer:
         self._will_step = False  # can_step() as of the end of the last boundary (no command since)
         self._reported_stepping = False
         self._last_report = 0.0
+        self._send_lock = threading.Lock()
+        self._last_sent = time.monotonic()
+        self._doing: tuple[str | None, float] = (None, time.monotonic())  # read by the heartbeat thread
+        self._beating = threading.Event()
         self.handlers: dict[type[Command], Callable[[Any], Any]] = {
             Sleep: self._sleep, WakeUp: self._wake_up,
             InitWeightTransfer: self._init_weight_transfer, UpdateWeights: self._update_weights,
@@ -174,6 +183,15 @@ class RankServer:
     def serve(self) -> None:
         """Step while there is work; apply the commands of each boundary first. Returns at Stop, or
         when the sidecar process (or, on another rank, rank 0) is gone."""
+        beat = threading.Thread(target=self._heartbeat, name=f"rank{self.rank}-heartbeat", daemon=True)
+        self._beating.set()
+        beat.start()
+        try:
+            self._serve()
+        finally:
+            self._beating.clear()
+
+    def _serve(self) -> None:
         while True:
             commands = self._boundary()
             if commands is None:
@@ -195,9 +213,11 @@ class RankServer:
         takes what arrived (waiting only while it has no step to run) and hands it on."""
         try:
             if self.leader is not None:
+                self._doing = (None, time.monotonic())
                 return list(self.leader.recv())
             commands, self._forward = self._forward, []
             if not commands and not self._will_step:
+                self._doing = (None, time.monotonic())
                 commands.append(self.conn.recv())  # nothing to do until the sidecar process sends
                 self.applied += 1
             while self.conn.poll():
@@ -235,6 +255,7 @@ class RankServer:
         failed, dropped = None, ()
         if self._will_step if not news else self.can_step():
             self.steps += 1
+            self._doing = ("step", time.monotonic())
             try:
                 finished = self.llm.step()
             except Exception as e:
@@ -247,18 +268,19 @@ class RankServer:
         stepping = self._will_step = self.can_step()
         if self.rank != 0:
             if failed is not None:
-                self.conn.send(Events(self.applied, False, self.steps, self.status(), failed=failed, dropped=dropped))
+                self.post(Events(self.applied, False, self.steps, self.status(), failed=failed, dropped=dropped))
             return
         now = time.monotonic()
         if (news or finished or self._rejected or failed is not None or stepping != self._reported_stepping
                 or (stepping and now - self._last_report >= HEARTBEAT_S)):
             rejected, self._rejected = self._rejected, {}
-            self.conn.send(Events(self.applied, stepping, self.steps, self.status(), finished, rejected, failed,
-                                  dropped))
+            self.post(Events(self.applied, stepping, self.steps, self.status(), finished, rejected, failed,
+                             dropped))
             self._reported_stepping, self._last_report = stepping, now
 
     def handle(self, cmd: object) -> Reply:
         """Run one control command through the table; any failure becomes the reply's ErrorInfo."""
+        self._doing = (type(cmd).__name__, time.monotonic())
         try:
             handler = self.handlers.get(type(cmd))  # exact type: a subclass is not declared
             if handler is None:
@@ -272,11 +294,31 @@ class RankServer:
         reply.status = self.status()
         return reply
 
+    def post(self, message: Reply | Events | Heartbeat) -> None:
+        """Send one message to the sidecar process (the loop's and the heartbeat thread's, under one lock)."""
+        with self._send_lock:
+            self.conn.send(message)
+            self._last_sent = time.monotonic()
+
+    def _heartbeat(self) -> None:
+        """The heartbeat thread: a Heartbeat whenever nothing was sent for HEARTBEAT_S, until serve ends."""
+        while self._beating.is_set():
+            time.sleep(HEARTBEAT_S / 2)
+            doing, since = self._doing
+            now = time.monotonic()
+            # Rank 0 waiting for commands owes nothing; another rank may wait on rank 0 while work is owed.
+            if now - self._last_sent < HEARTBEAT_S or (doing is None and self.rank == 0) or not self._beating.is_set():
+                continue
+            try:
+                self.post(Heartbeat(self.applied, self.steps, doing, now - since))
+            except (OSError, ValueError):  # the sidecar process is gone: the loop sees it and returns
+                return
+
     def _send(self, reply: Reply) -> None:
         try:
-            self.conn.send(reply)
+            self.post(reply)
         except (TypeError, AttributeError, ValueError) as e:  # an unpicklable result: report, don't die
-            self.conn.send(Reply(False, error=ErrorInfo(type(e).__name__, f"reply not serializable: {e}",
+            self.post(Reply(False, error=ErrorInfo(type(e).__name__, f"reply not serializable: {e}",
                                                         "internal", None, self.rank_key), status=reply.status))
 
     # ---- generation -------------------------------------------------------------------------
@@ -376,8 +418,9 @@ class RankServer:
         return was_open
 
     def _read_manifest(self, cmd: ReadManifest) -> Manifest:
-        """A manifest of `cmd.model`; while the updater says the model is torn it carries the torn_reason,
-        and its weight_version is then the live version the bytes are NOT."""
+        """A manifest of `cmd.model`; while the updater says the bytes are not the live version's (torn, or
+        dropped by a level-2 sleep: `needs_sync`) it carries that reason as its torn_reason, and its
+        weight_version is then the live version the bytes are NOT."""
         weights = self.weights
         if cmd.source == "held":
             manifest = weights.held_manifest(cmd.model, cmd.algorithm)
@@ -385,8 +428,8 @@ class RankServer:
             manifest = weights.received_manifest(cmd.model, cmd.algorithm)
         else:
             raise InvalidRequestError("source", f"must be 'held' or 'received', got {cmd.source!r}")
-        state = weights.state(cmd.model)
-        return dataclasses.replace(manifest, torn_reason=state["torn_reason"]) if state["torn"] else manifest
+        reason = weights.needs_sync_reason(cmd.model)
+        return dataclasses.replace(manifest, torn_reason=reason) if reason is not None else manifest
 
     def plan(self) -> RankPlan:
         """This rank's device memory plan and model facts (reported once, at startup), and the torch
@@ -420,7 +463,7 @@ class RankServer:
             rank=self.rank_key, pid=os.getpid(), ready=worker.is_ready(), sleeping=self.llm.is_sleeping,
             arenas={tag: str(a["state"]) for tag, a in arenas.items()},
             weight_versions=weights.versions, torn=weights.torn, loaded=weights.loaded,
-            unfinished=len(self.request_ids), gc_frozen=self.gc_frozen)
+            unfinished=len(self.request_ids), gc_frozen=self.gc_frozen, needs_sync=weights.needs_sync)
 
     def shutdown(self) -> None:
         worker = self.llm.worker
