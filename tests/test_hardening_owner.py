@@ -78,7 +78,8 @@ def test_a_replaced_session_cannot_fill_an_update_with_another_trainers_bytes(se
 
 def test_a_pause_whose_client_vanished_ends_with_its_lease(server: Sidecar) -> None:
     """POST /pause with a lease and no /resume: a held call is served once the lease runs out; while
-    paused, wait: false is a 409 at once (it used to hang); a lease past --max-pause-s is a 400."""
+    paused, wait: false is a 409 at once (it used to hang); a lease past --max-pause-s is a 400, and
+    renews nothing."""
     with SidecarClient(server.url, timeout=60) as c:
         with pytest.raises(SidecarRequestError) as too_long:
             c.pause(lease_s=MAX_PAUSE_S + 1)
@@ -88,8 +89,11 @@ def test_a_pause_whose_client_vanished_ends_with_its_lease(server: Sidecar) -> N
         with pytest.raises(SidecarStateError) as at_once:
             c.generate(["no waiting"], GREEDY, wait=False)
         assert time.monotonic() - t0 < 1.0 and "paused" in at_once.value.message
+        with pytest.raises(SidecarRequestError):  # a refused pause renews nothing
+            c.pause(lease_s=MAX_PAUSE_S + 1)
         held = c.generate(["held until the lease ends"], GREEDY)  # nobody resumes
-        assert len(held[0].outputs[0].token_ids) == 2 and time.monotonic() - t0 >= 0.9
+        took = time.monotonic() - t0
+        assert len(held[0].outputs[0].token_ids) == 2 and 0.9 <= took < MAX_PAUSE_S
         assert c.state()["paused"] is False
 
 

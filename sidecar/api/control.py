@@ -305,7 +305,8 @@ class WeightsUpdateGate:
         if opens:
             state.sync_started[start.model] = (t0, 0)  # its bytes are counted once the ranks accepted it
         try:
-            replies: list[UpdateReply] = await _weight_call(state, UpdateWeights(opening, info))
+            owner = body.session.session_id if body.session is not None else None
+            replies: list[UpdateReply] = await _weight_call(state, UpdateWeights(opening, info, owner))
         except ApiError as e:
             if e.kind == "checksum":
                 state.metrics.audit_failures.inc()

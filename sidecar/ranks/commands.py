@@ -278,10 +278,12 @@ class UpdateWeights(Command):
     """The whole sync on a rank (POST /weights/update): open the session of `start` (a start that fails
     refuses the sender's plan agreement, so the trainer's send() stops at once instead of waiting out its
     timeout), receive every bucket, take the digests the sender delivers in the sync
-    (inference/transfer/delivery.py), audit and commit."""
+    (inference/transfer/delivery.py), audit and commit. `session_id`: the transfer session the update
+    belongs to (its init's): a rank whose group is another session's refuses it before any byte."""
 
     start: WeightStart
     info: Any = None
+    session_id: str | None = None
     reply: ClassVar[type] = UpdateReply
 
 

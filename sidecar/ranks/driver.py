@@ -447,8 +447,9 @@ class Driver:
     def _absorb_heartbeat(self, rank: int, beat: Heartbeat) -> None:
         """A sign of life with what the rank does; rank 0's also tells which commands it took."""
         self.activity[rank] = beat
-        if rank == 0:
+        if rank == 0:  # busy until its next word says otherwise (the rank orders its messages so)
             self._took(beat.applied)
+            self._stepping = self._stepping or beat.doing is not None
         if beat.doing == "step" and beat.for_s >= self.step_timeout_s and self._warned_step != beat.steps:
             self._warned_step = beat.steps
             log.warning("rank %d: step %d has run %.0f s, past --step-timeout-s (%g s); waiting for it: the "

@@ -213,11 +213,9 @@ class RankServer:
         takes what arrived (waiting only while it has no step to run) and hands it on."""
         try:
             if self.leader is not None:
-                self._doing = (None, time.monotonic())
                 return list(self.leader.recv())
             commands, self._forward = self._forward, []
             if not commands and not self._will_step:
-                self._doing = (None, time.monotonic())
                 commands.append(self.conn.recv())  # nothing to do until the sidecar process sends
                 self.applied += 1
             while self.conn.poll():
@@ -255,7 +253,7 @@ class RankServer:
         failed, dropped = None, ()
         if self._will_step if not news else self.can_step():
             self.steps += 1
-            self._doing = ("step", time.monotonic())
+            self._set_doing("step")
             try:
                 finished = self.llm.step()
             except Exception as e:
@@ -264,6 +262,7 @@ class RankServer:
                 self._abort_all()
                 if self.followers:  # the others drop them too, at the next boundary
                     self._forward.append(AbortRequests(dropped))
+        self._set_doing(None)  # before the report: no heartbeat says "step" after it
         finished = self._take_finished(finished)
         stepping = self._will_step = self.can_step()
         if self.rank != 0:
@@ -280,7 +279,7 @@ class RankServer:
 
     def handle(self, cmd: object) -> Reply:
         """Run one control command through the table; any failure becomes the reply's ErrorInfo."""
-        self._doing = (type(cmd).__name__, time.monotonic())
+        self._set_doing(type(cmd).__name__)
         try:
             handler = self.handlers.get(type(cmd))  # exact type: a subclass is not declared
             if handler is None:
@@ -292,6 +291,7 @@ class RankServer:
             log.debug("rank %d: %s failed", self.rank, type(cmd).__name__, exc_info=True)
             reply = Reply(False, error=error_info(e, self.rank_key))
         reply.status = self.status()
+        self._set_doing(None)  # before the reply: no heartbeat names the command after it
         return reply
 
     def post(self, message: Reply | Events | Heartbeat) -> None:
@@ -300,19 +300,28 @@ class RankServer:
             self.conn.send(message)
             self._last_sent = time.monotonic()
 
+    def _set_doing(self, what: str | None) -> None:
+        """What the loop does now, under the send lock: a heartbeat is either sent before the change or
+        says the new state (rank 0's driver reads "busy" from the last word it got)."""
+        with self._send_lock:
+            self._doing = (what, time.monotonic())
+
     def _heartbeat(self) -> None:
-        """The heartbeat thread: a Heartbeat whenever nothing was sent for HEARTBEAT_S, until serve ends."""
+        """The heartbeat thread: a Heartbeat whenever nothing was sent for HEARTBEAT_S, until serve ends.
+        Rank 0 stays silent while it does nothing (it owes nothing then); another rank always beats, as
+        it may wait on rank 0 while work is owed."""
         while self._beating.is_set():
             time.sleep(HEARTBEAT_S / 2)
-            doing, since = self._doing
-            now = time.monotonic()
-            # Rank 0 waiting for commands owes nothing; another rank may wait on rank 0 while work is owed.
-            if now - self._last_sent < HEARTBEAT_S or (doing is None and self.rank == 0) or not self._beating.is_set():
-                continue
-            try:
-                self.post(Heartbeat(self.applied, self.steps, doing, now - since))
-            except (OSError, ValueError):  # the sidecar process is gone: the loop sees it and returns
-                return
+            with self._send_lock:
+                doing, since = self._doing
+                now = time.monotonic()
+                if now - self._last_sent < HEARTBEAT_S or (doing is None and self.rank == 0):
+                    continue
+                try:
+                    self.conn.send(Heartbeat(self.applied, self.steps, doing, now - since))
+                except (OSError, ValueError):  # the sidecar process is gone: the loop sees it and returns
+                    return
+                self._last_sent = now
 
     def _send(self, reply: Reply) -> None:
         try:
@@ -387,6 +396,11 @@ class RankServer:
     def _update_weights(self, cmd: UpdateWeights) -> UpdateReply:
         begin = time.perf_counter()
         start = cmd.start
+        receiver = self.weights.receiver
+        joined = receiver.info.session_id if receiver is not None else None
+        if cmd.session_id is not None and joined is not None and joined != cmd.session_id:
+            raise StateError(f"rank {self.rank_key}: the update belongs to transfer session {cmd.session_id}, this "
+                             f"rank's group is session {joined}'s (another init replaced it): nothing was received")
         try:
             self.weights.start(start.model, start.version, start.manifest, allow_cast=start.allow_cast)
         except Exception as e:
