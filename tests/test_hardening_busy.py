@@ -9,17 +9,24 @@ shows as dead in /state, not as its last report. Every wait is on an answer, non
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
+from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import pytest
 
 from inference.core import SamplingParams
 from sidecar.client import SidecarClient, SidecarTransferError
+from sidecar.ranks.commands import Heartbeat, Reply, Sleep
+from sidecar.ranks.driver import Driver, RankError
+from sidecar.ranks.pool import RankFailure
 from tests.helpers_sidecar import Sidecar, launch
 
 STEP_TIMEOUT_S = 1.5
@@ -87,3 +94,61 @@ def test_a_dead_rank_shows_as_dead_not_as_its_last_report(server: Sidecar) -> No
         rank = c.state()["ranks"][0]
         assert (rank["alive"], rank["ready"], rank["status"]) == (False, False, "dead")
         assert c.state()["ready"] is False
+
+
+# ---- in-process: the driver's clocks, on a pool whose messages the test writes ----------------------
+class _Pool:
+    """One rank whose messages the test writes (`inbox`); the driver's sends land in `sent`."""
+
+    size = 1
+    plans = [SimpleNamespace(rank="dp0:pp0:tp0")]  # noqa: RUF012
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+        self.inbox: queue.Queue[tuple[int, object]] = queue.Queue()
+
+    def send(self, cmd: Any) -> None:
+        self.sent.append(cmd)
+
+    def receive(self, timeout: float, wake_fd: int | None = None) -> list[tuple[int, object]]:
+        try:
+            return [self.inbox.get(timeout=min(timeout, 0.01))]
+        except queue.Empty:
+            return []
+
+    def timed_out(self, pending: list[int], what: str, timeout: float) -> RankFailure:
+        return RankFailure(f"rank(s) {pending} did not answer {what} within {timeout:g} s", pending[0])
+
+    def dead_rank(self) -> None:
+        return None
+
+    def alive(self) -> list[bool]:
+        return [True]
+
+
+def test_a_command_behind_a_long_step_is_timed_from_when_the_rank_takes_it() -> None:
+    """A control command queued behind a step that outlasts the command's own timeout is not failed while
+    the rank beats (it has not taken it); once taken and answered it succeeds; a rank silent past the
+    step timeout while work is owed is hung."""
+    pool = _Pool()
+    driver = Driver(pool, step_timeout_s=0.5, rpc_timeout_s=0.3)  # type: ignore[arg-type]
+    driver.start()
+    try:
+        fut = driver.call(Sleep(1))
+        deadline = time.monotonic() + 10
+        while not pool.sent:
+            assert time.monotonic() < deadline, "the driver never sent the command"
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 1.0:  # a step of 1 s: three of the command's timeouts
+            pool.inbox.put((0, Heartbeat(0, 1, "step", time.monotonic() - t0)))
+            assert not fut.done(), fut.exception()
+            threading.Event().wait(0.1)  # the rank's beat interval, not synchronisation
+        pool.inbox.put((0, Heartbeat(1, 1, "Sleep", 0.0)))  # it took the command
+        pool.inbox.put((0, Reply(True, None)))
+        assert fut.result(10) == [None] and driver.failure is None
+        hung = driver.submit([([1, 2, 3], SamplingParams(max_tokens=2))])  # owed, and nobody answers
+        with pytest.raises(RankError) as e:
+            hung.result(10)
+        assert e.value.info.kind == "unavailable" and "its heartbeat within 0.5 s" in str(e.value)
+    finally:
+        driver.stop()
