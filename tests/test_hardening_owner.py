@@ -18,9 +18,10 @@ import pytest
 
 from inference.core import SamplingParams
 from inference.models.tiny import TinyModelSpec, random_weights
+from inference.transfer.groups import TransferError
 from inference.transfer.sender import WeightSender
 from sidecar.cli.main import main as cli_main
-from sidecar.client import SidecarClient, SidecarRequestError, SidecarStateError
+from sidecar.client import SidecarClient, SidecarRequestError, SidecarStateError, SidecarTransferError
 from tests.helpers_sidecar import Sidecar, launch
 
 MAX_PAUSE_S = 3.0
@@ -74,6 +75,31 @@ def test_a_replaced_session_cannot_fill_an_update_with_another_trainers_bytes(se
     finally:
         a.close()
         b.close()
+
+
+def test_a_sender_that_is_not_the_owners_is_refused_in_the_plan_agreement(server: Sidecar) -> None:
+    """The update binds its sender (as trainer_hooks/sync.py does): a send that does not present the
+    session's nonce (another trainer's sender on this group) is refused by the ranks before any byte
+    moves; the update fails naming why, the model is not torn and its version stays."""
+    sender = WeightSender("gloo", bucket_bytes=256 << 10, timeout_s=20)
+    named = list(random_weights(TinyModelSpec(seed=34)).items())
+    try:
+        with SidecarClient(server.url, timeout=60) as c:
+            c.connect_sender(sender)
+            before = c.state()["weight_versions"]["target"]
+            version = before + 1
+            start = c.weights.start_body(version, sender.manifest(named, version), "target", False, short=False)
+            pending = c.weights.update(start, bind_sender=True)
+            with pytest.raises(TransferError, match="another owner"):
+                sender.send(named, deliver_digests=True, owner="a nonce that is not this session's")
+            with pytest.raises(SidecarTransferError) as refused:
+                pending.result()
+            message = refused.value.message
+            assert "not this update's owner's" in message and "nothing was written" in message
+            assert c.state()["weight_versions"]["target"] == before and c.state()["torn"] == {"target": False}
+            assert c.sync_weights(sender, named, version)["ok"]  # the owner's own send goes through
+    finally:
+        sender.close()
 
 
 def test_a_pause_whose_client_vanished_ends_with_its_lease(server: Sidecar) -> None:

@@ -121,6 +121,14 @@ class InitInfo:
         return rank
 
 
+def owner_key(owner: str | None) -> int:
+    """The plan agreement's key of an update's owner (the nonce its sidecar's init answered; None: no
+    owner named), in [1, 2**62): both ends put it in the one all-reduce, so bytes and digests of a sender
+    that is not the owner's are refused before any moves."""
+    digest = hashlib.sha256(f"owner/{owner or ''}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") % ((1 << 62) - 1) + 1
+
+
 def new_session_id() -> str:
     return uuid.uuid4().hex
 

@@ -22,7 +22,7 @@ import torch
 from inference.transfer.backends import check_backend
 from inference.transfer.backends.base import Sink, TransferBackend, backend_class
 from inference.transfer.delivery import PLAN_SUFFIX, post_digests, read_digests
-from inference.transfer.groups import InitInfo, TransferError, TransferGroup
+from inference.transfer.groups import InitInfo, TransferError, TransferGroup, owner_key
 from inference.transfer.plan import ParsedManifest, TensorSpec
 
 
@@ -50,12 +50,14 @@ class WeightReceiver:
         self.group.close()
 
     def receive(self, version: int, specs: ParsedManifest | Sequence[TensorSpec], sink: Sink,
-                on_agreed: Callable[[], None] | None = None, *, digests_follow: bool = False) -> None:
+                on_agreed: Callable[[], None] | None = None, *, digests_follow: bool = False,
+                owner: str | None = None) -> None:
         """Receive one whole sync into `sink`. Raises TransferError (group broken) or the sink's error.
 
         `on_agreed` runs once both ends agreed on the plan, just before the first byte may be written.
         `digests_follow`: the sender delivers its digests after the bytes (step 4): once this returns,
         call `sender_digests` (every end takes part in it, or the group's next collective mismatches).
+        `owner`: the update's owner (groups.owner_key); a sender that names another is refused.
         """
         if self._owed is not None:  # the last sync's step 4 was never taken: let it end before this sync
             owed, self._owed = self._owed, None
@@ -65,7 +67,11 @@ class WeightReceiver:
         fingerprint = parsed.fingerprint(version, self.info.bucket_bytes, plan_id)
         keys, values = self.backend.receiver_agreement()
         assert (len(keys), len(values)) == self.backend.agreement_size, "every end adds the same to step 1"
-        same, maxima = self.group.agree_many([fingerprint, *keys], values)
+        same, maxima = self.group.agree_many([fingerprint, owner_key(owner), *keys], values)
+        if not same[1]:
+            raise TransferError(f"rank {self.rank_key}: the sender's bytes are not this update's owner's (the "
+                                "sender names another session's nonce: another trainer's send, or an update "
+                                "another init replaced); nothing was written")
         if not same[0]:
             raise TransferError(f"rank {self.rank_key}: the sender's plan (version, manifest, bucket size, whether "
                                 "it delivers its digests in the sync, or the backend's release) differs from "
@@ -73,7 +79,7 @@ class WeightReceiver:
         plan = self.backend.plan(parsed)
         if on_agreed is not None:
             on_agreed()
-        self.backend.receive(self.group, plan, parsed, sink, same[1:], maxima)
+        self.backend.receive(self.group, plan, parsed, sink, same[2:], maxima)
         if digests_follow:
             self._owed = post_digests(self.group, len(parsed))
 
@@ -90,4 +96,4 @@ class WeightReceiver:
         agrees (0): every end then stops before a byte moves and the group stays usable, so a sender
         already waiting in the agreement fails at once instead of at its timeout."""
         keys, values = self.backend.receiver_agreement()
-        self.group.agree_many([0, *keys], values)
+        self.group.agree_many([0, 0, *keys], values)

@@ -266,13 +266,15 @@ class WeightUpdater:
             self._routes[which] = cache
         return cache.routing
 
-    def update(self, update_info: Any = None, *, digests_follow: bool = False) -> dict[str, Any] | None:
+    def update(self, update_info: Any = None, *, digests_follow: bool = False,
+               owner: str | None = None) -> dict[str, Any] | None:
         """Receive every bucket of the open session. `update_info`: None or {} (or a list indexed by
         dp_rank * tp_size + tp_rank, one entry per rank, for multi-rank drivers). `digests_follow`: the
         sender delivers its digests in the sync (WeightSender.send(deliver_digests=True)); they are
         returned, as `finish` takes them, for the caller to finish at once (None without). With TP > 1,
         an update with `digests_follow` that fails after bytes may have moved takes part in the ranks'
-        agreement on the audit in finish's place (the others may have passed and wait in it)."""
+        agreement on the audit in finish's place (the others may have passed and wait in it). `owner`: the
+        nonce the sender must present in the plan agreement (WeightReceiver.receive)."""
         session = self._require_session("update_weights")
         host = self._host
         try:
@@ -288,7 +290,8 @@ class WeightUpdater:
             # queued once the bytes landed, while the ranks report
             session.target.on_landed = lambda: self._launch_held_digest(session)
             self.receiver.receive(session.version, session.specs, session.target,
-                                  on_agreed=lambda: self._begin_writes(session), digests_follow=digests_follow)
+                                  on_agreed=lambda: self._begin_writes(session), digests_follow=digests_follow,
+                                  owner=owner)
             session.received = True
             try:
                 if session.held_digests is None:  # a backend without landed()

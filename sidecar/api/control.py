@@ -254,7 +254,7 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
         # From now on no update of the group being replaced is let through; the ranks run commands in order.
         state.weight_session = None
         ranks = await _weight_call(state, InitWeightTransfer(body.init_info), JOIN_TIMEOUTS)
-        session = {"session_id": str(body.init_info.get("session_id")), "nonce": new_session_secret()}
+        session = {"session_id": str(body.init_info.get("session_id")), "nonce": body.nonce or new_session_secret()}
         state.weight_session = (session["session_id"], session["nonce"])
         return {"ranks": ranks, "protocol": SYNC_PROTOCOL, "session": session}
 
@@ -305,8 +305,10 @@ class WeightsUpdateGate:
         if opens:
             state.sync_started[start.model] = (t0, 0)  # its bytes are counted once the ranks accepted it
         try:
-            owner = body.session.session_id if body.session is not None else None
-            replies: list[UpdateReply] = await _weight_call(state, UpdateWeights(opening, info, owner))
+            owner = body.session
+            bound = owner.nonce if owner is not None and owner.bind_sender else None
+            replies: list[UpdateReply] = await _weight_call(
+                state, UpdateWeights(opening, info, owner.session_id if owner is not None else None, bound))
         except ApiError as e:
             if e.kind == "checksum":
                 state.metrics.audit_failures.inc()

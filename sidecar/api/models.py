@@ -220,12 +220,17 @@ class PauseRequest(_Request):
 class WeightSession(_Request):
     session_id: str = Field(description="init_info.session_id of the init that opened the session")
     nonce: str = Field(description="the nonce that init answered")
+    bind_sender: bool = Field(False, description="the sender presents the nonce in the transfer group's plan "
+                                                 "agreement (trainer_hooks/sync.py does): the ranks refuse the "
+                                                 "bytes of a sender that does not")
 
 
 class WeightsInitRequest(_Request):
     init_info: InitInfoJson = Field(description="WeightSender.init_info() of the trainer")
     protocol: int | None = Field(None, description="the weight-sync protocol the client speaks "
                                                    "(trainer_hooks.sync.SYNC_PROTOCOL); another one is a 409")
+    nonce: str | None = Field(None, min_length=16, max_length=128, description="the session's nonce, drawn by "
+                              "the client (one for every member of a fleet's group); null: the sidecar draws it")
 
 
 class WeightsStartRequest(_Request):

@@ -279,11 +279,13 @@ class UpdateWeights(Command):
     refuses the sender's plan agreement, so the trainer's send() stops at once instead of waiting out its
     timeout), receive every bucket, take the digests the sender delivers in the sync
     (inference/transfer/delivery.py), audit and commit. `session_id`: the transfer session the update
-    belongs to (its init's): a rank whose group is another session's refuses it before any byte."""
+    belongs to (its init's): a rank whose group is another session's refuses it before any byte.
+    `nonce`: when set, the sender must present it in the plan agreement (transfer.groups.owner_key)."""
 
     start: WeightStart
     info: Any = None
     session_id: str | None = None
+    nonce: str | None = None
     reply: ClassVar[type] = UpdateReply
 
 

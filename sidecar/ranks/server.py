@@ -413,7 +413,7 @@ class RankServer:
                 e.add_note(f"refusing the sender's plan agreement failed too: {refusal}")
             raise
         start_s = time.perf_counter() - begin
-        delivered = self.weights.update(cmd.info, digests_follow=True)
+        delivered = self.weights.update(cmd.info, digests_follow=True, owner=cmd.nonce)
         return UpdateReply(start_s, self._finish(delivered), time.perf_counter() - begin)
 
     def _finish(self, digests: Any) -> SyncResult:
