@@ -118,7 +118,11 @@ class LaunchConfig:
     startup_timeout_s: float = option(900.0, "seconds for every rank to load the model", gt=0.0)
     rpc_timeout_s: float = option(900.0, "seconds for one control call (sleep, wake, a weight update) on "
                                          "every rank", gt=0.0)
-    step_timeout_s: float = option(300.0, "seconds for one engine step on every rank", gt=0.0)
+    step_timeout_s: float = option(300.0, "seconds a rank with work owed may stay silent (no heartbeat, sent "
+                                          "every 0.25 s even mid-step) before it is hung; a step that runs "
+                                          "longer but still answers is waited for, with a warning", gt=0.0)
+    max_pause_s: float = option(300.0, "the longest lease of POST /pause: generation resumes when it runs out "
+                                       "unless renewed (another /pause) or ended (/resume)", gt=0.0)
     max_transfer_timeout_s: float = option(600.0, "the longest weight-wire timeout a trainer may ask for "
                                                   "(init_info.timeout_s); more gets 400. The driver waits a "
                                                   "weight command for --rpc-timeout-s plus this, so a dead "

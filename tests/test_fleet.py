@@ -146,7 +146,7 @@ class FakeSender:
     def manifest(self, named: Any, version: int) -> dict[str, Any]:
         return {"version": version, "tensors": [], "algorithm": "x"}
 
-    def send(self, named: Any, deliver_digests: bool = False) -> list[Any]:
+    def send(self, named: Any, deliver_digests: bool = False, owner: str | None = None) -> list[Any]:
         self.sent += 1
         self.delivered = deliver_digests
         ROUND["send_failed"], ROUND["refused"] = ROUND["refused"], False

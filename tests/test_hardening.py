@@ -208,6 +208,12 @@ class _BrokenDriver:
     def queue_depth(self) -> int:
         raise RuntimeError("a bug in the driver")
 
+    def rank_alive(self) -> list[bool]:
+        return [True]
+
+    def held_weights(self) -> dict[str, Any]:
+        return {}
+
     def queued_sequences(self) -> int:
         return 0
 

@@ -29,6 +29,7 @@ from sidecar.ranks.commands import (
     Command,
     ErrorInfo,
     Events,
+    Heartbeat,
     RankStatus,
     ReadManifest,
     Reply,
@@ -133,7 +134,7 @@ def _next(conn: Connection, kind: type) -> Any:
         message = conn.recv()
         if isinstance(message, kind):
             return message
-        assert isinstance(message, Events), message
+        assert isinstance(message, (Events, Heartbeat)), message
 
 
 @pytest.fixture
@@ -159,6 +160,8 @@ def _outputs(conn: Connection, request_ids: set[str], replies: list[Reply] | Non
     while not request_ids <= set(finished):
         assert conn.poll(60), f"still waiting for {sorted(request_ids - set(finished))}"
         message = conn.recv()
+        if isinstance(message, Heartbeat):  # a sign of life while it steps
+            continue
         if isinstance(message, Reply):
             assert replies is not None, message
             replies.append(message)

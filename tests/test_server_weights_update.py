@@ -20,10 +20,13 @@ from sidecar.api.metrics import Metrics
 from sidecar.config import LaunchConfig
 from sidecar.ranks.commands import ErrorInfo, RankPlan, SyncResult, UpdateReply
 from sidecar.ranks.driver import RankError
+from trainer_hooks.sync import SYNC_PROTOCOL
 
 KEY = "k-123"
 RANK = "dp0:pp0:tp0"
 START = {"model": "target", "version": 3, "manifest": {"layout": "abc", "weight_version": 3, "rank": RANK}}
+INIT = {"backend": "gloo", "master_host": "127.0.0.1", "master_port": 29999, "world_size": 2, "bucket_bytes": 1 << 20,
+        "timeout_s": 10.0, "session_id": "s-1", "auth": "secret"}
 
 
 class StubDriver:
@@ -75,15 +78,25 @@ def _app(key: str | None = None) -> tuple[Any, StubDriver, Metrics]:
 
 @pytest.fixture
 def served() -> Iterator[tuple[TestClient, StubDriver, Metrics]]:
-    """The app with the API key set, its stub driver and metrics."""
+    """The app with the API key set, its stub driver and metrics, after an init (its session is in SESSION)."""
     app, driver, metrics = _app(KEY)
     with TestClient(app, raise_server_exceptions=False) as client:
+        status, answer = _post(client, {"init_info": INIT, "protocol": SYNC_PROTOCOL}, path="/weights/init")
+        assert status == 200 and answer["session"]["session_id"] == "s-1", answer
+        SESSION.clear()
+        SESSION.update(answer["session"])
+        driver.calls.clear()
         yield client, driver, metrics
+
+
+SESSION: dict[str, str] = {}  # the session the fixture's init answered; every update body carries it
 
 
 def _post(client: TestClient, body: Any = None, *, key: str | None = KEY, raw: bytes | None = None,
           path: str = "/weights/update") -> tuple[int, Any]:
     headers = {"content-type": "application/json", **({"authorization": f"Bearer {key}"} if key else {})}
+    if path == "/weights/update" and isinstance(body, dict) and "start" in body and "session" not in body:
+        body = {**body, "session": SESSION}
     if raw is None and body is not None:
         raw = json.dumps(body).encode()
     resp = client.post(path, content=raw or b"", headers=headers)
@@ -109,7 +122,8 @@ def test_a_sync_is_one_update_whose_answer_is_the_audit(served: tuple) -> None:
 
 def test_a_timed_answer_says_its_handler_time(served: tuple) -> None:
     client = served[0]
-    resp = client.post("/weights/update", json={"start": START}, headers={"authorization": f"Bearer {KEY}"})
+    resp = client.post("/weights/update", json={"start": START, "session": SESSION},
+                       headers={"authorization": f"Bearer {KEY}"})
     assert resp.status_code == 200
     timing = resp.headers["server-timing"]
     assert timing.startswith("app;dur=") and ", handler;dur=" in timing, timing
@@ -167,3 +181,21 @@ def test_a_streamed_body_over_the_limit_is_413(served: tuple) -> None:
     resp = served[0].post("/weights/update", content=chunks(), headers={
         "authorization": f"Bearer {KEY}", "content-type": "application/json"})
     assert resp.status_code == 413 and resp.json()["error"]["field"] == "body", resp.text
+
+
+def test_an_update_of_a_replaced_or_unnamed_session_is_refused_before_the_ranks(served: tuple) -> None:
+    """A second trainer's init replaces the ranks' group: the first trainer's update (its session, or none,
+    or a guessed nonce) is a 409 naming `session`, and nothing reaches the ranks."""
+    client, driver, _ = served
+    first = dict(SESSION)
+    status, answer = _post(client, {"init_info": {**INIT, "session_id": "s-2"}, "protocol": SYNC_PROTOCOL},
+                           path="/weights/init")
+    assert status == 200 and answer["session"]["nonce"] != first["nonce"]
+    driver.calls.clear()
+    for session, why in [(first, "replaced by another init"), (None, "names no session"),
+                         ({"session_id": "s-2", "nonce": first["nonce"]}, "nonce")]:
+        status, refused = _post(client, {"start": START, "session": session})
+        assert status == 409 and refused["error"]["field"] == "session" and why in refused["error"]["message"]
+    assert not driver.calls
+    status, _ = _post(client, {"start": START, "session": answer["session"]})
+    assert status == 200

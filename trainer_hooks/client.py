@@ -226,8 +226,10 @@ class SidecarClient:
     def wake_up(self, tags: list[str] | None = None, *, timeout: float | None = None) -> dict[str, Any]:
         return self._post("/wake_up", {"tags": tags}, timeout=timeout or self.long_timeout)
 
-    def pause(self) -> dict[str, Any]:
-        return self._post("/pause")
+    def pause(self, lease_s: float | None = None) -> dict[str, Any]:
+        """Hold generation steps until resume(), or until the lease runs out (None: the sidecar's
+        --max-pause-s); pausing again renews it."""
+        return self._post("/pause", {"lease_s": lease_s} if lease_s is not None else None)
 
     def resume(self) -> dict[str, Any]:
         return self._post("/resume")

@@ -4,6 +4,10 @@ by `Fleet` (every rank of every replica in one transfer group); sidecar/api/cont
 - Agree: POST /weights/init on every sidecar, carrying SYNC_PROTOCOL, while sender.connect() blocks (a
   refused init calls the sender's wait off at once). Another protocol is refused by either side, with
   both versions named: a 409 from the sidecar, SidecarProtocolError here.
+- Own: the init answers a session (its session id and the nonce `join` drew, one for the group);
+  every update carries it, and the sidecar refuses (409 naming `session`) one of a session another
+  init replaced; send() presents the nonce in the plan agreement, so the ranks refuse the bytes of any
+  other sender (another trainer's) before one moves.
 - Start, send, answer: per sidecar ONE POST /weights/update carrying the start, written before
   sender.send(named, deliver_digests=True). send() moves the bytes, then delivers its digests to every
   rank over the group; every rank compares and commits, so each update's answer is that sidecar's audit.
@@ -19,6 +23,7 @@ by `Fleet` (every rank of every replica in one transfer group); sidecar/api/cont
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -37,7 +42,7 @@ from trainer_hooks.fleet_replicas import FleetError, Replica, SyncOutcome, fleet
 if TYPE_CHECKING:
     from trainer_hooks.wire import Pending, Wire
 
-SYNC_PROTOCOL = 2  # this choreography's and the sidecar routes' version (2: acknowledged pool takes, delta offers)
+SYNC_PROTOCOL = 2  # this choreography's and the sidecar routes' version (2: session owners, pool acks, delta offers)
 LAYOUT_FIELD = "manifest.layout"  # the field of the sidecar's 400 for a layout key it does not know
 GONE = (SidecarConnectionError, SidecarUnavailableError)  # a sidecar that went away, not a bad request
 
@@ -48,10 +53,12 @@ class SyncPeer:
     def __init__(self, wire: Wire, timeout: float | None = None) -> None:
         self.wire, self.timeout = wire, timeout
         self.layouts: set[str] = set()
+        self.session: dict[str, str] | None = None  # what the last init answered: every update carries it
 
-    def init(self, init_info: Mapping[str, Any]) -> dict[str, Any]:
-        """POST /weights/init: join the sender's group, speaking SYNC_PROTOCOL (module docstring)."""
-        body = {"init_info": dict(init_info), "protocol": SYNC_PROTOCOL}
+    def init(self, init_info: Mapping[str, Any], nonce: str | None = None) -> dict[str, Any]:
+        """POST /weights/init: join the sender's group, speaking SYNC_PROTOCOL (module docstring). `nonce`:
+        the session's (one for every member of a group); None: the sidecar draws it."""
+        body = {"init_info": dict(init_info), "protocol": SYNC_PROTOCOL, "nonce": nonce}
         try:
             answer = self.wire.begin("POST", "/weights/init", body, self.timeout).result()
         except SidecarRequestError as e:
@@ -64,12 +71,15 @@ class SyncPeer:
         if theirs != SYNC_PROTOCOL:
             raise SidecarProtocolError(409, PROTOCOL_MISMATCH, f"the sidecar speaks weight-sync protocol {theirs}, "
                                        f"this client protocol {SYNC_PROTOCOL}", "protocol")
+        self.session = answer.get("session")
         return answer
 
-    def update(self, start: Mapping[str, Any], update_info: Any = None) -> Pending:
-        """POST /weights/update carrying the start, written now; its answer (the audit) when read."""
-        return self.wire.begin("POST", "/weights/update", {"start": dict(start), "update_info": update_info},
-                               self.timeout)
+    def update(self, start: Mapping[str, Any], update_info: Any = None, *, bind_sender: bool = False) -> Pending:
+        """POST /weights/update carrying the start, written now; its answer (the audit) when read. With
+        `bind_sender` the sender must present the session's nonce (send(owner=...)) or its bytes are refused."""
+        session = {**self.session, "bind_sender": bind_sender} if self.session is not None else None
+        body = {"start": dict(start), "update_info": update_info, "session": session}
+        return self.wire.begin("POST", "/weights/update", body, self.timeout)
 
     def abort(self) -> dict[str, Any]:
         """POST /weights/abort: end the open session now ({"aborted": whether one was open})."""
@@ -96,8 +106,9 @@ def join(sender: Any, infos: Mapping[Hashable, tuple[SyncPeer, Mapping[str, Any]
     own = pool is None
     runner = ThreadPoolExecutor(max(1, len(infos)), thread_name_prefix="sidecar-init") if own else pool
     assert runner is not None
+    nonce = secrets.token_hex(16)  # one for the whole group: the sender presents it to every rank
     try:
-        futures = {k: runner.submit(peer.init, info) for k, (peer, info) in infos.items()}
+        futures = {k: runner.submit(peer.init, info, nonce) for k, (peer, info) in infos.items()}
 
         def refused(done: Future) -> None:
             if done.exception() is not None:
@@ -117,10 +128,11 @@ def sync_round(sender: Any, peers: Mapping[Hashable, SyncPeer], named: list[tupl
     """Start, send, answer on every peer of the sender's group (module docstring). Returns each peer's
     answer (its audit in "audit") or error, and send()'s error."""
     manifest = sender.manifest(named, version)
+    owner = next((p.session["nonce"] for p in peers.values() if p.session), None)
     for short in (True, False):
         starts = {k: p.start_body(version, manifest, model, allow_cast, short=short) for k, p in peers.items()}
         pending = {k: _begin(p, starts[k]) for k, p in peers.items()}
-        _, error = _run(lambda: sender.send(named, deliver_digests=True))
+        _, error = _run(lambda: sender.send(named, deliver_digests=True, owner=owner))
         answers = {k: _read(v) for k, v in pending.items()}
         stale = [k for k, a in answers.items() if isinstance(a, SidecarRequestError) and a.field == LAYOUT_FIELD
                  and starts[k]["manifest"] is not manifest]
@@ -272,7 +284,7 @@ def _audited(answers: Mapping[Hashable, Any]) -> bool:
 
 def _begin(peer: SyncPeer, start: dict[str, Any]) -> Pending | BaseException:
     try:
-        return peer.update(start)
+        return peer.update(start, bind_sender=True)
     except SidecarError as e:  # the request could not even be written: that sidecar is gone
         return e
 

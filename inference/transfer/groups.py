@@ -36,6 +36,10 @@ from inference.transfer.backends import check_backend
 log = logging.getLogger(__name__)
 
 _KEY_PREFIX = "sidecar-transfer"
+# The most timeouts a join waits out in a row, so a caller can bound it: the store connect (torch retries
+# it once, after a random delay of up to the timeout: 2), the secret's proofs, the control group's
+# rendezvous, the data plane's, and its warm-up broadcast.
+JOIN_TIMEOUTS = 6
 _POLL_S = 2e-4  # data plane completion polling interval: small next to any bucket's transfer time
 
 
@@ -133,6 +137,14 @@ class InitInfo:
             raise InvalidRequestError(
                 "init_info.ranks", f"rank {rank_key} maps to group rank {rank!r}, outside 1..{self.world_size - 1}")
         return rank
+
+
+def owner_key(owner: str | None) -> int:
+    """The plan agreement's key of an update's owner (the nonce its sidecar's init answered; None: no
+    owner named), in [1, 2**62): both ends put it in the one all-reduce, so bytes and digests of a sender
+    that is not the owner's are refused before any moves."""
+    digest = hashlib.sha256(f"owner/{owner or ''}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") % ((1 << 62) - 1) + 1
 
 
 def new_session_id() -> str:

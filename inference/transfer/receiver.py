@@ -25,7 +25,7 @@ from inference.transfer.backends import check_backend
 from inference.transfer.backends.base import Sink, TransferBackend, backend_class
 from inference.transfer.delivery import PLAN_SUFFIX, post_digests, read_digests
 from inference.transfer.delta import CODES, DeltaLayout, DeltaSink, can_apply, offer_agreed, offer_values
-from inference.transfer.groups import InitInfo, TransferError, TransferGroup
+from inference.transfer.groups import InitInfo, TransferError, TransferGroup, owner_key
 from inference.transfer.plan import ParsedManifest, TensorSpec
 
 
@@ -55,7 +55,7 @@ class WeightReceiver:
 
     def receive(self, version: int, specs: ParsedManifest | Sequence[TensorSpec], sink: Sink,
                 on_agreed: Callable[[], None] | None = None, *, digests_follow: bool = False,
-                held_version: int = -1) -> None:
+                held_version: int = -1, owner: str | None = None) -> None:
         """Receive one whole sync into `sink`. Raises TransferError (group broken) or the sink's error.
 
         `on_agreed` runs once both ends agreed on the plan, just before the first byte may be written.
@@ -63,6 +63,7 @@ class WeightReceiver:
         call `sender_digests` (every end takes part in it, or the group's next collective mismatches).
         `held_version`: in a delta session, the version this rank holds intact (-1: none), offered as
         the base a delta may be applied to; a sink without a held region for every tensor offers -1.
+        `owner`: the update's owner (groups.owner_key); a sender that names another is refused.
         """
         if self._owed is not None:  # the last sync's step 4 was never taken: let it end before this sync
             owed, self._owed = self._owed, None
@@ -81,7 +82,11 @@ class WeightReceiver:
         fingerprint = parsed.fingerprint(version, self.info.bucket_bytes, plan_id)
         keys, values = self.backend.receiver_agreement()
         assert (len(keys), len(values)) == self.backend.agreement_size, "every end adds the same to step 1"
-        same, maxima = self.group.agree_many([fingerprint, *keys], values)
+        same, maxima = self.group.agree_many([fingerprint, owner_key(owner), *keys], values)
+        if not same[1]:
+            raise TransferError(f"rank {self.rank_key}: the sender's bytes are not this update's owner's (the "
+                                "sender names another session's nonce: another trainer's send, or an update "
+                                "another init replaced); nothing was written")
         if not same[0]:
             raise TransferError(f"rank {self.rank_key}: the sender's plan (version, manifest, bucket size, whether "
                                 "it delivers its digests in the sync, or the backend's release) differs from "
@@ -89,7 +94,7 @@ class WeightReceiver:
         plan = self.backend.plan(parsed)
         if on_agreed is not None:
             on_agreed()
-        self.backend.receive(self.group, plan, parsed, sink, same[1:], maxima)
+        self.backend.receive(self.group, plan, parsed, sink, same[2:], maxima)
         if digests_follow:
             self._owed = post_digests(self.group, tensors)
 
@@ -109,4 +114,4 @@ class WeightReceiver:
         if self.info.delta:
             self.group.all_max(offer_values(-1), "delta offer")
         keys, values = self.backend.receiver_agreement()
-        self.group.agree_many([0, *keys], values)
+        self.group.agree_many([0, 0, *keys], values)

@@ -39,6 +39,7 @@ from inference.transfer.groups import (
     master_store,
     new_session_id,
     new_session_secret,
+    owner_key,
 )
 from inference.transfer.plan import (
     DEFAULT_BUCKET_BYTES,
@@ -179,7 +180,7 @@ class WeightSender:
         return self._algorithm
 
     def send(self, named_tensors: NamedTensors, *, digest: bool = True,
-             deliver_digests: bool = False) -> list[TensorRecord]:
+             deliver_digests: bool = False, owner: str | None = None) -> list[TensorRecord]:
         """Move every byte to every receiver; returns the digests of the full tensors sent, in order
         (empty when digest=False). Returns only after every receiver reported success.
 
@@ -192,7 +193,10 @@ class WeightSender:
         CUDA tensors in ONE kernel launch on a digest stream of the sender's own, ordered after the
         trainer's writes (it only reads, so it may run beside packing and the receivers' reads), CPU
         tensors on a side thread. It is collected while the receivers copy when this end only waits
-        (ipc direct), else after the transfer. A CUDA tensor never goes through host memory to be hashed."""
+        (ipc direct), else after the transfer. A CUDA tensor never goes through host memory to be hashed.
+
+        `owner`: the nonce the sidecars' init answered (trainer_hooks/sync.py); receivers whose update has
+        another owner refuse the plan agreement (groups.owner_key), so no byte of this send fills it."""
         group = self._require_group()
         if self._pending is None:
             raise StateError("send() before manifest(): the receivers need the manifest to start")
@@ -234,7 +238,7 @@ class WeightSender:
         fingerprint = wire_specs.fingerprint(version, self.bucket_bytes, plan_id)
         # one all-reduce (inference/transfer/receiver.py); 0 never matches: on a problem the receivers stop cleanly
         try:
-            same, _ = group.agree_many([0 if problem else fingerprint, *keys], values)
+            same, _ = group.agree_many([0 if problem else fingerprint, owner_key(owner), *keys], values)
         except BaseException:
             _settle(digests)
             self.kept.forget()
@@ -246,12 +250,17 @@ class WeightSender:
                 "the receivers' plan differs from the sender's (a different manifest, version or bucket "
                 "size was started on the sidecar, one end delivers the digests in the sync and the other "
                 "does not expect them, or it runs another release of the backend); nothing was written")
+        if not same[1]:  # after the plan: a receiver that refused its start passes 0 for both
+            self._end.withdraw()
+            _settle(digests)
+            raise TransferError("the receivers' update belongs to another owner (the session nonce differs: "
+                                "another trainer's init replaced this one's); nothing was written")
         records: list[TensorRecord] | None = None
         if digests is not None and self._end.sends_by_waiting():
             # send() only waits while the receivers copy: collect the digests in that wait, not after it
             records, failure = _collect(digests, failure)
         try:
-            self._end.send(group, self._end.plan(wire_specs), wire_tensors, same[1:])
+            self._end.send(group, self._end.plan(wire_specs), wire_tensors, same[2:])
         except BaseException:
             self.kept.forget()
             raise

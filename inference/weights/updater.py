@@ -123,7 +123,27 @@ class WeightUpdater:
         state, session = self._state(which), self._session
         return {"model": which, "version": state.version, "torn": state.torn, "torn_reason": state.torn_reason,
                 "loaded": state.loaded, "servable": self.is_servable(which),
-                "session_open": session is not None and session.which == which}
+                "session_open": session is not None and session.which == which,
+                "needs_sync": self.needs_sync_reason(which)}
+
+    def needs_sync_reason(self, which: str = "target") -> str | None:
+        """Why the bytes `which` holds are NOT its live version's, so that only a sync makes them so (None:
+        they are): torn (a failed or open update), dropped at a level-2 sleep and not refilled since, or
+        reset. The one answer every reader of "what weights does this rank hold" gives."""
+        state = self._state(which)
+        if state.torn:
+            return state.torn_reason or "torn"
+        memory, tag = self._host.memory, ARENA_OF[which]
+        if memory is not None and tag in memory.tags and not memory.contents_valid(tag):
+            return (f"its weights were released by a level-2 sleep and no sync has refilled them since: it "
+                    f"does not hold version {state.version}")
+        if not state.loaded:
+            return "its weights were reset; no sync has loaded them since"
+        return None
+
+    @property
+    def needs_sync(self) -> dict[str, str | None]:
+        return {w: self.needs_sync_reason(w) for w in self._host.models}
 
     def check_servable(self) -> None:
         """StateError naming the first model that may not serve, and why."""
@@ -246,13 +266,15 @@ class WeightUpdater:
             self._routes[which] = cache
         return cache.routing
 
-    def update(self, update_info: Any = None, *, digests_follow: bool = False) -> dict[str, Any] | None:
+    def update(self, update_info: Any = None, *, digests_follow: bool = False,
+               owner: str | None = None) -> dict[str, Any] | None:
         """Receive every bucket of the open session. `update_info`: None or {} (or a list with one entry per
         rank of this sidecar, indexed by tp rank, for multi-rank drivers). `digests_follow`: the
         sender delivers its digests in the sync (WeightSender.send(deliver_digests=True)); they are
         returned, as `finish` takes them, for the caller to finish at once (None without). With TP > 1,
         an update with `digests_follow` that fails after bytes may have moved takes part in the ranks'
-        agreement on the audit in finish's place (the others may have passed and wait in it)."""
+        agreement on the audit in finish's place (the others may have passed and wait in it). `owner`: the
+        nonce the sender must present in the plan agreement (WeightReceiver.receive)."""
         session = self._require_session("update_weights")
         host = self._host
         try:
@@ -269,7 +291,7 @@ class WeightUpdater:
             session.target.on_landed = lambda: self._launch_held_digest(session)
             self.receiver.receive(session.version, session.specs, session.target,
                                   on_agreed=lambda: self._begin_writes(session), digests_follow=digests_follow,
-                                  held_version=self._intact_version(session.which))
+                                  held_version=self._intact_version(session.which), owner=owner)
             session.received = True
             try:
                 if session.held_digests is None:  # a backend without landed()

@@ -1,18 +1,27 @@
-"""Fault and load: one `sidecar launch` of the tiny model on CPU, hammered for --seconds.
+"""Fault and load: a `sidecar launch` of the tiny model on CPU per mode, hammered for --seconds in all.
 
-All on loopback (the sidecar binds 127.0.0.1, the gloo stores too), bounded in time (--seconds, then
-every loop stops and the sidecar is stopped) and in count (--max-requests over all clients). At once:
+All on loopback (the sidecar binds 127.0.0.1, the gloo stores too), bounded in time (--seconds, split
+over --modes, then every loop stops and the sidecar is stopped) and in count (--max-requests). At once:
 - --clients asyncio clients (httpx) generating short completions with wait=true, back to back;
-- an abuser sending oversized bodies, over-long prompts, malformed JSON, bad field values, lone
-  surrogates and too many sequences, each of which must get its documented 4xx naming its field;
+- an abuser cycling through ABUSES (oversized bodies, over-long prompts, malformed JSON, bad values,
+  lone surrogates, too many sequences, a manifest shape of huge integers), each of which must get its
+  documented 4xx naming its field, and RAW_ATTACKS (attacks below HTTP: other modules register theirs);
+- a pauser that pauses with a short lease and vanishes: generation must resume when the lease ends;
+- a /health prober (its latency percentiles; any answer but 200 is unexpected);
 - a trainer thread that every --sync-every seconds runs the next step of a cycle: a sync (WeightSender
-  over gloo + SidecarClient.sync_weights, audited), sleep 1 + wake, a sync, a sender process SIGKILLed
-  mid-send (its update must answer 502) healed by a new sender's sync, sleep 2 + wake + sync.
-The sidecar runs with --hold-while-asleep, so clients wait through sleeps as an RL rollout would.
+  over gloo + SidecarClient.sync_weights), a sender process SIGKILLed mid-send (its update must answer
+  502 and leave the model torn: the kill landed mid-send) healed by a new sender's sync, sleep 2 + wake
+  + sync, a rival trainer's init (the first trainer's next update must be a 409 naming `session`)
+  healed by a new init and sync, sleep 1 + wake, a sync. After every sync the live bytes (GET
+  /checksums) are compared with digests the script computes from the trainer's own tensors, whatever
+  the sidecar's audit said.
+Modes: "hold" launches with --hold-while-asleep (clients wait through sleeps, as an RL rollout would),
+"409" with the default (clients get 409 naming the state while asleep or torn, and retry).
 
-Prints one JSON line: requests served, expected and unexpected errors by class, p50/p99 latency of the
-served requests, syncs audited ok, kills healed, sleep cycles, and launcher/rank RSS at start, after
-warm-up (a quarter of the run) and at the end. Exit status 1 if any error was unexpected.
+Prints one JSON line: requests sent and served (the success ratio), expected and unexpected errors by
+class, p50/p99 latency of the served requests and of /health, syncs audited ok, live-byte checks,
+kills confirmed and healed, sleep cycles, and per mode launcher/rank RSS at start, warm (after the
+trainer's first whole cycle) and at the end. Exit status 1 if any error was unexpected.
 Run: python scripts/tools/fault_load.py --seconds 300
 """
 
@@ -31,6 +40,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,11 +48,19 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 MIB = 1 << 20
-LIMITS = {"max_body_mb": 1, "max_prompt_chars": 20_000, "max_request_sequences": 16}
-# Each abuse and the statuses it may get (all name their field; see sidecar/server_common.error_response).
-ABUSES: dict[str, tuple[int, ...]] = {
-    "oversized_body": (413,), "long_prompt": (400,), "malformed_json": (400,), "bad_value": (400, 422),
-    "lone_surrogate": (400,), "too_many_sequences": (400, 429)}
+PAUSE_LEASE_S = 1.0  # the pauser's lease; the sidecar's --max-pause-s is twice it
+LIMITS = {"max_body_mb": 1, "max_prompt_chars": 20_000, "max_request_sequences": 16,
+          "max_pause_s": 2 * PAUSE_LEASE_S}
+# Each abuse: the route it goes to and the statuses it may get (all name their field; sidecar/api/common.py).
+ABUSES: dict[str, tuple[str, tuple[int, ...]]] = {
+    "oversized_body": ("/generate", (413,)), "long_prompt": ("/generate", (400,)),
+    "malformed_json": ("/generate", (400,)), "bad_value": ("/generate", (400, 422)),
+    "lone_surrogate": ("/generate", (400,)), "too_many_sequences": ("/generate", (400, 429)),
+    "shape_integers": ("/weights/update", (400,))}
+# Attacks that are no JSON request (idle connections, partial headers, huge headers, ...): name -> a
+# coroutine given the sidecar's URL that runs one attempt and returns its outcome, "expected <what>" or
+# "unexpected <what>". Registered by whoever bounds that layer; run in turn beside ABUSES.
+RAW_ATTACKS: dict[str, Callable[[str], Awaitable[str]]] = {}
 
 
 @dataclass(frozen=True)
@@ -53,6 +71,7 @@ class LoadConfig:
     max_requests: int
     kv_cache_bytes: int
     max_tokens: int
+    modes: tuple[str, ...] = ("hold", "409")
 
 
 @dataclass
@@ -62,6 +81,8 @@ class Tally:
     served: int = 0
     sent: int = 0
     latencies_ms: list[float] = field(default_factory=list)
+    health_ms: list[float] = field(default_factory=list)
+    warm_s: float | None = None  # when the trainer finished its first whole cycle
     expected: Counter = field(default_factory=Counter)
     unexpected: Counter = field(default_factory=Counter)
     events: Counter = field(default_factory=Counter)
@@ -76,10 +97,12 @@ class Tally:
 # ---- the sidecar and its memory ---------------------------------------------------------------------
 
 
-def launch(cfg: LoadConfig) -> tuple[subprocess.Popen, str]:
-    """`sidecar launch` on 127.0.0.1, port 0; returns once it prints its 'serving on' line."""
+def launch(cfg: LoadConfig, mode: str) -> tuple[subprocess.Popen, str]:
+    """`sidecar launch` on 127.0.0.1, port 0; returns once it prints its 'serving on' line. Mode "hold"
+    adds --hold-while-asleep."""
     cmd = [sys.executable, "-m", "sidecar.cli.main", "launch", "--host", "127.0.0.1", "--port", "0", "--device", "cpu",
-           "--kv-cache-bytes", str(cfg.kv_cache_bytes), "--log-level", "warning", "--hold-while-asleep",
+           "--kv-cache-bytes", str(cfg.kv_cache_bytes), "--log-level", "warning",
+           *(["--hold-while-asleep"] if mode == "hold" else []),
            "--max-model-len", "256", *(f"--{k.replace('_', '-')}={v}" for k, v in LIMITS.items())]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
     assert proc.stdout is not None
@@ -146,8 +169,19 @@ async def client_loop(http: Any, tally: Tally, cfg: LoadConfig, i: int, deadline
             with tally.lock:
                 tally.served += 1
                 tally.latencies_ms.append((time.perf_counter() - t) * 1000)
+        elif resp.status_code == 409 and _refused_for_state(resp):
+            tally.add("expected", "generate 409 while asleep or torn")  # the default mode's answer: retry
+            await asyncio.sleep(0.1)
         else:
             tally.add("unexpected", f"generate {resp.status_code} {_error(resp).get('type')}")
+
+
+def _refused_for_state(resp: Any) -> bool:
+    """A 409 of the default mode: the sidecar sleeps, a model is torn or awaits its first sync."""
+    error = _error(resp)
+    message = str(error.get("message", ""))
+    return error.get("type") == "StateError" and any(w in message for w in ("asleep", "torn", "not servable",
+                                                                              "holds no valid", "sync"))
 
 
 def _error(resp: Any) -> dict[str, Any]:
@@ -160,8 +194,11 @@ def _error(resp: Any) -> dict[str, Any]:
 def abuse_body(kind: str) -> tuple[bytes, dict[str, str]]:
     """One hostile request body of this kind (JSON content type unless the kind is about JSON itself)."""
     sampling = {"max_tokens": 2}
+    huge = int("9" * 4000)  # a shape's product of these used to freeze the event loop
+    shape = {"name": "w", "dtype": "float32", "shape": [huge] * 60, "digest": "0" * 32}
     bodies: dict[str, Any] = {
-        "oversized_body": {"prompts": ["x" * (LIMITS["max_body_mb"] * MIB + 1)]},
+        "oversized_body": {"prompts": ["x" * (int(LIMITS["max_body_mb"]) * MIB + 1)]},
+        "shape_integers": {"start": {"version": 1, "manifest": {"tensors": [shape]}}},
         "long_prompt": {"prompts": ["y" * (LIMITS["max_prompt_chars"] + 1)], "sampling_params": sampling},
         "bad_value": {"prompts": ["ok"], "sampling_params": {"temperature": -1.0, "max_tokens": 2}},
         "too_many_sequences": {"prompts": ["ok"], "sampling_params": {"n": LIMITS["max_request_sequences"] + 1}},
@@ -177,14 +214,22 @@ def abuse_body(kind: str) -> tuple[bytes, dict[str, str]]:
 async def abuse_loop(http: Any, tally: Tally, deadline: float, every_s: float = 0.25) -> None:
     import httpx
 
-    kinds = list(ABUSES)
+    kinds = list(ABUSES) + list(RAW_ATTACKS)
     n = 0
     while time.monotonic() < deadline:
         kind = kinds[n % len(kinds)]
         n += 1
+        tally.add("events", "abuses_sent")
+        if kind in RAW_ATTACKS:
+            outcome = await RAW_ATTACKS[kind](str(http.base_url))
+            verdict, _, what = outcome.partition(" ")
+            tally.add("expected" if verdict == "expected" else "unexpected", f"attack {kind} {what}")
+            await asyncio.sleep(every_s)
+            continue
         content, headers = abuse_body(kind)
+        path, statuses = ABUSES[kind]
         try:
-            resp = await http.post("/generate", content=content, headers=headers)
+            resp = await http.post(path, content=content, headers=headers)
         except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as e:
             # A body over the limit is refused before it is read: the server answers 413 and closes the
             # connection, and a client still uploading may see the close instead of the answer.
@@ -195,9 +240,51 @@ async def abuse_loop(http: Any, tally: Tally, deadline: float, every_s: float = 
             tally.add("unexpected", f"abuse {kind} {type(e).__name__}")
             continue
         named = bool(_error(resp).get("field"))
-        ok = resp.status_code in ABUSES[kind] and named
+        ok = resp.status_code in statuses and named
         tally.add("expected" if ok else "unexpected", f"abuse {kind} {resp.status_code}{'' if named else ' no field'}")
         await asyncio.sleep(every_s)
+
+
+async def pause_and_vanish_loop(url: str, tally: Tally, deadline: float, every_s: float = 10.0) -> None:
+    """Pause with a short lease and never resume: generation must resume by itself within the lease
+    (plus the driver's half-second look at its clocks); polled on /state, each poll an answer."""
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        while time.monotonic() + every_s < deadline:
+            await asyncio.sleep(every_s)
+            resp = await http.post("/pause", json={"lease_s": PAUSE_LEASE_S})
+            if resp.status_code != 200:
+                tally.add("unexpected", f"pause {resp.status_code}")
+                continue
+            t0 = time.monotonic()
+            while (await http.get("/state")).json().get("paused"):
+                if time.monotonic() - t0 > PAUSE_LEASE_S + 5:
+                    tally.add("unexpected", "a vanished pauser's pause outlived its lease")
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                tally.add("events", "pauses_released_by_lease")
+
+
+async def health_loop(url: str, tally: Tally, deadline: float, every_s: float = 0.5) -> None:
+    """/health on a connection of its own: its latency while everything else runs; any answer but 200
+    is unexpected (nothing in this run may take the ranks down)."""
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        while time.monotonic() < deadline:
+            t = time.perf_counter()
+            try:
+                resp = await http.get("/health")
+            except httpx.HTTPError as e:
+                tally.add("unexpected", f"health {type(e).__name__}")
+                continue
+            with tally.lock:
+                tally.health_ms.append((time.perf_counter() - t) * 1000)
+            if resp.status_code != 200:
+                tally.add("unexpected", f"health {resp.status_code}")
+            await asyncio.sleep(every_s)
 
 
 async def drive_http(url: str, tally: Tally, cfg: LoadConfig, deadline: float) -> None:
@@ -206,7 +293,8 @@ async def drive_http(url: str, tally: Tally, cfg: LoadConfig, deadline: float) -
     limits = httpx.Limits(max_connections=cfg.clients + 8, max_keepalive_connections=cfg.clients + 8)
     async with httpx.AsyncClient(base_url=url, timeout=180, limits=limits) as http:
         loops = [client_loop(http, tally, cfg, i, deadline) for i in range(cfg.clients)]
-        await asyncio.gather(*loops, abuse_loop(http, tally, deadline))
+        await asyncio.gather(*loops, abuse_loop(http, tally, deadline), pause_and_vanish_loop(url, tally, deadline),
+                             health_loop(url, tally, deadline))
 
 
 # ---- the trainer: syncs, a sender killed mid-send, sleep/wake ---------------------------------------
@@ -237,28 +325,85 @@ def dying_sender(out: Any, version: int, bucket_bytes: int, timeout_s: float) ->
     sender.send(named, deliver_digests=True)
 
 
-class Trainer:
-    """The control loop's state: one client, the live sender, the next version, two weight sets."""
+def held_digests(named: dict[str, Any]) -> dict[str, str]:
+    """What a rank must hold after a sync of `named` (engine names, the host rule), computed here from the
+    trainer's own tensors: the tiny model built on the CPU and loaded with them, then digested. Compared
+    with GET /checksums, it checks the live bytes whatever the sidecar's own audit said."""
+    import torch
 
-    def __init__(self, url: str, tally: Tally) -> None:
+    from checksum import digest_tensors
+    from inference.models import build_model
+    from inference.models.hf_config import read_model_config
+    from inference.models.loader import load_named_tensors
+    from inference.models.tiny import default_model_dir
+    from inference.parallel import TPInfo
+
+    model = build_model(read_model_config(default_model_dir()), TPInfo(), torch.float32, "cpu")
+    load_named_tensors(model, list(named.items()))
+    return {r.name: r.digest for r in digest_tensors(list(model.named_parameters()))}
+
+
+class Trainer:
+    """The control loop's state: one client, the live sender, the next version, two weight sets and the
+    digests each must leave on the rank."""
+
+    def __init__(self, url: str, tally: Tally, t0: float) -> None:
         from inference.models.tiny import DEFAULT_TINY, TinyModelSpec, random_weights
         from sidecar.client import SidecarClient
 
+        self.url, self.t0 = url, t0
         self.client = SidecarClient(url, timeout=180)
         self.tally, self.sender, self.version = tally, None, 0
         self.weights = [random_weights(DEFAULT_TINY), random_weights(TinyModelSpec(seed=1))]
+        self.expected = [held_digests(w) for w in self.weights]
 
     def sync(self) -> None:
+        from checksum import ALGORITHM
         from inference.transfer.sender import WeightSender
 
         if self.sender is None:
             self.sender = WeightSender("gloo", num_receivers=1, timeout_s=60)
             self.client.connect_sender(self.sender)
         self.version += 1
-        result = self.client.sync_weights(self.sender, self.weights[self.version % 2], version=self.version)
+        which = self.version % 2
+        result = self.client.sync_weights(self.sender, self.weights[which], version=self.version)
         self.tally.add("events", "syncs_audited_ok" if result["ok"] else "syncs_audit_failed")
         if not result["ok"]:
             self.tally.add("unexpected", "sync audit mismatch")
+        (manifest,) = self.client.checksums(algorithm=ALGORITHM)
+        live = {t["name"]: t["digest"] for t in manifest["tensors"]}
+        if live == self.expected[which] and not manifest.get("torn"):
+            self.tally.add("events", "live_bytes_checked_ok")
+        else:
+            wrong = sorted(n for n in self.expected[which] if live.get(n) != self.expected[which][n])
+            self.tally.add("unexpected", f"live bytes differ from the trainer's own digests ({len(wrong)} tensors)")
+
+    def rival(self) -> None:
+        """A second trainer inits (replacing the group); this trainer's next update must be refused (409
+        naming `session`), before any byte: then a new init of its own, and a sync, heal it."""
+        from inference.transfer.sender import WeightSender
+        from sidecar.client import SidecarClient, SidecarStateError
+
+        rival = WeightSender("gloo", num_receivers=1, timeout_s=30)
+        try:
+            with SidecarClient(self.url, timeout=180) as other:
+                other.connect_sender(rival)
+            assert self.sender is not None
+            start = self.client.weights.start_body(self.version + 1, self.sender.manifest(
+                list(self.weights[0].items()), self.version + 1), "target", False, short=False)
+            try:
+                self.client.weights.update(start).result()
+                self.tally.add("unexpected", "an update of a replaced session was accepted")
+            except SidecarStateError as e:
+                ok = e.status == 409 and e.field == "session"
+                self.tally.add("expected" if ok else "unexpected", f"replaced session update {e.status} {e.field}")
+        finally:
+            rival.close()
+            if self.sender is not None:
+                self.sender.close()
+                self.sender = None  # the group is the rival's (now closed): join a new sender
+        self.sync()
+        self.tally.add("events", "rivals_refused")
 
     def sleep_wake(self, level: int) -> None:
         self.client.sleep(level=level)
@@ -287,6 +432,11 @@ class Trainer:
             except SidecarTransferError as e:
                 self.tally.add("expected" if e.status == 502 else "unexpected", f"killed sender update {e.status}")
             killer.join(60)
+            # Mid-send means bytes had moved: the model is torn until the heal (a kill before any bucket
+            # would leave it intact, and would not be the fault this step is about).
+            torn = self.client.state()["torn"].get("target")
+            self.tally.add("events" if torn else "unexpected",
+                           "kills_confirmed_mid_send" if torn else "a sender kill did not land mid-send")
         finally:
             proc.kill()
             proc.join(30)
@@ -298,7 +448,9 @@ class Trainer:
         self.tally.add("events", "kills_healed")
 
     def run(self, deadline: float, every_s: float) -> None:
-        steps = [self.sync, lambda: self.sleep_wake(1), self.sync, self.kill_mid_send, lambda: self.sleep_wake(2)]
+        # Every fault early in the cycle: a short run (or the second mode's share of one) still meets each.
+        steps = [self.sync, self.kill_mid_send, lambda: self.sleep_wake(2), self.rival, lambda: self.sleep_wake(1),
+                 self.sync]
         n = 0
         try:
             while time.monotonic() + every_s < deadline:
@@ -308,6 +460,9 @@ class Trainer:
                 except Exception as e:  # counted, never swallowed silently: it fails the run
                     self.tally.add("unexpected", f"trainer {type(e).__name__}: {str(e)[:120]}")
                 n += 1
+                if n == len(steps):
+                    with self.tally.lock:
+                        self.tally.warm_s = time.monotonic() - self.t0
         finally:
             if self.sender is not None:
                 self.sender.close()
@@ -324,29 +479,49 @@ def percentile(values: list[float], q: float) -> float | None:
     return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)
 
 
-def report(tally: Tally, cfg: LoadConfig, wall_s: float, exit_code: int | None) -> dict[str, Any]:
+def rss_report(tally: Tally, wall_s: float) -> dict[str, dict[str, float]]:
+    """Launcher and ranks RSS (MiB) at start, warm (the sample nearest the end of the trainer's first
+    whole cycle, else a quarter of the run), at the end and at most."""
     def mb(i: int, k: int) -> float:
         return round(tally.rss[i][k] / MIB, 1)
 
-    warm = min(range(len(tally.rss)), key=lambda i: abs(tally.rss[i][0] - wall_s / 4))
+    warm_at = tally.warm_s if tally.warm_s is not None else wall_s / 4
+    warm = min(range(len(tally.rss)), key=lambda i: abs(tally.rss[i][0] - warm_at))
+    return {name: {"start": mb(0, k), "warm": mb(warm, k), "end": mb(-1, k),
+                   "max": round(max(s[k] for s in tally.rss[warm:]) / MIB, 1)}
+            for name, k in (("launcher", 1), ("ranks", 2))}
+
+
+def report(runs: dict[str, tuple[Tally, float, int | None]], cfg: LoadConfig) -> dict[str, Any]:
+    """One JSON object over every mode's run (counters summed; RSS and exit codes per mode)."""
+    tallies = [t for t, _, _ in runs.values()]
+    wall = sum(w for _, w, _ in runs.values())
+    served, sent = sum(t.served for t in tallies), sum(t.sent for t in tallies)
+    latencies = [x for t in tallies for x in t.latencies_ms]
+    health = [x for t in tallies for x in t.health_ms]
+    counters = {name: sum((getattr(t, name) for t in tallies), Counter()) for name in ("expected", "unexpected",
+                                                                                       "events")}
     return {
-        "bench": "fault_load", "seconds": round(wall_s, 1), "clients": cfg.clients,
-        "requests_served": tally.served, "requests_per_s": round(tally.served / max(wall_s, 1e-9), 1),
-        "latency_ms": {"p50": percentile(tally.latencies_ms, 0.5), "p99": percentile(tally.latencies_ms, 0.99),
-                       "mean": round(statistics.fmean(tally.latencies_ms), 1) if tally.latencies_ms else None},
-        "expected_errors": dict(tally.expected), "unexpected_errors": dict(tally.unexpected),
-        **dict(tally.events),
-        "rss_mb": {name: {"start": mb(0, k), "warm": mb(warm, k), "end": mb(-1, k),
-                          "max": round(max(s[k] for s in tally.rss) / MIB, 1)}
-                   for name, k in (("launcher", 1), ("ranks", 2))},
-        "sidecar_exit_code": exit_code,
+        "bench": "fault_load", "seconds": round(wall, 1), "clients": cfg.clients, "modes": list(runs),
+        "requests_sent": sent, "requests_served": served, "success_ratio": round(served / max(sent, 1), 4),
+        "requests_per_s": round(served / max(wall, 1e-9), 1),
+        "latency_ms": {"p50": percentile(latencies, 0.5), "p99": percentile(latencies, 0.99),
+                       "mean": round(statistics.fmean(latencies), 1) if latencies else None},
+        "health_ms": {"p50": percentile(health, 0.5), "p99": percentile(health, 0.99), "max": percentile(health, 1.0)},
+        "expected_errors": dict(counters["expected"]), "unexpected_errors": dict(counters["unexpected"]),
+        **dict(counters["events"]),
+        "served_by_mode": {mode: t.served for mode, (t, _, _) in runs.items()},
+        "rss_mb_by_mode": {mode: rss_report(t, w) for mode, (t, w, _) in runs.items()},
+        "rss_mb": rss_report(*next(iter(runs.values()))[:2]),  # the first mode's, the longest run
+        "sidecar_exit_code": max((c if c is not None else 1 for _, _, c in runs.values()), default=None),
     }
 
 
-def run(cfg: LoadConfig) -> dict[str, Any]:
-    proc, url = launch(cfg)
+def run(cfg: LoadConfig, mode: str, seconds: float) -> tuple[Tally, float, int | None]:
+    """One sidecar in `mode` under load for `seconds`: its tally, wall time and exit code."""
+    proc, url = launch(cfg, mode)
     tally, t0 = Tally(), time.monotonic()
-    deadline = t0 + cfg.seconds
+    deadline = t0 + seconds
     done = threading.Event()
 
     def sampler() -> None:
@@ -355,7 +530,7 @@ def run(cfg: LoadConfig) -> dict[str, Any]:
 
     sample_rss(proc.pid, tally, t0)
     threading.Thread(target=sampler, daemon=True).start()
-    trainer = threading.Thread(target=Trainer(url, tally).run, args=(deadline, cfg.sync_every), name="trainer")
+    trainer = threading.Thread(target=Trainer(url, tally, t0).run, args=(deadline, cfg.sync_every), name="trainer")
     try:
         trainer.start()
         asyncio.run(drive_http(url, tally, cfg, deadline))
@@ -374,7 +549,15 @@ def run(cfg: LoadConfig) -> dict[str, Any]:
             code = proc.wait(10)
     if code != 0:
         tally.add("unexpected", f"sidecar exit code {code}")
-    return report(tally, cfg, wall, code)
+    return tally, wall, code
+
+
+def run_modes(cfg: LoadConfig) -> dict[str, Any]:
+    """Every mode in turn; the first (the longest: the memory figures are its) gets 60% of the time when
+    there are two."""
+    shares = [1.0] if len(cfg.modes) == 1 else [0.6] + [0.4 / (len(cfg.modes) - 1)] * (len(cfg.modes) - 1)
+    runs = {mode: run(cfg, mode, cfg.seconds * share) for mode, share in zip(cfg.modes, shares)}
+    return report(runs, cfg)
 
 
 def parse_args(argv: list[str] | None = None) -> LoadConfig:
@@ -385,12 +568,17 @@ def parse_args(argv: list[str] | None = None) -> LoadConfig:
     p.add_argument("--max-requests", type=int, default=1_000_000, help="generation requests, all clients")
     p.add_argument("--kv-cache-bytes", type=int, default=16_000_000, help="the sidecar's KV cache")
     p.add_argument("--max-tokens", type=int, default=8, help="new tokens per completion")
+    p.add_argument("--modes", default="hold,409", help="comma-separated, run in turn: hold (--hold-while-asleep), "
+                                                       "409 (the default: 409 while asleep)")
     a = p.parse_args(argv)
-    return LoadConfig(a.seconds, a.clients, a.sync_every, a.max_requests, a.kv_cache_bytes, a.max_tokens)
+    modes = tuple(m for m in a.modes.split(",") if m)
+    if not modes or set(modes) - {"hold", "409"}:
+        p.error(f"--modes: hold and/or 409, got {a.modes!r}")
+    return LoadConfig(a.seconds, a.clients, a.sync_every, a.max_requests, a.kv_cache_bytes, a.max_tokens, modes)
 
 
 def main(argv: list[str] | None = None) -> int:
-    out = run(parse_args(argv))
+    out = run_modes(parse_args(argv))
     print(json.dumps(out), flush=True)
     return 1 if out["unexpected_errors"] else 0
 

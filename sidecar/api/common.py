@@ -53,6 +53,9 @@ class ServerState:
     intake: Any = None  # sidecar.api.intake.Intake: limits and tokenization of generation calls (create_app)
     started: float = field(default_factory=time.time)
     sync_started: dict[str, tuple[float, int]] = field(default_factory=dict)  # model -> (t0, bytes)
+    # The transfer group the ranks joined last and who may drive it: (session id, nonce) of the init that
+    # opened it; None while none is joined or an init is under way (sidecar/api/control.py).
+    weight_session: tuple[str, str] | None = None
     gc_frozen: int = 0  # objects this process froze once serving (launch_cli.serve, inference/memory/host_heap.py)
 
     @property

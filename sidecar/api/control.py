@@ -16,6 +16,7 @@ answered by the app's own error_answer, so they read and count as every route's.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Callable
@@ -30,10 +31,12 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from checksum import ITEMSIZE, Report
+from inference.core import INT64_MAX
+from inference.transfer.groups import JOIN_TIMEOUTS, new_session_secret
 from sidecar.api.audit import add_audit_routes, report_dict
 from sidecar.api.common import ApiError, ServerState, await_future, call
 from sidecar.api.guard import note_handler_time, require_key
-from sidecar.api.models import SleepRequest, WakeRequest, WeightsInitRequest, WeightsUpdateRequest
+from sidecar.api.models import PauseRequest, SleepRequest, WakeRequest, WeightsInitRequest, WeightsUpdateRequest
 from sidecar.ranks.commands import (
     AbortWeightUpdate,
     Command,
@@ -53,25 +56,34 @@ Body = TypeVar("Body", bound=BaseModel)
 
 def state_dict(state: ServerState) -> dict[str, Any]:
     d = state.driver
-    statuses = [st for st in d.statuses if st is not None]
     head = d.statuses[0] if d.statuses else None
     plan = state.plans[0]
-    alive = d.pool.alive()
+    alive = d.rank_alive()
+    held = d.held_weights()
+    activity = getattr(d, "activity", [])
     ranks = []
     for i, (st, pl) in enumerate(zip(d.statuses, state.plans)):
+        live = alive[i] if i < len(alive) else False
+        beat = activity[i] if i < len(activity) else None
         ranks.append({
-            "rank": pl.rank, "pid": pl.pid, "alive": alive[i] if i < len(alive) else False,
-            "device": pl.device, "ready": st and st.ready, "sleeping": st and st.sleeping,
+            "rank": pl.rank, "pid": pl.pid, "alive": live, "status": "ready" if live and st and st.ready
+            else "dead" if not live else "not ready",
+            "device": pl.device, "ready": bool(live and st and st.ready), "sleeping": st and st.sleeping,
             "tags": dict(st.arenas) if st else {}, "weight_versions": dict(st.weight_versions) if st else {},
-            "torn": dict(st.torn) if st else {}, "gc_frozen": st.gc_frozen if st else 0,
+            "torn": dict(st.torn) if st else {}, "needs_sync": dict(st.needs_sync) if st else {},
+            "gc_frozen": st.gc_frozen if st else 0,
+            "doing": None if beat is None or not live else {"what": beat.doing, "for_s": round(beat.for_s, 3),
+                                                            "steps": beat.steps},
             "weights_bytes": pl.weights_bytes, "kv_blocks": pl.kv_blocks, "kv_bytes": pl.kv_bytes,
             "warm_up_s": pl.warm_up_s})
     return {
         "healthy": d.failure is None, "failure": d.failure, "paused": d.paused, "busy": d.busy,
-        "sleeping": head and head.sleeping, "ready": head and head.ready,
+        "pause_left_s": d.pause_left_s() if hasattr(d, "pause_left_s") else None,
+        "sleeping": head and head.sleeping, "ready": bool(head and head.ready and all(alive)),
         "tags": dict(head.arenas) if head else {},
-        "weight_versions": dict(head.weight_versions) if head else {},
-        "torn": {m: any(st.torn.get(m, False) for st in statuses) for m in plan.models},
+        "weight_versions": {m: v["version"] for m, v in held.items()},
+        "torn": {m: held.get(m, {}).get("torn", False) for m in plan.models},
+        "needs_sync": {m: held.get(m, {}).get("needs_sync") for m in plan.models},
         "queue_depth": d.queue_depth(), "queued_sequences": d.queued_sequences(),
         "engine_unfinished": head.unfinished if head else 0,
         "tp": len(state.plans), "ranks": ranks,
@@ -84,9 +96,39 @@ def state_dict(state: ServerState) -> dict[str, Any]:
     }
 
 
+MAX_SHAPE_DIMS = 64  # more dimensions than any tensor torch builds: a shape past it is not a tensor's
+
+
+def check_manifest_shapes(manifest: Any) -> None:
+    """Every tensor shape of a start manifest is at most MAX_SHAPE_DIMS integers in [0, INT64_MAX] whose
+    product (the element count) fits int64; else a 400 naming the field. Checked before any product is
+    taken, so the work is linear in the body: a shape of huge integers cannot make the event loop
+    multiply big numbers (quadratic in their digits)."""
+    tensors = manifest.get("tensors", []) if isinstance(manifest, dict) else manifest
+    for i, t in enumerate(tensors if isinstance(tensors, list) else []):
+        shape = t.get("shape") if isinstance(t, dict) else None
+        if not isinstance(shape, list):
+            continue  # the ranks' manifest parser names a missing or mistyped shape
+        where = f"start.manifest.tensors[{i}].shape"
+        if len(shape) > MAX_SHAPE_DIMS:
+            raise ApiError(400, "InvalidRequestError", f"has {len(shape)} dimensions, more than {MAX_SHAPE_DIMS}",
+                           where)
+        count = 1
+        for dim in shape:
+            if type(dim) is not int or not 0 <= dim <= INT64_MAX:
+                big = type(dim) is int and dim.bit_length() > 128
+                shown = f"an integer of {dim.bit_length()} bits" if big else dim
+                raise ApiError(400, "InvalidRequestError", f"dimensions must be integers in [0, 2**63 - 1], "
+                               f"got {shown!r}", where)
+            count = min(count * dim, INT64_MAX + 1)  # both factors < 2**64: a bounded product
+        if count > INT64_MAX:
+            raise ApiError(400, "InvalidRequestError", "holds more than 2**63 - 1 elements", where)
+
+
 def _manifest_bytes(manifest: Any, layouts: dict[str, int]) -> int:
-    """The bytes a start manifest describes; a manifest naming its layout alone (no "tensors") counts what
-    that layout counted when its tensors came (`layouts`, bounded: at most _LAYOUTS_KEPT)."""
+    """The bytes a start manifest describes (its shapes passed check_manifest_shapes); a manifest naming
+    its layout alone (no "tensors") counts what that layout counted when its tensors came (`layouts`,
+    bounded: at most _LAYOUTS_KEPT)."""
     layout = manifest.get("layout") if isinstance(manifest, dict) else None
     if isinstance(manifest, dict) and "tensors" not in manifest:
         return layouts.get(layout, 0) if isinstance(layout, str) else 0
@@ -136,10 +178,15 @@ def _add_lifecycle_routes(router: APIRouter, state: ServerState) -> None:
         state.metrics.wake_seconds.observe(time.perf_counter() - t0)
         return {"ranks": ranks, "state": state_dict(state)}
 
-    @router.post("/pause", summary="Stop scheduling generation steps; requests wait")
-    async def pause() -> dict[str, Any]:
-        state.driver.pause()
-        return {"paused": True}
+    @router.post("/pause", summary="Stop scheduling generation steps for a lease; requests wait")
+    async def pause(body: PauseRequest | None = None) -> dict[str, Any]:
+        limit = state.config.max_pause_s
+        lease_s = body.lease_s if body is not None and body.lease_s is not None else limit
+        if lease_s > limit:
+            raise ApiError(400, "InvalidRequestError", f"is {lease_s:g} s, more than this sidecar allows ({limit:g} s, "
+                           "--max-pause-s): renew the pause with another POST /pause instead", "lease_s")
+        state.driver.pause(lease_s)
+        return {"paused": True, "lease_s": lease_s}
 
     @router.post("/resume", summary="Resume generation steps")
     async def resume() -> dict[str, Any]:
@@ -147,12 +194,13 @@ def _add_lifecycle_routes(router: APIRouter, state: ServerState) -> None:
         return {"paused": False}
 
 
-async def _weight_call(state: ServerState, cmd: Command) -> list[Any]:
-    """A weight command on every rank. The driver waits --rpc-timeout-s plus the longest wire timeout a
-    trainer may choose (--max-transfer-timeout-s), so the rank's own wire timeout always fires first: a
-    dead or hung trainer is a TransferError (502, model torn, a re-init heals), never a rank that looks
-    hung (503 for good)."""
-    timeout = state.config.rpc_timeout_s + state.config.max_transfer_timeout_s
+async def _weight_call(state: ServerState, cmd: Command, wire_waits: int = 1) -> list[Any]:
+    """A weight command on every rank. The driver waits --rpc-timeout-s plus `wire_waits` times the longest
+    wire timeout a trainer may choose (--max-transfer-timeout-s): the most wire timeouts the command may
+    wait out in a row (a join: JOIN_TIMEOUTS), so the rank's own wire timeout always fires first: a dead
+    or hung trainer is a TransferError (502, model torn, a re-init heals), never a rank that looks hung
+    (503 for good)."""
+    timeout = state.config.rpc_timeout_s + wire_waits * state.config.max_transfer_timeout_s
     return await await_future(None, state.driver.call(cmd, timeout), state.driver)
 
 
@@ -173,6 +221,24 @@ def _check_init_info(state: ServerState, init_info: dict[str, Any]) -> None:
                        "longer", "init_info.timeout_s")
 
 
+def _check_session(state: ServerState, body: WeightsUpdateRequest) -> None:
+    """An update belongs to the init that opened the ranks' group: its session id and nonce (409 naming
+    `session` otherwise, before the ranks see it: the bytes on that group are another sender's)."""
+    owner, given = state.weight_session, body.session
+    if owner is not None and given is not None and (given.session_id, given.nonce) == owner:
+        return
+    if owner is None:
+        why = "no transfer group is joined now (or an init is under way): POST /weights/init first"
+    elif given is None:
+        why = f"the update names no session; the ranks' group is session {owner[0]}'s"
+    elif given.session_id != owner[0]:
+        why = (f"session {given.session_id} was replaced by another init (session {owner[0]}): the bytes on the "
+               "ranks' group are another sender's")
+    else:
+        why = f"the nonce is not the one the init of session {owner[0]} answered"
+    raise ApiError(409, "SessionMismatch", why, "session")
+
+
 def _check_protocol(protocol: int | None) -> None:
     """A client of another weight-sync protocol (or of none: one that sends no version) is refused at init."""
     if protocol != SYNC_PROTOCOL:
@@ -186,8 +252,12 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
     async def weights_init(body: WeightsInitRequest) -> dict[str, Any]:
         _check_protocol(body.protocol)
         _check_init_info(state, body.init_info)
-        ranks = await _weight_call(state, InitWeightTransfer(body.init_info))
-        return {"ranks": ranks, "protocol": SYNC_PROTOCOL}
+        # From now on no update of the group being replaced is let through; the ranks run commands in order.
+        state.weight_session = None
+        ranks = await _weight_call(state, InitWeightTransfer(body.init_info), JOIN_TIMEOUTS)
+        session = {"session_id": str(body.init_info.get("session_id")), "nonce": body.nonce or new_session_secret()}
+        state.weight_session = (session["session_id"], session["nonce"])
+        return {"ranks": ranks, "protocol": SYNC_PROTOCOL, "session": session}
 
     @router.post("/weights/abort", summary="End the open update session now; generation resumes")
     async def weights_abort() -> dict[str, Any]:
@@ -227,14 +297,19 @@ class WeightsUpdateGate:
         if isinstance(info, list) and len(info) != len(state.plans):
             raise ApiError(400, "InvalidRequestError", f"a list needs one entry per rank ({len(state.plans)}), got "
                            f"{len(info)}", "update_info")
+        check_manifest_shapes(start.manifest)
+        _check_session(state, body)
         opening = WeightStart(start.model, start.version, start.manifest, start.allow_cast)
         t0 = time.perf_counter()
         # While another update is in flight the ranks refuse this start: that one's start time stays.
         opens = not state.sync_started
         if opens:
-            state.sync_started[start.model] = (t0, _manifest_bytes(start.manifest, self.layout_bytes))
+            state.sync_started[start.model] = (t0, 0)  # its bytes are counted once the ranks accepted it
         try:
-            replies: list[UpdateReply] = await _weight_call(state, UpdateWeights(opening, info))
+            owner = body.session
+            bound = owner.nonce if owner is not None and owner.bind_sender else None
+            replies: list[UpdateReply] = await _weight_call(
+                state, UpdateWeights(opening, info, owner.session_id if owner is not None else None, bound))
         except ApiError as e:
             if e.kind == "checksum":
                 state.metrics.audit_failures.inc()
@@ -250,6 +325,9 @@ class WeightsUpdateGate:
         audit_s = max(r.audit_s for r in results)
         state.metrics.sync_seconds.labels(start.model, "update").observe(time.perf_counter() - t0 - start_s - audit_s)
         note_handler_time(scope, t0, max(r.rank_s for r in replies))
+        if opens:  # off the event loop: a manifest of many tensors is a long sum
+            nbytes = await asyncio.to_thread(_manifest_bytes, start.manifest, self.layout_bytes)
+            state.sync_started[start.model] = (state.sync_started.get(start.model, (t0, 0))[0], nbytes)
         return JSONResponse(_finished(state, start.model, results, audit_s))
 
 

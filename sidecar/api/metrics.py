@@ -34,6 +34,8 @@ class GenerationSource(Protocol):
     @property
     def paused(self) -> bool: ...
 
+    def held_weights(self) -> dict[str, dict[str, Any]]: ...
+
 
 class Metrics:
     def __init__(self, source: GenerationSource) -> None:
@@ -76,6 +78,16 @@ class _GenerationCollector(Collector):
                      "bounded by --max-queued-sequences", s.queued_sequences())
         yield _gauge("sidecar_healthy", "1 while every rank process is alive and answering", s.failure is None)
         yield _gauge("sidecar_paused", "1 while generation is paused", s.paused)
+        held = s.held_weights() if hasattr(s, "held_weights") else {}
+        version = GaugeMetricFamily("sidecar_weight_version", "The live weight version of each model", labels=["model"])
+        stale = GaugeMetricFamily("sidecar_weights_need_sync", "1 while some rank's bytes of the model are not its "
+                                  "live version's (torn, or dropped by a level-2 sleep): only a sync fixes it",
+                                  labels=["model"])
+        for model, view in sorted(held.items()):
+            version.add_metric([model], float(view["version"]))
+            stale.add_metric([model], float(view["needs_sync"] is not None))
+        yield version
+        yield stale
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # collected fresh at every scrape

@@ -242,10 +242,26 @@ class WakeRequest(_Request):
     tags: list[str] | None = Field(None, description='"weights", "kv_cache"; null wakes everything')
 
 
+class PauseRequest(_Request):
+    lease_s: float | None = Field(None, gt=0, description="hold generation this many seconds unless renewed "
+                                                          "(another /pause) or ended (/resume); at most and "
+                                                          "by default --max-pause-s")
+
+
+class WeightSession(_Request):
+    session_id: str = Field(description="init_info.session_id of the init that opened the session")
+    nonce: str = Field(description="the nonce that init answered")
+    bind_sender: bool = Field(False, description="the sender presents the nonce in the transfer group's plan "
+                                                 "agreement (trainer_hooks/sync.py does): the ranks refuse the "
+                                                 "bytes of a sender that does not")
+
+
 class WeightsInitRequest(_Request):
     init_info: InitInfoJson = Field(description="WeightSender.init_info() of the trainer")
     protocol: int | None = Field(None, description="the weight-sync protocol the client speaks "
                                                    "(trainer_hooks.sync.SYNC_PROTOCOL); another one is a 409")
+    nonce: str | None = Field(None, min_length=16, max_length=128, description="the session's nonce, drawn by "
+                              "the client (one for every member of a fleet's group); null: the sidecar draws it")
 
 
 class WeightsStartRequest(_Request):
@@ -264,6 +280,8 @@ class WeightsUpdateRequest(_Request):
                                                    "ranks refuse is a 400 naming the field, and the sender's "
                                                    "send() fails at once (the plan agreement is refused)")
     update_info: UpdateInfoJson = Field(None, description="null or {}; or one of those per rank, in rank order")
+    session: WeightSession | None = Field(None, description="the session's owner, as POST /weights/init answered "
+                                                            "it; another (or none) is a 409 naming `session`")
 
 
 class AuditRequest(_Request):

@@ -115,10 +115,11 @@ def add_openai_routes(router: APIRouter, state: ServerState, check_params: Calla
 
 def model_card(state: ServerState) -> dict[str, Any]:
     """The served model as /v1/models lists it, with its max_model_len and current weight version."""
-    head = state.driver.statuses[0] if state.driver.statuses else None
+    target = state.driver.held_weights().get("target", {})
     return {"id": state.served_model_name, "object": "model", "created": int(state.started), "owned_by": "sidecar",
             "root": state.plans[0].model, "max_model_len": state.plans[0].max_model_len,
-            "weight_version": head.weight_versions.get("target") if head is not None else None}
+            "weight_version": target.get("version"), "torn": target.get("torn", False),
+            "needs_sync": target.get("needs_sync")}
 
 
 def check_openai_body(state: ServerState, body: Any) -> None:

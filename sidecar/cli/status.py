@@ -65,13 +65,16 @@ def explain_error(url: str, e: SidecarError) -> str:
 
 def format_state(url: str, s: dict[str, Any]) -> str:
     health = "healthy" if s.get("healthy") else f"UNHEALTHY ({s.get('failure')})"
+    stale = {m: why for m, why in (s.get("needs_sync") or {}).items() if why}
+    if stale:  # the processes are fine, but the bytes are not the version shown: generation refuses
+        health += ", NOT SERVING: " + "; ".join(f"{m} needs a sync ({why})" for m, why in stale.items())
     activity = "asleep" if s.get("sleeping") else "awake"
     if s.get("paused"):
         activity += ", paused"
     if s.get("busy"):
         activity += f", running {s['busy']}"
     model = s.get("model", {})
-    versions = ", ".join(f"{m} v{v}{' TORN' if s.get('torn', {}).get(m) else ''}"
+    versions = ", ".join(f"{m} v{v}{' TORN' if s.get('torn', {}).get(m) else ' NEEDS SYNC' if stale.get(m) else ''}"
                          for m, v in s.get("weight_versions", {}).items())
     lines = [
         f"sidecar {url}: {health}, {activity}",
@@ -88,7 +91,8 @@ def format_state(url: str, s: dict[str, Any]) -> str:
     rows = [header]
     for r in s.get("ranks", []):
         rows.append([str(r.get("rank")), str(r.get("pid")), _yes(r.get("alive")), str(r.get("device")),
-                     _yes(r.get("ready")), *(r.get("tags", {}).get(t, "-") for t in tags),
+                     "dead" if r.get("status") == "dead" else _yes(r.get("ready")),  # not its last report
+                     *(r.get("tags", {}).get(t, "-") if r.get("alive") else "-" for t in tags),
                      ",".join(f"{m}={v}" for m, v in r.get("weight_versions", {}).items()) or "-",
                      str(r.get("kv_blocks"))])
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

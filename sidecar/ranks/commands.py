@@ -66,6 +66,8 @@ class RankStatus:
     loaded: dict[str, bool]
     unfinished: int
     gc_frozen: int  # objects frozen once at start (inference/memory/host_heap.py)
+    # per model, why its bytes are not its live version's (WeightUpdater.needs_sync_reason); None: they are
+    needs_sync: dict[str, str | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,19 @@ class Events:
     failed: ErrorInfo | None = None
     dropped: tuple[str, ...] = ()
     progress: list[StreamDelta] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """A rank's sign of life, sent by a thread of its own at least every HEARTBEAT_S whatever its engine
+    loop is doing (sidecar/ranks/server.py), so a rank that is busy (a long step, a long command) is told
+    from one that stopped (sidecar/ranks/driver.py). `applied`: as in Events (rank 0). `doing`: "step",
+    a control command's name, or None while it waits for commands; `for_s`: how long it has been doing it."""
+
+    applied: int
+    steps: int
+    doing: str | None
+    for_s: float
 
 
 # ---- replies --------------------------------------------------------------------------------------
@@ -283,10 +298,14 @@ class UpdateWeights(Command):
     """The whole sync on a rank (POST /weights/update): open the session of `start` (a start that fails
     refuses the sender's plan agreement, so the trainer's send() stops at once instead of waiting out its
     timeout), receive every bucket, take the digests the sender delivers in the sync
-    (inference/transfer/delivery.py), audit and commit."""
+    (inference/transfer/delivery.py), audit and commit. `session_id`: the transfer session the update
+    belongs to (its init's): a rank whose group is another session's refuses it before any byte.
+    `nonce`: when set, the sender must present it in the plan agreement (transfer.groups.owner_key)."""
 
     start: WeightStart
     info: Any = None
+    session_id: str | None = None
+    nonce: str | None = None
     reply: ClassVar[type] = UpdateReply
 
 

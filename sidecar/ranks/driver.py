@@ -9,9 +9,12 @@ refused requests, every rank's Reply the control call's. Idle, it waits on the p
 
 Failure rule: a dead or hung rank breaks the pool for good (the SPMD ranks cannot continue without
 it); every pending and later call fails at once with a RankError of kind "unavailable" naming the
-rank, and /health turns 503. Hung: rank 0 owes word (commands it has not reported taking, or it said
-it steps on) and was silent for --step-timeout-s, or a control command went unanswered past its
-timeout; the culprit is named from the processes' states (a stopped rank before a busy one).
+rank, and /health turns 503. Busy is not hung: every rank sends a Heartbeat at least every 0.25 s
+whatever it does, so a step that runs long is waited for (its progress in `activity`, a warning in
+the log once it runs past --step-timeout-s). Hung: while work is owed (commands rank 0 has not
+reported taking, a step it said it steps on, a control command), a rank was silent for
+--step-timeout-s; or a control command ran past its own timeout, counted from when rank 0 took it
+(a step in progress before it is waited for). The culprit is named from the processes' states.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from sidecar.ranks.commands import (
     Command,
     ErrorInfo,
     Events,
+    Heartbeat,
     RankStatus,
     Reply,
     RequestGroup,
@@ -107,7 +111,8 @@ class _Control:
     cmd: Command
     timeout: float
     future: Future
-    deadline: float = 0.0
+    deadline: float = float("inf")  # set when rank 0 takes it
+    index: int = 0  # rank 0 took it once it reports `applied` >= this
     replies: dict[int, Reply] = field(default_factory=dict)
 
 
@@ -138,7 +143,11 @@ class Driver:
         self._sent = 0
         self._applied = 0
         self._stepping = False
-        self._heard = time.monotonic()  # when rank 0 last said anything
+        self._heard = [time.monotonic()] * pool.size  # when each rank last said anything
+        self._owed_since: float | None = None  # since when work is owed (None: nothing is)
+        self._warned_step = -1  # the step whose overrun was logged
+        self.activity: list[Heartbeat | None] = [None] * pool.size  # each rank's last heartbeat
+        self._pause_until: float | None = None  # a pause's lease ends then (None: not paused)
         self._steps = 0  # the steps rank 0 reported running
         self._failed_steps: deque[int] = deque(maxlen=64)  # those of them that raised
         self._follower_failures: dict[int, tuple[int, str]] = {}  # step -> (rank, why), until rank 0 tells
@@ -198,6 +207,12 @@ class Driver:
         with self._cv:
             if self._refuse_locked(fut):
                 return fut
+            if self._paused and mode == "never":
+                left = self.pause_left_s() or 0.0
+                fut.set_exception(RankError(ErrorInfo(
+                    "StateError", f"generation is paused (POST /pause; {left:.0f} s left on its lease, or until "
+                    "POST /resume) and the call says wait: false", "state", "wait")))
+                return fut
             if self._queued_sequences + sequences > self.max_queued:
                 fut.set_exception(RankError(ErrorInfo(
                     "QueueFull", f"{self._queued_sequences} sequences are queued and this call adds {sequences}; "
@@ -242,17 +257,30 @@ class Driver:
         self._wake()
         return fut
 
-    def pause(self) -> None:
+    def pause(self, lease_s: float) -> None:
+        """Hold generation steps for `lease_s` seconds, or until resume(); another pause renews the lease.
+        A client that pauses and goes away thus releases the ranks when its lease runs out."""
         with self._cv:
+            if not self._paused:
+                self._outbox.append(SetPaused(True))
             self._paused = True
-            self._outbox.append(SetPaused(True))
+            self._pause_until = time.monotonic() + lease_s
         self._wake()
 
     def resume(self) -> None:
         with self._cv:
-            self._paused = False
-            self._outbox.append(SetPaused(False))
+            self._resume_locked()
         self._wake()
+
+    def _resume_locked(self) -> None:
+        if self._paused:
+            self._outbox.append(SetPaused(False))
+        self._paused, self._pause_until = False, None
+
+    def pause_left_s(self) -> float | None:
+        """Seconds left on the pause's lease (None: not paused)."""
+        until = self._pause_until
+        return None if until is None else max(0.0, until - time.monotonic())
 
     @property
     def paused(self) -> bool:
@@ -272,6 +300,27 @@ class Driver:
     def failure_rank(self) -> str | None:
         """The rank key of the rank that broke the pool (None while healthy, or when none is known)."""
         return self._failure_rank
+
+    def held_weights(self) -> dict[str, dict[str, Any]]:
+        """What the ranks hold, per model, from their last reports: the live `version` (rank 0's), `torn`
+        (any rank) and `needs_sync` (the first rank's reason its bytes are not that version's, prefixed
+        with the rank; None when every rank holds it). The one reading of /state, /v1/models, /metrics."""
+        out: dict[str, dict[str, Any]] = {}
+        for st in self.statuses:
+            if st is None:
+                continue
+            for model, version in st.weight_versions.items():
+                view = out.setdefault(model, {"version": version, "torn": False, "needs_sync": None})
+                view["torn"] = view["torn"] or bool(st.torn.get(model))
+                reason = st.needs_sync.get(model) or ("torn" if st.torn.get(model) else None)
+                if reason is not None and view["needs_sync"] is None:
+                    view["needs_sync"] = f"rank {st.rank}: {reason}"
+        return out
+
+    def rank_alive(self) -> list[bool]:
+        """Whether each rank process is alive now (a dead one's last report is not its state)."""
+        alive = getattr(self.pool, "alive", None)
+        return list(alive()) if alive is not None else [True] * len(self.statuses)
 
     def queued_sequences(self) -> int:
         """Sequences (n per prompt) accepted and not yet answered: what --max-queued-sequences bounds."""
@@ -306,6 +355,9 @@ class Driver:
                     self._cv.wait(IDLE_POLL_S)
                 if self._stopping:
                     return
+                if self._pause_until is not None and time.monotonic() >= self._pause_until:
+                    log.warning("the pause's lease ran out with no POST /resume or renewal: generation resumes")
+                    self._resume_locked()
                 outbox = self._take_outbox_locked()
             try:
                 self._exchange(outbox)
@@ -350,9 +402,9 @@ class Driver:
         while self._running is None and self._controls:
             ctl = self._controls.popleft()
             if ctl.future.set_running_or_notify_cancel():
-                ctl.deadline = time.monotonic() + ctl.timeout
                 self._running, self.busy = ctl, type(ctl.cmd).__name__
                 commands.append(ctl.cmd)
+                ctl.index = self._sent + len(commands)
         return commands
 
     def _exchange(self, commands: list[Command]) -> None:
@@ -361,10 +413,12 @@ class Driver:
             self._outgoing.put(cmd)
         self._sent += len(commands)  # owed from now: a rank 0 that stopped reading is silent too
         messages = self.pool.receive(self._wait_s(), self._wake_r)
+        now = time.monotonic()
         for rank, message in messages:
-            if rank == 0:
-                self._heard = time.monotonic()
-            if isinstance(message, Events):
+            self._heard[rank] = now
+            if isinstance(message, Heartbeat):
+                self._absorb_heartbeat(rank, message)
+            elif isinstance(message, Events):
                 self._absorb_events(rank, message)
             elif isinstance(message, Reply):
                 self._absorb_reply(rank, message)
@@ -373,15 +427,12 @@ class Driver:
         self._check_clocks()
 
     def _owes_word(self) -> bool:
-        return self._running is None and (self._applied < self._sent or self._stepping)
+        return self._running is not None or self._applied < self._sent or self._stepping
 
     def _wait_s(self) -> float:
-        now = time.monotonic()
         if self._running is not None:
-            return max(0.0, min(IDLE_POLL_S, self._running.deadline - now))
-        if self._owes_word():
-            return max(0.0, min(IDLE_POLL_S, self._heard + self.step_timeout_s - now))
-        return IDLE_POLL_S
+            return max(0.0, min(IDLE_POLL_S, self._running.deadline - time.monotonic()))
+        return IDLE_POLL_S  # heartbeats come every 0.25 s: the silence check needs no closer wake-up
 
     def _check_clocks(self) -> None:
         now = time.monotonic()
@@ -389,8 +440,35 @@ class Driver:
         if running is not None and now >= running.deadline:
             pending = [r for r in range(self.pool.size) if r not in running.replies]
             raise self.pool.timed_out(pending, type(running.cmd).__name__, running.timeout)
-        if self._owes_word() and now - self._heard >= self.step_timeout_s:
-            raise self.pool.timed_out(list(range(self.pool.size)), "a generation step", self.step_timeout_s)
+        if not self._owes_word():
+            self._owed_since = None
+            return
+        if self._owed_since is None:
+            self._owed_since = now
+        since = self._owed_since
+        silent = [r for r in range(self.pool.size) if now - max(self._heard[r], since) >= self.step_timeout_s]
+        if silent:
+            others = [r for r in range(self.pool.size) if r not in silent]
+            raise self.pool.timed_out(silent + others, "its heartbeat", self.step_timeout_s)
+
+    def _absorb_heartbeat(self, rank: int, beat: Heartbeat) -> None:
+        """A sign of life with what the rank does; rank 0's also tells which commands it took."""
+        self.activity[rank] = beat
+        if rank == 0:  # busy until its next word says otherwise (the rank orders its messages so)
+            self._took(beat.applied)
+            self._stepping = self._stepping or beat.doing is not None
+        if beat.doing == "step" and beat.for_s >= self.step_timeout_s and self._warned_step != beat.steps:
+            self._warned_step = beat.steps
+            log.warning("rank %d: step %d has run %.0f s, past --step-timeout-s (%g s); waiting for it: the "
+                        "rank still answers its heartbeat (a rank silent that long is hung)", rank, beat.steps,
+                        beat.for_s, self.step_timeout_s)
+
+    def _took(self, applied: int) -> None:
+        """Rank 0 took `applied` commands: a control command among them has its clock started now."""
+        self._applied = max(self._applied, applied)
+        running = self._running
+        if running is not None and running.deadline == float("inf") and self._applied >= running.index:
+            running.deadline = time.monotonic() + running.timeout
 
     def _absorb_events(self, rank: int, events: Events) -> None:
         if rank != 0:  # another rank speaks up only when its step failed: fine if rank 0's failed too
@@ -403,8 +481,9 @@ class Driver:
         if events.failed is not None:
             self._failed_steps.append(events.steps)
         self._check_follower_failures()
+        self._took(events.applied)
         with self._cv:
-            self._applied, self._stepping = events.applied, events.stepping
+            self._stepping = events.stepping
             self.statuses[0] = events.status
             for delta in events.progress:  # before `finished`: a group's deltas precede its outputs
                 gid = self._owner.get(delta.request_id)

@@ -9,10 +9,13 @@ groups (all or nothing, already tokenized; one the engine cannot serve now is re
 `wait` says), abort requests or pause. Control commands run between steps, never mid-step, through
 one table (`RankServer.handlers`); every rank answers each with a Reply carrying its status. Rank 0
 reports finished outputs, refused groups, the new tokens of streamed groups and its status in
-`Events` after each boundary with news, and at least every HEARTBEAT_S while it steps. What the
-weights are and whether a step may run are asked of the engine (`worker.weights`,
-`worker.is_ready()`) at each use; this server keeps no copy. The engine's modules (torch, the LLM)
-are imported inside the functions that run on the rank.
+`Events` after each boundary with news.
+Every rank also runs a heartbeat thread: whatever its loop does (a step of minutes, a weight command),
+it sends a `Heartbeat` (what it does, for how long) whenever it sent nothing for HEARTBEAT_S (rank 0
+not while it waits for commands), so the driver tells a busy rank from a stopped one; every send
+holds one lock (a pipe is not thread-safe). What the weights are and whether a step may run are
+asked of the engine (`worker.weights`, `worker.is_ready()`) at each use; this server keeps no copy.
+The engine's modules (torch, the LLM) are imported inside the functions that run on the rank.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import dataclasses
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -39,6 +43,7 @@ from sidecar.ranks.commands import (
     Command,
     ErrorInfo,
     Events,
+    Heartbeat,
     InitWeightTransfer,
     RankPlan,
     RankSpec,
@@ -61,7 +66,7 @@ from sidecar.ranks.commands import (
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_S = 0.25  # rank 0 reports at least this often while it steps: the driver's sign of life
+HEARTBEAT_S = 0.25  # every rank says something at least this often, busy or not: the driver's sign of life
 
 
 def rank_main(spec: RankSpec, conn: Connection, followers: tuple[Connection, ...] = (),
@@ -77,7 +82,7 @@ def rank_main(spec: RankSpec, conn: Connection, followers: tuple[Connection, ...
         llm = _build_llm(spec)
         server = RankServer(llm, conn, spec.rank, followers=followers, leader=leader)
         server.gc_frozen = freeze_startup_heap().objects
-        conn.send(Reply(True, server.plan(), status=server.status()))
+        server.post(Reply(True, server.plan(), status=server.status()))
     except BaseException as e:
         log.exception("rank %d failed to start", spec.rank)
         conn.send(Reply(False, error=error_info(e)))
@@ -168,6 +173,10 @@ class RankServer:
         self._will_step = False  # can_step() as of the end of the last boundary (no command since)
         self._reported_stepping = False
         self._last_report = 0.0
+        self._send_lock = threading.Lock()
+        self._last_sent = time.monotonic()
+        self._doing: tuple[str | None, float] = (None, time.monotonic())  # read by the heartbeat thread
+        self._beating = threading.Event()
         self.handlers: dict[type[Command], Callable[[Any], Any]] = {
             Sleep: self._sleep, WakeUp: self._wake_up,
             InitWeightTransfer: self._init_weight_transfer, UpdateWeights: self._update_weights,
@@ -178,6 +187,15 @@ class RankServer:
     def serve(self) -> None:
         """Step while there is work; apply the commands of each boundary first. Returns at Stop, or
         when the sidecar process (or, on another rank, rank 0) is gone."""
+        beat = threading.Thread(target=self._heartbeat, name=f"rank{self.rank}-heartbeat", daemon=True)
+        self._beating.set()
+        beat.start()
+        try:
+            self._serve()
+        finally:
+            self._beating.clear()
+
+    def _serve(self) -> None:
         while True:
             commands = self._boundary()
             if commands is None:
@@ -240,6 +258,7 @@ class RankServer:
         failed, dropped = None, ()
         if self._will_step if not news else self.can_step():
             self.steps += 1
+            self._set_doing("step")
             try:
                 finished = self.llm.step()
             except Exception as e:
@@ -248,19 +267,20 @@ class RankServer:
                 self._abort_all()
                 if self.followers:  # the others drop them too, at the next boundary
                     self._forward.append(AbortRequests(dropped))
+        self._set_doing(None)  # before the report: no heartbeat says "step" after it
         finished = self._take_finished(finished)
         stepping = self._will_step = self.can_step()
         if self.rank != 0:
             if failed is not None:
-                self.conn.send(Events(self.applied, False, self.steps, self.status(), failed=failed, dropped=dropped))
+                self.post(Events(self.applied, False, self.steps, self.status(), failed=failed, dropped=dropped))
             return
         progress = self._take_progress() if self._streams else []
         now = time.monotonic()
         if (news or finished or progress or self._rejected or failed is not None or stepping != self._reported_stepping
                 or (stepping and now - self._last_report >= HEARTBEAT_S)):
             rejected, self._rejected = self._rejected, {}
-            self.conn.send(Events(self.applied, stepping, self.steps, self.status(), finished, rejected, failed,
-                                  dropped, progress))
+            self.post(Events(self.applied, stepping, self.steps, self.status(), finished, rejected, failed,
+                             dropped, progress))
             self._reported_stepping, self._last_report = stepping, now
 
     def _take_progress(self) -> list[StreamDelta]:
@@ -283,6 +303,7 @@ class RankServer:
 
     def handle(self, cmd: object) -> Reply:
         """Run one control command through the table; any failure becomes the reply's ErrorInfo."""
+        self._set_doing(type(cmd).__name__)
         try:
             handler = self.handlers.get(type(cmd))  # exact type: a subclass is not declared
             if handler is None:
@@ -294,13 +315,43 @@ class RankServer:
             log.debug("rank %d: %s failed", self.rank, type(cmd).__name__, exc_info=True)
             reply = Reply(False, error=error_info(e, self.rank_key))
         reply.status = self.status()
+        self._set_doing(None)  # before the reply: no heartbeat names the command after it
         return reply
+
+    def post(self, message: Reply | Events | Heartbeat) -> None:
+        """Send one message to the sidecar process (the loop's and the heartbeat thread's, under one lock)."""
+        with self._send_lock:
+            self.conn.send(message)
+            self._last_sent = time.monotonic()
+
+    def _set_doing(self, what: str | None) -> None:
+        """What the loop does now, under the send lock: a heartbeat is either sent before the change or
+        says the new state (rank 0's driver reads "busy" from the last word it got)."""
+        with self._send_lock:
+            self._doing = (what, time.monotonic())
+
+    def _heartbeat(self) -> None:
+        """The heartbeat thread: a Heartbeat whenever nothing was sent for HEARTBEAT_S, until serve ends.
+        Rank 0 stays silent while it does nothing (it owes nothing then); another rank always beats, as
+        it may wait on rank 0 while work is owed."""
+        while self._beating.is_set():
+            time.sleep(HEARTBEAT_S / 2)
+            with self._send_lock:
+                doing, since = self._doing
+                now = time.monotonic()
+                if now - self._last_sent < HEARTBEAT_S or (doing is None and self.rank == 0):
+                    continue
+                try:
+                    self.conn.send(Heartbeat(self.applied, self.steps, doing, now - since))
+                except (OSError, ValueError):  # the sidecar process is gone: the loop sees it and returns
+                    return
+                self._last_sent = now
 
     def _send(self, reply: Reply) -> None:
         try:
-            self.conn.send(reply)
+            self.post(reply)
         except (TypeError, AttributeError, ValueError) as e:  # an unpicklable result: report, don't die
-            self.conn.send(Reply(False, error=ErrorInfo(type(e).__name__, f"reply not serializable: {e}",
+            self.post(Reply(False, error=ErrorInfo(type(e).__name__, f"reply not serializable: {e}",
                                                         "internal", None, self.rank_key), status=reply.status))
 
     # ---- generation -------------------------------------------------------------------------
@@ -373,6 +424,11 @@ class RankServer:
     def _update_weights(self, cmd: UpdateWeights) -> UpdateReply:
         begin = time.perf_counter()
         start = cmd.start
+        receiver = self.weights.receiver
+        joined = receiver.info.session_id if receiver is not None else None
+        if cmd.session_id is not None and joined is not None and joined != cmd.session_id:
+            raise StateError(f"rank {self.rank_key}: the update belongs to transfer session {cmd.session_id}, this "
+                             f"rank's group is session {joined}'s (another init replaced it): nothing was received")
         try:
             self.weights.start(start.model, start.version, start.manifest, allow_cast=start.allow_cast)
         except Exception as e:
@@ -385,7 +441,7 @@ class RankServer:
                 e.add_note(f"refusing the sender's plan agreement failed too: {refusal}")
             raise
         start_s = time.perf_counter() - begin
-        delivered = self.weights.update(cmd.info, digests_follow=True)
+        delivered = self.weights.update(cmd.info, digests_follow=True, owner=cmd.nonce)
         return UpdateReply(start_s, self._finish(delivered), time.perf_counter() - begin)
 
     def _finish(self, digests: Any) -> SyncResult:
@@ -404,8 +460,9 @@ class RankServer:
         return was_open
 
     def _read_manifest(self, cmd: ReadManifest) -> Manifest:
-        """A manifest of `cmd.model`; while the updater says the model is torn it carries the torn_reason,
-        and its weight_version is then the live version the bytes are NOT."""
+        """A manifest of `cmd.model`; while the updater says the bytes are not the live version's (torn, or
+        dropped by a level-2 sleep: `needs_sync`) it carries that reason as its torn_reason, and its
+        weight_version is then the live version the bytes are NOT."""
         weights = self.weights
         if cmd.source == "held":
             manifest = weights.held_manifest(cmd.model, cmd.algorithm)
@@ -413,8 +470,8 @@ class RankServer:
             manifest = weights.received_manifest(cmd.model, cmd.algorithm)
         else:
             raise InvalidRequestError("source", f"must be 'held' or 'received', got {cmd.source!r}")
-        state = weights.state(cmd.model)
-        return dataclasses.replace(manifest, torn_reason=state["torn_reason"]) if state["torn"] else manifest
+        reason = weights.needs_sync_reason(cmd.model)
+        return dataclasses.replace(manifest, torn_reason=reason) if reason is not None else manifest
 
     def plan(self) -> RankPlan:
         """This rank's device memory plan and model facts (reported once, at startup), and the torch
@@ -448,7 +505,7 @@ class RankServer:
             rank=self.rank_key, pid=os.getpid(), ready=worker.is_ready(), sleeping=self.llm.is_sleeping,
             arenas={tag: str(a["state"]) for tag, a in arenas.items()},
             weight_versions=weights.versions, torn=weights.torn, loaded=weights.loaded,
-            unfinished=len(self.request_ids), gc_frozen=self.gc_frozen)
+            unfinished=len(self.request_ids), gc_frozen=self.gc_frozen, needs_sync=weights.needs_sync)
 
     def shutdown(self) -> None:
         worker = self.llm.worker
