@@ -161,11 +161,14 @@ def connect_replicas(clients: Sequence[Any], sender: Any) -> None:
     if next_rank != info["world_size"]:
         raise AssertionError(f"the sender expects {info['world_size'] - 1} receivers, the sidecars have "
                              f"{next_rank - 1} ranks")
-    with ThreadPoolExecutor(len(clients), thread_name_prefix="replica-init") as pool:
-        joins = [pool.submit(c.init_weights, i) for c, i in zip(clients, infos)]
-        sender.connect()
-        for join in joins:
-            join.result()
+    from trainer_hooks.sync import join
+
+    answers, error = join(sender, {i: (c.weights, info) for i, (c, info) in enumerate(zip(clients, infos))})
+    for answer in answers.values():  # one nonce for the group, as a Fleet's join draws it
+        if isinstance(answer, BaseException):
+            raise answer
+    if error is not None:
+        raise error
 
 
 def sync_replicas(clients: Sequence[Any], sender: Any, named: Mapping[str, Any], version: int) -> list[dict]:

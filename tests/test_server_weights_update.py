@@ -142,7 +142,7 @@ def test_every_refusal_names_its_field_and_reads_as_every_routes(served: tuple, 
     client, driver, metrics = served
     got_status, answer = _post(client, body, raw=raw)
     assert got_status == status and answer["error"]["field"] == field, answer
-    assert set(answer["error"]) == {"type", "message", "field", "rank"}
+    assert set(answer["error"]) == {"type", "message", "field", "rank", "param", "code"}
     assert not driver.calls  # nothing reached the ranks
     assert _errors_counted(metrics) == {str(status): 1.0}
 
