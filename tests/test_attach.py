@@ -15,9 +15,8 @@ from checksum import Manifest, compare, digest_tensors
 from inference.core import SamplingParams
 from inference.models.tiny import default_model_dir
 from tests.helpers_sidecar import Sidecar, launch
-from trainer_hooks import WeightSyncHook, collect_weights
+from trainer_hooks import AttachError, WeightSyncHook, collect_weights
 from trainer_hooks.client import SidecarClient
-from trainer_hooks.hook import AttachError
 from trainer_hooks.toy_policy import ToyPolicy
 
 SAMPLING = SamplingParams(n=2, temperature=1.0, max_tokens=4, seed=0)
@@ -94,6 +93,14 @@ def test_a_second_trainer_attaches_and_serves_its_own_weights(server: Sidecar) -
     hook, first = _readme_loop(server.url, third, steps=1)
     assert {o.weight_version for o in first} == {hook.version - 1}  # its own sync, before its first rollouts
     hook.close()
+
+    # The loop ended with the KV cache asleep and the weights awake (its last sync): a new trainer that
+    # starts by training puts the weights away too.
+    assert client.state()["tags"] == {"weights": "awake", "kv_cache": "asleep_empty"}
+    fourth = WeightSyncHook(SidecarClient(server.url, timeout=60), _trainer(4))
+    fourth.sleep()
+    assert client.state()["tags"]["weights"] == "asleep_mirrored"
+    fourth.close()
 
 
 def test_sync_on_attach_false_refuses_weights_that_are_not_the_trainers(server: Sidecar) -> None:
