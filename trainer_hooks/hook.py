@@ -128,6 +128,8 @@ class WeightSyncHook:
     def sleep(self) -> None:
         self.attach()
         if self.is_sender and (not self.asleep or self._found_half_awake):
+            if self._found_half_awake:  # the sidecar sleeps all of its memory or none: wake the rest first
+                self._call(self.client.wake_up, ["kv_cache"])
             # unfinished pool groups are held (their KV recomputed after the wake), not run to the end now
             args = (self.sleep_level, "hold") if self.pooled else (self.sleep_level,)
             self._timed("sleep_ms", self.client.sleep, *args)
