@@ -83,3 +83,19 @@ def test_demo_says_what_it_starts_before_its_silence() -> None:
         proc.wait(30)
     assert first.startswith("sidecar demo: 1 RL step(s) on the tiny model: starting a sidecar") and took < 5, (
         first, took)
+
+
+@pytest.mark.cuda
+def test_a_gpu_sidecar_stops_without_third_party_noise() -> None:
+    """On a GPU the ranks compile Triton kernels (digests, sampling): a stop after a sync prints nothing of
+    Triton's (its nanobind leak report came from the frozen heap at interpreter teardown)."""
+    server = launch("--log-level", "info", "--device", "cuda")
+    try:
+        policy = ToyPolicy.from_dir(default_model_dir()).to(torch.bfloat16)
+        with WeightSyncHook(SidecarClient(server.url, timeout=120), policy, sender="gloo") as hook:
+            hook.sync()
+            hook.sleep()
+            hook.wake()
+    finally:
+        assert server.stop() == 0, server.log
+    assert "nanobind" not in server.log and "did not stop" not in server.log, server.log[-3000:]
