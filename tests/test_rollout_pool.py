@@ -115,8 +115,8 @@ def test_hook_carries_the_tail_over_a_sleep_and_a_real_sync(client: SidecarClien
     its first tokens from v0, its last from v1), then the new one."""
     import torch
 
-    policy = ToyPolicy.from_dir(model_dir)
-    with WeightSyncHook(client, policy, rollout_pool="hook") as hook:
+    policy = ToyPolicy.from_dir(model_dir)  # the sidecar's checkpoint: nothing to sync before step 1
+    with WeightSyncHook(client, policy, rollout_pool="hook", sync_on_attach=False) as hook:
         long_short = [_tokens(1500), _tokens(3), _tokens(3)]
         step1 = hook.rollouts([_prompt(0), _prompt(1), _prompt(2)], long_short, min_groups=2)
         assert [o.prompt_token_ids for o in step1] == [_prompt(1), _prompt(2)]
@@ -143,9 +143,10 @@ _TRAINER = textwrap.dedent("""
     from inference.core import CompletionOutput, RequestOutput, SamplingParams
     from trainer_hooks import WeightSyncHook
     from trainer_hooks.client import SidecarClient
+    from trainer_hooks.toy_policy import ToyPolicy
 
     client = SidecarClient(sys.argv[1])
-    hook = WeightSyncHook(client, torch.nn.Linear(2, 2), rollout_pool="killed")
+    hook = WeightSyncHook(client, ToyPolicy.from_dir(sys.argv[2]), rollout_pool="killed")  # syncs it first
     prompts = [[40 + i, 41, 42] for i in range(8)]
     params = [SamplingParams(n=2, seed=i, max_tokens=3 if i < 2 else 300, ignore_eos=True) for i in range(8)]
     out = hook.rollouts(prompts, params, min_groups=2)
@@ -154,10 +155,12 @@ _TRAINER = textwrap.dedent("""
 """)
 
 
-def test_a_killed_trainer_loses_nothing_the_sidecar_finished(client: SidecarClient, tmp_path: Path) -> None:
+def test_a_killed_trainer_loses_nothing_the_sidecar_finished(client: SidecarClient, tmp_path: Path,
+                                                             model_dir: Path) -> None:
     script = tmp_path / "trainer.py"
     script.write_text(_TRAINER)
-    proc = subprocess.Popen([sys.executable, str(script), client.url], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, str(script), client.url, str(model_dir)], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         taken = json.loads(proc.stdout.readline())
