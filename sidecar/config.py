@@ -27,6 +27,7 @@ from inference import envs
 from inference.config import ENGINE_SECTIONS, LOAD_FORMATS, EngineConfig, build_engine_config, engine_option_names
 from inference.core import ON_SYNC_MODES, InvalidRequestError
 from inference.transfer.backends import BACKEND_NAMES
+from sidecar.log_format import LOG_FORMATS
 
 DEVICES = ("auto", "cuda", "cpu")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -80,6 +81,8 @@ class LaunchConfig:
     api_key_file: str | None = option(None, "read the API key from this file (its first line), so it shows "
                                             "in no process list", metavar="PATH")
     log_level: str = option("info", "log level", choices=LOG_LEVELS)
+    log_format: str = option("text", "text (human lines) or json (one JSON object a line, for log shippers)",
+                             choices=LOG_FORMATS)
     # ---- engine: memory and batching ----
     block_size: int | None = option(None, "tokens per KV-cache block", engine="block_size", min=1)
     kv_cache_bytes: int | None = option(None, "KV cache bytes per rank (overrides --gpu-memory-utilization)",

@@ -15,9 +15,8 @@ from checksum import Manifest, compare, digest_tensors
 from inference.core import SamplingParams
 from inference.models.tiny import default_model_dir
 from tests.helpers_sidecar import Sidecar, launch
-from trainer_hooks import WeightSyncHook, collect_weights
+from trainer_hooks import AttachError, WeightSyncHook, collect_weights
 from trainer_hooks.client import SidecarClient
-from trainer_hooks.hook import AttachError
 from trainer_hooks.toy_policy import ToyPolicy
 
 SAMPLING = SamplingParams(n=2, temperature=1.0, max_tokens=4, seed=0)
@@ -95,6 +94,14 @@ def test_a_second_trainer_attaches_and_serves_its_own_weights(server: Sidecar) -
     assert {o.weight_version for o in first} == {hook.version - 1}  # its own sync, before its first rollouts
     hook.close()
 
+    # The loop ended with the KV cache asleep and the weights awake (its last sync): a new trainer that
+    # starts by training puts the weights away too.
+    assert client.state()["tags"] == {"weights": "awake", "kv_cache": "asleep_empty"}
+    fourth = WeightSyncHook(SidecarClient(server.url, timeout=60), _trainer(4))
+    fourth.sleep()
+    assert client.state()["tags"]["weights"] == "asleep_mirrored"
+    fourth.close()
+
 
 def test_sync_on_attach_false_refuses_weights_that_are_not_the_trainers(server: Sidecar) -> None:
     owner = _trainer(4)
@@ -107,3 +114,25 @@ def test_sync_on_attach_false_refuses_weights_that_are_not_the_trainers(server: 
     same = WeightSyncHook(SidecarClient(server.url, timeout=60), owner, sync_on_attach=False)
     outs = same.rollouts(PROMPTS, SAMPLING)
     assert same.syncs == 0 and {o.weight_version for o in outs} == {hook.version}
+
+
+@pytest.mark.slow
+def test_a_fleet_attaches_to_replicas_left_half_asleep() -> None:
+    """A new hook on a Fleet whose replicas an earlier trainer (or a restart) left in different states:
+    one asleep, one awake. The hook wakes what sleeps, syncs, and both replicas serve its weights."""
+    from tests.helpers_sidecar import launched
+    from trainer_hooks import Fleet
+
+    with launched(["--dp-rank", "0"], ["--dp-rank", "1"]) as servers:
+        SidecarClient(servers[0].url, timeout=60).sleep(1)
+        with Fleet([s.url for s in servers], timeout=60) as fleet:
+            trainer = _trainer(6)
+            hook = WeightSyncHook(fleet, trainer)
+            hook.wake()
+            outs = hook.rollouts(PROMPTS * 3, SAMPLING)
+            assert fleet.in_rotation == [0, 1], fleet.rotation()
+            assert {o.weight_version for o in outs} == {hook.version} == {1}
+            assert {o.metrics["replica"] for o in outs} == {0, 1}
+            for s in servers:
+                assert _serves_trainer(SidecarClient(s.url, timeout=60), trainer)
+            hook.close()

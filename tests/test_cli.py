@@ -139,7 +139,7 @@ def test_status_defaults_to_the_launch_address() -> None:
 
 @pytest.fixture(scope="module")
 def two_ranks() -> Iterator[Sidecar]:
-    proc = launch("--tp", "2", "--threads", "2", "--log-level", "info")
+    proc = launch("--tp", "2", "--threads", "2", "--log-level", "debug")  # memory plans are debug lines
     yield proc
     assert proc.stop() == 0, proc.log
 

@@ -31,6 +31,7 @@ def _engine_value(ec: EngineConfig, name: str) -> Any:
 def _other_value(f: Any, tmp_path: Path) -> Any:
     """A valid value of field f that differs from its default and, for engine fields, from the engine's."""
     special = {"device": "cpu", "devices": "0", "host": "0.0.0.0", "port": 9000, "log_level": "debug",
+               "log_format": "json",
                "transfer": "ipc", "gpu_memory_utilization": 0.5, "load_format": "dummy",
                "on_sync": "keep"}
     if f.name == "api_key_file":

@@ -22,8 +22,8 @@ ALLOWED = {
     ("sidecar/cli/launch.py", "launch"): "hands the environment to place_ranks, which sets CUDA_VISIBLE_DEVICES "
                                          "for the rank processes to inherit",
     ("sidecar/cli/demo.py", "start"): "copies the environment for the sidecar subprocess it starts",
-    ("sidecar/fleet_ray.py", "__init__"): "copies the environment for the replica's sidecar subprocess, with the "
-                                          "fleet's API key added",
+    ("sidecar/fleet_ray.py", "__init__"): "copies the environment for the replica it starts, adding the fleet's "
+                                          "API key",
 }
 SIDECAR_NAME = re.compile(r"SIDECAR_[A-Z0-9_]+")
 LAUNCH_NAMES = {envs.LAUNCH_PREFIX + f.name.upper() for f in fields(LaunchConfig)}

@@ -47,7 +47,8 @@ def test_grpo_partial_example_trains_on_the_first_groups_and_carries_the_tail(tm
         code = server.stop()
     assert proc.returncode == 0, proc.stdout + proc.stderr  # the example asserts no group came back twice
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary["version"] == 3 and summary["groups"] == 9, summary  # one sync per step, min_groups each
+    # its own weights synced before the first rollouts (sync_on_attach), then one sync per step; min_groups each
+    assert summary["version"] == 4 and summary["groups"] == 9, summary
     assert sum(summary["staleness_samples"].values()) == 9 * 4
     left = summary["left"]
     assert left["pending"] + left["finished"] == 2 and left["failed"] == 0, left  # the over-sampled tail waits

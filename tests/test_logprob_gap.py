@@ -118,10 +118,14 @@ def test_weights_changed_without_a_sync_show_a_large_gap(engine_rollouts: tuple[
 
 
 class _FakeClient:
-    """What the hook asks of a sidecar for rollouts: generate (the hook stays awake, so nothing else)."""
+    """What the hook asks of a sidecar for rollouts: its state when the hook attaches (awake, serving the
+    checkpoint) and generate."""
 
     def __init__(self, outs: list[RequestOutput]) -> None:
         self.outs = outs
+
+    def state(self) -> dict[str, Any]:
+        return {"sleeping": False, "weight_versions": {"target": 0}, "tags": {"weights": "awake"}}
 
     def generate(self, prompts: Any, sampling: Any) -> list[RequestOutput]:
         return self.outs
@@ -131,7 +135,7 @@ class _FakeClient:
 def test_the_hook_keeps_the_gap_in_its_stats_when_asked(engine_rollouts: tuple[Path, list], enabled: bool) -> None:
     model_dir, outs = engine_rollouts
     policy = ToyPolicy.from_dir(model_dir)
-    hook = WeightSyncHook(_FakeClient(outs), policy, sender="gloo", logprob_gap=enabled)
+    hook = WeightSyncHook(_FakeClient(outs), policy, sender="gloo", logprob_gap=enabled, sync_on_attach=False)
     assert hook.rollouts([[1, 2, 3]]) is outs
     if not enabled:
         assert not any(k.startswith("logprob_gap") for k in hook.stats)

@@ -138,8 +138,8 @@ def test_hook_carries_the_tail_over_a_sleep_and_a_real_sync(client: SidecarClien
     its first tokens from v0, its last from v1), then the new one."""
     import torch
 
-    policy = ToyPolicy.from_dir(model_dir)
-    with WeightSyncHook(client, policy, rollout_pool="hook", sync_on_attach=False) as hook:  # v0 is the checkpoint
+    policy = ToyPolicy.from_dir(model_dir)  # the sidecar's checkpoint: nothing to sync before step 1
+    with WeightSyncHook(client, policy, rollout_pool="hook", sync_on_attach=False) as hook:
         long_short = [_tokens(1500), _tokens(3), _tokens(3)]
         step1 = hook.rollouts([_prompt(0), _prompt(1), _prompt(2)], long_short, min_groups=2)
         assert [o.prompt_token_ids for o in step1] == [_prompt(1), _prompt(2)]
@@ -169,7 +169,7 @@ _TRAINER = textwrap.dedent("""
     from trainer_hooks.toy_policy import ToyPolicy
 
     client = SidecarClient(sys.argv[1])
-    hook = WeightSyncHook(client, ToyPolicy.from_dir(sys.argv[2]), rollout_pool="killed")  # syncs it on attach
+    hook = WeightSyncHook(client, ToyPolicy.from_dir(sys.argv[2]), rollout_pool="killed")  # syncs it first
     prompts = [[40 + i, 41, 42] for i in range(8)]
     params = [SamplingParams(n=2, seed=i, max_tokens=3 if i < 2 else 300, ignore_eos=True) for i in range(8)]
     for step in range(2):  # the second call acknowledges the first one's groups (the trainer used them)
@@ -179,8 +179,8 @@ _TRAINER = textwrap.dedent("""
 """)
 
 
-def test_killing_the_trainer_between_two_partial_calls_loses_nothing(client: SidecarClient, model_dir: Path,
-                                                                     tmp_path: Path) -> None:
+def test_a_killed_trainer_loses_nothing_the_sidecar_finished(client: SidecarClient, tmp_path: Path,
+                                                             model_dir: Path) -> None:
     script = tmp_path / "trainer.py"
     script.write_text(_TRAINER)
     proc = subprocess.Popen([sys.executable, str(script), client.url, str(model_dir)], cwd=REPO,

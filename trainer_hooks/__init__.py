@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from trainer_hooks.client import SidecarClient
     from trainer_hooks.fleet import Fleet, FleetError, FleetGoneError
-    from trainer_hooks.hook import AuditError, SidecarGoneError, WeightSyncHook, sampling
+    from trainer_hooks.hook import AttachError, AuditError, SidecarGoneError, WeightSyncHook, sampling
     from trainer_hooks.logprob_gap import LogprobGap, measure_logprob_gap
     from trainer_hooks.sources import (
         collect_weights,
@@ -29,12 +29,13 @@ if TYPE_CHECKING:
 
 _CLIENT = ("SidecarClient",)
 _FLEET = ("Fleet", "FleetError", "FleetGoneError")
-_HOOK = ("AuditError", "SidecarGoneError", "WeightSyncHook", "sampling")
+_HOOK = ("AttachError", "AuditError", "SidecarGoneError", "WeightSyncHook", "sampling")
 _GAP = ("LogprobGap", "measure_logprob_gap")
 _SOURCES = ("collect_weights", "deepspeed_weights", "fsdp2_weights", "merged_lora_weights", "module_weights",
             "named_parameters", "normalize_name", "unwrap")
 
 __all__ = [  # the five groups above, spelled out for linters and readers
+    "AttachError",
     "AuditError",
     "Fleet",
     "FleetError",

@@ -25,7 +25,7 @@ from concurrent.futures import wait as wait_futures
 from typing import Any
 
 from inference.core import InvalidRequestError, RequestOutput, SidecarError
-from trainer_hooks.client_errors import SidecarRequestError
+from trainer_hooks.client_errors import SidecarRequestError, SidecarStateError
 from trainer_hooks.fleet_replicas import (
     FleetError,
     FleetGoneError,
@@ -244,7 +244,17 @@ class Fleet:
         return self._control("sleep", lambda r: r.client.sleep(level, in_flight, timeout=timeout))
 
     def wake_up(self, tags: list[str] | None = None, *, timeout: float | None = None) -> dict[str, Any]:
-        return self._control("wake_up", lambda r: r.client.wake_up(tags, timeout=timeout))
+        """Wake every replica; one that was awake already (a 409 "nothing is asleep", e.g. a replica
+        restarted while the others slept, met by a new hook attaching) is awake, not a failure."""
+        def wake(r: Replica) -> Any:
+            try:
+                return r.client.wake_up(tags, timeout=timeout)
+            except SidecarStateError:
+                if r.client.state().get("sleeping"):
+                    raise
+                return {"skipped": "awake already"}
+
+        return self._control("wake_up", wake)
 
     def _control(self, what: str, fn: Callable[[Replica], Any]) -> dict[str, Any]:
         """fn on every replica; failures take their replica out (the class docstring)."""

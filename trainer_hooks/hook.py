@@ -115,6 +115,9 @@ class WeightSyncHook:
         self.sync_on_attach = sync_on_attach
         self.attached: dict[str, Any] | None = None  # the sidecar's state when this hook attached (sender rank)
         self._attach_settled = False  # the first rollouts' sync or check ran (every rank)
+        # attached to a sidecar whose KV cache sleeps but whose weights are awake (an earlier trainer's
+        # last sync): the first sleep() still has the weights to put away
+        self._found_half_awake = False
         self.stats: dict[str, Any] = {}  # the last step's figures (ms), see _timed
         self._collected: dict[int, _ParameterViews] = {}  # id(model) -> its reusable views (plain modules)
 
@@ -125,11 +128,14 @@ class WeightSyncHook:
 
     def sleep(self) -> None:
         self.attach()
-        if self.is_sender and not self.asleep:
+        if self.is_sender and (not self.asleep or self._found_half_awake):
+            if self._found_half_awake:  # the sidecar sleeps all of its memory or none: wake the rest first
+                self._call(self.client.wake_up, ["kv_cache"])
             # unfinished pool groups are held (their KV recomputed after the wake), not run to the end now
             args = (self.sleep_level, "hold") if self.pooled else (self.sleep_level,)
             self._timed("sleep_ms", self.client.sleep, *args)
             self.weights_dropped = self.weights_dropped or self.sleep_level == 2
+            self._found_half_awake = False
         self.asleep, self.weights_fresh = True, False
 
     def after_optimizer_step(self) -> dict[str, Any] | None:
@@ -293,6 +299,7 @@ class WeightSyncHook:
         self.asleep = bool(state.get("sleeping"))
         self.weights_fresh = weights == "awake"
         self.weights_dropped = weights == "asleep_empty"
+        self._found_half_awake = self.asleep and weights == "awake"
         log.info("attached to %s: target v%s, %s%s", _where(self.client),
                  (state.get("weight_versions") or {}).get("target"), "asleep" if self.asleep else "awake",
                  " (weights dropped)" if self.weights_dropped else "")

@@ -135,7 +135,7 @@ class Worker:
                                   batch_invariant=self.config.batch_invariant)
         if "draft" in self.models and self._speculates():
             self.spec = SpecDecoder(self.runner, self.models["draft"], self.config.num_speculative_tokens)
-        log.info("rank %s loaded %s (%s, %s)", self.rank_key, self.config.model, self.dtype, self.device)
+        log.debug("rank %s loaded %s (%s, %s)", self.rank_key, self.config.model, self.dtype, self.device)
 
     def _speculates(self) -> bool:
         """Whether this rank runs speculative decoding (a draft model and k > 0)."""

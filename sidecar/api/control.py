@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -37,6 +38,7 @@ from sidecar.api.audit import add_audit_routes, report_dict
 from sidecar.api.common import ApiError, ServerState, await_future, call
 from sidecar.api.guard import note_handler_time, require_key
 from sidecar.api.models import PauseRequest, SleepRequest, WakeRequest, WeightsInitRequest, WeightsUpdateRequest
+from sidecar.log_format import fields
 from sidecar.ranks.commands import (
     AbortWeightUpdate,
     Command,
@@ -50,6 +52,7 @@ from sidecar.ranks.commands import (
 )
 from trainer_hooks.sync import SYNC_PROTOCOL
 
+log = logging.getLogger("sidecar.api")
 _LAYOUTS_KEPT = 16
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -168,6 +171,8 @@ def _add_lifecycle_routes(router: APIRouter, state: ServerState) -> None:
         t0 = time.perf_counter()
         ranks = [r.as_dict() for r in await call(state, Sleep(body.level, body.in_flight))]
         state.metrics.sleep_seconds.labels(str(body.level)).observe(time.perf_counter() - t0)
+        _log_event("sleep", f"slept at level {body.level} (in flight: {body.in_flight})", t0,
+                   level=body.level, in_flight=body.in_flight)
         return {"ranks": ranks, "state": state_dict(state)}
 
     @router.post("/wake_up", summary="Map memory back: tags 'weights' and/or 'kv_cache' (null: all)")
@@ -176,6 +181,7 @@ def _add_lifecycle_routes(router: APIRouter, state: ServerState) -> None:
         tags = body.tags if body is not None else None
         ranks = [r.as_dict() for r in await call(state, WakeUp(tuple(tags) if tags is not None else None))]
         state.metrics.wake_seconds.observe(time.perf_counter() - t0)
+        _log_event("wake", f"woke {', '.join(tags) if tags else 'everything'}", t0, tags=tags)
         return {"ranks": ranks, "state": state_dict(state)}
 
     @router.post("/pause", summary="Stop scheduling generation steps for a lease; requests wait")
@@ -311,6 +317,9 @@ class WeightsUpdateGate:
             replies: list[UpdateReply] = await _weight_call(
                 state, UpdateWeights(opening, info, owner.session_id if owner is not None else None, bound))
         except ApiError as e:
+            log.warning("sync of %s v%s refused (%d %s): %s", start.model, start.version, e.status, e.kind,
+                        e.message, extra=fields(event="sync_refused", model=start.model, version=start.version,
+                                                status=e.status, kind=e.kind, field=e.field))
             if e.kind == "checksum":
                 state.metrics.audit_failures.inc()
             if opens:  # a failed update ends its session on every rank
@@ -360,6 +369,13 @@ def _finished(state: ServerState, model: str, results: list[SyncResult], finish_
     state.metrics.sync_seconds.labels(model, "total").observe(now - started)
     state.metrics.sync_bytes.labels(model).inc(nbytes)
     state.metrics.syncs.labels(model, "ok").inc()
+    ok = all(r.ok for r in results)
+    log.info("synced %s v%d: %.1f MiB in %.0f ms, audit %s (%d tensors on %d rank(s), %s)", model,
+             results[0].version, nbytes / (1 << 20), (now - started) * 1e3, "ok" if ok else "FAILED",
+             sum(r.tensors_checked for r in results), len(results), results[0].algorithm,
+             extra=fields(event="sync", model=model, version=results[0].version, bytes=nbytes,
+                          ms=round((now - started) * 1e3, 3), audit="ok" if ok else "failed",
+                          tensors=sum(r.tensors_checked for r in results), algorithm=results[0].algorithm))
     # Every rank passed its comparison with the same digests, so every rank holds the sent bytes and the
     # ranks agree with each other: that IS POST /audit's verdict for source=received with these digests
     # expected, sent back here instead of in a second round trip.
@@ -369,6 +385,12 @@ def _finished(state: ServerState, model: str, results: list[SyncResult], finish_
             "ranks": [{"rank": r.rank, "ok": r.ok, "summary": r.summary} for r in results],
             "audit": {**report_dict(audit, results[0].model, "received"), "algorithm": results[0].algorithm,
                       "audit_ms": round(max(r.audit_s for r in results) * 1e3, 3)}}
+
+
+def _log_event(event: str, message: str, t0: float, **values: Any) -> None:
+    """The INFO line of a sleep or a wake (sidecar/log_format.py): what, and how long it took."""
+    ms = (time.perf_counter() - t0) * 1e3
+    log.info("%s in %.0f ms", message, ms, extra=fields(event=event, ms=round(ms, 3), **values))
 
 
 def _open_model(state: ServerState) -> str:

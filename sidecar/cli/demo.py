@@ -70,6 +70,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     try:
+        _check_counts(args)
+        _check_plot_path(args.plot)
+        # before anything slow (torch's import, the sidecar's start, its warm-up): what runs, and that the
+        # progress bar takes a while to show anything
+        print(f"sidecar demo: {args.steps} RL step(s) on the {args.model} model: starting a sidecar (device "
+              f"{args.device}) and a trainer that syncs to it; the first step comes in 10-20 s", file=sys.stderr,
+              flush=True)
         setup = _setup(args)
     except InvalidRequestError as e:
         print(f"sidecar demo: error: {e}", file=sys.stderr)
@@ -93,18 +100,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _setup(args: argparse.Namespace) -> DemoSetup:
-    """Validate the arguments and resolve model, reward, device and backend (InvalidRequestError if bad)."""
-    if min(args.steps, args.batch, args.samples, args.max_tokens) < 1 or args.samples < 2:
-        raise InvalidRequestError("steps", "--steps, --batch, --max-tokens must be >= 1 and --samples >= 2")
+    """Resolve model, reward, device and backend (InvalidRequestError if bad); after _check_counts and
+    _check_plot_path (cheap, so a typo fails before torch loads)."""
     device = check_device(args.device)
     backend = args.backend if args.backend != "auto" else default_backend(device, shared_gpu=True)
     if check_backend(backend).cuda and device != "cuda":
         raise InvalidRequestError("backend", f"--backend {backend} moves the weights through GPU memory: it needs "
                                   "--device cuda")
-    _check_plot_path(args.plot)
     model = resolve_model(args.model)
     lr = args.lr if args.lr is not None else (1e-2 if model.name == "tiny" else 1e-3)
     return DemoSetup(model, make_reward(args.reward, model), device, backend, lr)
+
+
+def _check_counts(args: argparse.Namespace) -> None:
+    if min(args.steps, args.batch, args.samples, args.max_tokens) < 1 or args.samples < 2:
+        raise InvalidRequestError("steps", "--steps, --batch, --max-tokens must be >= 1 and --samples >= 2")
 
 
 def _check_plot_path(plot: str | None) -> None:

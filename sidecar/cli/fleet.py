@@ -38,6 +38,7 @@ from typing import IO
 from inference.core import InvalidRequestError
 from sidecar.child_process import die_with_parent, stdout_lines
 from sidecar.config import DEVICES, LaunchConfig
+from sidecar.log_format import LOG_FORMATS, line
 
 STOP_TIMEOUT_S = 60.0
 SERVING_LINE = "Sidecar fleet serving on {urls}"
@@ -57,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="replica i serves on PORT + i; 0: each picks a free port")
     p.add_argument("--log-dir", default=None, metavar="DIR",
                    help="write replica i's log to DIR/replica<i>.log; unset: to this command's stderr")
+    p.add_argument("--log-format", default="text", choices=LOG_FORMATS,
+                   help="every replica's log and this command's own messages on stderr: text, or json (one "
+                        "JSON object a line)")
     p.add_argument("--startup-timeout-s", type=float, default=LaunchConfig.startup_timeout_s, metavar="S",
                    help="seconds for every replica to serve")
     p.add_argument("launch_args", nargs=argparse.REMAINDER, metavar="-- LAUNCH FLAGS",
@@ -140,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
     except InvalidRequestError as e:
         print(f"sidecar fleet: error: {e}", file=sys.stderr)
         return 2
-    fleet = _Replicas(plans, args.host, device, extra, args.log_dir)
+    fleet = _Replicas(plans, args.host, device, ["--log-format", args.log_format, *extra], args.log_dir,
+                      args.log_format)
     stop = threading.Event()
     old = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -166,8 +171,10 @@ def _resolve_device(device: str) -> str:
 class _Replicas:
     """The child processes and what they printed."""
 
-    def __init__(self, plans: list[ReplicaPlan], host: str, device: str, extra: list[str], log_dir: str | None) -> None:
+    def __init__(self, plans: list[ReplicaPlan], host: str, device: str, extra: list[str], log_dir: str | None,
+                 log_format: str = "text") -> None:
         self.plans, self.host, self.device, self.extra = plans, host, device, extra
+        self.log_format = log_format
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.procs: list[subprocess.Popen] = []
         self.lines: list[queue.Queue[str | None]] = []
@@ -195,7 +202,7 @@ class _Replicas:
             if url is None:
                 why = "stopped by a signal" if stop.is_set() else (
                     f"exited with {proc.poll()}" if proc.poll() is not None else f"did not serve within {timeout:g} s")
-                print(f"sidecar fleet: replica dp{plan.dp_rank} {why}", file=sys.stderr)
+                self.say(f"sidecar fleet: replica dp{plan.dp_rank} {why}", "error", replica=plan.dp_rank)
                 return None
             urls.append(url)
             # the restart command brings it back where the fleet's clients look for it: the port it
@@ -205,6 +212,10 @@ class _Replicas:
             gpus = f", GPUs {','.join(map(str, plan.gpus))}" if plan.gpus is not None else ""
             print(f"replica dp{plan.dp_rank}: {url} (pid {proc.pid}, tp {plan.tp}{gpus})", flush=True)
         return urls
+
+    def say(self, message: str, level: str, **values: object) -> None:
+        """One message of this command on stderr, in its --log-format."""
+        print(line(message, self.log_format, "fleet", level, **values), file=sys.stderr, flush=True)
 
     def _log(self, plan: ReplicaPlan) -> IO[str] | None:
         return None if self.log_dir is None else open(self.log_dir / f"replica{plan.dp_rank}.log", "a")
@@ -216,8 +227,9 @@ class _Replicas:
                 if proc.poll() is not None and plan.dp_rank not in self.exited:
                     self.exited.add(plan.dp_rank)
                     again = shlex.join(plan.command(self.host, self.device, self.extra))
-                    print(f"sidecar fleet: replica dp{plan.dp_rank} (pid {proc.pid}) exited with {proc.returncode}; "
-                          f"the others keep serving. Restart it with: {again}", file=sys.stderr, flush=True)
+                    self.say(f"sidecar fleet: replica dp{plan.dp_rank} (pid {proc.pid}) exited with {proc.returncode}; "
+                             f"the others keep serving. Restart it with: {again}", "error", replica=plan.dp_rank,
+                             event="replica_exited", exit_code=proc.returncode, restart=again)
             if len(self.exited) == len(self.procs):
                 return False
         return True
@@ -233,8 +245,8 @@ class _Replicas:
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                print(f"sidecar fleet: replica dp{plan.dp_rank} did not stop in {STOP_TIMEOUT_S:g} s: killed",
-                      file=sys.stderr)
+                self.say(f"sidecar fleet: replica dp{plan.dp_rank} did not stop in {STOP_TIMEOUT_S:g} s: killed",
+                         "warning", replica=plan.dp_rank)
                 proc.kill()
                 proc.wait(10)
 

@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Mapping, MutableMapping, Sequence
 from pathlib import Path
 from types import FrameType
@@ -28,6 +29,7 @@ from inference import envs
 from inference.core import InvalidRequestError
 from inference.memory.host_heap import freeze_startup_heap
 from sidecar.config import FIELD_TYPES, LaunchConfig, build_config, engine_default
+from sidecar.log_format import fields, setup_logging
 
 if TYPE_CHECKING:
     from sidecar.ranks.commands import RankPlan
@@ -115,8 +117,9 @@ def launch(cfg: LaunchConfig) -> int:
     from sidecar.ranks.driver import Driver
     from sidecar.ranks.pool import RankFailure, RankPool
 
-    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log.info("configuration: %s", json.dumps(cfg.public_dict(), sort_keys=True))
+    started = time.monotonic()
+    setup_logging(cfg.log_level, cfg.log_format, "http")
+    log.debug("configuration: %s", json.dumps(cfg.public_dict(), sort_keys=True))
     pool: RankPool | None = None
     driver: Driver | None = None
     code = 0
@@ -129,16 +132,16 @@ def launch(cfg: LaunchConfig) -> int:
                          cfg.devices, visible)
             cfg, model_dir = resolve_model(cfg, os.environ)  # HF_HUB_CACHE / HF_HOME: where ids are found
             device = rank_device(cfg)
-            log.info("starting %d rank process(es) on %s for %s", cfg.tp, device, model_dir)
+            log.debug("starting %d rank process(es) on %s for %s", cfg.tp, device, model_dir)
             pool = RankPool(cfg, model_dir, device)
             plans = pool.start()
             for plan in plans:
-                log.info("memory plan: %s", describe_plan(plan))
+                log.debug("memory plan: %s", describe_plan(plan))
             driver = Driver(pool, step_timeout_s=cfg.step_timeout_s, rpc_timeout_s=cfg.rpc_timeout_s,
                             max_queued=cfg.max_queued_sequences,
                             hold_while_asleep=cfg.hold_while_asleep)
             driver.start()
-            serve(cfg, sock, driver, plans)
+            serve(cfg, sock, driver, plans, started)
         except _Stop:
             log.info("signal received: stopping")
         except RankFailure as e:
@@ -278,8 +281,25 @@ def http_protocol(cfg: LaunchConfig, http: str) -> Any:
                                            cfg.max_connections))
 
 
-def serve(cfg: LaunchConfig, sock: socket.socket, driver: Any, plans: list[RankPlan]) -> None:
-    """Serve until a signal; returns (or raises _Stop) after uvicorn has shut down."""
+def start_line(cfg: LaunchConfig, url: str, plans: list[RankPlan], seconds: float, warm_up_s: float) -> str:
+    """The one INFO line of a start: where, what, how much memory, how it syncs, the kernels' warm-up; the
+    full configuration is logged at debug level."""
+    head = plans[0]
+    weights = sum(head.weights_bytes.values())
+    draft = f" + draft {cfg.draft_model}" if cfg.draft_model else ""
+    return (f"serving {head.model}{draft} at {url}, ready in {seconds:.1f} s (warm-up {warm_up_s:.1f} s): "
+            f"{head.device} {head.dtype}, "
+            f"tp {len(plans)}"
+            f"{f', dp rank {cfg.dp_rank}' if cfg.dp_rank else ''}; per rank weights {_mib(weights)}, KV cache "
+            f"{head.kv_blocks} blocks x {head.block_size} tokens ({_mib(head.kv_bytes)}), max_model_len "
+            f"{head.max_model_len}; weight sync over {cfg.transfer or 'the backend the trainer picks'}; API key "
+            f"{'required' if cfg.api_key else 'none'} (--log-level debug logs the full configuration)")
+
+
+def serve(cfg: LaunchConfig, sock: socket.socket, driver: Any, plans: list[RankPlan],
+          started: float | None = None) -> None:
+    """Serve until a signal; returns (or raises _Stop) after uvicorn has shut down. `started`: the
+    monotonic time the launch began (its start line says how long it took)."""
     import uvicorn
 
     from sidecar.api.app import ServerState, create_app
@@ -294,7 +314,9 @@ def serve(cfg: LaunchConfig, sock: socket.socket, driver: Any, plans: list[RankP
     loop, http = event_loop()
     app = create_app(state)
     state.gc_frozen = freeze_startup_heap().objects  # this process serves until it exits (host_heap.py)
-    config = uvicorn.Config(app, log_config=None, log_level=cfg.log_level, access_log=False,
+    # uvicorn's own start and stop lines are noise beside ours unless debugging
+    config = uvicorn.Config(app, log_config=None, access_log=False,
+                            log_level="warning" if cfg.log_level == "info" else cfg.log_level,
                             lifespan="off", timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S,
                             http=http_protocol(cfg, http), h11_max_incomplete_event_size=cfg.max_header_kb << 10)
     host, port = sock.getsockname()[:2]
@@ -313,9 +335,12 @@ def serve(cfg: LaunchConfig, sock: socket.socket, driver: Any, plans: list[RankP
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
         if server.started:
-            log.info("API docs at %s/docs", url)
+            took = time.monotonic() - (started or time.monotonic())
             # the start-up pass that compiled what rollouts run (0 on CPU): the rank that took longest
             warm_up_s = max(plan.warm_up_s for plan in plans)
+            log.info(start_line(cfg, url, plans, took, warm_up_s),
+                     extra=fields(event="start", url=url, seconds=round(took, 3), warm_up_s=round(warm_up_s, 3)))
+            log.debug("API docs at %s/docs", url)
             print(f"{SERVING_LINE.format(url=url)} (warm-up {warm_up_s:.1f} s)", flush=True)
         await task
 

@@ -72,8 +72,10 @@ def _train(args: argparse.Namespace, setup: DemoSetup, client: _TimedClient, log
     prompts = make_prompts(setup.reward, setup.model, args.batch, PROMPT_LEN, args.seed)
     startup_s = round(time.perf_counter() - t_start, 2)
     rows: list[dict[str, Any]] = []
+    # the demo's own sidecar serves the checkpoint the policy was loaded from (version 0): step 0's
+    # rollouts need no sync, and the hook checks that instead (sync_on_attach=False)
     with WeightSyncHook(client, policy, sender=setup.backend, sleep_level=args.sleep_level,
-                        log_path=log_path, logprob_gap=True) as hook:
+                        log_path=log_path, logprob_gap=True, sync_on_attach=False) as hook:
         batch = _rollouts(hook, prompts, args, step=0)
         rows.append({"step": 0, "reward": _reward(batch, setup.reward), "sync_ms": None, "audit": "-",
                      "sleep_ms": None, "wake_ms": None, "version": 0, "audit_ms": None, **_gap(hook.stats)})

@@ -119,6 +119,7 @@ class RankSpec:
     dist_timeout_s: float
     parent_pid: int
     dp_rank: int = 0  # this replica's place in a fleet: the dp{i} of its rank keys
+    log_format: str = "text"  # sidecar/log_format.py
 
 
 class UnknownCommandError(SidecarError):

@@ -90,7 +90,7 @@ class RankPool:
         engine = engine_config(cfg, model_dir, device)
         self._specs = [RankSpec(r, self.size, engine, port, "nccl" if device == "cuda" else "gloo", threads,
                                 cfg.log_level, max(cfg.rpc_timeout_s, cfg.step_timeout_s), os.getpid(),
-                                dp_rank=cfg.dp_rank)
+                                dp_rank=cfg.dp_rank, log_format=cfg.log_format)
                        for r in range(self.size)]
 
     # ---- lifecycle --------------------------------------------------------------------------
