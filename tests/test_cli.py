@@ -157,7 +157,7 @@ def test_status_of_a_fresh_server_shows_version_0_memory_and_ready(two_ranks: Si
 
 def test_every_rank_runs_with_the_threads_asked_for(two_ranks: Sidecar) -> None:
     plans = [line for line in two_ranks.log.splitlines() if "memory plan: rank" in line]
-    assert len(plans) == 2 and all(line.endswith("; 2 torch thread(s)") for line in plans), plans
+    assert len(plans) == 2 and all("; 2 torch thread(s)" in line for line in plans), plans
 
 
 def test_thread_defaults_leave_room_for_a_trainer() -> None:
