@@ -32,7 +32,7 @@ def _other_value(f: Any, tmp_path: Path) -> Any:
     """A valid value of field f that differs from its default and, for engine fields, from the engine's."""
     special = {"device": "cpu", "devices": "0", "host": "0.0.0.0", "port": 9000, "log_level": "debug",
                "transfer": "ipc", "gpu_memory_utilization": 0.5, "load_format": "dummy",
-               "on_sync": "keep"}
+               "on_sync": "keep", "quantization": "fp8", "draft_quantization": "fp8"}
     if f.name == "api_key_file":
         path = tmp_path / "key"
         path.write_text("secret-from-file\n")

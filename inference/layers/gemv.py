@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from inference.layers.kernel_device import num_sms, use_triton
 from inference.layers.pdl import launch_kwargs
+from inference.quant.fp8 import FP8_DTYPE
 
 try:
     import triton
@@ -148,11 +149,14 @@ class _Norm:
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int, silu_mul: bool,
-            config: GemvConfig | None, norm: _Norm | None = None) -> torch.Tensor:
+            config: GemvConfig | None, norm: _Norm | None = None,
+            scale: torch.Tensor | None = None) -> torch.Tensor:
     m, n = x.shape[0], weight.shape[0]
     prologue = "silu" if silu_mul else "norm" if norm is not None else ""
     assert weight.shape[1] == k and x.stride(-1) == 1 and weight.is_contiguous(), (x.shape, weight.shape)
     assert bias is None or (bias.shape == (n,) and bias.is_contiguous()), None if bias is None else bias.shape
+    assert (scale is not None) == (weight.dtype == FP8_DTYPE), weight.dtype
+    assert scale is None or (scale.shape == (n,) and scale.dtype == torch.float32 and scale.is_contiguous())
     cfg = config or pick_config(m, n, k, num_sms(x.device), prologue)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_k = cfg.block_k
@@ -166,8 +170,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k:
     blocks = triton.cdiv(n, cfg.block_n)
     _gemv_kernel[(blocks, split)](
         x, weight, b, out, dest, res, x if norm is None else norm.weight, x if norm is None else norm.res_out,
+        out if scale is None else scale,
         m, n, k, x.stride(0), res.stride(0), k_per_split, 0.0 if norm is None else norm.eps,
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None,
+        W_SCALE=scale is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None,
         HAS_RES=norm is not None and norm.residual is not None, PARTIAL=partial, KIND=_KINDS[cfg.kind],
         BLOCK_M=cfg.block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         NORM_ROWS=triton.next_power_of_2(m) if norm is not None else 1,
@@ -192,9 +197,12 @@ def sum_splits(dest: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [M <= 8, K], weight [N, K] contiguous, fp32 accumulation."""
-    return _launch(x, weight, bias, x.shape[1], False, config)
+         config: GemvConfig | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [M <= 8, K], weight [N, K] contiguous, fp32 accumulation.
+
+    `scale` [N] fp32 with a float8_e4m3fn weight: F.linear(x, weight.float() * scale[:, None], bias),
+    the scale applied to each row's fp32 sum (inference/layers/fp8_linear.py routes here)."""
+    return _launch(x, weight, bias, x.shape[1], False, config, scale=scale)
 
 
 def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
