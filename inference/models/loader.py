@@ -131,14 +131,15 @@ def load_named_tensors(model: nn.Module, named: Iterable[tuple[str, torch.Tensor
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Random weights (normal, std 0.02; norms 1) for benchmarks that need no checkpoint; an FP8
-    weight is drawn in fp32 and quantized by the rule (its scales into the layer's weight_scale)."""
+    weight is drawn in the model dtype (the same values the unquantized model gets from the same seed) and
+    quantized by the rule, its scales into the layer's weight_scale."""
     g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            elif p.dtype == FP8_DTYPE:  # this rank's rows drawn in fp32, quantized by the rule
-                drawn = torch.empty(p.shape, dtype=torch.float32, device=p.device).normal_(0.0, 0.02, generator=g)
+            elif p.dtype == FP8_DTYPE:  # drawn as the unquantized model draws it, then quantized by the rule
+                drawn = torch.empty(p.shape, dtype=p.quantized_from, device=p.device).normal_(0.0, 0.02, generator=g)
                 q, scale = quantize_rows(drawn, name)
                 p.copy_(q)
                 model.get_submodule(name.rpartition(".")[0]).weight_scale.copy_(scale)
