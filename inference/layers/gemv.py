@@ -62,16 +62,18 @@ class GemvConfig:
 
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether gemv/silu_mul_gemv take x [M, K] @ weight [N, K]^T (else use F.linear)."""
+    """Whether gemv/silu_mul_gemv/norm_gemv take x [M, K] @ weight [N, K]^T (else use F.linear); an FP8
+    weight (with its scale passed) too."""
     if not use_triton(x):
         return False
     return (x.dim() == 2 and weight.dim() == 2 and 0 < x.shape[0] <= ROUTE_MAX_M and x.dtype in _DTYPES
-            and weight.dtype == x.dtype and weight.is_contiguous() and x.stride(-1) == 1
+            and weight.dtype in (x.dtype, FP8_DTYPE) and weight.is_contiguous() and x.stride(-1) == 1
             and x.device == weight.device)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through gemv when use_gemv holds."""
+    """F.linear, through gemv when use_gemv holds (FP8 weights take fp8_linear.fp8_linear instead)."""
+    assert weight.dtype != FP8_DTYPE, "an FP8 weight needs its scales: fp8_linear"
     return gemv(x, weight, bias) if use_gemv(x, weight) else F.linear(x, weight, bias)
 
 
@@ -205,20 +207,23 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return _launch(x, weight, bias, x.shape[1], False, config, scale=scale)
 
 
-def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
-    """F.linear(silu_and_mul(gate_up), weight) for gate_up [M, 2I] = [gate; up], weight [N, I]."""
+def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None,
+                  scale: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(silu_and_mul(gate_up), weight) for gate_up [M, 2I] = [gate; up], weight [N, I] (FP8 with
+    `scale`, as gemv)."""
     assert gate_up.shape[1] == 2 * weight.shape[1], (gate_up.shape, weight.shape)
-    return _launch(gate_up, weight, None, weight.shape[1], True, config)
+    return _launch(gate_up, weight, None, weight.shape[1], True, config, scale=scale)
 
 
 def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
               weight: torch.Tensor, bias: torch.Tensor | None = None,
-              config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              config: GemvConfig | None = None, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(F.linear(h, weight, bias), s) for (h, s) = add_rms_norm(x, residual, norm_weight, eps), in one launch
     (two with split-K), with the same bits as add_rms_norm followed by gemv
     with the same config.
 
-    s is a fresh [M, K] tensor (x itself when residual is None): the inputs are never written.
+    s is a fresh [M, K] tensor (x itself when residual is None): the inputs are never written. An FP8
+    weight comes with its row `scale` (as gemv).
     """
     m, k = x.shape
     assert norm_weight.shape == (k,) and norm_weight.is_contiguous() and norm_weight.dtype == x.dtype
@@ -228,5 +233,5 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     else:
         assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
         res_out = torch.empty(m, k, dtype=x.dtype, device=x.device)
-    y = _launch(x, weight, bias, k, False, config, _Norm(residual, norm_weight, eps, res_out))
+    y = _launch(x, weight, bias, k, False, config, _Norm(residual, norm_weight, eps, res_out), scale)
     return y, res_out

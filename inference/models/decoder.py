@@ -108,7 +108,8 @@ class DecoderMLP(nn.Module):
         fuse = isinstance(self.act_fn, SiluAndMul) and self.down_proj.bias is None
         if not self.invariant and fuse and use_silu_mul_gemv(gate_up, self.down_proj.weight):
             # One row: the down projection forms silu(gate) * up itself (one launch fewer per layer).
-            return self.down_proj.reduce(silu_mul_gemv(gate_up, self.down_proj.weight))
+            return self.down_proj.reduce(silu_mul_gemv(gate_up, self.down_proj.weight,
+                                                       scale=self.down_proj.weight_scale))
         return self.down_proj(self.act_fn(gate_up))
 
 
