@@ -22,7 +22,10 @@ PROMPTS = [[11, 12, 13, 14, 15], [40, 2, 7]]
 
 
 @pytest.mark.slow
-def test_fp8_sidecar_syncs_from_a_hook_and_generates(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fp8_sidecar_syncs_from_a_hook_and_generates(tmp_path: Path, tp: int) -> None:
+    """At TP=2 each rank quantizes the full rows and installs its slice: both ranks' audits pass and the
+    tokens are TP=1's (fp32 on CPU: only the reduction order differs)."""
     from tests.helpers_sidecar import launch
     from trainer_hooks.client import SidecarClient
 
@@ -41,7 +44,7 @@ def test_fp8_sidecar_syncs_from_a_hook_and_generates(tmp_path: Path) -> None:
     offline = LLM(dequantized_copy(trained, tmp_path / "deq"), device="cpu", dtype="float32")
     want = [o.outputs[0].token_ids for o in offline.generate(PROMPTS, GREEDY)]
 
-    server = launch("--quantization", "fp8")
+    server = launch("--quantization", "fp8", "--tp", str(tp))
     try:
         with SidecarClient(server.url, timeout=60) as client, \
                 WeightSyncHook(client, policy, log_path=server.log_path) as hook:
@@ -50,7 +53,8 @@ def test_fp8_sidecar_syncs_from_a_hook_and_generates(tmp_path: Path) -> None:
             assert hook.stats["audit"] == "ok"
             # the linears are held in FP8: a quarter of the fp32 bytes the CPU rank holds otherwise
             unquantized = sum(t.numel() * 4 for _, t in collect_weights(policy))
-            assert sum(client.state()["ranks"][0]["weights_bytes"].values()) < 0.75 * unquantized
+            ranks = client.state()["ranks"]
+            assert len(ranks) == tp and sum(ranks[0]["weights_bytes"].values()) < 0.75 * unquantized
             out = hook.rollouts(PROMPTS, GREEDY)
             assert [o.outputs[0].token_ids for o in out] == want
             assert out[0].weight_version == hook.version
