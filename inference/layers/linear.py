@@ -76,13 +76,15 @@ class _Fp8Weight(nn.Module):
         """(the FP8 weight's region, its scales' region) that the HF tensor `shard_id` fills on this rank."""
         raise NotImplementedError
 
-    def quantize_part(self, loaded: torch.Tensor, shard_id: ShardId) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rule's (q, scale) of this rank's region of the FULL HF tensor `loaded`, on the weight's device."""
+    def quantize_part(self, loaded: torch.Tensor, shard_id: ShardId,
+                      check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rule's (q, scale) of this rank's region of the FULL HF tensor `loaded`, on the weight's device
+        (check: quant.fp8.row_scales)."""
         raise NotImplementedError
 
-    def install(self, loaded: torch.Tensor, shard_id: ShardId) -> tuple[torch.Tensor, torch.Tensor]:
+    def install(self, loaded: torch.Tensor, shard_id: ShardId, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize the FULL HF tensor's part and write it into its region; returns what was written."""
-        q, scale = self.quantize_part(loaded, shard_id)
+        q, scale = self.quantize_part(loaded, shard_id, check)
         region, region_scale = self.installed_region(shard_id)
         region.copy_(q)
         region_scale.copy_(scale)
@@ -136,9 +138,10 @@ class ColumnParallelLinear(_Fp8Weight):
         offset, n_local = self._part(shard_id)
         return self.weight.data.narrow(0, offset, n_local), self.weight_scale.narrow(0, offset, n_local)
 
-    def quantize_part(self, loaded: torch.Tensor, shard_id: ShardId) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize_part(self, loaded: torch.Tensor, shard_id: ShardId,
+                      check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self._row_shard(loaded, self._part(shard_id)[1])  # a row's bytes are its own: shard first
-        return quantize_rows(rows.to(self.weight.device), "weight")
+        return quantize_rows(rows.to(self.weight.device), "weight", check)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x, self.bias, self.invariant)
@@ -213,9 +216,10 @@ class RowParallelLinear(_Fp8Weight):
         assert shard_id is None, shard_id
         return self.weight.data, self.weight_scale
 
-    def quantize_part(self, loaded: torch.Tensor, shard_id: ShardId) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize_part(self, loaded: torch.Tensor, shard_id: ShardId,
+                      check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         # the rule's amax runs over the FULL row, so every TP size installs slices of the same bytes
-        q, scale = quantize_rows(loaded.to(self.weight.device), "weight")
+        q, scale = quantize_rows(loaded.to(self.weight.device), "weight", check)
         n = self.in_features_local
         return q.narrow(1, self.tp.rank * n, n).contiguous(), scale
 

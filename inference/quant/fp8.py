@@ -25,17 +25,26 @@ MIN_SCALE = 2.0 ** -126  # the smallest normal fp32
 SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def row_scales(w: torch.Tensor, name: str) -> torch.Tensor:
-    """[N] fp32 scales of a [N, K] weight under the rule; InvalidRequestError(name) if w is not finite."""
+def row_scales(w: torch.Tensor, name: str, check: bool = True) -> torch.Tensor:
+    """[N] fp32 scales of a [N, K] weight under the rule; InvalidRequestError(name) if w is not finite.
+    check=False skips that host read (one per tensor): a non-finite row then gets a non-finite scale,
+    which the caller checks for many tensors at once (check_finite)."""
     if w.dim() != 2 or w.dtype not in SOURCE_DTYPES:
         raise InvalidRequestError(name, f"FP8 quantizes 2-D bf16/fp16/fp32 weights, not {w.dtype} "
                                   f"of shape {list(w.shape)}")
     amax = w.abs().amax(dim=1).float() if w.shape[1] else w.new_zeros(w.shape[0], dtype=torch.float32)
-    if not bool(torch.isfinite(amax).all()):  # amax propagates NaN and inf: one check per tensor
-        bad = torch.nonzero(~torch.isfinite(w)).tolist()[0]
-        raise InvalidRequestError(name, f"holds a non-finite value ({w[bad[0], bad[1]].item()} at "
-                                  f"[{bad[0]}, {bad[1]}]); FP8 quantization refuses inf and NaN")
+    if check and not bool(torch.isfinite(amax).all()):  # amax propagates NaN and inf
+        check_finite(w, name)
     return scales_of_amax(amax)
+
+
+def check_finite(w: torch.Tensor, name: str) -> None:
+    """InvalidRequestError naming `name` and the first non-finite element of w, if it has one."""
+    bad = torch.nonzero(~torch.isfinite(w))
+    if bad.numel():
+        n, k = bad[0].tolist()
+        raise InvalidRequestError(name, f"holds a non-finite value ({w[n, k].item()} at [{n}, {k}]); FP8 "
+                                  "quantization refuses inf and NaN")
 
 
 def scales_of_amax(amax: torch.Tensor) -> torch.Tensor:
@@ -50,9 +59,9 @@ def quantize_with_scales(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.to(FP8_DTYPE)
 
 
-def quantize_rows(w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q [N, K] float8_e4m3fn, scale [N] fp32) of a finite [N, K] weight, on w's device."""
-    scale = row_scales(w, name)
+def quantize_rows(w: torch.Tensor, name: str, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [N, K] float8_e4m3fn, scale [N] fp32) of a finite [N, K] weight, on w's device (check: row_scales)."""
+    scale = row_scales(w, name, check)
     return quantize_with_scales(w, scale), scale
 
 

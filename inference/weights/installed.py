@@ -3,7 +3,8 @@
 A synced tensor bound for an FP8 linear (inference/layers/linear.py, `fp8`) arrives in the sender's dtype
 (bf16 as trainers hold it), and its received digest is audited as every tensor's is. `InstalledAudit.put`
 quantizes it on the parameter's device as it lands (the layer's `install`: the rule of
-inference/quant/fp8.py over each FULL row, this rank's slice written) and digests what the rule gave
+inference/quant/fp8.py over each FULL row, this rank's slice written; one host read per call checks
+every tensor's scales are finite, and names a tensor that was not) and digests what the rule gave
 (`name:fp8`, `name:scale`: inference/quant/installed.py). At finish, `report` digests the regions the
 parameters hold and names every tensor and the rank where they differ: a byte flipped or torn between
 the install and the audit fails the sync, as a flipped received byte does. The expected bytes are the
@@ -21,6 +22,7 @@ from torch import nn
 
 from checksum import Mismatch, Report, TensorRecord, digest_tensors
 from inference.core import InvalidRequestError
+from inference.quant.fp8 import check_finite
 from inference.quant.installed import installed_items
 from inference.transfer.plan import TensorSpec
 
@@ -46,15 +48,21 @@ class InstalledAudit:
     def put(self, items: Sequence[tuple[TensorSpec, str, ShardId, torch.Tensor]]) -> None:
         """Install each (spec, parameter, shard_id, full received tensor) and digest what the rule gave."""
         produced: list[tuple[str, torch.Tensor]] = []
+        finite = []
         with torch.no_grad():
             for spec, param, shard_id, tensor in items:
                 layer = self.layers[param]
-                try:
-                    q, scale = layer.install(tensor, shard_id)
-                except InvalidRequestError as e:
-                    raise InvalidRequestError(spec.name, f"rank {self.rank}: {e.message}") from e
+                q, scale = layer.install(tensor, shard_id, check=False)  # one host read per call, below
+                finite.append(torch.isfinite(scale).all())
                 produced += installed_items(spec.name, q, scale)
                 self._regions.append((spec.name, layer.installed_region(shard_id)))
+            if finite and not bool(torch.stack(finite).all()):  # a non-finite row has a non-finite scale
+                for (spec, _, _, tensor), ok in zip(items, finite):
+                    if not ok:
+                        try:
+                            check_finite(tensor, spec.name)
+                        except InvalidRequestError as e:
+                            raise InvalidRequestError(spec.name, f"rank {self.rank}: {e.message}") from e
         for record in digest_tensors(produced, algorithm=self.algorithm):
             self._expected[record.name] = record
 
