@@ -164,8 +164,11 @@ def damp_tail(target: torch.nn.Module, draft_layers: int, scale: float) -> None:
     if scale != 1.0:
         from scripts.bench.spec import tail
 
-        for p in tail(target, draft_layers).values():
-            p.mul_(scale)
+        for name, p in tail(target, draft_layers).items():
+            if p.dtype == torch.float8_e4m3fn:  # an FP8 weight is scaled through its row scales
+                target.get_submodule(name.rpartition(".")[0]).weight_scale.mul_(scale)
+            else:
+                p.mul_(scale)
 
 
 def build_llm(shape: str, args: argparse.Namespace, max_len: int, quantization: str = "bf16") -> LLM:
