@@ -82,6 +82,7 @@ class SchedulerConfig:
 
 
 LOAD_FORMATS = ("auto", "dummy")  # EngineConfig.load_format
+QUANTIZATIONS = ("none", "fp8")  # EngineConfig.quantization (docs/fp8.md)
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,23 @@ class EngineConfig:
     # "recompute" (its KV recomputed under the new weights), "keep" (its KV kept) or "abort" (restarted
     # from its prompt). docs/design.md, "Syncs during generation".
     on_sync: OnSync = "recompute"
+    # Weights of the attention and MLP linears (docs/fp8.md): "none" (the model dtype) or "fp8" (e4m3 with
+    # an fp32 scale per output row, quantized at load and as each synced tensor lands; the memory saved
+    # goes to the KV cache). draft_quantization: the draft's; None follows `quantization`.
+    quantization: str = "none"
+    draft_quantization: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("quantization", "draft_quantization"):
+            value = getattr(self, name)
+            if value not in QUANTIZATIONS and not (value is None and name == "draft_quantization"):
+                raise InvalidRequestError(name, f"{value!r} is not one of {', '.join(QUANTIZATIONS)}")
+
+    def quantization_of(self, which: str) -> str:
+        """The quantization of the "target" or the "draft" model."""
+        if which == "draft" and self.draft_quantization is not None:
+            return self.draft_quantization
+        return self.quantization
 
 
 ENGINE_SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig}

@@ -24,7 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from inference import envs
-from inference.config import ENGINE_SECTIONS, LOAD_FORMATS, EngineConfig, build_engine_config, engine_option_names
+from inference.config import (
+    ENGINE_SECTIONS,
+    LOAD_FORMATS,
+    QUANTIZATIONS,
+    EngineConfig,
+    build_engine_config,
+    engine_option_names,
+)
 from inference.core import ON_SYNC_MODES, InvalidRequestError
 from inference.transfer.backends import BACKEND_NAMES
 from sidecar.log_format import LOG_FORMATS
@@ -60,6 +67,11 @@ class LaunchConfig:
     load_format: str | None = option(None, "auto: safetensors from the model directory; dummy: random weights "
                                            "(benchmarks)", engine="load_format", choices=LOAD_FORMATS)
     seed: int | None = option(None, "seed of the engine's generators", engine="seed", min=0)
+    quantization: str | None = option(None, "weights of the linears: none (the model dtype) or fp8 (e4m3, a "
+                                            "scale per output row, quantized at load and on every sync; "
+                                            "docs/fp8.md)", engine="quantization", choices=QUANTIZATIONS)
+    draft_quantization: str | None = option(None, "the draft model's quantization; unset: --quantization's",
+                                            engine="draft_quantization", choices=QUANTIZATIONS)
     # ---- where ----
     tp: int = option(1, "tensor-parallel size: one process per rank", engine="tp_size", min=1)
     device: str = option("auto", "auto: cuda when available", choices=DEVICES)

@@ -103,3 +103,18 @@ def test_tail_scale_zero_makes_the_draft_agree_on_every_token() -> None:
     (row,) = bench_lines(BENCH, *SMOKE, "--modes", "greedy", "--draft-layers", "1", "--k", "2",
                          "--spec-max-batch", "0", "--tail-scale", "0")
     assert row["tail_scale"] == 0.0 and row["spec_steps"] > 0 and row["spec_acceptance"] == 1.0
+
+
+@pytest.mark.slow
+def test_quantization_bf16_fp8_adds_the_fp8_column_with_its_roofline_and_gap() -> None:
+    rows = bench_lines(BENCH, *SMOKE, "--modes", "greedy", "--quantization", "bf16,fp8")
+    base, fp8, line = rows
+    assert (base["quantization"], fp8["quantization"]) == ("bf16", "fp8")
+    assert fp8["generated_tokens"] == base["generated_tokens"]  # the same schedule
+    # the linears' weight bytes drop to a quarter of fp32's (CPU), plus their scales
+    assert fp8["model_cost"]["weight_bytes"] < 0.5 * base["model_cost"]["weight_bytes"]
+    assert fp8["weight_roofline_ms"] < base["weight_roofline_ms"]
+    assert line["bench"] == "rollout_fp8" and line["fp8_over_bf16"] == pytest.approx(fp8["tok_s"] / base["tok_s"],
+                                                                                     rel=1e-3)
+    assert 0 <= line["greedy_choice_differs"] <= 1 and line["mean_abs_logprob_gap"] >= 0
+    assert 0 <= line["identical_samples"] <= 1

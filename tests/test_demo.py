@@ -104,3 +104,14 @@ def test_demo_on_the_qwen2_05b_shape_with_ipc(tmp_path: Path) -> None:
     assert result["ok"] and result["model"] == "qwen2-0.5b" and result["params"] == 494_032_768
     assert (result["device"], result["backend"], result["dtype"]) == ("cuda", "ipc", "bfloat16")
     assert result["audits"] == ["ok"] * 3 and result["versions"] == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+def test_demo_in_fp8_rolls_out_quantized_audits_and_still_learns() -> None:
+    """--quantization fp8: the sidecar rolls out from FP8 weights while the trainer trains in fp32; every
+    sync passes both audits, the gap shows, and the reward still rises."""
+    proc, result = _run_demo("--steps", "5", "--device", "cpu", "--quantization", "fp8")
+    assert result["ok"] and result["quantization"] == "fp8" and result["audits"] == ["ok"] * 5
+    assert result["logprob_max_abs_diff"] > 1e-3  # the rollouts are not the trainer's exact numbers any more
+    assert result["reward_last"] > result["reward_first"] + 0.2, result["rewards"]
+    assert "gap_max" in proc.stdout

@@ -143,3 +143,26 @@ def test_the_hook_keeps_the_gap_in_its_stats_when_asked(engine_rollouts: tuple[P
     assert hook.stats["logprob_gap_tokens"] == 6 * 2 * 24 and hook.stats["logprob_gap_max_abs"] < 1e-4
     assert hook.stats["logprob_gap_ms"] >= 0.0
     assert measure_logprob_gap(policy, outs).as_stats().items() <= hook.stats.items()
+
+
+def test_truncated_importance_weights_are_the_capped_ratio_per_token() -> None:
+    """min(exp(trainer - rollout), cap) per token: the correction an FP8 rollout needs (docs/fp8.md)."""
+    from trainer_hooks.logprob_gap import rollout_importance_weights, truncated_importance_weights
+
+    trainer = [torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-3.0])]
+    rollout = [[-1.0, -3.0, -0.4], [-2.0]]
+    weights = truncated_importance_weights(trainer, rollout, cap=2.0)
+    assert torch.allclose(weights[0], torch.tensor([1.0, 2.0, math.exp(-0.1)]))  # e^1 capped at 2
+    assert torch.allclose(weights[1], torch.tensor([math.exp(-1.0)]))
+    assert all(w.dtype == torch.float32 and not w.requires_grad for w in weights)
+    with pytest.raises(ValueError, match="completion 0"):
+        truncated_importance_weights([torch.zeros(2)], [[0.0]])
+    with pytest.raises(ValueError, match="cap"):
+        truncated_importance_weights(trainer, rollout, cap=0.0)
+
+    model = Bigram()
+    prompt, completion = [1, 2, 3], [4, 5, 6]
+    exact = _expected(model, prompt, completion)
+    rolled = [_rollout(prompt, [(completion, [e - 1.0 for e in exact])])]  # the rollout 1 nat less likely
+    (w,) = rollout_importance_weights(model, rolled, cap=2.0)
+    assert torch.allclose(w, torch.full((3,), 2.0))  # e^1 > 2: every token capped

@@ -15,7 +15,12 @@ if TYPE_CHECKING:
     from trainer_hooks.client import SidecarClient
     from trainer_hooks.fleet import Fleet, FleetError, FleetGoneError
     from trainer_hooks.hook import AttachError, AuditError, SidecarGoneError, WeightSyncHook, sampling
-    from trainer_hooks.logprob_gap import LogprobGap, measure_logprob_gap
+    from trainer_hooks.logprob_gap import (
+        LogprobGap,
+        measure_logprob_gap,
+        rollout_importance_weights,
+        truncated_importance_weights,
+    )
     from trainer_hooks.sources import (
         collect_weights,
         deepspeed_weights,
@@ -30,7 +35,7 @@ if TYPE_CHECKING:
 _CLIENT = ("SidecarClient",)
 _FLEET = ("Fleet", "FleetError", "FleetGoneError")
 _HOOK = ("AttachError", "AuditError", "SidecarGoneError", "WeightSyncHook", "sampling")
-_GAP = ("LogprobGap", "measure_logprob_gap")
+_GAP = ("LogprobGap", "measure_logprob_gap", "rollout_importance_weights", "truncated_importance_weights")
 _SOURCES = ("collect_weights", "deepspeed_weights", "fsdp2_weights", "merged_lora_weights", "module_weights",
             "named_parameters", "normalize_name", "unwrap")
 
@@ -52,7 +57,9 @@ __all__ = [  # the five groups above, spelled out for linters and readers
     "module_weights",
     "named_parameters",
     "normalize_name",
+    "rollout_importance_weights",
     "sampling",
+    "truncated_importance_weights",
     "unwrap",
 ]
 

@@ -4,7 +4,10 @@ An RL trainer weighs each rollout token by exp(trainer logprob - rollout logprob
 the trainer compute different numbers for the same weights, that ratio drifts from 1 and the policy
 gradient is biased. `measure_logprob_gap(model, rollouts)` measures it with one padded forward of the
 trainer's model; `WeightSyncHook(..., logprob_gap=True)` does it after every `rollouts()` call and keeps
-the `logprob_gap_*` figures in `hook.stats`. Invariants:
+the `logprob_gap_*` figures in `hook.stats`. Where the rollout runs another policy on purpose (an FP8
+sidecar, docs/fp8.md), `truncated_importance_weights` gives the correction FlashRL and slime apply: per
+token min(exp(trainer - rollout), cap), detached, to multiply each token's policy-gradient term by.
+Invariants:
 - The trainer's logprobs are "raw": float32 log_softmax of the model's logits (in its own dtype) at
   temperature 1, what the engine reports by default (logprobs_mode="raw", docs/configuration.md);
   rollouts sampled with logprobs_mode="processed" carry another distribution, so their gap means nothing.
@@ -62,6 +65,33 @@ def gap_of(trainer: Sequence[torch.Tensor], rollout: Sequence[Sequence[float]]) 
         return LogprobGap(0, 0.0, 0.0, 0.0, 0.0)
     return LogprobGap(tokens=d.numel(), mean=d.mean().item(), mean_abs=d.abs().mean().item(),
                       max_abs=d.abs().max().item(), ratio_minus_one=torch.expm1(d).mean().item())
+
+
+def truncated_importance_weights(trainer: Sequence[torch.Tensor], rollout: Sequence[Sequence[float]],
+                                 cap: float = 2.0) -> list[torch.Tensor]:
+    """Per completion, min(exp(trainer logprob - rollout logprob), cap) per token: float32, detached, on
+    the trainer logprobs' device (truncated importance sampling: a token the rollout policy made far
+    likelier than the trainer's gets at most `cap`, bounding the correction's variance)."""
+    if not cap > 0:
+        raise ValueError(f"cap must be positive, got {cap}")
+    if len(trainer) != len(rollout):
+        raise ValueError(f"trainer logprobs: {len(trainer)} completions, rollout logprobs: {len(rollout)}")
+    out = []
+    for i, (t, r) in enumerate(zip(trainer, rollout)):
+        if t.numel() != len(r):
+            raise ValueError(f"completion {i}: {t.numel()} trainer logprobs for {len(r)} rollout logprobs")
+        diff = t.detach().double().view(-1) - torch.tensor(list(r), dtype=torch.float64, device=t.device)
+        out.append(torch.exp(diff).clamp_max(cap).float())
+    return out
+
+
+def rollout_importance_weights(model: nn.Module, rollouts: Sequence[Any], cap: float = 2.0,
+                               pad_id: int = 0) -> list[torch.Tensor]:
+    """truncated_importance_weights of `model`'s logprobs of the rollout tokens against the rollout's, one
+    tensor per non-empty completion in rollout order (as `completions` lists them)."""
+    items = completions(rollouts)
+    trainer = trainer_logprobs(model, [(p, c) for p, c, _ in items], pad_id)
+    return truncated_importance_weights(trainer, [r for _, _, r in items], cap)
 
 
 def completions(rollouts: Sequence[Any]) -> list[tuple[list[int], list[int], list[float]]]:

@@ -157,7 +157,8 @@ class Worker:
             backend = backend.for_decode_rows(1)
         if self.config.batch_invariant:  # docs/invariance.md
             backend = batch_invariant_backend(backend)
-        model = build_model(config, self.tp, self.dtype, self.device, backend, self.config.batch_invariant)
+        model = build_model(config, self.tp, self.dtype, self.device, backend, self.config.batch_invariant,
+                            self.config.quantization_of(which))
         # Parameters become views into a tagged arena first, so the loader writes straight into it.
         assert self.memory is not None
         tag = self.weights.arena_tag(which)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from inference.layers.kernel_device import num_sms, use_triton
 from inference.layers.pdl import launch_kwargs
+from inference.quant.fp8 import FP8_DTYPE
 
 try:
     import triton
@@ -61,16 +62,18 @@ class GemvConfig:
 
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether gemv/silu_mul_gemv take x [M, K] @ weight [N, K]^T (else use F.linear)."""
+    """Whether gemv/silu_mul_gemv/norm_gemv take x [M, K] @ weight [N, K]^T (else use F.linear); an FP8
+    weight (with its scale passed) too."""
     if not use_triton(x):
         return False
     return (x.dim() == 2 and weight.dim() == 2 and 0 < x.shape[0] <= ROUTE_MAX_M and x.dtype in _DTYPES
-            and weight.dtype == x.dtype and weight.is_contiguous() and x.stride(-1) == 1
+            and weight.dtype in (x.dtype, FP8_DTYPE) and weight.is_contiguous() and x.stride(-1) == 1
             and x.device == weight.device)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through gemv when use_gemv holds."""
+    """F.linear, through gemv when use_gemv holds (FP8 weights take fp8_linear.fp8_linear instead)."""
+    assert weight.dtype != FP8_DTYPE, "an FP8 weight needs its scales: fp8_linear"
     return gemv(x, weight, bias) if use_gemv(x, weight) else F.linear(x, weight, bias)
 
 
@@ -148,11 +151,14 @@ class _Norm:
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int, silu_mul: bool,
-            config: GemvConfig | None, norm: _Norm | None = None) -> torch.Tensor:
+            config: GemvConfig | None, norm: _Norm | None = None,
+            scale: torch.Tensor | None = None) -> torch.Tensor:
     m, n = x.shape[0], weight.shape[0]
     prologue = "silu" if silu_mul else "norm" if norm is not None else ""
     assert weight.shape[1] == k and x.stride(-1) == 1 and weight.is_contiguous(), (x.shape, weight.shape)
     assert bias is None or (bias.shape == (n,) and bias.is_contiguous()), None if bias is None else bias.shape
+    assert (scale is not None) == (weight.dtype == FP8_DTYPE), weight.dtype
+    assert scale is None or (scale.shape == (n,) and scale.dtype == torch.float32 and scale.is_contiguous())
     cfg = config or pick_config(m, n, k, num_sms(x.device), prologue)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_k = cfg.block_k
@@ -166,8 +172,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k:
     blocks = triton.cdiv(n, cfg.block_n)
     _gemv_kernel[(blocks, split)](
         x, weight, b, out, dest, res, x if norm is None else norm.weight, x if norm is None else norm.res_out,
+        out if scale is None else scale,
         m, n, k, x.stride(0), res.stride(0), k_per_split, 0.0 if norm is None else norm.eps,
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None,
+        W_SCALE=scale is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None,
         HAS_RES=norm is not None and norm.residual is not None, PARTIAL=partial, KIND=_KINDS[cfg.kind],
         BLOCK_M=cfg.block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         NORM_ROWS=triton.next_power_of_2(m) if norm is not None else 1,
@@ -192,25 +199,31 @@ def sum_splits(dest: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [M <= 8, K], weight [N, K] contiguous, fp32 accumulation."""
-    return _launch(x, weight, bias, x.shape[1], False, config)
+         config: GemvConfig | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [M <= 8, K], weight [N, K] contiguous, fp32 accumulation.
+
+    `scale` [N] fp32 with a float8_e4m3fn weight: F.linear(x, weight.float() * scale[:, None], bias),
+    the scale applied to each row's fp32 sum (inference/layers/fp8_linear.py routes here)."""
+    return _launch(x, weight, bias, x.shape[1], False, config, scale=scale)
 
 
-def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
-    """F.linear(silu_and_mul(gate_up), weight) for gate_up [M, 2I] = [gate; up], weight [N, I]."""
+def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None,
+                  scale: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(silu_and_mul(gate_up), weight) for gate_up [M, 2I] = [gate; up], weight [N, I] (FP8 with
+    `scale`, as gemv)."""
     assert gate_up.shape[1] == 2 * weight.shape[1], (gate_up.shape, weight.shape)
-    return _launch(gate_up, weight, None, weight.shape[1], True, config)
+    return _launch(gate_up, weight, None, weight.shape[1], True, config, scale=scale)
 
 
 def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
               weight: torch.Tensor, bias: torch.Tensor | None = None,
-              config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              config: GemvConfig | None = None, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(F.linear(h, weight, bias), s) for (h, s) = add_rms_norm(x, residual, norm_weight, eps), in one launch
     (two with split-K), with the same bits as add_rms_norm followed by gemv
     with the same config.
 
-    s is a fresh [M, K] tensor (x itself when residual is None): the inputs are never written.
+    s is a fresh [M, K] tensor (x itself when residual is None): the inputs are never written. An FP8
+    weight comes with its row `scale` (as gemv).
     """
     m, k = x.shape
     assert norm_weight.shape == (k,) and norm_weight.is_contiguous() and norm_weight.dtype == x.dtype
@@ -220,5 +233,5 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     else:
         assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
         res_out = torch.empty(m, k, dtype=x.dtype, device=x.device)
-    y = _launch(x, weight, bias, k, False, config, _Norm(residual, norm_weight, eps, res_out))
+    y = _launch(x, weight, bias, k, False, config, _Norm(residual, norm_weight, eps, res_out), scale)
     return y, res_out

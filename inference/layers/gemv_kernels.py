@@ -1,5 +1,8 @@
 """Triton kernels of the small-M GEMV; inference/layers/gemv.py explains them and launches them.
 
+W_SCALE: the weight is float8_e4m3fn (inference/quant/fp8.py), widened in registers, and each output row's
+product is multiplied by its fp32 scale before the split partials, the bias and the rounding.
+
 Every kernel takes the PDL constexpr of inference/layers/pdl.py: nothing reads x, the residual or the
 partials, and nothing is written, before `wait` (weights may be read earlier: no kernel of a step writes them).
 """
@@ -60,8 +63,9 @@ def _rows_rstd(x_ptr, r_ptr, res_out_ptr, stride_xm, stride_rm, M, K, eps, write
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, r_ptr, nw_ptr, res_out_ptr, M, N, K,
-                 stride_xm, stride_rm, k_per_split, eps, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, r_ptr, nw_ptr, res_out_ptr, s_ptr, M, N, K,
+                 stride_xm, stride_rm, k_per_split, eps, W_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 SILU_MUL: tl.constexpr,
                  NORM: tl.constexpr, HAS_RES: tl.constexpr, PARTIAL: tl.constexpr, KIND: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_ROWS: tl.constexpr,
                  NORM_BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -105,11 +109,13 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, r_ptr, nw_ptr, res_out_
         elif KIND == 1:  # "reduce": a reduction per K step keeps the accumulator small
             acc += tl.sum(xk.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         else:  # "dot": tensor cores on x padded to 16 rows
-            acc = tl.dot(xk, tl.trans(w), acc)
+            acc = tl.dot(xk, tl.trans(w.to(xk.dtype)), acc)  # e4m3 -> bf16/fp16 is exact
     if KIND == 0:
         y = tl.sum(acc, axis=2)
     else:
         y = acc
+    if W_SCALE:  # FP8 weights: each output row's fp32 scale, once, after its dot products
+        y = y * tl.load(s_ptr + rows, mask=n_mask, other=0.0)[None, :]
     offs = ms[:, None] * N + rows[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
     if PARTIAL:  # _split_sum_kernel sums the splits in split order

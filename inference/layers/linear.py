@@ -13,6 +13,10 @@ Parameters are created with torch.empty: the loader (or the weight receiver) fil
 `invariant` (EngineConfig.batch_invariant): the product runs as gemm_invariant.invariant_linear, each row's
 bits independent of the other rows; with TP, RowParallelLinear then sums the ranks' partials in rank order
 (TPInfo.all_reduce_ordered) rather than in the collective's own order.
+`fp8` (EngineConfig.quantization = "fp8"): the weight is float8_e4m3fn with an fp32 scale per output row
+in the buffer `weight_scale` (inference/quant/fp8.py; a buffer, so parameter names stay the HF names);
+the loader quantizes each FULL row on the parameter's device before slicing (a RowParallel shard keeps
+the whole row's scale), and the product is fp8_linear.fp8_linear. Biases stay in the model dtype.
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ import torch
 from torch import nn
 
 from inference.core import InvalidRequestError
+from inference.layers.fp8_linear import fp8_linear
 from inference.layers.gemm_invariant import invariant_linear
 from inference.layers.gemv import linear
 from inference.parallel import TPInfo
+from inference.quant.fp8 import FP8_DTYPE, quantize_rows
 
 ShardId = str | int | None
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, ShardId], None]
@@ -46,6 +52,50 @@ def replicated_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Shard
     param.data.copy_(loaded)
 
 
+class _Fp8Weight(nn.Module):
+    """What the four linears share in FP8 mode: the weight's dtype, its scale buffer, and where each HF
+    tensor's quantized rows go (`installed_region`, `install`), which the loader and the weight receiver
+    (inference/weights/installed.py) both write through."""
+
+    fp8: bool
+    weight: nn.Parameter
+
+    def _init_weight(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device | str,
+                     fp8: bool) -> None:
+        self.fp8 = fp8
+        self.weight = new_param(shape, FP8_DTYPE if fp8 else dtype, device, self.weight_loader)
+        if fp8:
+            self.weight.quantized_from = dtype  # type: ignore[attr-defined]  # the dtype a sync sends
+        scale = torch.ones(shape[0], dtype=torch.float32, device=device) if fp8 else None
+        self.register_buffer("weight_scale", scale, persistent=False)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        raise NotImplementedError
+
+    def installed_region(self, shard_id: ShardId) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the FP8 weight's region, its scales' region) that the HF tensor `shard_id` fills on this rank."""
+        raise NotImplementedError
+
+    def quantize_part(self, loaded: torch.Tensor, shard_id: ShardId,
+                      check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rule's (q, scale) of this rank's region of the FULL HF tensor `loaded`, on the weight's device
+        (check: quant.fp8.row_scales)."""
+        raise NotImplementedError
+
+    def install(self, loaded: torch.Tensor, shard_id: ShardId, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize the FULL HF tensor's part and write it into its region; returns what was written."""
+        q, scale = self.quantize_part(loaded, shard_id, check)
+        region, region_scale = self.installed_region(shard_id)
+        region.copy_(q)
+        region_scale.copy_(scale)
+        return q, scale
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None, invariant: bool) -> torch.Tensor:
+        if self.fp8:
+            return fp8_linear(x, self.weight, self.weight_scale, bias, invariant)
+        return invariant_linear(x, self.weight, bias) if invariant else linear(x, self.weight, bias)
+
+
 def tp_divide(n: int, tp: TPInfo, what: str) -> int:
     """n // tp.size, or a clear InvalidRequestError naming what does not divide."""
     if n % tp.size:
@@ -54,70 +104,81 @@ def tp_divide(n: int, tp: TPInfo, what: str) -> int:
     return n // tp.size
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_Fp8Weight):
     """y = x W^T + b with W split by output rows; the output stays sharded (no communication)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPInfo,
-                 dtype: torch.dtype, device: torch.device | str, invariant: bool = False) -> None:
+                 dtype: torch.dtype, device: torch.device | str, invariant: bool = False, fp8: bool = False) -> None:
         super().__init__()
         self.tp = tp
         self.invariant = invariant
         self.in_features = in_features
         self.out_features_local = tp_divide(out_features, tp, "output features")
-        self.weight = new_param((self.out_features_local, in_features), dtype, device, self.weight_loader)
+        self._init_weight((self.out_features_local, in_features), dtype, device, fp8)
         self.bias = (new_param((self.out_features_local,), dtype, device, self.weight_loader)
                      if bias else None)
 
     def _row_shard(self, loaded: torch.Tensor, n_local: int) -> torch.Tensor:
         return loaded.narrow(0, self.tp.rank * n_local, n_local)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+    def _part(self, shard_id: ShardId) -> tuple[int, int]:
+        """(first row, rows) of the part `shard_id` in this rank's weight."""
         assert shard_id is None, shard_id
-        assert loaded.shape[0] == self.out_features_local * self.tp.size, tuple(loaded.shape)
-        param.data.copy_(self._row_shard(loaded, self.out_features_local))
+        return 0, self.out_features_local
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        offset, n_local = self._part(shard_id)
+        assert loaded.shape[0] == n_local * self.tp.size, (shard_id, tuple(loaded.shape))
+        if self.fp8 and param is self.weight:
+            self.install(loaded, shard_id)
+        else:
+            param.data.narrow(0, offset, n_local).copy_(self._row_shard(loaded, n_local))
+
+    def installed_region(self, shard_id: ShardId) -> tuple[torch.Tensor, torch.Tensor]:
+        offset, n_local = self._part(shard_id)
+        return self.weight.data.narrow(0, offset, n_local), self.weight_scale.narrow(0, offset, n_local)
+
+    def quantize_part(self, loaded: torch.Tensor, shard_id: ShardId,
+                      check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self._row_shard(loaded, self._part(shard_id)[1])  # a row's bytes are its own: shard first
+        return quantize_rows(rows.to(self.weight.device), "weight", check)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.invariant:
-            return invariant_linear(x, self.weight, self.bias)
-        return linear(x, self.weight, self.bias)
+        return self.product(x, self.bias, self.invariant)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs fused in one matmul (gate_up: output_sizes = [I, I])."""
 
     def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool, tp: TPInfo,
-                 dtype: torch.dtype, device: torch.device | str, invariant: bool = False) -> None:
+                 dtype: torch.dtype, device: torch.device | str, invariant: bool = False, fp8: bool = False) -> None:
         self.output_sizes = list(output_sizes)
-        super().__init__(in_features, sum(self.output_sizes), bias, tp, dtype, device, invariant)
+        super().__init__(in_features, sum(self.output_sizes), bias, tp, dtype, device, invariant, fp8)
         self.local_sizes = [tp_divide(n, tp, "fused output part") for n in self.output_sizes]
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+    def _part(self, shard_id: ShardId) -> tuple[int, int]:
         assert isinstance(shard_id, int) and 0 <= shard_id < len(self.output_sizes), shard_id
-        assert loaded.shape[0] == self.output_sizes[shard_id], (shard_id, tuple(loaded.shape))
-        n_local = self.local_sizes[shard_id]
-        offset = sum(self.local_sizes[:shard_id])
-        param.data.narrow(0, offset, n_local).copy_(self._row_shard(loaded, n_local))
+        return sum(self.local_sizes[:shard_id]), self.local_sizes[shard_id]
 
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused q, k, v projections, split by heads. Both head counts must divide by the TP size."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
-                 tp: TPInfo, dtype: torch.dtype, device: torch.device | str, invariant: bool = False) -> None:
+                 tp: TPInfo, dtype: torch.dtype, device: torch.device | str, invariant: bool = False,
+                 fp8: bool = False) -> None:
         self.head_dim = head_dim
         self.num_heads_local = tp_divide(num_heads, tp, "num_attention_heads")
         self.num_kv_heads_local = tp_divide(num_kv_heads, tp, "num_key_value_heads")
         out = (num_heads + 2 * num_kv_heads) * head_dim
-        super().__init__(hidden_size, out, bias, tp, dtype, device, invariant)
+        super().__init__(hidden_size, out, bias, tp, dtype, device, invariant, fp8)
         self.q_size_local = self.num_heads_local * head_dim
         self.kv_size_local = self.num_kv_heads_local * head_dim
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+    def _part(self, shard_id: ShardId) -> tuple[int, int]:
         assert shard_id in ("q", "k", "v"), shard_id
         n_local = self.q_size_local if shard_id == "q" else self.kv_size_local
-        offset = {"q": 0, "k": self.q_size_local, "v": self.q_size_local + self.kv_size_local}[shard_id]
-        assert loaded.shape[0] == n_local * self.tp.size, (shard_id, tuple(loaded.shape))
-        param.data.narrow(0, offset, n_local).copy_(self._row_shard(loaded, n_local))
+        return {"q": 0, "k": self.q_size_local, "v": self.q_size_local + self.kv_size_local}[shard_id], n_local
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[T, (Hq + 2 Hkv) * D] -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] (local heads)."""
@@ -128,17 +189,17 @@ class QKVParallelLinear(ColumnParallelLinear):
                 v.reshape(t, self.num_kv_heads_local, self.head_dim))
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Fp8Weight):
     """y = sum_r x_r W_r^T + b, with x sharded on its last dim; all_reduce makes y whole on every rank."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPInfo,
-                 dtype: torch.dtype, device: torch.device | str, invariant: bool = False) -> None:
+                 dtype: torch.dtype, device: torch.device | str, invariant: bool = False, fp8: bool = False) -> None:
         super().__init__()
         self.tp = tp
         self.invariant = invariant
         self.in_features_local = tp_divide(in_features, tp, "input features")
         self.out_features = out_features
-        self.weight = new_param((out_features, self.in_features_local), dtype, device, self.weight_loader)
+        self._init_weight((out_features, self.in_features_local), dtype, device, fp8)
         # The bias is replicated and added after the reduction, so it counts once.
         self.bias = new_param((out_features,), dtype, device, replicated_loader) if bias else None
 
@@ -146,13 +207,26 @@ class RowParallelLinear(nn.Module):
         assert shard_id is None, shard_id
         n = self.in_features_local
         assert loaded.shape[1] == n * self.tp.size, tuple(loaded.shape)
-        param.data.copy_(loaded.narrow(1, self.tp.rank * n, n))
+        if self.fp8:
+            self.install(loaded, shard_id)
+        else:
+            param.data.copy_(loaded.narrow(1, self.tp.rank * n, n))
+
+    def installed_region(self, shard_id: ShardId) -> tuple[torch.Tensor, torch.Tensor]:
+        assert shard_id is None, shard_id
+        return self.weight.data, self.weight_scale
+
+    def quantize_part(self, loaded: torch.Tensor, shard_id: ShardId,
+                      check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        # the rule's amax runs over the FULL row, so every TP size installs slices of the same bytes
+        q, scale = quantize_rows(loaded.to(self.weight.device), "weight", check)
+        n = self.in_features_local
+        return q.narrow(1, self.tp.rank * n, n).contiguous(), scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        product = invariant_linear if self.invariant else linear
         if self.tp.size == 1:
-            return product(x, self.weight, self.bias)
-        return self.reduce(product(x, self.weight))
+            return self.product(x, self.bias, self.invariant)
+        return self.reduce(self.product(x, None, self.invariant))
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """This rank's bias-free product x_r W_r^T -> the layer's output (sum over ranks, plus bias)."""

@@ -43,6 +43,6 @@ class RMSNorm(nn.Module):
         the bare matmul and no reduction follows.
         """
         if not self.invariant and use_norm_gemv(x, proj.weight, self.weight, residual):
-            return norm_gemv(x, residual, self.weight, self.eps, proj.weight, proj.bias)
+            return norm_gemv(x, residual, self.weight, self.eps, proj.weight, proj.bias, scale=proj.weight_scale)
         h, residual = (self(x), x) if residual is None else self.add_forward(x, residual)
         return proj(h), residual

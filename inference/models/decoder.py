@@ -5,6 +5,8 @@ Family differences are flags of the config, which each family class reads from c
 head on q and k before rotary), tie_word_embeddings (the LM head shares the embedding's Parameter),
 sliding_window, rope (llama3 scaling).
 
+`quantization` "fp8" (EngineConfig.quantization) builds the attention and MLP linears with FP8 weights
+(inference/layers/linear.py); the embedding, the norms and the LM head stay in the model dtype.
 `batch_invariant` (EngineConfig.batch_invariant) reaches every layer through _Build: products, norms, the
 activation and the LM head then compute each row alone (docs/invariance.md); attention is the backend's.
 
@@ -57,6 +59,7 @@ class _Build:
     dtype: torch.dtype
     device: torch.device | str
     invariant: bool = False  # the batch-invariant mode
+    fp8: bool = False  # the linears' weights in FP8 (EngineConfig.quantization); embeddings, norms, LM head not
 
 
 class DecoderAttention(nn.Module):
@@ -64,9 +67,9 @@ class DecoderAttention(nn.Module):
         super().__init__()
         c, tp = b.config, b.tp
         self.qkv_proj = QKVParallelLinear(c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads,
-                                          c.qkv_bias, tp, b.dtype, b.device, b.invariant)
+                                          c.qkv_bias, tp, b.dtype, b.device, b.invariant, b.fp8)
         self.o_proj = RowParallelLinear(c.num_heads * c.head_dim, c.hidden_size, o_proj_has_bias(c),
-                                        tp, b.dtype, b.device, b.invariant)
+                                        tp, b.dtype, b.device, b.invariant, b.fp8)
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, b.dtype, b.device, b.invariant)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, b.dtype, b.device, b.invariant)
@@ -91,9 +94,9 @@ class DecoderMLP(nn.Module):
         super().__init__()
         c = b.config
         self.gate_up_proj = MergedColumnParallelLinear(
-            c.hidden_size, [c.intermediate_size] * 2, False, b.tp, b.dtype, b.device, b.invariant)
+            c.hidden_size, [c.intermediate_size] * 2, False, b.tp, b.dtype, b.device, b.invariant, b.fp8)
         self.down_proj = RowParallelLinear(c.intermediate_size, c.hidden_size, False, b.tp, b.dtype, b.device,
-                                           b.invariant)
+                                           b.invariant, b.fp8)
         self.act_fn = get_activation(c.hidden_act, b.invariant)
         self.invariant = b.invariant
 
@@ -105,7 +108,8 @@ class DecoderMLP(nn.Module):
         fuse = isinstance(self.act_fn, SiluAndMul) and self.down_proj.bias is None
         if not self.invariant and fuse and use_silu_mul_gemv(gate_up, self.down_proj.weight):
             # One row: the down projection forms silu(gate) * up itself (one launch fewer per layer).
-            return self.down_proj.reduce(silu_mul_gemv(gate_up, self.down_proj.weight))
+            return self.down_proj.reduce(silu_mul_gemv(gate_up, self.down_proj.weight,
+                                                       scale=self.down_proj.weight_scale))
         return self.down_proj(self.act_fn(gate_up))
 
 
@@ -160,11 +164,12 @@ class DecoderForCausalLM(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, tp: TPInfo, dtype: torch.dtype, device: torch.device | str,
-                 backend: AttentionBackend, batch_invariant: bool = False) -> None:
+                 backend: AttentionBackend, batch_invariant: bool = False, quantization: str = "none") -> None:
         super().__init__()
         self.config = config
         self.tp = tp
-        b = _Build(config, tp, dtype, device, batch_invariant)
+        self.quantization = quantization
+        b = _Build(config, tp, dtype, device, batch_invariant, quantization == "fp8")
         # `model` is registered before `lm_head` so that a tied weight is named model.embed_tokens.weight.
         self.model = DecoderModel(b, backend)
         tied = self.model.embed_tokens if config.tie_word_embeddings else None

@@ -20,6 +20,7 @@ from torch import nn
 from inference.config import ModelConfig
 from inference.core import InvalidRequestError
 from inference.models.naming import ShardId, expected_hf_tensors, hf_to_param, is_skipped, param_to_hf
+from inference.quant.fp8 import FP8_DTYPE, quantize_rows
 
 _INDEX = "model.safetensors.index.json"
 
@@ -97,9 +98,13 @@ def load_hf_tensor(params: dict[str, nn.Parameter], config: ModelConfig, hf_name
     if param_name not in params:
         raise InvalidRequestError(hf_name, f"maps to {param_name}, which this model does not have")
     param = params[param_name]
-    # weight_loader's copy_ casts to the parameter's dtype and device, slicing first on the host.
-    with torch.no_grad():
-        param.weight_loader(param, tensor, shard_id)
+    # weight_loader's copy_ casts to the parameter's dtype and device, slicing first on the host (an FP8
+    # linear quantizes on the parameter's device instead, and refuses a non-finite tensor: named here).
+    try:
+        with torch.no_grad():
+            param.weight_loader(param, tensor, shard_id)
+    except InvalidRequestError as e:
+        raise InvalidRequestError(hf_name, e.message) from e
     return param_name, shard_id
 
 
@@ -125,12 +130,19 @@ def load_named_tensors(model: nn.Module, named: Iterable[tuple[str, torch.Tensor
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Random weights (normal, std 0.02; norms 1) for benchmarks that need no checkpoint."""
+    """Random weights (normal, std 0.02; norms 1) for benchmarks that need no checkpoint; an FP8
+    weight is drawn in the model dtype (the same values the unquantized model gets from the same seed) and
+    quantized by the rule, its scales into the layer's weight_scale."""
     g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif p.dtype == FP8_DTYPE:  # drawn as the unquantized model draws it, then quantized by the rule
+                drawn = torch.empty(p.shape, dtype=p.quantized_from, device=p.device).normal_(0.0, 0.02, generator=g)
+                q, scale = quantize_rows(drawn, name)
+                p.copy_(q)
+                model.get_submodule(name.rpartition(".")[0]).weight_scale.copy_(scale)
             else:
                 p.normal_(0.0, 0.02, generator=g)
 

@@ -16,12 +16,15 @@ written to (the q rows of qkv_proj ARE the received q_proj tensor). That digest 
 the unpack and the placement at once, and costs no hashing while bytes are in flight. Every other
 tensor (TP shards, casts, skipped names) is digested from the received bytes before its buffer is
 reused.
+
+An FP8 linear's tensors (EngineConfig.quantization) are received in the model dtype and go through
+weights/installed.py: quantized on the device as they land, installed, and audited a second time as held.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -33,6 +36,7 @@ from inference.models.loader import load_hf_tensor
 from inference.models.naming import ShardId, expected_hf_tensors, hf_to_param, is_skipped, param_to_hf
 from inference.transfer.ipc import copy_pairs
 from inference.transfer.plan import TensorSpec
+from inference.weights.installed import InstalledAudit, fp8_layers
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
@@ -55,6 +59,7 @@ class Routing:
     routes: tuple[Route, ...]
     params: dict[str, nn.Parameter]
     destinations: tuple[torch.Tensor | None, ...]
+    fp8_layers: dict[str, nn.Module] = field(default_factory=dict)  # installed.fp8_layers of the model
 
 
 def route_manifest(specs: Sequence[TensorSpec], model: nn.Module, config: ModelConfig, *, which: str,
@@ -63,7 +68,7 @@ def route_manifest(specs: Sequence[TensorSpec], model: nn.Module, config: ModelC
     params = dict(model.named_parameters())
     routes = tuple(validate_manifest(specs, model, config, which=which, rank=rank, tp_size=tp_size,
                                      allow_cast=allow_cast, params=params))
-    return Routing(routes, params, tuple(r.held for r in routes))
+    return Routing(routes, params, tuple(r.held for r in routes), fp8_layers(model))
 
 
 def validate_manifest(specs: Sequence[TensorSpec], model: nn.Module, config: ModelConfig, *, which: str,
@@ -111,13 +116,14 @@ def _route(spec: TensorSpec, params: dict[str, nn.Parameter], config: ModelConfi
     if param_name not in params:
         raise bad(f"maps to {param_name}, which the {which} model does not have")
     param = params[param_name]
-    held_dtype = dtype_name(param.dtype)
+    # an FP8 weight takes the model dtype and quantizes it as it lands (weights/installed.py)
+    held_dtype = dtype_name(getattr(param, "quantized_from", param.dtype))
     if spec.dtype != held_dtype and not allow_cast:
         raise bad(f"dtype {spec.dtype} differs from the {which} model's {held_dtype}: convert on the way in "
                   "with WeightSyncHook(..., allow_cast=True) (SidecarClient.sync_weights(..., allow_cast=True)), "
                   f"or serve the trainer's dtype: `sidecar launch --dtype {spec.dtype}`")
     held = None
-    if tp_size == 1 and spec.dtype == held_dtype:
+    if tp_size == 1 and spec.dtype == dtype_name(param.dtype):  # an FP8 weight is never written directly
         held = _held_region(param, param_name, shard_id, spec.shape, expected, config)
     return Route(spec, param_name, shard_id, held)
 
@@ -149,6 +155,7 @@ class UpdateTarget:
         self._records: dict[str, TensorRecord] = {}  # digested from received bytes
         self._written: set[int] = set()
         self.on_landed: Callable[[], None] | None = None  # see landed()
+        self.installed = InstalledAudit(routing.fp8_layers, which, rank, algorithm) if routing.fp8_layers else None
 
     def direct_destinations(self) -> Sequence[torch.Tensor | None]:
         """Per manifest index, the region a direct copy may write, or None to go through `put`."""
@@ -164,13 +171,16 @@ class UpdateTarget:
         A tensor with a direct destination is copied straight into it (batched: the region is exactly
         what its weight_loader would write); the rest go through the loader and are digested here.
         """
-        same_device, to_digest = [], []
+        same_device, to_digest, to_install = [], [], []
         with torch.no_grad():
             for index, tensor in items:
                 route = self.routes[index]
                 assert index not in self._written, f"{route.spec.name} received twice"
                 dst = self._destinations[index]
-                if dst is not None and dst.device == tensor.device:
+                if self.installed is not None and self.installed.covers(route.param):
+                    to_install.append((route.spec, route.param, route.shard_id, tensor))
+                    to_digest.append((route.spec.name, tensor))
+                elif dst is not None and dst.device == tensor.device:
                     same_device.append((dst, tensor))
                 elif dst is not None:
                     dst.copy_(tensor)  # host bytes to the device: blocking, so the buffer is free after
@@ -180,6 +190,8 @@ class UpdateTarget:
                     to_digest.append((route.spec.name, tensor))
                 self._written.add(index)
             copy_pairs(same_device)
+        if to_install:
+            self.installed.put(to_install)  # type: ignore[union-attr]
         for record in digest_tensors(to_digest, algorithm=self.algorithm):
             self._records[record.name] = record
 
@@ -228,6 +240,10 @@ class UpdateTarget:
             return list(held)
         records = {**self._records, **{r.name: r for r in held}}
         return [records[r.spec.name] for r in self.routes]
+
+    def installed_report(self) -> Report:
+        """The FP8 weights as held against the rule's bytes of what was received (empty without FP8)."""
+        return self.installed.report() if self.installed is not None else Report.build((), [self.rank], 0)
 
     def tied_report(self, received: Manifest) -> Report:
         """A tied lm_head that was sent must carry the embedding's bytes (it is the same tensor)."""

@@ -369,7 +369,7 @@ class WeightUpdater:
                              "which dropped the received bytes; wake_up and sync again")
         records, received = self._digests.received(session)
         checked = audit_report(sender_digests, expected, session, rank, records, received)
-        report = Report.merge([checked, session.target.tied_report(received)])
+        report = Report.merge([checked, session.target.tied_report(received), session.target.installed_report()])
         if not report.ok:
             raise ChecksumMismatch(report)
         held = self._held(session.which, session.version, session.algorithm) if held_manifest else None

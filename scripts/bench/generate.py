@@ -4,6 +4,9 @@ One JSON line per case (shape, batch): our tokens/s, transformers `generate` wit
 (torch.compile), plain `generate`, `generate_batch` where present, the ratios, and our decode step time
 against the weight-bytes roofline (weight bytes over the device-to-device bandwidth measured here).
 Greedy, ignore_eos, random bf16 weights (the HF model's own random init, copied into ours).
+`--quantization bf16,fp8`: our engine also in FP8 (docs/fp8.md; the same weights quantized as they load),
+one row per quantization with its own roofline (FP8: the linears' bytes halved, plus their scales), the
+FP8 row's `fp8_over_bf16` tok/s and the share of prompts whose first 8 greedy tokens equal bf16's.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ def hf_model(shape: str, max_len: int) -> torch.nn.Module:
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model.eval()
+
+
+QUANTIZATIONS = {"bf16": "none", "fp8": "fp8"}  # --quantization label -> EngineConfig.quantization
 
 
 def our_llm(hf: torch.nn.Module, max_batch: int, max_len: int, enforce_eager: bool, **engine: object) -> LLM:
@@ -120,6 +126,13 @@ def device_copy_gbps() -> float:
     return 2 * x.numel() / seconds / 1e9  # bytes read + written
 
 
+def weight_bytes_of(llm: LLM) -> int:
+    """Bytes one decode step reads of the weights: parameters, plus FP8 linears' row scales."""
+    model = llm.worker.models["target"]
+    return (sum(p.numel() * p.element_size() for p in model.parameters())
+            + sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith("weight_scale")))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen2-0.5b", choices=sorted(SHAPES))
@@ -128,34 +141,64 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--peers", nargs="*", default=["static", "plain", "batch"], help="transformers modes to run")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--quantization", default="bf16", help="comma list of bf16 and fp8 (our engine's weights)")
     args = ap.parse_args()
+    quantizations = [q for q in args.quantization.split(",") if q]
+    if any(q not in QUANTIZATIONS for q in quantizations):
+        ap.error(f"--quantization: a comma list of {', '.join(QUANTIZATIONS)}")
     max_len = args.prompt_len + args.new_tokens + 16
     hf = hf_model(args.shape, max(max_len, 512))
-    llm = our_llm(hf, max(args.batch), max_len, args.enforce_eager)
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.worker.models["target"].parameters())
     bw = device_copy_gbps()
     g = torch.Generator().manual_seed(0)
-    for batch in args.batch:
-        prompts = torch.randint(0, SHAPES[args.shape]["vocab_size"], (batch, args.prompt_len), generator=g).tolist()
-        seconds, tokens = ours(llm, prompts, args.new_tokens)
-        total = batch * args.new_tokens
-        row = {"bench": "generate", "shape": args.shape, "batch": batch, "prompt_len": args.prompt_len,
-               "new_tokens": args.new_tokens, "ours_tok_s": round(total / seconds, 1)}
-        step_ms = decode_step_ms(llm, batch)
-        roofline_ms = weight_bytes / (bw * 1e9) * 1e3  # weights read once per step at the HBM bandwidth
-        row.update(decode_step_ms=round(step_ms, 4), roofline_ms=round(roofline_ms, 4),
-                   step_over_roofline=round(step_ms / roofline_ms, 2), hbm_gbps=round(bw, 1))
-        for peer in args.peers:
-            if peer == "batch":
-                s = hf_generate_batch(hf, prompts, args.new_tokens)
+    prompts = {b: torch.randint(0, SHAPES[args.shape]["vocab_size"], (b, args.prompt_len), generator=g).tolist()
+               for b in args.batch}
+    peers: dict[tuple[int, str], tuple[float | None, float | None]] = {}  # (batch, peer) -> (seconds, match)
+    base: dict[int, tuple[float, list[list[int]]]] = {}  # batch -> the first quantization's (tok/s, tokens)
+    for quant in quantizations:
+        llm = our_llm(hf, max(args.batch), max_len, args.enforce_eager, quantization=QUANTIZATIONS[quant])
+        weight_bytes = weight_bytes_of(llm)
+        for batch in args.batch:
+            row = run_batch(llm, hf, args, batch, prompts[batch], weight_bytes, bw, peers)
+            row["quantization"] = quant
+            if quant == quantizations[0]:
+                base[batch] = (row["ours_tok_s"], row.pop("_tokens"))
             else:
-                s, match = hf_generate(hf, prompts, args.new_tokens, peer == "static", tokens)
-                row[f"hf_{peer}_greedy_prefix_match"] = round(match, 3)
-            if s is not None:
-                row[f"hf_{peer}_tok_s"] = round(total / s, 1)
-                row[f"ratio_vs_{peer}"] = round(s / seconds, 2)
-        row["device"] = torch.cuda.get_device_name()
-        print(json.dumps(row), flush=True)
+                tokens = row.pop("_tokens")
+                row[f"{quant}_over_{quantizations[0]}"] = round(row["ours_tok_s"] / base[batch][0], 3)
+                row[f"greedy_prefix_match_vs_{quantizations[0]}"] = round(
+                    sum(a[:8] == b[:8] for a, b in zip(tokens, base[batch][1])) / batch, 3)
+            print(json.dumps(row), flush=True)
+        llm.worker.shutdown()
+        del llm
+        torch.cuda.empty_cache()
+
+
+def run_batch(llm: LLM, hf: torch.nn.Module, args: argparse.Namespace, batch: int, prompts: list[list[int]],
+              weight_bytes: int, bw: float, peers: dict) -> dict:
+    """One row: ours, the decode step against the weight roofline, the transformers peers (run once per
+    batch and reused by every quantization's row)."""
+    seconds, tokens = ours(llm, prompts, args.new_tokens)
+    total = batch * args.new_tokens
+    row: dict = {"bench": "generate", "shape": args.shape, "batch": batch, "prompt_len": args.prompt_len,
+                 "new_tokens": args.new_tokens, "ours_tok_s": round(total / seconds, 1), "_tokens": tokens}
+    step_ms = decode_step_ms(llm, batch)
+    roofline_ms = weight_bytes / (bw * 1e9) * 1e3  # weights read once per step at the HBM bandwidth
+    row.update(decode_step_ms=round(step_ms, 4), roofline_ms=round(roofline_ms, 4),
+               step_over_roofline=round(step_ms / roofline_ms, 2), hbm_gbps=round(bw, 1), weight_bytes=weight_bytes)
+    for peer in args.peers:
+        if (batch, peer) not in peers:
+            if peer == "batch":
+                peers[batch, peer] = (hf_generate_batch(hf, prompts, args.new_tokens), None)
+            else:
+                peers[batch, peer] = hf_generate(hf, prompts, args.new_tokens, peer == "static", tokens)
+        s, match = peers[batch, peer]
+        if match is not None:
+            row[f"hf_{peer}_greedy_prefix_match"] = round(match, 3)
+        if s is not None:
+            row[f"hf_{peer}_tok_s"] = round(total / s, 1)
+            row[f"ratio_vs_{peer}"] = round(s / seconds, 2)
+    row["device"] = torch.cuda.get_device_name()
+    return row
 
 
 if __name__ == "__main__":

@@ -24,10 +24,17 @@ follows a freeze of the warm heap as in the sidecar's rank (`gc_frozen`; `--gc-f
 and `gc_full_collect_ms` what one full collection of that heap took before the freeze; `model_cost` the
 per-step counts the roofline uses. A run fails if any sample generated another length than it drew.
 --dry-run prints each shape's workload ("rollout_workload": counts and lengths) without building anything.
+`--quantization bf16,fp8` runs each shape unquantized (the model dtype) and in FP8 (docs/fp8.md: the same
+seeded weights, quantized by the rule) in one run: every row carries its `quantization` and
+`weight_roofline_ms` (the weight bytes of one step over the measured HBM rate: the batch-1 floor), and
+per shape and mode a "rollout_fp8" line gives fp8/bf16 tok/s, both weight rooflines and, for greedy, the
+gap: over each sample's prefix where both runs chose the same tokens (the same context), the mean
+|logprob difference| and the share of positions whose greedy choice differs (a sample's first divergence).
 
     python3 -m scripts.bench.rollout                      # both shapes x 3 modes (H200, ~4 min)
     python3 scripts/bench/rollout.py --dry-run            # the default workload, described
     python3 -m scripts.bench.rollout --shapes tiny --prompts 4 --samples 2 --len-cap 32   # CPU smoke
+    python3 -m scripts.bench.rollout --quantization bf16,fp8 --modes greedy,seeded   # the FP8 column
 """
 
 from __future__ import annotations
@@ -67,6 +74,7 @@ from scripts.bench.rollout_cost import (
 MODES = ("greedy", "sampled", "seeded")  # temperature 0; temperature 1 unseeded; temperature 1 seeded
 QWEN_SHAPES = ("qwen2-0.5b", "qwen2.5-7b")  # scripts.bench.generate.SHAPES
 SHAPE_NAMES = (*QWEN_SHAPES, "tiny")
+QUANTIZATIONS = {"bf16": "none", "fp8": "fp8"}  # --quantization label -> EngineConfig.quantization
 
 
 @dataclass(frozen=True)
@@ -121,18 +129,25 @@ def submit(llm: LLM, work: Workload, mode: str) -> list[str]:
     return list(wanted)
 
 
-def run(llm: LLM, work: Workload, mode: str, probe: StepProbe | None = None) -> int:
+def run(llm: LLM, work: Workload, mode: str, probe: StepProbe | None = None,
+        keep: list | None = None) -> int:
     """Generate the workload; returns the generated tokens. Every sample must generate exactly its drawn
-    length (a figure over another schedule would not compare with the others)."""
+    length (a figure over another schedule would not compare with the others). `keep`: filled with every
+    sample's (token ids, logprobs), in the workload's order."""
     rids = submit(llm, work, mode)
     got: dict[str, list[int]] = {}
+    kept: dict[str, list] = {}
     step = 0
     while llm.has_unfinished():
         if probe is not None:
             probe.at(step)
         for out in llm.step():
             got[out.request_id] = [len(c.token_ids) for c in out.outputs]
+            if keep is not None:
+                kept[out.request_id] = [(c.token_ids, c.logprobs) for c in out.outputs]
         step += 1
+    if keep is not None:
+        keep.extend(sample for rid in rids for sample in kept[rid])
     if probe is not None:
         probe.close()
     lengths = [got.get(rid) for rid in rids]
@@ -149,15 +164,19 @@ def damp_tail(target: torch.nn.Module, draft_layers: int, scale: float) -> None:
     if scale != 1.0:
         from scripts.bench.spec import tail
 
-        for p in tail(target, draft_layers).values():
-            p.mul_(scale)
+        for name, p in tail(target, draft_layers).items():
+            if p.dtype == torch.float8_e4m3fn:  # an FP8 weight is scaled through its row scales
+                target.get_submodule(name.rpartition(".")[0]).weight_scale.mul_(scale)
+            else:
+                p.mul_(scale)
 
 
-def build_llm(shape: str, args: argparse.Namespace, max_len: int) -> LLM:
+def build_llm(shape: str, args: argparse.Namespace, max_len: int, quantization: str = "bf16") -> LLM:
     """The engine for a shape: the tiny model as shipped, or a Qwen shape with random bf16 weights
-    (and, with --draft-layers, a draft made of the target's first layers: scripts/bench/spec.py)."""
+    (and, with --draft-layers, a draft made of the target's first layers: scripts/bench/spec.py), its
+    linears in FP8 with quantization "fp8" (the draft's too)."""
     kw: dict[str, object] = {"max_num_seqs": args.max_num_seqs or None, "max_model_len": max_len,
-                             "enforce_eager": args.enforce_eager}
+                             "enforce_eager": args.enforce_eager, "quantization": QUANTIZATIONS[quantization]}
     if args.async_scheduling != "auto":
         kw["async_scheduling"] = args.async_scheduling == "on"
     if args.kv_gib:
@@ -190,7 +209,8 @@ def build_llm(shape: str, args: argparse.Namespace, max_len: int) -> LLM:
 
 
 def run_case(llm: LLM, mode: str, work: Workload, warm: Workload, cost: ModelCost,
-             rates: tuple[float, float], probe: StepProbe | None = None, gc_freeze: bool = True) -> dict[str, object]:
+             rates: tuple[float, float], probe: StepProbe | None = None, gc_freeze: bool = True,
+             keep: list | None = None) -> dict[str, object]:
     """Warm up (this mode's sampling kernels compile at the batch sizes a drain passes), then time the
     workload with a StepLog attached; no prompt block of an earlier run is in the prefix cache. With
     `gc_freeze` the heap alive after the warm-up is frozen first, as the sidecar's rank freezes it."""
@@ -209,7 +229,7 @@ def run_case(llm: LLM, mode: str, work: Workload, warm: Workload, cost: ModelCos
     sync(device)
     t0 = time.perf_counter()
     with GCPauses() as pauses:
-        generated = run(llm, work, mode, probe)
+        generated = run(llm, work, mode, probe, keep)
         sync(device)
     t1 = time.perf_counter()
     records, llm.step_log = llm.step_log.records, None
@@ -226,6 +246,7 @@ def run_case(llm: LLM, mode: str, work: Workload, warm: Workload, cost: ModelCos
     row.update(roof)
     row.update(roofline_ms_per_step=1e3 * roof["roofline_s"] / max(1, steps),
                time_over_roofline=wall / roof["roofline_s"], hbm_gbps=rates[0] / 1e9,
+               weight_roofline_ms=1e3 * cost.weight_bytes / rates[0],
                matmul_tflops=rates[1] / 1e12, preempted=llm.scheduler.preempted - preempted,
                spec_acceptance=(llm.spec_stats.accepted - spec_before[1]) / proposed if proposed else None,
                spec_steps=llm.spec_stats.steps - spec_before[2],  # steps that carried draft tokens
@@ -240,9 +261,11 @@ def run_case(llm: LLM, mode: str, work: Workload, warm: Workload, cost: ModelCos
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
 
 
-def run_shape(shape: str, args: argparse.Namespace, rates: tuple[float, float]) -> list[dict[str, object]]:
+def run_shape(shape: str, args: argparse.Namespace, rates: tuple[float, float], quantization: str = "bf16",
+              greedy: list | None = None) -> list[dict[str, object]]:
+    """Every mode of one shape in one quantization; `greedy` gets the greedy mode's samples (see run)."""
     start = time.perf_counter()
-    llm = build_llm(shape, args, args.prompt_max + args.len_cap)
+    llm = build_llm(shape, args, args.prompt_max + args.len_cap, quantization)
     setup_s = time.perf_counter() - start
     rows = []
     try:
@@ -262,10 +285,11 @@ def run_shape(shape: str, args: argparse.Namespace, rates: tuple[float, float]) 
                                       "samples": args.samples, "draft_layers": args.draft_layers,
                                       "tail_scale": args.tail_scale if args.draft_layers else None,
                                       "spec_max_batch": args.spec_max_batch if args.draft_layers else None,
-                                      "async_scheduling": llm._overlap is not None}
+                                      "async_scheduling": llm._overlap is not None, "quantization": quantization}
             probe = (StepProbe(args.profile, f"{shape}_{mode}", args.profile_steps, args.profile_length)
                      if args.profile else None)
-            row.update(run_case(llm, mode, work, warm, cost, rates, probe, args.gc_freeze == "on"))
+            keep = greedy if mode == "greedy" else None
+            row.update(run_case(llm, mode, work, warm, cost, rates, probe, args.gc_freeze == "on", keep))
             row.update(setup_s=round(setup_s, 2), device=name)
             print(json.dumps(row), flush=True)
             rows.append(row)
@@ -277,6 +301,37 @@ def run_shape(shape: str, args: argparse.Namespace, rates: tuple[float, float]) 
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return rows
+
+
+def greedy_gap(base: list, other: list) -> dict[str, float]:
+    """Two greedy runs of one workload: over each sample's common prefix (same tokens, so the same context)
+    the mean |logprob difference| of its tokens, and the share of positions with that context whose choice
+    differs (one per sample that diverges); the share of samples identical throughout."""
+    diffs: list[float] = []
+    positions = diverged = identical = 0
+    for (ids_a, lps_a), (ids_b, lps_b) in zip(base, other, strict=True):
+        same = next((i for i, (a, b) in enumerate(zip(ids_a, ids_b)) if a != b), len(ids_a))
+        diffs += [abs(a - b) for a, b in zip(lps_a[:same], lps_b[:same])]
+        positions += same + (same < len(ids_a))
+        diverged += same < len(ids_a)
+        identical += same == len(ids_a)
+    return {"mean_abs_logprob_gap": sum(diffs) / max(1, len(diffs)),
+            "greedy_choice_differs": diverged / max(1, positions), "identical_samples": identical / max(1, len(base))}
+
+
+def compare_rows(shape: str, rows: dict[str, list[dict[str, object]]], greedy: dict[str, list]) -> list[dict]:
+    """The "rollout_fp8" lines of a shape run in bf16 and fp8: one per mode."""
+    out = []
+    for base, fp8 in zip(rows["bf16"], rows["fp8"], strict=True):
+        line: dict[str, object] = {
+            "bench": "rollout_fp8", "shape": shape, "mode": base["mode"], "bf16_tok_s": base["tok_s"],
+            "fp8_tok_s": fp8["tok_s"], "fp8_over_bf16": round(fp8["tok_s"] / base["tok_s"], 4),  # type: ignore[operator]
+            "bf16_weight_roofline_ms": base["weight_roofline_ms"], "fp8_weight_roofline_ms": fp8["weight_roofline_ms"],
+            "fp8_time_over_roofline": fp8["time_over_roofline"], "device": fp8["device"]}
+        if base["mode"] == "greedy":
+            line.update({k: round(v, 6) for k, v in greedy_gap(greedy["bf16"], greedy["fp8"]).items()})
+        out.append(line)
+    return out
 
 
 def vocab_size(shape: str) -> int:
@@ -336,7 +391,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--profile-steps", default="100,1200", help="with --profile: comma list of first steps")
     ap.add_argument("--profile-length", type=int, default=16, help="with --profile: steps per window")
     ap.add_argument("--dry-run", action="store_true", help="print each shape's workload line and stop")
+    ap.add_argument("--quantization", default="bf16",
+                    help="comma list of bf16 (unquantized: the model dtype) and fp8; both: a rollout_fp8 line too")
     args = ap.parse_args(argv)
+    args.quantization = [q for q in args.quantization.split(",") if q]
+    for q in args.quantization:
+        if q not in QUANTIZATIONS:
+            ap.error(f"--quantization: unknown {q!r} (bf16, fp8)")
     args.shapes = [s for s in args.shapes.split(",") if s]
     args.modes = [m for m in args.modes.split(",") if m]
     args.profile_steps = [int(x) for x in args.profile_steps.split(",") if x]
@@ -362,7 +423,19 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
             print(json.dumps(line), flush=True)
         return lines
     rates = measure_rates(resolve_device(args.device))
-    return [row for shape in args.shapes for row in run_shape(shape, args, rates)]
+    out: list[dict[str, object]] = []
+    for shape in args.shapes:
+        rows: dict[str, list[dict[str, object]]] = {}
+        greedy: dict[str, list] = {}
+        for q in args.quantization:
+            greedy[q] = []
+            rows[q] = run_shape(shape, args, rates, q, greedy[q])
+            out += rows[q]
+        if len(rows) == 2:
+            for line in compare_rows(shape, rows, greedy):
+                print(json.dumps(line), flush=True)
+                out.append(line)
+    return out
 
 
 if __name__ == "__main__":

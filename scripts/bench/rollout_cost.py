@@ -172,6 +172,8 @@ class ModelCost:
         model, mc = llm.worker.models["target"], llm.model_config
         params = dict(model.named_parameters())
         total = sum(p.numel() * p.element_size() for p in params.values())
+        # FP8 linears (docs/fp8.md) also read their fp32 row scales
+        total += sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith("weight_scale"))
         embed = params["model.embed_tokens.weight"]
         gathered = 0 if mc.tie_word_embeddings else embed.numel() * embed.element_size()
         layers = sum(p.numel() for name, p in params.items() if name.startswith("model.layers.") and p.dim() == 2)

@@ -66,7 +66,8 @@ def tie_draft(llm: LLM, draft_layers: int) -> None:
     for name, p in draft.named_parameters():
         if name == "lm_head.weight" and not llm.model_config.tie_word_embeddings:
             p.copy_(t_params[name])
-        elif not torch.equal(p, t_params[name]):
+        elif not torch.equal(p.view(torch.uint8) if p.element_size() == 1 else p,  # FP8: compare the bytes
+                             t_params[name].view(torch.uint8) if p.element_size() == 1 else t_params[name]):
             raise RuntimeError(f"draft {name} differs from the target's: the dummy weights did not line up")
 
 

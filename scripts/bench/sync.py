@@ -23,6 +23,10 @@ bf16 tensors). Timed on the receiver, after a warm-up, median of --iters:
 Prints one JSON line per (shape, backend), with the receiver's median per phase (start, update,
 finish) of the audited syncs of each rule, and finer timers of them (`LAPS`, as audit_<lap>_ms).
 Smoke test: --shape tiny --backend gloo --device cpu.
+--quantization bf16,fp8: the receiver also as an FP8 rank (docs/fp8.md: each tensor quantized on the device
+as it lands, and the installed FP8 bytes audited beside the received ones), one line per quantization;
+the FP8 line skips the peers (they copy bf16 into the parameters) and gives `fp8_over_bf16` for the
+audited sync of the same run.
 --profile DIR writes cProfile stats of the audited syncs of the picked rule: DIR/receiver-<shape>.prof
 (this process) and DIR/sender-<shape>.prof (the trainer's manifest() and send() calls); read them with
 pstats.
@@ -35,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import itertools
 import json
 import logging
 import os
@@ -115,8 +120,8 @@ class BenchReceiver:
 
     rank_key = "dp0:pp0:tp0"
 
-    def __init__(self, config: ModelConfig, device: torch.device) -> None:
-        self.models = {"target": build_model(config, TPInfo(), torch.bfloat16, device)}
+    def __init__(self, config: ModelConfig, device: torch.device, quantization: str = "none") -> None:
+        self.models = {"target": build_model(config, TPInfo(), torch.bfloat16, device, quantization=quantization)}
         self.model_configs = {"target": config}
         self.device, self.tp, self.dp_rank, self.memory = device, TPInfo(), 0, None
         self.weights = WeightUpdater(self)
@@ -146,11 +151,13 @@ def trainer(args: argparse.Namespace, to_parent: Any, from_parent: Any, digests_
     laps: dict[str, float] = {}
     _clock_digests(sender, laps)
     tracer = _Tracer(args.trace, f"sender-{args.shape}.json")
+    version = 0  # versions only grow: each sync sends the next, as the receiver starts it (run)
     for rule in rounds:  # None: a sync without digests
         sender.digest_algorithm = rule
         picked = rule == rules(args)[0]
+        version += 1
         with _profiling(profiler if picked else None):
-            sender.manifest(named, 1)
+            sender.manifest(named, version)
         to_parent.put("ready")
         laps.clear()
         with _profiling(profiler if picked else None), tracer.window(picked, args.iters + 1):
@@ -161,12 +168,13 @@ def trainer(args: argparse.Namespace, to_parent: Any, from_parent: Any, digests_
             digests_out.send({"algorithm": rule, "digests": [r.digest for r in records], "laps": dict(laps)})
     sender.digest_algorithm = rules(args)[0]
     for _ in range(args.iters + 1):  # the digests delivered in the sync (the client's one-request path)
-        sender.manifest(named, 1)
+        version += 1
+        sender.manifest(named, version)
         to_parent.put("ready")
         sender.send(named, deliver_digests=True)
     if profiler is not None:
         profiler.dump_stats(Path(args.profile) / f"sender-{args.shape}.prof")
-    for peer in (ceiling_send, per_param_send, bucket_send):
+    for peer in (ceiling_send, per_param_send, bucket_send) if args.quantization != "fp8" else ():
         for _ in range(args.iters + 1):
             group.all_max([0], "barrier")
             peer(args, group, named, device)
@@ -264,7 +272,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     child = ctx.Process(target=trainer, args=(args, from_child, to_child, digests_out))
     child.start()
     config = model_config(args.shape)
-    receiver = BenchReceiver(config, device)
+    fp8 = args.quantization == "fp8"
+    receiver = BenchReceiver(config, device, "fp8" if fp8 else "none")
     receiver.weights.init_transfer(from_child.get(timeout=600))
     manifest = {"version": 1, "tensors": [{"name": n, "dtype": "bfloat16", "shape": list(s)}
                                           for n, s in expected_hf_tensors(config).items()]}
@@ -278,8 +287,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     _clock(receiver.weights.receiver, "receive", laps, "receive")
     _clock(receiver.weights._digests, "launch", laps, "held_launch")
 
+    versions = itertools.count(1)  # the trainer counts the same (versions only grow)
+
     def one_sync(rule: str | None) -> float:
         audit = rule is not None
+        v = next(versions)
         from_child.get(timeout=600)  # the trainer is about to wait inside send()
         time.sleep(0.05)
         laps.clear()
@@ -287,7 +299,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         picked = rule == rules(args)[0]
         with _profiling(profiler if picked else None), tracer.window(picked, args.iters + 1):
             t0 = time.perf_counter()
-            receiver.weights.start("target", 1, {**manifest, "algorithm": rule or ALGORITHM})
+            receiver.weights.start("target", v, {**manifest, "version": v, "algorithm": rule or ALGORITHM})
             t1 = time.perf_counter()
             receiver.weights.update()
             session = receiver.weights._session
@@ -320,10 +332,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return (t2 - t0) * 1e3  # the weights are in place; the abort only ends the benchmark's session
 
     def delivered_sync(rule: str) -> float:
+        v = next(versions)
         from_child.get(timeout=600)
         time.sleep(0.05)
         t0 = time.perf_counter()
-        receiver.weights.start("target", 1, {**manifest, "algorithm": rule})
+        receiver.weights.start("target", v, {**manifest, "version": v, "algorithm": rule})
         digests = receiver.weights.update(digests_follow=True)
         assert receiver.weights.finish(digests, held_manifest=False).report.ok
         sync_device(device)
@@ -343,7 +356,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name, peer in (("ceiling", ceiling_recv), ("per_param", per_param_recv), ("bucket", bucket_recv)):
         def once(peer: Callable = peer) -> None:
             peer(args, group, config, params, manifest, total, device)
-        peers[name] = timed(once, args.iters, device, before=lambda: group.all_max([0], "barrier"))
+        peers[name] = float("nan") if fp8 else timed(once, args.iters, device,
+                                                     before=lambda: group.all_max([0], "barrier"))
     to_child.put("done")
     child.join(timeout=600)
     reset_peers()  # the next shape has its own sizes and its own trainer
@@ -353,6 +367,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                       **{f"audit_{k}_ms": round(statistics.median(v[1:]), 3) for k, v in phases[rule].items()}}
                for rule in rules(args)}
     return {"bench": "sync", "shape": args.shape, "backend": args.backend, "bytes": total,
+            "quantization": args.quantization,
             "sync_ms": round(results[None], 3), "algorithm": picked, **by_rule[picked],
             "sync_audit_delivered_ms": round(delivered, 3),
             "gbps": round(total / results[None] / 1e6, 2), "ceiling_ms": round(peers["ceiling"], 3),
@@ -374,7 +389,11 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=int, default=512)
     parser.add_argument("--profile", default=None, metavar="DIR", help="write cProfile stats of both ends here")
     parser.add_argument("--trace", default=None, metavar="DIR", help="write torch.profiler traces of both ends here")
+    parser.add_argument("--quantization", default="bf16", help="comma list of bf16 and fp8 (the receiving rank's)")
     args = parser.parse_args()
+    quantizations = [q for q in args.quantization.split(",") if q]
+    if any(q not in ("bf16", "fp8") for q in quantizations):
+        parser.error("--quantization: a comma list of bf16 and fp8")
     for directory in (args.profile, args.trace):
         if directory:
             Path(directory).mkdir(parents=True, exist_ok=True)
@@ -383,7 +402,13 @@ def main() -> None:
     for shape in SHAPES if args.shape == "all" else [args.shape]:
         if args.shape == "all" and shape in ("tiny", "layout-0.5b"):
             continue
-        print(json.dumps(run(argparse.Namespace(**{**vars(args), "shape": shape}))), flush=True)
+        rows: dict[str, dict[str, Any]] = {}
+        for quant in quantizations:
+            row = run(argparse.Namespace(**{**vars(args), "shape": shape, "quantization": quant}))
+            if quant == "fp8" and "bf16" in rows:
+                row["fp8_over_bf16"] = round(row["sync_audit_ms"] / rows["bf16"]["sync_audit_ms"], 3)
+            rows[quant] = row
+            print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

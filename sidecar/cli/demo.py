@@ -50,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sleep-level", type=int, choices=(1, 2), default=1,
                    help="1: the sidecar keeps its weights in host memory while asleep; 2: drops them (the "
                         "next sync refills them)")
+    p.add_argument("--quantization", choices=("none", "fp8"), default="none",
+                   help="the sidecar's linear weights: fp8 rolls out in FP8 while the trainer trains in its dtype "
+                        "(the logprob gap below shows the difference; docs/fp8.md)")
     p.add_argument("--batch", type=int, default=8, help="prompts per step")
     p.add_argument("--samples", type=int, default=8, help="completions per prompt, the GRPO group")
     p.add_argument("--max-tokens", type=int, default=8, help="completion length")
@@ -109,7 +112,7 @@ def _setup(args: argparse.Namespace) -> DemoSetup:
                                   "--device cuda")
     model = resolve_model(args.model)
     lr = args.lr if args.lr is not None else (1e-2 if model.name == "tiny" else 1e-3)
-    return DemoSetup(model, make_reward(args.reward, model), device, backend, lr)
+    return DemoSetup(model, make_reward(args.reward, model), device, backend, lr, args.quantization)
 
 
 def _check_counts(args: argparse.Namespace) -> None:
@@ -142,7 +145,8 @@ class SidecarProcess:
     def start(cls, setup: DemoSetup, *, kv_bytes: int, seed: int, timeout: float) -> SidecarProcess:
         cmd = [sys.executable, "-m", "sidecar.cli.main", "launch", "--port", "0", "--device", setup.device,
                "--model", str(setup.model.path), "--dtype", setup.model.dtype, "--transfer", setup.backend,
-               "--kv-cache-bytes", str(kv_bytes), "--seed", str(seed), "--log-level", "warning"]
+               "--kv-cache-bytes", str(kv_bytes), "--seed", str(seed), "--log-level", "warning",
+               "--quantization", setup.quantization]
         root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
         fd, name = tempfile.mkstemp(prefix="sidecar-demo-", suffix=".log")

@@ -127,6 +127,7 @@ def _summary(args: argparse.Namespace, setup: DemoSetup, rows: list[dict[str, An
     return {
         "ok": ok, "model": setup.model.name, "params": sum(p.numel() for p in policy.parameters()),
         "dtype": setup.model.dtype, "device": setup.device, "backend": setup.backend,
+        "quantization": setup.quantization,
         "sleep_level": args.sleep_level, "steps": args.steps, "rollouts_per_step": args.batch * args.samples,
         "max_tokens": args.max_tokens, "lr": setup.lr, "reward_kind": setup.reward.kind,
         "reward_first": rows[0]["reward"], "reward_last": rows[-1]["reward"],

@@ -64,6 +64,7 @@ class DemoSetup:
     device: str
     backend: str
     lr: float
+    quantization: str = "none"  # the sidecar's --quantization (docs/fp8.md)
 
 
 def resolve_model(name: str) -> DemoModel:
