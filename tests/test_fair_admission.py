@@ -46,6 +46,19 @@ def test_a_small_call_is_admitted_at_the_next_free_slot_not_behind_a_large_one()
     assert sum(not s.is_finished for s in big) > 48
 
 
+def test_samples_waiting_for_their_leader_keep_their_turn_under_prefix_caching() -> None:
+    """With prefix caching, samples 1..n-1 wait until sample 0's prompt is computed; they keep their place
+    (the front of the queue would have let all 63 go before the small call)."""
+    sched, runner = make(num_blocks=512, max_num_seqs=4, budget=64, prefix=True)
+    big = _add(sched, "big", list(range(1, 10)), n=64, max_tokens=8)  # 9 tokens: two full blocks to share
+    batch = sched.schedule()
+    sched.commit(batch, runner(batch))
+    small = _add(sched, "small", list(range(20, 29)), n=1, max_tokens=2)
+    steps = _steps_until_done(sched, runner, small)
+    assert steps <= 2 * 8 + 2
+    assert sum(not s.is_finished for s in big) > 48
+
+
 def test_waiting_calls_take_turns_and_a_call_alone_keeps_every_slot() -> None:
     sched, runner = make(num_blocks=256, max_num_seqs=4, budget=256, prefix=False)
     alone = _add(sched, "alone", [1, 2, 3], n=12, max_tokens=4)

@@ -517,13 +517,12 @@ class Scheduler:
 
     def _admit(self, plan: _Plan) -> None:
         """Admit waiting sequences in the WaitQueue's order; samples whose leader's prompt is not computed
-        yet are skipped (they go to the front)."""
+        yet are skipped (they keep their place)."""
         bm = self.block_manager
-        skipped: list[Sequence] = []
         while self.waiting and plan.budget > 0 and len(self.running) - plan.num_ending < self.config.max_num_seqs:
             seq = self.waiting.peek()
             if self._waits_for_leader(seq):
-                skipped.append(self.waiting.popleft())
+                self.waiting.skip()
                 continue
             hit = bm.match_prefix(seq)
             hit_tokens = len(hit) * bm.block_size
@@ -536,7 +535,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_arrival)
             plan.add(seq, n)
-        self.waiting.extendleft(reversed(skipped))
+        self.waiting.end_pass()
 
     def _waits_for_leader(self, seq: Sequence) -> bool:
         leader = seq.leader

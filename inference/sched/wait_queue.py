@@ -8,8 +8,9 @@ admission takes the lowest tag, ties by arrival. So shares that wait are admitte
 share starts at once instead of behind the backlog, and a share alone (one RL batch) is admitted in
 arrival order, at the same pace as before: fairness decides only the order, never leaves a slot empty.
 
-Sequences that were running (preempted, or sent back by a weight sync) and those the scheduler skipped
-go to the front, in the order given, ahead of every share: they had their turn. Deterministic: every TP
+Sequences that were running (preempted, or sent back by a weight sync) go to the front, in the order
+given, ahead of every share: they had their turn. A sequence the scheduler skips in a pass (a sample
+waiting for its leader's prompt) keeps its place and tag. Deterministic: every TP
 rank builds the same queue from the same calls.
 """
 
@@ -17,14 +18,15 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 from inference.sched.sequence import Sequence
 
 
 class WaitQueue:
-    """`append` a new sequence, `appendleft`/`extendleft` one that goes first, `peek`/`popleft` the
-    next to admit, `remove` a finished one. Iteration yields the admission order."""
+    """`append` a new sequence, `appendleft` one that goes first, `peek`/`popleft` the
+    next to admit, `skip` it for this pass (`end_pass` puts the skipped back), `remove` a finished one.
+    Iteration yields the admission order."""
 
     def __init__(self) -> None:
         self._front: deque[Sequence] = deque()
@@ -32,6 +34,7 @@ class WaitQueue:
         self._heads: list[tuple[int, int, str]] = []  # (tag, arrival, share) of each share's head; stale ok
         self._tags: dict[int, int] = {}  # seq_id -> tag, for the sequences in `_shares`
         self._vtime = 0  # the tag of the last sequence admitted from a share
+        self._skipped: list[tuple[str | None, Sequence]] = []  # set aside in this pass (share None: front)
         self._size = 0
 
     def __len__(self) -> int:
@@ -62,10 +65,6 @@ class WaitQueue:
         self._front.appendleft(seq)
         self._size += 1
 
-    def extendleft(self, seqs: Iterable[Sequence]) -> None:
-        for seq in seqs:
-            self.appendleft(seq)
-
     def peek(self) -> Sequence:
         if self._front:
             return self._front[0]
@@ -82,6 +81,31 @@ class WaitQueue:
         self._after_head_change(share, q)
         self._size -= 1
         return seq
+
+    def skip(self) -> None:
+        """Set the next sequence aside for this admission pass (a sample waiting for its leader): it keeps
+        its place and tag, and `end_pass` puts it back."""
+        if self._front:
+            self._skipped.append((None, self._front.popleft()))
+        else:
+            share = self._head_share()
+            q = self._shares[share]
+            seq = q.popleft()
+            self._skipped.append((share, seq))
+            self._after_head_change(share, q)
+        self._size -= 1
+
+    def end_pass(self) -> None:
+        """Put the skipped sequences back where they were, in order."""
+        for share, seq in reversed(self._skipped):
+            if share is None:
+                self._front.appendleft(seq)
+            else:
+                q = self._shares.setdefault(share, deque())
+                q.appendleft(seq)
+                heapq.heappush(self._heads, (self._tags[seq.seq_id], seq.arrival, share))
+            self._size += 1
+        self._skipped.clear()
 
     def remove(self, seq: Sequence) -> None:
         if seq.seq_id not in self._tags:
