@@ -199,7 +199,7 @@ def manifest_from_tensors(
 # -- validation ---------------------------------------------------------------------------------
 
 
-MAX_FILE_BYTES = 1 << 30  # ~5M tensors' records: a bound, so /dev/zero or a FIFO cannot be read forever
+MAX_FILE_BYTES = 1 << 28  # ~1.5M tensors. records: a bound, so /dev/zero or a FIFO cannot be read forever
 
 
 def _read(path: str | Path) -> str:

@@ -9,13 +9,20 @@ output equals LLM.generate's on the same tiny model.
 Each example starts from a serving sidecar: an example that put it to sleep, paused it, or dropped its
 weights (sleep level 2) is followed by wake_up / resume / a re-sync of the tiny model's own weights
 over gloo, so the generation routes are fuzzed awake rather than answering 409 for the rest of the run.
+Headers and query strings are fuzzed too, as raw bytes on a socket (no client library cleans them):
+arbitrary header names and values (Content-Length and Transfer-Encoding included), arbitrary request
+targets; every request is answered, in the JSON error shape when it is an error, never a 5xx.
 Bounded to about 2 minutes on a 2-core CPU box (EXAMPLES per route, --max-model-len keeps outputs short).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import socket
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -34,7 +41,8 @@ from trainer_hooks.client import SidecarClient  # noqa: E402
 
 EXAMPLES = 80  # per route: 17 routes x 80 examples take ~75 s here
 LIMITS = ("--max-body-mb", "1", "--max-prompt-chars", "20000", "--max-request-sequences", "16",
-          "--max-queued-sequences", "64", "--max-model-len", "128")
+          "--max-queued-sequences", "64", "--max-model-len", "128", "--header-timeout-s", "2", "--body-timeout-s", "2",
+          "--max-header-kb", "16")
 STATE_CODES = {502, 503, 507}  # documented: wire failure, rank dead, wake out of memory
 FIELD_CODES = {400, 401, 413, 422}  # errors caused by one input value: the body names it
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -143,3 +151,83 @@ def test_still_serves_fresh_greedy_output_after_fuzzing(fuzzed: Sidecar) -> None
         got = [o.outputs[0].token_ids for o in c.generate(PROMPTS, GREEDY)]
     reference = LLM(default_model_dir(), device="cpu", kv_cache_bytes=KV_BYTES)
     assert got == [o.outputs[0].token_ids for o in reference.generate(PROMPTS, GREEDY)]
+
+
+# ---- headers and query strings, as raw bytes ---------------------------------------------------------
+TOKEN = "!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+SPECIAL = ["content-length", "transfer-encoding", "content-type", "authorization", "expect", "connection",
+           "host", "accept-encoding"]
+header_names = st.one_of(st.sampled_from(SPECIAL), st.text(TOKEN, min_size=1, max_size=30),
+                         st.binary(min_size=1, max_size=30))
+header_values = st.one_of(st.sampled_from([b"-1", b"abc", b"99999999999999999999", b"chunked", b"gzip, chunked",
+                                           b"100-continue", b"close", b"application/json", b"Bearer \xff"]),
+                          st.binary(max_size=200), st.text(max_size=100).map(lambda t: t.encode("utf-8", "replace")))
+headers = st.lists(st.tuples(header_names, header_values), max_size=6)
+targets = st.one_of(st.binary(max_size=80), st.text(max_size=60).map(lambda t: t.encode("utf-8", "replace")))
+ROUTES = [("GET", "/health"), ("GET", "/state"), ("GET", "/checksums"), ("POST", "/generate"),
+          ("POST", "/v1/completions"), ("GET", "/v1/models"), ("HEAD", "/health")]
+BODY = json.dumps({"prompts": ["a"], "sampling_params": {"max_tokens": 2}}).encode()
+
+
+def _name(n: str | bytes) -> bytes:
+    return n.encode() if isinstance(n, str) else n
+
+
+def raw_exchange(url: str, request: bytes, head_only: bool = False) -> tuple[int, bytes]:
+    """Send `request` as is; (status, body) of the answer (after any 100 Continue). The server must answer
+    before it closes. `head_only`: a HEAD's answer has no body whatever its Content-Length says."""
+    parts = urlsplit(url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=30) as sock:
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            sock.sendall(request)  # refused mid-request: the answer is still to be read
+        data = b""
+        while not _complete(data, head_only):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    data = data.removeprefix(b"HTTP/1.1 100 Continue\r\n\r\n")
+    assert data.startswith(b"HTTP/1.1 "), f"no answer to {request[:300]!r}: {data[:200]!r}"
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
+def _complete(data: bytes, head_only: bool) -> bool:
+    data = data.removeprefix(b"HTTP/1.1 100 Continue\r\n\r\n")
+    head, sep, body = data.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    if head_only:
+        return True
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return len(body) >= int(value)
+    return False  # no length: read until the server closes
+
+
+def check_raw(label: str, request: bytes, status: int, body: bytes) -> None:
+    parsed: Any = body.decode("utf-8", "replace")
+    if status >= 400:
+        assert body, f"{label}: {status} with no body for {request[:300]!r}"
+        parsed = json.loads(body)
+    check_response(label, status, parsed)
+
+
+@pytest.mark.slow
+def test_headers_and_query_strings_hold_under_fuzzing(fuzzed: Sidecar) -> None:
+    @given(route=st.sampled_from(ROUTES), extra=headers, query=targets)
+    @settings(max_examples=3 * EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    def run(route: tuple[str, str], extra: list[tuple[str | bytes, bytes]], query: bytes) -> None:
+        method, path = route
+        body = BODY if method == "POST" else b""
+        lines = [f"{method} {path}?".encode() + query + b" HTTP/1.1", b"host: fuzz",
+                 b"content-type: application/json", b"content-length: " + str(len(body)).encode()]
+        lines += [_name(n) + b": " + v for n, v in extra]
+        request = b"\r\n".join(lines) + b"\r\n\r\n" + body
+        status, answer = raw_exchange(fuzzed.url, request, head_only=method == "HEAD")
+        check_raw(f"{method} {path}", request, status, answer)
+
+    run()
+    with httpx.Client(base_url=fuzzed.url, timeout=60) as http:
+        assert http.get("/health").status_code == 200

@@ -253,9 +253,11 @@ def test_stop_rules(params: dict, tokens: list[int], expect: list[int], reason: 
 def test_abort_waiting_and_running_requests() -> None:
     sched, runner = make(max_num_seqs=2)
     running = add_request(sched, "run", [1, 2, 3], n=2, max_tokens=50)
+    batch = sched.schedule()  # "run" takes both slots before the others arrive (admission is fair between calls)
+    sched.commit(batch, runner(batch))
     waiting = add_request(sched, "wait", [6, 7, 8], max_tokens=50)
     other = add_request(sched, "other", [9, 10], max_tokens=3)
-    for _ in range(3):
+    for _ in range(2):
         batch = sched.schedule()
         sched.commit(batch, runner(batch))
     assert all(s.status is SequenceStatus.RUNNING for s in running)

@@ -135,7 +135,7 @@ class LLM:
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, *, wait: bool = True, prompt_text: str | None = None,
-                    on_sync: OnSync | None = None, max_staleness: int | None = None) -> str:
+                    on_sync: OnSync | None = None, max_staleness: int | None = None, share: str | None = None) -> str:
         """Validate and queue one prompt. Raises InvalidRequestError naming the field; queues nothing then.
 
         `on_sync` ("keep", "recompute", "abort"; None: EngineConfig.on_sync) and `max_staleness` say
@@ -144,14 +144,15 @@ class LLM:
         While the engine is asleep (or its weights await a sync) the request waits in the queue;
         with wait=False it is refused with a StateError instead. `prompt_text`: the text that `prompt`'s
         token ids were tokenized from by the caller (the sidecar tokenizes off the step loop), kept
-        for the output only.
+        for the output only. `share`: the unit of fair admission (the sidecar passes its HTTP call's id, so
+        the prompts of one call share one turn); None: this request alone.
         """
         params = params or SamplingParams()
         policy = SyncPolicy(on_sync, max_staleness)  # checked here, before anything is queued
         if not wait:
             self.check_ready()
         text, ids = self._checked(prompt, params)
-        return self._enqueue(text if prompt_text is None else prompt_text, ids, params, request_id, policy)
+        return self._enqueue(text if prompt_text is None else prompt_text, ids, params, request_id, policy, share)
 
     def _checked(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
         """(text, token ids) of a valid request; InvalidRequestError naming the field otherwise."""
@@ -160,7 +161,7 @@ class LLM:
         return text, ids
 
     def _enqueue(self, text: str | None, ids: list[int], params: SamplingParams, request_id: str | None,
-                 policy: SyncPolicy) -> str:
+                 policy: SyncPolicy, share: str | None = None) -> str:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
@@ -168,6 +169,7 @@ class LLM:
         for s in seqs:
             s.on_sync = policy.on_sync or self.config.on_sync
             s.max_staleness = policy.max_staleness
+            s.share = share if share is not None else request_id
         req = _Request(request_id, text, list(ids), seqs, time.monotonic())
         if params.stop and self.tokenizer is not None:
             req.stops = StopStrings(params.stop)  # linear in their characters (the HTTP intake bounds them)
@@ -367,7 +369,8 @@ class LLM:
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         checked = self._validate_all(prompts, params_list)
         self.check_ready()  # a synchronous call cannot wait for a wake-up that only the caller can do
-        ids = [self._enqueue(text, tokens, sp, None, policy) for (text, tokens), sp in zip(checked, params_list)]
+        share = f"generate-{next(self._ids)}"  # one call, one turn of fair admission: FCFS inside it
+        ids = [self._enqueue(text, tokens, sp, None, policy, share) for (text, tokens), sp in zip(checked, params_list)]
         results: dict[str, RequestOutput] = {}
         while any(i not in results for i in ids):
             for out in self.step():

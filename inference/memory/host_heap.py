@@ -13,10 +13,6 @@ Rule: freeze in a process that keeps its engine until it exits (a rank, the side
 benchmark's run); a process that drops an engine and goes on calls gc.unfreeze() first, or the
 engine's reference cycles (and the device memory they hold) are never collected.
 
-`release_free_heap` gives the C heap's free pages back to the system (glibc's malloc_trim): after a
-large request is parsed and dropped, glibc keeps the freed memory (a 60 MB body of token ids left the
-HTTP process 1.4 GB larger), since its mmap threshold grows with every large block it frees.
-
 At exit the heap is unfrozen (atexit, before the interpreter's teardown): the last collection skips
 frozen objects, so extension objects in cycles (Triton's nanobind ones) outlived their module and
 nanobind reported each as leaked on every stop.
@@ -25,13 +21,9 @@ nanobind reported each as leaked on every stop.
 from __future__ import annotations
 
 import atexit
-import ctypes
-import ctypes.util
-import functools
 import gc
 import time
 from dataclasses import dataclass
-from typing import Any
 
 
 @dataclass(frozen=True)
@@ -53,19 +45,3 @@ def freeze_startup_heap() -> HeapFreeze:
     atexit.unregister(gc.unfreeze)  # once, however often a process freezes
     atexit.register(gc.unfreeze)
     return HeapFreeze(elapsed, gc.get_freeze_count())
-
-
-@functools.lru_cache(maxsize=1)
-def _libc() -> Any:
-    name = ctypes.util.find_library("c")
-    return ctypes.CDLL(name) if name else None
-
-
-def release_free_heap() -> bool:
-    """malloc_trim(0): return the C heap's free pages to the system. False where there is no glibc."""
-    libc = _libc()
-    trim = getattr(libc, "malloc_trim", None) if libc is not None else None
-    if trim is None:
-        return False
-    trim(0)
-    return True

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import bisect
 import operator
-from collections import deque
 from dataclasses import dataclass, field
 
 from inference.config import SchedulerConfig
 from inference.core import FinishReason, InvalidRequestError, SamplingParams
 from inference.sched.block_manager import BlockManager
 from inference.sched.sequence import Sequence, SequenceStatus
+from inference.sched.wait_queue import WaitQueue
 
 # (token id, logprob, top logprobs or None) for a sequence that sampled, None for one that did not
 Sampled = tuple[int, float, dict[int, float] | None]
@@ -129,9 +129,10 @@ class Scheduler:
     sequence cap (max_num_seqs), in this order:
     1. running decodes (1 token each), oldest arrival first;
     2. running prefills in progress (chunked prefill keeps priority over new admissions);
-    3. waiting sequences FCFS, each with as much of its prompt as the budget leaves (the rest follows
-       in later steps). Admission stops at the first sequence that does not fit, so a large prompt is
-       never starved by smaller ones behind it.
+    3. waiting sequences, each with as much of its prompt as the budget leaves (the rest follows in
+       later steps): FCFS inside a share (a call), round-robin between shares (WaitQueue), so one large
+       call cannot hold a small one behind all its sequences. Admission stops at the first sequence
+       that does not fit, so a large prompt is never starved by smaller ones behind it.
 
     When a running sequence cannot get a block, the latest-arrived running sequence not yet scheduled
     this step (possibly itself) is preempted by recompute: its blocks are freed, num_computed_tokens
@@ -180,7 +181,7 @@ class Scheduler:
         assert num_speculative_tokens >= 0
         self.num_speculative_tokens = num_speculative_tokens
         self.in_flight = 0  # steps `advance` accounted whose tokens commit_pending has not applied yet
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitQueue()
         self.running: list[Sequence] = []
         self._requests: dict[str, list[Sequence]] = {}  # live sequences by request id
         self.preempted = 0  # sequences preempted for lack of blocks, since construction
@@ -515,14 +516,13 @@ class Scheduler:
                 return 0
 
     def _admit(self, plan: _Plan) -> None:
-        """Admit waiting sequences FCFS; samples whose leader's prompt is not computed yet are skipped
-        (they keep their place)."""
+        """Admit waiting sequences in the WaitQueue's order; samples whose leader's prompt is not computed
+        yet are skipped (they keep their place)."""
         bm = self.block_manager
-        skipped: list[Sequence] = []
         while self.waiting and plan.budget > 0 and len(self.running) - plan.num_ending < self.config.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting.peek()
             if self._waits_for_leader(seq):
-                skipped.append(self.waiting.popleft())
+                self.waiting.skip()
                 continue
             hit = bm.match_prefix(seq)
             hit_tokens = len(hit) * bm.block_size
@@ -535,7 +535,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_arrival)
             plan.add(seq, n)
-        self.waiting.extendleft(reversed(skipped))
+        self.waiting.end_pass()
 
     def _waits_for_leader(self, seq: Sequence) -> bool:
         leader = seq.leader

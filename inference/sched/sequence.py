@@ -81,6 +81,7 @@ class Sequence:
         self.seq_id = next(_next_id)
         self.arrival = self.seq_id
         self.request_id = request_id
+        self.share = request_id  # the unit of fair admission (inference/sched/wait_queue.py): a call's id
         self.index = index
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)

@@ -119,7 +119,9 @@ def protocol_class(limits: ConnectionLimits) -> type:
                 self._go_idle(limits.idle_timeout_s)
 
         def send_400_response(self, msg: str) -> None:
-            self._refuse(400, "Bad Request", "MalformedRequest", f"{msg.rstrip('.')}: not an HTTP/1.1 request")
+            self._refuse(400, "Bad Request", "MalformedRequest", f"{msg.rstrip('.')}: the request line or a header "
+                         "is not HTTP/1.1 (a space or a byte outside ASCII in the target, a bad header name, "
+                         "conflicting lengths)", "request")
 
         def _head_too_slow(self) -> None:
             self._head_timer = None

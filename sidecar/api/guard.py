@@ -4,8 +4,7 @@ every route, whatever its handler does.
 - A body larger than --max-body-mb is refused with 413 before it is read: at once when Content-Length
   says so, else as soon as the bytes received pass the limit (a chunked body). Nothing of it is parsed
   or kept, so one client cannot make the process hold gigabytes. A body that makes no progress for
-  --body-timeout-s (a stalled client, a Content-Length larger than the body) is answered 408. After a
-  body of 8 MiB or more, the C heap's free pages are given back (inference/memory/host_heap.py).
+  --body-timeout-s (a stalled client, a Content-Length larger than the body) is answered 408.
 - Every answer the app writes carries `Server-Timing: app;dur=MS` (the app's time on the request; the
   weight calls add `handler;dur=MS`, and /weights/update `ranks;dur=MS`, the slowest rank's own time), so
   a client can split its own time into the wire's, the framework's, the sidecar's hops and the ranks'.
@@ -27,12 +26,10 @@ from typing import Any
 
 from starlette.exceptions import HTTPException
 
-from inference.memory.host_heap import release_free_heap
 from sidecar.api.common import ApiError, error_response
 
 log = logging.getLogger(__name__)
 
-TRIM_AFTER_BYTES = 8 << 20  # a body this large leaves its parsed copies' memory to give back (host_heap.py)
 TIMING_KEY = "sidecar.timing"  # the scope key of a request's timing notes (an ASGI extension key)
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -70,7 +67,6 @@ class RequestGuard:
         self.max_body_bytes = max_body_bytes
         self.on_error = on_error
         self.body_timeout_s = body_timeout_s
-        self._trimming = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -121,13 +117,6 @@ class RequestGuard:
                 raise
             log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
             await self._answer(scope, receive, send, 500, type(e).__name__, str(e) or type(e).__name__)
-        finally:
-            if seen >= TRIM_AFTER_BYTES and not self._trimming:  # after the answer: never delays it
-                self._trimming = True
-                try:
-                    await asyncio.to_thread(release_free_heap)
-                finally:
-                    self._trimming = False
 
     async def _answer(self, scope: Scope, receive: Receive, send: Send, status: int, type_: str, message: str,
                       headers: dict[str, str] | None = None) -> None:

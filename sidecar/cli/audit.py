@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from inference import envs
 from inference.core import SidecarError
+from sidecar.cli.common import one_line
 
 if TYPE_CHECKING:
     from checksum import Manifest
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
             raise ManifestError("<command line>", "EXPECTED.json", _nothing_to_compare(args.url, actual))
         report = Report.merge(reports)
     except (ManifestError, SidecarError) as exc:
-        print(f"sidecar audit: error: {exc}", file=sys.stderr)
+        print(f"sidecar audit: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     sys.stdout.write(report.table(max_rows=args.max_rows if args.max_rows > 0 else None))
     return EXIT_OK if report.ok else EXIT_MISMATCH

@@ -53,3 +53,9 @@ def check_device(device: str, needed: int = 1) -> str:
         raise InvalidRequestError("device", f"--device {device} needs {gpus}, but there is no GPU here: {why}; "
                                             "use --device cpu (or auto)")
     return device
+
+
+def one_line(message: object) -> str:
+    """An error as the one line a command prints: line breaks a file's keys or values carried are shown
+    escaped (\\n), so a script reading stderr sees one line per error."""
+    return str(message).replace("\r", "\\r").replace("\n", "\\n")

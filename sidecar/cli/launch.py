@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from inference import envs
 from inference.core import InvalidRequestError
 from inference.memory.host_heap import freeze_startup_heap
+from sidecar.cli.common import one_line
 from sidecar.config import FIELD_TYPES, LaunchConfig, build_config, engine_default
 from sidecar.log_format import fields, setup_logging
 
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = build_config(cli, config_file=args.config_file)
     except InvalidRequestError as e:
-        print(f"sidecar launch: error: {e}", file=sys.stderr)
+        print(f"sidecar launch: error: {one_line(e)}", file=sys.stderr)
         return 2
     return launch(cfg)
 

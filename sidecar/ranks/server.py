@@ -374,7 +374,8 @@ class RankServer:
         except StateError as e:
             return error_info(e, self.rank_key)
         added: list[str] = []
-        policy = {"on_sync": group.sync.on_sync, "max_staleness": group.sync.max_staleness}
+        policy = {"on_sync": group.sync.on_sync, "max_staleness": group.sync.max_staleness,
+                  "share": group.group_id}  # one HTTP call, one turn of fair admission
         for index, (rid, prompt, params) in enumerate(group.requests):
             try:
                 if isinstance(prompt, TokenizedPrompt):
