@@ -27,7 +27,7 @@ from inference.layers.gemm_invariant import invariant_linear
 from inference.layers.gemv import linear
 from inference.parallel import TPInfo
 
-ShardId = str | int | None
+ShardId = str | int | tuple[int, int] | None
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, ShardId], None]
 
 

@@ -22,7 +22,8 @@ from typing import Any, ClassVar
 
 from inference.config import ModelConfig
 
-ShardId = str | int | None
+# A fused parameter's part: "q"/"k"/"v", a gate_up index, an expert, or (expert, gate_up index).
+ShardId = str | int | tuple[int, int] | None
 
 # Our fused modules and the shard id of each part, in stacking order: what the weight_loaders of
 # QKVParallelLinear and MergedColumnParallelLinear take (inference/layers/linear.py).
@@ -165,8 +166,9 @@ class ModelFamily:
         return hf_name, None
 
     @classmethod
-    def param_to_hf(cls, param_name: str) -> list[tuple[str, ShardId]]:
-        """The HF tensors that fill one of our parameters, in stacking order (inverse of hf_to_param)."""
+    def param_to_hf(cls, param_name: str, config: ModelConfig | None = None) -> list[tuple[str, ShardId]]:
+        """The HF tensors that fill one of our parameters, in stacking order (inverse of hf_to_param).
+        `config` is needed only where the count of parts depends on it (an MoE family's experts)."""
         parts = param_name.split(".")
         if len(parts) >= 2 and parts[-2] in cls._to_hf:
             prefix, leaf = parts[:-2], parts[-1]

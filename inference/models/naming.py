@@ -7,6 +7,8 @@ the weight receiver and the checksum audit all go through here, never through a 
 For the shipped families our names are the HF names with fused parts renamed:
     model.layers.N.self_attn.{q,k,v}_proj.{weight,bias} -> model.layers.N.self_attn.qkv_proj.*  ("q"/"k"/"v")
     model.layers.N.mlp.{gate,up}_proj.weight            -> model.layers.N.mlp.gate_up_proj.weight (0 / 1)
+MoE families (inference/models/moe_family.py) fill fused expert parameters [E, ...] from one HF tensor
+per expert and projection (shard ids: expert, or (expert, gate/up index)).
 Every other name maps to itself with shard_id None. A tied lm_head is not a parameter of its own: it
 IS model.embed_tokens.weight, so `lm_head.weight` is skipped when config.tie_word_embeddings (some
 tied checkpoints still carry it; we ignore it). Rotary inv_freq tables are skipped everywhere.
@@ -52,7 +54,7 @@ def hf_to_param(hf_name: str, config: ModelConfig) -> tuple[str, ShardId]:
 
 def param_to_hf(param_name: str, config: ModelConfig) -> list[tuple[str, ShardId]]:
     """The HF tensors that fill one of our parameters, in fused order (inverse of hf_to_param)."""
-    return family_of(config).param_to_hf(param_name)
+    return family_of(config).param_to_hf(param_name, config)
 
 
 def expected_hf_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
