@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from inference.config import ModelConfig
+from inference.core import InvalidRequestError
 from inference.models import build_model
 from inference.models.hf_config import read_model_config
 from inference.models.loader import iter_hf_tensors, load_weights
-from inference.models.naming import expected_hf_tensors, hf_to_param, param_to_hf
+from inference.models.naming import expected_hf_tensors, family_of, hf_to_param, param_to_hf
 from inference.models.tiny import make_tiny_model
 from inference.parallel import TPInfo
 from inference.transfer.plan import TensorSpec
@@ -79,3 +80,34 @@ def test_each_tp_rank_holds_its_slice_of_every_expert(model_dir: Path) -> None:
                 assert torch.equal(held, t[rank * inter:(rank + 1) * inter]), hf_name
             elif name.endswith("experts.down_proj"):
                 assert torch.equal(params[name][shard_id], t[:, rank * inter:(rank + 1) * inter]), hf_name
+
+
+def test_transformers_in_memory_experts_fill_the_parameters_whole(model_dir: Path) -> None:
+    """A trainer's transformers 5 model holds a layer's experts fused under our names: the receiver takes
+    that layout (held whole at TP=1), one layout per manifest, and each TP rank's loader keeps the slice."""
+    config = _config(model_dir)
+    full = build_model(config, TPInfo(), torch.float32, "cpu")
+    load_weights(full, model_dir)
+    layout = family_of(config).in_memory_hf_tensors(config)
+    assert layout is not None
+    specs = [TensorSpec(n, "float32", s) for n, s in layout.items()]
+    routes = validate_manifest(specs, full, config, which="target", rank="dp0:pp0:tp0", tp_size=1, allow_cast=False)
+    params = dict(full.named_parameters())
+    for route in routes:
+        if ".experts." in route.spec.name:
+            assert route.shard_id is None and route.held is not None
+            assert route.held.data_ptr() == params[route.spec.name].data_ptr()
+    mixed = [s for s in specs if not s.name.endswith("layers.0.mlp.experts.down_proj")]
+    with pytest.raises(InvalidRequestError, match=r"layers\.0\.mlp\.experts\.down_proj"):
+        validate_manifest(mixed, full, config, which="target", rank="dp0:pp0:tp0", tp_size=1, allow_cast=False)
+    inter = config.moe_intermediate_size // 2
+    gate_up, down = (params[f"model.layers.0.mlp.experts.{n}"].detach() for n in ("gate_up_proj", "down_proj"))
+    for rank in range(2):
+        shard = dict(build_model(config, TPInfo(rank, 2, group=object()), torch.float32, "cpu").named_parameters())
+        for name, whole in (("gate_up_proj", gate_up), ("down_proj", down)):
+            p = shard[f"model.layers.0.mlp.experts.{name}"]
+            p.weight_loader(p, whole, None)
+        rows = slice(rank * inter, (rank + 1) * inter)
+        held = shard["model.layers.0.mlp.experts.gate_up_proj"]
+        assert torch.equal(held, torch.cat([gate_up[:, rows], gate_up[:, 2 * inter:][:, rows]], dim=1))
+        assert torch.equal(shard["model.layers.0.mlp.experts.down_proj"], down[:, :, rows])

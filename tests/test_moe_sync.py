@@ -1,7 +1,8 @@
 """Weight sync of an MoE model through a real `sidecar launch` (CPU, gloo): the trainer's changed expert
 tensors (one HF tensor per expert and projection, as a checkpoint holds them) land in the fused expert
 parameters, and the sidecar then generates what transformers generates from the trainer's weights; a byte
-flipped in one expert's tensor on arrival fails the audit naming that tensor and the rank."""
+flipped in one expert's tensor on arrival fails the audit naming that tensor and the rank. A WeightSyncHook
+over a transformers 5 MoE model (experts fused in memory) syncs the same way."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from inference.transfer.sender import WeightSender
 from tests.helpers_fault import flip_env
 from tests.helpers_sidecar import launch
 from tests.helpers_weight_update import RANK
+from trainer_hooks import WeightSyncHook
 from trainer_hooks.client import SidecarChecksumError, SidecarClient
 
 pytestmark = pytest.mark.slow
@@ -79,6 +81,26 @@ def test_a_sync_of_changed_experts_changes_the_output_as_the_trainer_predicts(
             c.connect_sender(sender)
             result = c.sync_weights(sender, state, version=1)
             assert result["ok"] and result["tensors_checked"] == len(state), result["table"]
+            assert [o.outputs[0].token_ids for o in c.generate(PROMPTS, GREEDY)] == want
+    finally:
+        assert proc.stop() == 0, proc.log
+
+
+def test_a_hook_over_a_transformers_moe_model_syncs_its_fused_experts(model_dir: Path, sender: WeightSender,
+                                                                      tmp_path: Path) -> None:
+    """transformers 5 holds a layer's experts fused ([E, 2I, H] gate_up, [E, H, I] down): WeightSyncHook
+    sends them as they are, and each fills our fused parameter whole."""
+    import transformers
+
+    state = trained(model_dir)
+    want = hf_greedy(model_dir, state, tmp_path / "trained")
+    trainer = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "trained", dtype=torch.float32).eval()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in dict(trainer.named_parameters())
+    proc = launch("--model", str(model_dir))
+    try:
+        with SidecarClient(proc.url, timeout=120) as c:
+            result = WeightSyncHook(c, trainer, sender=sender).sync()
+            assert result is not None and result["ok"], result
             assert [o.outputs[0].token_ids for o in c.generate(PROMPTS, GREEDY)] == want
     finally:
         assert proc.stop() == 0, proc.log

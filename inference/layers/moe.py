@@ -122,17 +122,28 @@ class MoEExperts(nn.Module):
         self.down_proj = new_param((num_experts, hidden, self.inter_local), dtype, device, self.load_down)
 
     def load_gate_up(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) -> None:
-        """One expert's gate (part 0) or up (part 1) [I, H]: this rank's rows into their half."""
+        """One expert's gate (part 0) or up (part 1) [I, H]: this rank's rows into their half; or, shard id
+        None, every expert's [E, 2I, H] fused (transformers 5's in-memory layout): this rank's rows of each half."""
+        n = self.inter_local
+        if shard_id is None:
+            inter = loaded.shape[1] // 2
+            assert inter == n * self.tp.size, tuple(loaded.shape)
+            for part in (0, 1):
+                param.data.narrow(1, part * n, n).copy_(loaded.narrow(1, part * inter + self.tp.rank * n, n))
+            return
         assert isinstance(shard_id, tuple), f"expert gate/up needs an (expert, part) shard id, got {shard_id!r}"
         expert, part = shard_id
-        n = self.inter_local
         assert loaded.shape[0] == n * self.tp.size, tuple(loaded.shape)
         param.data[expert].narrow(0, part * n, n).copy_(loaded.narrow(0, self.tp.rank * n, n))
 
     def load_down(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) -> None:
-        """One expert's down [H, I]: this rank's columns."""
-        assert isinstance(shard_id, int), f"expert down needs an expert index, got {shard_id!r}"
+        """One expert's down [H, I] (or, shard id None, every expert's [E, H, I]): this rank's columns."""
         n = self.inter_local
+        if shard_id is None:
+            assert loaded.shape[2] == n * self.tp.size, tuple(loaded.shape)
+            param.data.copy_(loaded.narrow(2, self.tp.rank * n, n))
+            return
+        assert isinstance(shard_id, int), f"expert down needs an expert index, got {shard_id!r}"
         assert loaded.shape[1] == n * self.tp.size, tuple(loaded.shape)
         param.data[shard_id].copy_(loaded.narrow(1, self.tp.rank * n, n))
 

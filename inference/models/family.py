@@ -143,6 +143,12 @@ class ModelFamily:
         return {cls.hf_name(slot): slot.shape for slot in cls.layout(config)}
 
     @classmethod
+    def in_memory_hf_tensors(cls, config: ModelConfig) -> dict[str, tuple[int, ...]] | None:
+        """The tensors a trainer's transformers model holds in memory, where they differ from the
+        checkpoint's (a weight sync accepts either layout); None where they do not."""
+        return None
+
+    @classmethod
     def hf_name(cls, slot: WeightSlot) -> str:
         """The checkpoint's name for one slot of the layout."""
         return next(hf for hf, shard_id in cls.param_to_hf(slot.param) if shard_id == slot.shard_id)

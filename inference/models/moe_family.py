@@ -10,6 +10,8 @@ A family names its block and its three parts (Qwen3-MoE: mlp, gate_proj/up_proj/
 block_sparse_moe, w1/w3/w2). At TP=1 the fused parameter flattened to 2-D is its HF parts stacked along
 dim 0 in shard order, as for the dense fused modules (the weight receiver copies straight into them).
 Dense layers of an MoE model (ModelConfig.dense_layers) keep the dense names of ModelFamily.
+A trainer's transformers 5 model holds the experts fused under our names: a weight sync takes that layout
+too (in_memory_hf_tensors), each fused tensor filling its parameter whole (shard id None).
 """
 
 from __future__ import annotations
@@ -56,6 +58,22 @@ class MoEFamily(ModelFamily):
                     yield WeightSlot(p + GATE_UP, (expert, 0), (inter, h))
                     yield WeightSlot(p + GATE_UP, (expert, 1), (inter, h))
                     yield WeightSlot(p + DOWN, expert, (h, inter))
+
+    @classmethod
+    def in_memory_hf_tensors(cls, config: ModelConfig) -> dict[str, tuple[int, ...]] | None:
+        """transformers 5's in-memory layout: each MoE layer's experts fused under our names (so the
+        trainer's tensors fill our parameters whole), the rest as the checkpoint names it."""
+        out: dict[str, tuple[int, ...]] = {}
+        h, inter, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
+        for slot in cls.layout(config):
+            prefix, ours = _split_moe(slot.param)
+            if ours is None:
+                out[cls.hf_name(slot)] = slot.shape
+            elif ours == ROUTER:
+                out[slot.param] = (e, h)
+                out[prefix + GATE_UP] = (e, 2 * inter, h)
+                out[prefix + DOWN] = (e, h, inter)
+        return out
 
     @classmethod
     def hf_name(cls, slot: WeightSlot) -> str:

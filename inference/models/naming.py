@@ -25,8 +25,8 @@ from inference.models.registry import family_names, get_family
 if TYPE_CHECKING:
     from inference.config import ModelConfig
 
-__all__ = ["ShardId", "expected_hf_tensors", "family_of", "hf_layout_of", "hf_to_param", "is_skipped",
-           "o_proj_has_bias", "param_to_hf"]
+__all__ = ["ShardId", "expected_hf_tensors", "expected_wire_tensors", "family_of", "hf_layout_of", "hf_to_param",
+           "is_skipped", "o_proj_has_bias", "param_to_hf"]
 
 
 def family_of(config: ModelConfig) -> type[ModelFamily]:
@@ -61,6 +61,18 @@ def expected_hf_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every HF tensor name a checkpoint of this config must have, with its full (unsharded) shape,
     in the family's layout order. Skipped names (rotary tables, a tied lm_head) are not listed."""
     return family_of(config).expected_hf_tensors(config)
+
+
+def expected_wire_tensors(config: ModelConfig, names: Collection[str]) -> dict[str, tuple[int, ...]]:
+    """The tensors a weight sync must carry, in the layout `names` (its manifest's) are in: the checkpoint's
+    (expected_hf_tensors), or the family's in-memory transformers layout when a name is only in that one
+    (an MoE trainer's fused experts)."""
+    family = family_of(config)
+    checkpoint = family.expected_hf_tensors(config)
+    in_memory = family.in_memory_hf_tensors(config)
+    if in_memory is not None and any(n in in_memory and n not in checkpoint for n in names):
+        return in_memory
+    return checkpoint
 
 
 def hf_layout_of(hf_names: Collection[str], param_names: Collection[str]) -> str | None:

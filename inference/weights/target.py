@@ -31,7 +31,14 @@ from checksum import ALGORITHM, Manifest, Mismatch, Report, TensorRecord, digest
 from inference.config import ModelConfig
 from inference.core import InvalidRequestError
 from inference.models.loader import load_hf_tensor
-from inference.models.naming import ShardId, expected_hf_tensors, hf_to_param, is_skipped, param_to_hf
+from inference.models.naming import (
+    ShardId,
+    expected_hf_tensors,
+    expected_wire_tensors,
+    hf_to_param,
+    is_skipped,
+    param_to_hf,
+)
 from inference.transfer.ipc import copy_pairs
 from inference.transfer.plan import TensorSpec
 
@@ -72,7 +79,7 @@ def validate_manifest(specs: Sequence[TensorSpec], model: nn.Module, config: Mod
                       params: dict[str, nn.Parameter] | None = None) -> list[Route]:
     """Routes for every spec, or InvalidRequestError naming the first bad tensor and this rank."""
     params = dict(model.named_parameters()) if params is None else params
-    expected = expected_hf_tensors(config)
+    expected = expected_wire_tensors(config, [s.name for s in specs])
     seen: set[str] = set()
     routes = []
     for spec in specs:
