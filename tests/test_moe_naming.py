@@ -14,7 +14,7 @@ from inference.config import ModelConfig
 from inference.core import InvalidRequestError
 from inference.models import build_model
 from inference.models.hf_config import read_model_config
-from inference.models.loader import iter_hf_tensors, load_weights
+from inference.models.loader import iter_hf_tensors, load_named_tensors, load_weights
 from inference.models.naming import expected_hf_tensors, family_of, hf_to_param, param_to_hf
 from inference.models.tiny import make_tiny_model
 from inference.parallel import TPInfo
@@ -111,3 +111,18 @@ def test_transformers_in_memory_experts_fill_the_parameters_whole(model_dir: Pat
         held = shard["model.layers.0.mlp.experts.gate_up_proj"]
         assert torch.equal(held, torch.cat([gate_up[:, rows], gate_up[:, 2 * inter:][:, rows]], dim=1))
         assert torch.equal(shard["model.layers.0.mlp.experts.down_proj"], down[:, :, rows])
+
+
+def test_a_transformers_state_dict_loads_as_the_checkpoint_does(model_dir: Path) -> None:
+    """load_named_tensors over a transformers 5 MoE model's own state (fused experts) fills every parameter
+    with the checkpoint's bytes (what the generate benchmark does with dummy weights)."""
+    import transformers
+
+    config = _config(model_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ours, ref = (build_model(config, TPInfo(), torch.float32, "cpu") for _ in range(2))
+    load_named_tensors(ours, hf.state_dict().items())
+    load_weights(ref, model_dir)
+    got = dict(ours.named_parameters())
+    for name, p in ref.named_parameters():
+        assert torch.equal(got[name], p), name
