@@ -90,17 +90,18 @@ def experts_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     inter, p = inter2 // 2, t * k
     x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
     sorted_pairs, block_expert = align_pairs(ids, e, block_m)
+    precision = "ieee" if x.dtype == torch.float32 else None  # None: the dot's default (bf16, fp16)
     num_blocks = block_expert.numel()
     act = torch.empty(p, inter, dtype=x.dtype, device=x.device)
     _moe_gate_up_kernel[(num_blocks, triton.cdiv(inter, BLOCK_N))](
         x, gate_up, act, sorted_pairs, block_expert, p, k, hidden, inter,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PRECISION=precision)
     out = torch.empty(p, hidden, dtype=x.dtype, device=x.device)
     _moe_down_kernel[(num_blocks, triton.cdiv(hidden, BLOCK_N))](
         act, down, out, sorted_pairs, block_expert, weights.reshape(-1).contiguous(), p, hidden, inter,
         act.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PRECISION=precision)
     return out.view(t, k, hidden).sum(dim=1)
 
 

@@ -6,7 +6,8 @@ pad value is the pair count), and `block_expert[b]`, the expert of row block b (
 which returns before reading any weight, so a decode step reads only the chosen experts' weights).
 A program computes BLOCK_M pairs x BLOCK_N output columns of one expert, walking K in BLOCK_K steps in
 order with fp32 accumulation: a pair's bits depend on the tile sizes and the weights only, never on how
-many pairs its expert got or which other pairs share its block.
+many pairs its expert got or which other pairs share its block. PRECISION: "ieee" for fp32 inputs (no
+TF32, so an fp32 model computes what the torch loop does), None (the default) for bf16/fp16.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import triton.language as tl
 @triton.jit
 def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs, top_k, hidden, inter,
                         stride_xt, stride_we, stride_wn, stride_op,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr) -> None:
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PRECISION: tl.constexpr) -> None:
     """out[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, inter + n]) for n in this block."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -39,8 +41,8 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_
         w_mask = (k[:, None] < hidden) & (offs_n[None, :] < inter)
         wg = tl.load(w_base + offs_n[None, :] * stride_wn + k[:, None], mask=w_mask, other=0.0)
         wu = tl.load(w_base + (inter + offs_n[None, :]) * stride_wn + k[:, None], mask=w_mask, other=0.0)
-        acc_gate = tl.dot(a, wg, acc_gate)
-        acc_up = tl.dot(a, wu, acc_up)
+        acc_gate = tl.dot(a, wg, acc_gate, input_precision=PRECISION)
+        acc_up = tl.dot(a, wu, acc_up, input_precision=PRECISION)
     # As the dense path: the products are rounded to the model dtype before SiLU * up.
     gate = acc_gate.to(out_ptr.dtype.element_ty).to(tl.float32)
     up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -52,7 +54,8 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_
 @triton.jit
 def _moe_down_kernel(a_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr, num_pairs, hidden, inter,
                      stride_ap, stride_we, stride_wn, stride_op,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr) -> None:
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PRECISION: tl.constexpr) -> None:
     """out[pair, n] = weight[pair] * (a[pair] . w[e, n]) for n in this block."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -71,7 +74,7 @@ def _moe_down_kernel(a_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights
                     other=0.0)
         w = tl.load(w_base + offs_n[None, :] * stride_wn + k[:, None],
                     mask=(k[:, None] < inter) & (offs_n[None, :] < hidden), other=0.0)
-        acc = tl.dot(a, w, acc)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
     y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # the product in the model dtype, as F.linear gives
     scale = tl.load(weights_ptr + rows, mask=valid, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows[:, None] * stride_op + offs_n[None, :], (y * scale[:, None]).to(out_ptr.dtype.element_ty),
