@@ -45,6 +45,17 @@ class ModelConfig:
     bos_token_id: int | None = None
     dtype: str = "bfloat16"  # the checkpoint's torch_dtype
     hidden_act: str = "silu"
+    # Mixture of experts (docs/moe.md); num_experts 0: a dense model. Each MoE layer routes a token to
+    # num_experts_per_tok of num_experts experts of width moe_intermediate_size; the layers listed in
+    # dense_layers keep a dense MLP of width intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the chosen experts' softmax weights to sum to 1
+    dense_layers: tuple[int, ...] = ()
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
 
 
 @dataclass(frozen=True)

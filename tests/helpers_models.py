@@ -29,6 +29,10 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", {"head_dim": 32, "tie_word_embeddings": False}),
     "mistral": ("MistralConfig", {"sliding_window": 4}),
+    # Layer 1 keeps a dense MLP; softmax, top-2 of 8, not renormalised.
+    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 48, "norm_topk_prob": False, "mlp_only_layers": [1]}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 6, "num_experts_per_tok": 2, "sliding_window": None}),
 }
 
 

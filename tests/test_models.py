@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from inference.core import InvalidRequestError, StateError
 from inference.models import build_model
 from inference.models.hf_config import read_model_config
-from inference.models.loader import load_weights
+from inference.models.loader import hf_tensor_shapes, load_weights
 from inference.models.naming import expected_hf_tensors, hf_to_param, is_skipped, param_to_hf
 from inference.parallel import TPInfo
 from tests.helpers_models import (
@@ -71,10 +71,18 @@ def test_config_reads_what_transformers_writes(checkpoint: tuple[str, Path, torc
     c, h = read_model_config(path), hf.config
     assert (c.vocab_size, c.hidden_size, c.num_layers) == (h.vocab_size, h.hidden_size, h.num_hidden_layers)
     assert (c.num_heads, c.num_kv_heads) == (h.num_attention_heads, h.num_key_value_heads)
-    assert c.head_dim == (32 if case == "qwen3" else 16)
+    assert c.head_dim == (32 if case in ("qwen3", "qwen3_moe") else 16)
     assert c.tie_word_embeddings == (case == "qwen2")
     assert c.qkv_bias == (case == "qwen2")
-    assert c.qk_norm == (case == "qwen3")
+    assert c.qk_norm == (case in ("qwen3", "qwen3_moe"))
+    if case == "qwen3_moe":
+        assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (8, 2, 48)
+        assert (c.norm_topk_prob, c.dense_layers) == (False, (1,))
+    if case == "mixtral":
+        assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (6, 2, 96)
+        assert (c.norm_topk_prob, c.dense_layers) == (True, ())
+    if case not in ("qwen3_moe", "mixtral"):
+        assert c.num_experts == 0 and not c.is_moe_layer(0)
     assert c.sliding_window == (4 if case == "mistral" else None)
     assert c.rope.theta == h.rope_parameters["rope_theta"]
     if case == "llama3":
@@ -92,8 +100,14 @@ def test_naming_round_trip_covers_the_checkpoint(checkpoint: tuple[str, Path, to
             covered[hf_name] = (name, shard_id)
     expected = expected_hf_tensors(config)
     assert set(covered) == set(expected)
-    hf_shapes = {k: tuple(v.shape) for k, v in hf.state_dict().items() if not is_skipped(k, config)}
+    # What the checkpoint holds (transformers 5 holds MoE experts fused in memory, but writes one
+    # tensor per expert and projection, as the hub's checkpoints are).
+    hf_shapes = {k: v for k, v in hf_tensor_shapes(path).items() if not is_skipped(k, config)}
     assert hf_shapes == expected
+    ours = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    for name, tensor in hf.state_dict().items():
+        if ".experts." in name or ".mlp.gate." in name:  # our fused experts are transformers 5's
+            assert ours[name] == tuple(tensor.shape), name
     if config.tie_word_embeddings:
         assert model.lm_head.weight is model.model.embed_tokens.weight
         assert "lm_head.weight" in hf.state_dict() and is_skipped("lm_head.weight", config)

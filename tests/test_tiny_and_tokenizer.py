@@ -99,7 +99,8 @@ def test_our_model_config_reads_the_tiny_config(family: str, family_dirs: dict[s
     assert (mc.hidden_size, mc.num_layers, mc.num_heads, mc.num_kv_heads) == (128, 3, 8, 4)
     assert mc.head_dim == 16 and mc.vocab_size == TOKENIZER_VOCAB_SIZE
     assert mc.tie_word_embeddings == (family in ("qwen2", "qwen3"))
-    assert mc.qkv_bias == (family == "qwen2") and mc.qk_norm == (family == "qwen3")
+    assert mc.qkv_bias == (family == "qwen2") and mc.qk_norm == (family in ("qwen3", "qwen3_moe"))
+    assert mc.num_experts == (8 if family in ("qwen3_moe", "mixtral") else 0)
     assert mc.rope.kind == ("llama3" if family == "llama" else "default")
     assert mc.eos_token_ids == (EOS_ID, IM_END_ID) and mc.bos_token_id == BOS_ID
     assert mc.sliding_window is None and mc.dtype == "float32"

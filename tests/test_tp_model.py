@@ -1,5 +1,6 @@
 """Tensor parallelism: TP=2 over gloo (two CPU processes) gives the same logits as TP=1, on every
-rank, for llama and for qwen2 with tied embeddings and a vocabulary that needs padding (301)."""
+rank, for llama, for qwen2 with tied embeddings and a vocabulary that needs padding (301), and for the
+MoE families (experts split over the intermediate dimension)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch.multiprocessing as mp
 from inference.parallel import TPInfo
 from tests.helpers_models import ToyPager, load_ours, make_hf_checkpoint, our_logits, random_prompts
 
-CASES = {"llama": {}, "qwen2": {"vocab_size": 301}}
+# The MoE families split every expert's intermediate dimension over the ranks.
+CASES = {"llama": {}, "qwen2": {"vocab_size": 301}, "qwen3_moe": {}, "mixtral": {}}
 TP = 2
 
 

@@ -33,7 +33,7 @@ from inference.layers.gemv import linear
 from inference.parallel import TPInfo
 from inference.quant.fp8 import FP8_DTYPE, quantize_rows
 
-ShardId = str | int | None
+ShardId = str | int | tuple[int, int] | None
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, ShardId], None]
 
 

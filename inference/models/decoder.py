@@ -3,7 +3,8 @@
 Family differences are flags of the config, which each family class reads from config.json
 (inference/models/<family>.py): qkv_bias, o_proj's bias (naming.o_proj_has_bias), qk_norm (RMSNorm per
 head on q and k before rotary), tie_word_embeddings (the LM head shares the embedding's Parameter),
-sliding_window, rope (llama3 scaling).
+sliding_window, rope (llama3 scaling), and for MoE families the sparse MLP of each MoE layer
+(inference/layers/moe.py; ModelConfig.is_moe_layer).
 
 `quantization` "fp8" (EngineConfig.quantization) builds the attention and MLP linears with FP8 weights
 (inference/layers/linear.py); the embedding, the norms and the LM head stay in the model dtype.
@@ -28,6 +29,7 @@ from inference.layers.attention import Attention, AttentionBackend
 from inference.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from inference.layers.gemv import silu_mul_gemv, use_silu_mul_gemv
 from inference.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from inference.layers.moe import MoEBlock
 from inference.layers.norm import RMSNorm
 from inference.layers.rotary import Rope, RotaryEmbedding
 from inference.models.naming import o_proj_has_bias
@@ -114,13 +116,14 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, b: _Build, backend: AttentionBackend) -> None:
+    def __init__(self, b: _Build, backend: AttentionBackend, index: int = 0) -> None:
         super().__init__()
         c = b.config
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, b.dtype, b.device, b.invariant)
         self.self_attn = DecoderAttention(b, backend)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, b.dtype, b.device, b.invariant)
-        self.mlp = DecoderMLP(b)
+        self.mlp: DecoderMLP | MoEBlock = (MoEBlock(c, b.tp, b.dtype, b.device, b.invariant)
+                                           if c.is_moe_layer(index) else DecoderMLP(b))
         self.invariant = b.invariant
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
@@ -132,6 +135,9 @@ class DecoderLayer(nn.Module):
         """
         qkv, residual = self.input_layernorm.linear(x, residual, self.self_attn.qkv_proj)
         h = self.self_attn.attend(qkv, rope, meta)
+        if isinstance(self.mlp, MoEBlock):
+            h, residual = self.post_attention_layernorm.add_forward(h, residual)
+            return self.mlp(h), residual
         gate_up, residual = self.post_attention_layernorm.linear(h, residual, self.mlp.gate_up_proj)
         return self.mlp.activate_down(gate_up), residual
 
@@ -141,7 +147,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         c = b.config
         self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, b.tp, b.dtype, b.device)
-        self.layers = nn.ModuleList(DecoderLayer(b, backend) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(b, backend, i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, b.dtype, b.device, b.invariant)
         self.rotary_emb = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope, b.device)
 

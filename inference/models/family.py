@@ -22,7 +22,8 @@ from typing import Any, ClassVar
 
 from inference.config import ModelConfig
 
-ShardId = str | int | None
+# A fused parameter's part: "q"/"k"/"v", a gate_up index, an expert, or (expert, gate_up index).
+ShardId = str | int | tuple[int, int] | None
 
 # Our fused modules and the shard id of each part, in stacking order: what the weight_loaders of
 # QKVParallelLinear and MergedColumnParallelLinear take (inference/layers/linear.py).
@@ -142,6 +143,12 @@ class ModelFamily:
         return {cls.hf_name(slot): slot.shape for slot in cls.layout(config)}
 
     @classmethod
+    def in_memory_hf_tensors(cls, config: ModelConfig) -> dict[str, tuple[int, ...]] | None:
+        """The tensors a trainer's transformers model holds in memory, where they differ from the
+        checkpoint's (a weight sync accepts either layout); None where they do not."""
+        return None
+
+    @classmethod
     def hf_name(cls, slot: WeightSlot) -> str:
         """The checkpoint's name for one slot of the layout."""
         return next(hf for hf, shard_id in cls.param_to_hf(slot.param) if shard_id == slot.shard_id)
@@ -165,8 +172,9 @@ class ModelFamily:
         return hf_name, None
 
     @classmethod
-    def param_to_hf(cls, param_name: str) -> list[tuple[str, ShardId]]:
-        """The HF tensors that fill one of our parameters, in stacking order (inverse of hf_to_param)."""
+    def param_to_hf(cls, param_name: str, config: ModelConfig | None = None) -> list[tuple[str, ShardId]]:
+        """The HF tensors that fill one of our parameters, in stacking order (inverse of hf_to_param).
+        `config` is needed only where the count of parts depends on it (an MoE family's experts)."""
         parts = param_name.split(".")
         if len(parts) >= 2 and parts[-2] in cls._to_hf:
             prefix, leaf = parts[:-2], parts[-1]

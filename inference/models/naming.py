@@ -7,6 +7,8 @@ the weight receiver and the checksum audit all go through here, never through a 
 For the shipped families our names are the HF names with fused parts renamed:
     model.layers.N.self_attn.{q,k,v}_proj.{weight,bias} -> model.layers.N.self_attn.qkv_proj.*  ("q"/"k"/"v")
     model.layers.N.mlp.{gate,up}_proj.weight            -> model.layers.N.mlp.gate_up_proj.weight (0 / 1)
+MoE families (inference/models/moe_family.py) fill fused expert parameters [E, ...] from one HF tensor
+per expert and projection (shard ids: expert, or (expert, gate/up index)).
 Every other name maps to itself with shard_id None. A tied lm_head is not a parameter of its own: it
 IS model.embed_tokens.weight, so `lm_head.weight` is skipped when config.tie_word_embeddings (some
 tied checkpoints still carry it; we ignore it). Rotary inv_freq tables are skipped everywhere.
@@ -23,8 +25,8 @@ from inference.models.registry import family_names, get_family
 if TYPE_CHECKING:
     from inference.config import ModelConfig
 
-__all__ = ["ShardId", "expected_hf_tensors", "family_of", "hf_layout_of", "hf_to_param", "is_skipped",
-           "o_proj_has_bias", "param_to_hf"]
+__all__ = ["ShardId", "expected_hf_tensors", "expected_wire_tensors", "family_of", "hf_layout_of", "hf_to_param",
+           "is_skipped", "o_proj_has_bias", "param_to_hf"]
 
 
 def family_of(config: ModelConfig) -> type[ModelFamily]:
@@ -52,13 +54,25 @@ def hf_to_param(hf_name: str, config: ModelConfig) -> tuple[str, ShardId]:
 
 def param_to_hf(param_name: str, config: ModelConfig) -> list[tuple[str, ShardId]]:
     """The HF tensors that fill one of our parameters, in fused order (inverse of hf_to_param)."""
-    return family_of(config).param_to_hf(param_name)
+    return family_of(config).param_to_hf(param_name, config)
 
 
 def expected_hf_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every HF tensor name a checkpoint of this config must have, with its full (unsharded) shape,
     in the family's layout order. Skipped names (rotary tables, a tied lm_head) are not listed."""
     return family_of(config).expected_hf_tensors(config)
+
+
+def expected_wire_tensors(config: ModelConfig, names: Collection[str]) -> dict[str, tuple[int, ...]]:
+    """The tensors a weight sync must carry, in the layout `names` (its manifest's) are in: the checkpoint's
+    (expected_hf_tensors), or the family's in-memory transformers layout when a name is only in that one
+    (an MoE trainer's fused experts)."""
+    family = family_of(config)
+    checkpoint = family.expected_hf_tensors(config)
+    in_memory = family.in_memory_hf_tensors(config)
+    if in_memory is not None and any(n in in_memory and n not in checkpoint for n in names):
+        return in_memory
+    return checkpoint
 
 
 def hf_layout_of(hf_names: Collection[str], param_names: Collection[str]) -> str | None:

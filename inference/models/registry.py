@@ -13,10 +13,12 @@ from inference.core import InvalidRequestError
 from inference.models.family import ModelFamily
 from inference.models.llama import Llama
 from inference.models.mistral import Mistral
+from inference.models.mixtral import Mixtral
 from inference.models.qwen2 import Qwen2
 from inference.models.qwen3 import Qwen3
+from inference.models.qwen3_moe import Qwen3Moe
 
-SHIPPED: tuple[type[ModelFamily], ...] = (Llama, Qwen2, Qwen3, Mistral)
+SHIPPED: tuple[type[ModelFamily], ...] = (Llama, Qwen2, Qwen3, Mistral, Qwen3Moe, Mixtral)
 _BY_NAME: dict[str, type[ModelFamily]] = {}
 
 

@@ -23,6 +23,7 @@ weights/installed.py: quantized on the device as they land, installed, and audit
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -33,7 +34,14 @@ from checksum import ALGORITHM, Manifest, Mismatch, Report, TensorRecord, digest
 from inference.config import ModelConfig
 from inference.core import InvalidRequestError
 from inference.models.loader import load_hf_tensor
-from inference.models.naming import ShardId, expected_hf_tensors, hf_to_param, is_skipped, param_to_hf
+from inference.models.naming import (
+    ShardId,
+    expected_hf_tensors,
+    expected_wire_tensors,
+    hf_to_param,
+    is_skipped,
+    param_to_hf,
+)
 from inference.transfer.ipc import copy_pairs
 from inference.transfer.plan import TensorSpec
 from inference.weights.installed import InstalledAudit, fp8_layers
@@ -76,7 +84,7 @@ def validate_manifest(specs: Sequence[TensorSpec], model: nn.Module, config: Mod
                       params: dict[str, nn.Parameter] | None = None) -> list[Route]:
     """Routes for every spec, or InvalidRequestError naming the first bad tensor and this rank."""
     params = dict(model.named_parameters()) if params is None else params
-    expected = expected_hf_tensors(config)
+    expected = expected_wire_tensors(config, [s.name for s in specs])
     seen: set[str] = set()
     routes = []
     for spec in specs:
@@ -124,23 +132,44 @@ def _route(spec: TensorSpec, params: dict[str, nn.Parameter], config: ModelConfi
                   f"or serve the trainer's dtype: `sidecar launch --dtype {spec.dtype}`")
     held = None
     if tp_size == 1 and spec.dtype == dtype_name(param.dtype):  # an FP8 weight is never written directly
-        held = _held_region(param, param_name, shard_id, spec.shape, expected, config)
+        held = _held_region(param, param_name, shard_id, spec.shape, config)
     return Route(spec, param_name, shard_id, held)
 
 
 def _held_region(param: nn.Parameter, param_name: str, shard_id: ShardId, shape: tuple[int, ...],
-                 expected: dict[str, tuple[int, ...]], config: ModelConfig) -> torch.Tensor | None:
-    """At TP=1 a fused parameter is its parts stacked along dim 0, in naming order; None if not so."""
+                 config: ModelConfig) -> torch.Tensor | None:
+    """At TP=1 a fused parameter is its parts stacked along dim 0, in naming order (fused experts [E, rows,
+    cols] flattened to [E * rows, cols] likewise); None if not so."""
     data = param.detach()
     if shard_id is None:
         return data if tuple(data.shape) == shape and data.is_contiguous() else None
-    parts = param_to_hf(param_name, config)
-    rows = [expected[hf][0] for hf, _ in parts]
-    if sum(rows) != data.shape[0] or not data.is_contiguous():
+    if not data.is_contiguous():
         return None
-    index = [sid for _, sid in parts].index(shard_id)
-    region = data.narrow(0, sum(rows[:index]), rows[index])
+    if data.dim() > 2:
+        data = data.flatten(0, -2)
+    rows, total = _part_rows(param_name, config)
+    if total != data.shape[0]:
+        return None
+    start, end = rows[shard_id]
+    region = data.narrow(0, start, end - start)
     return region if tuple(region.shape) == shape else None
+
+
+@functools.lru_cache(maxsize=8192)
+def _part_rows(param_name: str, config: ModelConfig) -> tuple[dict[ShardId, tuple[int, int]], int]:
+    """({shard id: its [start, end) rows in the parameter stacked along dim 0}, total rows) at TP=1.
+    Cached: an MoE layer's expert parameters have hundreds of parts each."""
+    expected = _expected(config)
+    rows, start = {}, 0
+    for hf, shard_id in param_to_hf(param_name, config):
+        rows[shard_id] = (start, start + expected[hf][0])
+        start += expected[hf][0]
+    return rows, start
+
+
+@functools.lru_cache(maxsize=8)
+def _expected(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    return expected_hf_tensors(config)
 
 
 class UpdateTarget:

@@ -2,7 +2,8 @@
 
 One JSON line per case (shape, batch): our tokens/s, transformers `generate` with a static cache
 (torch.compile), plain `generate`, `generate_batch` where present, the ratios, and our decode step time
-against the weight-bytes roofline (weight bytes over the device-to-device bandwidth measured here).
+against the weight-bytes roofline (weight bytes over the device-to-device bandwidth measured here; for an
+MoE shape the active weights: the experts a step of that batch touches under uniform routing).
 Greedy, ignore_eos, random bf16 weights (the HF model's own random init, copied into ours).
 `--quantization bf16,fp8`: our engine also in FP8 (docs/fp8.md; the same weights quantized as they load),
 one row per quantization with its own roofline (FP8: the linears' bytes halved, plus their scales), the
@@ -26,18 +27,28 @@ from inference.core import SamplingParams
 from inference.engine.llm import LLM
 from inference.models.loader import load_named_tensors
 
-SHAPES = {
+SHAPES: dict[str, dict] = {
     "qwen2-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                        intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
     "qwen2.5-7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                        intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
+    # Qwen3-30B-A3B: 128 experts of 768, 8 per token (docs/moe.md); --layers cuts it to fit ours and
+    # transformers' copies on one GPU (48 layers are 61 GB each in bf16).
+    "qwen3-30b-a3b": dict(config="Qwen3MoeConfig", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936,
+                          tie_word_embeddings=False),
 }
 
 
-def hf_model(shape: str, max_len: int) -> torch.nn.Module:
+def hf_model(shape: str, max_len: int, layers: int | None = None) -> torch.nn.Module:
     import transformers
 
-    cfg = transformers.Qwen2Config(**SHAPES[shape], max_position_embeddings=max_len, rms_norm_eps=1e-6)
+    kw = dict(SHAPES[shape])
+    config_class = getattr(transformers, kw.pop("config", "Qwen2Config"))
+    if layers:
+        kw["num_hidden_layers"] = layers
+    cfg = config_class(**kw, max_position_embeddings=max_len, rms_norm_eps=1e-6)
     cfg.rope_parameters = {"rope_type": "default", "rope_theta": 1000000.0}
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -142,12 +153,13 @@ def main() -> None:
     ap.add_argument("--peers", nargs="*", default=["static", "plain", "batch"], help="transformers modes to run")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--quantization", default="bf16", help="comma list of bf16 and fp8 (our engine's weights)")
+    ap.add_argument("--layers", type=int, default=None, help="fewer decoder layers than the shape has")
     args = ap.parse_args()
     quantizations = [q for q in args.quantization.split(",") if q]
     if any(q not in QUANTIZATIONS for q in quantizations):
         ap.error(f"--quantization: a comma list of {', '.join(QUANTIZATIONS)}")
     max_len = args.prompt_len + args.new_tokens + 16
-    hf = hf_model(args.shape, max(max_len, 512))
+    hf = hf_model(args.shape, max(max_len, 512), args.layers)
     bw = device_copy_gbps()
     g = torch.Generator().manual_seed(0)
     prompts = {b: torch.randint(0, SHAPES[args.shape]["vocab_size"], (b, args.prompt_len), generator=g).tolist()
@@ -182,7 +194,13 @@ def run_batch(llm: LLM, hf: torch.nn.Module, args: argparse.Namespace, batch: in
     row: dict = {"bench": "generate", "shape": args.shape, "batch": batch, "prompt_len": args.prompt_len,
                  "new_tokens": args.new_tokens, "ours_tok_s": round(total / seconds, 1), "_tokens": tokens}
     step_ms = decode_step_ms(llm, batch)
-    roofline_ms = weight_bytes / (bw * 1e9) * 1e3  # weights read once per step at the HBM bandwidth
+    # Weights read once per step at the HBM bandwidth; of an MoE's experts only those the step touches
+    # (uniform routing: each expert is missed by all `batch` tokens with probability (1 - k/E)^batch).
+    mc = llm.model_config
+    touched = 1 - (1 - mc.num_experts_per_tok / mc.num_experts) ** batch if mc.num_experts else 1.0
+    expert_bytes = sum(p.numel() * p.element_size() for n, p in llm.worker.models["target"].named_parameters()
+                       if ".experts." in n)
+    roofline_ms = (weight_bytes - expert_bytes * (1 - touched)) / (bw * 1e9) * 1e3
     row.update(decode_step_ms=round(step_ms, 4), roofline_ms=round(roofline_ms, 4),
                step_over_roofline=round(step_ms / roofline_ms, 2), hbm_gbps=round(bw, 1), weight_bytes=weight_bytes)
     for peer in args.peers:

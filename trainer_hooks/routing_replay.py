@@ -1,0 +1,102 @@
+"""Routing replay: the trainer's forward of an HF MoE model under the experts the rollout chose.
+
+The router of an MoE model can pick other experts in the trainer's forward than in the rollout for the
+same tokens (other kernels, other batch, a near tie), and then the trainer's logprobs of the rollout's
+tokens are those of another computation. Replay forces the rollout's experts; each expert's weight is
+still the trainer's (softmax of its router logits at the forced experts, renormalised as the family
+does), so gradients reach the router as in a free forward.
+
+Routing is a compact array, the same in both directions: uint8 (int16 beyond 256 experts) of shape
+[tokens, moe layers, k] per sequence (batched: [batch, tokens, moe layers, k]), expert ids in the
+router's order; docs/moe.md. `record_routing(model)` captures it from a forward; `replay_routing(model,
+routing)` forces it for the forwards in its block. Both hook the routers of transformers' MoE models
+(Qwen3-MoE, Mixtral: a module with `top_k`, `num_experts` and a [num_experts, hidden] `weight` whose
+forward returns (logits, weights, ids)) with forward hooks removed on exit: no global is patched.
+Imports torch only (tests/test_import_layers.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from inference.core import InvalidRequestError
+
+
+def moe_routers(model: nn.Module) -> list[nn.Module]:
+    """The routers of `model` in layer order; InvalidRequestError naming "model" if it has none."""
+    routers = [m for m in model.modules() if _is_router(m)]
+    if not routers:
+        raise InvalidRequestError("model", f"{type(model).__name__} has no MoE router to record or replay")
+    return routers
+
+
+def routing_dtype(num_experts: int) -> torch.dtype:
+    return torch.uint8 if num_experts <= 256 else torch.int16
+
+
+@contextmanager
+def record_routing(model: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Inside: every forward of `model` appends its routing [tokens, moe layers, k] (tokens flattened over
+    the batch, as the routers see them) to the yielded list."""
+    routers = moe_routers(model)
+    layers: list[list[torch.Tensor]] = [[] for _ in routers]
+    out: list[torch.Tensor] = []
+
+    def hook(index: int) -> Any:
+        def record(module: nn.Module, args: Any, output: tuple) -> None:
+            layers[index].append(output[2].detach().to(routing_dtype(module.num_experts)))
+            if index == len(routers) - 1:
+                out.append(torch.stack([layer.pop() for layer in layers], dim=1).cpu())
+        return record
+
+    handles = [r.register_forward_hook(hook(i)) for i, r in enumerate(routers)]
+    try:
+        yield out
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextmanager
+def replay_routing(model: nn.Module, routing: torch.Tensor) -> Iterator[None]:
+    """Inside: the forwards of `model` route each token to the experts `routing` names ([tokens, moe
+    layers, k], or [batch, tokens, moe layers, k] for a batched forward of that shape). A forward of
+    another token count, or routing of another layer count or k, is an InvalidRequestError naming it."""
+    routers = moe_routers(model)
+    forced = routing.reshape(-1, *routing.shape[-2:]) if routing.dim() >= 3 else routing
+    if forced.dim() != 3 or forced.shape[1] != len(routers):
+        raise InvalidRequestError("routing", f"shape {list(routing.shape)}: expected [..., tokens, "
+                                  f"{len(routers)} moe layers, k]")
+
+    def hook(index: int) -> Any:
+        def replay(module: nn.Module, args: Any, output: tuple) -> tuple:
+            logits = output[0]
+            ids = forced[:, index].to(device=logits.device, dtype=torch.long)
+            if ids.shape != (logits.shape[0], module.top_k):
+                raise InvalidRequestError("routing", f"moe layer {index}: routing for {list(ids.shape)} "
+                                          f"(tokens, k) but the forward routes {logits.shape[0]} tokens "
+                                          f"to {module.top_k} experts")
+            weights = torch.softmax(logits.float(), dim=-1).gather(1, ids)
+            if getattr(module, "norm_topk_prob", True):  # Mixtral's routers always renormalise
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return logits, weights.to(output[1].dtype), ids
+        return replay
+
+    handles = [r.register_forward_hook(hook(i)) for i, r in enumerate(routers)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _is_router(m: nn.Module) -> bool:
+    weight = getattr(m, "weight", None)
+    experts = getattr(m, "num_experts", None)
+    return (hasattr(m, "top_k") and isinstance(experts, int) and isinstance(weight, torch.Tensor)
+            and weight.dim() == 2 and weight.shape[0] == experts)
