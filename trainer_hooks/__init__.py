@@ -24,6 +24,8 @@ if TYPE_CHECKING:
         module_weights,
         named_parameters,
         normalize_name,
+        peft_adapter_weights,
+        peft_base_weights,
         unwrap,
     )
 
@@ -32,7 +34,7 @@ _FLEET = ("Fleet", "FleetError", "FleetGoneError")
 _HOOK = ("AuditError", "SidecarGoneError", "WeightSyncHook", "sampling")
 _GAP = ("LogprobGap", "measure_logprob_gap")
 _SOURCES = ("collect_weights", "deepspeed_weights", "fsdp2_weights", "merged_lora_weights", "module_weights",
-            "named_parameters", "normalize_name", "unwrap")
+            "named_parameters", "normalize_name", "peft_adapter_weights", "peft_base_weights", "unwrap")
 
 __all__ = [  # the five groups above, spelled out for linters and readers
     "AuditError",
@@ -51,6 +53,8 @@ __all__ = [  # the five groups above, spelled out for linters and readers
     "module_weights",
     "named_parameters",
     "normalize_name",
+    "peft_adapter_weights",
+    "peft_base_weights",
     "sampling",
     "unwrap",
 ]

@@ -38,7 +38,7 @@ from trainer_hooks.client_errors import SidecarChecksumError, SidecarConnectionE
 from trainer_hooks.fleet import Fleet
 from trainer_hooks.logprob_gap import measure_logprob_gap
 from trainer_hooks.rollout_pool import DEFAULT_POOL, RolloutTake, staleness, sync_fields
-from trainer_hooks.sources import collect_weights
+from trainer_hooks.sources import collect_weights, peft_adapter_weights, peft_base_weights
 from trainer_hooks.trainer_host import trainer_host
 
 log = logging.getLogger("trainer_hooks")
@@ -81,7 +81,7 @@ class WeightSyncHook:
                  sender_rank: int = 0, allow_cast: bool = False, log_path: str | Path | None = None,
                  transfer_timeout_s: float = 120.0, logprob_gap: bool = False,
                  trainer_host: str | None = None, rollout_pool: str = DEFAULT_POOL,
-                 sync_on_attach: bool = True, delta: bool = False) -> None:
+                 sync_on_attach: bool = True, delta: bool = False, adapter_only: bool = False) -> None:
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level!r}")
         if sync_every < 1 or grad_accum_steps < 1:
@@ -100,6 +100,9 @@ class WeightSyncHook:
         self.logprob_gap = logprob_gap  # measure the trainer-vs-rollout gap after each rollouts() call
         self.rollout_pool = rollout_pool  # the sidecar's pool of partial rollouts (rollouts(min_groups=...))
         self.delta = delta  # senders it builds send only what changed after a full sync (docs/sync-modes.md)
+        # `model` is a PEFT LoRA model served unmerged (sidecar launch --lora): each sync sends its adapter
+        # tensors alone, and the base beside them only after the sidecar's weights were dropped (level 2)
+        self.adapter_only = adapter_only
         self.pooled = False  # groups may be unfinished in the pool: sleep holds them instead of finishing them
         self._sender: WeightSender | None = sender if isinstance(sender, WeightSender) else None
         self._backend = sender if isinstance(sender, str) else None
@@ -150,7 +153,7 @@ class WeightSyncHook:
     def sync(self) -> dict[str, Any] | None:
         """Collect (every rank), then on the sending rank: wake weights, send + audit target (and draft)."""
         t0 = time.perf_counter()
-        target = self._collect(self.model)
+        target = self._collect_adapter() if self.adapter_only else self._collect(self.model)
         draft = self._collect(self.draft_model) if self.draft_model is not None else None
         self.stats["collect_ms"] = _ms(t0)
         self.syncs += 1
@@ -391,6 +394,15 @@ class WeightSyncHook:
         else:
             self._collected.pop(id(model), None)
         return named
+
+    def _collect_adapter(self) -> list[tuple[str, torch.Tensor]]:
+        """adapter_only: the adapter's tensors on the sending rank (nothing to gather: every rank holds
+        them whole), with the unmerged base in front when the sidecar's weights were dropped."""
+        if not self.is_sender:
+            return []
+        self.attach()
+        named = peft_adapter_weights(self.model)
+        return [*peft_base_weights(self.model), *named] if self.weights_dropped else named
 
     def _sync_model(self, model: str, named: list[tuple[str, torch.Tensor]], version: int) -> dict[str, Any]:
         attempts = 2 if self.retry_on_mismatch else 1

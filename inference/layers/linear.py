@@ -13,6 +13,8 @@ Parameters are created with torch.empty: the loader (or the weight receiver) fil
 `invariant` (EngineConfig.batch_invariant): the product runs as gemm_invariant.invariant_linear, each row's
 bits independent of the other rows; with TP, RowParallelLinear then sums the ranks' partials in rank order
 (TPInfo.all_reduce_ordered) rather than in the collective's own order.
+`lora` (None, or a LoRASlot from inference/layers/lora.py): an adapter served unmerged, its term added
+after the layer's own output.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 from inference.core import InvalidRequestError
 from inference.layers.gemm_invariant import invariant_linear
 from inference.layers.gemv import linear
+from inference.layers.lora import LoRASlot
 from inference.parallel import TPInfo
 
 ShardId = str | int | None
@@ -67,6 +70,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = new_param((self.out_features_local, in_features), dtype, device, self.weight_loader)
         self.bias = (new_param((self.out_features_local,), dtype, device, self.weight_loader)
                      if bias else None)
+        self.lora: LoRASlot | None = None
 
     def _row_shard(self, loaded: torch.Tensor, n_local: int) -> torch.Tensor:
         return loaded.narrow(0, self.tp.rank * n_local, n_local)
@@ -77,9 +81,8 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(self._row_shard(loaded, self.out_features_local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.invariant:
-            return invariant_linear(x, self.weight, self.bias)
-        return linear(x, self.weight, self.bias)
+        y = invariant_linear(x, self.weight, self.bias) if self.invariant else linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora(x, y)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -141,6 +144,7 @@ class RowParallelLinear(nn.Module):
         self.weight = new_param((out_features, self.in_features_local), dtype, device, self.weight_loader)
         # The bias is replicated and added after the reduction, so it counts once.
         self.bias = new_param((out_features,), dtype, device, replicated_loader) if bias else None
+        self.lora: LoRASlot | None = None  # TP=1 only (inference/layers/lora.py)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         assert shard_id is None, shard_id
@@ -151,7 +155,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         product = invariant_linear if self.invariant else linear
         if self.tp.size == 1:
-            return product(x, self.weight, self.bias)
+            y = product(x, self.weight, self.bias)
+            return y if self.lora is None else self.lora(x, y)
         return self.reduce(product(x, self.weight))
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,155 @@
+"""LoRA served unmerged: a PEFT adapter loaded at launch and synced adapter-only; greedy outputs equal an
+engine loaded with the merged weights; a flipped adapter byte fails the audit naming the tensor; unsupported
+PEFT options are refused by name. Tiny fp32 Qwen2 (tied, qkv bias) on CPU."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from checksum import ChecksumMismatch
+from inference.core import InvalidRequestError, SamplingParams
+from inference.models.lora_adapter import read_adapter
+from tests.helpers_weight_update import DIMS, Link
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]  # k_proj and up_proj left out on purpose
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [20, 21, 22, 23]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def _peft_model(base_dir: Path, rank: int = 4) -> Any:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, lora_dropout=0.0)
+    model = peft.get_peft_model(hf, config)
+    with torch.no_grad():  # PEFT starts B at zero, which would make the adapter a no-op
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    return model
+
+
+def _merged_dir(model: Any, base_dir: Path, out: Path) -> Path:
+    """The PEFT model's merged weights as a checkpoint beside the base's tokenizer."""
+    copy.deepcopy(model).merge_and_unload().save_pretrained(str(out))
+    for f in base_dir.iterdir():
+        if not (out / f.name).exists():
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def _greedy(model_dir: Path, **options: Any) -> list[list[int]]:
+    from inference.engine.llm import LLM
+
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", **options)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+@pytest.fixture
+def dirs(tmp_path: Path) -> dict[str, Path]:
+    from tests.helpers_weight_update import tiny_model_dirs
+
+    return tiny_model_dirs(tmp_path)
+
+
+def test_unmerged_adapter_equals_merged_weights(dirs: dict[str, Path], tmp_path: Path) -> None:
+    model = _peft_model(dirs["target"])
+    model.save_pretrained(str(tmp_path / "adapter"))
+    served = _greedy(dirs["target"], lora=str(tmp_path / "adapter"))
+    assert served == _greedy(_merged_dir(model, dirs["target"], tmp_path / "merged"))
+    assert served != _greedy(dirs["target"])  # the adapter changes the outputs: the test can fail
+
+
+def test_unmerged_adapter_stays_batch_invariant(dirs: dict[str, Path], tmp_path: Path) -> None:
+    """In the batch-invariant mode a prompt's tokens do not depend on what runs beside it."""
+    _peft_model(dirs["target"]).save_pretrained(str(tmp_path / "adapter"))
+    options = dict(lora=str(tmp_path / "adapter"), batch_invariant=True)
+    together = _greedy(dirs["target"], **options)
+    from inference.engine.llm import LLM
+
+    llm = LLM(str(dirs["target"]), device="cpu", dtype="float32", **options)
+    alone = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
+    assert alone == together
+
+
+@pytest.mark.parametrize(("option", "value"), [("use_dora", True), ("bias", "all"), ("modules_to_save", ["lm_head"]),
+                                               ("rank_pattern", {"q_proj": 8}), ("fan_in_fan_out", True)])
+def test_unsupported_peft_option_is_refused_by_name(tmp_path: Path, option: str, value: Any) -> None:
+    cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], option: value}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InvalidRequestError) as e:
+        read_adapter(tmp_path)
+    assert e.value.field == f"lora.{option}"
+
+
+def test_adapter_only_sync_audits_the_adapter_and_a_flipped_byte_names_it(dirs: dict[str, Path],
+                                                                          tmp_path: Path) -> None:
+    from tests.helpers_fault import flipped_on_arrival
+    from trainer_hooks.sources import peft_adapter_weights
+
+    model = _peft_model(dirs["target"])
+    model.save_pretrained(str(tmp_path / "adapter"))
+    worker = make_worker_with_adapter(dirs, tmp_path / "adapter")
+    link = Link(worker)
+    named = dict(peft_adapter_weights(model))
+    assert len(named) == 2 * len(TARGETS) * DIMS["num_layers"]  # A and B of every adapted module
+    with torch.no_grad():
+        named = {n: t + 0.01 for n, t in named.items()}
+    assert link.sync(named, 1).report.ok
+    bad = "model.layers.1.self_attn.v_proj.lora_B.weight"
+    with flipped_on_arrival(bad), pytest.raises(ChecksumMismatch) as e:
+        link.sync(named, 2)
+    assert [m.tensor for m in e.value.report.mismatches] == [bad] and bad in str(e.value)
+    # a failed sync tears the model: an adapter-only sync is refused until the base comes with it
+    with pytest.raises(InvalidRequestError, match="base weights are not intact"):
+        link.sync(named, 3)
+
+
+def make_worker_with_adapter(dirs: dict[str, Path], adapter: Path) -> Any:
+    from inference.config import EngineConfig
+    from inference.engine.worker import Worker
+
+    worker = Worker(EngineConfig(model=str(dirs["target"]), device="cpu", dtype="float32", lora=str(adapter)))
+    worker.init_device()
+    worker.load_model()
+    return worker
+
+
+@pytest.mark.slow
+def test_peft_model_trained_three_steps_syncs_adapter_only_to_sidecar_launch(dirs: dict[str, Path],
+                                                                            tmp_path: Path) -> None:
+    from tests.helpers_sidecar import launch
+    from trainer_hooks import SidecarClient, WeightSyncHook
+
+    model = _peft_model(dirs["target"])
+    model.save_pretrained(str(tmp_path / "adapter"))
+    server = launch("--model", str(dirs["target"]), "--lora", str(tmp_path / "adapter"), "--dtype", "float32")
+    try:
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        batch = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10]])
+        with SidecarClient(server.url, timeout=60) as client, \
+                WeightSyncHook(client, model, adapter_only=True, log_path=server.log_path) as hook:
+            for _ in range(3):
+                with hook.training():
+                    model.train()
+                    loss = model(input_ids=batch, labels=batch).loss
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    model.eval()
+                    hook.after_optimizer_step()
+                assert hook.stats["audit"] == "ok"
+            out = hook.rollouts(PROMPTS, GREEDY)
+            served = [o.outputs[0].token_ids for o in out]
+            assert all(o.weight_version == hook.version == 3 for o in out)
+        assert served == _greedy(_merged_dir(model, dirs["target"], tmp_path / "merged"))
+    finally:
+        server.stop()
