@@ -103,3 +103,13 @@ def test_tail_scale_zero_makes_the_draft_agree_on_every_token() -> None:
     (row,) = bench_lines(BENCH, *SMOKE, "--modes", "greedy", "--draft-layers", "1", "--k", "2",
                          "--spec-max-batch", "0", "--tail-scale", "0")
     assert row["tail_scale"] == 0.0 and row["spec_steps"] > 0 and row["spec_acceptance"] == 1.0
+
+
+@pytest.mark.slow
+def test_lora_rank_runs_the_shape_merged_and_lora_served_in_one_run() -> None:
+    rows = bench_lines(BENCH, *SMOKE, "--modes", "greedy", "--lora-rank", "4")
+    merged, lora, line = rows
+    assert (merged["lora_rank"], lora["lora_rank"]) == (0, 4)
+    assert merged["generated_tokens"] == lora["generated_tokens"]
+    assert line["bench"] == "rollout_lora" and line["lora_rank"] == 4 and line["lora_over_merged"] > 0
+    assert line["lora_over_merged"] == round(merged["tok_s"] / lora["tok_s"], 4)

@@ -24,6 +24,9 @@ follows a freeze of the warm heap as in the sidecar's rank (`gc_frozen`; `--gc-f
 and `gc_full_collect_ms` what one full collection of that heap took before the freeze; `model_cost` the
 per-step counts the roofline uses. A run fails if any sample generated another length than it drew.
 --dry-run prints each shape's workload ("rollout_workload": counts and lengths) without building anything.
+--lora-rank R: each shape runs twice in the same process, merged (the plain model: merged weights cost what
+the base costs) and LoRA-served (a random rank-R "all-linear" PEFT adapter, `LLM(..., lora=DIR)`), rows
+tagged `lora_rank`, then one "rollout_lora" line per mode: lora_over_merged = merged tok/s / LoRA tok/s.
 
     python3 -m scripts.bench.rollout                      # both shapes x 3 modes (H200, ~4 min)
     python3 scripts/bench/rollout.py --dry-run            # the default workload, described
@@ -153,6 +156,28 @@ def damp_tail(target: torch.nn.Module, draft_layers: int, scale: float) -> None:
             p.mul_(scale)
 
 
+def write_adapter(model_dir: Path, rank: int, out: Path) -> Path:
+    """A random rank-`rank` PEFT LoRA adapter on every linear of model_dir's layers (B nonzero, as after
+    training), as adapter_config.json + adapter_model.safetensors."""
+    from safetensors.torch import save_file
+
+    from inference.models.hf_config import read_model_config
+    from inference.models.naming import expected_hf_tensors, lora_name
+
+    gen = torch.Generator().manual_seed(rank)
+    tensors = {}
+    for name, dims in expected_hf_tensors(read_model_config(model_dir)).items():
+        if ".layers." in name and name.endswith(".weight") and len(dims) == 2:
+            for kind, shape in (("lora_A", (rank, dims[1])), ("lora_B", (dims[0], rank))):
+                tensors["base_model.model." + lora_name(name, kind)] = (
+                    torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": "all-linear"}))
+    return out
+
+
 def build_llm(shape: str, args: argparse.Namespace, max_len: int) -> LLM:
     """The engine for a shape: the tiny model as shipped, or a Qwen shape with random bf16 weights
     (and, with --draft-layers, a draft made of the target's first layers: scripts/bench/spec.py)."""
@@ -162,6 +187,8 @@ def build_llm(shape: str, args: argparse.Namespace, max_len: int) -> LLM:
         kw["async_scheduling"] = args.async_scheduling == "on"
     if args.kv_gib:
         kw["kv_cache_bytes"] = int(args.kv_gib * 2**30)
+    if getattr(args, "lora_dir", None):
+        kw["lora"] = args.lora_dir
     if shape == "tiny":
         if not args.draft_layers:
             return LLM(None, device=args.device, **kw)
@@ -259,6 +286,7 @@ def run_shape(shape: str, args: argparse.Namespace, rates: tuple[float, float]) 
         name = torch.cuda.get_device_name(device) if device is not None and device.type == "cuda" else "cpu"
         for mode in args.modes:
             row: dict[str, object] = {"bench": "rollout", "shape": shape, "mode": mode, "prompts": args.prompts,
+                                      "lora_rank": args.lora_rank if getattr(args, "lora_dir", None) else 0,
                                       "samples": args.samples, "draft_layers": args.draft_layers,
                                       "tail_scale": args.tail_scale if args.draft_layers else None,
                                       "spec_max_batch": args.spec_max_batch if args.draft_layers else None,
@@ -336,6 +364,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--profile-steps", default="100,1200", help="with --profile: comma list of first steps")
     ap.add_argument("--profile-length", type=int, default=16, help="with --profile: steps per window")
     ap.add_argument("--dry-run", action="store_true", help="print each shape's workload line and stop")
+    ap.add_argument("--lora-rank", type=int, default=0,
+                    help="also run each shape LoRA-served with a random adapter of this rank (0: not)")
     args = ap.parse_args(argv)
     args.shapes = [s for s in args.shapes.split(",") if s]
     args.modes = [m for m in args.modes.split(",") if m]
@@ -362,7 +392,38 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
             print(json.dumps(line), flush=True)
         return lines
     rates = measure_rates(resolve_device(args.device))
-    return [row for shape in args.shapes for row in run_shape(shape, args, rates)]
+    if not args.lora_rank:
+        return [row for shape in args.shapes for row in run_shape(shape, args, rates)]
+    return [row for shape in args.shapes for row in lora_against_merged(shape, args, rates)]
+
+
+def lora_against_merged(shape: str, args: argparse.Namespace, rates: tuple[float, float]) -> list[dict[str, object]]:
+    """--lora-rank: the shape merged, then LoRA-served, then one comparison line per mode."""
+    from inference.models.tiny import default_model_dir
+
+    merged = run_shape(shape, args, rates)
+    with tempfile.TemporaryDirectory(prefix="bench-rollout-lora-") as tmp:
+        if shape == "tiny":
+            model_dir = default_model_dir()
+        else:
+            from scripts.bench.generate import SHAPES
+            from scripts.bench.spec import config_dir
+
+            model_dir = config_dir(shape, SHAPES[shape]["num_hidden_layers"], args.prompt_max + args.len_cap)
+        lora = run_shape(shape, replace_ns(args, lora_dir=str(write_adapter(Path(model_dir), args.lora_rank,
+                                                                             Path(tmp) / "adapter"))), rates)
+    rows = merged + lora
+    for m, a in zip(merged, lora, strict=True):
+        line = {"bench": "rollout_lora", "shape": shape, "mode": m["mode"], "lora_rank": args.lora_rank,
+                "merged_tok_s": m["tok_s"], "lora_tok_s": a["tok_s"],
+                "lora_over_merged": round(float(m["tok_s"]) / float(a["tok_s"]), 4), "device": a["device"]}
+        print(json.dumps(line), flush=True)
+        rows.append(line)
+    return rows
+
+
+def replace_ns(args: argparse.Namespace, **changes: object) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), **changes})
 
 
 if __name__ == "__main__":
