@@ -60,6 +60,7 @@ def dirs(tmp_path: Path) -> dict[str, Path]:
     return tiny_model_dirs(tmp_path)
 
 
+@pytest.mark.slow
 def test_unmerged_adapter_equals_merged_weights(dirs: dict[str, Path], tmp_path: Path) -> None:
     model = _peft_model(dirs["target"])
     model.save_pretrained(str(tmp_path / "adapter"))
@@ -68,6 +69,7 @@ def test_unmerged_adapter_equals_merged_weights(dirs: dict[str, Path], tmp_path:
     assert served != _greedy(dirs["target"])  # the adapter changes the outputs: the test can fail
 
 
+@pytest.mark.slow
 def test_unmerged_adapter_stays_batch_invariant(dirs: dict[str, Path], tmp_path: Path) -> None:
     """In the batch-invariant mode a prompt's tokens do not depend on what runs beside it."""
     _peft_model(dirs["target"]).save_pretrained(str(tmp_path / "adapter"))
@@ -126,17 +128,25 @@ def make_worker_with_adapter(dirs: dict[str, Path], adapter: Path) -> Any:
 @pytest.mark.slow
 def test_peft_model_trained_three_steps_syncs_adapter_only_to_sidecar_launch(dirs: dict[str, Path],
                                                                             tmp_path: Path) -> None:
+    """The sidecar's first sync flips a byte of one adapter tensor: the audit fails naming it, the model is
+    torn, and the hook's next sync carries the base beside the adapter; then adapter-only syncs."""
+    from tests.helpers_fault import flip_env
     from tests.helpers_sidecar import launch
-    from trainer_hooks import SidecarClient, WeightSyncHook
+    from trainer_hooks import AuditError, SidecarClient, WeightSyncHook
 
     model = _peft_model(dirs["target"])
     model.save_pretrained(str(tmp_path / "adapter"))
-    server = launch("--model", str(dirs["target"]), "--lora", str(tmp_path / "adapter"), "--dtype", "float32")
+    bad = "model.layers.0.mlp.down_proj.lora_A.weight"
+    server = launch("--model", str(dirs["target"]), "--lora", str(tmp_path / "adapter"), "--dtype", "float32",
+                    env=flip_env(bad, times=1))
     try:
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
         batch = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10]])
         with SidecarClient(server.url, timeout=60) as client, \
                 WeightSyncHook(client, model, adapter_only=True, log_path=server.log_path) as hook:
+            with pytest.raises(AuditError, match=bad.replace(".", r"\.")):
+                hook.sync()
+            assert client.state()["torn"]["target"]
             for _ in range(3):
                 with hook.training():
                     model.train()

@@ -103,6 +103,7 @@ class WeightSyncHook:
         # `model` is a PEFT LoRA model served unmerged (sidecar launch --lora): each sync sends its adapter
         # tensors alone, and the base beside them only after the sidecar's weights were dropped (level 2)
         self.adapter_only = adapter_only
+        self._base_in_doubt = False  # adapter_only: a sync failed since the last good one (the rank is torn)
         self.pooled = False  # groups may be unfinished in the pool: sleep holds them instead of finishing them
         self._sender: WeightSender | None = sender if isinstance(sender, WeightSender) else None
         self._backend = sender if isinstance(sender, str) else None
@@ -165,12 +166,13 @@ class WeightSyncHook:
             self._timed("wake_weights_ms", self.client.wake_up, ["weights"])
         version = self._next_version()
         t0 = time.perf_counter()
+        self._base_in_doubt = self.adapter_only
         report = self._sync_model("target", target, version)
         if draft is not None:
             self._sync_model("draft", draft, self.version if self.version is not None else version)
         self.stats.update(sync_ms=_ms(t0), version=self.version, audit="ok" if report.get("ok") else "mismatch",
                           algorithm=report.get("algorithm"), audit_ms=report.get("audit_ms"))  # the ranks' part
-        self.weights_fresh, self.weights_dropped = True, False
+        self.weights_fresh, self.weights_dropped, self._base_in_doubt = True, False, False
         return report
 
     def rollouts(self, prompts: Any, sampling: SamplingParams | Any = None, *, min_groups: int | None = None,
@@ -402,7 +404,9 @@ class WeightSyncHook:
             return []
         self.attach()
         named = peft_adapter_weights(self.model)
-        return [*peft_base_weights(self.model), *named] if self.weights_dropped else named
+        # a failed sync tore the rank's model, and a torn rank takes no adapter-only sync
+        base = self.weights_dropped or self._base_in_doubt
+        return [*peft_base_weights(self.model), *named] if base else named
 
     def _sync_model(self, model: str, named: list[tuple[str, torch.Tensor]], version: int) -> dict[str, Any]:
         attempts = 2 if self.retry_on_mismatch else 1
@@ -417,6 +421,8 @@ class WeightSyncHook:
             if attempt + 1 < attempts:
                 log.warning("audit of %s v%d failed; sending again:\n%s", model, version, report.get("table"))
                 version += 1
+                if self.adapter_only and model == "target":  # the failed audit tore it: the base comes too
+                    named = [*peft_base_weights(self.model), *peft_adapter_weights(self.model)]
         raise AuditError(model, version, report)
 
     def _send_once(self, model: str, named: list[tuple[str, torch.Tensor]], version: int) -> dict[str, Any]:
