@@ -4,9 +4,7 @@ PEFT options are refused by name. Tiny fp32 Qwen2 (tied, qkv bias) on CPU."""
 
 from __future__ import annotations
 
-import copy
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -16,34 +14,14 @@ import torch
 from checksum import ChecksumMismatch
 from inference.core import InvalidRequestError, SamplingParams
 from inference.models.lora_adapter import read_adapter
+from tests.helpers_lora import TARGETS, merged_dir, peft_model
 from tests.helpers_weight_update import DIMS, Link
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]  # k_proj and up_proj left out on purpose
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [20, 21, 22, 23]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-
-
-def _peft_model(base_dir: Path, rank: int = 4) -> Any:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
-    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, lora_dropout=0.0)
-    model = peft.get_peft_model(hf, config)
-    with torch.no_grad():  # PEFT starts B at zero, which would make the adapter a no-op
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(len(name)))
-    return model
-
-
-def _merged_dir(model: Any, base_dir: Path, out: Path) -> Path:
-    """The PEFT model's merged weights as a checkpoint beside the base's tokenizer."""
-    copy.deepcopy(model).merge_and_unload().save_pretrained(str(out))
-    for f in base_dir.iterdir():
-        if not (out / f.name).exists():
-            shutil.copy(f, out / f.name)
-    return out
 
 
 def _greedy(model_dir: Path, **options: Any) -> list[list[int]]:
@@ -62,17 +40,17 @@ def dirs(tmp_path: Path) -> dict[str, Path]:
 
 @pytest.mark.slow
 def test_unmerged_adapter_equals_merged_weights(dirs: dict[str, Path], tmp_path: Path) -> None:
-    model = _peft_model(dirs["target"])
+    model = peft_model(dirs["target"])
     model.save_pretrained(str(tmp_path / "adapter"))
     served = _greedy(dirs["target"], lora=str(tmp_path / "adapter"))
-    assert served == _greedy(_merged_dir(model, dirs["target"], tmp_path / "merged"))
+    assert served == _greedy(merged_dir(model, dirs["target"], tmp_path / "merged"))
     assert served != _greedy(dirs["target"])  # the adapter changes the outputs: the test can fail
 
 
 @pytest.mark.slow
 def test_unmerged_adapter_stays_batch_invariant(dirs: dict[str, Path], tmp_path: Path) -> None:
     """In the batch-invariant mode a prompt's tokens do not depend on what runs beside it."""
-    _peft_model(dirs["target"]).save_pretrained(str(tmp_path / "adapter"))
+    peft_model(dirs["target"]).save_pretrained(str(tmp_path / "adapter"))
     options = dict(lora=str(tmp_path / "adapter"), batch_invariant=True)
     together = _greedy(dirs["target"], **options)
     from inference.engine.llm import LLM
@@ -97,7 +75,7 @@ def test_adapter_only_sync_audits_the_adapter_and_a_flipped_byte_names_it(dirs: 
     from tests.helpers_fault import flipped_on_arrival
     from trainer_hooks.sources import peft_adapter_weights
 
-    model = _peft_model(dirs["target"])
+    model = peft_model(dirs["target"])
     model.save_pretrained(str(tmp_path / "adapter"))
     worker = make_worker_with_adapter(dirs, tmp_path / "adapter")
     link = Link(worker)
@@ -134,7 +112,7 @@ def test_peft_model_trained_three_steps_syncs_adapter_only_to_sidecar_launch(dir
     from tests.helpers_sidecar import launch
     from trainer_hooks import AuditError, SidecarClient, WeightSyncHook
 
-    model = _peft_model(dirs["target"])
+    model = peft_model(dirs["target"])
     model.save_pretrained(str(tmp_path / "adapter"))
     bad = "model.layers.0.mlp.down_proj.lora_A.weight"
     server = launch("--model", str(dirs["target"]), "--lora", str(tmp_path / "adapter"), "--dtype", "float32",
@@ -160,6 +138,31 @@ def test_peft_model_trained_three_steps_syncs_adapter_only_to_sidecar_launch(dir
             out = hook.rollouts(PROMPTS, GREEDY)
             served = [o.outputs[0].token_ids for o in out]
             assert all(o.weight_version == hook.version == 3 for o in out)
-        assert served == _greedy(_merged_dir(model, dirs["target"], tmp_path / "merged"))
+        assert served == _greedy(merged_dir(model, dirs["target"], tmp_path / "merged"))
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_sleep_levels_keep_the_adapter(dirs: dict[str, Path], tmp_path: Path) -> None:
+    """Level 1: outputs bit-identical after the wake. Level 2 drops the base but not the adapter: an
+    adapter-only sync is refused, and a sync of the base alone brings the adapted outputs back."""
+    from inference.engine.llm import LLM
+    from inference.models.loader import iter_hf_tensors
+    from trainer_hooks.sources import peft_adapter_weights
+
+    model = peft_model(dirs["target"])
+    model.save_pretrained(str(tmp_path / "adapter"))
+    llm = LLM(str(dirs["target"]), device="cpu", dtype="float32", lora=str(tmp_path / "adapter"),
+              kv_cache_bytes=2 << 20, block_size=4)
+    before = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    llm.sleep(1)
+    llm.wake_up()
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == before
+    llm.sleep(2)
+    llm.wake_up()
+    link = Link(llm.worker)
+    with pytest.raises(InvalidRequestError, match="base weights are not intact"):
+        link.sync(dict(peft_adapter_weights(model)), 1)
+    assert link.sync(dict(iter_hf_tensors(dirs["target"])), 1).report.ok
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == before
