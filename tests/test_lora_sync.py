@@ -166,3 +166,45 @@ def test_sleep_levels_keep_the_adapter(dirs: dict[str, Path], tmp_path: Path) ->
         link.sync(dict(peft_adapter_weights(model)), 1)
     assert link.sync(dict(iter_hf_tensors(dirs["target"])), 1).report.ok
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == before
+
+
+@pytest.mark.slow
+def test_the_draft_serves_its_own_adapter_synced_adapter_only(dirs: dict[str, Path], tmp_path: Path) -> None:
+    from inference.config import EngineConfig
+    from inference.engine.worker import Worker
+    from inference.models.lora_adapter import adapter_regions
+    from trainer_hooks.sources import peft_adapter_weights
+
+    target, draft = peft_model(dirs["target"]), peft_model(dirs["draft"], rank=2)
+    target.save_pretrained(str(tmp_path / "target-adapter"))
+    draft.save_pretrained(str(tmp_path / "draft-adapter"))
+    worker = Worker(EngineConfig(model=str(dirs["target"]), draft_model=str(dirs["draft"]), device="cpu",
+                                 dtype="float32", lora=str(tmp_path / "target-adapter"),
+                                 draft_lora=str(tmp_path / "draft-adapter")))
+    worker.init_device()
+    worker.load_model()
+    held = adapter_regions(worker.models["draft"])
+    named = dict(peft_adapter_weights(draft))
+    assert held.keys() == named.keys() and all(torch.equal(held[n], t) for n, t in named.items())
+    link = Link(worker)
+    assert link.sync({n: t + 0.5 for n, t in named.items()}, 1, which="draft").report.ok
+    assert all(torch.equal(held[n], t + 0.5) for n, t in named.items())
+    with pytest.raises(InvalidRequestError, match="does not match the draft model's adapter"):
+        link.sync(dict(peft_adapter_weights(target)), 2, which="draft")  # rank 4 into the rank-2 slots
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("extra", "named"), [((), "lora.use_dora"), (("--tp", "2"), "--tp 1 only")])
+def test_launch_refuses_an_adapter_it_cannot_serve_before_spawning(tmp_path: Path, extra: tuple[str, ...],
+                                                                   named: str) -> None:
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "use_dora": not extra}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(cfg))
+    proc = subprocess.run([sys.executable, "-m", "sidecar.cli.main", "launch", "--device", "cpu", "--lora",
+                           str(tmp_path), *extra], cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and named in proc.stderr, proc.stderr

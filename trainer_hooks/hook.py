@@ -100,8 +100,9 @@ class WeightSyncHook:
         self.logprob_gap = logprob_gap  # measure the trainer-vs-rollout gap after each rollouts() call
         self.rollout_pool = rollout_pool  # the sidecar's pool of partial rollouts (rollouts(min_groups=...))
         self.delta = delta  # senders it builds send only what changed after a full sync (docs/sync-modes.md)
-        # `model` is a PEFT LoRA model served unmerged (sidecar launch --lora): each sync sends its adapter
-        # tensors alone, and the base beside them only after the sidecar's weights were dropped (level 2)
+        # `model` (and `draft_model`) are PEFT LoRA models served unmerged (sidecar launch --lora, --draft-lora):
+        # each sync sends their adapter tensors alone, and the base beside them only after the sidecar's
+        # weights were dropped (level 2) or a sync failed
         self.adapter_only = adapter_only
         self._base_in_doubt = False  # adapter_only: a sync failed since the last good one (the rank is torn)
         self.pooled = False  # groups may be unfinished in the pool: sleep holds them instead of finishing them
@@ -154,8 +155,10 @@ class WeightSyncHook:
     def sync(self) -> dict[str, Any] | None:
         """Collect (every rank), then on the sending rank: wake weights, send + audit target (and draft)."""
         t0 = time.perf_counter()
-        target = self._collect_adapter() if self.adapter_only else self._collect(self.model)
-        draft = self._collect(self.draft_model) if self.draft_model is not None else None
+        target = self._collect_adapter(self.model) if self.adapter_only else self._collect(self.model)
+        draft = None if self.draft_model is None else (  # a plain draft beside a PEFT target syncs whole
+            self._collect_adapter(self.draft_model) if self.adapter_only and hasattr(self.draft_model, "peft_config")
+            else self._collect(self.draft_model))
         self.stats["collect_ms"] = _ms(t0)
         self.syncs += 1
         if not self.is_sender:
@@ -397,16 +400,16 @@ class WeightSyncHook:
             self._collected.pop(id(model), None)
         return named
 
-    def _collect_adapter(self) -> list[tuple[str, torch.Tensor]]:
+    def _collect_adapter(self, model: Any) -> list[tuple[str, torch.Tensor]]:
         """adapter_only: the adapter's tensors on the sending rank (nothing to gather: every rank holds
         them whole), with the unmerged base in front when the sidecar's weights were dropped."""
         if not self.is_sender:
             return []
         self.attach()
-        named = peft_adapter_weights(self.model)
+        named = peft_adapter_weights(model)
         # a failed sync tore the rank's model, and a torn rank takes no adapter-only sync
         base = self.weights_dropped or self._base_in_doubt
-        return [*peft_base_weights(self.model), *named] if base else named
+        return [*peft_base_weights(model), *named] if base else named
 
     def _sync_model(self, model: str, named: list[tuple[str, torch.Tensor]], version: int) -> dict[str, Any]:
         attempts = 2 if self.retry_on_mismatch else 1
@@ -421,8 +424,9 @@ class WeightSyncHook:
             if attempt + 1 < attempts:
                 log.warning("audit of %s v%d failed; sending again:\n%s", model, version, report.get("table"))
                 version += 1
-                if self.adapter_only and model == "target":  # the failed audit tore it: the base comes too
-                    named = [*peft_base_weights(self.model), *peft_adapter_weights(self.model)]
+                if self.adapter_only:  # the failed audit tore it: the base comes too
+                    peft = self.model if model == "target" else self.draft_model
+                    named = [*peft_base_weights(peft), *peft_adapter_weights(peft)]
         raise AuditError(model, version, report)
 
     def _send_once(self, model: str, named: list[tuple[str, torch.Tensor]], version: int) -> dict[str, Any]:

@@ -168,10 +168,11 @@ class Worker:
         else:
             load_weights(model, Path(model_dir))
         self.memory.mark_loaded(tag)
-        if which == "target" and self.config.lora:  # outside the arena: the adapter stays at every sleep level
-            attach_adapter(model, config, read_adapter(self.config.lora), tp_size=self.tp.size,
+        adapter = self.config.lora if which == "target" else self.config.draft_lora
+        if adapter:  # outside the arena: the adapter stays at every sleep level
+            attach_adapter(model, config, read_adapter(adapter), tp_size=self.tp.size,
                            invariant=self.config.batch_invariant)
-            load_adapter(model, self.config.lora)
+            load_adapter(model, adapter)
         self.models[which] = model
         self.model_configs[which] = config
         return model
