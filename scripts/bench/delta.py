@@ -178,6 +178,8 @@ def main() -> None:
     parser.add_argument("--backend", default="gloo", choices=["gloo", "ipc"])
     parser.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (ipc, or gloo from a GPU)")
     parser.add_argument("--skip-changed", action="store_true", help="only the wire figures")
+    parser.add_argument("--skip-delta", action="store_true", help="no delta wire figures (with --lora-rank: "
+                                                                   "the LoRA figure alone)")
     parser.add_argument("--lora-rank", type=int, default=0, help="also time adapter-only syncs of this rank "
                                                                   "against the full sync (0: not)")
     args = parser.parse_args()
@@ -187,7 +189,7 @@ def main() -> None:
         before, after = adamw_step(shape, lr, device=torch.device(args.device))
         print(json.dumps({"shape": args.shape, **changed_figures(before, after, lr)}), flush=True)
         del before, after
-    for lr in args.lr:
+    for lr in [] if args.skip_delta else args.lr:
         full = wire(args, lr, False)
         delta = wire(args, lr, True)
         print(json.dumps({"shape": args.shape, "figure": "wire", "backend": args.backend, "lr": lr, "full": full,
