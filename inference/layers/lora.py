@@ -2,9 +2,9 @@
 
 `LoRASlot` hangs off a linear (`layer.lora`, None without an adapter) and adds its term after the
 layer's own output, as a separate small GEMM pair: x A^T with A of every adapted part stacked
-[parts * r, in] (one GEMM for a fused qkv or gate_up), then per part (x A_i^T) B_i^T [T, rows_i]
-added into that part's output columns. Adapted parts only: a qkv with only q and v adapted has no k
-rows. The scaling s (lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA) is fixed at launch.
+[parts * r, in] (one GEMM for a fused qkv or gate_up), then per part one addmm of (x A_i^T) B_i^T
+into that part's output columns: 1 + parts launches per layer. Adapted parts only: a qkv with only
+q and v adapted has no k rows. The scaling s (lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA) is fixed at launch.
 A and B are buffers, not parameters: the base's loader, arenas and held manifest see the base alone;
 the adapter stays resident at every sleep level (its bytes are a few MB), at fixed addresses, so
 CUDA graphs capture it and a sync writes it in place (`regions()` are the exact tensors a sync fills).
@@ -63,11 +63,15 @@ class LoRASlot(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y (the layer's output for x) plus the adapter's term, written into y."""
-        product = invariant_linear if self.invariant else F.linear
-        xa = product(x, self.a) * self.scaling  # [T, parts * r]: scaled once, on the small side
-        if len(self.parts) == 1 and self.parts[0].rows == y.shape[-1]:
-            return y.add_(product(xa, self.b(0)))
+        """y (the layer's output for x, [T, out]) plus the adapter's term, written into y: one GEMM for x A^T,
+        then one addmm per part straight into its output columns (s as addmm's alpha: no extra launch)."""
+        r = self.rank
+        if self.invariant:  # the mode's GEMM for both products; the scaling and the add are elementwise
+            xa = invariant_linear(x, self.a) * self.scaling
+            for i, part in enumerate(self.parts):
+                y.narrow(-1, part.offset, part.rows).add_(invariant_linear(xa.narrow(-1, i * r, r), self.b(i)))
+            return y
+        xa = F.linear(x, self.a)  # [T, parts * r]
         for i, part in enumerate(self.parts):
-            y.narrow(-1, part.offset, part.rows).add_(product(xa.narrow(-1, i * self.rank, self.rank), self.b(i)))
+            y.narrow(-1, part.offset, part.rows).addmm_(xa.narrow(-1, i * r, r), self.b(i).t(), alpha=self.scaling)
         return y
