@@ -208,3 +208,40 @@ def test_launch_refuses_an_adapter_it_cannot_serve_before_spawning(tmp_path: Pat
                            str(tmp_path), *extra], cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and named in proc.stderr, proc.stderr
+
+
+def test_the_hook_sends_the_base_only_after_level_2_or_a_failed_sync(dirs: dict[str, Path]) -> None:
+    """adapter_only: a level-1 step sends the adapter alone; after a level-2 sleep (the base dropped) and
+    after a failed sync (the rank torn) the base comes with it, once."""
+    from trainer_hooks import AuditError, WeightSyncHook
+
+    sent: list[set[str]] = []
+    reports = [{"ok": True}, {"ok": True}, {"ok": False, "summary": "x"}, {"ok": True}, {"ok": True}]
+
+    class Client:
+        def state(self) -> dict[str, Any]:
+            return {"weight_versions": {"target": 0}}
+
+        def sleep(self, level: int) -> dict[str, Any]:
+            return {}
+
+        def wake_up(self, tags: Any) -> dict[str, Any]:
+            return {}
+
+        def sync_weights(self, sender: Any, named: Any, version: int, **kw: Any) -> dict[str, Any]:
+            sent.append({"base" if ".lora_" not in n else "adapter" for n, _ in named})
+            return reports.pop(0)
+
+    model = peft_model(dirs["target"])
+    hook = WeightSyncHook(Client(), model, adapter_only=True)
+    hook._sender = object()  # type: ignore[assignment]  # the fake client never uses it
+    for level in (1, 2):
+        hook.sleep_level = level
+        with hook.training():
+            pass
+        hook.wake()  # as rollouts() does
+    with pytest.raises(AuditError):
+        hook.sync()
+    hook.sync()
+    hook.sync()
+    assert sent == [{"adapter"}, {"base", "adapter"}, {"adapter"}, {"base", "adapter"}, {"adapter"}]
