@@ -108,11 +108,7 @@ def lora_name(base_hf_name: str, kind: str) -> str:
     return f"{base_hf_name[:-len('.weight')]}.{kind}.weight"
 
 
-def peft_to_hf(peft_name: str, adapter: str | None = None) -> str:
-    """A PEFT adapter tensor's name (adapter_model.safetensors: `base_model.model.<module>.lora_A.weight`;
-    in memory: `...lora_A.<adapter>.weight`) -> our wire name `<module>.lora_A.weight`."""
-    name = peft_name[len(_PEFT_PREFIX):] if peft_name.startswith(_PEFT_PREFIX) else peft_name
-    if adapter is not None:
-        for kind in LORA_KINDS:
-            name = name.replace(f".{kind}.{adapter}.weight", f".{kind}.weight")
-    return name
+def peft_to_hf(peft_name: str) -> str:
+    """A PEFT adapter file's tensor name (adapter_model.safetensors: `base_model.model.<module>.lora_A.weight`)
+    -> our wire name `<module>.lora_A.weight`."""
+    return peft_name[len(_PEFT_PREFIX):] if peft_name.startswith(_PEFT_PREFIX) else peft_name
