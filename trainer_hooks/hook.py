@@ -317,7 +317,8 @@ class WeightSyncHook:
         if self.sync_on_attach:
             self.sync()
             return
-        named = self._collect(self.model)
+        # adapter_only: what the sidecar received last is the adapter (its base is the launch checkpoint)
+        named = self._collect_adapter(self.model) if self.adapter_only else self._collect(self.model)
         if self.is_sender:
             self._check_attached(named)
 
