@@ -111,6 +111,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     draft_model: str | None = None
     num_speculative_tokens: int = 4
+    lora: str | None = None  # a PEFT LoRA adapter directory, served unmerged on the target (docs/sync-modes.md)
+    draft_lora: str | None = None  # the same for the draft model
     # Batch-invariant mode (docs/invariance.md): a request's tokens and logprobs have the same bits
     # whatever runs beside it (batch, prefill or decode, prefix hits, chunking, preemption, a draft).
     # Off by default: it costs more than 5% of the default's time at batch 1 (docs/invariance.md, "Cost";

@@ -19,3 +19,13 @@ def test_the_cpu_smoke_reports_the_fraction_changed_and_full_against_delta() -> 
     assert changed["chosen_bytes"] <= min(each)
     assert wire["figure"] == "wire" and wire["full"]["modes"] == ["full"] and wire["delta"]["modes"] == ["delta"]
     assert wire["delta"]["wire_bytes"] <= wire["full"]["wire_bytes"] and wire["delta"]["kept_copy_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_the_cpu_smoke_reports_adapter_only_syncs_against_the_full_sync() -> None:
+    lines = bench_lines(BENCH, "--shape", "tiny", "--iters", "1", "--lr", "1e-3", "--skip-changed", "--skip-delta",
+                         "--lora-rank", "4")
+    (lora,) = lines
+    assert lora["figure"] == "lora" and lora["rank"] == 4 and lora["lora"]["modes"] == ["full"]
+    assert 0 < lora["lora"]["wire_bytes"] < lora["full"]["wire_bytes"] and lora["bytes_ratio"] < 1
+    assert lora["time_ratio"] > 0

@@ -118,3 +118,12 @@ def test_quantization_bf16_fp8_adds_the_fp8_column_with_its_roofline_and_gap() -
                                                                                      rel=1e-3)
     assert 0 <= line["greedy_choice_differs"] <= 1 and line["mean_abs_logprob_gap"] >= 0
     assert 0 <= line["identical_samples"] <= 1
+
+
+def test_lora_rank_runs_the_shape_merged_and_lora_served_in_one_run() -> None:
+    rows = bench_lines(BENCH, *SMOKE, "--modes", "greedy", "--lora-rank", "4")
+    merged, lora, line = rows
+    assert (merged["lora_rank"], lora["lora_rank"]) == (0, 4)
+    assert merged["generated_tokens"] == lora["generated_tokens"]
+    assert line["bench"] == "rollout_lora" and line["lora_rank"] == 4 and line["lora_over_merged"] > 0
+    assert line["lora_over_merged"] == round(merged["tok_s"] / lora["tok_s"], 4)

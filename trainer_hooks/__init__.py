@@ -29,6 +29,8 @@ if TYPE_CHECKING:
         module_weights,
         named_parameters,
         normalize_name,
+        peft_adapter_weights,
+        peft_base_weights,
         unwrap,
     )
 
@@ -37,7 +39,7 @@ _FLEET = ("Fleet", "FleetError", "FleetGoneError")
 _HOOK = ("AttachError", "AuditError", "SidecarGoneError", "WeightSyncHook", "sampling")
 _GAP = ("LogprobGap", "measure_logprob_gap", "rollout_importance_weights", "truncated_importance_weights")
 _SOURCES = ("collect_weights", "deepspeed_weights", "fsdp2_weights", "merged_lora_weights", "module_weights",
-            "named_parameters", "normalize_name", "unwrap")
+            "named_parameters", "normalize_name", "peft_adapter_weights", "peft_base_weights", "unwrap")
 
 __all__ = [  # the five groups above, spelled out for linters and readers
     "AttachError",
@@ -57,6 +59,8 @@ __all__ = [  # the five groups above, spelled out for linters and readers
     "module_weights",
     "named_parameters",
     "normalize_name",
+    "peft_adapter_weights",
+    "peft_base_weights",
     "rollout_importance_weights",
     "sampling",
     "truncated_importance_weights",

@@ -38,7 +38,7 @@ from trainer_hooks.client_errors import SidecarChecksumError, SidecarConnectionE
 from trainer_hooks.fleet import Fleet
 from trainer_hooks.logprob_gap import measure_logprob_gap
 from trainer_hooks.rollout_pool import DEFAULT_POOL, RolloutTake, staleness, sync_fields
-from trainer_hooks.sources import collect_weights
+from trainer_hooks.sources import collect_weights, peft_adapter_weights, peft_base_weights
 from trainer_hooks.trainer_host import trainer_host
 
 log = logging.getLogger("trainer_hooks")
@@ -81,7 +81,7 @@ class WeightSyncHook:
                  sender_rank: int = 0, allow_cast: bool = False, log_path: str | Path | None = None,
                  transfer_timeout_s: float = 120.0, logprob_gap: bool = False,
                  trainer_host: str | None = None, rollout_pool: str = DEFAULT_POOL,
-                 sync_on_attach: bool = True, delta: bool = False) -> None:
+                 sync_on_attach: bool = True, delta: bool = False, adapter_only: bool = False) -> None:
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level!r}")
         if sync_every < 1 or grad_accum_steps < 1:
@@ -100,6 +100,11 @@ class WeightSyncHook:
         self.logprob_gap = logprob_gap  # measure the trainer-vs-rollout gap after each rollouts() call
         self.rollout_pool = rollout_pool  # the sidecar's pool of partial rollouts (rollouts(min_groups=...))
         self.delta = delta  # senders it builds send only what changed after a full sync (docs/sync-modes.md)
+        # `model` (and `draft_model`) are PEFT LoRA models served unmerged (sidecar launch --lora, --draft-lora):
+        # each sync sends their adapter tensors alone, and the base beside them only after the sidecar's
+        # weights were dropped (level 2) or a sync failed
+        self.adapter_only = adapter_only
+        self._base_in_doubt = False  # adapter_only: a sync failed since the last good one (the rank is torn)
         self.pooled = False  # groups may be unfinished in the pool: sleep holds them instead of finishing them
         self._sender: WeightSender | None = sender if isinstance(sender, WeightSender) else None
         self._backend = sender if isinstance(sender, str) else None
@@ -156,8 +161,10 @@ class WeightSyncHook:
     def sync(self) -> dict[str, Any] | None:
         """Collect (every rank), then on the sending rank: wake weights, send + audit target (and draft)."""
         t0 = time.perf_counter()
-        target = self._collect(self.model)
-        draft = self._collect(self.draft_model) if self.draft_model is not None else None
+        target = self._collect_adapter(self.model) if self.adapter_only else self._collect(self.model)
+        draft = None if self.draft_model is None else (  # a plain draft beside a PEFT target syncs whole
+            self._collect_adapter(self.draft_model) if self.adapter_only and hasattr(self.draft_model, "peft_config")
+            else self._collect(self.draft_model))
         self.stats["collect_ms"] = _ms(t0)
         self.syncs += 1
         if not self.is_sender:
@@ -168,12 +175,13 @@ class WeightSyncHook:
             self._timed("wake_weights_ms", self.client.wake_up, ["weights"])
         version = self._next_version()
         t0 = time.perf_counter()
+        self._base_in_doubt = self.adapter_only
         report = self._sync_model("target", target, version)
         if draft is not None:
             self._sync_model("draft", draft, self.version if self.version is not None else version)
         self.stats.update(sync_ms=_ms(t0), version=self.version, audit="ok" if report.get("ok") else "mismatch",
                           algorithm=report.get("algorithm"), audit_ms=report.get("audit_ms"))  # the ranks' part
-        self.weights_fresh, self.weights_dropped = True, False
+        self.weights_fresh, self.weights_dropped, self._base_in_doubt = True, False, False
         return report
 
     def rollouts(self, prompts: Any, sampling: SamplingParams | Any = None, *, min_groups: int | None = None,
@@ -316,7 +324,8 @@ class WeightSyncHook:
         if self.sync_on_attach:
             self.sync()
             return
-        named = self._collect(self.model)
+        # adapter_only: what the sidecar received last is the adapter (its base is the launch checkpoint)
+        named = self._collect_adapter(self.model) if self.adapter_only else self._collect(self.model)
         if self.is_sender:
             self._check_attached(named)
 
@@ -399,6 +408,17 @@ class WeightSyncHook:
             self._collected.pop(id(model), None)
         return named
 
+    def _collect_adapter(self, model: Any) -> list[tuple[str, torch.Tensor]]:
+        """adapter_only: the adapter's tensors on the sending rank (nothing to gather: every rank holds
+        them whole), with the unmerged base in front when the sidecar's weights were dropped."""
+        if not self.is_sender:
+            return []
+        self.attach()
+        named = peft_adapter_weights(model)
+        # a failed sync tore the rank's model, and a torn rank takes no adapter-only sync
+        base = self.weights_dropped or self._base_in_doubt
+        return [*peft_base_weights(model), *named] if base else named
+
     def _sync_model(self, model: str, named: list[tuple[str, torch.Tensor]], version: int) -> dict[str, Any]:
         attempts = 2 if self.retry_on_mismatch else 1
         for attempt in range(attempts):
@@ -412,6 +432,9 @@ class WeightSyncHook:
             if attempt + 1 < attempts:
                 log.warning("audit of %s v%d failed; sending again:\n%s", model, version, report.get("table"))
                 version += 1
+                if self.adapter_only:  # the failed audit tore it: the base comes too
+                    peft = self.model if model == "target" else self.draft_model
+                    named = [*peft_base_weights(peft), *peft_adapter_weights(peft)]
         raise AuditError(model, version, report)
 
     def _send_once(self, model: str, named: list[tuple[str, torch.Tensor]], version: int) -> dict[str, Any]:

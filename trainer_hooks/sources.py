@@ -2,7 +2,8 @@
 
 `collect_weights(model, keep=...)` picks the source by what the model is: a DeepSpeed engine (ZeRO
 0-3), a model with DTensor parameters (FSDP2), a PEFT model (LoRA merged into a copy), or any other
-nn.Module (HF transformers, DDP, torch.compile). Invariants:
+nn.Module (HF transformers, DDP, torch.compile). `peft_adapter_weights` is the adapter-only source of a
+LoRA-served sidecar (names as inference/models/naming.py gives them). Invariants:
 - Names are the model's HF names: wrapper components ("module." at the front; "_orig_mod",
   "_fsdp_wrapped_module", "_checkpoint_wrapped_module" anywhere) are removed.
 - Every parameter is emitted once: a tied lm_head (the same Parameter as the embedding) appears
@@ -143,6 +144,46 @@ def merged_lora_weights(model: nn.Module, *, offload: bool = False) -> list[Name
     out = [(n, _out(p.detach(), offload)) for n, p in named_parameters(merged)]
     del merged
     return out
+
+
+def peft_adapter_weights(model: nn.Module, *, offload: bool = False) -> list[NamedTensor]:
+    """A PEFT LoRA model's active adapter tensors alone, under the wire names the sidecar serves them by
+    (`<module>.lora_A.weight` [r, in], `<module>.lora_B.weight` [out, r]): views unless offload."""
+    adapter = _active_adapter(model)
+    out = []
+    for name, p in named_parameters(model):
+        if f".lora_A.{adapter}." in name or f".lora_B.{adapter}." in name:
+            out.append((_wire_name(name, adapter), _out(p.detach(), offload)))
+    if not out:
+        raise InvalidRequestError("model", f"the PEFT model's adapter {adapter!r} holds no LoRA tensors")
+    return out
+
+
+def peft_base_weights(model: nn.Module, *, offload: bool = False) -> list[NamedTensor]:
+    """A PEFT model's base weights, unmerged, under the base model's HF names (what a LoRA-served sidecar
+    holds as its base: sent once after its weights were dropped, beside the adapter)."""
+    out = []
+    for name, p in named_parameters(model):
+        if ".lora_" in name:
+            continue
+        name = name.replace(".base_layer.", ".")
+        out.append((name.removeprefix("base_model.model."), _out(p.detach(), offload)))
+    return out
+
+
+def _active_adapter(model: nn.Module) -> str:
+    active = getattr(model, "active_adapter", None)
+    if not _is_peft_model(model) or not isinstance(active, str):
+        raise InvalidRequestError("model", f"an adapter-only sync takes a PEFT model with one active adapter, "
+                                  f"got {type(model).__name__}")
+    return active
+
+
+def _wire_name(peft_name: str, adapter: str) -> str:
+    name = peft_name.removeprefix("base_model.model.")
+    for kind in ("lora_A", "lora_B"):
+        name = name.replace(f".{kind}.{adapter}.weight", f".{kind}.weight")
+    return name
 
 
 def _groups(params: list[tuple[str, nn.Parameter]], group_bytes: int) -> Iterator[list[tuple[str, nn.Parameter]]]:

@@ -26,6 +26,7 @@ from inference.memory.sleep import MemoryManager, TransitionStats
 from inference.models import build_model
 from inference.models.hf_config import read_model_config
 from inference.models.loader import init_dummy_weights, load_weights
+from inference.models.lora_adapter import attach_adapter, load_adapter, read_adapter
 from inference.parallel import TPInfo, resolve_device
 from inference.runner.runner import InFlightStep, ModelRunner
 from inference.sched.scheduler import ScheduledBatch, StepResult
@@ -168,6 +169,11 @@ class Worker:
         else:
             load_weights(model, Path(model_dir))
         self.memory.mark_loaded(tag)
+        adapter = self.config.lora if which == "target" else self.config.draft_lora
+        if adapter:  # outside the arena: the adapter stays at every sleep level
+            attach_adapter(model, config, read_adapter(adapter), tp_size=self.tp.size,
+                           invariant=self.config.batch_invariant)
+            load_adapter(model, adapter)
         self.models[which] = model
         self.model_configs[which] = config
         return model

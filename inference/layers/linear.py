@@ -17,6 +17,8 @@ bits independent of the other rows; with TP, RowParallelLinear then sums the ran
 in the buffer `weight_scale` (inference/quant/fp8.py; a buffer, so parameter names stay the HF names);
 the loader quantizes each FULL row on the parameter's device before slicing (a RowParallel shard keeps
 the whole row's scale), and the product is fp8_linear.fp8_linear. Biases stay in the model dtype.
+`lora` (None, or a LoRASlot from inference/layers/lora.py): an adapter served unmerged, its term added
+after the layer's own output.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from inference.core import InvalidRequestError
 from inference.layers.fp8_linear import fp8_linear
 from inference.layers.gemm_invariant import invariant_linear
 from inference.layers.gemv import linear
+from inference.layers.lora import LoRASlot
 from inference.parallel import TPInfo
 from inference.quant.fp8 import FP8_DTYPE, quantize_rows
 
@@ -117,6 +120,7 @@ class ColumnParallelLinear(_Fp8Weight):
         self._init_weight((self.out_features_local, in_features), dtype, device, fp8)
         self.bias = (new_param((self.out_features_local,), dtype, device, self.weight_loader)
                      if bias else None)
+        self.lora: LoRASlot | None = None
 
     def _row_shard(self, loaded: torch.Tensor, n_local: int) -> torch.Tensor:
         return loaded.narrow(0, self.tp.rank * n_local, n_local)
@@ -144,7 +148,8 @@ class ColumnParallelLinear(_Fp8Weight):
         return quantize_rows(rows.to(self.weight.device), "weight", check)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.product(x, self.bias, self.invariant)
+        y = self.product(x, self.bias, self.invariant)
+        return y if self.lora is None else self.lora(x, y)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -202,6 +207,7 @@ class RowParallelLinear(_Fp8Weight):
         self._init_weight((out_features, self.in_features_local), dtype, device, fp8)
         # The bias is replicated and added after the reduction, so it counts once.
         self.bias = new_param((out_features,), dtype, device, replicated_loader) if bias else None
+        self.lora: LoRASlot | None = None  # TP=1 only (inference/layers/lora.py)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         assert shard_id is None, shard_id
@@ -225,7 +231,8 @@ class RowParallelLinear(_Fp8Weight):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return self.product(x, self.bias, self.invariant)
+            y = self.product(x, self.bias, self.invariant)
+            return y if self.lora is None else self.lora(x, y)
         return self.reduce(self.product(x, None, self.invariant))
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:

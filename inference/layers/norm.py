@@ -42,7 +42,7 @@ class RMSNorm(nn.Module):
         bits); otherwise add_rms_norm, then the projection. proj is column-parallel, so its forward is
         the bare matmul and no reduction follows.
         """
-        if not self.invariant and use_norm_gemv(x, proj.weight, self.weight, residual):
+        if not self.invariant and proj.lora is None and use_norm_gemv(x, proj.weight, self.weight, residual):
             return norm_gemv(x, residual, self.weight, self.eps, proj.weight, proj.bias, scale=proj.weight_scale)
         h, residual = (self(x), x) if residual is None else self.add_forward(x, residual)
         return proj(h), residual

@@ -107,7 +107,7 @@ class DecoderMLP(nn.Module):
 
     def activate_down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """forward after the gate_up projection (DecoderLayer fuses the post-attention norm into it)."""
-        fuse = isinstance(self.act_fn, SiluAndMul) and self.down_proj.bias is None
+        fuse = isinstance(self.act_fn, SiluAndMul) and self.down_proj.bias is None and self.down_proj.lora is None
         if not self.invariant and fuse and use_silu_mul_gemv(gate_up, self.down_proj.weight):
             # One row: the down projection forms silu(gate) * up itself (one launch fewer per layer).
             return self.down_proj.reduce(silu_mul_gemv(gate_up, self.down_proj.weight,

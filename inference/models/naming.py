@@ -12,6 +12,8 @@ per expert and projection (shard ids: expert, or (expert, gate/up index)).
 Every other name maps to itself with shard_id None. A tied lm_head is not a parameter of its own: it
 IS model.embed_tokens.weight, so `lm_head.weight` is skipped when config.tie_word_embeddings (some
 tied checkpoints still carry it; we ignore it). Rotary inv_freq tables are skipped everywhere.
+LoRA adapter tensors travel under their base module's HF name: `<module>.lora_A.weight` [r, in] and
+`<module>.lora_B.weight` [out, r] (PEFT's names without "base_model.model." and the adapter name).
 """
 
 from __future__ import annotations
@@ -25,8 +27,21 @@ from inference.models.registry import family_names, get_family
 if TYPE_CHECKING:
     from inference.config import ModelConfig
 
-__all__ = ["ShardId", "expected_hf_tensors", "expected_wire_tensors", "family_of", "hf_layout_of", "hf_to_param",
-           "is_skipped", "o_proj_has_bias", "param_to_hf"]
+__all__ = [
+    "LORA_KINDS",
+    "ShardId",
+    "expected_hf_tensors",
+    "expected_wire_tensors",
+    "family_of",
+    "hf_layout_of",
+    "hf_to_param",
+    "is_skipped",
+    "lora_base_name",
+    "lora_name",
+    "o_proj_has_bias",
+    "param_to_hf",
+    "peft_to_hf",
+]
 
 
 def family_of(config: ModelConfig) -> type[ModelFamily]:
@@ -88,3 +103,27 @@ def hf_layout_of(hf_names: Collection[str], param_names: Collection[str]) -> str
         if renamed == ours:
             return name
     return None
+
+
+LORA_KINDS = ("lora_A", "lora_B")
+_PEFT_PREFIX = "base_model.model."
+
+
+def lora_base_name(hf_name: str) -> tuple[str, str] | None:
+    """`<module>.lora_A.weight` -> (`<module>.weight`, "lora_A"); None for any other name."""
+    parts = hf_name.split(".")
+    if len(parts) >= 3 and parts[-2] in LORA_KINDS and parts[-1] == "weight":
+        return ".".join([*parts[:-2], "weight"]), parts[-2]
+    return None
+
+
+def lora_name(base_hf_name: str, kind: str) -> str:
+    """The wire (and checkpoint-free) name of one adapter tensor of the module whose weight is `base_hf_name`."""
+    assert kind in LORA_KINDS and base_hf_name.endswith(".weight"), (base_hf_name, kind)
+    return f"{base_hf_name[:-len('.weight')]}.{kind}.weight"
+
+
+def peft_to_hf(peft_name: str) -> str:
+    """A PEFT adapter file's tensor name (adapter_model.safetensors: `base_model.model.<module>.lora_A.weight`)
+    -> our wire name `<module>.lora_A.weight`."""
+    return peft_name[len(_PEFT_PREFIX):] if peft_name.startswith(_PEFT_PREFIX) else peft_name

@@ -19,6 +19,9 @@ reused.
 
 An FP8 linear's tensors (EngineConfig.quantization) are received in the model dtype and go through
 weights/installed.py: quantized on the device as they land, installed, and audited a second time as held.
+A model served with a LoRA adapter (inference/models/lora_adapter.py) also takes its adapter tensors
+(`<module>.lora_A.weight`, `<module>.lora_B.weight`): a manifest holds the base, the adapter, or both,
+each whole. The adapter's tensors are held whole at TP=1, so they are audited from where they are held.
 """
 
 from __future__ import annotations
@@ -34,12 +37,14 @@ from checksum import ALGORITHM, Manifest, Mismatch, Report, TensorRecord, digest
 from inference.config import ModelConfig
 from inference.core import InvalidRequestError
 from inference.models.loader import load_hf_tensor
+from inference.models.lora_adapter import adapter_regions
 from inference.models.naming import (
     ShardId,
     expected_hf_tensors,
     expected_wire_tensors,
     hf_to_param,
     is_skipped,
+    lora_base_name,
     param_to_hf,
 )
 from inference.transfer.ipc import copy_pairs
@@ -57,6 +62,11 @@ class Route:
     param: str | None
     shard_id: ShardId
     held: torch.Tensor | None  # the exact parameter region it fills (TP=1, same dtype), else None
+    sink: torch.Tensor | None = None  # an adapter tensor's buffer (filled by copy, casting if allowed)
+
+    @property
+    def adapter(self) -> bool:
+        return self.sink is not None
 
 
 @dataclass(frozen=True)
@@ -85,15 +95,22 @@ def validate_manifest(specs: Sequence[TensorSpec], model: nn.Module, config: Mod
     """Routes for every spec, or InvalidRequestError naming the first bad tensor and this rank."""
     params = dict(model.named_parameters()) if params is None else params
     expected = expected_wire_tensors(config, [s.name for s in specs])
+    adapter = adapter_regions(model)
     seen: set[str] = set()
     routes = []
     for spec in specs:
         if spec.name in seen:
             raise InvalidRequestError(spec.name, f"rank {rank}: sent twice in the {which} manifest")
         seen.add(spec.name)
+        if lora_base_name(spec.name) is not None:
+            routes.append(_adapter_route(spec, adapter, which=which, rank=rank, allow_cast=allow_cast))
+            continue
         routes.append(_route(spec, params, config, expected, which=which, rank=rank, tp_size=tp_size,
                              allow_cast=allow_cast))
-    missing = [name for name in expected if name not in seen]
+    # the base and the adapter each come whole or not at all (an adapter-only sync leaves the base as held)
+    wanted = [*(expected if len(routes) > sum(r.adapter for r in routes) else ()),
+              *(adapter if any(r.adapter for r in routes) else ())]
+    missing = [name for name in wanted if name not in seen]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise InvalidRequestError(missing[0], f"rank {rank}: {len(missing)} tensor(s) of the {which} model "
@@ -104,6 +121,25 @@ def validate_manifest(specs: Sequence[TensorSpec], model: nn.Module, config: Mod
                                   f"but lm_head is {by_name[LM_HEAD].dtype} and the embedding "
                                   f"{by_name[EMBED].dtype}; nothing was written")
     return routes
+
+
+def _adapter_route(spec: TensorSpec, adapter: dict[str, torch.Tensor], *, which: str, rank: str,
+                   allow_cast: bool) -> Route:
+    def bad(msg: str) -> InvalidRequestError:
+        return InvalidRequestError(spec.name, f"rank {rank}: {msg}; nothing was written")
+
+    region = adapter.get(spec.name)
+    if region is None:
+        why = ("it was launched without an adapter (sidecar launch --lora DIR)" if not adapter
+               else "its adapter does not adapt this module")
+        raise bad(f"a LoRA adapter tensor, but the {which} model takes none: {why}")
+    if spec.shape != tuple(region.shape):
+        raise bad(f"shape {list(spec.shape)} does not match the {which} model's adapter {list(region.shape)}")
+    held_dtype = dtype_name(region.dtype)
+    if spec.dtype != held_dtype and not allow_cast:
+        raise bad(f"dtype {spec.dtype} differs from the {which} model's adapter {held_dtype}: send "
+                  f"{held_dtype}, or pass allow_cast=True")
+    return Route(spec, spec.name, None, region if spec.dtype == held_dtype else None, region)
 
 
 def _route(spec: TensorSpec, params: dict[str, nn.Parameter], config: ModelConfig,
@@ -214,7 +250,9 @@ class UpdateTarget:
                 elif dst is not None:
                     dst.copy_(tensor)  # host bytes to the device: blocking, so the buffer is free after
                 else:
-                    if route.param is not None:
+                    if route.sink is not None:
+                        route.sink.copy_(tensor)
+                    elif route.param is not None:
                         load_hf_tensor(self._params, self.config, route.spec.name, tensor)
                     to_digest.append((route.spec.name, tensor))
                 self._written.add(index)

@@ -14,6 +14,8 @@ what the old weights computed once a version goes live. Rules:
   manifest against the model before any byte moves (InvalidRequestError naming the field or tensor
   and this rank); a failed start changes nothing.
 - A second start while a session is open, and update/finish without start, are StateErrors.
+- An adapter-only manifest (a LoRA-served model: its adapter tensors alone) starts only while the base
+  weights are intact (loaded, not torn, not dropped at a level-2 sleep); otherwise the base comes with it.
 - Any failure after start ends the session. The model is torn from the moment its first byte may be
   overwritten until an audit passes: a failed or abandoned update leaves it torn, and a torn model
   is not servable. The version advances only when the audit passes, and with TP > 1 only when every
@@ -239,6 +241,10 @@ class WeightUpdater:
                                       f"{version}")
         algorithm = manifest_algorithm(manifest)
         routing = self._routing(which, specs, allow_cast)
+        if all(r.adapter for r in routing.routes) and self._intact_version(which) < 0:
+            raise InvalidRequestError("manifest", f"rank {rank}: an adapter-only sync, but the {which} model's base "
+                                      "weights are not intact (torn by a failed sync, reset, or dropped at a "
+                                      "level-2 sleep): send the base with the adapter; nothing was written")
         target = UpdateTarget(which, self._host.model_configs[which], routing, rank, algorithm)
         self._session = Session(which, version, specs, target, algorithm)
 

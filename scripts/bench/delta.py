@@ -12,6 +12,9 @@
    trainer's manifest to the audit's verdict), bytes on the wire, and the ratio delta / full. The
    delta's time includes the sender's compare and encode, the rank's apply, and the audit of the full
    tensors at both ends.
+3. lora (--lora-rank R): the same audited syncs of a LoRA adapter of rank R on every linear ("all-linear",
+   bf16, served unmerged: the receiving model carries its LoRASlots) against the full sync in the same
+   run: bytes and median ms of adapter-only syncs, and their ratios to the full sync's.
 Smoke test: --shape tiny --iters 1. GPU: --device cuda --backend ipc.
 """
 
@@ -31,7 +34,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
-from inference.models.naming import expected_hf_tensors
+from inference.models.lora_adapter import AdapterSpec, attach_adapter
+from inference.models.naming import expected_hf_tensors, lora_name
 from inference.transfer.delta import bits, encode
 from inference.transfer.plan import TensorSpec
 from inference.transfer.sender import WeightSender
@@ -91,12 +95,30 @@ def changed_figures(before: dict, after: dict, lr: float) -> dict[str, Any]:
             "chosen_over_full": chosen / dense}
 
 
-def trainer(args: argparse.Namespace, lr: float, delta: bool, to_parent: Any, from_parent: Any) -> None:
-    """The trainer (a child process): one AdamW step's bf16 weights, synced before, after, before, ..."""
+def adapter_shapes(shape: dict[str, tuple[int, ...]], rank: int) -> dict[str, tuple[int, ...]]:
+    """Wire name -> shape of every tensor of a rank-`rank` "all-linear" adapter (every linear of the layers)."""
+    out = {}
+    for name, dims in shape.items():
+        if ".layers." in name and name.endswith(".weight") and len(dims) == 2:
+            out[lora_name(name, "lora_A")] = (rank, dims[1])
+            out[lora_name(name, "lora_B")] = (dims[0], rank)
+    return out
+
+
+def adapter_states(shape: dict[str, tuple[int, ...]], rank: int, device: torch.device) -> list[dict]:
+    """Two random bf16 adapters (B nonzero, as after training), synced in turn."""
+    gen = torch.Generator().manual_seed(rank)
+    return [{n: (torch.randn(d, generator=gen) * 0.02).to(device, torch.bfloat16)
+             for n, d in adapter_shapes(shape, rank).items()} for _ in range(2)]
+
+
+def trainer(args: argparse.Namespace, lr: float, delta: bool, to_parent: Any, from_parent: Any,
+            lora_rank: int = 0) -> None:
+    """The trainer (a child process): one AdamW step's bf16 weights, synced before, after, before, ...
+    (with lora_rank, two adapters of that rank instead)."""
     device = setup_device(args.device)
     shape = expected_hf_tensors(model_config(args.shape))
-    before, after = adamw_step(shape, lr, device=device)
-    states = [before, after]
+    states = adapter_states(shape, lora_rank, device) if lora_rank else list(adamw_step(shape, lr, device=device))
     sender = WeightSender(args.backend, timeout_s=600, device=device if device.type == "cuda" else None,
                           delta=delta)
     to_parent.put(sender.init_info())
@@ -110,14 +132,19 @@ def trainer(args: argparse.Namespace, lr: float, delta: bool, to_parent: Any, fr
     sender.close()
 
 
-def wire(args: argparse.Namespace, lr: float, delta: bool) -> dict[str, Any]:
-    """Audited syncs (the first full; timed: the rest) into a real bf16 model in this process."""
+def wire(args: argparse.Namespace, lr: float, delta: bool, lora_rank: int = 0) -> dict[str, Any]:
+    """Audited syncs (the first full; timed: the rest) into a real bf16 model in this process; with
+    lora_rank, adapter-only syncs into the same model serving an adapter of that rank."""
     device = setup_device(args.device)
     ctx = mp.get_context("spawn")
     from_child, to_child = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=trainer, args=(args, lr, delta, from_child, to_child))
+    child = ctx.Process(target=trainer, args=(args, lr, delta, from_child, to_child, lora_rank))
     child.start()
-    receiver = BenchReceiver(model_config(args.shape), device)
+    config = model_config(args.shape)
+    receiver = BenchReceiver(config, device)
+    if lora_rank:
+        attach_adapter(receiver.models["target"], config, AdapterSpec(lora_rank, 2.0 * lora_rank, False, "all-linear"),
+                       tp_size=1)
     updater = receiver.weights
     try:
         updater.init_transfer(from_child.get(timeout=1200))
@@ -151,6 +178,10 @@ def main() -> None:
     parser.add_argument("--backend", default="gloo", choices=["gloo", "ipc"])
     parser.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (ipc, or gloo from a GPU)")
     parser.add_argument("--skip-changed", action="store_true", help="only the wire figures")
+    parser.add_argument("--skip-delta", action="store_true", help="no delta wire figures (with --lora-rank: "
+                                                                   "the LoRA figure alone)")
+    parser.add_argument("--lora-rank", type=int, default=0, help="also time adapter-only syncs of this rank "
+                                                                  "against the full sync (0: not)")
     args = parser.parse_args()
     config = model_config(args.shape)
     shape = expected_hf_tensors(config)
@@ -158,7 +189,7 @@ def main() -> None:
         before, after = adamw_step(shape, lr, device=torch.device(args.device))
         print(json.dumps({"shape": args.shape, **changed_figures(before, after, lr)}), flush=True)
         del before, after
-    for lr in args.lr:
+    for lr in [] if args.skip_delta else args.lr:
         full = wire(args, lr, False)
         delta = wire(args, lr, True)
         print(json.dumps({"shape": args.shape, "figure": "wire", "backend": args.backend, "lr": lr, "full": full,
@@ -166,6 +197,12 @@ def main() -> None:
                           "time_ratio": delta["ms"] / full["ms"], "device": _device_name(args.device),
                           "date": time.strftime("%Y-%m-%d")}), flush=True)
         del full, delta
+    if args.lora_rank:
+        full, lora = wire(args, args.lr[0], False), wire(args, args.lr[0], False, args.lora_rank)
+        print(json.dumps({"shape": args.shape, "figure": "lora", "backend": args.backend, "rank": args.lora_rank,
+                          "full": full, "lora": lora, "bytes_ratio": lora["wire_bytes"] / full["wire_bytes"],
+                          "time_ratio": lora["ms"] / full["ms"], "device": _device_name(args.device),
+                          "date": time.strftime("%Y-%m-%d")}), flush=True)
 
 
 if __name__ == "__main__":

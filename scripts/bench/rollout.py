@@ -31,6 +31,10 @@ per shape and mode a "rollout_fp8" line gives fp8/bf16 tok/s, both weight roofli
 gap: over each sample's prefix where both runs chose the same tokens (the same context), the mean
 |logprob difference| and the share of positions whose greedy choice differs (a sample's first divergence).
 
+--lora-rank R: each shape runs twice in the same process, merged (the plain model: merged weights cost what
+the base costs) and LoRA-served (a random rank-R "all-linear" PEFT adapter, `LLM(..., lora=DIR)`), rows
+tagged `lora_rank`, then one "rollout_lora" line per mode: lora_over_merged = merged tok/s / LoRA tok/s.
+
     python3 -m scripts.bench.rollout                      # both shapes x 3 modes (H200, ~4 min)
     python3 scripts/bench/rollout.py --dry-run            # the default workload, described
     python3 -m scripts.bench.rollout --shapes tiny --prompts 4 --samples 2 --len-cap 32   # CPU smoke
@@ -171,6 +175,28 @@ def damp_tail(target: torch.nn.Module, draft_layers: int, scale: float) -> None:
                 p.mul_(scale)
 
 
+def write_adapter(model_dir: Path, rank: int, out: Path) -> Path:
+    """A random rank-`rank` PEFT LoRA adapter on every linear of model_dir's layers (B nonzero, as after
+    training), as adapter_config.json + adapter_model.safetensors."""
+    from safetensors.torch import save_file
+
+    from inference.models.hf_config import read_model_config
+    from inference.models.naming import expected_hf_tensors, lora_name
+
+    gen = torch.Generator().manual_seed(rank)
+    tensors = {}
+    for name, dims in expected_hf_tensors(read_model_config(model_dir)).items():
+        if ".layers." in name and name.endswith(".weight") and len(dims) == 2:
+            for kind, shape in (("lora_A", (rank, dims[1])), ("lora_B", (dims[0], rank))):
+                tensors["base_model.model." + lora_name(name, kind)] = (
+                    torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": "all-linear"}))
+    return out
+
+
 def build_llm(shape: str, args: argparse.Namespace, max_len: int, quantization: str = "bf16") -> LLM:
     """The engine for a shape: the tiny model as shipped, or a Qwen shape with random bf16 weights
     (and, with --draft-layers, a draft made of the target's first layers: scripts/bench/spec.py), its
@@ -181,6 +207,8 @@ def build_llm(shape: str, args: argparse.Namespace, max_len: int, quantization: 
         kw["async_scheduling"] = args.async_scheduling == "on"
     if args.kv_gib:
         kw["kv_cache_bytes"] = int(args.kv_gib * 2**30)
+    if getattr(args, "lora_dir", None):
+        kw["lora"] = args.lora_dir
     if shape == "tiny":
         if not args.draft_layers:
             return LLM(None, device=args.device, **kw)
@@ -282,6 +310,7 @@ def run_shape(shape: str, args: argparse.Namespace, rates: tuple[float, float], 
         name = torch.cuda.get_device_name(device) if device is not None and device.type == "cuda" else "cpu"
         for mode in args.modes:
             row: dict[str, object] = {"bench": "rollout", "shape": shape, "mode": mode, "prompts": args.prompts,
+                                      "lora_rank": args.lora_rank if getattr(args, "lora_dir", None) else 0,
                                       "samples": args.samples, "draft_layers": args.draft_layers,
                                       "tail_scale": args.tail_scale if args.draft_layers else None,
                                       "spec_max_batch": args.spec_max_batch if args.draft_layers else None,
@@ -393,6 +422,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dry-run", action="store_true", help="print each shape's workload line and stop")
     ap.add_argument("--quantization", default="bf16",
                     help="comma list of bf16 (unquantized: the model dtype) and fp8; both: a rollout_fp8 line too")
+    ap.add_argument("--lora-rank", type=int, default=0,
+                    help="also run each shape LoRA-served with a random adapter of this rank (0: not)")
     args = ap.parse_args(argv)
     args.quantization = [q for q in args.quantization.split(",") if q]
     for q in args.quantization:
@@ -425,6 +456,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     rates = measure_rates(resolve_device(args.device))
     out: list[dict[str, object]] = []
     for shape in args.shapes:
+        if args.lora_rank:  # merged against LoRA-served (unquantized)
+            out += lora_against_merged(shape, args, rates)
+            continue
         rows: dict[str, list[dict[str, object]]] = {}
         greedy: dict[str, list] = {}
         for q in args.quantization:
@@ -436,6 +470,35 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
                 print(json.dumps(line), flush=True)
                 out.append(line)
     return out
+
+
+def lora_against_merged(shape: str, args: argparse.Namespace, rates: tuple[float, float]) -> list[dict[str, object]]:
+    """--lora-rank: the shape merged, then LoRA-served, then one comparison line per mode."""
+    from inference.models.tiny import default_model_dir
+
+    merged = run_shape(shape, args, rates)
+    with tempfile.TemporaryDirectory(prefix="bench-rollout-lora-") as tmp:
+        if shape == "tiny":
+            model_dir = default_model_dir()
+        else:
+            from scripts.bench.generate import SHAPES
+            from scripts.bench.spec import config_dir
+
+            model_dir = config_dir(shape, SHAPES[shape]["num_hidden_layers"], args.prompt_max + args.len_cap)
+        lora = run_shape(shape, replace_ns(args, lora_dir=str(write_adapter(Path(model_dir), args.lora_rank,
+                                                                             Path(tmp) / "adapter"))), rates)
+    rows = merged + lora
+    for m, a in zip(merged, lora, strict=True):
+        line = {"bench": "rollout_lora", "shape": shape, "mode": m["mode"], "lora_rank": args.lora_rank,
+                "merged_tok_s": m["tok_s"], "lora_tok_s": a["tok_s"],
+                "lora_over_merged": round(float(m["tok_s"]) / float(a["tok_s"]), 4), "device": a["device"]}
+        print(json.dumps(line), flush=True)
+        rows.append(line)
+    return rows
+
+
+def replace_ns(args: argparse.Namespace, **changes: object) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), **changes})
 
 
 if __name__ == "__main__":
