@@ -98,7 +98,7 @@ def test_switches_parse_their_values_and_name_themselves_when_bad() -> None:
 
 
 def test_the_registry_holds_user_settings_only() -> None:
-    """No experiment is a variable: a measured winner is the only code path (docs/benchmarks.md)."""
+    """No experiment is a variable: a measured winner is the only code path (docs/dev/benchmark-log.md)."""
     assert set(envs.SWITCHES) == {"SIDECAR_PDL", "TRITON_INTERPRET", "SIDECAR_HOME", "SIDECAR_API_KEY",
                                   "TRITON_CACHE_DIR"}
     assert len(envs.SWITCHES) <= 5
