@@ -96,7 +96,7 @@ def _fields(model: dict[str, Any]) -> list[str]:
     rows = ["| field | type | required | default | description |", "| --- | --- | --- | --- | --- |"]
     for name, s in props.items():
         default = f"`{s['default']!r}`" if "default" in s else ""
-        desc = " ".join(x for x in (s.get("description", ""), _limits(s)) if x)
+        desc = "; ".join(x for x in (s.get("description", ""), _limits(s)) if x)
         rows.append(f"| `{name}` | `{_cell(_type(s))}` | {'yes' if name in required else ''} | {_cell(default)} "
                     f"| {_cell(desc)} |")
     return rows
