@@ -22,6 +22,7 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path}
 
 
+@pytest.mark.slow
 def test_hf_trainer_example_syncs_every_step(tmp_path: Path) -> None:
     model = make_tiny_model(tmp_path / "model")
     server = launch("--model", str(model))
@@ -36,6 +37,7 @@ def test_hf_trainer_example_syncs_every_step(tmp_path: Path) -> None:
     assert code == 0, server.log
 
 
+@pytest.mark.slow
 def test_grpo_partial_example_trains_on_the_first_groups_and_carries_the_tail(tmp_path: Path) -> None:
     model = make_tiny_model(tmp_path / "model")
     server = launch("--model", str(model))
@@ -54,6 +56,7 @@ def test_grpo_partial_example_trains_on_the_first_groups_and_carries_the_tail(tm
     assert code == 0, server.log
 
 
+@pytest.mark.slow
 def test_grpo_tutorial_example_syncs_after_every_step(tmp_path: Path) -> None:
     """docs/tutorial-grpo.md's loop as written: each step's rollouts come from the weights the last step synced."""
     model = make_tiny_model(tmp_path / "model")

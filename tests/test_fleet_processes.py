@@ -33,6 +33,8 @@ from tests.helpers_fault import flip_env
 from tests.helpers_sidecar import KV_BYTES, REPO, Sidecar, launch, pid_exists
 from trainer_hooks import Fleet, WeightSyncHook
 
+pytestmark = pytest.mark.slow  # every test here starts real processes or runs for seconds
+
 transformers = pytest.importorskip("transformers")
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

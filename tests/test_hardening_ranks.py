@@ -29,6 +29,8 @@ from sidecar.client import (
 )
 from tests.helpers_sidecar import Sidecar, first_digest_wrong, launch
 
+pytestmark = pytest.mark.slow  # every test here starts real processes or runs for seconds
+
 STEP_TIMEOUT_S = 3.0
 RANKS = ["dp0:pp0:tp0", "dp0:pp0:tp1"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
