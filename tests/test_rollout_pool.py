@@ -80,6 +80,7 @@ def _wait_finished(client: SidecarClient, pool: str, groups: int) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_every_group_is_returned_exactly_once_across_partial_steps(client: SidecarClient) -> None:
     pool, submitted, returned = "exactly-once", {}, []
     for step in range(4):  # each step submits 3 groups of mixed lengths and takes 2: the pool grows by 1
@@ -111,6 +112,7 @@ def test_each_sample_generates_its_own_max_tokens(client: SidecarClient) -> None
     assert _drain(client, pool) == []
 
 
+@pytest.mark.slow
 def test_min_groups_and_oldest_first(client: SidecarClient) -> None:
     pool = "oldest"
     ids = client.submit_rollouts([_prompt(i) for i in range(4)], _tokens(2), pool=pool)
@@ -132,6 +134,7 @@ def test_min_groups_and_oldest_first(client: SidecarClient) -> None:
     assert empty.groups == [] and client.rollout_counts(pool)["sequences"] == 0
 
 
+@pytest.mark.slow
 def test_hook_carries_the_tail_over_a_sleep_and_a_real_sync(client: SidecarClient, model_dir: Path) -> None:
     """Step 1 returns the 2 short groups and leaves the long one generating; the trainer sleeps the
     sidecar (the long one is held), trains, syncs v1; step 2 returns the long group first (carried over,
@@ -179,6 +182,7 @@ _TRAINER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_killing_the_trainer_between_two_partial_calls_loses_nothing(client: SidecarClient, model_dir: Path,
                                                                      tmp_path: Path) -> None:
     script = tmp_path / "trainer.py"
@@ -221,6 +225,7 @@ def test_an_unacknowledged_lease_returns_to_the_pool_and_an_ack_removes_it(clien
     assert client.rollout_counts(pool)["sequences"] == 0
 
 
+@pytest.mark.slow
 def test_iter_rollouts_yields_groups_in_completion_order(client: SidecarClient, model_dir: Path) -> None:
     pool = "stream"
     lengths = [300, 3, 60, 8]
@@ -283,6 +288,7 @@ def test_bad_pool_ids_and_bounds_are_refused(client: SidecarClient) -> None:
     assert e.value.field == "wait_s"
 
 
+@pytest.mark.slow
 def test_a_take_times_out_with_what_is_ready_and_concurrent_takes_share_nothing(client: SidecarClient) -> None:
     pool = "concurrent"
     slow = client.submit_rollouts([_prompt(0)], _tokens(800), pool=pool)
@@ -297,6 +303,7 @@ def test_a_take_times_out_with_what_is_ready_and_concurrent_takes_share_nothing(
     assert _drain(client, pool) == slow
 
 
+@pytest.mark.slow
 def test_a_take_whose_caller_went_away_takes_nothing(client: SidecarClient) -> None:
     pool = "gone"
     ids = client.submit_rollouts([_prompt(0)], _tokens(800), pool=pool)
