@@ -241,6 +241,7 @@ def test_a_settled_digest_drops_what_update_collected(dirs: dict[str, Path], lau
     assert (first.kind, first.tensor, first.rank) == ("digest", Q1, RANK) and len(launches) == 3
 
 
+@pytest.mark.slow
 def test_the_sender_launches_its_digest_before_the_agreement(dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
                                                              launches: list[int]) -> None:
     """The receivers are still on their way to the agreement when send() starts: the sender's launch runs
