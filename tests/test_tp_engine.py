@@ -47,6 +47,7 @@ def _rank(rank: int, port: int, path: str) -> None:
 
 
 @pytest.mark.parametrize("case", ["llama", "qwen2"])
+@pytest.mark.slow
 def test_tp2_engine_equals_tp1(tmp_path: Path, case: str) -> None:
     make_hf_checkpoint(case, tmp_path, seed=4, initializer_range=0.2, vocab_size=301 if case == "qwen2" else 300)
     expected = _generate(tmp_path, None)
