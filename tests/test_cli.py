@@ -144,6 +144,7 @@ def two_ranks() -> Iterator[Sidecar]:
     assert proc.stop() == 0, proc.log
 
 
+@pytest.mark.slow
 def test_status_of_a_fresh_server_shows_version_0_memory_and_ready(two_ranks: Sidecar,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["status", two_ranks.url]) == 0

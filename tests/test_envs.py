@@ -201,6 +201,7 @@ def _assigned_globals(tree: ast.AST, modules: dict[str, str], package_globals: s
     return found
 
 
+@pytest.mark.slow
 def test_no_test_assigns_a_module_global_of_the_packages() -> None:
     """Tests reach a path through an argument (a size, a rule, a backend's field), the inputs or a scoped
     context (kernel_device.interpreted_on_cpu(), device_digest.kernel_on_cpu()), never by assigning an

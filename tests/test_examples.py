@@ -102,6 +102,7 @@ def test_deepspeed_example_trains_with_zero3_on_one_gpu(tmp_path: Path) -> None:
     assert code == 0, server.log
 
 
+@pytest.mark.slow
 def test_deepspeed_example_step_takes_samples_of_different_lengths(tmp_path: Path) -> None:
     """The GRPO step pads a group's samples (they stop at different lengths) and masks the padding out:
     the loss is the mean over completion tokens only, so padding never changes a gradient."""

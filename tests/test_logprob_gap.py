@@ -97,6 +97,7 @@ def engine_rollouts() -> tuple[Path, list[RequestOutput]]:
     return model_dir, outs
 
 
+@pytest.mark.slow
 def test_rollouts_of_the_same_weights_have_a_tiny_zero_mean_gap(engine_rollouts: tuple[Path, list]) -> None:
     model_dir, outs = engine_rollouts
     gap = measure_logprob_gap(ToyPolicy.from_dir(model_dir), outs)

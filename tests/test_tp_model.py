@@ -58,6 +58,7 @@ def tp_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.slow
 def test_tp2_logits_equal_tp1_on_every_rank(tp_root: Path, case: str) -> None:
     with torch.no_grad():
         expected = _run_steps(load_ours(tp_root / case, num_blocks=32))
