@@ -13,6 +13,8 @@ import pytest
 
 from tests.helpers_bench import bench_lines, refused
 
+pytestmark = pytest.mark.slow  # every test here starts real processes or runs for seconds
+
 BENCH = "scripts.bench.invariance"
 ENGINES = ("invariant", "default")
 MODES = ("greedy", "seeded")
@@ -32,7 +34,6 @@ def lines(all_lines: list[dict]) -> dict[tuple[str, str, str], dict]:
     return {(d["engine"], d["mode"], d["case"]): d for d in all_lines if d["bench"] == "invariance"}
 
 
-@pytest.mark.slow
 def test_every_case_and_mode_is_measured(lines: dict[tuple[str, str, str], dict]) -> None:
     assert set(lines) == {(e, m, c) for e in ENGINES for m in MODES for c in CASES}
     for (_engine, _mode, case), d in lines.items():
@@ -95,7 +96,6 @@ def test_fp32_error_lines_cover_both_engines(all_lines: list[dict]) -> None:
         assert d["tolerance"] > 0 and d["within"] == (d["mode_mean_abs"] - d["default_mean_abs"] <= d["tolerance"]), d
 
 
-@pytest.mark.slow
 def test_fp32_error_of_a_bf16_engine_is_its_rounding() -> None:
     """On bf16 weights the reference is the exact upcast, and the engine's bf16 error shows (the fp32
     engine's is under 1e-5, above): the measurement sees what it is meant to."""
@@ -105,7 +105,6 @@ def test_fp32_error_of_a_bf16_engine_is_its_rounding() -> None:
     assert err["tokens"] == 2 * 16 and 1e-3 < err["mean_abs"] < 0.1, err
 
 
-@pytest.mark.slow
 def test_main_prints_one_json_line_per_case() -> None:
     printed = bench_lines(BENCH, *ARGS, "--modes", "greedy", "--cases", "alone,batch", "--engines", "invariant",
                           "--speed-batches", "0")
@@ -118,6 +117,5 @@ def test_main_prints_one_json_line_per_case() -> None:
 
 @pytest.mark.parametrize("argv", [["--cases", "batch"], ["--modes", "sampled"], ["--engines", "fast"]],
                          ids=["no_reference", "unknown_mode", "unknown_engine"])
-@pytest.mark.slow
 def test_bad_arguments_are_refused(argv: list[str]) -> None:
     assert "alone" in refused(BENCH, *ARGS, *argv)  # the usage names the reference case

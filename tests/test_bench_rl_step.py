@@ -7,6 +7,8 @@ import pytest
 
 from tests.helpers_bench import bench_lines, refused
 
+pytestmark = pytest.mark.slow  # every test here starts real processes or runs for seconds
+
 BENCH = "scripts.bench.rl_step"
 SMOKE = ["--shape", "tiny", "--steps", "3", "--prompts", "8", "--samples", "2", "--prompt-min", "8",
          "--prompt-max", "24", "--len-median", "12", "--len-cap", "48"]
@@ -18,14 +20,12 @@ def rows() -> list[dict]:
     return bench_lines(BENCH, *SMOKE, timeout=300)
 
 
-@pytest.mark.slow
 def test_dry_run_prints_the_plan() -> None:
     (plan,) = bench_lines(BENCH, *SMOKE, "--dry-run")
     assert plan["bench"] == "rl_step_plan" and plan["modes"] == MODES and plan["backend"] == "gloo"
     assert len(plan["first_lengths"]) == 12 and max(plan["first_lengths"]) <= 48  # 8 groups x 1.5 in flight
 
 
-@pytest.mark.slow
 def test_every_mode_prints_one_line_in_order(rows: list[dict]) -> None:
     assert [r["mode"] for r in rows] == MODES
     for r in rows:
@@ -54,7 +54,6 @@ def test_staleness_is_what_each_mode_promises(rows: list[dict]) -> None:
     assert disagg["max_spread"] >= 1  # a sync landed in the middle of a sample, which kept generating
 
 
-@pytest.mark.slow
 def test_max_staleness_bounds_the_versions_within_a_sample() -> None:
     rows = bench_lines(BENCH, *SMOKE, "--modes", "sync,partial_recompute,disagg_keep", "--max-staleness", "1",
                        "--oversample", "2", timeout=300)
@@ -64,6 +63,5 @@ def test_max_staleness_bounds_the_versions_within_a_sample() -> None:
         assert r["submitted"] == r["consumed"] + r["left"] and r["duplicates"] == 0 and r["short_samples"] == 0
 
 
-@pytest.mark.slow
 def test_refuses_a_run_without_the_sync_mode_or_a_train_time() -> None:
     assert "--train-s" in refused(BENCH, "--shape", "tiny", "--modes", "disagg_keep")

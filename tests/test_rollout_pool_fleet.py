@@ -14,6 +14,8 @@ from inference.core import SamplingParams
 from tests.helpers_sidecar import Sidecar, launch
 from trainer_hooks.fleet import Fleet
 
+pytestmark = pytest.mark.slow  # every test here starts real processes or runs for seconds
+
 
 @pytest.fixture
 def replicas() -> Iterator[list[Sidecar]]:
@@ -29,7 +31,6 @@ def _params(length: int) -> SamplingParams:
     return SamplingParams(n=2, temperature=1.0, max_tokens=length, ignore_eos=True)
 
 
-@pytest.mark.slow
 def test_fleet_rollouts_take_each_group_once_oldest_first(replicas: list[Sidecar]) -> None:
     with Fleet([r.url for r in replicas]) as fleet:
         # oldest first across replicas: 4 finished groups, placed alternately, come back in submission order
@@ -80,7 +81,6 @@ def test_fleet_rollouts_take_each_group_once_oldest_first(replicas: list[Sidecar
         assert sum(r.client.rollout_counts("default")["sequences"] for r in fleet.replicas) == 0
 
 
-@pytest.mark.slow
 def test_a_dead_replicas_groups_are_placed_again(replicas: list[Sidecar]) -> None:
     with Fleet([r.url for r in replicas]) as fleet:
         step = fleet.rollouts([[50 + i, 1, 2] for i in range(4)], [_params(3)] + [_params(1500)] * 3, min_groups=1)

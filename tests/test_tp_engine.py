@@ -16,6 +16,8 @@ from inference.engine.llm import LLM
 from inference.parallel import TPInfo
 from tests.helpers_models import make_hf_checkpoint, random_prompts
 
+pytestmark = pytest.mark.slow  # every test here starts real processes or runs for seconds
+
 TP = 2
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
           SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=20, ignore_eos=True),
@@ -47,7 +49,6 @@ def _rank(rank: int, port: int, path: str) -> None:
 
 
 @pytest.mark.parametrize("case", ["llama", "qwen2"])
-@pytest.mark.slow
 def test_tp2_engine_equals_tp1(tmp_path: Path, case: str) -> None:
     make_hf_checkpoint(case, tmp_path, seed=4, initializer_range=0.2, vocab_size=301 if case == "qwen2" else 300)
     expected = _generate(tmp_path, None)

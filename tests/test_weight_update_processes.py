@@ -38,6 +38,8 @@ from tests.helpers_weight_update import (
     tiny_model_dirs,
 )
 
+pytestmark = pytest.mark.slow  # every test here starts real processes or runs for seconds
+
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
@@ -67,7 +69,6 @@ def _dying_sender(out: Any, model_dir: str, how: str) -> None:
 
 
 @pytest.mark.parametrize("how", ["exit", "stall"])
-@pytest.mark.slow
 def test_dead_sender_tears_the_model_and_a_new_init_recovers(dirs: dict[str, Path], tmp_path: Path,
                                                              how: str) -> None:
     worker = make_worker(dirs)
@@ -127,7 +128,6 @@ def _tp_receiver(rank: int, port: int, info: dict, dirs: dict[str, str], which: 
 
 
 @pytest.mark.parametrize("deliver, which", [(False, "target"), (True, "target"), (True, "draft")])
-@pytest.mark.slow
 def test_tp2_receivers_each_hold_their_shard_and_a_flip_on_one_rank_tears_both(
         dirs: dict[str, Path], tmp_path: Path, deliver: bool, which: str) -> None:
     """A byte flipped on rank 1 only: neither rank goes live (rank 0 alone would step into the model's TP
@@ -201,7 +201,6 @@ def _tp_receiver_one_dies(rank: int, port: int, info: dict, model_dir: str, inbo
         out.put(("error", traceback.format_exc(), 0.0, None))
 
 
-@pytest.mark.slow
 def test_tp2_a_rank_that_dies_before_its_audit_leaves_the_other_torn_not_hung(dirs: dict[str, Path]) -> None:
     """Rank 0's audit passes but rank 1 is gone: the agreement fails (at worst at the TP group's timeout)
     and rank 0 stays torn, naming the failed agreement, instead of going live alone."""
