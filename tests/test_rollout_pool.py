@@ -187,7 +187,8 @@ def test_killing_the_trainer_between_two_partial_calls_loses_nothing(client: Sid
                                                                      tmp_path: Path) -> None:
     script = tmp_path / "trainer.py"
     script.write_text(_TRAINER)
-    proc = subprocess.Popen([sys.executable, str(script), client.url, str(model_dir)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, str(script), client.url, str(model_dir)], cwd=REPO, stdout=subprocess.PIPE,
+                            text=True)
     try:
         assert proc.stdout is not None
         used = json.loads(proc.stdout.readline())  # acknowledged by the second call
