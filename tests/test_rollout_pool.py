@@ -99,6 +99,7 @@ def test_every_group_is_returned_exactly_once_across_partial_steps(client: Sidec
     assert sorted(returned) == sorted(submitted) and len(set(returned)) == len(returned)
 
 
+@pytest.mark.slow
 def test_each_sample_generates_its_own_max_tokens(client: SidecarClient) -> None:
     pool = "lengths"
     params = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=40, sample_max_tokens=(7, 40, 1),
@@ -210,6 +211,7 @@ def test_killing_the_trainer_between_two_partial_calls_loses_nothing(client: Sid
     assert client.rollout_counts("killed")["sequences"] == 0  # the hook's close acknowledged its last take
 
 
+@pytest.mark.slow
 def test_an_unacknowledged_lease_returns_to_the_pool_and_an_ack_removes_it(client: SidecarClient) -> None:
     pool = "lease"
     ids = client.submit_rollouts([_prompt(i) for i in range(3)], _tokens(2), pool=pool)
@@ -246,6 +248,7 @@ def test_iter_rollouts_yields_groups_in_completion_order(client: SidecarClient, 
     assert client.rollout_counts(pool)["sequences"] == 0
 
 
+@pytest.mark.slow
 def test_cancel_aborts_running_groups_by_id_or_the_whole_pool(client: SidecarClient) -> None:
     pool = "cancel"
     ids = client.submit_rollouts([_prompt(i) for i in range(4)], [_tokens(2)] + [_tokens(1500)] * 3, pool=pool)
@@ -264,6 +267,7 @@ def test_cancel_aborts_running_groups_by_id_or_the_whole_pool(client: SidecarCli
     assert client.take_rollouts(1, pool=pool, timeout_s=0.0).groups == []
 
 
+@pytest.mark.slow
 def test_the_pool_bound_refuses_naming_the_field(client: SidecarClient) -> None:
     pool = "bound"
     client.submit_rollouts([_prompt(i) for i in range(POOL_BOUND // 4)], _tokens(1, n=4), pool=pool)
@@ -277,6 +281,7 @@ def test_the_pool_bound_refuses_naming_the_field(client: SidecarClient) -> None:
     assert len(_drain(client, "another")) == 1
 
 
+@pytest.mark.slow
 def test_bad_pool_ids_and_bounds_are_refused(client: SidecarClient) -> None:
     with pytest.raises(SidecarRequestError) as e:
         client.submit_rollouts([_prompt(0)], _tokens(1), pool="no spaces")

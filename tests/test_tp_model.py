@@ -15,6 +15,8 @@ import torch.multiprocessing as mp
 from inference.parallel import TPInfo
 from tests.helpers_models import ToyPager, load_ours, make_hf_checkpoint, our_logits, random_prompts
 
+pytestmark = pytest.mark.slow  # every test here starts real processes or runs for seconds
+
 CASES = {"llama": {}, "qwen2": {"vocab_size": 301}}
 TP = 2
 
