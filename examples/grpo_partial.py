@@ -96,7 +96,7 @@ def _note(totals: dict[str, Any], stats: dict[str, Any]) -> None:
 def _grpo_loss(model: Any, batch: list[Any], digits: set[int], tis_cap: float) -> Any:
     """GRPO's group-relative advantage with truncated importance sampling: each token's policy-gradient
     term is weighted by min(pi_train / pi_rollout, tis_cap), pi_rollout being the logprob the sidecar
-    sampled it with (its `logprobs`, raw by default: docs/design.md). Tokens from older weights (a
+    sampled it with (its `logprobs`, raw by default: docs/dev/design.md). Tokens from older weights (a
     carried-over group) and any numerical gap between the engines are corrected alike; the cap bounds
     the variance. Padding is masked out, so the loss is a mean over completion tokens."""
     import torch

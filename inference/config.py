@@ -76,15 +76,15 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     # Overlap each step's host work (schedule, input staging, commit) with the previous step on the
-    # device (docs/design.md, "Async scheduling"). None: on for CUDA; True: also on CPU (tests); False: off.
+    # device (docs/dev/design.md, "Async scheduling"). None: on for CUDA; True: also on CPU (tests); False: off.
     # With a draft model too: its plain steps overlap, the draft follows them; the speculative ones run
-    # synchronously (docs/design.md, "Speculation on the tail").
+    # synchronously (docs/dev/design.md, "Speculation on the tail").
     async_scheduling: bool | None = None
     # Speculative decoding on the tail only: decodes get draft tokens while at most this many
     # decodes run; a fuller batch decodes plainly (the draft only mirrors its tokens into its cache),
     # because verifying k + 1 rows per sequence pays off while a step is bound by reading the weights,
     # not once the batch fills the device. 0: speculate at every batch size. 16: the 7B rollout with a
-    # draft ran faster at 16 than at 64 (the figures: docs/benchmarks.md).
+    # draft ran faster at 16 than at 64 (the figures: docs/dev/benchmark-log.md).
     spec_max_batch: int = 16
 
     def overlaps_steps(self, device_type: str) -> bool:
@@ -120,7 +120,7 @@ class EngineConfig:
     batch_invariant: bool = False
     # What a request in flight does when a weight sync goes live, unless it says (core.SyncPolicy):
     # "recompute" (its KV recomputed under the new weights), "keep" (its KV kept) or "abort" (restarted
-    # from its prompt). docs/design.md, "Syncs during generation".
+    # from its prompt). docs/dev/design.md, "Syncs during generation".
     on_sync: OnSync = "recompute"
     # Weights of the attention and MLP linears (docs/fp8.md): "none" (the model dtype) or "fp8" (e4m3 with
     # an fp32 scale per output row, quantized at load and as each synced tensor lands; the memory saved

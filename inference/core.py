@@ -230,7 +230,7 @@ def _check_float(name: str, value: object, lo: float, hi: float, what: str) -> N
 
 @dataclass(frozen=True)
 class SyncPolicy:
-    """What a request in flight does when a weight sync goes live (docs/design.md, "Syncs during
+    """What a request in flight does when a weight sync goes live (docs/dev/design.md, "Syncs during
     generation"); None fields take the engine's default (EngineConfig.on_sync; no staleness bound).
 
     on_sync: "keep" continues on the KV it has (its tokens before the sync came from the old weights);

@@ -3,7 +3,7 @@
 No other module of the packages reads `os.environ` for a setting: it asks a switch here
 (`PDL.get()`), and docs/configuration.md lists them all (tests/test_envs.py holds both true).
 The registry holds user settings only, never an experiment: a code path is chosen by measurement and
-kept as the only one (docs/benchmarks.md, "Experiments decided"), and tests reach a path through
+kept as the only one (docs/dev/benchmark-log.md, "Experiments decided"), and tests reach a path through
 arguments or inputs, never through a variable. Every switch is read at each use ("call").
 Besides the switches, `sidecar launch` reads one variable per LaunchConfig field, SIDECAR_<FIELD>
 (SIDECAR_MAX_NUM_SEQS for max_num_seqs), through `launch_overrides`; sidecar/config.py parses them.

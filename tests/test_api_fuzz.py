@@ -39,6 +39,8 @@ from inference.transfer.sender import WeightSender  # noqa: E402
 from tests.helpers_sidecar import KV_BYTES, Sidecar, launch  # noqa: E402
 from trainer_hooks.client import SidecarClient  # noqa: E402
 
+pytestmark = pytest.mark.slow  # every test here starts real processes or runs for seconds
+
 EXAMPLES = 80  # per route: 17 routes x 80 examples take ~75 s here
 LIMITS = ("--max-body-mb", "1", "--max-prompt-chars", "20000", "--max-request-sequences", "16",
           "--max-queued-sequences", "64", "--max-model-len", "128", "--header-timeout-s", "2", "--body-timeout-s", "2",

@@ -257,6 +257,7 @@ def mixed_params() -> list[SamplingParams]:
             SamplingParams(temperature=1.0, seed=11, max_tokens=9, stop_token_ids=STOPS[1::2])]
 
 
+@pytest.mark.slow
 def test_engine_async_equals_sync(qwen2: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Greedy and seeded rows, EOS, stop tokens, max_tokens, top logprobs, n > 1 sharing a prompt."""
     sync, fast = engine(qwen2, False), engine(qwen2, True)
@@ -273,6 +274,7 @@ def test_engine_async_equals_sync(qwen2: Path, monkeypatch: pytest.MonkeyPatch) 
     assert not fast.has_unfinished()
 
 
+@pytest.mark.slow
 def test_stop_strings_async_equals_sync(monkeypatch: pytest.MonkeyPatch) -> None:
     sync, fast = (LLM(None, device="cpu", max_num_seqs=4, async_scheduling=a) for a in (False, True))
     probe = Probe(fast, monkeypatch)
@@ -288,6 +290,7 @@ def test_stop_strings_async_equals_sync(monkeypatch: pytest.MonkeyPatch) -> None
     assert probe.resolved > 0 and fast._num_with_stops == 0
 
 
+@pytest.mark.slow
 def test_abort_mid_request(qwen2: Path) -> None:
     prompts = random_prompts([6, 11, 8], 300, seed=2)
     params = SamplingParams(temperature=1.0, seed=5, max_tokens=16, n=2, ignore_eos=True)
@@ -309,6 +312,7 @@ def test_abort_mid_request(qwen2: Path) -> None:
     assert results[0] == results[1]
 
 
+@pytest.mark.slow
 def test_preemption_under_a_tiny_cache(qwen2: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     prompts = random_prompts([6, 10, 14, 7, 12, 9], 300, seed=6)
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),

@@ -19,6 +19,8 @@ from trainer_hooks import AttachError, WeightSyncHook, collect_weights
 from trainer_hooks.client import SidecarClient
 from trainer_hooks.toy_policy import ToyPolicy
 
+pytestmark = pytest.mark.slow  # every test here starts real processes or runs for seconds
+
 SAMPLING = SamplingParams(n=2, temperature=1.0, max_tokens=4, seed=0)
 PROMPTS = [[11, 12, 13], [21, 22]]
 

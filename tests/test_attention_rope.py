@@ -94,6 +94,7 @@ def test_fused_rope_decode_has_the_bits_of_rotary_then_attention(ta: ModuleType,
 
 
 @pytest.mark.parametrize("descending", [False, True])
+@pytest.mark.slow
 def test_fused_rope_rotates_verify_rows_at_their_own_positions(ta: ModuleType, descending: bool) -> None:
     """Verify rows read the new keys of rows stored in the same launch from the inputs: those keys are
     rotated at the key's position, so the cache and the outputs equal the unfused path's."""
@@ -107,6 +108,7 @@ def test_fused_rope_rotates_verify_rows_at_their_own_positions(ta: ModuleType, d
     assert not fused_run[0][real].isnan().any()
 
 
+@pytest.mark.slow
 def test_the_invariant_tiles_rotate_in_decode_with_exact_rounding(ta: ModuleType) -> None:
     """The batch-invariant tiles rotate in the decode kernel and launch every attention kernel without FP
     contraction; decode rows and verify rows keep rotary_qk's bits (here in the interpreter; compiled on
@@ -210,6 +212,7 @@ def test_cuda_fused_rope_verify_rows(ta: ModuleType) -> None:
         assert_within_a_rounding(*both_paths(backend, rows, rope_for(rows, decode_positions(rows))), rows)
 
 
+@pytest.mark.slow
 def test_decoder_decode_steps_rotate_in_the_kernel(ta: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tiny Qwen2 (GQA 2:1, head dim 16) on the triton backend: a prefill of three sequences, then decode
     steps. With the fused rotary, only the prefill calls rotary_qk (decode rotates in the attention kernel),

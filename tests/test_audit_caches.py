@@ -49,6 +49,7 @@ def counted_sources(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
+@pytest.mark.slow
 def test_a_cached_launch_hashes_the_bytes_there_now(kernel: DeviceDigester, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = counted_sources(monkeypatch)
     gen = torch.Generator().manual_seed(0)
@@ -58,6 +59,7 @@ def test_a_cached_launch_hashes_the_bytes_there_now(kernel: DeviceDigester, monk
     assert kernel.digest(tensors) == host(tensors) and calls == [3], "the second launch hit the cache"
 
 
+@pytest.mark.slow
 def test_a_moved_tensor_misses_and_is_hashed_at_its_new_address(kernel: DeviceDigester,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     calls = counted_sources(monkeypatch)
@@ -73,6 +75,7 @@ def test_a_moved_tensor_misses_and_is_hashed_at_its_new_address(kernel: DeviceDi
     assert after == host(tensors) and after[1] != before[1] and after[0::2] == before[0::2]
 
 
+@pytest.mark.slow
 def test_a_view_needing_a_scratch_copy_is_never_served_from_the_cache(kernel: DeviceDigester,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     calls = counted_sources(monkeypatch)
@@ -83,6 +86,7 @@ def test_a_view_needing_a_scratch_copy_is_never_served_from_the_cache(kernel: De
     assert kernel.digest(tensors) == host(tensors) and calls == [2, 2]
 
 
+@pytest.mark.slow
 def test_the_cache_keeps_no_tensor_alive(kernel: DeviceDigester) -> None:
     tensor = torch.randn(100)
     ref = weakref.ref(tensor)

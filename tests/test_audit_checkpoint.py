@@ -40,6 +40,7 @@ def audit_process(*args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_a_sidecar_serving_the_checkpoint_matches_it(server: Sidecar, model_dir: Path) -> None:
     proc = audit_process("--url", server.url, "--checkpoint", str(model_dir))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -47,6 +48,7 @@ def test_a_sidecar_serving_the_checkpoint_matches_it(server: Sidecar, model_dir:
     assert proc.stdout.startswith("OK: 23 tensors on 1 rank match"), proc.stdout
 
 
+@pytest.mark.slow
 def test_the_checkpoint_as_it_is_points_to_checkpoint_instead_of_false_mismatches(
         server: Sidecar, model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A manifest of the checkpoint's own tensors against the held one (either side) is one model in two
@@ -72,6 +74,7 @@ def audit_process_json(url: str) -> dict:
     return httpx.get(f"{url}/checksums", timeout=60).json()
 
 
+@pytest.mark.slow
 def test_another_checkpoint_fails_naming_the_fused_tensor(server: Sidecar, tmp_path: Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     other = make_tiny_model(tmp_path / "other", seed=1)
@@ -82,6 +85,7 @@ def test_another_checkpoint_fails_naming_the_fused_tensor(server: Sidecar, tmp_p
     assert {r[2] for r in rows} == {"digest"}  # same names, shapes and dtypes: only the bytes differ
 
 
+@pytest.mark.slow
 def test_the_device_rule_is_computed_on_the_host_for_the_comparison(
         server: Sidecar, model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A GPU sidecar's held digests are of the device rule: --checkpoint digests by each rank's rule."""
@@ -89,6 +93,7 @@ def test_the_device_rule_is_computed_on_the_host_for_the_comparison(
     assert capsys.readouterr().out.startswith("OK: 23 tensors on 1 rank match")
 
 
+@pytest.mark.slow
 def test_url_with_nothing_to_compare_says_so(server: Sidecar) -> None:
     proc = audit_process("--url", server.url)
     assert proc.returncode == 2 and proc.stdout == ""
@@ -108,6 +113,7 @@ def test_meaningless_combinations_exit_2_before_any_request(argv: list[str], mes
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_tp2_shards_a_padded_vocabulary_and_the_served_dtype(tmp_path: Path,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     """Untied llama, vocabulary 513 (padded to 514 over 2 ranks), float32 checkpoint served in bfloat16."""

@@ -117,6 +117,7 @@ def test_no_actual_manifest_exits_2(files: dict[str, Path], capsys: pytest.Captu
     assert "actual manifest" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_command_line_process(files: dict[str, Path], tmp_path: Path) -> None:
     """The real entry point: exit codes, the table on stdout, no traceback on bad input."""
     def audit(*paths: Path) -> subprocess.CompletedProcess[str]:

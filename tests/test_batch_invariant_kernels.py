@@ -142,6 +142,7 @@ def _attention_paths(backend: object, dtype: torch.dtype) -> dict[str, tuple[tor
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.slow
 def test_triton_attention_in_the_mode_gives_a_query_the_same_bits_on_every_path(dtype: torch.dtype) -> None:
     from inference.layers.triton_attention import TritonAttention, TritonAttentionTiles
 
@@ -156,6 +157,7 @@ def test_triton_attention_in_the_mode_gives_a_query_the_same_bits_on_every_path(
 
 
 @needs_triton
+@pytest.mark.slow
 def test_sampler_rows_in_the_mode_do_not_depend_on_the_batch() -> None:
     rows, vocab = 6, 8192
     # without the mode a lone row is cut into more chunks than a row of a batch
@@ -204,6 +206,7 @@ def _tp_worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_row_parallel_sums_ranks_in_a_fixed_order(tmp_path: Path) -> None:
     mp.spawn(_tp_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]

@@ -31,6 +31,7 @@ def _launches(*argv: str) -> tuple[list[str], list[str]]:
     return line["fleet"], line["one_replica"]
 
 
+@pytest.mark.slow
 def test_h200_fleet_shares_gpu_0_and_the_one_replica_gets_all_its_memory() -> None:
     fleet, one = _launches(*H200)
     assert _fleet_flag(fleet, "--replicas") == "4" and _fleet_flag(fleet, "--gpus") == "0,0,0,0"
@@ -45,6 +46,7 @@ def test_h200_fleet_shares_gpu_0_and_the_one_replica_gets_all_its_memory() -> No
     assert _after_dashdash(one, "--gpu-memory-utilization") == "0.8" and "--kv-cache-bytes" not in one
 
 
+@pytest.mark.slow
 def test_the_cpu_default_launch_is_unchanged() -> None:
     cmd, _ = _launches()
     assert cmd[cmd.index("fleet"):] == ["fleet", "--replicas", "3", "--tp", "1,1,1", "--port", "0", "--device", "cpu",
@@ -54,6 +56,7 @@ def test_the_cpu_default_launch_is_unchanged() -> None:
 
 @pytest.mark.parametrize("argv", [["--backend", "ipc"], ["--rollout-batch", "-1"],
                                   ["--replicas", "4", "--gpu-memory-utilization", "0.3", "--device", "cuda"]])
+@pytest.mark.slow
 def test_bad_setups_are_refused_before_anything_starts(argv: list[str]) -> None:
     refused(BENCH, *argv, "--dry-run")
 

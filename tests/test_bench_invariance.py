@@ -13,6 +13,8 @@ import pytest
 
 from tests.helpers_bench import bench_lines, refused
 
+pytestmark = pytest.mark.slow  # every test here starts real processes or runs for seconds
+
 BENCH = "scripts.bench.invariance"
 ENGINES = ("invariant", "default")
 MODES = ("greedy", "seeded")

@@ -7,6 +7,8 @@ import pytest
 
 from tests.helpers_bench import bench_lines, refused
 
+pytestmark = pytest.mark.slow  # every test here starts real processes or runs for seconds
+
 BENCH = "scripts.bench.rl_step"
 SMOKE = ["--shape", "tiny", "--steps", "3", "--prompts", "8", "--samples", "2", "--prompt-min", "8",
          "--prompt-max", "24", "--len-median", "12", "--len-cap", "48"]

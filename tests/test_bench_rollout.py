@@ -26,6 +26,7 @@ def smoke_rows() -> list[dict]:
     return bench_lines(BENCH, *SMOKE)
 
 
+@pytest.mark.slow
 def test_default_workload_is_the_grpo_batch() -> None:
     line, again = (bench_lines(BENCH, "--shapes", "qwen2-0.5b", "--dry-run") for _ in range(2))
     assert line == again  # a fixed RNG
@@ -35,6 +36,7 @@ def test_default_workload_is_the_grpo_batch() -> None:
     assert w["longest"] == 2048 and 440 < w["mean_len"] < 490  # lognormal mean ~466, capped
 
 
+@pytest.mark.slow
 def test_smoke_run_prints_one_row_per_mode(smoke_rows: list[dict], smoke_workload: dict) -> None:
     assert [r["mode"] for r in smoke_rows] == ["greedy", "sampled", "seeded"]
     for r in smoke_rows:
@@ -72,11 +74,13 @@ def test_the_roofline_counts_the_tiny_model(smoke_rows: list[dict]) -> None:
         llm.worker.shutdown()
 
 
+@pytest.mark.slow
 def test_gc_freeze_off_times_the_unfrozen_heap() -> None:
     (row,) = bench_lines(BENCH, *SMOKE, "--modes", "greedy", "--gc-freeze", "off")
     assert row["gc_frozen"] is False and row["gc_full_collect_ms"] is None
 
 
+@pytest.mark.slow
 def test_profile_writes_a_kernel_table_per_window(tmp_path: Path) -> None:
     (row,) = bench_lines(BENCH, *SMOKE, "--modes", "seeded", "--profile", str(tmp_path), "--profile-steps", "0,8",
                          "--profile-length", "4")
@@ -87,6 +91,7 @@ def test_profile_writes_a_kernel_table_per_window(tmp_path: Path) -> None:
     assert text.startswith("4 steps from step 8") and "Name" in text
 
 
+@pytest.mark.slow
 def test_a_draft_speculates_on_the_tail_only(smoke_workload: dict) -> None:
     """--draft-layers with --spec-max-batch 2: some steps speculate (the drained tail), not all of them,
     and the tokens generated are the workload's."""
@@ -97,6 +102,7 @@ def test_a_draft_speculates_on_the_tail_only(smoke_workload: dict) -> None:
     assert row["tail_scale"] == 1.0 and row["spec_acceptance"] < 1  # a draft of the undamped target's first layer
 
 
+@pytest.mark.slow
 def test_tail_scale_zero_makes_the_draft_agree_on_every_token() -> None:
     """--tail-scale damps o_proj and down_proj of the target's layers beyond the draft's: at 0 those layers
     add nothing to the residual stream, so the target computes what its first layers (the draft) compute."""

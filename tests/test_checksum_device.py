@@ -90,6 +90,7 @@ def test_segment_stream_ignores_chunking() -> None:
     assert len(items) == 3 and rule.combine(items, len(data)) == xxh64k(data)
 
 
+@pytest.mark.slow
 def test_host_pipeline_with_staging_and_small_items() -> None:
     """CPU tensors hashed in place, and streamed through host buffers in odd chunks, give the rule."""
     small_items = [definition.Segments64K(item_bytes=2 * SEG64K)]
@@ -118,6 +119,7 @@ def test_twin_equals_xxhash() -> None:
     assert got == b"".join(xxhash.xxh3_64_digest(s.numpy().tobytes()) for s in segments)
 
 
+@pytest.mark.slow
 def test_kernel_segments_equal_twin_and_xxhash(kernel: DeviceDigester) -> None:
     """Raw per-segment output: whole segments, a partial one (masked loads read zeros), and sources at
     negative and positive offsets from the base pointer."""
@@ -133,6 +135,7 @@ def test_kernel_segments_equal_twin_and_xxhash(kernel: DeviceDigester) -> None:
     assert pending.result() == [xxh64k(host_bytes(d)) for d in data]
 
 
+@pytest.mark.slow
 def test_kernel_on_odd_sizes_misaligned_and_strided_views(kernel: DeviceDigester) -> None:
     """One launch: every size class, slices off 16-byte alignment (copied to scratch), an aligned
     slice (read in place from its storage offset), transposed, strided, expanded and conjugate views."""
@@ -152,6 +155,7 @@ def bytes_zeros(n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.uint8, device=DEVICE)
 
 
+@pytest.mark.slow
 def test_every_dtype_in_one_launch(kernel: DeviceDigester, monkeypatch: pytest.MonkeyPatch) -> None:
     launches = []
     real_launch = device_kernels.launch
@@ -172,6 +176,7 @@ def test_every_dtype_in_one_launch(kernel: DeviceDigester, monkeypatch: pytest.M
     assert Digester(2).digest(cpu)[0].digest == xxh(host_bytes(cpu["bool"]))
 
 
+@pytest.mark.slow
 def test_flipped_byte_fails_the_audit_naming_the_tensor(kernel: DeviceDigester) -> None:
     tensors = {"a.weight": random_tensor((200, 180), torch.bfloat16, 1).to(DEVICE),  # 72,000 bytes
                "b.bias": random_tensor((180,), torch.bfloat16, 2).to(DEVICE)}
@@ -209,6 +214,7 @@ def test_kernel_config_is_validated() -> None:
         KernelConfig(num_warps=3)
 
 
+@pytest.mark.slow
 def test_importing_checksum_does_not_import_triton() -> None:
     code = "import sys, checksum; assert 'triton' not in sys.modules, 'triton imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))

@@ -144,6 +144,7 @@ def two_ranks() -> Iterator[Sidecar]:
     assert proc.stop() == 0, proc.log
 
 
+@pytest.mark.slow
 def test_status_of_a_fresh_server_shows_version_0_memory_and_ready(two_ranks: Sidecar,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["status", two_ranks.url]) == 0
@@ -155,6 +156,7 @@ def test_status_of_a_fresh_server_shows_version_0_memory_and_ready(two_ranks: Si
     assert all(r[2:5] == ["yes", "cpu", "yes"] and "target=0" in r for r in ranks)
 
 
+@pytest.mark.slow
 def test_every_rank_runs_with_the_threads_asked_for(two_ranks: Sidecar) -> None:
     plans = [line for line in two_ranks.log.splitlines() if "memory plan: rank" in line]
     assert len(plans) == 2 and all("; 2 torch thread(s)" in line for line in plans), plans

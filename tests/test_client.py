@@ -50,6 +50,7 @@ def sender() -> Iterator[WeightSender]:
         s.close()
 
 
+@pytest.mark.slow
 def test_sleep_wake_sync_audit_end_to_end(server: Sidecar, sender: WeightSender, tmp_path: Path) -> None:
     spec = TinyModelSpec(seed=1)
     new = random_weights(spec)
@@ -95,6 +96,7 @@ def _check_audit_cli(url: str, sent: Manifest, tmp_path: Path) -> None:
     assert main(["audit", "--url", "http://127.0.0.1:1", "--timeout", "2"]) == 2
 
 
+@pytest.mark.slow
 def test_failed_audit_tears_the_model_until_a_good_sync(server: Sidecar, sender: WeightSender,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     weights = random_weights(TinyModelSpec(seed=2))
@@ -115,6 +117,7 @@ def test_failed_audit_tears_the_model_until_a_good_sync(server: Sidecar, sender:
         assert "sidecar_weight_sync_bytes_total" in c.metrics()
 
 
+@pytest.mark.slow
 def test_status_cli(server: Sidecar, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["status", server.url]) == 0
     out = capsys.readouterr().out

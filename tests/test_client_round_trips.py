@@ -78,6 +78,7 @@ def _live(c: SidecarClient) -> int:
     return int(c.state()["weight_versions"]["target"])
 
 
+@pytest.mark.slow
 def test_a_sync_is_one_request_carrying_start_and_finish(server: Sidecar, sender: WeightSender) -> None:
     c, wire = _client(server)
     with c:
@@ -102,6 +103,7 @@ def test_a_sync_is_one_request_carrying_start_and_finish(server: Sidecar, sender
             assert f'sidecar_weight_sync_seconds_count{{model="target",phase="{phase}"}}' in metrics
 
 
+@pytest.mark.slow
 def test_a_flipped_byte_fails_the_one_request_audit_naming_tensor_and_rank(sender: WeightSender) -> None:
     flipped = next(iter(WEIGHTS))
     proc = launch(env=flip_env(flipped))  # the rank flips a byte of it on arrival
@@ -122,6 +124,7 @@ def test_a_flipped_byte_fails_the_one_request_audit_naming_tensor_and_rank(sende
         assert proc.stop() == 0, proc.log
 
 
+@pytest.mark.slow
 def test_a_refused_start_is_the_sidecars_error_at_once_and_the_group_stays(server: Sidecar,
                                                                           sender: WeightSender) -> None:
     c, wire = _client(server)
@@ -139,6 +142,7 @@ def test_a_refused_start_is_the_sidecars_error_at_once_and_the_group_stays(serve
         assert wire.paths == ["/weights/update"]
 
 
+@pytest.mark.slow
 def test_an_update_carries_its_start(server: Sidecar) -> None:
     with httpx.Client(base_url=server.url, timeout=60) as http:
         r = http.post("/weights/update", json={"update_info": None})
@@ -149,6 +153,7 @@ def test_an_update_carries_its_start(server: Sidecar) -> None:
         assert http.post("/weights/finish", json={}).status_code == 404
 
 
+@pytest.mark.slow
 def test_the_sidecar_refuses_a_client_of_another_protocol(server: Sidecar, sender: WeightSender) -> None:
     with httpx.Client(base_url=server.url, timeout=60) as http:
         for spoken, named in ((SYNC_PROTOCOL + 1, f"protocol {SYNC_PROTOCOL + 1}"), (None, "no protocol version")):

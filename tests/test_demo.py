@@ -21,6 +21,7 @@ from tests.helpers_plot import plotted_points
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_demo_trains_syncs_audits_and_the_reward_rises(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run([sys.executable, "-m", "sidecar.cli.main", "demo", "--steps", "5", "--device", "cpu",
@@ -52,6 +53,7 @@ def _run_demo(*args: str, home: Path | None = None, timeout: float = 300) -> tup
     return proc, json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_demo_on_a_model_directory_uses_its_weights_and_the_id_reward(tmp_path: Path) -> None:
     spec = TinyModelSpec(family="llama", vocab_size=1024, num_layers=2)  # untied, ids past the tokenizer
     model = write_model_dir(spec, tmp_path / "llama")

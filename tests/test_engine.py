@@ -36,6 +36,7 @@ def small_llm(path: Path, **kw) -> LLM:
     return LLM(path, device="cpu", dtype="float32", **kw)
 
 
+@pytest.mark.slow
 def test_greedy_equals_transformers(family: tuple[Path, torch.nn.Module]) -> None:
     path, hf = family
     llm = small_llm(path)
@@ -72,6 +73,7 @@ def qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_same_seed_same_sample_regardless_of_batch(qwen2: Path) -> None:
     llm = small_llm(qwen2)
     prompt = random_prompts([8], llm.model_config.vocab_size, seed=3)[0]
@@ -97,6 +99,7 @@ def test_n_samples_share_the_prompt_blocks(qwen2: Path) -> None:
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # the samples differ
 
 
+@pytest.mark.slow
 def test_preemption_under_a_tiny_kv_budget_gives_the_same_greedy_output(qwen2: Path) -> None:
     roomy = small_llm(qwen2)
     prompts = random_prompts([6, 10, 14, 7, 12, 9], roomy.model_config.vocab_size, seed=6)
@@ -135,6 +138,7 @@ def test_stop_token_ids_and_max_tokens(qwen2: Path) -> None:
     ([1, 2], {"n": 2, "sample_max_tokens": (3,)}, "sampling_params.sample_max_tokens"),  # one per sample
     ([1, 2], {"n": 2, "max_tokens": 4, "sample_max_tokens": (3, 5)}, "sampling_params.sample_max_tokens"),
 ])
+@pytest.mark.slow
 def test_bad_input_is_rejected_by_name_and_others_keep_running(
         qwen2: Path, prompt: list[int], params: dict, field: str) -> None:
     # SamplingParams refuse a bad value when built (inference/core.py), so each call builds its own
@@ -165,6 +169,7 @@ def test_each_sample_of_a_group_stops_at_its_own_max_tokens(qwen2: Path) -> None
                for c in out.outputs)
 
 
+@pytest.mark.slow
 def test_string_prompts_and_stop_strings(tmp_path: Path) -> None:
     from inference.models.tiny import make_tiny_model
 

@@ -98,7 +98,7 @@ def test_switches_parse_their_values_and_name_themselves_when_bad() -> None:
 
 
 def test_the_registry_holds_user_settings_only() -> None:
-    """No experiment is a variable: a measured winner is the only code path (docs/benchmarks.md)."""
+    """No experiment is a variable: a measured winner is the only code path (docs/dev/benchmark-log.md)."""
     assert set(envs.SWITCHES) == {"SIDECAR_PDL", "TRITON_INTERPRET", "SIDECAR_HOME", "SIDECAR_API_KEY",
                                   "TRITON_CACHE_DIR"}
     assert len(envs.SWITCHES) <= 5
@@ -201,6 +201,7 @@ def _assigned_globals(tree: ast.AST, modules: dict[str, str], package_globals: s
     return found
 
 
+@pytest.mark.slow
 def test_no_test_assigns_a_module_global_of_the_packages() -> None:
     """Tests reach a path through an argument (a size, a rule, a backend's field), the inputs or a scoped
     context (kernel_device.interpreted_on_cpu(), device_digest.kernel_on_cpu()), never by assigning an

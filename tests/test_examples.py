@@ -1,6 +1,6 @@
 """The examples run as written: each in a subprocess against a real `sidecar launch --model DIR` on the tiny
-model. examples/hf_trainer.py and examples/grpo_partial.py on the CPU (the dev extra brings transformers and
-accelerate); examples/deepspeed_grpo.py on a GPU shared with the sidecar (the deepspeed extra, --sender ipc)."""
+model. examples/hf_trainer.py, grpo_tutorial.py and grpo_partial.py on the CPU (the dev extra brings transformers
+and accelerate); examples/deepspeed_grpo.py on a GPU shared with the sidecar (the deepspeed extra, --sender ipc)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path}
 
 
+@pytest.mark.slow
 def test_hf_trainer_example_syncs_every_step(tmp_path: Path) -> None:
     model = make_tiny_model(tmp_path / "model")
     server = launch("--model", str(model))
@@ -36,6 +37,7 @@ def test_hf_trainer_example_syncs_every_step(tmp_path: Path) -> None:
     assert code == 0, server.log
 
 
+@pytest.mark.slow
 def test_grpo_partial_example_trains_on_the_first_groups_and_carries_the_tail(tmp_path: Path) -> None:
     model = make_tiny_model(tmp_path / "model")
     server = launch("--model", str(model))
@@ -52,6 +54,28 @@ def test_grpo_partial_example_trains_on_the_first_groups_and_carries_the_tail(tm
     assert sum(summary["staleness_samples"].values()) == 9 * 4
     left = summary["left"]
     assert left["pending"] + left["finished"] == 2 and left["failed"] == 0, left  # the over-sampled tail waits
+    assert code == 0, server.log
+
+
+@pytest.mark.slow
+def test_grpo_tutorial_example_syncs_after_every_step(tmp_path: Path) -> None:
+    """docs/tutorial-grpo.md's loop as written: each step's rollouts come from the weights the last step synced."""
+    model = make_tiny_model(tmp_path / "model")
+    server = launch("--model", str(model))
+    try:
+        proc = subprocess.run([sys.executable, "examples/grpo_tutorial.py", "--url", server.url, "--model", str(model),
+                               "--steps", "2", "--samples", "4", "--max-tokens", "8"], cwd=REPO, env=_env(),
+                              capture_output=True, text=True, timeout=300)
+    finally:
+        code = server.stop()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    summary = json.loads(lines[-1])
+    assert len(summary["rewards"]) == 2 and all(0.0 <= r <= 1.0 for r in summary["rewards"]), summary
+    # a sync (with its audit) after every optimizer step: the second step's rollouts are the first step's weights
+    synced = [int(line.rsplit("now version ", 1)[1]) for line in lines[:-1]]
+    assert synced == [summary["version"] - 1, summary["version"]], proc.stdout
+    assert f"rollouts from version {synced[0]}," in lines[1], proc.stdout
     assert code == 0, server.log
 
 
@@ -79,6 +103,7 @@ def test_deepspeed_example_trains_with_zero3_on_one_gpu(tmp_path: Path) -> None:
     assert code == 0, server.log
 
 
+@pytest.mark.slow
 def test_deepspeed_example_step_takes_samples_of_different_lengths(tmp_path: Path) -> None:
     """The GRPO step pads a group's samples (they stop at different lengths) and masks the padding out:
     the loss is the mean over completion tokens only, so padding never changes a gradient."""

@@ -78,6 +78,7 @@ def test_memory_does_not_grow_after_warm_up(result: dict) -> None:
         assert rss["end"] <= bound and rss["max"] <= bound, f"{name} RSS grew past {bound:.0f} MiB: {rss}"
 
 
+@pytest.mark.slow
 def test_an_idle_kept_alive_connection_outlives_the_clients_expiry() -> None:
     """Found by the script: at uvicorn's default 5 s keep-alive the server closed idle connections just
     as httpx (5 s expiry) reused them, and that POST failed. The server must keep a connection idle past

@@ -33,6 +33,8 @@ from tests.helpers_fault import flip_env
 from tests.helpers_sidecar import KV_BYTES, REPO, Sidecar, launch, pid_exists
 from trainer_hooks import Fleet, WeightSyncHook
 
+pytestmark = pytest.mark.slow  # every test here starts real processes or runs for seconds
+
 transformers = pytest.importorskip("transformers")
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -168,6 +170,7 @@ def _wait_for(check: Any, what: str, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_one_sync_reaches_every_rank_and_every_replica_matches_transformers(
         fleet: Fleet, fleet_process: FleetProcess, trainer: nn.Module, capsys: pytest.CaptureFixture[str]) -> None:
     want = _new_weights(trainer, seed=11)
@@ -184,6 +187,7 @@ def test_one_sync_reaches_every_rank_and_every_replica_matches_transformers(
                                                   ["dp2", fleet_process.urls[2]]]
 
 
+@pytest.mark.slow
 def test_a_killed_replica_is_taken_out_its_requests_finish_elsewhere_and_it_rejoins_after_a_restart(
         fleet: Fleet, fleet_process: FleetProcess, trainer: nn.Module, caplog: pytest.LogCaptureFixture) -> None:
     want = _new_weights(trainer, seed=12)
@@ -220,6 +224,7 @@ def test_a_killed_replica_is_taken_out_its_requests_finish_elsewhere_and_it_rejo
         assert tokens == want and replicas == {0, 1, 2} and versions == {hook.version}
 
 
+@pytest.mark.slow
 def test_a_flipped_byte_on_one_replica_fails_only_that_replica(
         fleet: Fleet, fleet_process: FleetProcess, trainer: nn.Module, caplog: pytest.LogCaptureFixture) -> None:
     fleet_process.kill_replica(2)

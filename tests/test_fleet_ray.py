@@ -93,6 +93,7 @@ def _placement_groups_left(ray: Any) -> list[str]:
     return [pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] != "REMOVED"]
 
 
+@pytest.mark.slow
 def test_ray_places_replicas_that_sync_once_serve_like_transformers_and_leave_nothing(
         ray_cluster: Any, trainer: nn.Module) -> None:
     fleet = place_fleet(2, device="cpu", launch_args=FLAGS, timeout=60)
@@ -138,6 +139,7 @@ def test_ray_places_replicas_that_sync_once_serve_like_transformers_and_leave_no
         ray_cluster.get(fleet._placement.actors[0].started.remote(), timeout=30)
 
 
+@pytest.mark.slow
 def test_a_replica_that_fails_to_start_is_named_with_its_log_and_nothing_is_left(ray_cluster: Any) -> None:
     with pytest.raises(ReplicaStartError) as failed:
         place_fleet(2, device="cpu", launch_args=[FLAGS, [*FLAGS, "--no-such-flag"]], startup_timeout_s=60)
@@ -179,6 +181,7 @@ def test_the_helper_imports_without_ray_torch_or_prometheus() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
+@pytest.mark.slow
 def test_the_fleets_key_is_given_or_made_never_a_launch_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SIDECAR_API_KEY", raising=False)
     assert fleet_key([[]], "given-key") == "given-key"

@@ -61,6 +61,7 @@ def _tiles(spec: tuple[int, int, int] | None):
 
 @needs_triton
 @pytest.mark.parametrize(("n", "k", "spec"), TILINGS)
+@pytest.mark.slow
 def test_invariant_gemm_rows_do_not_depend_on_the_row_count(force_triton: None, n: int, k: int,
                                                             spec: tuple | None) -> None:
     from inference.layers.gemm_invariant import BLOCK_M, invariant_gemm, invariant_linear, invariant_tiles
@@ -76,6 +77,7 @@ def test_invariant_gemm_rows_do_not_depend_on_the_row_count(force_triton: None, 
 
 
 @needs_triton
+@pytest.mark.slow
 def test_decoder_layer_in_the_mode_equals_its_parts(force_triton: None) -> None:
     """The mode's decoder layer runs add_rms_norm, the invariant GEMM and silu_and_mul as separate
     launches (no prologue forms them), so its MLP half equals those parts called one by one, bit for bit,

@@ -90,6 +90,7 @@ def _split_sum_is_in_split_order(device: str) -> None:
         close(first, _reference(x, w, b))
 
 
+@pytest.mark.slow
 def test_split_k_sum_is_deterministic() -> None:
     _split_sum_is_in_split_order("cpu")
 
@@ -178,6 +179,7 @@ def _filled(module: torch.nn.Module) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.slow
 def test_layers_on_gemv_equal_layers_on_torch(m: int) -> None:
     """QKV (bias), o_proj (bias) and the MLP (fused down projection at one row) against the same layers
     on torch (CPU tensors outside the interpreter's scope)."""

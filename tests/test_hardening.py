@@ -61,6 +61,7 @@ def _served(http: httpx.Client) -> None:
 # ---- item 1: sizes are checked before any work ---------------------------------------------------
 
 
+@pytest.mark.slow
 def test_oversized_bodies_and_prompts_are_refused_before_any_work(http: httpx.Client) -> None:
     big = {"prompts": ["x" * (1 << 20)]}  # over --max-body-mb 1
     error = _error(http.post("/generate", json=big), 413)
@@ -83,6 +84,7 @@ def test_oversized_bodies_and_prompts_are_refused_before_any_work(http: httpx.Cl
 # ---- item 6: limits count sequences (n x prompts) ------------------------------------------------
 
 
+@pytest.mark.slow
 def test_limits_count_sequences_not_prompts(server: Sidecar, http: httpx.Client) -> None:
     two = {"prompts": ["a", "b"], "sampling_params": {"n": 40, "max_tokens": 2}}  # 80 > 64 in one call
     error = _error(http.post("/generate", json=two), 400)
@@ -121,6 +123,7 @@ def _wait_until(condition: Any, timeout: float = 60.0) -> None:
 # ---- item 8 (and 11: versions): bad input is a 4xx naming the field; the connection stays ------------
 
 
+@pytest.mark.slow
 def test_bad_inputs_are_4xx_naming_the_field_on_a_connection_that_stays(server: Sidecar, http: httpx.Client) -> None:
     surrogate = '{"prompts": ["a\\ud800b"]}'  # a lone surrogate: valid JSON, not valid Unicode
     resp = http.post("/generate", content=surrogate, headers={"content-type": "application/json"})
@@ -224,6 +227,7 @@ class _BrokenDriver:
 # ---- item 12: a sleeping sidecar answers at once --------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_request_to_a_sleeping_sidecar_is_answered_at_once(server: Sidecar) -> None:
     with SidecarClient(server.url, timeout=20, long_timeout=20) as c:
         c.sleep(level=1)
@@ -243,6 +247,7 @@ def test_a_request_to_a_sleeping_sidecar_is_answered_at_once(server: Sidecar) ->
         assert len(c.generate(["awake again"], TINY)[0].outputs[0].token_ids) == 2
 
 
+@pytest.mark.slow
 def test_hold_while_asleep_holds_until_wake() -> None:
     """The launch flag keeps the old behaviour for callers that sleep and generate from separate
     processes: the request waits, and is served once someone wakes the sidecar."""

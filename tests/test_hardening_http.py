@@ -17,6 +17,8 @@ import pytest
 
 from tests.helpers_sidecar import Sidecar, launch
 
+pytestmark = pytest.mark.slow  # every test here starts real processes or runs for seconds
+
 LIMITS = ("--max-header-kb", "8", "--header-timeout-s", "1", "--body-timeout-s", "1", "--max-connections", "12",
           "--max-body-mb", "1")
 

@@ -44,6 +44,7 @@ def _generate(http: httpx.Client, sampling_params: Any, prompts: Any = ("a",)) -
     return http.post("/generate", json={"prompts": list(prompts), "sampling_params": sampling_params})
 
 
+@pytest.mark.slow
 def test_stop_strings_and_stop_ids_are_bounded_naming_the_field(http: httpx.Client) -> None:
     base = {"max_tokens": 2, "temperature": 0.0}
     error = _error(_generate(http, {**base, "stop": ["s1", "s2", "s3", "s4", "s5"]}))
@@ -61,6 +62,7 @@ def test_stop_strings_and_stop_ids_are_bounded_naming_the_field(http: httpx.Clie
     assert resp.status_code == 200, resp.text  # at the limits: served
 
 
+@pytest.mark.slow
 def test_a_stop_token_id_ends_the_completion(http: httpx.Client) -> None:
     free = _generate(http, {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}).json()
     tokens = free["outputs"][0]["completions"][0]["token_ids"]
@@ -70,6 +72,7 @@ def test_a_stop_token_id_ends_the_completion(http: httpx.Client) -> None:
     assert stopped["token_ids"] == tokens[:first + 1] and stopped["stop_reason"] == tokens[2]
 
 
+@pytest.mark.slow
 def test_the_answer_a_call_asks_for_is_bounded(http: httpx.Client) -> None:
     # 105 bytes asked for n x max_tokens x 21 entries; here 4 x 100 x 3 = 1,200 > 1,000
     error = _error(_generate(http, {"n": 4, "max_tokens": 100, "logprobs": 2}))
@@ -83,6 +86,7 @@ def test_the_answer_a_call_asks_for_is_bounded(http: httpx.Client) -> None:
     assert error["field"] == "max_tokens" and "--max-response-tokens" in error["message"]
 
 
+@pytest.mark.slow
 def test_chat_messages_are_counted_before_the_template_runs(http: httpx.Client) -> None:
     messages = [{"role": "user", "content": ""}] * 7
     error = _error(http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2}))
@@ -92,6 +96,7 @@ def test_chat_messages_are_counted_before_the_template_runs(http: httpx.Client) 
 
 
 @pytest.mark.parametrize("kwargs", [{"messages": []}, {"add_generation_prompt": False}])
+@pytest.mark.slow
 def test_template_kwargs_that_clash_with_the_body_are_a_400(http: httpx.Client, kwargs: dict[str, Any]) -> None:
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "chat_template_kwargs": kwargs}
     error = _error(http.post("/v1/chat/completions", json=body))

@@ -29,6 +29,8 @@ from sidecar.client import (
 )
 from tests.helpers_sidecar import Sidecar, first_digest_wrong, launch
 
+pytestmark = pytest.mark.slow  # every test here starts real processes or runs for seconds
+
 STEP_TIMEOUT_S = 3.0
 RANKS = ["dp0:pp0:tp0", "dp0:pp0:tp1"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
@@ -60,6 +62,7 @@ def _signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
 
 
+@pytest.mark.slow
 def test_a_long_tokenization_stalls_nobody(tp2: Sidecar) -> None:
     """A 6 MB prompt takes the tokenizer seconds, longer than --step-timeout-s: it is tokenized in the
     sidecar process, off the ranks' step loop, so requests sent meanwhile are served and no rank is
@@ -104,6 +107,7 @@ def test_a_tp2_mismatch_names_every_rank_and_versions_only_grow(tp2: Sidecar,
         sender.close()
 
 
+@pytest.mark.slow
 def test_a_stopped_rank_is_named_and_the_503_carries_its_rank(tp2: Sidecar) -> None:
     """SIGSTOP rank 1 while it can serve: the next step times out; the error names rank 1 as stopped
     (rank 0 only waited for it in the collective) and carries its rank key, in the call's 503 and in
@@ -124,6 +128,7 @@ def test_a_stopped_rank_is_named_and_the_503_carries_its_rank(tp2: Sidecar) -> N
         assert again.value.rank == RANKS[1]
 
 
+@pytest.mark.slow
 def test_a_generation_longer_than_the_step_timeout_is_no_hang() -> None:
     """The rank steps on its own and says so while it does (at least every HEARTBEAT_S): a call whose
     steps together take several times --step-timeout-s is served, and so is one sent meanwhile; only a
@@ -146,6 +151,7 @@ def test_a_generation_longer_than_the_step_timeout_is_no_hang() -> None:
         server.stop()
 
 
+@pytest.mark.slow
 def test_sigterm_during_a_stalled_sync_answers_json_and_exits_in_seconds() -> None:
     """The trainer opened a sync and never sends: /weights/update waits on the rank. SIGTERM answers it
     with a JSON 503 at once (not a bare 500 after uvicorn's grace period) and the launcher exits within

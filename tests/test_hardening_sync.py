@@ -72,6 +72,7 @@ def _next_version(c: SidecarClient) -> int:
 
 
 # ---- item 2: every client-chosen timeout is bounded; a hung trainer is a 502, not a dead rank ----------
+@pytest.mark.slow
 def test_a_wire_timeout_past_the_limit_is_a_400_naming_the_field(server: Sidecar) -> None:
     greedy_sender = WeightSender("gloo", timeout_s=MAX_WIRE_TIMEOUT_S + 1)
     info = greedy_sender.init_info()
@@ -84,6 +85,7 @@ def test_a_wire_timeout_past_the_limit_is_a_400_naming_the_field(server: Sidecar
         assert c.state()["healthy"]
 
 
+@pytest.mark.slow
 def test_connect_sender_raises_the_sidecars_refusal_at_once_not_a_join_timeout(server: Sidecar) -> None:
     """The sender's wait for receivers that will never come is called off when the sidecar refuses the
     init: the trainer sees the 400 naming the field in a second, not a TransferError after 200 s."""
@@ -101,6 +103,7 @@ def test_connect_sender_raises_the_sidecars_refusal_at_once_not_a_join_timeout(s
         greedy_sender.close()
 
 
+@pytest.mark.slow
 def test_a_trainer_hung_mid_sync_past_the_rpc_timeout_is_a_502_and_a_torn_model_a_re_init_heals(
         server: Sidecar, sender: WeightSender) -> None:
     ctx = mp.get_context("spawn")
@@ -134,6 +137,7 @@ def test_a_trainer_hung_mid_sync_past_the_rpc_timeout_is_a_502_and_a_torn_model_
 
 
 # ---- no session outlives its update -------------------------------------------------------------------
+@pytest.mark.slow
 def test_abort_finds_no_session_after_a_sync_or_a_failed_one(server: Sidecar, sender: WeightSender,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     with SidecarClient(server.url, timeout=120) as c:
@@ -152,6 +156,7 @@ def test_abort_finds_no_session_after_a_sync_or_a_failed_one(server: Sidecar, se
 
 
 # ---- item 4: one truth about torn weights ------------------------------------------------------------
+@pytest.mark.slow
 def test_checksums_and_audit_of_a_torn_model_say_it_is_torn(server: Sidecar, sender: WeightSender, tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str],
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
@@ -235,6 +240,7 @@ def keyed() -> Iterator[Sidecar]:
         assert server.stop() == 0, server.log
 
 
+@pytest.mark.slow
 def test_with_an_api_key_a_sync_authenticates_its_store_clients(keyed: Sidecar) -> None:
     sender = WeightSender("gloo", bucket_bytes=256 << 10, timeout_s=20)
     try:

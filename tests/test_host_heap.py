@@ -9,6 +9,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+pytestmark = pytest.mark.slow  # every test here starts real processes or runs for seconds
+
 CHILD = textwrap.dedent("""
     import gc, json, weakref
     from inference.memory.host_heap import freeze_startup_heap

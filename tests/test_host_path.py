@@ -4,6 +4,7 @@ while it cannot change."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from inference.batch import AttentionMetadata
@@ -109,6 +110,7 @@ def test_sampling_batch_reused_only_while_it_cannot_change() -> None:
     assert two is not one and two.row_seeds != one.row_seeds  # the seed follows the output position
 
 
+@pytest.mark.slow
 def test_engine_outputs_with_stop_strings_and_plain_requests_mixed() -> None:
     """Requests finish in any step order; those with stop strings are still cut at the stop."""
     llm = LLM(None, device="cpu", max_num_seqs=4)

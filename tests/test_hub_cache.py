@@ -56,6 +56,7 @@ def test_an_unknown_name_says_what_is_supported_and_how_to_get_a_directory(tmp_p
         assert f"huggingface-cli download {name} --local-dir DIR" in message and str(tmp_path) in message
 
 
+@pytest.mark.slow
 def test_launch_serves_a_cached_id_under_that_name(tmp_path: Path) -> None:
     fake_cache(tmp_path / "hub")
     server = launch("--model", MODEL_ID, env={"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"})
@@ -68,6 +69,7 @@ def test_launch_serves_a_cached_id_under_that_name(tmp_path: Path) -> None:
         assert server.stop() == 0, server.log
 
 
+@pytest.mark.slow
 def test_launch_with_an_uncached_id_exits_2_with_the_hint(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "sidecar.cli.main", "launch", "--device", "cpu", "--model", "Qwen/Qwen2.5-0.5B"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_CACHE": str(tmp_path)}

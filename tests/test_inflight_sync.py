@@ -112,6 +112,7 @@ def greedy(ref: LLM, prompt: list[int], max_tokens: int) -> list[int]:
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync-steps", "async-steps"])
+@pytest.mark.slow
 def test_recompute_continues_as_a_fresh_request_under_the_new_weights(dirs: dict[str, Path],
                                                                       refs: dict[int, LLM], overlap: bool) -> None:
     run = Run(engine(dirs["v0"], async_scheduling=overlap))
@@ -134,6 +135,7 @@ def test_recompute_continues_as_a_fresh_request_under_the_new_weights(dirs: dict
     check_replay(outs, refs)
 
 
+@pytest.mark.slow
 def test_abort_restarts_from_the_prompt_under_the_new_weights_once(dirs: dict[str, Path],
                                                                    refs: dict[int, LLM]) -> None:
     run = Run(engine(dirs["v0"]))
@@ -188,6 +190,7 @@ def test_keep_with_a_change_the_kv_does_not_depend_on_matches_the_new_version(di
     assert changed, "the new head changed no continuation: the test shows nothing"
 
 
+@pytest.mark.slow
 def test_max_staleness_restarts_what_the_sync_made_too_stale(dirs: dict[str, Path], refs: dict[int, LLM]) -> None:
     """max_staleness=1: the first sync (one version behind) keeps the request, the second (two behind
     its oldest token) restarts it from the prompt; an unbounded request beside it keeps every token."""
@@ -228,6 +231,7 @@ def test_no_step_runs_while_a_sync_writes_and_the_audit_comes_first(dirs: dict[s
     assert all(o.outputs[0].weight_version_spans[-1][1] == 1 for o in outs.values())
 
 
+@pytest.mark.slow
 def test_draft_versions_are_recorded_beside_the_targets(dirs: dict[str, Path]) -> None:
     run = Run(engine(dirs["v0"], draft_model=str(dirs["draft"]), num_speculative_tokens=2))
     ids = run.add(on_sync="keep")
@@ -256,6 +260,7 @@ def test_a_bad_policy_is_refused_naming_its_field(dirs: dict[str, Path], refs: d
     assert not refs[0].has_unfinished()
 
 
+@pytest.mark.slow
 def test_colocated_a_sync_while_requests_are_held_through_a_sleep(dirs: dict[str, Path],
                                                                    refs: dict[int, LLM]) -> None:
     """Colocated: sleep(in_flight="hold") drops every KV, so after the wake and the sync "keep" has no KV
@@ -282,6 +287,7 @@ def test_colocated_a_sync_while_requests_are_held_through_a_sleep(dirs: dict[str
 
 
 @pytest.mark.parametrize("draft", [False, True], ids=["plain", "draft"])
+@pytest.mark.slow
 def test_repeated_syncs_over_a_sampled_batch_lose_nothing_and_bound_staleness(dirs: dict[str, Path],
                                                                               draft: bool) -> None:
     """Three syncs land while 9 sampled requests (n=2, each mode, some with max_staleness) run with async
@@ -315,6 +321,7 @@ def test_repeated_syncs_over_a_sampled_batch_lose_nothing_and_bound_staleness(di
     assert strict and all(c.restarts >= 1 for c in strict)  # each sync found them mid-generation
 
 
+@pytest.mark.slow
 def test_a_failed_audit_mid_generation_changes_no_request_until_a_good_sync(dirs: dict[str, Path],
                                                                             refs: dict[int, LLM]) -> None:
     """All or nothing: a sync whose audit fails leaves the model torn and every request as it was (no

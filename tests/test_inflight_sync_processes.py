@@ -23,6 +23,8 @@ from tests.helpers_weight_update import Link
 from trainer_hooks.client import SidecarClient
 from trainer_hooks.client_errors import SidecarChecksumError
 
+pytestmark = pytest.mark.slow  # every test here starts real processes or runs for seconds
+
 WEIGHTS = random_weights(TinyModelSpec(seed=5))
 MAX_TOKENS = 120  # long enough that every call is still running when the engine is paused for the sync
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)

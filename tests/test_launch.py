@@ -67,6 +67,7 @@ def _rank_pids(url: str) -> list[int]:
         return [r["pid"] for r in c.state()["ranks"]]
 
 
+@pytest.mark.slow
 def test_tp2_over_gloo_equals_tp1_and_sigterm_leaves_nothing() -> None:
     params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=7, max_tokens=10, ignore_eos=True)]
@@ -95,6 +96,7 @@ def test_tp2_over_gloo_equals_tp1_and_sigterm_leaves_nothing() -> None:
     assert port_is_free(server.url)
 
 
+@pytest.mark.slow
 def test_engine_settings_reach_the_ranks_and_the_key_file_guards_the_api(tmp_path: Path) -> None:
     key = tmp_path / "api-key"
     key.write_text("from-a-file\n")
@@ -123,6 +125,7 @@ def test_engine_settings_reach_the_ranks_and_the_key_file_guards_the_api(tmp_pat
     assert code == 0, server.log
 
 
+@pytest.mark.slow
 def test_killed_rank_makes_health_503_and_calls_fail_fast() -> None:
     server = launch()
     try:

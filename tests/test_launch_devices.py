@@ -60,6 +60,7 @@ def test_place_ranks_sets_the_environment_the_ranks_inherit() -> None:
     (["--devices", "1,2"], "one per rank"),
     (["--devices", "5", "--device", "auto"], "GPU 5 does not exist"),
 ])
+@pytest.mark.slow
 def test_launch_with_bad_devices_exits_2(args: list[str], message: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "0,1"}
     proc = subprocess.run([sys.executable, "-m", "sidecar.cli.main", "launch", "--port", "0", *args], cwd=REPO, env=env,

@@ -25,6 +25,7 @@ def _env(tmp: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, "TMPDIR": str(tmp)}
 
 
+@pytest.mark.slow
 def test_demo_leaves_no_file_in_the_temp_directory(tmp_path: Path) -> None:
     tmp = tmp_path / "tmp"
     proc = subprocess.run([sys.executable, "-m", "sidecar.cli.main", "demo", "--device", "cpu", "--steps", "1",
@@ -39,6 +40,7 @@ def _files(tmp: Path) -> list[str]:
     return sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if not p.is_dir())
 
 
+@pytest.mark.slow
 def test_a_test_sidecar_leaves_no_log_behind(tmp_path: Path) -> None:
     tmp = tmp_path / "tmp"
     code = ("from tests.helpers_sidecar import launch\ns = launch()\nassert s.stop() == 0\n"

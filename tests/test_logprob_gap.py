@@ -97,6 +97,7 @@ def engine_rollouts() -> tuple[Path, list[RequestOutput]]:
     return model_dir, outs
 
 
+@pytest.mark.slow
 def test_rollouts_of_the_same_weights_have_a_tiny_zero_mean_gap(engine_rollouts: tuple[Path, list]) -> None:
     model_dir, outs = engine_rollouts
     gap = measure_logprob_gap(ToyPolicy.from_dir(model_dir), outs)
@@ -106,6 +107,7 @@ def test_rollouts_of_the_same_weights_have_a_tiny_zero_mean_gap(engine_rollouts:
     assert abs(gap.mean) < 1e-5 and abs(gap.ratio_minus_one) < 1e-5, gap
 
 
+@pytest.mark.slow
 def test_weights_changed_without_a_sync_show_a_large_gap(engine_rollouts: tuple[Path, list]) -> None:
     model_dir, outs = engine_rollouts
     policy = ToyPolicy.from_dir(model_dir)
@@ -132,6 +134,7 @@ class _FakeClient:
 
 
 @pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.slow
 def test_the_hook_keeps_the_gap_in_its_stats_when_asked(engine_rollouts: tuple[Path, list], enabled: bool) -> None:
     model_dir, outs = engine_rollouts
     policy = ToyPolicy.from_dir(model_dir)

@@ -102,6 +102,7 @@ def test_names_route_both_ways(dirs: tuple[Path, Path]) -> None:
     assert covered == set(expected_hf_tensors(config))
 
 
+@pytest.mark.slow
 def test_loads_and_serves_as_the_llama_it_renames(dirs: tuple[Path, Path]) -> None:
     toy, llama = dirs
     toy_params, llama_params = dict(_load(toy).named_parameters()), dict(_load(llama).named_parameters())

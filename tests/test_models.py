@@ -35,6 +35,7 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return request.param, path, make_hf_checkpoint(request.param, path)
 
 
+@pytest.mark.slow
 def test_prefill_then_decode_match_transformers(checkpoint: tuple[str, Path, torch.nn.Module]) -> None:
     case, path, hf = checkpoint
     model = load_ours(path)

@@ -128,6 +128,7 @@ def _run_steps() -> list[torch.Tensor]:
     return hidden
 
 
+@pytest.mark.slow
 def test_decoder_forms_its_pre_norms_in_the_gemv_at_one_row(monkeypatch: pytest.MonkeyPatch) -> None:
     """The one-row decode steps run both pre-norms of every layer in the qkv / gate_up GEMV's prologue (the
     first layer without a residual, the next with one), the prefill in add_rms_norm; every step's hidden

@@ -55,6 +55,7 @@ def chat(server: Sidecar, body: dict[str, Any]) -> dict[str, Any]:
     return dict(client.chat.completions.create(**body).model_dump())
 
 
+@pytest.mark.slow
 def test_chat_returns_the_tokens_of_llm_generate_on_the_rendered_prompt(server: Sidecar, engine: LLM) -> None:
     data = chat(server, OPENAI_BODY)
     prompt = engine.tokenizer.apply_chat_template(MESSAGES)
@@ -83,6 +84,7 @@ def _nulls(message: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in message.items() if v is None}
 
 
+@pytest.mark.slow
 def test_greedy_chat_defaults_max_tokens_to_the_rest_of_the_context(server: Sidecar, engine: LLM) -> None:
     body = {"model": "tiny-chat", "messages": [{"role": "user", "content": [{"type": "text", "text": "one, two,"}]}],
             "temperature": 0, "max_completion_tokens": 5}
@@ -94,6 +96,7 @@ def test_greedy_chat_defaults_max_tokens_to_the_rest_of_the_context(server: Side
     assert choice["token_ids"] == want.token_ids and choice["logprobs"] is None
 
 
+@pytest.mark.slow
 def test_models_lists_the_served_model_with_its_weight_version(server: Sidecar, model_dir: Path) -> None:
     data = httpx.get(f"{server.url}/v1/models", timeout=30).json()
     assert data["object"] == "list" and len(data["data"]) == 1
@@ -117,6 +120,7 @@ def test_models_lists_the_served_model_with_its_weight_version(server: Sidecar, 
     ({"presence_penalty": 2.5}, 400, "presence_penalty"),
     ({"messages": [{"role": "user", "content": "one " * 3000}], "max_tokens": None}, 400, "messages"),
 ])
+@pytest.mark.slow
 def test_bad_chat_requests_name_the_field(server: Sidecar, patch: dict[str, Any], status: int, field: str) -> None:
     resp = httpx.post(f"{server.url}/v1/chat/completions", json={**OPENAI_BODY, **patch}, timeout=60)
     assert resp.status_code == status, resp.text

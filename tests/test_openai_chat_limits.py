@@ -13,6 +13,8 @@ import pytest
 from inference.models.tiny import make_tiny_model
 from tests.helpers_sidecar import Sidecar, launch
 
+pytestmark = pytest.mark.slow  # every test here starts real processes or runs for seconds
+
 MAX_CHARS, MAX_SEQUENCES = 2000, 8
 
 

@@ -66,6 +66,7 @@ def streamed_completions(stream: Any) -> tuple[dict[int, str], dict[int, list[in
     return texts, ids, finish, usage
 
 
+@pytest.mark.slow
 def test_models_list_retrieve_and_a_wrong_model(client: Any) -> None:
     assert [m.id for m in client.models.list().data] == [NAME]
     assert client.models.retrieve(NAME).id == NAME
@@ -81,6 +82,7 @@ def test_models_list_retrieve_and_a_wrong_model(client: Any) -> None:
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=0.0), dict(temperature=0.9, seed=7, n=3)], ids=["greedy", "seeded-n3"])
+@pytest.mark.slow
 def test_streamed_completions_equal_the_non_streamed(client: Any, kw: dict[str, Any]) -> None:
     prompts = ["The miller counted", "Once upon a"]
     full = client.completions.create(model=NAME, prompt=prompts, max_tokens=12, **kw)
@@ -98,6 +100,7 @@ def test_streamed_completions_equal_the_non_streamed(client: Any, kw: dict[str, 
     assert all(chunk.usage is None for chunk in plain)  # no include_usage: no usage chunk
 
 
+@pytest.mark.slow
 def test_streamed_chat_equals_the_non_streamed_with_logprobs_and_usage(client: Any) -> None:
     kw = dict(model=NAME, messages=MESSAGES, max_completion_tokens=10, n=2, seed=5, temperature=0.8,
               logprobs=True, top_logprobs=2)
@@ -123,6 +126,7 @@ def test_streamed_chat_equals_the_non_streamed_with_logprobs_and_usage(client: A
         assert all(len(e.top_logprobs) == 2 for e in c.logprobs.content)
 
 
+@pytest.mark.slow
 def test_stop_strings_and_their_variants(client: Any) -> None:
     free = client.completions.create(model=NAME, prompt="The miller counted", max_tokens=24, temperature=0.0)
     text = free.choices[0].text
@@ -141,6 +145,7 @@ def test_stop_strings_and_their_variants(client: Any) -> None:
     assert none.choices[0].text == text
 
 
+@pytest.mark.slow
 def test_completions_logprobs_echo_token_ids_and_penalties(client: Any, server: Sidecar, engine: LLM) -> None:
     got = client.completions.create(model=NAME, prompt="Once upon a", max_tokens=6, temperature=0.0, logprobs=2,
                                     echo=False)
@@ -163,6 +168,7 @@ def test_completions_logprobs_echo_token_ids_and_penalties(client: Any, server: 
     assert generated["outputs"][0]["completions"][0]["token_ids"] == want.token_ids  # /generate takes them too
 
 
+@pytest.mark.slow
 def test_an_unsupported_field_is_one_400_naming_it(client: Any, server: Sidecar) -> None:
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     with pytest.raises(openai.BadRequestError) as e:
@@ -176,6 +182,7 @@ def test_an_unsupported_field_is_one_400_naming_it(client: Any, server: Sidecar)
     assert ok.choices[0].finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_tokenize_and_detokenize(server: Sidecar, engine: LLM) -> None:
     body = {"model": NAME, "prompt": "Once upon a time", "return_token_strs": True}
     got = httpx.post(f"{server.url}/tokenize", json=body, timeout=30).json()
@@ -192,6 +199,7 @@ def test_tokenize_and_detokenize(server: Sidecar, engine: LLM) -> None:
     assert wrong.status_code == 404
 
 
+@pytest.mark.slow
 def test_tokens_stream_as_they_come_and_a_client_that_goes_away_leaves_nothing_running(server: Sidecar) -> None:
     body = {"model": NAME, "prompt": "The miller", "max_tokens": 1500, "n": 8, "temperature": 1.0,
             "ignore_eos": True, "stream": True}

@@ -35,6 +35,7 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": path, **(env or {})})
 
 
+@pytest.mark.slow
 def test_a_bf16_trainer_against_an_fp32_sidecar_is_told_both_fixes(server: Sidecar) -> None:
     trainer = ToyPolicy.from_dir(default_model_dir()).to(torch.bfloat16)
     client = SidecarClient(server.url, api_key=KEY, timeout=60)
@@ -45,6 +46,7 @@ def test_a_bf16_trainer_against_an_fp32_sidecar_is_told_both_fixes(server: Sidec
     assert "sidecar launch --dtype bfloat16" in str(e.value)
 
 
+@pytest.mark.slow
 def test_a_wrong_api_key_names_where_the_key_goes(server: Sidecar) -> None:
     with SidecarClient(server.url, api_key="wrong", timeout=30) as client, pytest.raises(SidecarAuthError) as e:
         client.state()

@@ -88,6 +88,7 @@ PENALTIES = [dict(repetition_penalty=1.8), dict(frequency_penalty=1.5), dict(pre
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.slow
 def test_engine_greedy_with_penalties_equals_a_plain_torch_loop(model: tuple[Path, torch.nn.Module],
                                                                 async_scheduling: bool) -> None:
     path, hf = model

@@ -172,6 +172,7 @@ def _outputs(conn: Connection, request_ids: set[str], replies: list[Reply] | Non
     return finished
 
 
+@pytest.mark.slow
 def test_the_rank_steps_on_its_own_and_generates_what_the_engine_generates(loop: tuple) -> None:
     """One AddRequests and nothing else: the rank steps until done and reports the outputs, equal to
     the in-process engine's, then says it stopped stepping."""
@@ -189,6 +190,7 @@ def test_the_rank_steps_on_its_own_and_generates_what_the_engine_generates(loop:
     assert not conn.poll(0.3)  # idle: nothing more to say
 
 
+@pytest.mark.slow
 def test_control_commands_run_between_steps_and_change_no_output(loop: tuple) -> None:
     """A ReadManifest sent while the rank steps is answered between two steps; the generation goes on
     to the same tokens as without it."""

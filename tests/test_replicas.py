@@ -26,6 +26,8 @@ from tests.helpers_sidecar import (
     sync_replicas,
 )
 
+pytestmark = pytest.mark.slow  # every test here starts real processes or runs for seconds
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPTS = ["Two mills on one river", [21, 22, 23, 24, 25]]
 RANK = "dp0:pp0:tp0"

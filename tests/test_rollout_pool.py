@@ -80,6 +80,7 @@ def _wait_finished(client: SidecarClient, pool: str, groups: int) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_every_group_is_returned_exactly_once_across_partial_steps(client: SidecarClient) -> None:
     pool, submitted, returned = "exactly-once", {}, []
     for step in range(4):  # each step submits 3 groups of mixed lengths and takes 2: the pool grows by 1
@@ -98,6 +99,7 @@ def test_every_group_is_returned_exactly_once_across_partial_steps(client: Sidec
     assert sorted(returned) == sorted(submitted) and len(set(returned)) == len(returned)
 
 
+@pytest.mark.slow
 def test_each_sample_generates_its_own_max_tokens(client: SidecarClient) -> None:
     pool = "lengths"
     params = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=40, sample_max_tokens=(7, 40, 1),
@@ -111,6 +113,7 @@ def test_each_sample_generates_its_own_max_tokens(client: SidecarClient) -> None
     assert _drain(client, pool) == []
 
 
+@pytest.mark.slow
 def test_min_groups_and_oldest_first(client: SidecarClient) -> None:
     pool = "oldest"
     ids = client.submit_rollouts([_prompt(i) for i in range(4)], _tokens(2), pool=pool)
@@ -132,6 +135,7 @@ def test_min_groups_and_oldest_first(client: SidecarClient) -> None:
     assert empty.groups == [] and client.rollout_counts(pool)["sequences"] == 0
 
 
+@pytest.mark.slow
 def test_hook_carries_the_tail_over_a_sleep_and_a_real_sync(client: SidecarClient, model_dir: Path) -> None:
     """Step 1 returns the 2 short groups and leaves the long one generating; the trainer sleeps the
     sidecar (the long one is held), trains, syncs v1; step 2 returns the long group first (carried over,
@@ -179,6 +183,7 @@ _TRAINER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_killed_trainer_loses_nothing_the_sidecar_finished(client: SidecarClient, tmp_path: Path,
                                                              model_dir: Path) -> None:
     script = tmp_path / "trainer.py"
@@ -206,6 +211,7 @@ def test_a_killed_trainer_loses_nothing_the_sidecar_finished(client: SidecarClie
     assert client.rollout_counts("killed")["sequences"] == 0  # the hook's close acknowledged its last take
 
 
+@pytest.mark.slow
 def test_an_unacknowledged_lease_returns_to_the_pool_and_an_ack_removes_it(client: SidecarClient) -> None:
     pool = "lease"
     ids = client.submit_rollouts([_prompt(i) for i in range(3)], _tokens(2), pool=pool)
@@ -222,6 +228,7 @@ def test_an_unacknowledged_lease_returns_to_the_pool_and_an_ack_removes_it(clien
     assert client.rollout_counts(pool)["sequences"] == 0
 
 
+@pytest.mark.slow
 def test_iter_rollouts_yields_groups_in_completion_order(client: SidecarClient, model_dir: Path) -> None:
     pool = "stream"
     lengths = [300, 3, 60, 8]
@@ -241,6 +248,7 @@ def test_iter_rollouts_yields_groups_in_completion_order(client: SidecarClient, 
     assert client.rollout_counts(pool)["sequences"] == 0
 
 
+@pytest.mark.slow
 def test_cancel_aborts_running_groups_by_id_or_the_whole_pool(client: SidecarClient) -> None:
     pool = "cancel"
     ids = client.submit_rollouts([_prompt(i) for i in range(4)], [_tokens(2)] + [_tokens(1500)] * 3, pool=pool)
@@ -259,6 +267,7 @@ def test_cancel_aborts_running_groups_by_id_or_the_whole_pool(client: SidecarCli
     assert client.take_rollouts(1, pool=pool, timeout_s=0.0).groups == []
 
 
+@pytest.mark.slow
 def test_the_pool_bound_refuses_naming_the_field(client: SidecarClient) -> None:
     pool = "bound"
     client.submit_rollouts([_prompt(i) for i in range(POOL_BOUND // 4)], _tokens(1, n=4), pool=pool)
@@ -272,6 +281,7 @@ def test_the_pool_bound_refuses_naming_the_field(client: SidecarClient) -> None:
     assert len(_drain(client, "another")) == 1
 
 
+@pytest.mark.slow
 def test_bad_pool_ids_and_bounds_are_refused(client: SidecarClient) -> None:
     with pytest.raises(SidecarRequestError) as e:
         client.submit_rollouts([_prompt(0)], _tokens(1), pool="no spaces")
@@ -284,6 +294,7 @@ def test_bad_pool_ids_and_bounds_are_refused(client: SidecarClient) -> None:
     assert e.value.field == "wait_s"
 
 
+@pytest.mark.slow
 def test_a_take_times_out_with_what_is_ready_and_concurrent_takes_share_nothing(client: SidecarClient) -> None:
     pool = "concurrent"
     slow = client.submit_rollouts([_prompt(0)], _tokens(800), pool=pool)
@@ -298,6 +309,7 @@ def test_a_take_times_out_with_what_is_ready_and_concurrent_takes_share_nothing(
     assert _drain(client, pool) == slow
 
 
+@pytest.mark.slow
 def test_a_take_whose_caller_went_away_takes_nothing(client: SidecarClient) -> None:
     pool = "gone"
     ids = client.submit_rollouts([_prompt(0)], _tokens(800), pool=pool)

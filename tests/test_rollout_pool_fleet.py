@@ -14,6 +14,8 @@ from inference.core import SamplingParams
 from tests.helpers_sidecar import Sidecar, launch
 from trainer_hooks.fleet import Fleet
 
+pytestmark = pytest.mark.slow  # every test here starts real processes or runs for seconds
+
 
 @pytest.fixture
 def replicas() -> Iterator[list[Sidecar]]:

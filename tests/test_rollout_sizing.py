@@ -69,6 +69,7 @@ def test_explicit_max_num_seqs_wins_and_bad_values_name_the_field() -> None:
         assert e.value.field == "scheduler.max_num_seqs"
 
 
+@pytest.mark.slow
 def test_the_scheduler_runs_the_resolved_auto_value() -> None:
     # 40,000 KV tokens and max_model_len 64: 512 sequences of 64 tokens fit, 1024 do not
     llm = LLM(None, device="cpu", max_model_len=64, kv_cache_bytes=40_000 * TINY_KV_BYTES_PER_TOKEN)
@@ -83,6 +84,7 @@ def test_the_scheduler_runs_the_resolved_auto_value() -> None:
     assert max(r.num_seqs for r in llm.step_log.records) == 512  # neither the old 256 nor the 600 waiting
 
 
+@pytest.mark.slow
 def test_an_explicit_max_num_seqs_caps_the_running_batch() -> None:
     llm = LLM(None, device="cpu", max_model_len=64, max_num_seqs=3, kv_cache_bytes=40_000 * TINY_KV_BYTES_PER_TOKEN)
     assert llm.worker.max_num_seqs == llm.scheduler.config.max_num_seqs == 3
@@ -141,6 +143,7 @@ def test_count_batch_splits_decode_and_prefill_rows() -> None:
     assert count_batch(spec) == (1, 1, 4, 0, 14, 4 * 10 + 10, 1)
 
 
+@pytest.mark.slow
 def test_step_log_records_every_step_of_a_generation() -> None:
     llm = LLM(None, device="cpu", max_model_len=128)
     prompts = [[3, 4, 5], [6, 7, 8, 9, 10], [11, 12]]

@@ -131,6 +131,7 @@ def test_uniform_kernel_equals_torch() -> None:
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.slow
 def test_threshold_kernel_equals_sort_definition(dtype: torch.dtype) -> None:
     """The search finds the sort's threshold exactly: top-k alone, top-p alone, both, k = 1, a top_p that
     underflowed to 0, heavy ties (a row of 12 distinct values), -inf entries, rows without filters."""
@@ -158,6 +159,7 @@ def test_threshold_kernel_equals_sort_definition(dtype: torch.dtype) -> None:
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.slow
 def test_race_kernels_equal_twins(dtype: torch.dtype) -> None:
     """The whole sampled path, kernels against twins, over two race chunks per row: tokens equal,
     logprobs (raw and processed) equal to float32 rounding; the (token, logprob) pairs form too."""
@@ -185,6 +187,7 @@ TARGETS = {"greedy": SamplingParams(temperature=0.0), "plain": SamplingParams(te
 
 @pytest.mark.parametrize("use_triton", BACKENDS)
 @pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.slow
 def test_seeded_row_alone_equals_in_batch(use_triton: bool, target: str) -> None:
     """A seeded row's token and logprob depend only on (seed, position, logits): alone, or at any place
     among 64 other rows (greedy, filtered, seeded and unseeded), whatever the others draw. bf16 logits,

@@ -117,6 +117,7 @@ def test_small_exponentials_keep_their_precision() -> None:
 
 
 @pytest.mark.parametrize("use_triton", BACKENDS)
+@pytest.mark.slow
 def test_top_p_below_float32_keeps_only_the_top_token(use_triton: bool) -> None:
     """top_p = 1e-300 rounds to 0 in float32 and 1.2e-38 is the smallest SamplingParams takes: the top
     token always stays, so both sample it, at every position and temperature."""
@@ -163,6 +164,7 @@ def unseeded_tokens(llm: LLM, seqs: list[Sequence], logits: torch.Tensor) -> lis
     return runner._sample(logits, runner._sampling_batch(seqs), False).pairs[:, 0].long().tolist()
 
 
+@pytest.mark.slow
 def test_runners_with_one_seed_pick_the_same_unseeded_tokens() -> None:
     """TP ranks are runners with one seed and one schedule: they pick the same unseeded tokens step
     after step without exchanging anything, even over Sequence objects of their own (ids differ, as

@@ -111,6 +111,7 @@ def tiny() -> LLM:
     return LLM(device="cpu", dtype="float32", kv_cache_bytes=4 << 20, max_model_len=64)
 
 
+@pytest.mark.slow
 def test_a_subnormal_temperature_gives_the_greedy_tokens(tiny: LLM) -> None:
     prompt = [5, 9, 13, 2, 7]
     greedy = tiny.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
@@ -118,6 +119,7 @@ def test_a_subnormal_temperature_gives_the_greedy_tokens(tiny: LLM) -> None:
     assert tiny_t.outputs[0].token_ids == greedy.outputs[0].token_ids
 
 
+@pytest.mark.slow
 def test_the_engine_applies_the_same_max_model_len_policy(tiny: LLM) -> None:
     prompt = list(range(1, 11))
     (out,) = tiny.generate(prompt, SamplingParams(temperature=0.0, max_tokens=54, ignore_eos=True))

@@ -19,6 +19,8 @@ from inference.engine.llm import LLM
 from sidecar.client import SidecarClient, SidecarStateError
 from tests.helpers_sidecar import KV_BYTES, Sidecar, launch
 
+pytestmark = pytest.mark.slow  # every test here starts real processes or runs for seconds
+
 KEY = "test-secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPTS = ["The river ran slowly", [5, 17, 42, 99, 7], "Numbers are honest", "Café, naïve"]

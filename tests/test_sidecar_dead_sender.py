@@ -6,10 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from inference.core import SamplingParams
 from inference.engine.llm import LLM
 from inference.models.tiny import TinyModelSpec, random_weights, write_model_dir
 from tests.helpers_sidecar import KV_BYTES, check_killed_sender_recovers, launch
+
+pytestmark = pytest.mark.slow  # every test here starts real processes or runs for seconds
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPTS = ["The miller's daughter", [11, 12, 13, 14]]

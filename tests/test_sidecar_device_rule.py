@@ -22,6 +22,8 @@ from sidecar.cli.main import main
 from tests.helpers_sidecar import KV_BYTES, Sidecar, launch
 from trainer_hooks.client import SidecarClient, SidecarRequestError, SidecarStateError
 
+pytestmark = pytest.mark.slow  # every test here starts real processes or runs for seconds
+
 RANK = "dp0:pp0:tp0"
 
 

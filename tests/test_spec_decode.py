@@ -69,6 +69,7 @@ def greedy_ref(models: dict[str, Path]) -> tuple[list[list[int]], list[list[int]
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 @pytest.mark.parametrize("draft", ["other", "close", "same"])
+@pytest.mark.slow
 def test_greedy_output_is_identical_with_a_draft(models: dict[str, Path], greedy_ref: tuple, draft: str,
                                                  k: int) -> None:
     prompts, ref = greedy_ref
@@ -86,6 +87,7 @@ def test_greedy_output_is_identical_with_a_draft(models: dict[str, Path], greedy
         assert stats.acceptance_rate < 0.5
 
 
+@pytest.mark.slow
 def test_greedy_logprobs_are_the_targets(models: dict[str, Path], greedy_ref: tuple) -> None:
     prompts, _ = greedy_ref
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
@@ -112,6 +114,7 @@ def exact_marginals(target: Path, prompt: list[int], temperature: float) -> tupl
     return joint12.sum(0), (joint12[..., None] * p3_given).sum((0, 1))
 
 
+@pytest.mark.slow
 def test_sampled_tokens_follow_the_target_distribution(models: dict[str, Path]) -> None:
     """Token 2 comes from a verified proposal (accepted or resampled from the residual), token 3 often
     from the bonus draw: both marginals must match target-only sampling. Deterministic (engine seed)."""
@@ -134,6 +137,7 @@ def test_sampled_tokens_follow_the_target_distribution(models: dict[str, Path]) 
     assert 0.5 * (q2 - p2).abs().sum().item() > 0.15
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_reproducible_whatever_the_batch(models: dict[str, Path]) -> None:
     prompts = random_prompts([4, 7, 10], VOCAB, seed=9)
     seeded = SamplingParams(temperature=1.0, seed=11, max_tokens=15, ignore_eos=True)
@@ -146,6 +150,7 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(models: dict[str, Pa
     torch.testing.assert_close(mixed[1].outputs[0].logprobs, alone[0].outputs[0].logprobs, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_stop_token_and_max_tokens_cut_an_accepted_run(models: dict[str, Path], greedy_ref: tuple) -> None:
     prompts, ref = greedy_ref
     ref0 = ref[0]
@@ -162,6 +167,7 @@ def test_stop_token_and_max_tokens_cut_an_accepted_run(models: dict[str, Path], 
         assert c.token_ids == ref0[:max_tokens] and c.finish_reason is FinishReason.LENGTH
 
 
+@pytest.mark.slow
 def test_stop_string_inside_a_run_truncates_like_target_only(tmp_path: Path) -> None:
     dims = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96)
     target = make_tiny_model(tmp_path / "t", "qwen2", **dims)
@@ -179,6 +185,7 @@ def test_stop_string_inside_a_run_truncates_like_target_only(tmp_path: Path) -> 
     assert got.finish_reason is FinishReason.STOP and len(got.logprobs) == len(got.token_ids)
 
 
+@pytest.mark.slow
 def test_preemption_recomputes_both_caches(models: dict[str, Path], greedy_ref: tuple) -> None:
     prompts, ref = greedy_ref
     llm = engine(models["target"], models["close"], 4, block_size=2)
@@ -191,6 +198,7 @@ def test_preemption_recomputes_both_caches(models: dict[str, Path], greedy_ref: 
     assert token_ids(outs) == ref
 
 
+@pytest.mark.slow
 def test_n_samples_share_the_prompt_and_stay_greedy_identical(models: dict[str, Path], greedy_ref: tuple) -> None:
     prompts, ref = greedy_ref
     params = SamplingParams(n=3, temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -199,6 +207,7 @@ def test_n_samples_share_the_prompt_and_stay_greedy_identical(models: dict[str, 
     assert out.num_cached_tokens > 0  # samples 1..n-1 hit sample 0's prompt blocks (draft KV included)
 
 
+@pytest.mark.slow
 def test_sleep_and_wake_drop_and_recompute_the_draft_cache(models: dict[str, Path], greedy_ref: tuple) -> None:
     prompts, ref = greedy_ref
     llm = engine(models["target"], models["same"], 3)
@@ -210,6 +219,7 @@ def test_sleep_and_wake_drop_and_recompute_the_draft_cache(models: dict[str, Pat
     assert [o.metrics["spec_acceptance_rate"] for o in outs] == [1.0] * len(prompts)
 
 
+@pytest.mark.slow
 def test_draft_sync_changes_acceptance_not_target_outputs(tmp_path: Path) -> None:
     dims = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96)
     target = make_tiny_model(tmp_path / "target", "llama", **dims)
@@ -248,6 +258,7 @@ def test_more_verify_rows_than_the_attention_backend_handles_are_refused(models:
         SpecDecoder(runner, draft, 4)
 
 
+@pytest.mark.slow
 def test_speculation_runs_on_the_tail_only_and_stays_lossless(models: dict[str, Path], greedy_ref: tuple) -> None:
     """spec_max_batch=2 (issue 24): while more than two sequences decode, their steps carry no draft
     tokens (the draft only mirrors them); once the batch drains to two, speculation starts, on the
@@ -284,6 +295,7 @@ def test_spec_max_batch_below_zero_is_refused_naming_it(models: dict[str, Path])
     assert bad.value.field == "scheduler.spec_max_batch"
 
 
+@pytest.mark.slow
 def test_async_steps_with_a_draft_that_follows_them(models: dict[str, Path], greedy_ref: tuple) -> None:
     """async_scheduling=True with a draft: the full batch's steps launch asynchronously and the draft
     follows each (its KV of the same tokens), the tail speculates synchronously. The target as its

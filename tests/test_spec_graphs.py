@@ -35,6 +35,7 @@ def engine(target: Path, draft: Path | None = None, k: int = 3, **kw: object) ->
                **extra, **kw)
 
 
+@pytest.mark.slow
 def test_expanded_row_verify_equals_varlen_verify(pair: tuple[Path, Path],
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     target, draft = pair
@@ -121,6 +122,7 @@ def target_only(target: Path, prompts: list[list[int]], params: list[SamplingPar
     return [o.outputs[0].token_ids for o in base.generate(prompts, params)]
 
 
+@pytest.mark.slow
 def test_graph_path_keeps_greedy_output_identical(pair: tuple[Path, Path]) -> None:
     target, draft = pair
     prompts = random_prompts([5, 11], VOCAB, seed=3)
@@ -150,6 +152,7 @@ def test_extended_ladder_keeps_the_decode_sizes_and_covers_the_verify_rows() -> 
             assert next(b for b in sizes if b >= n) == next(b for b in batch_ladder(max_batch) if b >= n)
 
 
+@pytest.mark.slow
 def test_without_a_draft_decode_launches_take_one_row_per_sequence(pair: tuple[Path, Path]) -> None:
     """No speculative decoding: the target's triton backend compiles the multi-row owner check out
     (decode_max_rows 1), and a SpecDecoder put on that target later is refused, not run unsafely; with a
@@ -196,6 +199,7 @@ def test_draft_graphs_above_the_speculating_rows_leave_the_lm_head_out(pair: tup
     assert spec.verify_rows(16, 2) == 2 * (spec.k + 1) and spec.verify_rows(16, 0) == spec.graph_rows(16)
 
 
+@pytest.mark.slow
 def test_async_follows_replay_one_row_graphs_without_lm_head(pair: tuple[Path, Path]) -> None:
     """With async scheduling the draft follows the plain steps of a batch over spec_max_batch on graphs
     of their own (one row per sequence, no LM head); greedy tokens stay those of target-only decoding."""
@@ -228,6 +232,7 @@ def test_async_follows_replay_one_row_graphs_without_lm_head(pair: tuple[Path, P
     assert spec.spec_stats.proposed > 0  # the last sequence alone speculated
 
 
+@pytest.mark.slow
 def test_a_plain_batchs_draft_catch_up_replays_graphs_without_lm_head(pair: tuple[Path, Path]) -> None:
     """Synchronous steps with a draft: a plain batch's draft pass only writes KV, so it replays the draft's
     graphs above a speculating step's rows (captured without the LM head) instead of running eagerly."""

@@ -63,6 +63,7 @@ class _Records(logging.Handler):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.slow
 def test_family_dir_loads_in_transformers_without_warnings(family: str, family_dirs: dict[str, Path]) -> None:
     import warnings
 

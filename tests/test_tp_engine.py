@@ -16,6 +16,8 @@ from inference.engine.llm import LLM
 from inference.parallel import TPInfo
 from tests.helpers_models import make_hf_checkpoint, random_prompts
 
+pytestmark = pytest.mark.slow  # every test here starts real processes or runs for seconds
+
 TP = 2
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
           SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=20, ignore_eos=True),

@@ -16,6 +16,8 @@ import torch.multiprocessing as mp
 from inference.parallel import TPInfo
 from tests.helpers_models import ToyPager, load_ours, make_hf_checkpoint, our_logits, random_prompts
 
+pytestmark = pytest.mark.slow  # every test here starts real processes or runs for seconds
+
 # The MoE families split every expert's intermediate dimension over the ranks.
 CASES = {"llama": {}, "qwen2": {"vocab_size": 301}, "qwen3_moe": {}, "mixtral": {}}
 TP = 2
@@ -60,6 +62,7 @@ def tp_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.slow
 def test_tp2_logits_equal_tp1_on_every_rank(tp_root: Path, case: str) -> None:
     with torch.no_grad():
         expected = _run_steps(load_ours(tp_root / case, num_blocks=32))

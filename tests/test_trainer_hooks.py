@@ -34,6 +34,7 @@ def _manifest(named: list[tuple[str, torch.Tensor]]) -> Manifest:
 # ---- sources ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_toy_policy_logits_equal_transformers(model_dir: Path) -> None:
     transformers = pytest.importorskip("transformers")
     ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -84,6 +85,7 @@ def _fsdp2_worker(rank: int, port: int, model_dir: str, out: str) -> None:
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_fsdp2_source_matches_the_plain_module(model_dir: Path, tmp_path: Path) -> None:
     fsdp = pytest.importorskip("torch.distributed.fsdp")
     if not hasattr(fsdp, "fully_shard"):
@@ -266,6 +268,7 @@ def server() -> Iterator[Any]:
         proc.stop()
 
 
+@pytest.mark.slow
 def test_sync_through_the_hook_matches_transformers_greedy(server: Any, model_dir: Path) -> None:
     transformers = pytest.importorskip("transformers")
     from trainer_hooks.client import SidecarClient

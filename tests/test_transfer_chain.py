@@ -159,6 +159,7 @@ def test_the_plan_covers_every_case_of_the_chain() -> None:
 
 
 @pytest.mark.parametrize("world", [2, 4], ids=["one-receiver", "three-receivers"])
+@pytest.mark.slow
 def test_every_receiver_gets_the_senders_exact_bytes_in_place_or_through_the_ring(world: int) -> None:
     results = _run_group(world)
     outcome, sent, _ = results[0]
@@ -172,6 +173,7 @@ def test_every_receiver_gets_the_senders_exact_bytes_in_place_or_through_the_rin
 
 
 @pytest.mark.parametrize("stall", [False, True], ids=["exits", "stalls"])
+@pytest.mark.slow
 def test_a_dead_receiver_ends_its_neighbours_in_an_error_naming_it(stall: bool) -> None:
     results = _run_group(4, die=2, stall=stall)
     assert sorted(results) == [0, 1, 3]

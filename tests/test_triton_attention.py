@@ -114,6 +114,7 @@ SMALL_TILES = {"prefill_block_m": 16, "prefill_block_n": 16, "decode_block_n": 1
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (7, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.slow
 def test_mixed_batch_matches_reference(ta: ModuleType, heads: int, kv_heads: int, dtype: torch.dtype) -> None:
     """Chunked prefill over cached context, a fresh prompt and decodes in one step; GQA ratios 1, 2, 7."""
     b = make_batch([9, 20, 1, 1], [30, 20, 45, 3], heads, kv_heads, 32, 8, dtype, seed=heads)
@@ -122,6 +123,7 @@ def test_mixed_batch_matches_reference(ta: ModuleType, heads: int, kv_heads: int
 
 
 @pytest.mark.parametrize(("head_dim", "block_size", "default_tiles"), [(16, 16, True), (24, 8, False)])
+@pytest.mark.slow
 def test_prefill_head_dims_and_default_tiles(ta: ModuleType, head_dim: int, block_size: int,
                                              default_tiles: bool) -> None:
     """A head_dim that is not a power of two (padded to 32) and the default (large) tiles."""
@@ -138,6 +140,7 @@ DECODE_SPLITS = [(None, 4), (1, 4), (4, 1), (4, 4), (8, 2)]
 
 @pytest.mark.parametrize(("splits", "split_tiles"), DECODE_SPLITS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.slow
 def test_decode_matches_reference(ta: ModuleType, splits: int | None, split_tiles: int, dtype: torch.dtype) -> None:
     """Pure decode: single pass and split-KV merged by the last split (None: the heuristic, which splits
     on the interpreter's 8 "SMs")."""
@@ -147,6 +150,7 @@ def test_decode_matches_reference(ta: ModuleType, splits: int | None, split_tile
     assert_matches_reference(ta.TritonAttention(tiles), b)
 
 
+@pytest.mark.slow
 def test_split_decode_leaves_its_counters_zero(ta: ModuleType) -> None:
     """The merging split resets its counter, so the next launch (another layer, a graph replay) merges."""
     b = make_batch([1, 1, 1], [150, 90, 7], 4, 2, 16, 8, torch.float32, seed=12)
@@ -159,6 +163,7 @@ def test_split_decode_leaves_its_counters_zero(ta: ModuleType) -> None:
     assert not counters.any()
 
 
+@pytest.mark.slow
 def test_short_contexts_take_the_single_pass(ta: ModuleType) -> None:
     """Contexts within one split's tiles never touch the merge counters: with every counter poisoned,
     a merge would never fire and its rows would stay unwritten, yet the output equals the reference."""
@@ -176,6 +181,7 @@ def test_short_contexts_take_the_single_pass(ta: ModuleType) -> None:
 
 
 @pytest.mark.parametrize("decode", [True, False])
+@pytest.mark.slow
 def test_sliding_window(ta: ModuleType, decode: bool) -> None:
     """A query at position p sees keys in (p - window, p]; windows cut through blocks and KV tiles."""
     query_lens = [1, 1, 1] if decode else [13, 1, 30]
@@ -185,6 +191,7 @@ def test_sliding_window(ta: ModuleType, decode: bool) -> None:
         assert_matches_reference(ta.TritonAttention(tiles), b, window)
 
 
+@pytest.mark.slow
 def test_padded_rows_are_ignored(ta: ModuleType) -> None:
     """CUDA-graph padding rows (slot -1, context 0) write nothing, read nothing and come out zero."""
     real = make_batch([1, 1], [17, 33], 4, 2, 16, 8, torch.float32, seed=9)
@@ -221,6 +228,7 @@ def test_reference_store_skips_negative_slots() -> None:
 
 
 @pytest.mark.parametrize("query_lens", [[1, 1, 1], [4, 1, 9]])
+@pytest.mark.slow
 def test_reads_only_device_metadata(ta: ModuleType, query_lens: list[int]) -> None:
     """The host copies of the lengths may be stale (as in a replayed CUDA graph): results do not change."""
     b = make_batch(query_lens, [20, 9, 30], 4, 2, 16, 8, torch.float32, seed=11)
@@ -239,6 +247,7 @@ def test_decode_num_splits_depends_on_static_shapes(ta: ModuleType) -> None:
     assert ta.decode_num_splits(1, 2, 2, 16, tiles, num_sms=132) == 1  # one KV tile: nothing to split
 
 
+@pytest.mark.slow
 def test_large_decode_batches_take_long_tiles(ta: ModuleType) -> None:
     """A model without speculative decoding (decode_max_rows 1) takes 128-key tiles in decode launches of
     at least long_decode_min_seqs sequences; with verify rows possible (the default 16), in the
@@ -277,6 +286,7 @@ def test_cpu_tensors_need_the_interpreter(ta: ModuleType, monkeypatch: pytest.Mo
 
 
 @pytest.mark.parametrize("case", ["qwen2", "mistral"])
+@pytest.mark.slow
 def test_model_with_triton_backend_matches_transformers(ta: ModuleType, case: str, tmp_path: Path) -> None:
     """A tiny model (GQA; Mistral: sliding window 4) through prefill and two decode steps, fp32, CPU."""
     if not envs.TRITON_INTERPRET.get():

@@ -88,6 +88,7 @@ ROW_SPLITS = [(1, 4), (4, 1)]
 
 @pytest.mark.parametrize(("splits", "split_tiles"), ROW_SPLITS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.slow
 def test_descending_rows_take_earlier_keys_from_the_inputs(ta: ModuleType, splits: int, split_tiles: int,
                                                            dtype: torch.dtype) -> None:
     """GQA 4:1; 5 rows crossing a block (8) and a KV tile (16) boundary, 5 rows of a fresh sequence
@@ -99,6 +100,7 @@ def test_descending_rows_take_earlier_keys_from_the_inputs(ta: ModuleType, split
     assert_rows_match_reference(ta.TritonAttention(tiles), rows, order)
 
 
+@pytest.mark.slow
 def test_ascending_and_descending_rows_agree_bit_for_bit(ta: ModuleType) -> None:
     """A row's output does not depend on where its sequence's other rows sit in the launch."""
     b = make_batch([4, 6], [33, 18], 4, 2, 32, 8, torch.bfloat16, seed=42)
@@ -114,6 +116,7 @@ def test_ascending_and_descending_rows_agree_bit_for_bit(ta: ModuleType) -> None
     torch.testing.assert_close(outs[True], outs[False], atol=0, rtol=0)
 
 
+@pytest.mark.slow
 def test_sixteen_rows_of_one_sequence(ta: ModuleType) -> None:
     """The most rows of one sequence a launch may hold (tiles.decode_max_rows), descending, GQA 7:1."""
     b = make_batch([16, 1], [30, 7], 7, 1, 16, 8, torch.float32, seed=43)

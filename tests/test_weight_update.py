@@ -258,6 +258,7 @@ def test_new_init_replaces_the_old_group_and_abandons_its_session(dirs: dict[str
     assert new.sync(state, 3).report.ok
 
 
+@pytest.mark.slow
 def test_update_needs_awake_weights_and_refills_a_level_2_sleep(dirs: dict[str, Path], tmp_path: Path) -> None:
     worker = make_worker(dirs, draft=False)  # with a draft, both models would need a sync
     link = Link(worker)
@@ -303,6 +304,7 @@ def test_an_in_process_llm_refuses_an_older_version_naming_model_and_versions(di
     assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))[0].weight_version == 3
 
 
+@pytest.mark.slow
 def test_sender_imports_no_engine_module() -> None:
     code = ("import sys, inference.transfer.sender\n"
             "bad = [m for m in sys.modules if m.split('.')[:2] in (['inference', 'models'], ['inference', 'llm'],"

@@ -63,6 +63,7 @@ def python_xxhash(state: dict[str, torch.Tensor]) -> dict[str, str]:
     return {n: digest_bytes(flat_bytes(t).numpy().tobytes(), DEVICE_ALGORITHM) for n, t in state.items()}
 
 
+@pytest.mark.slow
 def test_a_device_rule_sync_is_audited_by_the_kernel_on_both_ends(dirs: dict[str, Path],
                                                                  launches: list[int]) -> None:
     link = device_link(dirs)
@@ -80,6 +81,7 @@ def test_a_device_rule_sync_is_audited_by_the_kernel_on_both_ends(dirs: dict[str
     assert link.worker.weights.held_manifest("target").algorithm == ALGORITHM and len(launches) == 3
 
 
+@pytest.mark.slow
 def test_a_cpu_receiver_computes_the_device_rule_on_the_host(dirs: dict[str, Path],
                                                              monkeypatch: pytest.MonkeyPatch,
                                                              launches: list[int]) -> None:
@@ -98,6 +100,7 @@ def test_a_cpu_receiver_computes_the_device_rule_on_the_host(dirs: dict[str, Pat
     assert len(launches) == 1, "only the sender's digests ran on the kernel"
 
 
+@pytest.mark.slow
 def test_a_byte_flipped_on_the_senders_side_fails_naming_tensor_and_rank(dirs: dict[str, Path],
                                                                         monkeypatch: pytest.MonkeyPatch,
                                                                         launches: list[int]) -> None:
@@ -119,6 +122,7 @@ def test_a_byte_flipped_on_the_senders_side_fails_naming_tensor_and_rank(dirs: d
     assert link.worker.weights.torn["target"] and link.worker.weights.versions["target"] == 0
 
 
+@pytest.mark.slow
 def test_a_byte_flipped_in_the_held_weights_fails_naming_tensor_and_rank(dirs: dict[str, Path],
                                                                         launches: list[int],
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -136,6 +140,7 @@ def test_a_byte_flipped_in_the_held_weights_fails_naming_tensor_and_rank(dirs: d
     assert len(launches) == 2 and worker.weights.torn["target"]
 
 
+@pytest.mark.slow
 def test_a_byte_flipped_on_arrival_fails_under_the_device_rule(dirs: dict[str, Path], launches: list[int]) -> None:
     link = device_link(dirs)
     with flipped_on_arrival(Q1), pytest.raises(ChecksumMismatch, match=f"'{Q1}' on rank {RANK}"):
@@ -208,6 +213,7 @@ def test_a_layout_key_stands_for_the_tensors_once_parsed(dirs: dict[str, Path]) 
     assert link.worker.weights.manifests.parses == parses
 
 
+@pytest.mark.slow
 def test_update_collects_the_held_digest_so_finish_only_compares(dirs: dict[str, Path], launches: list[int]) -> None:
     """The overlapped device digest is collected when update ends (while the sender's digests travel):
     finish launches nothing more, and its received manifest is the one collected."""
@@ -223,6 +229,7 @@ def test_update_collects_the_held_digest_so_finish_only_compares(dirs: dict[str,
     assert {r.name: r.digest for r in result.received.records} == python_xxhash(state)
 
 
+@pytest.mark.slow
 def test_a_settled_digest_drops_what_update_collected(dirs: dict[str, Path], launches: list[int]) -> None:
     """settle_digest (what sleep calls) drops the collected records too: finish digests the bytes held
     after it, so a byte changed meanwhile fails the audit naming tensor and rank."""
@@ -241,6 +248,7 @@ def test_a_settled_digest_drops_what_update_collected(dirs: dict[str, Path], lau
     assert (first.kind, first.tensor, first.rank) == ("digest", Q1, RANK) and len(launches) == 3
 
 
+@pytest.mark.slow
 def test_the_sender_launches_its_digest_before_the_agreement(dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
                                                              launches: list[int]) -> None:
     """The receivers are still on their way to the agreement when send() starts: the sender's launch runs

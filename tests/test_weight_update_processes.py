@@ -38,6 +38,8 @@ from tests.helpers_weight_update import (
     tiny_model_dirs,
 )
 
+pytestmark = pytest.mark.slow  # every test here starts real processes or runs for seconds
+
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:

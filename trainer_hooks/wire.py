@@ -3,7 +3,7 @@ only, and every error response turned into its typed error (trainer_hooks/client
 
 - Plain http to a sidecar (no proxy of the environment, no caller's `transport`) goes over `KeepAliveWire`:
   kept-alive http.client connections, because a request through httpx and httpcore takes about twice as
-  long, the difference being Python that builds and parses it (docs/benchmarks.md). https, a proxy or a
+  long, the difference being Python that builds and parses it (docs/dev/benchmark-log.md). https, a proxy or a
   caller's transport go through httpx.
 - Only GETs are retried, on connection errors and timeouts, with exponential backoff; everything else
   is sent once (a retry could run it twice).

@@ -1,4 +1,4 @@
-"""Async scheduling's step (docs/design.md, "Async scheduling"): launch step i+1, then read back and
+"""Async scheduling's step (docs/dev/design.md, "Async scheduling"): launch step i+1, then read back and
 commit step i, which leaves step i+1 in flight on the device while the host returns.
 
 `StepOverlap` owns the one step in flight; `LLM.step` hands it each scheduled batch. Invariants: at

@@ -5,7 +5,7 @@ in lockstep (SPMD): scheduling is deterministic, logits are gathered to every ra
 generators share a seed, so all ranks produce the same tokens; the sidecar's rank loop
 (sidecar/ranks/server.py) feeds every rank the same calls at the same step boundary.
 
-With async scheduling (SchedulerConfig.async_scheduling; docs/design.md, "Async scheduling") a
+With async scheduling (SchedulerConfig.async_scheduling; docs/dev/design.md, "Async scheduling") a
 step() schedules and launches step i + 1 while step i still runs on the device, then reads back and
 commits step i: step i + 1 stays in flight when step() returns. Everything that must not overlap a
 step (sleep, a weight update) first settles the step in flight (`_settle`; inference/engine/async_step.py).

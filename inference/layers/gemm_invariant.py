@@ -12,7 +12,7 @@ a prefill of 8192 tokens, a decode batch of 128, a batch of 1 and a spec-decode 
 - Elsewhere (CPU, fp32 on CUDA, Triton missing): `invariant.tiled_linear`, a fixed row count per call.
 
 The mode's norms and SiLU*up run in their own launches, never in this GEMM's prologue (measured slower:
-docs/benchmarks.md, "Experiments decided").
+docs/dev/benchmark-log.md, "Experiments decided").
 """
 
 from __future__ import annotations

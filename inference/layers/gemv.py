@@ -34,7 +34,7 @@ except ImportError:  # the engine runs without Triton, on cuBLAS
 
 MAX_M = 8  # the kernel's most rows
 # The most rows a linear routes to it: at 2-8 decode rows cuBLAS ran the decode step faster (the norm
-# prologue and the "dot" tiles lose there; docs/benchmarks.md, "Experiments decided").
+# prologue and the "dot" tiles lose there; docs/dev/benchmark-log.md, "Experiments decided").
 ROUTE_MAX_M = 1
 SILU_MUL_MAX_M = 1
 SILU_MUL_MAX_WEIGHT = 1 << 23  # elements of the down projection (Qwen2-0.5B: 4.4M; 7B: 68M)
@@ -109,7 +109,7 @@ def pick_config(m: int, n: int, k: int, num_sms: int, prologue: str = "") -> Gem
 def _one_row_prologue_config(n: int, k: int, prologue: str) -> GemvConfig:
     """One row of x formed in the kernel. Every program redoes the prologue (the norm's variance over all
     of K; the activation of its K range), which favours more output rows per program and no tensor cores
-    (the sweep that chose these shapes: docs/benchmarks.md)."""
+    (the sweep that chose these shapes: docs/dev/benchmark-log.md)."""
     if prologue == "silu":
         block_k = min(1024, max(16, triton.next_power_of_2(k)))
         return GemvConfig(block_n=4, block_k=block_k, num_warps=4, split_k=min(4, -(-k // (2 * block_k))))
@@ -124,7 +124,7 @@ def use_silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor) -> bool:
 
     Every program recomputes the activation of all rows over its K range, so the work grows with
     rows x weight size: the saved launch wins at one row of a small model and loses at one row of 7B and
-    at 2-8 rows of either (docs/benchmarks.md), hence SILU_MUL_MAX_M and SILU_MUL_MAX_WEIGHT.
+    at 2-8 rows of either (docs/dev/benchmark-log.md), hence SILU_MUL_MAX_M and SILU_MUL_MAX_WEIGHT.
     """
     return (gate_up.dim() == 2 and gate_up.shape[0] <= SILU_MUL_MAX_M
             and weight.numel() <= SILU_MUL_MAX_WEIGHT and use_gemv(gate_up, weight))

@@ -9,7 +9,7 @@ kernel be scheduled early. Both are no-ops when the kernel was launched without 
 
 On by default (SIDECAR_PDL=0 turns it off, read at each launch, so set it before graphs are captured):
 with the GEMV loading its first weight tile before `wait`, it shortens the batch-1 decode step
-(docs/benchmarks.md), and results are the same bits either way (tests/test_pdl_cuda.py).
+(docs/dev/benchmark-log.md), and results are the same bits either way (tests/test_pdl_cuda.py).
 Kernels take a `PDL: tl.constexpr` argument and their launches pass `**launch_kwargs(tensor)`.
 """
 

@@ -61,7 +61,7 @@ class TritonAttentionTiles:
     # with long contexts, whose k + 1 rows read the same keys, so more splits cost little traffic). 4:
     # 40 rows x 2048 keys (8 sequences' verify) took 84 -> 74 us a layer with 4 splits instead of 2 on the
     # H200, the verify rows of 8 / 16 sequences 109 -> 91 / 209 -> 166 us on the H100 (7B heads;
-    # docs/benchmarks.md).
+    # docs/dev/benchmark-log.md).
     verify_programs_per_sm: int = 4
     # Decode launches of at least long_decode_min_seqs sequences, one row each (no draft: a draft's verify
     # rows and plain decode must sum their keys in the same tiles), take keys in tiles of

@@ -132,7 +132,7 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
     # MULTI_ROW: keys ctx - max_rows .. ctx - 2 may be new keys of other rows of this launch, so the tiles
     # from t_near on check who writes each key. They run in a loop of their own: a branch inside the main
-    # loop stops Triton pipelining its loads (1.5-1.8x the time per layer on the H200; docs/benchmarks.md). A row
+    # loop stops Triton pipelining its loads (1.5-1.8x the time per layer on the H200; docs/dev/benchmark-log.md). A row
     # whose neighbours in the launch do not write its key ctx - 2 holds the only row of its sequence (the
     # rows of one sequence are consecutive, in consecutive positions): a plain decode row with a draft
     # model takes every tile in the first loop. The tiles and their order are the same either way, so

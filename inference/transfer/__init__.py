@@ -1,4 +1,4 @@
-"""Both ends of the weight wire (see docs/design.md, "The weight wire"), engine-free.
+"""Both ends of the weight wire (see docs/dev/design.md, "The weight wire"), engine-free.
 
 Light on purpose: the trainer side imports `inference.transfer.sender` without the engine, so this
 package's __init__ imports nothing, and no module here imports the engine. How bytes move is a

@@ -1,5 +1,5 @@
 """RL steps against a real `sidecar launch`: the synchronous loop against partial rollouts and syncs in flight,
-every mode in one run on one sidecar (docs/benchmarks.md, "RL step", defines each figure).
+every mode in one run on one sidecar (docs/dev/benchmark-log.md, "RL step", defines each figure).
 
 This process is the trainer: a WeightSyncHook over a plain-torch policy of the shape (the tiny checkpoint, or
 random bf16 Qwen weights on both ends), synced with the audit over ipc (CUDA) or gloo (CPU). A step = the

@@ -10,7 +10,7 @@ may differ from the device's.
     python3 scripts/tools/compile_check.py                    # every config below
     python3 scripts/tools/compile_check.py --kernels verify_rows --warps 4 8
     pip install --target /tmp/t36 triton==3.6.0 && PYTHONPATH=/tmp/t36:. python3 scripts/tools/compile_check.py
-                                                        # the device's Triton (docs/benchmarks.md's header)
+                                                        # the device's Triton (docs/dev/benchmark-log.md's header)
 """
 
 from __future__ import annotations

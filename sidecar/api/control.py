@@ -10,7 +10,7 @@ one ends it on every rank); POST /weights/abort ends one still open. docs/limits
 
 POST /weights/update is answered by `WeightsUpdateGate`, in front of FastAPI's routing, dependencies,
 body pass and response model, which cost more than the rest of the app's time on the message
-(docs/benchmarks.md). Its contract is a FastAPI route's all the same (`_lean_body`), and its errors are
+(docs/dev/benchmark-log.md). Its contract is a FastAPI route's all the same (`_lean_body`), and its errors are
 answered by the app's own error_answer, so they read and count as every route's.
 """
 

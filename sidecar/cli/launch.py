@@ -270,7 +270,7 @@ def _mib(n: int) -> str:
 def event_loop() -> tuple[asyncio.AbstractEventLoop, str]:
     """The server's event loop and uvicorn's HTTP protocol: uvloop's loop and httptools' parser when both
     are installed (the server extra brings them: 0.2 ms off a control message's HTTP share on the CPU,
-    docs/benchmarks.md), else asyncio's loop and h11 (pure Python, always there)."""
+    docs/dev/benchmark-log.md), else asyncio's loop and h11 (pure Python, always there)."""
     try:
         import httptools  # noqa: F401
         import uvloop
