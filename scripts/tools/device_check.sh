@@ -8,7 +8,8 @@
 # tests: pytest -m cuda, its whole output in OUTDIR/pytest.log, the summary and failures printed (TEST_TIMEOUT,
 #        default 520 s). bench: each named benchmark under its own time limit, one JSON line per case into
 #        OUTDIR/bench.jsonl, stderr into OUTDIR/bench.log. The default set fits one 10-minute call; name the others
-#        (generate; sync_nccl on 2+ GPUs) in a call of their own. Exit status 1 if any step failed.
+#        (generate, rl_step, rl_step_7b, first_batch, fp8, lora, delta, moe; sync_nccl on 2+ GPUs) in a call of
+#        their own. Exit status 1 if any step failed.
 set -uo pipefail
 out="${1:-${OUT:-./check-out}}"; what="${2:-}"
 cd "$(dirname "$0")/../.."
@@ -46,6 +47,18 @@ run_bench() {
             rollout) bench 170 rollout --shapes qwen2-0.5b ;;
             rollout_7b) bench 110 rollout --shapes qwen2.5-7b --modes seeded ;;
             generate) bench 150 generate --batch 1 128 --peers ;;
+            rl_step) bench 300 rl_step --shape qwen2-0.5b --steps 4 ;;
+            rl_step_7b) bench 420 rl_step --shape qwen2.5-7b --steps 3 ;;
+            first_batch) bench 120 first_batch ;;
+            fp8) bench 200 rollout --shapes qwen2-0.5b,qwen2.5-7b --modes seeded --quantization bf16,fp8
+                 bench 120 sync --shape qwen2.5-7b --backend ipc --quantization bf16,fp8
+                 bench 120 fp8 ;;
+            lora) bench 150 rollout --shapes qwen2-0.5b --lora-rank 16
+                  bench 120 delta --skip-changed --skip-delta --lr 1e-6 --lora-rank 16 --device cuda --backend ipc ;;
+            delta) bench 200 delta --device cuda --backend ipc --iters 3
+                   bench 200 delta --device cuda --backend gloo --iters 3 --skip-changed ;;
+            moe) bench 120 moe
+                 bench 150 generate --shape qwen3-30b-a3b --layers 16 --batch 1 64 ;;
             sync_nccl) for shape in qwen2-0.5b qwen2.5-7b; do  # trainer on GPU 0, receiver on GPU 1
                            bench 280 sync --backend nccl --device cuda:1 --sender-device cuda:0 --shape "$shape" --iters 5
                        done ;;
