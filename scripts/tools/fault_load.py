@@ -1,35 +1,17 @@
-"""Fault and load: a `sidecar launch` of the tiny model on CPU per mode, hammered for --seconds in all.
-
-All on loopback (the sidecar binds 127.0.0.1, the gloo stores too), bounded in time (--seconds, split
-over --modes, then every loop stops and the sidecar is stopped) and in count (--max-requests). At once:
-- --clients asyncio clients (httpx) generating short completions with wait=true, back to back;
-- an abuser cycling through ABUSES (oversized bodies, over-long prompts, malformed JSON, bad values,
-  lone surrogates, too many sequences, a manifest shape of huge integers, stop strings and ids at and
-  past --max-stops / --max-stop-chars, a chat past --max-chat-messages, an answer-size bomb past
-  --max-response-tokens), each of which must get its documented status naming its field, and
-  RAW_ATTACKS on raw sockets (headers past --max-header-kb: 431; a body shorter than its Content-Length:
-  408 after --body-timeout-s; a few hundred idle connections held while /health must answer);
-- a pauser that pauses with a short lease and vanishes: generation must resume when the lease ends;
-- a /health prober in a process of its own (its latency is the sidecar's; any answer but 200 is unexpected);
-- a trainer thread that every --sync-every seconds runs the next step of a cycle: a sync (WeightSender
-  over gloo + SidecarClient.sync_weights), a sender process SIGKILLed mid-send (its update must answer
-  502 and leave the model torn: the kill landed mid-send) healed by a new sender's sync, sleep 2 + wake
-  + sync, a rival trainer's init (the first trainer's next update must be a 409 naming `session`)
-  healed by a new init and sync, sleep 1 + wake, a sync. After every sync the live bytes (GET
-  /checksums) are compared with digests the script computes from the trainer's own tensors, whatever
-  the sidecar's audit said.
-The last 15% of each mode (at least 5 s, after the trainer's last step) is a final phase with attacks
-and faults off: every request must be served (no 503, no 409). The sidecar runs with small LIMITS
-(short header and body timeouts) so every attack fits the run.
-Modes: "hold" launches with --hold-while-asleep (clients wait through sleeps, as an RL rollout would),
-"409" with the default (clients get 409 naming the state while asleep or torn, and retry).
-
-Prints one JSON line: requests sent and served (the success ratio; final_sent/final_served), expected
-and unexpected errors by class, attacks_by_kind (attempts and outcomes), p50/p99 latency of served
-requests and of /health (per mode too), syncs audited ok, live-byte checks, kills confirmed and healed,
-rivals refused, pauses, sleep cycles, and per mode launcher/rank RSS (MiB) at start, warm (after the
-trainer's first whole cycle), end (after the final phase) and max. Exit status 1 if any error was unexpected.
-Run: python scripts/tools/fault_load.py --seconds 300
+"""Fault and load: a `sidecar launch` of the tiny model on CPU per mode (--modes: "hold" with
+--hold-while-asleep, "409" the default), on loopback, bounded by --seconds and --max-requests. At once:
+--clients httpx clients generating back to back; an abuser cycling through ABUSES (JSON requests past
+each limit, or at it) and RAW_ATTACKS (raw sockets: big headers, slow bodies, idle connections), each
+with its documented status and field; a pauser that vanishes (its lease must end the pause); a /health
+prober in a process of its own (its latency is the sidecar's); a trainer cycling every --sync-every s
+through a sync, a sender SIGKILLed mid-send (502, torn, healed), sleep 2 + wake + sync, a rival
+trainer's init (409 naming `session`, healed), sleep 1 + wake. After every sync the live bytes
+(/checksums) are compared with digests computed here from the trainer's own tensors. The last 15% of
+each mode (after the trainer's last step) has attacks and faults off: every request must be served.
+The sidecar runs with small LIMITS so every attack, its timeouts included, fits the run.
+Prints one JSON line (what docs/benchmarks.md reports: requests sent/served, latency and /health
+percentiles, attacks_by_kind, syncs, kills, rivals, pauses, RSS start/warm/end/max per process and
+mode); exit 1 if any error was unexpected. Run: python scripts/tools/fault_load.py --seconds 300
 """
 
 from __future__ import annotations
@@ -651,6 +633,7 @@ def report(runs: dict[str, tuple[Tally, float, int | None]], cfg: LoadConfig) ->
                 for name in ("expected", "unexpected", "events", "attacks")}
     return {
         "bench": "fault_load", "seconds": round(wall, 1), "clients": cfg.clients, "modes": list(runs),
+        "sync_every_s": cfg.sync_every, "limits": LIMITS,
         "requests_sent": sent, "requests_served": served, "success_ratio": round(served / max(sent, 1), 4),
         "requests_per_s": round(served / max(wall, 1e-9), 1),
         "latency_ms": {"p50": percentile(latencies, 0.5), "p99": percentile(latencies, 0.99),
