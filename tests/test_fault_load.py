@@ -69,7 +69,7 @@ def test_every_request_is_served_once_the_attacks_stop(result: dict) -> None:
 @pytest.mark.slow
 def test_health_answers_fast_throughout(result: dict) -> None:
     for mode, health in result["health_ms_by_mode"].items():
-        assert health["samples"] >= 50, (mode, health)
+        assert health["samples"] >= 200, (mode, health)
         assert health["p99"] <= HEALTH_P99_MS, f"/health p99 in mode {mode}: {health}"
 
 

@@ -369,7 +369,7 @@ async def pause_and_vanish_loop(url: str, tally: Tally, deadline: float, every_s
                 tally.add("events", "pauses_released_by_lease")
 
 
-def health_prober(url: str, stop: Any, out: Any, every_s: float = 0.25) -> None:
+def health_prober(url: str, stop: Any, out: Any, every_s: float = 0.1) -> None:
     """Spawned: GET /health on a kept-alive connection of its own every `every_s` until `stop` is set,
     then put (latencies in ms, bad answers by kind). A process of its own, so the latency is the
     sidecar's, not this script's 128 clients' event loop or the trainer's digests; any answer but 200
