@@ -1,8 +1,11 @@
 """scripts/tools/fault_load.py for about two minutes against real `sidecar launch`es (tiny model, CPU), in
 both modes (--hold-while-asleep, then the default 409): 128 generating clients, an abuser, a pauser that
 vanishes, a trainer syncing every 3 s, a sender SIGKILLed mid-send, a rival trainer, sleep/wake cycles.
-Zero unexpected errors, every fault exercised, the live bytes equal to the trainer's own digests after
-every sync (checked by the script, not by the sidecar's audit), and no unbounded memory growth."""
+Plus the server-side attacks (stop strings and ids, a chat past its messages, an answer-size bomb,
+oversized headers, slow bodies, idle connections). Zero unexpected errors, every fault and attack
+exercised with its documented status, every request served once the attacks stop, /health fast
+throughout, the live bytes equal to the trainer's own digests after every sync (checked by the script,
+not by the sidecar's audit), and RSS back near its warm figure after the run."""
 
 from __future__ import annotations
 
@@ -29,6 +32,11 @@ SYNC_EVERY_S = 2.0  # the trainer's cycle (six steps) runs at least once in each
 # 390 MiB, at most +19 MiB over warm; the launcher +0.7 MiB); 48 MiB is over twice that noise and is
 # what leaking one tiny-model weight set (1.9 MiB) per sync for the ~25 syncs after warm-up would add.
 GROWTH_MB = 48.0
+GROWTH_RATIO = 1.10  # and relative: the end of the run (after the final phase) within 10% of warm
+# The acceptance bound, per mode, probed from a process of its own: on the 2-core CI box under a parallel
+# suite (load average 4-6) a 100 s run gave p99 10-16 ms, max 17 ms. Probed from the script's own event
+# loop, beside its 128 clients and the trainer's digests, it read p99 1.4 s: that was the prober's wait.
+HEALTH_P99_MS = 100.0
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +62,18 @@ def test_no_unexpected_errors_under_fault_and_load(result: dict) -> None:
 
 
 @pytest.mark.slow
+def test_every_request_is_served_once_the_attacks_stop(result: dict) -> None:
+    assert result["final_sent"] >= 100 and result["final_served"] == result["final_sent"], result
+
+
+@pytest.mark.slow
+def test_health_answers_fast_throughout(result: dict) -> None:
+    for mode, health in result["health_ms_by_mode"].items():
+        assert health["samples"] >= 200, (mode, health)
+        assert health["p99"] <= HEALTH_P99_MS, f"/health p99 in mode {mode}: {health}"
+
+
+@pytest.mark.slow
 def test_every_fault_was_exercised(result: dict) -> None:
     assert result.get("syncs_audited_ok", 0) >= 10 and "syncs_audit_failed" not in result, result
     assert result.get("live_bytes_checked_ok") == result["syncs_audited_ok"], result  # the script's own check
@@ -65,9 +85,16 @@ def test_every_fault_was_exercised(result: dict) -> None:
     assert result.get("pauses_released_by_lease", 0) >= 1, result
     assert result["expected_errors"].get("killed sender update 502") == result["senders_killed_mid_send"], result
     assert result.get("sleep_wake_level1", 0) >= 1 and result.get("sleep_wake_level2", 0) >= 1, result
-    kinds = {key.split()[1] for key in result["expected_errors"] if key.startswith("abuse ")}
-    assert kinds == {"oversized_body", "long_prompt", "malformed_json", "bad_value", "lone_surrogate",
-                     "too_many_sequences", "shape_integers"}, result["expected_errors"]
+    attacks = result["attacks_by_kind"]
+    assert set(attacks) == {"oversized_body", "long_prompt", "malformed_json", "bad_value", "lone_surrogate",
+                            "too_many_sequences", "shape_integers", "stops_at_limit", "too_many_stops",
+                            "too_many_stop_ids", "stop_chars", "too_many_messages", "answer_bomb", "big_header",
+                            "slow_body", "idle_connections"}, attacks
+    for kind, row in attacks.items():
+        assert row["expected"] and not row["unexpected"], (kind, row)
+    assert attacks["big_header"]["expected"] == {"431 field headers": attacks["big_header"]["sent"]}, attacks
+    assert attacks["slow_body"]["expected"] == {"408 field body": attacks["slow_body"]["sent"]}, attacks
+    assert attacks["oversized_body"]["expected"].get("413"), attacks  # read, not reset (unless uploaded slowly)
 
 
 @pytest.mark.slow
@@ -76,6 +103,9 @@ def test_memory_does_not_grow_after_warm_up(result: dict) -> None:
         rss = result["rss_mb"][name]
         bound = rss["warm"] + GROWTH_MB
         assert rss["end"] <= bound and rss["max"] <= bound, f"{name} RSS grew past {bound:.0f} MiB: {rss}"
+    for mode, by_process in result["rss_mb_by_mode"].items():
+        for name, rss in by_process.items():
+            assert rss["end"] <= GROWTH_RATIO * rss["warm"], f"{name} RSS in mode {mode} not back near warm: {rss}"
 
 
 @pytest.mark.slow

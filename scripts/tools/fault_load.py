@@ -1,28 +1,17 @@
-"""Fault and load: a `sidecar launch` of the tiny model on CPU per mode, hammered for --seconds in all.
-
-All on loopback (the sidecar binds 127.0.0.1, the gloo stores too), bounded in time (--seconds, split
-over --modes, then every loop stops and the sidecar is stopped) and in count (--max-requests). At once:
-- --clients asyncio clients (httpx) generating short completions with wait=true, back to back;
-- an abuser cycling through ABUSES (oversized bodies, over-long prompts, malformed JSON, bad values,
-  lone surrogates, too many sequences, a manifest shape of huge integers), each of which must get its
-  documented 4xx naming its field, and RAW_ATTACKS (attacks below HTTP: other modules register theirs);
-- a pauser that pauses with a short lease and vanishes: generation must resume when the lease ends;
-- a /health prober (its latency percentiles; any answer but 200 is unexpected);
-- a trainer thread that every --sync-every seconds runs the next step of a cycle: a sync (WeightSender
-  over gloo + SidecarClient.sync_weights), a sender process SIGKILLed mid-send (its update must answer
-  502 and leave the model torn: the kill landed mid-send) healed by a new sender's sync, sleep 2 + wake
-  + sync, a rival trainer's init (the first trainer's next update must be a 409 naming `session`)
-  healed by a new init and sync, sleep 1 + wake, a sync. After every sync the live bytes (GET
-  /checksums) are compared with digests the script computes from the trainer's own tensors, whatever
-  the sidecar's audit said.
-Modes: "hold" launches with --hold-while-asleep (clients wait through sleeps, as an RL rollout would),
-"409" with the default (clients get 409 naming the state while asleep or torn, and retry).
-
-Prints one JSON line: requests sent and served (the success ratio), expected and unexpected errors by
-class, p50/p99 latency of the served requests and of /health, syncs audited ok, live-byte checks,
-kills confirmed and healed, sleep cycles, and per mode launcher/rank RSS at start, warm (after the
-trainer's first whole cycle) and at the end. Exit status 1 if any error was unexpected.
-Run: python scripts/tools/fault_load.py --seconds 300
+"""Fault and load: a `sidecar launch` of the tiny model on CPU per mode (--modes: "hold" with
+--hold-while-asleep, "409" the default), on loopback, bounded by --seconds and --max-requests. At once:
+--clients httpx clients generating back to back; an abuser cycling through ABUSES (JSON requests past
+each limit, or at it) and RAW_ATTACKS (raw sockets: big headers, slow bodies, idle connections), each
+with its documented status and field; a pauser that vanishes (its lease must end the pause); a /health
+prober in a process of its own (its latency is the sidecar's); a trainer cycling every --sync-every s
+through a sync, a sender SIGKILLed mid-send (502, torn, healed), sleep 2 + wake + sync, a rival
+trainer's init (409 naming `session`, healed), sleep 1 + wake. After every sync the live bytes
+(/checksums) are compared with digests computed here from the trainer's own tensors. The last 15% of
+each mode (after the trainer's last step) has attacks and faults off: every request must be served.
+The sidecar runs with small LIMITS so every attack, its timeouts included, fits the run.
+Prints one JSON line (what docs/benchmarks.md reports: requests sent/served, latency and /health
+percentiles, attacks_by_kind, syncs, kills, rivals, pauses, RSS start/warm/end/max per process and
+mode); exit 1 if any error was unexpected. Run: python scripts/tools/fault_load.py --seconds 300
 """
 
 from __future__ import annotations
@@ -49,14 +38,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 
 MIB = 1 << 20
 PAUSE_LEASE_S = 1.0  # the pauser's lease; the sidecar's --max-pause-s is twice it
+# The sidecar's limits under test: small ones, so each attack is cheap to send and its timeout fits the run.
 LIMITS = {"max_body_mb": 1, "max_prompt_chars": 20_000, "max_request_sequences": 16,
-          "max_pause_s": 2 * PAUSE_LEASE_S}
-# Each abuse: the route it goes to and the statuses it may get (all name their field; sidecar/api/common.py).
-ABUSES: dict[str, tuple[str, tuple[int, ...]]] = {
-    "oversized_body": ("/generate", (413,)), "long_prompt": ("/generate", (400,)),
-    "malformed_json": ("/generate", (400,)), "bad_value": ("/generate", (400, 422)),
-    "lone_surrogate": ("/generate", (400,)), "too_many_sequences": ("/generate", (400, 429)),
-    "shape_integers": ("/weights/update", (400,))}
+          "max_pause_s": 2 * PAUSE_LEASE_S, "max_stops": 64, "max_stop_chars": 2048, "max_chat_messages": 64,
+          "max_response_tokens": 32_768, "max_header_kb": 8, "header_timeout_s": 2.0, "body_timeout_s": 1.0}
+FINAL_SHARE, FINAL_MIN_S = 0.15, 5.0  # each mode's final phase: clients and /health only, all must be served
+IDLE_CONNECTIONS = 300  # held open at once by the idle-connection attack, then released
+LINGER_S = 2.0  # how long the sidecar drops a refused body's bytes before it closes (sidecar/api/connection.py)
+# Each abuse: the route it goes to, the statuses it may get, and the field a refusal must name (None: any
+# field; sidecar/api/common.py). A 200 is served work (an abuse at a limit, not past it); a 409 of the
+# default mode (asleep or torn) is the state's answer, not the abuse's.
+ABUSES: dict[str, tuple[str, tuple[int, ...], str | None]] = {
+    "oversized_body": ("/generate", (413,), "body"), "long_prompt": ("/generate", (400,), None),
+    "malformed_json": ("/generate", (400,), None), "bad_value": ("/generate", (400, 422), None),
+    "lone_surrogate": ("/generate", (400,), None), "too_many_sequences": ("/generate", (400, 429), None),
+    "shape_integers": ("/weights/update", (400,), None),
+    "stops_at_limit": ("/generate", (200, 409), None),
+    "too_many_stops": ("/generate", (400,), "sampling_params.stop"),
+    "too_many_stop_ids": ("/generate", (400,), "sampling_params.stop_token_ids"),
+    "stop_chars": ("/generate", (400,), "sampling_params.stop"),
+    "too_many_messages": ("/v1/chat/completions", (400,), "messages"),
+    "answer_bomb": ("/generate", (400,), "sampling_params.max_tokens")}
 # Attacks that are no JSON request (idle connections, partial headers, huge headers, ...): name -> a
 # coroutine given the sidecar's URL that runs one attempt and returns its outcome, "expected <what>" or
 # "unexpected <what>". Registered by whoever bounds that layer; run in turn beside ABUSES.
@@ -86,6 +88,7 @@ class Tally:
     expected: Counter = field(default_factory=Counter)
     unexpected: Counter = field(default_factory=Counter)
     events: Counter = field(default_factory=Counter)
+    attacks: Counter = field(default_factory=Counter)  # attempts by kind (ABUSES and RAW_ATTACKS)
     rss: list[tuple[float, int, int]] = field(default_factory=list)  # (t, launcher bytes, ranks bytes)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -147,7 +150,9 @@ def sample_rss(pid: int, tally: Tally, t0: float) -> None:
 # ---- clients and the abuser -------------------------------------------------------------------------
 
 
-async def client_loop(http: Any, tally: Tally, cfg: LoadConfig, i: int, deadline: float) -> None:
+async def client_loop(http: Any, tally: Tally, cfg: LoadConfig, i: int, deadline: float, final: bool = False) -> None:
+    """Generation back to back until `deadline`. In the final phase (`final`: attacks and faults over)
+    every request must be served: any other answer is unexpected."""
     import httpx
 
     n = 0
@@ -156,6 +161,8 @@ async def client_loop(http: Any, tally: Tally, cfg: LoadConfig, i: int, deadline
             if tally.sent >= cfg.max_requests:
                 return
             tally.sent += 1
+            if final:
+                tally.events["final_sent"] += 1
         n += 1
         body = {"prompts": [f"client {i} asks question {n}"],
                 "sampling_params": {"temperature": 0.0 if n % 2 else 0.8, "max_tokens": cfg.max_tokens}}
@@ -163,12 +170,16 @@ async def client_loop(http: Any, tally: Tally, cfg: LoadConfig, i: int, deadline
         try:
             resp = await http.post("/generate", json=body)
         except httpx.HTTPError as e:
-            tally.add("unexpected", f"generate {type(e).__name__}")
+            tally.add("unexpected", f"generate {type(e).__name__}{' after the attacks stopped' if final else ''}")
             continue
         if resp.status_code == 200:
             with tally.lock:
                 tally.served += 1
                 tally.latencies_ms.append((time.perf_counter() - t) * 1000)
+                if final:
+                    tally.events["final_served"] += 1
+        elif final:
+            tally.add("unexpected", f"generate {resp.status_code} {_error(resp).get('type')} after the attacks stopped")
         elif resp.status_code == 409 and _refused_for_state(resp):
             tally.add("expected", "generate 409 while asleep or torn")  # the default mode's answer: retry
             await asyncio.sleep(0.1)
@@ -195,6 +206,8 @@ def abuse_body(kind: str) -> tuple[bytes, dict[str, str]]:
     """One hostile request body of this kind (JSON content type unless the kind is about JSON itself)."""
     sampling = {"max_tokens": 2}
     huge = int("9" * 4000)  # a shape's product of these used to freeze the event loop
+    stops = int(LIMITS["max_stops"])
+    per = int(LIMITS["max_stop_chars"]) // stops  # each stop string this long: all of them exactly at the limit
     shape = {"name": "w", "dtype": "float32", "shape": [huge] * 60, "digest": "0" * 32}
     bodies: dict[str, Any] = {
         "oversized_body": {"prompts": ["x" * (int(LIMITS["max_body_mb"]) * MIB + 1)]},
@@ -202,6 +215,20 @@ def abuse_body(kind: str) -> tuple[bytes, dict[str, str]]:
         "long_prompt": {"prompts": ["y" * (LIMITS["max_prompt_chars"] + 1)], "sampling_params": sampling},
         "bad_value": {"prompts": ["ok"], "sampling_params": {"temperature": -1.0, "max_tokens": 2}},
         "too_many_sequences": {"prompts": ["ok"], "sampling_params": {"n": LIMITS["max_request_sequences"] + 1}},
+        # At the limits: as many stop strings (their characters too) and stop ids as one prompt may carry.
+        "stops_at_limit": {"prompts": ["stop here"], "sampling_params": {
+            "max_tokens": 2, "stop": [f"{i:0{per}d}" for i in range(stops)], "stop_token_ids": list(range(stops))}},
+        "too_many_stops": {"prompts": ["ok"], "sampling_params": {"max_tokens": 2,
+                                                                  "stop": [str(i) for i in range(stops + 1)]}},
+        "too_many_stop_ids": {"prompts": ["ok"], "sampling_params": {"max_tokens": 2,
+                                                                     "stop_token_ids": list(range(stops + 1))}},
+        "stop_chars": {"prompts": ["ok"], "sampling_params": {"max_tokens": 2,
+                                                              "stop": ["z" * (int(LIMITS["max_stop_chars"]) + 1)]}},
+        "too_many_messages": {"messages": [{"role": "user", "content": "m"}] * (int(LIMITS["max_chat_messages"]) + 1),
+                              "max_tokens": 2},
+        # n x max_tokens x (1 + logprobs) = 16 x 100 x 21 = 33,600 past --max-response-tokens: a ~100-byte body.
+        "answer_bomb": {"prompts": ["ok"], "sampling_params": {"n": LIMITS["max_request_sequences"],
+                                                               "max_tokens": 100, "logprobs": 20}},
     }
     headers = {"content-type": "application/json"}
     if kind == "malformed_json":
@@ -220,29 +247,111 @@ async def abuse_loop(http: Any, tally: Tally, deadline: float, every_s: float = 
         kind = kinds[n % len(kinds)]
         n += 1
         tally.add("events", "abuses_sent")
+        tally.add("attacks", kind)
         if kind in RAW_ATTACKS:
-            outcome = await RAW_ATTACKS[kind](str(http.base_url))
+            try:
+                outcome = await RAW_ATTACKS[kind](str(http.base_url))
+            except (OSError, asyncio.TimeoutError) as e:
+                outcome = f"unexpected {type(e).__name__}"
             verdict, _, what = outcome.partition(" ")
             tally.add("expected" if verdict == "expected" else "unexpected", f"attack {kind} {what}")
             await asyncio.sleep(every_s)
             continue
         content, headers = abuse_body(kind)
-        path, statuses = ABUSES[kind]
+        path, statuses, field_name = ABUSES[kind]
+        t = time.monotonic()
         try:
             resp = await http.post(path, content=content, headers=headers)
-        except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as e:
-            # A body over the limit is refused before it is read: the server answers 413 and closes the
-            # connection, and a client still uploading may see the close instead of the answer.
-            early_close = kind == "oversized_body"
-            tally.add("expected" if early_close else "unexpected", f"abuse {kind} {type(e).__name__}")
-            continue
         except httpx.HTTPError as e:
-            tally.add("unexpected", f"abuse {kind} {type(e).__name__}")
+            # The sidecar answers 413 before reading an oversized body and drops what still comes for
+            # LINGER_S (docs/limits.md), then closes: an upload slower than that (this script's own busy
+            # event loop) may see the close. Only a faster one must read the 413.
+            slow = kind == "oversized_body" and time.monotonic() - t > LINGER_S
+            tally.add("expected" if slow else "unexpected",
+                      f"abuse {kind} {type(e).__name__}{' after a slow upload' if slow else ''}")
             continue
-        named = bool(_error(resp).get("field"))
-        ok = resp.status_code in statuses and named
-        tally.add("expected" if ok else "unexpected", f"abuse {kind} {resp.status_code}{'' if named else ' no field'}")
+        error = _error(resp)
+        if resp.status_code == 200 or (resp.status_code == 409 and _refused_for_state(resp)):
+            ok, named = resp.status_code in statuses, True
+        else:
+            named = bool(error.get("field")) and field_name in (None, error.get("field"))
+            ok = resp.status_code in statuses and named
+        tally.add("expected" if ok else "unexpected",
+                  f"abuse {kind} {resp.status_code}{'' if named else ' field ' + str(error.get('field'))}")
         await asyncio.sleep(every_s)
+
+
+# ---- attacks below HTTP: raw sockets ----------------------------------------------------------------
+
+
+async def _open(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    host, port = url.removeprefix("http://").rstrip("/").rsplit(":", 1)
+    return await asyncio.open_connection(host, int(port))
+
+
+async def _answer_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                             timeout_s: float) -> tuple[int, dict[str, Any]]:
+    """Everything the server sends until it closes the connection, as (status, its JSON error); a reset
+    before the answer (the answer lost) is (0, {})."""
+    try:
+        raw = await asyncio.wait_for(reader.read(), timeout_s)
+    except ConnectionResetError:
+        raw = b""
+    finally:
+        writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    try:
+        return int(head.split(b" ", 2)[1]), dict(json.loads(body).get("error") or {})
+    except (IndexError, ValueError, AttributeError):
+        return 0, {}
+
+
+def _verdict(status: int, error: dict[str, Any], want: int, field_name: str) -> str:
+    ok = status == want and error.get("field") == field_name
+    return f"{'expected' if ok else 'unexpected'} {status} field {error.get('field')}"
+
+
+async def big_header(url: str) -> str:
+    """Headers past --max-header-kb, 1 KiB at a time: 431 in the JSON shape naming `headers`, then closed."""
+    reader, writer = await _open(url)
+    try:
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        for _ in range(2 * int(LIMITS["max_header_kb"])):
+            writer.write(b"X-Pad: " + b"p" * 1024 + b"\r\n")
+            await writer.drain()
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # refused while still sending: the answer is read below
+    return _verdict(*await _answer_then_close(reader, writer, 30), 431, "headers")
+
+
+async def slow_body(url: str) -> str:
+    """A Content-Length larger than the body sent: 408 naming `body` after --body-timeout-s, then closed."""
+    reader, writer = await _open(url)
+    writer.write(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100\r\n\r\n{\"prompts\": [")
+    await writer.drain()
+    return _verdict(*await _answer_then_close(reader, writer, float(LIMITS["body_timeout_s"]) + 30), 408, "body")
+
+
+async def idle_connections(url: str) -> str:
+    """IDLE_CONNECTIONS connections opened at once and held without a byte, /health asked on one more
+    meanwhile (it must answer 200), then all released."""
+    import httpx
+
+    held = await asyncio.gather(*(_open(url) for _ in range(IDLE_CONNECTIONS)), return_exceptions=True)
+    try:
+        opened = sum(not isinstance(h, BaseException) for h in held)
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            status = (await http.get("/health")).status_code
+    finally:
+        for h in held:
+            if not isinstance(h, BaseException):
+                h[1].close()
+    ok = opened == IDLE_CONNECTIONS and status == 200
+    return f"{'expected' if ok else 'unexpected'} held, /health {status}" + ("" if ok else f", {opened} opened")
+
+
+RAW_ATTACKS.update({"big_header": big_header, "slow_body": slow_body, "idle_connections": idle_connections})
 
 
 async def pause_and_vanish_loop(url: str, tally: Tally, deadline: float, every_s: float = 10.0) -> None:
@@ -267,34 +376,48 @@ async def pause_and_vanish_loop(url: str, tally: Tally, deadline: float, every_s
                 tally.add("events", "pauses_released_by_lease")
 
 
-async def health_loop(url: str, tally: Tally, deadline: float, every_s: float = 0.5) -> None:
-    """/health on a connection of its own: its latency while everything else runs; any answer but 200
+def health_prober(url: str, stop: Any, out: Any, every_s: float = 0.1) -> None:
+    """Spawned: GET /health on a kept-alive connection of its own every `every_s` until `stop` is set,
+    then put (latencies in ms, bad answers by kind). A process of its own, so the latency is the
+    sidecar's, not this script's 128 clients' event loop or the trainer's digests; any answer but 200
     is unexpected (nothing in this run may take the ranks down)."""
-    import httpx
+    from http.client import HTTPConnection
 
-    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-        while time.monotonic() < deadline:
-            t = time.perf_counter()
-            try:
-                resp = await http.get("/health")
-            except httpx.HTTPError as e:
-                tally.add("unexpected", f"health {type(e).__name__}")
-                continue
-            with tally.lock:
-                tally.health_ms.append((time.perf_counter() - t) * 1000)
-            if resp.status_code != 200:
-                tally.add("unexpected", f"health {resp.status_code}")
-            await asyncio.sleep(every_s)
+    host, port = url.removeprefix("http://").rstrip("/").rsplit(":", 1)
+    latencies: list[float] = []
+    bad: Counter = Counter()
+    conn = HTTPConnection(host, int(port), timeout=30)
+    while not stop.wait(every_s):
+        t = time.perf_counter()
+        try:
+            conn.request("GET", "/health")
+            resp = conn.getresponse()
+            resp.read()
+        except (OSError, ValueError) as e:  # ValueError: http.client's own protocol errors
+            bad[f"health {type(e).__name__}"] += 1
+            conn.close()
+            conn = HTTPConnection(host, int(port), timeout=30)
+            continue
+        latencies.append((time.perf_counter() - t) * 1000)
+        if resp.status != 200:
+            bad[f"health {resp.status}"] += 1
+    conn.close()
+    out.put((latencies, dict(bad)))
 
 
-async def drive_http(url: str, tally: Tally, cfg: LoadConfig, deadline: float) -> None:
+async def drive_http(url: str, tally: Tally, cfg: LoadConfig, deadline: float, final_s: float,
+                     trainer: threading.Thread) -> None:
+    """Clients, the abuser and the pauser until `deadline`; then, once the trainer's last step is over,
+    the final phase: clients only, for `final_s` (/health is probed throughout by health_prober)."""
     import httpx
 
     limits = httpx.Limits(max_connections=cfg.clients + 8, max_keepalive_connections=cfg.clients + 8)
     async with httpx.AsyncClient(base_url=url, timeout=180, limits=limits) as http:
         loops = [client_loop(http, tally, cfg, i, deadline) for i in range(cfg.clients)]
-        await asyncio.gather(*loops, abuse_loop(http, tally, deadline), pause_and_vanish_loop(url, tally, deadline),
-                             health_loop(url, tally, deadline))
+        await asyncio.gather(*loops, abuse_loop(http, tally, deadline), pause_and_vanish_loop(url, tally, deadline))
+        await asyncio.to_thread(trainer.join)  # its last step may run past the deadline
+        end = time.monotonic() + final_s
+        await asyncio.gather(*(client_loop(http, tally, cfg, i, end, final=True) for i in range(cfg.clients)))
 
 
 # ---- the trainer: syncs, a sender killed mid-send, sleep/wake ---------------------------------------
@@ -492,6 +615,20 @@ def rss_report(tally: Tally, wall_s: float) -> dict[str, dict[str, float]]:
             for name, k in (("launcher", 1), ("ranks", 2))}
 
 
+def attacks_by_kind(counters: dict[str, Counter]) -> dict[str, dict[str, Any]]:
+    """Per abuse or raw attack: attempts, and their outcomes (expected and unexpected, by status)."""
+    out: dict[str, dict[str, Any]] = {}
+    for kind, sent in sorted(counters["attacks"].items()):
+        row: dict[str, Any] = {"sent": sent, "expected": {}, "unexpected": {}}
+        for verdict in ("expected", "unexpected"):
+            for key, n in counters[verdict].items():
+                words = key.split(" ", 2)
+                if words[0] in ("abuse", "attack") and len(words) > 1 and words[1] == kind:
+                    row[verdict][words[2] if len(words) > 2 else ""] = n
+        out[kind] = row
+    return out
+
+
 def report(runs: dict[str, tuple[Tally, float, int | None]], cfg: LoadConfig) -> dict[str, Any]:
     """One JSON object over every mode's run (counters summed; RSS and exit codes per mode)."""
     tallies = [t for t, _, _ in runs.values()]
@@ -499,16 +636,22 @@ def report(runs: dict[str, tuple[Tally, float, int | None]], cfg: LoadConfig) ->
     served, sent = sum(t.served for t in tallies), sum(t.sent for t in tallies)
     latencies = [x for t in tallies for x in t.latencies_ms]
     health = [x for t in tallies for x in t.health_ms]
-    counters = {name: sum((getattr(t, name) for t in tallies), Counter()) for name in ("expected", "unexpected",
-                                                                                       "events")}
+    counters = {name: sum((getattr(t, name) for t in tallies), Counter())
+                for name in ("expected", "unexpected", "events", "attacks")}
     return {
         "bench": "fault_load", "seconds": round(wall, 1), "clients": cfg.clients, "modes": list(runs),
+        "sync_every_s": cfg.sync_every, "limits": LIMITS,
         "requests_sent": sent, "requests_served": served, "success_ratio": round(served / max(sent, 1), 4),
         "requests_per_s": round(served / max(wall, 1e-9), 1),
         "latency_ms": {"p50": percentile(latencies, 0.5), "p99": percentile(latencies, 0.99),
                        "mean": round(statistics.fmean(latencies), 1) if latencies else None},
         "health_ms": {"p50": percentile(health, 0.5), "p99": percentile(health, 0.99), "max": percentile(health, 1.0)},
+        "health_ms_by_mode": {mode: {"p50": percentile(t.health_ms, 0.5), "p99": percentile(t.health_ms, 0.99),
+                                     "max": percentile(t.health_ms, 1.0), "samples": len(t.health_ms)}
+                              for mode, (t, _, _) in runs.items()},
         "expected_errors": dict(counters["expected"]), "unexpected_errors": dict(counters["unexpected"]),
+        "attacks_by_kind": attacks_by_kind(counters),
+        **{k: counters["events"].get(k, 0) for k in ("final_sent", "final_served")},
         **dict(counters["events"]),
         "served_by_mode": {mode: t.served for mode, (t, _, _) in runs.items()},
         "rss_mb_by_mode": {mode: rss_report(t, w) for mode, (t, w, _) in runs.items()},
@@ -518,10 +661,12 @@ def report(runs: dict[str, tuple[Tally, float, int | None]], cfg: LoadConfig) ->
 
 
 def run(cfg: LoadConfig, mode: str, seconds: float) -> tuple[Tally, float, int | None]:
-    """One sidecar in `mode` under load for `seconds`: its tally, wall time and exit code."""
+    """One sidecar in `mode` under load for `seconds`, the last FINAL_SHARE of them (at least FINAL_MIN_S)
+    with attacks and faults off: its tally, wall time and exit code."""
     proc, url = launch(cfg, mode)
     tally, t0 = Tally(), time.monotonic()
-    deadline = t0 + seconds
+    final_s = max(FINAL_MIN_S, FINAL_SHARE * seconds)
+    deadline = t0 + max(seconds - final_s, 1.0)
     done = threading.Event()
 
     def sampler() -> None:
@@ -530,17 +675,29 @@ def run(cfg: LoadConfig, mode: str, seconds: float) -> tuple[Tally, float, int |
 
     sample_rss(proc.pid, tally, t0)
     threading.Thread(target=sampler, daemon=True).start()
+    ctx = mp.get_context("spawn")
+    stop_health, health_out = ctx.Event(), ctx.Queue()
+    prober = ctx.Process(target=health_prober, args=(url, stop_health, health_out), daemon=True)
+    prober.start()
     trainer = threading.Thread(target=Trainer(url, tally, t0).run, args=(deadline, cfg.sync_every), name="trainer")
     try:
         trainer.start()
-        asyncio.run(drive_http(url, tally, cfg, deadline))
+        asyncio.run(drive_http(url, tally, cfg, deadline, final_s, trainer))
         trainer.join()
         done.set()
         sample_rss(proc.pid, tally, t0)
+        stop_health.set()
+        health_ms, bad = health_out.get(timeout=60)
+        tally.health_ms.extend(health_ms)
+        tally.unexpected.update(bad)
         if proc.poll() is not None:
             tally.add("unexpected", f"sidecar exited early with {proc.returncode}")
     finally:
         wall = time.monotonic() - t0
+        stop_health.set()
+        prober.join(30)
+        if prober.is_alive():
+            prober.kill()
         proc.send_signal(signal.SIGTERM)
         try:
             code: int | None = proc.wait(60)
