@@ -17,15 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
+
+from scripts.tools.sidecar_proc import start_sidecar
 
 MIB = 1 << 20
 
@@ -38,14 +38,7 @@ def launch(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         cmd += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
     if args.model:
         cmd += ["--model", args.model]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        match = re.search(r"Sidecar serving on (http://\S+)", line)
-        if match:
-            threading.Thread(target=proc.stdout.read, daemon=True).start()  # drain, never block the sidecar
-            return proc, match.group(1)
-    raise RuntimeError(f"sidecar exited with {proc.wait()} before serving")
+    return start_sidecar(cmd)
 
 
 def processes(root: int) -> list[int]:

@@ -21,7 +21,6 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
-import re
 import signal
 import statistics
 import subprocess
@@ -35,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
+
+from scripts.tools.sidecar_proc import start_sidecar
 
 MIB = 1 << 20
 PAUSE_LEASE_S = 1.0  # the pauser's lease; the sidecar's --max-pause-s is twice it
@@ -107,14 +108,7 @@ def launch(cfg: LoadConfig, mode: str) -> tuple[subprocess.Popen, str]:
            "--kv-cache-bytes", str(cfg.kv_cache_bytes), "--log-level", "warning",
            *(["--hold-while-asleep"] if mode == "hold" else []),
            "--max-model-len", "256", *(f"--{k.replace('_', '-')}={v}" for k, v in LIMITS.items())]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        match = re.search(r"Sidecar serving on (http://\S+)", line)
-        if match:
-            threading.Thread(target=proc.stdout.read, daemon=True).start()  # drain, never block the sidecar
-            return proc, match.group(1)
-    raise RuntimeError(f"sidecar exited with {proc.wait()} before serving")
+    return start_sidecar(cmd)
 
 
 def rss_bytes(pid: int) -> int:
