@@ -29,7 +29,7 @@ from inference.core import SidecarError
 from sidecar.cli.common import one_line
 
 if TYPE_CHECKING:
-    from checksum import Manifest
+    from checksum import Manifest, Report
 
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -69,7 +69,6 @@ def run(args: argparse.Namespace) -> int:
             from sidecar.audit.checkpoint import checkpoint_manifests
 
             expected = checkpoint_manifests(args.checkpoint, actual)
-            _note_synced(args, actual)
         elif expected is not None:
             _check_layouts(expected, actual)
         reports = [audit(expected, actual)] if expected is not None else []
@@ -80,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
         elif args.url is not None and expected is None:  # one rank compared with itself would say "OK"
             raise ManifestError("<command line>", "EXPECTED.json", _nothing_to_compare(args.url, actual))
         report = Report.merge(reports)
+        if args.checkpoint is not None:
+            report = _checkpoint_verdict(args, actual, report)
     except (ManifestError, SidecarError) as exc:
         print(f"sidecar audit: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -125,6 +126,22 @@ def _check_layouts(expected: list[Manifest], actual: list[Manifest]) -> None:
                 "whose names never match. Check a sidecar's held weights against a checkpoint with "
                 "`sidecar audit --url URL --checkpoint DIR`; compare a trainer's manifest with what its sync "
                 "delivered with `sidecar audit --url URL --source received EXPECTED.json`"))
+
+
+def _checkpoint_verdict(args: argparse.Namespace, held: list[Manifest], report: Report) -> Report:
+    """--checkpoint: a checkpoint carries no version (its manifests say v0), so a sidecar synced since
+    launch whose bytes equal the checkpoint's passes, said in one line; one whose bytes differ gets the
+    note that its weights are a trainer's before the report (_note_synced)."""
+    from checksum import Report
+
+    if report.mismatches and all(m.kind == "weight_version" for m in report.mismatches):
+        live = ", ".join(f"v{v}" for v in sorted({m.weight_version for m in held}))
+        print(f"the sidecar holds {args.model} {live}, and its bytes equal this checkpoint's (a checkpoint "
+              "carries no version)")
+        return Report.build([], report.ranks, report.tensors_checked)
+    if not report.ok:
+        _note_synced(args, held)
+    return report
 
 
 def _note_synced(args: argparse.Namespace, held: list[Manifest]) -> None:
