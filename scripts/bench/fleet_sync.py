@@ -51,7 +51,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -66,7 +66,6 @@ from inference.transfer.sender import WeightSender
 from sidecar.demo.task import QWEN2_05B, resolve_model
 from trainer_hooks.client import SidecarClient
 from trainer_hooks.fleet import Fleet
-from trainer_hooks.sync import SyncPeer
 
 SHAPES = ("tiny", "qwen2-0.5b")
 TARGET_RATIO = {"cpu": 1.5, "cuda": 2.0}  # the acceptance: under 1.5x on the CPU machine, at most 2x on the H200
@@ -203,33 +202,12 @@ def measure_syncs(urls: list[str], make: Callable[..., WeightSender], weights: d
     with ExitStack() as stack:
         syncs = []
         for url in urls:
-            client = stack.enter_context(OwnGroupClient(url, timeout=args.timeout_s))
+            client = stack.enter_context(SidecarClient(url, timeout=args.timeout_s))  # its own group, any dp rank
             sender = make(num_receivers=len(client.state()["ranks"]))
             stack.callback(sender.close)
             syncs.append(client_sync(client, sender, weights))
         apart = time_syncs(syncs, weights, args, first_version=1 + 2 * rounds)
     return one, every, apart
-
-
-class OwnGroupClient(SidecarClient):
-    """A SidecarClient whose replica's ranks take group ranks 1..n of a group of its own, whatever their
-    dp rank (without a `ranks` map, a replica launched with --dp-rank I asks for 1 + I * tp + k)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.weights = _OwnGroupPeer(self)
-
-
-class _OwnGroupPeer(SyncPeer):
-    """The client's weight routes, its init carrying the `ranks` map of a group of its own."""
-
-    def __init__(self, client: SidecarClient) -> None:
-        super().__init__(client.wire, client.long_timeout)
-        self.client = client
-
-    def init(self, init_info: Mapping[str, Any]) -> dict[str, Any]:
-        keys = [str(r["rank"]) for r in self.client.state()["ranks"]]
-        return super().init({**init_info, "ranks": {k: 1 + j for j, k in enumerate(keys)}})
 
 
 def fleet_sync(fleet: Fleet, make: Callable[..., WeightSender],
@@ -241,7 +219,7 @@ def fleet_sync(fleet: Fleet, make: Callable[..., WeightSender],
     return sync
 
 
-def client_sync(client: OwnGroupClient, sender: WeightSender,
+def client_sync(client: SidecarClient, sender: WeightSender,
                 weights: dict[str, torch.Tensor]) -> Callable[[int], None]:
     def sync(version: int) -> None:
         audit = client.sync_weights(sender, weights, version)
