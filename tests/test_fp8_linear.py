@@ -24,6 +24,7 @@ from inference.models.hf_config import read_model_config
 from inference.models.loader import init_dummy_weights, load_weights
 from inference.parallel import TPInfo
 from inference.quant.fp8 import FP8_DTYPE, dequantize_rows, quantize_rows
+from tests.test_fp8_engine import dequantized_copy
 
 
 @pytest.fixture
@@ -138,29 +139,13 @@ def test_a_non_finite_checkpoint_tensor_is_refused_by_name(tmp_path: Path) -> No
     assert e.value.field == "model.layers.1.mlp.up_proj.weight"
 
 
-def _dequantized_checkpoint(src: Path, dst: Path) -> None:
-    """The checkpoint at src with every linear weight replaced by dequantize_rows(quantize_rows(w))."""
-    from safetensors.torch import load_file, save_file
-
-    dst.mkdir()
-    for f in src.iterdir():
-        if f.suffix != ".safetensors":
-            (dst / f.name).write_bytes(f.read_bytes())
-            continue
-        tensors = load_file(str(f))
-        for name, t in tensors.items():
-            if name.startswith("model.layers.") and name.endswith("_proj.weight"):
-                tensors[name] = dequantize_rows(*quantize_rows(t, name), t.dtype)
-        save_file(tensors, str(dst / f.name), metadata={"format": "pt"})
-
-
 def test_fp8_model_equals_the_offline_dequantized_model(tmp_path: Path) -> None:
     """Loading bf16 with quantization="fp8" computes what the dequantized weights compute (CPU: the
     reference path, so bit for bit), and the logits differ from the unquantized model's."""
     from tests.helpers_models import make_hf_checkpoint
 
     make_hf_checkpoint("qwen3", tmp_path / "hf")
-    _dequantized_checkpoint(tmp_path / "hf", tmp_path / "deq")
+    dequantized_copy(tmp_path / "hf", tmp_path / "deq")
     config = read_model_config(tmp_path / "hf")
     fp8 = build_model(config, TPInfo(), torch.float32, "cpu", quantization="fp8")
     load_weights(fp8, tmp_path / "hf")
