@@ -22,31 +22,31 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path}
 
 
-@pytest.mark.slow
-def test_hf_trainer_example_syncs_every_step(tmp_path: Path) -> None:
+def _run_example(tmp_path: Path, script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """examples/`script` --url --model against a CPU `sidecar launch` of the tiny model, which must stop
+    cleanly afterwards."""
     model = make_tiny_model(tmp_path / "model")
     server = launch("--model", str(model))
     try:
-        proc = subprocess.run([sys.executable, "examples/hf_trainer.py", "--url", server.url, "--model", str(model),
-                               "--steps", "3"], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([sys.executable, f"examples/{script}", "--url", server.url, "--model", str(model),
+                               *args], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     finally:
         code = server.stop()
+    assert code == 0, server.log + proc.stdout + proc.stderr  # the sidecar stopped cleanly after the example
+    return proc
+
+
+@pytest.mark.slow
+def test_hf_trainer_example_syncs_every_step(tmp_path: Path) -> None:
+    proc = _run_example(tmp_path, "hf_trainer.py", "--steps", "3")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # one sync (and audit) per optimizer step: the rollout after training comes from version 3
     assert proc.stdout.strip().splitlines()[-1].startswith("weight version 3: "), proc.stdout
-    assert code == 0, server.log
 
 
 @pytest.mark.slow
 def test_grpo_partial_example_trains_on_the_first_groups_and_carries_the_tail(tmp_path: Path) -> None:
-    model = make_tiny_model(tmp_path / "model")
-    server = launch("--model", str(model))
-    try:
-        proc = subprocess.run([sys.executable, "examples/grpo_partial.py", "--url", server.url, "--model", str(model),
-                               "--steps", "3", "--groups", "3", "--oversample", "2"], cwd=REPO, env=_env(),
-                              capture_output=True, text=True, timeout=300)
-    finally:
-        code = server.stop()
+    proc = _run_example(tmp_path, "grpo_partial.py", "--steps", "3", "--groups", "3", "--oversample", "2")
     assert proc.returncode == 0, proc.stdout + proc.stderr  # the example asserts no group came back twice
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     # its own weights synced before the first rollouts (sync_on_attach), then one sync per step; min_groups each
@@ -54,20 +54,12 @@ def test_grpo_partial_example_trains_on_the_first_groups_and_carries_the_tail(tm
     assert sum(summary["staleness_samples"].values()) == 9 * 4
     left = summary["left"]
     assert left["pending"] + left["finished"] == 2 and left["failed"] == 0, left  # the over-sampled tail waits
-    assert code == 0, server.log
 
 
 @pytest.mark.slow
 def test_grpo_tutorial_example_syncs_after_every_step(tmp_path: Path) -> None:
     """docs/tutorial-grpo.md's loop as written: each step's rollouts come from the weights the last step synced."""
-    model = make_tiny_model(tmp_path / "model")
-    server = launch("--model", str(model))
-    try:
-        proc = subprocess.run([sys.executable, "examples/grpo_tutorial.py", "--url", server.url, "--model", str(model),
-                               "--steps", "2", "--samples", "4", "--max-tokens", "8"], cwd=REPO, env=_env(),
-                              capture_output=True, text=True, timeout=300)
-    finally:
-        code = server.stop()
+    proc = _run_example(tmp_path, "grpo_tutorial.py", "--steps", "2", "--samples", "4", "--max-tokens", "8")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.strip().splitlines()
     summary = json.loads(lines[-1])
@@ -76,7 +68,6 @@ def test_grpo_tutorial_example_syncs_after_every_step(tmp_path: Path) -> None:
     synced = [int(line.rsplit("now version ", 1)[1]) for line in lines[:-1]]
     assert synced == [summary["version"] - 1, summary["version"]], proc.stdout
     assert f"rollouts from version {synced[0]}," in lines[1], proc.stdout
-    assert code == 0, server.log
 
 
 def _free_port() -> int:
