@@ -72,7 +72,7 @@ def _measure(args: argparse.Namespace, rest: list[str], cache: str) -> dict[str,
     line = {"bench": "first_batch", "shape": args.shape, "mode": args.mode, "device": str(llm.worker.device),
             "samples": first.num_samples, "tokens": tokens, "kernel_cache": "empty (" + cache + ")",
             "build_s": round(built_s, 2), "warm_up_s": round(llm.warm_up_s, 2),
-            "first_s": round(times[0], 3), "second_s": round(times[1], 3),
+            "first_s": round(times[0], 4), "second_s": round(times[1], 4),
             "first_tok_s": round(tokens / times[0]), "second_tok_s": round(tokens / times[1]),
             "first_over_second": round(times[0] / times[1], 3)}
     print(json.dumps(line), flush=True)
