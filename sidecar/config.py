@@ -62,8 +62,9 @@ class LaunchConfig:
                                      metavar="DIR")
     num_speculative_tokens: int | None = option(None, "draft tokens proposed per step with --draft-model",
                                                 engine="num_speculative_tokens", min=0)
-    lora: str | None = option(None, "PEFT LoRA adapter directory, served unmerged on the model (tensor-parallel "
-                                    "size 1; synced adapter-only: docs/sync-modes.md)", engine="lora", metavar="DIR")
+    lora: str | None = option(None, "PEFT LoRA adapter directory, served unmerged on the model (sharded as its "
+                                    "weights at any --tp; synced adapter-only: docs/sync-modes.md)", engine="lora",
+                              metavar="DIR")
     draft_lora: str | None = option(None, "PEFT LoRA adapter directory served unmerged on the draft model (as --lora)",
                                     engine="draft_lora", metavar="DIR")
     dtype: str | None = option(None, "auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32 or "

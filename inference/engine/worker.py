@@ -171,8 +171,7 @@ class Worker:
         self.memory.mark_loaded(tag)
         adapter = self.config.lora if which == "target" else self.config.draft_lora
         if adapter:  # outside the arena: the adapter stays at every sleep level
-            attach_adapter(model, config, read_adapter(adapter), tp_size=self.tp.size,
-                           invariant=self.config.batch_invariant)
+            attach_adapter(model, config, read_adapter(adapter), invariant=self.config.batch_invariant)
             load_adapter(model, adapter)
         self.models[which] = model
         self.model_configs[which] = config

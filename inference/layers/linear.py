@@ -18,7 +18,7 @@ in the buffer `weight_scale` (inference/quant/fp8.py; a buffer, so parameter nam
 the loader quantizes each FULL row on the parameter's device before slicing (a RowParallel shard keeps
 the whole row's scale), and the product is fp8_linear.fp8_linear. Biases stay in the model dtype.
 `lora` (None, or a LoRASlot from inference/layers/lora.py): an adapter served unmerged, its term added
-after the layer's own output.
+to the layer's own output (a RowParallelLinear's: to its partial, before the all-reduce).
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ class RowParallelLinear(_Fp8Weight):
         self._init_weight((out_features, self.in_features_local), dtype, device, fp8)
         # The bias is replicated and added after the reduction, so it counts once.
         self.bias = new_param((out_features,), dtype, device, replicated_loader) if bias else None
-        self.lora: LoRASlot | None = None  # TP=1 only (inference/layers/lora.py)
+        self.lora: LoRASlot | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         assert shard_id is None, shard_id
@@ -233,7 +233,9 @@ class RowParallelLinear(_Fp8Weight):
         if self.tp.size == 1:
             y = self.product(x, self.bias, self.invariant)
             return y if self.lora is None else self.lora(x, y)
-        return self.reduce(self.product(x, None, self.invariant))
+        partial = self.product(x, None, self.invariant)
+        # the adapter's partial term joins the base's before the one reduction, which sums both
+        return self.reduce(partial if self.lora is None else self.lora(x, partial))
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """This rank's bias-free product x_r W_r^T -> the layer's output (sum over ranks, plus bias)."""

@@ -1,18 +1,21 @@
 """A LoRA adapter served unmerged on one linear layer: y = base(x) + s * (x A^T) B^T.
 
-`LoRASlot` hangs off a linear (`layer.lora`, None without an adapter) and adds its term after the
-layer's own output, as a separate small GEMM pair: x A^T with A of every adapted part stacked
-[parts * r, in] (one GEMM for a fused qkv or gate_up), then per part one addmm of (x A_i^T) B_i^T
-into that part's output columns: 1 + parts launches per layer. Adapted parts only: a qkv with only
-q and v adapted has no k rows. The scaling s (lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA) is fixed at launch.
+`LoRASlot` hangs off a linear (`layer.lora`, None without an adapter) and adds its term to the layer's
+own output, as a separate small GEMM pair: x A^T with A of every adapted part stacked [parts * r, in]
+(one GEMM for a fused qkv or gate_up), then per part one addmm of (x A_i^T) B_i^T into that part's output
+columns: 1 + parts launches per layer. Adapted parts only: a qkv with only q and v adapted has no k rows.
+The scaling s (lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA) is fixed at launch.
 A and B are buffers, not parameters: the base's loader, arenas and held manifest see the base alone;
-the adapter stays resident at every sleep level (its bytes are a few MB), at fixed addresses, so
-CUDA graphs capture it and a sync writes it in place (`regions()` are the exact tensors a sync fills).
-Batch-invariant mode: both GEMMs run as invariant_linear (each row's bits independent of the others)
-and the add is elementwise, so a row's output still does not depend on the batch.
-TP > 1 is refused at launch. How it would shard: a column-parallel layer keeps A whole and shards B by
-rows like W; a row-parallel layer shards A by columns like W, all-reduces the small x A^T [T, r], and
-keeps B whole (its term is then added once, after the layer's own reduction).
+the adapter stays resident at every sleep level, at fixed addresses, so CUDA graphs capture it and a sync
+writes it in place (`regions()`: each tensor's held buffer and the slice of the full tensor it holds).
+Tensor parallelism shards the adapter as the layer's W: on a column-parallel layer A is whole and each
+part's B holds this rank's rows of that part; on a row-parallel layer A holds this rank's input columns
+and B is whole. The forward is the same for both: a row-parallel layer adds s (x_r A_r^T) B^T into its
+partial x_r W_r^T BEFORE its all-reduce, so the reduction that sums the base's partials sums the adapter's
+too (sum_r (x_r A_r^T) B^T = (x A^T) B^T), counted once, with no collective of its own.
+Batch-invariant mode: both GEMMs run as invariant_linear (each row's bits independent of the others) and
+the add is elementwise, so a row's output still does not depend on the batch (the layer's ordered
+all-reduce then sums the ranks in a fixed order).
 """
 
 from __future__ import annotations
@@ -29,49 +32,97 @@ from inference.layers.gemm_invariant import invariant_linear
 
 @dataclass(frozen=True)
 class LoRAPart:
-    """One adapted part of a (possibly fused) layer: its HF module weight name and output columns."""
+    """One adapted part of a (possibly fused) layer, in the FULL (unsharded) layer's terms: its HF module
+    weight name and its output columns."""
 
     hf_name: str      # the base module's HF weight name, e.g. model.layers.0.self_attn.q_proj.weight
-    offset: int       # first output column of this part in the layer's output
+    offset: int       # first output column of this part in the full layer's output
     rows: int         # its output features
 
 
+@dataclass(frozen=True)
+class AdapterTensor:
+    """One adapter tensor (A or B of one part) as this rank holds it: `held` is the whole tensor of
+    `full_shape` (dim None), or this rank's `index`-th equal slice of it along `dim`."""
+
+    held: torch.Tensor
+    full_shape: tuple[int, ...]
+    dim: int | None = None
+    index: int = 0
+
+    @property
+    def whole(self) -> bool:
+        return self.dim is None
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the full tensor (the tensor itself when held whole)."""
+        assert tuple(full.shape) == self.full_shape, (tuple(full.shape), self.full_shape)
+        if self.dim is None:
+            return full
+        n = self.held.shape[self.dim]
+        return full.narrow(self.dim, self.index * n, n)
+
+    def load(self, full: torch.Tensor) -> None:
+        """Write this rank's slice of the full tensor into `held` (casting to its dtype)."""
+        self.held.copy_(self.shard(full))
+
+
 class LoRASlot(nn.Module):
-    """The adapter of one linear layer (see the module docstring). Zeros until loaded."""
+    """The adapter of one linear layer (see the module docstring). Zeros until loaded.
+
+    `in_features` and the parts are the full layer's; `tp_rank`/`tp_size` and `row_parallel` say which
+    slice of each tensor this rank holds (every part's rows, and a row-parallel input, divide by tp_size,
+    as the layer's own do)."""
 
     def __init__(self, parts: Sequence[LoRAPart], rank: int, in_features: int, scaling: float,
-                 dtype: torch.dtype, device: torch.device | str, invariant: bool = False) -> None:
+                 dtype: torch.dtype, device: torch.device | str, invariant: bool = False, *,
+                 tp_rank: int = 0, tp_size: int = 1, row_parallel: bool = False) -> None:
         super().__init__()
-        assert parts and rank > 0, (parts, rank)
+        assert parts and rank > 0 and 0 <= tp_rank < tp_size, (parts, rank, tp_rank, tp_size)
+        assert not row_parallel or len(parts) == 1, "a row-parallel layer is never fused"
         self.parts, self.rank, self.scaling, self.invariant = tuple(parts), rank, scaling, invariant
-        self.register_buffer("a", torch.zeros(len(parts) * rank, in_features, dtype=dtype, device=device),
+        self.in_features, self.tp_rank, self.tp_size, self.row_parallel = in_features, tp_rank, tp_size, row_parallel
+        out_split = 1 if row_parallel else tp_size  # B's rows follow W's output rows
+        in_local = in_features // tp_size if row_parallel else in_features
+        assert in_local * (tp_size if row_parallel else 1) == in_features, (in_features, tp_size)
+        assert all(p.rows % out_split == 0 and p.offset % out_split == 0 for p in self.parts), (self.parts, tp_size)
+        # (local first column, local rows) of each part in this rank's output
+        self.local = tuple((p.offset // out_split, p.rows // out_split) for p in self.parts)
+        self.register_buffer("a", torch.zeros(len(parts) * rank, in_local, dtype=dtype, device=device),
                              persistent=False)
-        for i, part in enumerate(self.parts):
-            self.register_buffer(f"b{i}", torch.zeros(part.rows, rank, dtype=dtype, device=device),
-                                 persistent=False)
+        for i, (_, rows) in enumerate(self.local):
+            self.register_buffer(f"b{i}", torch.zeros(rows, rank, dtype=dtype, device=device), persistent=False)
 
     def b(self, i: int) -> torch.Tensor:
         return getattr(self, f"b{i}")
 
-    def regions(self) -> dict[tuple[str, str], torch.Tensor]:
-        """(base HF weight name, "lora_A" / "lora_B") -> the tensor holding it, contiguous, in the
-        shapes PEFT gives them (A [r, in], B [rows, r])."""
-        out: dict[tuple[str, str], torch.Tensor] = {}
+    def regions(self) -> dict[tuple[str, str], AdapterTensor]:
+        """(base HF weight name, "lora_A" / "lora_B") -> where this rank holds it: contiguous buffers, in
+        the full shapes PEFT gives them (A [r, in], B [rows, r]) or this rank's slices of them."""
+        out: dict[tuple[str, str], AdapterTensor] = {}
+        a_dim, b_dim = (1, None) if self.row_parallel else (None, 0)
         for i, part in enumerate(self.parts):
-            out[(part.hf_name, "lora_A")] = self.a.narrow(0, i * self.rank, self.rank)
-            out[(part.hf_name, "lora_B")] = self.b(i)
+            a = self.a.narrow(0, i * self.rank, self.rank)
+            out[(part.hf_name, "lora_A")] = self._tensor(a, (self.rank, self.in_features), a_dim)
+            out[(part.hf_name, "lora_B")] = self._tensor(self.b(i), (part.rows, self.rank), b_dim)
         return out
 
+    def _tensor(self, held: torch.Tensor, full_shape: tuple[int, int], dim: int | None) -> AdapterTensor:
+        if self.tp_size == 1:
+            dim = None
+        return AdapterTensor(held, full_shape, dim, self.tp_rank if dim is not None else 0)
+
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y (the layer's output for x, [T, out]) plus the adapter's term, written into y: one GEMM for x A^T,
-        then one addmm per part straight into its output columns (s as addmm's alpha: no extra launch)."""
+        """y (the layer's output for x, [T, out], or its partial before the reduction when row-parallel)
+        plus the adapter's term, written into y: one GEMM for x A^T, then one addmm per part straight into
+        its output columns (s as addmm's alpha: no extra launch)."""
         r = self.rank
         if self.invariant:  # the mode's GEMM for both products; the scaling and the add are elementwise
             xa = invariant_linear(x, self.a) * self.scaling
-            for i, part in enumerate(self.parts):
-                y.narrow(-1, part.offset, part.rows).add_(invariant_linear(xa.narrow(-1, i * r, r), self.b(i)))
+            for i, (offset, rows) in enumerate(self.local):
+                y.narrow(-1, offset, rows).add_(invariant_linear(xa.narrow(-1, i * r, r), self.b(i)))
             return y
         xa = F.linear(x, self.a)  # [T, parts * r]
-        for i, part in enumerate(self.parts):
-            y.narrow(-1, part.offset, part.rows).addmm_(xa.narrow(-1, i * r, r), self.b(i).t(), alpha=self.scaling)
+        for i, (offset, rows) in enumerate(self.local):
+            y.narrow(-1, offset, rows).addmm_(xa.narrow(-1, i * r, r), self.b(i).t(), alpha=self.scaling)
         return y

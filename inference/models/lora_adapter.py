@@ -3,9 +3,10 @@
 `read_adapter(dir)` reads adapter_config.json into an AdapterSpec and refuses, naming the option, what
 the engine cannot serve unmerged (DoRA, biases, modules_to_save, per-module ranks, ...); options that
 only matter in training (lora_dropout, init_lora_weights) are ignored. `attach_adapter` hangs a slot on
-every targeted linear (inference/layers/lora.py); `adapter_regions(model)` maps each adapter tensor's
-wire name (inference/models/naming.py: `<module>.lora_A.weight`) to the tensor holding it, which is
-what the launch load, a sync's routing and the audit use. One adapter per model; TP=1 only.
+every targeted linear (inference/layers/lora.py), sharded over tensor parallelism as the linear's
+weight is; `adapter_regions(model)` maps each adapter tensor's wire name (inference/models/naming.py:
+`<module>.lora_A.weight`) to where this rank holds it (the whole tensor or its slice: an AdapterTensor),
+which is what the launch load, a sync's routing and the audit use. One adapter per model.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import nn
 from inference.config import ModelConfig
 from inference.core import InvalidRequestError
 from inference.layers.linear import ColumnParallelLinear, RowParallelLinear
-from inference.layers.lora import LoRAPart, LoRASlot
+from inference.layers.lora import AdapterTensor, LoRAPart, LoRASlot
 from inference.models.naming import expected_hf_tensors, hf_to_param, lora_name, param_to_hf, peft_to_hf
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -81,11 +82,9 @@ def _targeted(module: str, targets: tuple[str, ...] | str) -> bool:
     return any(module == t or module.endswith("." + t) for t in targets)
 
 
-def attach_adapter(model: nn.Module, config: ModelConfig, spec: AdapterSpec, *, tp_size: int,
-                   invariant: bool = False) -> None:
-    """Hang a zeroed LoRASlot on every linear the spec targets (refusing what cannot be adapted)."""
-    if tp_size != 1:
-        raise InvalidRequestError("lora", f"LoRA adapters are served at tensor-parallel size 1 only, got {tp_size}")
+def attach_adapter(model: nn.Module, config: ModelConfig, spec: AdapterSpec, *, invariant: bool = False) -> None:
+    """Hang a zeroed LoRASlot on every linear the spec targets (refusing what cannot be adapted), sharded
+    by the layer's own tensor-parallel rank and size."""
     expected = expected_hf_tensors(config)
     modules = dict(model.named_modules())
     matched: set[str] = set()
@@ -115,13 +114,15 @@ def attach_adapter(model: nn.Module, config: ModelConfig, spec: AdapterSpec, *, 
                 parts.append(LoRAPart(hf_name, offset, rows))
             offset += rows
         if parts:
-            w = layer.weight
-            layer.lora = LoRASlot(parts, spec.rank, w.shape[1], spec.scaling, w.dtype, w.device, invariant)
+            w, in_features = layer.weight, expected[parts[0].hf_name][1]  # the full layer's, as A's shape
+            layer.lora = LoRASlot(parts, spec.rank, in_features, spec.scaling, w.dtype, w.device, invariant,
+                                  tp_rank=layer.tp.rank, tp_size=layer.tp.size,
+                                  row_parallel=isinstance(layer, RowParallelLinear))
 
 
-def adapter_regions(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Wire name -> the tensor holding it, for every adapter tensor of `model` (empty without one)."""
-    out: dict[str, torch.Tensor] = {}
+def adapter_regions(model: nn.Module) -> dict[str, AdapterTensor]:
+    """Wire name -> where this rank holds it, for every adapter tensor of `model` (empty without one)."""
+    out: dict[str, AdapterTensor] = {}
     for module in model.modules():
         if isinstance(module, LoRASlot):
             out.update({lora_name(base, kind): t for (base, kind), t in module.regions().items()})
@@ -143,10 +144,10 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path) -> None:
             if name not in regions:
                 raise InvalidRequestError(key, f"in {path}: no adapted layer of this model takes it")
             tensor, held = f.get_tensor(key), regions[name]
-            if tuple(tensor.shape) != tuple(held.shape):
+            if tuple(tensor.shape) != held.full_shape:
                 raise InvalidRequestError(key, f"in {path}: shape {list(tensor.shape)}, the model's adapter "
-                                          f"takes {list(held.shape)}")
-            held.copy_(tensor)
+                                          f"takes {list(held.full_shape)}")
+            held.load(tensor)
             seen.add(name)
     missing = sorted(set(regions) - seen)
     if missing:

@@ -21,7 +21,9 @@ An FP8 linear's tensors (EngineConfig.quantization) are received in the model dt
 weights/installed.py: quantized on the device as they land, installed, and audited a second time as held.
 A model served with a LoRA adapter (inference/models/lora_adapter.py) also takes its adapter tensors
 (`<module>.lora_A.weight`, `<module>.lora_B.weight`): a manifest holds the base, the adapter, or both,
-each whole. The adapter's tensors are held whole at TP=1, so they are audited from where they are held.
+each whole. Each rank takes its slice of a full adapter tensor as of a base tensor (an AdapterTensor
+says which); one it holds whole, in the sent dtype, is audited from where it is held, a slice from the
+received bytes, so every rank's received digests are of the full tensors the sender digested.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from torch import nn
 from checksum import ALGORITHM, Manifest, Mismatch, Report, TensorRecord, digest_tensors, dtype_name
 from inference.config import ModelConfig
 from inference.core import InvalidRequestError
+from inference.layers.lora import AdapterTensor
 from inference.models.loader import load_hf_tensor
 from inference.models.lora_adapter import adapter_regions
 from inference.models.naming import (
@@ -62,7 +65,7 @@ class Route:
     param: str | None
     shard_id: ShardId
     held: torch.Tensor | None  # the exact parameter region it fills (TP=1, same dtype), else None
-    sink: torch.Tensor | None = None  # an adapter tensor's buffer (filled by copy, casting if allowed)
+    sink: AdapterTensor | None = None  # an adapter tensor's place on this rank (its slice, cast if allowed)
 
     @property
     def adapter(self) -> bool:
@@ -123,7 +126,7 @@ def validate_manifest(specs: Sequence[TensorSpec], model: nn.Module, config: Mod
     return routes
 
 
-def _adapter_route(spec: TensorSpec, adapter: dict[str, torch.Tensor], *, which: str, rank: str,
+def _adapter_route(spec: TensorSpec, adapter: dict[str, AdapterTensor], *, which: str, rank: str,
                    allow_cast: bool) -> Route:
     def bad(msg: str) -> InvalidRequestError:
         return InvalidRequestError(spec.name, f"rank {rank}: {msg}; nothing was written")
@@ -133,13 +136,14 @@ def _adapter_route(spec: TensorSpec, adapter: dict[str, torch.Tensor], *, which:
         why = ("it was launched without an adapter (sidecar launch --lora DIR)" if not adapter
                else "its adapter does not adapt this module")
         raise bad(f"a LoRA adapter tensor, but the {which} model takes none: {why}")
-    if spec.shape != tuple(region.shape):
-        raise bad(f"shape {list(spec.shape)} does not match the {which} model's adapter {list(region.shape)}")
-    held_dtype = dtype_name(region.dtype)
+    if spec.shape != region.full_shape:
+        raise bad(f"shape {list(spec.shape)} does not match the {which} model's adapter {list(region.full_shape)}")
+    held_dtype = dtype_name(region.held.dtype)
     if spec.dtype != held_dtype and not allow_cast:
         raise bad(f"dtype {spec.dtype} differs from the {which} model's adapter {held_dtype}: send "
                   f"{held_dtype}, or pass allow_cast=True")
-    return Route(spec, spec.name, None, region if spec.dtype == held_dtype else None, region)
+    held = region.held if region.whole and spec.dtype == held_dtype else None
+    return Route(spec, spec.name, None, held, region)
 
 
 def _route(spec: TensorSpec, params: dict[str, nn.Parameter], config: ModelConfig,
@@ -251,7 +255,7 @@ class UpdateTarget:
                     dst.copy_(tensor)  # host bytes to the device: blocking, so the buffer is free after
                 else:
                     if route.sink is not None:
-                        route.sink.copy_(tensor)
+                        route.sink.load(tensor)
                     elif route.param is not None:
                         load_hf_tensor(self._params, self.config, route.spec.name, tensor)
                     to_digest.append((route.spec.name, tensor))

@@ -143,8 +143,7 @@ def wire(args: argparse.Namespace, lr: float, delta: bool, lora_rank: int = 0) -
     config = model_config(args.shape)
     receiver = BenchReceiver(config, device)
     if lora_rank:
-        attach_adapter(receiver.models["target"], config, AdapterSpec(lora_rank, 2.0 * lora_rank, False, "all-linear"),
-                       tp_size=1)
+        attach_adapter(receiver.models["target"], config, AdapterSpec(lora_rank, 2.0 * lora_rank, False, "all-linear"))
     updater = receiver.weights
     try:
         updater.init_transfer(from_child.get(timeout=1200))

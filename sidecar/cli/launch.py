@@ -194,8 +194,6 @@ def resolve_model(cfg: LaunchConfig, env: Mapping[str, str]) -> tuple[LaunchConf
         from inference.models.lora_adapter import read_adapter
 
         read_adapter(adapter)  # a bad adapter fails here, before any rank spawns
-        if cfg.tp != 1:
-            raise InvalidRequestError(field, f"LoRA adapters are served at --tp 1 only, got --tp {cfg.tp}")
         cfg = dataclasses.replace(cfg, **{field: str(Path(adapter).resolve())})
     if cfg.tokenizer is not None and not (Path(cfg.tokenizer) / "tokenizer.json").is_file():
         raise InvalidRequestError("tokenizer", f"{cfg.tokenizer} holds no tokenizer.json: give the directory of "
