@@ -183,7 +183,7 @@ def test_the_draft_serves_its_own_adapter_synced_adapter_only(dirs: dict[str, Pa
                                  draft_lora=str(tmp_path / "draft-adapter")))
     worker.init_device()
     worker.load_model()
-    held = adapter_regions(worker.models["draft"])
+    held = {n: t.held for n, t in adapter_regions(worker.models["draft"]).items()}
     named = dict(peft_adapter_weights(draft))
     assert held.keys() == named.keys() and all(torch.equal(held[n], t) for n, t in named.items())
     link = Link(worker)
@@ -194,20 +194,18 @@ def test_the_draft_serves_its_own_adapter_synced_adapter_only(dirs: dict[str, Pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("extra", "named"), [((), "lora.use_dora"), (("--tp", "2"), "--tp 1 only")])
-def test_launch_refuses_an_adapter_it_cannot_serve_before_spawning(tmp_path: Path, extra: tuple[str, ...],
-                                                                   named: str) -> None:
+def test_launch_refuses_an_adapter_it_cannot_serve_before_spawning(tmp_path: Path) -> None:
     import os
     import subprocess
     import sys
 
     repo = Path(__file__).resolve().parents[1]
-    cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "use_dora": not extra}
+    cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "use_dora": True}
     (tmp_path / "adapter_config.json").write_text(json.dumps(cfg))
     proc = subprocess.run([sys.executable, "-m", "sidecar.cli.main", "launch", "--device", "cpu", "--lora",
-                           str(tmp_path), *extra], cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)},
+                           str(tmp_path), "--tp", "2"], cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)},
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and named in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "lora.use_dora" in proc.stderr, proc.stderr
 
 
 def test_the_hook_sends_the_base_only_after_level_2_or_a_failed_sync(dirs: dict[str, Path]) -> None:

@@ -1,21 +1,17 @@
 """A LoRA adapter served unmerged on one linear layer: y = base(x) + s * (x A^T) B^T.
 
 `LoRASlot` hangs off a linear (`layer.lora`, None without an adapter) and adds its term to the layer's
-own output, as a separate small GEMM pair: x A^T with A of every adapted part stacked [parts * r, in]
-(one GEMM for a fused qkv or gate_up), then per part one addmm of (x A_i^T) B_i^T into that part's output
-columns: 1 + parts launches per layer. Adapted parts only: a qkv with only q and v adapted has no k rows.
-The scaling s (lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA) is fixed at launch.
-A and B are buffers, not parameters: the base's loader, arenas and held manifest see the base alone;
-the adapter stays resident at every sleep level, at fixed addresses, so CUDA graphs capture it and a sync
-writes it in place (`regions()`: each tensor's held buffer and the slice of the full tensor it holds).
-Tensor parallelism shards the adapter as the layer's W: on a column-parallel layer A is whole and each
-part's B holds this rank's rows of that part; on a row-parallel layer A holds this rank's input columns
-and B is whole. The forward is the same for both: a row-parallel layer adds s (x_r A_r^T) B^T into its
-partial x_r W_r^T BEFORE its all-reduce, so the reduction that sums the base's partials sums the adapter's
-too (sum_r (x_r A_r^T) B^T = (x A^T) B^T), counted once, with no collective of its own.
-Batch-invariant mode: both GEMMs run as invariant_linear (each row's bits independent of the others) and
-the add is elementwise, so a row's output still does not depend on the batch (the layer's ordered
-all-reduce then sums the ranks in a fixed order).
+output: x A^T with A of every adapted part stacked [parts * r, in] (one GEMM for a fused qkv or gate_up),
+then per part one addmm of (x A_i^T) B_i^T into its output columns (s, lora_alpha / r or / sqrt(r) with
+rsLoRA, as addmm's alpha). Adapted parts only: a qkv with only q and v adapted has no k rows.
+A and B are buffers outside the weight arenas: resident at every sleep level, at fixed addresses (CUDA
+graphs capture them; a sync writes `regions()` in place), unseen by the base's loader and held manifest.
+Tensor parallelism shards them as W: a column-parallel layer holds A whole and, of each part's B, that
+part's rows of this rank; a row-parallel layer holds A's columns of its input slice and B whole, and its
+term goes into the partial x_r W_r^T before the layer's all-reduce, which then sums the adapter's partials
+too (sum_r (x_r A_r^T) B^T = (x A^T) B^T): counted once, no collective of its own.
+Batch-invariant mode: both GEMMs run as invariant_linear and the add is elementwise, so a row's output does
+not depend on the batch (and the layer's ordered all-reduce keeps the ranks' fixed order).
 """
 
 from __future__ import annotations
@@ -82,10 +78,11 @@ class LoRASlot(nn.Module):
         assert not row_parallel or len(parts) == 1, "a row-parallel layer is never fused"
         self.parts, self.rank, self.scaling, self.invariant = tuple(parts), rank, scaling, invariant
         self.in_features, self.tp_rank, self.tp_size, self.row_parallel = in_features, tp_rank, tp_size, row_parallel
-        out_split = 1 if row_parallel else tp_size  # B's rows follow W's output rows
-        in_local = in_features // tp_size if row_parallel else in_features
-        assert in_local * (tp_size if row_parallel else 1) == in_features, (in_features, tp_size)
+        # A's columns follow W's input columns, B's rows W's output rows: one of the two is split
+        in_split, out_split = (tp_size, 1) if row_parallel else (1, tp_size)
+        assert in_features % in_split == 0, (in_features, tp_size)
         assert all(p.rows % out_split == 0 and p.offset % out_split == 0 for p in self.parts), (self.parts, tp_size)
+        in_local = in_features // in_split
         # (local first column, local rows) of each part in this rank's output
         self.local = tuple((p.offset // out_split, p.rows // out_split) for p in self.parts)
         self.register_buffer("a", torch.zeros(len(parts) * rank, in_local, dtype=dtype, device=device),
