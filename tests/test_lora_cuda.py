@@ -1,6 +1,6 @@
 """LoRA served unmerged on a GPU: the captured decode graphs replay the adapter's GEMMs (graph output equals
 eager output), a sync written into the adapter in place is seen by the graphs, and the unmerged model's
-greedy tokens equal the merged model's in fp32."""
+greedy tokens equal the merged model's in fp32, at TP=1 and at TP=2 over NCCL."""
 
 from __future__ import annotations
 
@@ -67,3 +67,22 @@ def test_an_adapter_written_in_place_is_seen_by_the_graphs(dirs: dict[str, Path]
     prompts = random_prompts([3, 17, 9, 30, 64, 5, 12], llm.model_config.vocab_size, seed=1)
     again = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
     assert again == [b[0] for b in base]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp2_over_nccl_with_graphs_serves_the_merged_models_tokens(dirs: dict[str, Path]) -> None:
+    """The row-parallel layers' adapter terms ride the base's NCCL all-reduce, inside the captured graphs."""
+    from sidecar.client import SidecarClient
+    from tests.helpers_sidecar import launch
+
+    merged, llm = run(dirs["merged"], "float32")
+    prompts = random_prompts([3, 17, 9, 30, 64, 5, 12], llm.model_config.vocab_size, seed=1)  # run()'s prompts
+    del llm
+    server = launch("--model", str(dirs["base"]), "--lora", str(dirs["adapter"]), "--device", "cuda", "--tp", "2",
+                    "--dtype", "float32")
+    try:
+        with SidecarClient(server.url, timeout=120) as c:
+            got = [o.outputs[0].token_ids for o in c.generate(prompts, GREEDY)]
+    finally:
+        assert server.stop() == 0, server.log
+    assert got == [m[0] for m in merged]

@@ -64,7 +64,7 @@ class Route:
     spec: TensorSpec
     param: str | None
     shard_id: ShardId
-    held: torch.Tensor | None  # the exact parameter region it fills (TP=1, same dtype), else None
+    held: torch.Tensor | None  # the exact region it fills when held whole in the sent dtype, else None
     sink: AdapterTensor | None = None  # an adapter tensor's place on this rank (its slice, cast if allowed)
 
     @property
