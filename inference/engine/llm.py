@@ -40,6 +40,7 @@ from inference.engine.step_stats import StepLog
 from inference.engine.warm_up import warm_up_engine
 from inference.engine.worker import Worker
 from inference.memory.sleep import TransitionStats
+from inference.models.hub_cache import resolve_model_dir
 from inference.parallel import TPInfo
 from inference.sched.block_manager import BlockManager
 from inference.sched.scheduler import ScheduledBatch, Scheduler, StepResult
@@ -71,6 +72,17 @@ def check_tp_size(config: EngineConfig, tp: TPInfo | None) -> None:
     raise InvalidRequestError("tp_size", f"config.tp_size is {config.tp_size} but tp (TPInfo) has size {tp.size}")
 
 
+def model_dirs(config: EngineConfig) -> EngineConfig:
+    """`config` with its model and draft model as directories: a model id (ORG/NAME) becomes its snapshot
+    in the local Hugging Face cache, by the rule `sidecar launch --model` follows (hub_cache.py); a name
+    that is neither is an InvalidRequestError naming the field, the id and the cache directory."""
+    model = resolve_model_dir(config.model)
+    draft = None if config.draft_model is None else resolve_model_dir(config.draft_model, field="draft_model")
+    if (model, draft) == (config.model, config.draft_model):
+        return config
+    return replace(config, model=model, draft_model=draft)
+
+
 @dataclass
 class _Request:
     request_id: str
@@ -93,6 +105,7 @@ class LLM:
                 model = default_model_dir()
             overrides.setdefault("tp_size", 1 if tp is None else tp.size)
             config = build_engine_config(str(model), **overrides)
+        config = model_dirs(config)
         check_tp_size(config, tp)
         SyncPolicy(config.on_sync)  # InvalidRequestError naming on_sync for an unknown mode
         envs.use_kernel_cache()  # before the first compile: kernels persist under SIDECAR_HOME when set
