@@ -138,8 +138,6 @@ class LLM:
         self._overlap = (StepOverlap(self.scheduler, self.worker, self._apply_results)
                          if config.scheduler.overlaps_steps(self.worker.device.type) else None)
         self._num_with_stops = 0  # live requests with stop strings (their steps run the detokenizer)
-        # live requests with a penalty: steps run synchronously, so their token ids are all known
-        self._num_with_penalties = 0
         weights = self.worker.weights  # however a sync reaches it (this API or a rank server), the engine hears
         weights.before_write, weights.on_live = self._before_weight_write, self._on_weights_live
         # compile what rollouts run now rather than in the first batch (on CPU nothing compiles)
@@ -188,7 +186,6 @@ class LLM:
             req.stops = StopStrings(params.stop)  # linear in their characters (the HTTP intake bounds them)
             req.detoks = {s.index: StopDetector(self.tokenizer, ids, req.stops) for s in seqs}
             self._num_with_stops += 1
-        self._num_with_penalties += params.has_penalties
         self._requests[request_id] = req
         for s in seqs:
             self.scheduler.add(s)
@@ -220,7 +217,6 @@ class LLM:
         req = self._requests.pop(request_id, None)
         if req is not None:
             self._num_with_stops -= bool(req.detoks)
-            self._num_with_penalties -= req.seqs[0].params.has_penalties
 
     def live_sequences(self, request_id: str) -> list[Sequence]:
         """The samples of a request not returned yet ([] otherwise): what a streaming caller reads. Their
@@ -242,18 +238,16 @@ class LLM:
         if not self.worker.is_ready():
             return self._settle()
         overlap = self._overlap
-        # a speculative step (the drained tail, with a draft) runs synchronously, and so does every step
-        # while a request has a penalty (it reads its tokens): settle the step in flight first, so the
-        # scheduler sees every token
-        sync = self._num_with_penalties > 0
+        # a speculative step (the drained tail, with a draft) runs synchronously: settle the step in
+        # flight first, so the scheduler sees every token
         settled = bool(overlap is not None and overlap.in_flight is not None
-                       and (sync or self.scheduler.speculates_next()) and overlap.finish())
+                       and self.scheduler.speculates_next() and overlap.finish())
         batch = self.scheduler.schedule()
         if batch.is_empty and (overlap is None or overlap.in_flight is None):
             if self.scheduler.has_unfinished() and not settled:
                 raise StateError("scheduler made no progress with requests pending (KV cache too small?)")
             return self._collect_finished() if settled else []
-        if overlap is not None and not sync and not any(batch.num_lookahead):
+        if overlap is not None and not any(batch.num_lookahead):
             finished = overlap.step(batch, self.step_log)
         else:
             finished = self._step_sync(batch)
@@ -337,7 +331,6 @@ class LLM:
         for r in done:
             del self._requests[r.request_id]
             self._num_with_stops -= bool(r.detoks)
-            self._num_with_penalties -= r.seqs[0].params.has_penalties
         return [self._output(r) for r in done]
 
     def _output(self, req: _Request) -> RequestOutput:
