@@ -38,7 +38,7 @@ class EnvSwitch:
     default: Any
     doc: str
     read_at: ReadAt
-    owner: str = "sidecar"  # "triton" for a variable Triton defines and we also read
+    owner: str = "sidecar"  # "triton", "huggingface": a variable that library defines and we also read
 
     def get(self, env: Mapping[str, str] | None = None) -> Any:
         """The value now (os.environ unless `env` is given); the default when unset or empty."""
@@ -94,6 +94,15 @@ KERNEL_CACHE = _switch("TRITON_CACHE_DIR", str, None,
                        "engine sets it to $SIDECAR_HOME/triton (`use_kernel_cache`), so a start finds the kernels "
                        "an earlier one compiled there; unset without SIDECAR_HOME: Triton's ~/.triton/cache",
                        "call", owner="triton")
+
+# ---- models named by a Hugging Face id (inference/models/hub_cache.py) ------------------------------------
+HF_HUB_CACHE = _switch("HF_HUB_CACHE", str, None,
+                       "huggingface_hub's own variable: the local hub cache where a model id (ORG/NAME) given "
+                       "to `LLM(...)`, `--model` or `--draft-model` is looked up (nothing is downloaded); unset: "
+                       "$HF_HOME/hub", "call", owner="huggingface")
+HF_HOME = _switch("HF_HOME", str, None,
+                  "huggingface_hub's own variable: its cache root; the hub cache is $HF_HOME/hub when "
+                  "HF_HUB_CACHE is unset (both unset: ~/.cache/huggingface/hub)", "call", owner="huggingface")
 
 # ---- clients ------------------------------------------------------------------------------------------
 API_KEY = _switch("SIDECAR_API_KEY", str, None,

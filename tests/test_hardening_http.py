@@ -1,11 +1,15 @@
 """The HTTP layer's own bounds, tried with raw sockets against a real `sidecar launch` (docs/limits.md): the
 request head's size and arrival time, a body that stops coming (or is shorter than its Content-Length),
-a 413 the client actually reads, a connection cap that closes idle connections instead of starving
-/health, and every error of the server itself in the JSON error shape (HEAD /health, /generate/)."""
+slowloris clients (a head or a body a byte at a time) cut off while /health answers, a 413 the client
+actually reads, a connection cap that closes idle connections instead of starving /health, and every
+error of the server itself in the JSON error shape (HEAD /health, /generate/). Every test runs against
+both of uvicorn's parsers: httptools (the server extra) and h11 (a machine without it)."""
 
 from __future__ import annotations
 
 import json
+import os
+import select
 import socket
 import time
 from collections.abc import Iterator
@@ -15,7 +19,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from tests.helpers_sidecar import Sidecar, launch
+from tests.helpers_sidecar import REPO, Sidecar, launch
 
 pytestmark = pytest.mark.slow  # every test here starts real processes or runs for seconds
 
@@ -23,11 +27,22 @@ LIMITS = ("--max-header-kb", "8", "--header-timeout-s", "1", "--body-timeout-s",
           "--max-body-mb", "1")
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[Sidecar]:
-    proc = launch(*LIMITS)
-    yield proc
-    assert proc.stop() == 0, proc.log
+WITHOUT_HTTPTOOLS = REPO / "tests" / "without_server_extra"  # its sitecustomize hides httptools
+
+
+@pytest.fixture(scope="module", params=["httptools", "h11"])
+def server(request: pytest.FixtureRequest) -> Iterator[Sidecar]:
+    env = None
+    if request.param == "h11":
+        path = os.pathsep.join(p for p in (str(WITHOUT_HTTPTOOLS), str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+        env = {"PYTHONPATH": path}
+    proc = launch(*LIMITS, "--log-level", "info", "--log-format", "json", env=env)
+    try:
+        start = next(r for r in map(json.loads, proc.log.splitlines()) if r.get("event") == "start")
+        assert start["http"] == request.param, start  # the parser the test means is the one serving
+        yield proc
+    finally:
+        assert proc.stop() == 0, proc.log
 
 
 def _connect(server: Sidecar) -> socket.socket:
@@ -83,6 +98,54 @@ def test_a_body_shorter_than_its_content_length_is_a_408(server: Sidecar) -> Non
     with _connect(server) as sock:
         sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 100\r\n\r\n{\"prompts\": [")
+        status, error = _answer(_read_all(sock))
+    assert status == 408 and error["field"] == "body" and "--body-timeout-s" in error["message"]
+    _healthy(server)
+
+
+def _cut_off(sock: socket.socket) -> bool:
+    """The server answered or closed: the socket has something to read (an answer, or EOF)."""
+    return bool(select.select([sock], [], [], 0)[0])
+
+
+def _trickle(server: Sidecar, sock: socket.socket, data: bytes, then_wait: bool, limit_s: float = 60.0) -> None:
+    """A slowloris: send `data` a byte at a time, then (`then_wait`) send nothing more, asking /health
+    between bytes and while waiting, until the server cuts the connection off. Fails if it was not cut
+    off within `limit_s` (far past the bounds the server is launched with) or, without `then_wait`, if
+    every byte went through."""
+    t0 = time.monotonic()
+    with httpx.Client(timeout=30) as health:
+        for i in range(len(data) + (10**9 if then_wait else 0)):
+            if _cut_off(sock):
+                return
+            if i < len(data):
+                try:
+                    sock.sendall(data[i:i + 1])
+                except (BrokenPipeError, ConnectionResetError):
+                    return
+            assert health.get(f"{server.url}/health").status_code == 200  # the others are served meanwhile
+            assert time.monotonic() - t0 < limit_s, f"not cut off after {limit_s} s ({min(i + 1, len(data))} bytes)"
+            time.sleep(0.01)
+    raise AssertionError(f"all {len(data)} bytes went through without the server cutting the connection")
+
+
+def test_a_slowloris_head_is_cut_off_at_the_header_timeout(server: Sidecar) -> None:
+    """A head sent a byte at a time never completes: 408 once --header-timeout-s passed since its first
+    byte, although bytes keep coming (under --max-header-kb, so that limit is not what cuts it)."""
+    with _connect(server) as sock:
+        _trickle(server, sock, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"s" * 7000, then_wait=False)
+        status, error = _answer(_read_all(sock))
+    assert status == 408 and error["field"] == "headers" and "--header-timeout-s" in error["message"]
+    _healthy(server)
+
+
+def test_a_slowloris_body_is_cut_off_once_it_stalls(server: Sidecar) -> None:
+    """A body trickled a byte at a time and then held (a Content-Length it never reaches): 408 naming the
+    body once no byte came for --body-timeout-s; /health answered all along."""
+    with _connect(server) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100000\r\n\r\n")
+        _trickle(server, sock, b'{"prompts": ["' + b"x" * 20 + b'"', then_wait=True)
         status, error = _answer(_read_all(sock))
     assert status == 408 and error["field"] == "body" and "--body-timeout-s" in error["message"]
     _healthy(server)

@@ -1,5 +1,6 @@
-"""`--model ORG/NAME` from the local Hugging Face cache (a fake cache in tmp_path: the hub's layout, no
-download), and the error that says what is accepted when the name is neither a directory nor cached."""
+"""`--model ORG/NAME` and `LLM("ORG/NAME")` from the local Hugging Face cache (a fake cache in tmp_path: the
+hub's layout, no download), and the error that says what is accepted when the name is neither a directory
+nor cached."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from inference.core import InvalidRequestError
+from inference.core import InvalidRequestError, SamplingParams
+from inference.engine.llm import LLM
 from inference.models.hub_cache import cached_snapshot, hub_cache_dir, resolve_model_dir
 from inference.models.tiny import make_tiny_model
 from tests.helpers_sidecar import REPO, launch
@@ -54,6 +56,36 @@ def test_an_unknown_name_says_what_is_supported_and_how_to_get_a_directory(tmp_p
     assert "config.json" in message and "local Hugging Face cache" in message and "--local-dir" in message
     if "/" in name and not name.startswith("."):
         assert f"huggingface-cli download {name} --local-dir DIR" in message and str(tmp_path) in message
+
+
+def test_llm_loads_a_cached_id_as_launch_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The in-process engine resolves an id by the launch's rule (HF_HUB_CACHE from the environment):
+    the same model, so the same greedy tokens as from its directory."""
+    snapshot = fake_cache(tmp_path / "hub")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    by_id = LLM(MODEL_ID, device="cpu", kv_cache_bytes=1 << 20)
+    assert by_id.config.model == str(snapshot)
+    by_dir = LLM(snapshot, device="cpu", kv_cache_bytes=1 << 20)
+    prompts = ["Once upon a", [5, 6, 7]]
+    assert ([o.outputs[0].token_ids for o in by_id.generate(prompts, params)]
+            == [o.outputs[0].token_ids for o in by_dir.generate(prompts, params)])
+
+
+@pytest.mark.parametrize("field", ["model", "draft_model"])
+def test_llm_with_an_uncached_id_names_the_id_and_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            field: str) -> None:
+    snapshot = fake_cache(tmp_path / "hub")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    missing = "tiny-org/Not-Downloaded"
+    with pytest.raises(InvalidRequestError) as e:
+        if field == "model":
+            LLM(missing, device="cpu")
+        else:
+            LLM(snapshot, device="cpu", draft_model=missing)
+    assert e.value.field == field
+    assert repr(missing) in e.value.message and str(tmp_path / "hub") in e.value.message
+    assert f"huggingface-cli download {missing} --local-dir DIR" in e.value.message
 
 
 @pytest.mark.slow

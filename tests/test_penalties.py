@@ -1,6 +1,7 @@
 """Presence, frequency and repetition penalties: the in-place op against a plain-Python reference, rows
-without a penalty untouched bit for bit, and the engine's greedy completions against a plain-torch
-generation loop over the transformers model with the same penalties."""
+without a penalty untouched bit for bit, a placeholder token (async scheduling) read from the step in
+flight's sampled pairs, the engine's greedy completions against a plain-torch generation loop over the
+transformers model with the same penalties, and async scheduling kept on with the same outputs."""
 
 from __future__ import annotations
 
@@ -10,10 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
+import inference.runner.runner as runner_module
 from inference.core import InvalidRequestError, SamplingParams
 from inference.engine.llm import LLM
+from inference.runner.pending_tokens import resolve_pending
 from inference.sample.penalties import apply_penalties, penalized_rows
+from inference.sched.sequence import placeholder
 from tests.helpers_models import make_hf_checkpoint, random_prompts
+from tests.test_async_schedule import assert_completions_equal
 
 
 @dataclass
@@ -57,6 +62,24 @@ def test_apply_penalties_equals_the_reference_and_leaves_other_rows_alone() -> N
     same = logits.clone()
     apply_penalties(same, [], rows)
     assert torch.equal(same, logits)
+
+
+def test_a_placeholder_token_is_read_from_the_step_in_flight() -> None:
+    """Async scheduling: a completion's last token is a placeholder for row r of the previous step's
+    sampled pairs; the penalty counts the token found there, as if the host had read it."""
+    g = torch.Generator().manual_seed(1)
+    vocab = 50
+    logits = torch.randn(2, vocab, generator=g) * 3
+    params = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.75, presence_penalty=0.5)
+    pairs = torch.tensor([[44.0, -0.1], [7.0, -0.2], [30.0, -0.3]], dtype=torch.float64)  # rows 0..2 sampled
+    known = [_Seq([1, 2, 3, 7, 9, 7], 3, params), _Seq([4, 5, 6, 30, 44], 2, params)]
+    pending = [_Seq([1, 2, 3, 7, 9, placeholder(1)], 3, params), _Seq([4, 5, 6, 30, placeholder(0)], 2, params)]
+    want, got = logits.clone(), logits.clone()
+    apply_penalties(want, [0, 1], known)
+    apply_penalties(got, [0, 1], pending, lambda ids: resolve_pending(ids, pairs))
+    assert torch.equal(got, want)
+    with pytest.raises(AssertionError, match="placeholder"):
+        apply_penalties(logits.clone(), [0, 1], pending)  # no way to read the token: refused, not guessed
 
 
 @pytest.mark.parametrize("name,value", [("presence_penalty", 2.5), ("frequency_penalty", -2.1),
@@ -105,7 +128,35 @@ def test_engine_greedy_with_penalties_equals_a_plain_torch_loop(model: tuple[Pat
             assert out.outputs[0].token_ids == torch_greedy(hf, prompt, 24, params), kw
         assert [o.outputs[0].token_ids for o in outs[:2]] != unpenalized, kw  # the penalty did something
         assert [o.outputs[0].token_ids for o in outs[2:]] == unpenalized
-    assert llm._num_with_penalties == 0  # every finished request was counted out
+
+
+def test_penalties_keep_async_scheduling_on_with_the_same_outputs(model: tuple[Path, torch.nn.Module],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Penalized rows (greedy and seeded, with top logprobs, n > 1, beside rows without a penalty) give
+    the same completions with async scheduling on and off, and with it on the steps do overlap: the
+    penalty reads the token the step in flight sampled on the device (counted here)."""
+    path, _ = model
+    resolved = []
+
+    def counted(ids: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+        resolved.append(int((ids < 0).sum()))
+        return resolve_pending(ids, pairs)
+
+    monkeypatch.setattr(runner_module, "resolve_pending", counted)
+    prompts = random_prompts([7, 12, 5, 9], 300, seed=5)
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, **PENALTIES[0]),
+              SamplingParams(temperature=0.9, seed=3, max_tokens=16, n=3, logprobs=2, ignore_eos=True,
+                             **PENALTIES[3]),
+              SamplingParams(temperature=1.0, seed=8, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=18, ignore_eos=True, **PENALTIES[1])]
+    outs = {}
+    for async_on in (False, True):
+        llm = LLM(path, device="cpu", dtype="float32", block_size=4, kv_cache_bytes=4 << 20,
+                  async_scheduling=async_on)
+        resolved.clear()
+        outs[async_on] = llm.generate(prompts, params)
+        assert (sum(resolved) > 0) == async_on  # on: placeholders were read on the device, steps overlapped
+    assert_completions_equal(outs[True], outs[False])
 
 
 @pytest.mark.cuda
@@ -130,3 +181,40 @@ def test_penalties_on_cuda_graphs_equal_eager_and_leave_other_rows_alone(model: 
         del llm
         torch.cuda.empty_cache()
     assert outs[False] == outs[True]
+
+
+@pytest.mark.cuda
+def test_penalties_with_a_placeholder_queue_no_host_sync() -> None:
+    """What lets the engine keep overlapping steps: the penalty's copies and its placeholder resolution
+    are queued on the stream; none waits for the step in flight (sync debug mode raises on one)."""
+    pairs = torch.tensor([[44.0, -0.1], [7.0, -0.2]], dtype=torch.float64, device="cuda")
+    params = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.75, presence_penalty=0.5)
+    seqs = [_Seq([1, 2, 3, 7, placeholder(1)], 3, params), _Seq([4, 5, 6, 30, placeholder(0)], 2, params)]
+    logits = torch.randn(2, 50, device="cuda")
+    want = logits.clone()
+    apply_penalties(want, [0, 1], [_Seq([1, 2, 3, 7, 7], 3, params), _Seq([4, 5, 6, 30, 44], 2, params)])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        apply_penalties(logits, [0, 1], seqs, lambda ids: resolve_pending(ids, pairs))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(logits, want)
+
+
+@pytest.mark.cuda
+def test_penalties_async_equals_sync_on_cuda_graphs(model: tuple[Path, torch.nn.Module]) -> None:
+    """On the GPU (decode graphs, the sampling graph reading the penalized logits buffer) async
+    scheduling stays on with penalized rows, with the tokens of synchronous steps."""
+    path, _ = model
+    prompts = random_prompts([7, 12, 5], 300, seed=6)
+    params = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, **PENALTIES[0]),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=32, n=2, ignore_eos=True, **PENALTIES[3]),
+              SamplingParams(temperature=0.8, seed=11, max_tokens=32, ignore_eos=True)]
+    outs = {}
+    for async_on in (False, True):
+        llm = LLM(path, device="cuda", dtype="float32", async_scheduling=async_on)
+        outs[async_on] = [c.token_ids for o in llm.generate(prompts, params) for c in o.outputs]
+        del llm
+        torch.cuda.empty_cache()
+    assert outs[True] == outs[False]

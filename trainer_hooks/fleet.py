@@ -16,9 +16,7 @@ httpx at module level (clients are built from URLs on first use; `sidecar status
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import threading
-import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -38,12 +36,11 @@ from trainer_hooks.fleet_replicas import (
     sequences_of,
     sync_report,
 )
-from trainer_hooks.rollout_pool import DEFAULT_POOL, TAKE_MARGIN_S, RolloutStream, RolloutTake, sync_fields
+from trainer_hooks.fleet_rollouts import FleetPools
+from trainer_hooks.rollout_pool import DEFAULT_POOL, RolloutStream, RolloutTake, sync_fields
 from trainer_hooks.sync import GONE, FleetGroup, StepFailed
 
 __all__ = ["Fleet", "FleetError", "FleetGoneError"]
-FLEET_POLL_S = 2.0  # the longest a stream's long poll waits on one replica (so closing the fleet waits no longer)
-_COUNTS = ("pending", "finished", "leased", "failed", "sequences")
 
 
 class Fleet:
@@ -65,11 +62,10 @@ class Fleet:
         self.replicas = [Replica(i, c) for i, c in enumerate(clients)]
         self.max_retries = max_retries
         self.version: int | None = None  # the fleet's weight version; None until first contact finds one
-        self._lock = threading.Lock()  # rotation, outstanding counts, version
+        self.lock = threading.Lock()  # rotation, outstanding counts, version, the pools' placed groups
         self._contacted = False
         self.pool = ThreadPoolExecutor(max(4, 4 * len(items)), thread_name_prefix="fleet")
-        self._pooled: dict[tuple[str, int, str], _Pooled] = {}  # (pool, replica, group id): groups not taken
-        self._order = itertools.count()  # the fleet's submission order of pooled groups
+        self.pools = FleetPools(self)  # partial rollouts: the replicas' rollout pools as one
         self._group = FleetGroup(self.pool)
 
     @staticmethod
@@ -102,11 +98,11 @@ class Fleet:
     # ---- rotation -------------------------------------------------------------------------------
     @property
     def in_rotation(self) -> list[int]:
-        with self._lock:
+        with self.lock:
             return [r.index for r in self.replicas if r.in_rotation]
 
     def take_out(self, replica: Replica, reason: str) -> None:
-        with self._lock:
+        with self.lock:
             replica.take_out(reason)
 
     def each(self, replicas: Sequence[Replica], fn: Callable[[Replica], Any]) -> dict[int, Any]:
@@ -127,7 +123,7 @@ class Fleet:
                 continue
             ranks = s.get("ranks", [])
             keys, pids = tuple(str(x.get("rank")) for x in ranks), tuple(int(x.get("pid") or 0) for x in ranks)
-            with self._lock:
+            with self.lock:
                 if r.pids and pids != r.pids and r.in_rotation:
                     r.take_out("restarted (new rank processes); the next good sync re-admits it")
                 r.rank_keys, r.pids = keys, pids
@@ -141,7 +137,7 @@ class Fleet:
         if self._contacted or len(probed) != len(self.replicas) or not states:
             return  # with none reachable, first contact waits for one
         newest, out = admissible(states)
-        with self._lock:
+        with self.lock:
             self._contacted = True
             self.version = newest
             for r in self.replicas:
@@ -159,7 +155,7 @@ class Fleet:
     def settle_sync(self, model: str, version: int, passed: Collection[int], out: Mapping[int, str]) -> None:
         """After a sync: a target sync admits every replica that passed and sets the fleet's version; any
         sync takes out the replicas in `out`."""
-        with self._lock:
+        with self.lock:
             for r in self.replicas:
                 if r.index in out:
                     r.take_out(out[r.index])
@@ -175,7 +171,7 @@ class Fleet:
         found = self.probe()
         states = [s for s in found.values() if not isinstance(s, BaseException)]
         if not states:
-            raise FleetGoneError(self._reasons("every replica is unreachable", found))
+            raise FleetGoneError(self.reasons("every replica is unreachable", found))
         backends = {s.get("transfer", {}).get("backend") for s in states} - {None}
         if len(backends) > 1:
             raise FleetError(f"the replicas were launched with different --transfer backends: {sorted(backends)}")
@@ -198,7 +194,7 @@ class Fleet:
         self._contact()
         rotating = [r for r in self.replicas if r.in_rotation]
         if not rotating:
-            raise FleetGoneError(self._reasons("no replica in rotation", {r.index: r.reason for r in self.replicas}))
+            raise FleetGoneError(self.reasons("no replica in rotation", {r.index: r.reason for r in self.replicas}))
         found = self.each(rotating, lambda r: r.client.checksums(model, source, algorithm))
         for e in found.values():
             if isinstance(e, BaseException):
@@ -212,7 +208,7 @@ class Fleet:
 
     def _rows(self, found: Mapping[int, Any]) -> list[dict[str, Any]]:
         rows = []
-        with self._lock:
+        with self.lock:
             for r in self.replicas:
                 s = found.get(r.index)
                 ok = isinstance(s, dict)
@@ -228,7 +224,7 @@ class Fleet:
         """What this fleet itself holds of each replica, read without contacting any: replica, url,
         in_rotation, reason, version (the target version it was admitted at), outstanding, ranks (how
         many), and the counters times_out, retried (prompts moved off it) and served (sequences)."""
-        with self._lock:
+        with self.lock:
             return [{"replica": r.name, "url": r.url, "in_rotation": r.in_rotation, "reason": r.reason,
                      "version": r.version, "outstanding": r.outstanding, "ranks": len(r.rank_keys),
                      "times_out": r.times_out, "retried": r.retried, "served": r.served} for r in self.replicas]
@@ -266,7 +262,7 @@ class Fleet:
                 raise e
         if len(errors) == len(self.replicas):
             if all(isinstance(e, GONE) for e in errors.values()):
-                raise FleetGoneError(self._reasons(f"{what}: every replica is gone", errors))
+                raise FleetGoneError(self.reasons(f"{what}: every replica is gone", errors))
             raise next(iter(errors.values()))
         for i, e in errors.items():
             self.take_out(self.replicas[i], f"{what} failed: {e}")
@@ -330,7 +326,7 @@ class Fleet:
             elif model == "target" or r.in_rotation:
                 members.append(r)
         if not members:
-            raise FleetGoneError(self._reasons(f"no replica can take the sync of {model}", missed))
+            raise FleetGoneError(self.reasons(f"no replica can take the sync of {model}", missed))
         return members
 
     def _lost(self, failed: StepFailed, members: Sequence[Replica]) -> dict[int, str]:
@@ -393,7 +389,7 @@ class Fleet:
                 self._retry_elsewhere(call, replica, idxs, running,
                                       f"answered with weight version {got}, the fleet's is {self.version}")
                 continue
-            with self._lock:
+            with self.lock:
                 replica.served += sum(call.costs[i] for i in idxs)
             for i, o in zip(idxs, outs):
                 call.results[i] = dataclasses.replace(
@@ -401,7 +397,7 @@ class Fleet:
                                                    "retries": len(call.tried[i]) - 1})
         return [o for o in call.results if o is not None]
 
-    # ---- partial rollouts: the replicas' rollout pools (docs/async-rl.md) ------------------------------
+    # ---- partial rollouts: the replicas' rollout pools as one (trainer_hooks/fleet_rollouts.py) --------------
     def rollouts(self, prompts: Any, sampling_params: Any = None, *, min_groups: int, max_groups: int | None = None,
                  pool: str = DEFAULT_POOL, timeout_s: float = 600.0, poll_s: float = 0.05,
                  on_sync: str | None = None, max_staleness: int | None = None) -> RolloutTake:
@@ -413,17 +409,9 @@ class Fleet:
         "dp{i}/{id}". The fleet reads the replicas' pools every `poll_s` and takes exactly the groups it
         chose, so the others stay in their sidecar. A replica that goes away is taken out and the groups
         this fleet placed there are submitted again elsewhere (their samples were never returned)."""
-        submitted = self._start_pooled(pool, prompts, sampling_params, sync_fields(on_sync, max_staleness))
-        limit = max_groups if max_groups is not None else (min_groups or None)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            finished, counts, failing = self._pool_status(pool)
-            if len(finished) >= min_groups or not counts["pending"] or time.monotonic() >= deadline:
-                break
-            time.sleep(poll_s)
-        take = self._take_pooled(pool, sorted(finished)[:limit], counts, failing)
-        take.submitted = submitted
-        return take
+        items, per = self._pooled_call(prompts, sampling_params)
+        return self.pools.rollouts(pool, items, per, sync_fields(on_sync, max_staleness), min_groups=min_groups,
+                                   max_groups=max_groups, timeout_s=timeout_s, poll_s=poll_s)
 
     def iter_rollouts(self, prompts: Any, sampling_params: Any = None, *, count: int, pool: str = DEFAULT_POOL,
                       timeout_s: float = 600.0, on_sync: str | None = None,
@@ -432,165 +420,30 @@ class Fleet:
         as they finish. Each round long-polls every replica that may hold one (GET with wait_s, at most
         one in flight per replica) and takes the finished groups of those that answered, each replica's in
         its completion order; a replica that goes away is handled as rollouts() does."""
-        submitted = self._start_pooled(pool, prompts, sampling_params, sync_fields(on_sync, max_staleness))
-        return RolloutStream(_StreamRounds(self, pool).take, count, timeout_s, submitted)
-
-    def _start_pooled(self, pool: str, prompts: Any, sampling_params: Any, policy: dict[str, Any]) -> list[str]:
-        """What a partial call does first: acknowledge the last call's groups (they are used, so they leave
-        their sidecars), then place the new prompts."""
-        self._contact()
-        items = _prompt_list(prompts)
-        per = _params_list(sampling_params, len(items))
-        per = per if isinstance(per, list) else [per] * len(items)
-        self.ack_rollouts(pool)
-        return self._submit_pooled(pool, [(next(self._order), p, sp) for p, sp in zip(items, per)], policy)
+        items, per = self._pooled_call(prompts, sampling_params)
+        return self.pools.iter_rollouts(pool, items, per, sync_fields(on_sync, max_staleness), count=count,
+                                        timeout_s=timeout_s)
 
     def ack_rollouts(self, pool: str = DEFAULT_POOL) -> int:
         """SidecarClient.ack_rollouts on every replica this fleet took from (or never did: a new consumer
         ends that replica's leases of the pool, a dead predecessor's). Groups removed."""
-        with self._lock:
-            holding = {i for (p, i, _) in self._pooled if p == pool}
-            polled = [r for r in self.replicas if r.in_rotation or r.index in holding]
-        owing = [r for r in polled if r.client.tickets.held(pool) != []]
-        found = self.each(owing, lambda r: r.client.ack_rollouts(pool))
-        for got in found.values():
-            if isinstance(got, BaseException) and not isinstance(got, GONE):
-                raise got
-        return sum(got for got in found.values() if isinstance(got, int))
+        return self.pools.ack(pool)
 
     def cancel_rollouts(self, group_ids: Sequence[str] | None = None, *, pool: str = DEFAULT_POOL) -> dict[str, Any]:
         """SidecarClient.cancel_rollouts over the replicas, by fleet ids ("dp{i}/{id}"); None: the whole pool
         on every replica. {"cancelled": [ids], "unknown": [ids]}."""
-        named: dict[int, list[str]] | None = None
-        unknown: list[str] = []
-        if group_ids is not None:
-            named = {}
-            by_name = {r.name: r.index for r in self.replicas}
-            for gid in group_ids:
-                name, _, local = gid.partition("/")
-                if name in by_name and local:
-                    named.setdefault(by_name[name], []).append(local)
-                else:
-                    unknown.append(gid)
-        targets = list(self.replicas) if named is None else [self.replicas[i] for i in named]
-        found = self.each(targets, lambda r: r.client.cancel_rollouts(None if named is None else named[r.index],
-                                                                       pool=pool))
-        cancelled: list[str] = []
-        for i, got in found.items():
-            if isinstance(got, BaseException):
-                if not isinstance(got, GONE):
-                    raise got
-                continue
-            name = self.replicas[i].name
-            cancelled += [f"{name}/{gid}" for gid in got["cancelled"]]
-            unknown += [f"{name}/{gid}" for gid in got["unknown"]]
-            with self._lock:
-                for gid in got["cancelled"]:
-                    self._pooled.pop((pool, i, gid), None)
-        return {"cancelled": cancelled, "unknown": unknown}
+        return self.pools.cancel(pool, group_ids)
 
-    def _submit_pooled(self, pool: str, entries: list[tuple[int, Any, Any]],
-                       policy: dict[str, Any] | None = None) -> list[str]:
-        """Place (order, prompt, params) entries, one POST /rollouts per replica; a replica that went away
-        is taken out and its entries placed again. The fleet's ids of the groups, in entry order."""
-        ids: dict[int, str] = {}
-        while entries:
-            with self._lock:
-                loads = {r.index: r.outstanding + self._pooled_load(r.index) for r in self.replicas if r.in_rotation}
-            picks = pick_replicas(loads, [sequences_of(sp) for _, _, sp in entries], [set()] * len(entries))
-            if not loads or any(p is None for p in picks):
-                raise FleetGoneError(self._reasons("no replica is left in rotation for rollouts",
-                                                   {r.index: r.reason for r in self.replicas}))
-            placed: dict[int, list[tuple[int, Any, Any]]] = {}
-            for entry, p in zip(entries, picks):
-                placed.setdefault(int(p), []).append(entry)  # type: ignore[arg-type]
-            found = self.each([self.replicas[i] for i in placed], lambda r, placed=placed: r.client.submit_rollouts(
-                [e[1] for e in placed[r.index]], [e[2] for e in placed[r.index]], pool=pool, **(policy or {})))
-            entries = []
-            for i, got in found.items():
-                if isinstance(got, GONE):
-                    self.take_out(self.replicas[i], f"went away at a rollout submission: {got}")
-                    entries += placed[i]
-                    continue
-                if isinstance(got, BaseException):
-                    raise got
-                with self._lock:
-                    for (order, prompt, sp), gid in zip(placed[i], got):
-                        self._pooled[(pool, i, gid)] = _Pooled(order, prompt, sp, tuple(sorted((policy or {}).items())))
-                        ids[order] = f"{self.replicas[i].name}/{gid}"
-        return [ids[o] for o in sorted(ids)]
-
-    def _pooled_load(self, index: int) -> int:
-        return sum(sequences_of(g.params) for (_, i, _), g in self._pooled.items() if i == index)
-
-    def _pool_status(self, pool: str) -> tuple[list[tuple[tuple[int, int, int], int, str]], dict[str, int], set[int]]:
-        """Every replica's finished groups of `pool`, as (order key, replica, group id), the summed counts
-        and the replicas holding failed groups. A replica that went away is taken out and this fleet's
-        groups on it placed again."""
-        with self._lock:  # those in rotation, and any holding groups this fleet placed
-            holding = {i for (p, i, _) in self._pooled if p == pool}
-            polled = [r for r in self.replicas if r.in_rotation or r.index in holding]
-        found = self.each(polled, lambda r: r.client.rollout_counts(pool))
-        finished, counts, failing = [], {"pending": 0, "finished": 0, "leased": 0, "failed": 0, "sequences": 0}, set()
-        for i, got in found.items():
-            if isinstance(got, BaseException):
-                if not isinstance(got, GONE):
-                    raise got
-                counts["pending"] += self._lost_pool(pool, i, f"went away while generating rollouts: {got}")
-                continue
-            for key in counts:
-                counts[key] += int(got[key])
-            if got["failed"]:
-                failing.add(i)
-            for pos, gid in enumerate(got["finished_ids"]):
-                mine = self._pooled.get((pool, i, gid))
-                finished.append(((1, mine.order, 0) if mine is not None else (0, pos, i), i, gid))
-        return finished, counts, failing
-
-    def _lost_pool(self, pool: str, index: int, reason: str) -> int:
-        """Take a replica that went away out; place this fleet's groups on it again (how many)."""
-        with self._lock:
-            lost = sorted(((g.order, g.prompt, g.params), g.policy) for (p, i, gid), g in list(self._pooled.items())
-                          if p == pool and i == index and self._pooled.pop((p, i, gid)))
-        if self.replicas[index].in_rotation:
-            self.take_out(self.replicas[index], reason)
-        for policy in dict.fromkeys(policy for _, policy in lost):  # each group keeps its sync policy
-            self._submit_pooled(pool, [entry for entry, its in lost if its == policy], dict(policy))
-        return len(lost)
-
-    def _take_pooled(self, pool: str, chosen: list[tuple[Any, int, str]], counts: dict[str, int],
-                     failing: set[int], ack: bool = True) -> RolloutTake:
-        """Take exactly the `chosen` groups (and report every failed one), in the chosen order; `ack`: as
-        SidecarClient.take_rollouts' (a stream's takes leave their predecessors unacknowledged)."""
-        wanted: dict[int, list[str]] = {i: [] for i in failing}
-        for _, i, gid in chosen:
-            wanted.setdefault(i, []).append(gid)
-        found = self.each([self.replicas[i] for i in wanted], lambda r: r.client.take_rollouts(
-            0, None, pool=pool, timeout_s=0.0, group_ids=wanted[r.index], ack=ack))
-        outputs: dict[tuple[int, str], RequestOutput] = {}
-        failed: dict[str, str] = {}
-        for i, got in found.items():
-            if isinstance(got, BaseException):
-                if not isinstance(got, GONE):
-                    raise got
-                self._lost_pool(pool, i, f"went away at a rollout take: {got}")
-                continue
-            name = self.replicas[i].name
-            failed.update({f"{name}/{gid}": why for gid, why in got.failed.items()})
-            with self._lock:
-                for gid in [o.request_id for o in got.groups] + list(got.failed):
-                    self._pooled.pop((pool, i, gid), None)
-            for o in got.groups:
-                outputs[(i, o.request_id)] = dataclasses.replace(
-                    o, request_id=f"{name}/{o.request_id}", metrics={**o.metrics, "replica": i})
-        groups = [outputs[(i, gid)] for _, i, gid in chosen if (i, gid) in outputs]
-        left = {**counts, "finished": counts["finished"] - len(groups), "failed": 0,
-                "leased": counts["leased"] + len(groups)}
-        return RolloutTake(groups, self.version, failed, left)
+    def _pooled_call(self, prompts: Any, sampling_params: Any) -> tuple[list[Any], list[Any]]:
+        """A partial call's prompts and one params per prompt, after first contact."""
+        self._contact()
+        items = _prompt_list(prompts)
+        per = _params_list(sampling_params, len(items))
+        return items, per if isinstance(per, list) else [per] * len(items)
 
     def _retry_elsewhere(self, call: _Rollout, replica: Replica, idxs: list[int],
                          running: dict[Future, tuple[Replica, list[int]]], reason: str) -> None:
-        with self._lock:
+        with self.lock:
             replica.take_out(reason)
             replica.retried += len(idxs)
         self._dispatch(call, idxs, running)
@@ -601,19 +454,19 @@ class Fleet:
         if not idxs:
             return
         if not self.in_rotation:
-            with self._lock:
+            with self.lock:
                 why = {r.index: r.reason for r in self.replicas}
-            raise FleetGoneError(self._reasons("no replica is left in rotation to serve this call", why))
+            raise FleetGoneError(self.reasons("no replica is left in rotation to serve this call", why))
         for i in idxs:
             if len(call.tried[i]) > self.max_retries:
                 names = ", ".join(f"dp{j}" for j in call.tried[i])
                 raise FleetError(f"prompt {i} failed on {names}; it was retried {self.max_retries} time(s) "
                                  f"(max_retries)")
-        with self._lock:
+        with self.lock:
             loads = {r.index: r.outstanding for r in self.replicas if r.in_rotation}
             picks = pick_replicas(loads, [call.costs[i] for i in idxs], [set(call.tried[i]) for i in idxs])
             if any(p is None for p in picks):
-                raise FleetGoneError(self._reasons("no replica is left to serve this call",
+                raise FleetGoneError(self.reasons("no replica is left to serve this call",
                                                    {r.index: r.reason or "tried already" for r in self.replicas}))
             groups: dict[int, list[int]] = {}
             for i, p in zip(idxs, picks):
@@ -632,10 +485,11 @@ class Fleet:
             return replica.client.generate([call.items[i] for i in group], params, wait=call.wait,
                                            timeout=call.timeout, **call.policy)
         finally:
-            with self._lock:
+            with self.lock:
                 replica.outstanding -= sum(call.costs[i] for i in group)
 
-    def _reasons(self, head: str, why: Mapping[int, Any]) -> str:
+    def reasons(self, head: str, why: Mapping[int, Any]) -> str:
+        """`head`, then one line per replica of `why` ({index: reason}), named with its URL."""
         return head + "".join(f"\n  {self.replicas[i].label}: {w}" for i, w in sorted(why.items()))
 
 
@@ -658,66 +512,6 @@ class _Rollout:
         self.costs = [sequences_of(p) for p in per]
         self.tried = [[] for _ in range(n)]
         self.results = [None] * n
-
-
-class _StreamRounds:
-    """The rounds of a fleet's stream of one pool: at most one long poll in flight per replica (a round
-    waits for the first answer; the others stay in flight for the next round), and the last counts each
-    replica answered, whose sum says when nothing is left to wait for. A replica that answered with
-    nothing unfinished or finished is not asked again (it would answer at once, every round); one whose
-    poll is still in flight counts as generating."""
-
-    def __init__(self, fleet: Fleet, pool: str) -> None:
-        self.fleet, self.pool = fleet, pool
-        self.polls: dict[int, Future] = {}
-        self.counts: dict[int, dict[str, int]] = {}
-
-    def take(self, max_groups: int, wait_s: float, first: bool) -> RolloutTake:
-        fleet, pool = self.fleet, self.pool
-        with fleet._lock:
-            holding = {i for (p, i, _) in fleet._pooled if p == pool}
-            replicas = [r for r in fleet.replicas if r.in_rotation or r.index in holding]
-        slice_s = min(wait_s, FLEET_POLL_S)
-        for r in replicas:
-            last = self.counts.get(r.index)
-            if r.index not in self.polls and (last is None or last["pending"] or last["finished"]):
-                self.polls[r.index] = fleet.pool.submit(r.client.rollout_counts, pool, wait_s=slice_s,
-                                                        order="completed")
-        if self.polls:
-            wait_futures(list(self.polls.values()), timeout=slice_s + TAKE_MARGIN_S, return_when=FIRST_COMPLETED)
-        finished: list[tuple[Any, int, str]] = []
-        failing: set[int] = set()
-        lost = 0
-        for i, fut in [(i, f) for i, f in self.polls.items() if f.done()]:
-            del self.polls[i]
-            try:
-                got = fut.result()
-            except GONE as e:
-                self.counts.pop(i, None)
-                lost += fleet._lost_pool(pool, i, f"went away while generating rollouts: {e}")
-                if lost:
-                    self.counts = {}  # its groups went to other replicas: ask every one again
-                continue
-            self.counts[i] = {k: int(got[k]) for k in _COUNTS}
-            if got["failed"]:
-                failing.add(i)
-            finished += [((0, pos, i), i, gid) for pos, gid in enumerate(got["finished_ids"])]
-        counts = {k: sum(c[k] for c in self.counts.values()) for k in _COUNTS}
-        counts["pending"] += lost + sum(not self.counts.get(i, {}).get("pending") for i in self.polls)
-        take = fleet._take_pooled(pool, finished[:max_groups], counts, failing, ack=False)
-        for o in take.groups:  # what the next answer of its replica will say
-            self.counts[o.metrics["replica"]]["finished"] -= 1
-        return take
-
-
-@dataclasses.dataclass(frozen=True)
-class _Pooled:
-    """A group this fleet submitted to a replica's pool and has not taken: what placing it again needs."""
-
-    order: int
-    prompt: Any
-    params: Any
-    policy: tuple[tuple[str, Any], ...] = ()  # on_sync, max_staleness as submitted
 
 
 def _weights_state(states: Sequence[Mapping[str, Any]]) -> str:

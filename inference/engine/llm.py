@@ -40,6 +40,7 @@ from inference.engine.step_stats import StepLog
 from inference.engine.warm_up import warm_up_engine
 from inference.engine.worker import Worker
 from inference.memory.sleep import TransitionStats
+from inference.models.hub_cache import resolve_model_dir
 from inference.parallel import TPInfo
 from inference.sched.block_manager import BlockManager
 from inference.sched.scheduler import ScheduledBatch, Scheduler, StepResult
@@ -71,6 +72,17 @@ def check_tp_size(config: EngineConfig, tp: TPInfo | None) -> None:
     raise InvalidRequestError("tp_size", f"config.tp_size is {config.tp_size} but tp (TPInfo) has size {tp.size}")
 
 
+def model_dirs(config: EngineConfig) -> EngineConfig:
+    """`config` with its model and draft model as directories: a model id (ORG/NAME) becomes its snapshot
+    in the local Hugging Face cache, by the rule `sidecar launch --model` follows (hub_cache.py); a name
+    that is neither is an InvalidRequestError naming the field, the id and the cache directory."""
+    model = resolve_model_dir(config.model)
+    draft = None if config.draft_model is None else resolve_model_dir(config.draft_model, field="draft_model")
+    if (model, draft) == (config.model, config.draft_model):
+        return config
+    return replace(config, model=model, draft_model=draft)
+
+
 @dataclass
 class _Request:
     request_id: str
@@ -93,6 +105,7 @@ class LLM:
                 model = default_model_dir()
             overrides.setdefault("tp_size", 1 if tp is None else tp.size)
             config = build_engine_config(str(model), **overrides)
+        config = model_dirs(config)
         check_tp_size(config, tp)
         SyncPolicy(config.on_sync)  # InvalidRequestError naming on_sync for an unknown mode
         envs.use_kernel_cache()  # before the first compile: kernels persist under SIDECAR_HOME when set
@@ -125,8 +138,6 @@ class LLM:
         self._overlap = (StepOverlap(self.scheduler, self.worker, self._apply_results)
                          if config.scheduler.overlaps_steps(self.worker.device.type) else None)
         self._num_with_stops = 0  # live requests with stop strings (their steps run the detokenizer)
-        # live requests with a penalty: steps run synchronously, so their token ids are all known
-        self._num_with_penalties = 0
         weights = self.worker.weights  # however a sync reaches it (this API or a rank server), the engine hears
         weights.before_write, weights.on_live = self._before_weight_write, self._on_weights_live
         # compile what rollouts run now rather than in the first batch (on CPU nothing compiles)
@@ -175,7 +186,6 @@ class LLM:
             req.stops = StopStrings(params.stop)  # linear in their characters (the HTTP intake bounds them)
             req.detoks = {s.index: StopDetector(self.tokenizer, ids, req.stops) for s in seqs}
             self._num_with_stops += 1
-        self._num_with_penalties += params.has_penalties
         self._requests[request_id] = req
         for s in seqs:
             self.scheduler.add(s)
@@ -207,7 +217,6 @@ class LLM:
         req = self._requests.pop(request_id, None)
         if req is not None:
             self._num_with_stops -= bool(req.detoks)
-            self._num_with_penalties -= req.seqs[0].params.has_penalties
 
     def live_sequences(self, request_id: str) -> list[Sequence]:
         """The samples of a request not returned yet ([] otherwise): what a streaming caller reads. Their
@@ -229,18 +238,16 @@ class LLM:
         if not self.worker.is_ready():
             return self._settle()
         overlap = self._overlap
-        # a speculative step (the drained tail, with a draft) runs synchronously, and so does every step
-        # while a request has a penalty (it reads its tokens): settle the step in flight first, so the
-        # scheduler sees every token
-        sync = self._num_with_penalties > 0
+        # a speculative step (the drained tail, with a draft) runs synchronously: settle the step in
+        # flight first, so the scheduler sees every token
         settled = bool(overlap is not None and overlap.in_flight is not None
-                       and (sync or self.scheduler.speculates_next()) and overlap.finish())
+                       and self.scheduler.speculates_next() and overlap.finish())
         batch = self.scheduler.schedule()
         if batch.is_empty and (overlap is None or overlap.in_flight is None):
             if self.scheduler.has_unfinished() and not settled:
                 raise StateError("scheduler made no progress with requests pending (KV cache too small?)")
             return self._collect_finished() if settled else []
-        if overlap is not None and not sync and not any(batch.num_lookahead):
+        if overlap is not None and not any(batch.num_lookahead):
             finished = overlap.step(batch, self.step_log)
         else:
             finished = self._step_sync(batch)
@@ -324,7 +331,6 @@ class LLM:
         for r in done:
             del self._requests[r.request_id]
             self._num_with_stops -= bool(r.detoks)
-            self._num_with_penalties -= r.seqs[0].params.has_penalties
         return [self._output(r) for r in done]
 
     def _output(self, req: _Request) -> RequestOutput:

@@ -2,11 +2,12 @@
 
 The cache layout (huggingface_hub's): <cache>/models--ORG--NAME/refs/<revision> holds a commit hash,
 and <cache>/models--ORG--NAME/snapshots/<hash>/ is the model directory (config.json, safetensors).
-<cache> is $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub. Read here directly, so no
-dependency is needed; the environment is passed in by the caller (the launch hands its own), as
-nothing below the CLI reads variables outside inference/envs.py. A name that is neither a directory
-nor a cached id is an InvalidRequestError naming the field, saying what is accepted and how to get a
-directory. Torch-free: `sidecar launch` checks its model before any rank starts.
+<cache> is $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub, read through the registry
+(inference/envs.py) from `env` or, unset, the process's environment. Read here directly, so no
+dependency is needed. `resolve_model_dir` is the one rule for every entry point: `sidecar launch
+--model/--draft-model` and the in-process `LLM(...)`. A name that is neither a directory nor a cached
+id is an InvalidRequestError naming the field, the id and the cache directory, saying what is accepted
+and how to get a directory. Torch-free: `sidecar launch` checks its model before any rank starts.
 """
 
 from __future__ import annotations
@@ -15,17 +16,20 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
+from inference import envs
 from inference.core import InvalidRequestError
 
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
-def hub_cache_dir(env: Mapping[str, str]) -> Path:
-    """Where huggingface_hub keeps its downloads, by the same rule it uses."""
-    if env.get("HF_HUB_CACHE"):
-        return Path(env["HF_HUB_CACHE"]).expanduser()
-    if env.get("HF_HOME"):
-        return Path(env["HF_HOME"]).expanduser() / "hub"
+def hub_cache_dir(env: Mapping[str, str] | None = None) -> Path:
+    """Where huggingface_hub keeps its downloads, by the same rule it uses (`env`: os.environ if None)."""
+    cache = envs.HF_HUB_CACHE.get(env)
+    if cache is not None:
+        return Path(cache).expanduser()
+    home = envs.HF_HOME.get(env)
+    if home is not None:
+        return Path(home).expanduser() / "hub"
     return Path("~/.cache/huggingface/hub").expanduser()
 
 
@@ -34,7 +38,7 @@ def is_model_id(name: str) -> bool:
     return _REPO_ID.fullmatch(name) is not None and not Path(name).exists()
 
 
-def cached_snapshot(model_id: str, env: Mapping[str, str], revision: str = "main") -> Path | None:
+def cached_snapshot(model_id: str, env: Mapping[str, str] | None = None, revision: str = "main") -> Path | None:
     """The snapshot directory of `model_id` at `revision` in the local cache, None when not there."""
     repo = hub_cache_dir(env) / ("models--" + model_id.replace("/", "--"))
     ref = repo / "refs" / revision
@@ -46,7 +50,7 @@ def cached_snapshot(model_id: str, env: Mapping[str, str], revision: str = "main
     return found[0] if len(found) == 1 else None
 
 
-def resolve_model_dir(name: str, env: Mapping[str, str], field: str = "model") -> str:
+def resolve_model_dir(name: str, env: Mapping[str, str] | None = None, field: str = "model") -> str:
     """A model directory for `name`: the directory itself, or the cached snapshot of a model id. An
     InvalidRequestError naming `field` otherwise (what is supported, how to get a directory)."""
     path = Path(name).expanduser()

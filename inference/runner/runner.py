@@ -182,7 +182,8 @@ class ModelRunner:
             seqs = batch.seqs if len(sample_rows) == len(batch.seqs) else [batch.seqs[r] for r in sample_rows]
         sb = self._sampling_batch(seqs)
         if self._sb_penalized:  # rows with a penalty: their logits change in place (graph buffer included)
-            apply_penalties(logits, self._sb_penalized, seqs)
+            resolve = None if pending is None else partial(resolve_pending, pairs=pending)
+            apply_penalties(logits, self._sb_penalized, seqs, resolve)
         return self._sample(logits, sb, graphed), sample_rows, seqs
 
     def _forward(self, inp: StepInputs) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The HTTP connection under the app: uvicorn's httptools protocol with the bounds it lacks (docs/limits.md).
+"""The HTTP connection under the app: uvicorn's protocol, httptools or h11, with the bounds they lack (docs/limits.md).
 
 - A connection's request line and headers: at most `max_header_bytes` (431), arriving within
   `header_timeout_s` of their first byte (408); both answered in the JSON error shape, then closed.
@@ -13,7 +13,8 @@
   a reset: the server half-closes and reads and drops what the client still sends for up to
   `linger_s`, so the client reads the answer (closing with unread bytes makes the kernel send RST, and
   the client saw "connection reset" instead of the 413).
-The body's own progress timeout is the app's (sidecar/api/guard.py): it sees the receive calls.
+Both parsers get these bounds (h11 serves where the server extra is not installed). The body's progress
+timeout is the app's (sidecar/api/guard.py): it sees the receive calls.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import logging
 import resource
 from dataclasses import dataclass
 from typing import Any
+
+import h11  # uvicorn's own dependency: its pure-Python parser
 
 log = logging.getLogger(__name__)
 
@@ -58,115 +61,165 @@ class _LingeringTransport:
         self._protocol.close_lingering()
 
 
-def protocol_class(limits: ConnectionLimits) -> type:
-    """uvicorn's HttpToolsProtocol bound by `limits` (one class per server: its idle set is shared)."""
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+class _Bounded:
+    """The bounds (module docstring) over either uvicorn protocol: a per-server subclass (protocol_class)
+    puts a variant below it in the MRO (_HttpToolsVariant or _H11Variant, then uvicorn's class), and sets
+    `limits` and `idle`, the server's idle connections, oldest first (a dict kept in insertion order).
+    The variant calls `_head_done()` when the parser has a request's whole head, and its
+    `_next_request_started()` says, once a response is out, whether the parser already started the next
+    request (pipelining). _Bounded comes first in the MRO, so its data_received wraps the variant's."""
 
-    idle: dict[Any, None] = {}  # the idle connections, oldest first (insertion order)
+    limits: ConnectionLimits
+    idle: dict[Any, None]
 
-    class BoundedProtocol(HttpToolsProtocol):  # type: ignore[misc]
-        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
-            self._raw = transport
-            self._in_head, self._head_bytes, self._lingering = True, 0, False
-            self._head_timer: Any = None
-            full = len(self.connections) >= limits.max_connections
-            if full and idle:  # the longest-idle connection makes room
-                oldest = next(iter(idle))
-                idle.pop(oldest)
-                oldest.close_now()
-                full = False
-            super().connection_made(_LingeringTransport(transport, self))
-            if full:
-                self._refuse(503, "Service Unavailable", "TooManyConnections",
-                             f"{limits.max_connections} connections are open and busy (the sidecar's "
-                             "--max-connections): retry later")
-                return
-            self._go_idle(limits.header_timeout_s)  # a new connection owes its first request at once
+    def connection_made(self, transport: Any) -> None:
+        limits, idle = self.limits, self.idle
+        self._raw = transport
+        self._in_head, self._head_bytes, self._lingering = True, 0, False
+        self._head_timer: Any = None
+        full = len(self.connections) >= limits.max_connections
+        if full and idle:  # the longest-idle connection makes room
+            oldest = next(iter(idle))
+            idle.pop(oldest)
+            oldest.close_now()
+            full = False
+        super().connection_made(_LingeringTransport(transport, self))  # type: ignore[misc]
+        if full:
+            self._refuse(503, "Service Unavailable", "TooManyConnections",
+                         f"{limits.max_connections} connections are open and busy (the sidecar's "
+                         "--max-connections): retry later")
+            return
+        self._go_idle(limits.header_timeout_s)  # a new connection owes its first request at once
 
-        def _go_idle(self, timeout_s: float) -> None:
-            idle[self] = None
-            self._unset_keepalive_if_required()
-            self.timeout_keep_alive_task = self.loop.call_later(timeout_s, self.close_now)
+    def _go_idle(self, timeout_s: float) -> None:
+        self.idle[self] = None
+        self._unset_keepalive_if_required()
+        self.timeout_keep_alive_task = self.loop.call_later(timeout_s, self.close_now)
 
-        def connection_lost(self, exc: Exception | None) -> None:
-            idle.pop(self, None)
-            self._cancel_head_timer()
-            super().connection_lost(exc)
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.idle.pop(self, None)
+        self._cancel_head_timer()
+        super().connection_lost(exc)  # type: ignore[misc]
 
-        def data_received(self, data: bytes) -> None:
-            if self._lingering:
-                return  # read and dropped: the answer is out, the client is still sending its body
-            idle.pop(self, None)
-            if self._in_head:
-                if self._head_bytes == 0 and self._head_timer is None:
-                    self._head_timer = self.loop.call_later(limits.header_timeout_s, self._head_too_slow)
-                self._head_bytes += len(data)
-            super().data_received(data)
-            if self._in_head and self._head_bytes > limits.max_header_bytes and not self._lingering:
-                self._refuse(431, "Request Header Fields Too Large", "HeadersTooLarge",
-                             f"the request line and headers exceed {limits.max_header_bytes} bytes (the "
-                             "sidecar's --max-header-kb)", "headers")
+    def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return  # read and dropped: the answer is out, the client is still sending its body
+        limits = self.limits
+        self.idle.pop(self, None)
+        if self._in_head:
+            if self._head_bytes == 0 and self._head_timer is None:
+                self._head_timer = self.loop.call_later(limits.header_timeout_s, self._head_too_slow)
+            self._head_bytes += len(data)
+        super().data_received(data)  # type: ignore[misc]
+        if self._in_head and self._head_bytes > limits.max_header_bytes and not self._lingering:
+            self._refuse_head_too_large()
 
-        def on_headers_complete(self) -> None:
-            self._in_head, self._head_bytes = False, 0
-            self._cancel_head_timer()
-            super().on_headers_complete()
+    def _head_done(self) -> None:
+        self._in_head, self._head_bytes = False, 0
+        self._cancel_head_timer()
 
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self._raw.is_closing() and not self._lingering and not self.pipeline:
-                self._in_head, self._head_bytes = True, 0
-                self._go_idle(limits.idle_timeout_s)
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # type: ignore[misc]
+        started = self._next_request_started()  # type: ignore[attr-defined]  # the variant's
+        if not self._raw.is_closing() and not self._lingering and not started:
+            self._in_head, self._head_bytes = True, 0
+            self._go_idle(self.limits.idle_timeout_s)
 
-        def send_400_response(self, msg: str) -> None:
-            self._refuse(400, "Bad Request", "MalformedRequest", f"{msg.rstrip('.')}: the request line or a header "
-                         "is not HTTP/1.1 (a space or a byte outside ASCII in the target, a bad header name, "
-                         "conflicting lengths)", "request")
+    def send_400_response(self, msg: str) -> None:
+        if self._in_head and self._head_bytes > self.limits.max_header_bytes:
+            self._refuse_head_too_large()  # h11 refuses a head past its buffer limit as a parse error
+            return
+        self._refuse(400, "Bad Request", "MalformedRequest", f"{msg.rstrip('.')}: the request line or a header "
+                     "is not HTTP/1.1 (a space or a byte outside ASCII in the target, a bad header name, "
+                     "conflicting lengths)", "request")
 
-        def _head_too_slow(self) -> None:
+    def _refuse_head_too_large(self) -> None:
+        self._refuse(431, "Request Header Fields Too Large", "HeadersTooLarge",
+                     f"the request line and headers exceed {self.limits.max_header_bytes} bytes (the "
+                     "sidecar's --max-header-kb)", "headers")
+
+    def _head_too_slow(self) -> None:
+        self._head_timer = None
+        if self._in_head and not self._raw.is_closing():
+            self._refuse(408, "Request Timeout", "RequestTimeout", "the request line and headers did not "
+                         f"arrive within {self.limits.header_timeout_s} s (the sidecar's --header-timeout-s)",
+                         "headers")
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
             self._head_timer = None
-            if self._in_head and not self._raw.is_closing():
-                self._refuse(408, "Request Timeout", "RequestTimeout", "the request line and headers did not "
-                             f"arrive within {limits.header_timeout_s} s (the sidecar's --header-timeout-s)",
-                             "headers")
 
-        def _cancel_head_timer(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
+    def _refuse(self, status: int, reason: str, type_: str, message: str, field: str | None = None) -> None:
+        self.idle.pop(self, None)
+        self._cancel_head_timer()
+        self._raw.write(error_bytes(status, reason, type_, message, field))
+        self.close_lingering(force=True)
 
-        def _refuse(self, status: int, reason: str, type_: str, message: str, field: str | None = None) -> None:
-            idle.pop(self, None)
-            self._cancel_head_timer()
-            self._raw.write(error_bytes(status, reason, type_, message, field))
-            self.close_lingering(force=True)
-
-        def close_lingering(self, force: bool = False) -> None:
-            """Close after an answer; while a request's bytes may still come, half-close and drop them
-            for at most linger_s first (module docstring)."""
-            unread = force or (self.cycle is not None and self.cycle.more_body)
-            if not unread or self._raw.is_closing() or self._lingering or not self._raw.can_write_eof():
-                if not self._raw.is_closing():
-                    self._raw.close()
-                return
-            self._lingering = True
-            self._in_head = False
-            self._cancel_head_timer()
-            self._unset_keepalive_if_required()
-            self._raw.write_eof()
-            self._raw.resume_reading()
-            self.loop.call_later(limits.linger_s, self.close_now)
-
-        def close_now(self) -> None:
+    def close_lingering(self, force: bool = False) -> None:
+        """Close after an answer; while a request's bytes may still come, half-close and drop them
+        for at most linger_s first (module docstring)."""
+        unread = force or (self.cycle is not None and self.cycle.more_body)
+        if not unread or self._raw.is_closing() or self._lingering or not self._raw.can_write_eof():
             if not self._raw.is_closing():
                 self._raw.close()
+            return
+        self._lingering = True
+        self._in_head = False
+        self._cancel_head_timer()
+        self._unset_keepalive_if_required()
+        self._raw.write_eof()
+        self._raw.resume_reading()
+        self.loop.call_later(self.limits.linger_s, self.close_now)
 
-        def eof_received(self) -> bool | None:
-            if self._lingering:
-                self.close_now()
-            return super().eof_received()
+    def close_now(self) -> None:
+        if not self._raw.is_closing():
+            self._raw.close()
 
-    return BoundedProtocol
+    def eof_received(self) -> bool | None:
+        if self._lingering:
+            self.close_now()
+        return super().eof_received()  # type: ignore[misc]
+
+
+class _HttpToolsVariant:
+    """httptools tells the end of a head by a callback and queues pipelined requests in `pipeline`."""
+
+    def on_headers_complete(self) -> None:
+        self._head_done()  # type: ignore[attr-defined]
+        super().on_headers_complete()  # type: ignore[misc]
+
+    def _next_request_started(self) -> bool:
+        return bool(self.pipeline)  # type: ignore[attr-defined]
+
+
+class _H11Variant:
+    """h11 has no callback for the end of a head: its state says it. The peer is IDLE until a request's
+    head is parsed, and stays IDLE after a response unless a pipelined request's head was parsed."""
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)  # type: ignore[misc]
+        if self._in_head and not self._lingering and self.conn.their_state is not h11.IDLE:  # type: ignore[attr-defined]
+            self._head_done()  # type: ignore[attr-defined]
+
+    def _next_request_started(self) -> bool:
+        return self.conn.their_state is not h11.IDLE  # type: ignore[attr-defined]
+
+
+def protocol_class(limits: ConnectionLimits, http: str) -> type:
+    """uvicorn's protocol for `http` ("httptools" or "h11") bounded by `limits`: the same bounds either way
+    (module docstring). One class per server: its idle set is shared by its connections."""
+    if http == "httptools":
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        bases: tuple[type, ...] = (_Bounded, _HttpToolsVariant, HttpToolsProtocol)
+    elif http == "h11":
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        bases = (_Bounded, _H11Variant, H11Protocol)
+    else:
+        raise ValueError(f"http must be 'httptools' or 'h11', got {http!r}")
+    return type("BoundedProtocol", bases, {"limits": limits, "idle": {}})
 
 
 def ensure_descriptors(max_connections: int, spare: int = 256) -> None:

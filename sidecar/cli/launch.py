@@ -277,16 +277,14 @@ def event_loop() -> tuple[asyncio.AbstractEventLoop, str]:
     return uvloop.new_event_loop(), "httptools"
 
 
-def http_protocol(cfg: LaunchConfig, http: str) -> Any:
-    """httptools' protocol bounded by the connection limits (sidecar/api/connection.py); h11 (no server
-    extra) keeps uvicorn's own bounds: its header size limit and the keep-alive timeout."""
+def http_protocol(cfg: LaunchConfig, http: str) -> type:
+    """uvicorn's protocol for `http` (httptools, or h11 without the server extra) bounded by the
+    connection limits (sidecar/api/connection.py): the same bounds whichever parser serves."""
     from sidecar.api.connection import ConnectionLimits, ensure_descriptors, protocol_class
 
     ensure_descriptors(cfg.max_connections)
-    if http != "httptools":
-        return http
     return protocol_class(ConnectionLimits(cfg.max_header_kb << 10, cfg.header_timeout_s, KEEP_ALIVE_S,
-                                           cfg.max_connections))
+                                           cfg.max_connections), http)
 
 
 def start_line(cfg: LaunchConfig, url: str, plans: list[RankPlan], seconds: float, warm_up_s: float) -> str:
@@ -347,7 +345,8 @@ def serve(cfg: LaunchConfig, sock: socket.socket, driver: Any, plans: list[RankP
             # the start-up pass that compiled what rollouts run (0 on CPU): the rank that took longest
             warm_up_s = max(plan.warm_up_s for plan in plans)
             log.info(start_line(cfg, url, plans, took, warm_up_s),
-                     extra=fields(event="start", url=url, seconds=round(took, 3), warm_up_s=round(warm_up_s, 3)))
+                     extra=fields(event="start", url=url, seconds=round(took, 3), warm_up_s=round(warm_up_s, 3),
+                                  http=http))
             log.debug("API docs at %s/docs", url)
             print(f"{SERVING_LINE.format(url=url)} (warm-up {warm_up_s:.1f} s)", flush=True)
         await task
