@@ -6,17 +6,13 @@ tokens are those of another computation. Replay forces the rollout's experts; ea
 still the trainer's (softmax of its router logits at the forced experts, renormalised as the family
 does), so gradients reach the router as in a free forward.
 
-Routing is a compact array, the same in both directions: uint8 (int16 beyond 256 experts) of shape
-[tokens, moe layers, k] per sequence (batched: [batch, tokens, moe layers, k]), expert ids in the
-router's order; docs/moe.md. The engine returns it per completion (SamplingParams.return_routing:
-CompletionOutput.routing, a numpy array; over HTTP decoded by the client) for the tokens it computed:
-the prompt and the completion but its last token, which is what a trainer forwards to score the
-completion. `record_routing(model)` captures it from a forward; `replay_routing(model, routing)` forces
-it for the forwards in its block; `pad_routing` lays several out for a right-padded batch. Both hook the
-routers of transformers' MoE models
-(Qwen3-MoE, Mixtral: a module with `top_k`, `num_experts` and a [num_experts, hidden] `weight` whose
-forward returns (logits, weights, ids)) with forward hooks removed on exit: no global is patched.
-Imports torch only (tests/test_import_layers.py).
+Routing is one array in both directions (docs/moe.md): uint8 (int16 beyond 256 experts) expert ids
+[tokens, moe layers, k] in the router's order, batched [batch, tokens, moe layers, k]. The engine
+returns it per completion (CompletionOutput.routing, numpy) for prompt + completion[:-1], the tokens a
+trainer forwards to score the completion. `record_routing` captures it from a forward, `replay_routing`
+forces it, `pad_routing` lays several out for a right-padded batch. They hook the routers of
+transformers' MoE models (a module with `top_k`, `num_experts` and a [num_experts, hidden] `weight`
+whose forward returns (logits, weights, ids)), the hooks removed on exit. Imports torch only.
 """
 
 from __future__ import annotations
