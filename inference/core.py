@@ -282,8 +282,9 @@ class CompletionOutput:
     restarts: int = 0  # times a sync restarted it from the prompt (on_sync="abort" or max_staleness)
     # with SamplingParams.return_routing: numpy uint8 (int16 beyond 256 experts) [tokens, moe layers, k],
     # row p the experts token p went to; tokens = prompt + completion - 1 (the last token is never
-    # computed), fewer for an aborted completion (its rows computed so far); docs/moe.md
-    routing: Any = None
+    # computed), fewer for an aborted completion (its rows computed so far); docs/moe.md. Left out of ==
+    # (an array has no truth value): compare it with numpy.array_equal
+    routing: Any = field(default=None, compare=False)
 
     def token_versions(self, draft: bool = False) -> list[int]:
         """The version of each token, expanded from its spans (the draft's with draft=True: empty
