@@ -12,10 +12,8 @@ consecutive tokens of one or more sequences (shared prefixes: ref_count > 1). Pr
   reuse) and registered ones behind them in the order they were freed, so an allocation evicts the
   least recently freed; a block reused for other content loses its entry. A sequence's blocks are
   freed tail first, so its prefix outlives its tail.
-- Routing (SamplingParams.return_routing): a registered block may also keep the experts chosen for its
-  tokens by the computation that wrote its KV (`keep_routing`), dropped with its entry. A sequence that
-  returns routing only hits blocks that kept theirs, and gets their rows at admission, so every token of
-  its output has the routing of the KV it attended to.
+- A registered block may keep its tokens' MoE routing from the computation that wrote its KV
+  (`keep_routing`; dropped with the entry); a sequence returning routing hits only such blocks.
 """
 
 from __future__ import annotations
