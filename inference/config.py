@@ -57,6 +57,11 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
 
+    @property
+    def num_moe_layers(self) -> int:
+        """The layers with a router: the middle dimension of a routing array (0: a dense model)."""
+        return sum(map(self.is_moe_layer, range(self.num_layers)))
+
 
 @dataclass(frozen=True)
 class CacheConfig:

@@ -1,12 +1,14 @@
 """Shared types of every layer: sampling parameters, what a request does at a weight sync, outputs,
-weight versions and errors.
+weight versions, errors, and the routing array's dtype rule and JSON form.
 
-This module imports nothing heavy (no torch) so that the HTTP layer, the trainer hooks and the
-client can all use it. No other module redefines these types.
+This module imports nothing heavy (no torch; numpy only inside the routing codec) so that the HTTP
+layer, the trainer hooks and the client can all use it. No other module redefines these types.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import enum
 import functools
 import math
@@ -108,6 +110,9 @@ class SamplingParams:
                                          "completion has generated it (OpenAI's); 0 disables it")
     repetition_penalty: float = _doc(1.0, "in (0, 100]: the logit of every token of the prompt or the completion "
                                           "is divided by it when positive, multiplied when not (HF's); 1 disables it")
+    return_routing: bool = _doc(False, "return the experts each MoE layer chose for every token the engine "
+                                       "computed (prompt and completion but the last token), for routing replay "
+                                       "in the trainer (docs/moe.md); MoE models only")
 
     MAX_N = MAX_N
     MAX_LOGPROBS = MAX_LOGPROBS
@@ -144,8 +149,9 @@ class SamplingParams:
         _check_int("logprobs", self.logprobs, 0, self.MAX_LOGPROBS)
         if self.logprobs_mode not in ("raw", "processed"):
             raise _bad("logprobs_mode", f"must be 'raw' or 'processed', got {self.logprobs_mode!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise _bad("ignore_eos", f"must be true or false, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "return_routing"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, f"must be true or false, got {getattr(self, name)!r}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, 0, None)
         _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0, "in [-2, 2]")
@@ -274,6 +280,11 @@ class CompletionOutput:
     # committed; empty without a draft
     draft_version_spans: list[tuple[int, int]] = field(default_factory=list)
     restarts: int = 0  # times a sync restarted it from the prompt (on_sync="abort" or max_staleness)
+    # with SamplingParams.return_routing: numpy uint8 (int16 beyond 256 experts) [tokens, moe layers, k],
+    # row p the experts token p went to; tokens = prompt + completion - 1 (the last token is never
+    # computed), fewer for an aborted completion (its rows computed so far); docs/moe.md. Left out of ==
+    # (an array has no truth value): compare it with numpy.array_equal
+    routing: Any = field(default=None, compare=False)
 
     def token_versions(self, draft: bool = False) -> list[int]:
         """The version of each token, expanded from its spans (the draft's with draft=True: empty
@@ -303,3 +314,47 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, over all n samples
     metrics: dict[str, float] = field(default_factory=dict)
 
+
+
+# ---- routing (SamplingParams.return_routing; docs/moe.md) -----------------------------------------
+ROUTING_DTYPES = ("uint8", "int16")
+
+
+def routing_dtype(num_experts: int) -> str:
+    """The dtype of a model's expert ids: uint8 up to 256 experts, int16 beyond (engine and trainer alike)."""
+    return "uint8" if num_experts <= 256 else "int16"
+
+
+def encode_routing(routing: Any) -> dict[str, Any]:
+    """A routing array (numpy, [tokens, moe layers, k]) as JSON: {"data": base64 of its bytes, C order,
+    little-endian; "shape": [tokens, moe layers, k]; "dtype": "uint8" or "int16"}."""
+    import numpy as np
+
+    arr = np.asarray(routing)
+    if arr.dtype.name not in ROUTING_DTYPES or arr.ndim != 3:
+        raise InvalidRequestError("routing", f"must be a 3-D uint8 or int16 array, got {arr.dtype.name} "
+                                             f"{list(arr.shape)}")
+    data = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes()
+    return {"data": base64.b64encode(data).decode("ascii"), "shape": list(arr.shape), "dtype": arr.dtype.name}
+
+
+def decode_routing(obj: Any) -> Any:
+    """encode_routing's JSON back to the numpy array; InvalidRequestError naming "routing" if malformed."""
+    import numpy as np
+
+    if not isinstance(obj, dict) or set(obj) != {"data", "shape", "dtype"}:
+        raise InvalidRequestError("routing", f"must be an object with data, shape and dtype, got {obj!r:.200}")
+    shape, dtype = obj["shape"], obj["dtype"]
+    if dtype not in ROUTING_DTYPES:
+        raise InvalidRequestError("routing.dtype", f"must be one of {', '.join(ROUTING_DTYPES)}, got {dtype!r}")
+    if (not isinstance(shape, list) or len(shape) != 3
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+        raise InvalidRequestError("routing.shape", f"must be 3 integers >= 0 [tokens, moe layers, k], got {shape!r}")
+    try:
+        data = base64.b64decode(obj["data"], validate=True)
+    except (TypeError, ValueError, binascii.Error) as e:
+        raise InvalidRequestError("routing.data", f"is not base64: {e}") from None
+    want = math.prod(shape) * np.dtype(dtype).itemsize
+    if len(data) != want:
+        raise InvalidRequestError("routing.data", f"holds {len(data)} bytes; shape {shape} of {dtype} needs {want}")
+    return np.frombuffer(data, dtype=np.dtype(dtype).newbyteorder("<")).astype(dtype).reshape(shape)

@@ -22,7 +22,14 @@ from typing import Any
 
 import httpx
 
-from inference.core import CompletionOutput, FinishReason, RequestOutput, SamplingParams, SidecarError
+from inference.core import (
+    CompletionOutput,
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+    SidecarError,
+    decode_routing,
+)
 from trainer_hooks.client_errors import (
     SidecarAuthError,
     SidecarBusyError,
@@ -294,7 +301,8 @@ def request_output(i: int, o: dict[str, Any]) -> RequestOutput:
         top_logprobs=[{int(k): v for k, v in d.items()} for d in c["top_logprobs"]] if c["top_logprobs"] else None,
         stop_reason=c.get("stop_reason"),
         weight_version_spans=[tuple(s) for s in c.get("weight_version_spans", [])],
-        draft_version_spans=[tuple(s) for s in c.get("draft_version_spans", [])], restarts=c.get("restarts", 0))
+        draft_version_spans=[tuple(s) for s in c.get("draft_version_spans", [])], restarts=c.get("restarts", 0),
+        routing=decode_routing(c["routing"]) if c.get("routing") is not None else None)
         for c in o["completions"]]
     return RequestOutput(request_id=str(i), prompt_token_ids=o["prompt_token_ids"], outputs=outs,
                          weight_version=o["weight_version"], prompt=o["prompt"],

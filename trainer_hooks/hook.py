@@ -36,7 +36,7 @@ from inference.transfer.backends import check_backend, default_backend
 from inference.transfer.sender import WeightSender
 from trainer_hooks.client_errors import SidecarChecksumError, SidecarConnectionError, SidecarUnavailableError
 from trainer_hooks.fleet import Fleet
-from trainer_hooks.logprob_gap import measure_logprob_gap
+from trainer_hooks.logprob_gap import REPLAY_STATS_PREFIX, measure_logprob_gap
 from trainer_hooks.rollout_pool import DEFAULT_POOL, RolloutTake, staleness, sync_fields
 from trainer_hooks.sources import collect_weights, peft_adapter_weights, peft_base_weights
 from trainer_hooks.trainer_host import trainer_host
@@ -277,10 +277,15 @@ class WeightSyncHook:
 
     def _measure_gap(self, outputs: list[Any]) -> None:
         """stats["logprob_gap_*"]: self.model's logprobs of the rollout tokens against the rollout's
-        (trainer_hooks/logprob_gap.py). Runs on the ranks that hold the outputs: a sharded model's
-        forward is a collective, so such trainers pass broadcast=True."""
+        (trainer_hooks/logprob_gap.py); when every completion carries its routing (an MoE model sampled
+        with return_routing), also stats["logprob_gap_replay_*"]: the same under the rollout's routing.
+        Runs on the ranks that hold the outputs: a sharded model's forward is a collective, so such
+        trainers pass broadcast=True."""
         t0 = time.perf_counter()
         self.stats.update(measure_logprob_gap(self.model, outputs).as_stats())
+        if all(getattr(c, "routing", None) is not None for o in outputs for c in o.outputs if len(c.token_ids)):
+            gap = measure_logprob_gap(self.model, outputs, replay=True)
+            self.stats.update(gap.as_stats(REPLAY_STATS_PREFIX))
         self.stats["logprob_gap_ms"] = _ms(t0)
 
     def wake(self) -> None:

@@ -7,6 +7,8 @@ trainer's model; `WeightSyncHook(..., logprob_gap=True)` does it after every `ro
 the `logprob_gap_*` figures in `hook.stats`. Where the rollout runs another policy on purpose (an FP8
 sidecar, docs/fp8.md), `truncated_importance_weights` gives the correction FlashRL and slime apply: per
 token min(exp(trainer - rollout), cap), detached, to multiply each token's policy-gradient term by.
+`replay=True` (an MoE model, rollouts with return_routing) forwards under the rollout's routing
+(trainer_hooks/routing_replay.py): the gap then leaves out what a different choice of experts adds.
 Invariants:
 - The trainer's logprobs are "raw": float32 log_softmax of the model's logits (in its own dtype) at
   temperature 1, what the engine reports by default (logprobs_mode="raw", docs/configuration.md);
@@ -21,13 +23,17 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from trainer_hooks.routing_replay import pad_routing, replay_routing
+
 STATS_PREFIX = "logprob_gap_"
+REPLAY_STATS_PREFIX = "logprob_gap_replay_"  # the gap under the rollout's routing (MoE, return_routing)
 
 
 @dataclass(frozen=True)
@@ -46,9 +52,9 @@ class LogprobGap:
     max_abs: float
     ratio_minus_one: float
 
-    def as_stats(self) -> dict[str, float | int]:
-        """Flat `logprob_gap_<field>` keys, ready for a metrics logger."""
-        return {f"{STATS_PREFIX}{k}": v for k, v in self.__dict__.items()}
+    def as_stats(self, prefix: str = STATS_PREFIX) -> dict[str, float | int]:
+        """Flat `<prefix><field>` keys (`logprob_gap_<field>`), ready for a metrics logger."""
+        return {f"{prefix}{k}": v for k, v in self.__dict__.items()}
 
 
 def gap_of(trainer: Sequence[torch.Tensor], rollout: Sequence[Sequence[float]]) -> LogprobGap:
@@ -86,11 +92,13 @@ def truncated_importance_weights(trainer: Sequence[torch.Tensor], rollout: Seque
 
 
 def rollout_importance_weights(model: nn.Module, rollouts: Sequence[Any], cap: float = 2.0,
-                               pad_id: int = 0) -> list[torch.Tensor]:
+                               pad_id: int = 0, replay: bool = False) -> list[torch.Tensor]:
     """truncated_importance_weights of `model`'s logprobs of the rollout tokens against the rollout's, one
-    tensor per non-empty completion in rollout order (as `completions` lists them)."""
+    tensor per non-empty completion in rollout order (as `completions` lists them); replay: under the
+    rollout's routing (module docstring)."""
     items = completions(rollouts)
-    trainer = trainer_logprobs(model, [(p, c) for p, c, _ in items], pad_id)
+    routing = completion_routing(rollouts) if replay else None
+    trainer = trainer_logprobs(model, [(p, c) for p, c, _ in items], pad_id, routing)
     return truncated_importance_weights(trainer, [r for _, _, r in items], cap)
 
 
@@ -111,10 +119,28 @@ def completions(rollouts: Sequence[Any]) -> list[tuple[list[int], list[int], lis
     return out
 
 
+def completion_routing(rollouts: Sequence[Any]) -> list[Any]:
+    """The routing of every non-empty completion (CompletionOutput.routing), in `completions`' order; a
+    completion without one is a ValueError naming it (request it with SamplingParams(return_routing=True))."""
+    out = []
+    for i, req in enumerate(rollouts):
+        for c in req.outputs:
+            if not list(c.token_ids):
+                continue
+            routing = getattr(c, "routing", None)
+            if routing is None:
+                raise ValueError(f"rollout {i} completion {c.index} carries no routing: sample it with "
+                                 "SamplingParams(return_routing=True) to replay it")
+            out.append(routing)
+    return out
+
+
 def trainer_logprobs(model: nn.Module, sequences: Sequence[tuple[Sequence[int], Sequence[int]]],
-                     pad_id: int = 0) -> list[torch.Tensor]:
+                     pad_id: int = 0, routing: Sequence[Any] | None = None) -> list[torch.Tensor]:
     """log p(completion token | everything before it) under `model`, one float32 tensor per
-    (prompt ids, completion ids) pair, from one right-padded forward (module docstring)."""
+    (prompt ids, completion ids) pair, from one right-padded forward (module docstring). `routing`: one
+    array per pair, its rows the tokens forwarded (prompt and completion but the last, as the engine
+    returns them), forced into the MoE model's routers (replay_routing)."""
     if not sequences:
         return []
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -122,13 +148,22 @@ def trainer_logprobs(model: nn.Module, sequences: Sequence[tuple[Sequence[int], 
     if any(len(p) == 0 for p, _ in sequences):
         raise ValueError("a rollout has an empty prompt: its first token has no logprob to compare")
     width = max(len(r) for r in rows)
+    forced = None
+    if routing is not None:
+        if len(routing) != len(rows):
+            raise ValueError(f"routing: {len(routing)} arrays for {len(rows)} completions")
+        for i, (r, row) in enumerate(zip(routing, rows)):
+            if len(r) != len(row):
+                raise ValueError(f"completion {i}: routing for {len(r)} tokens, the forward has {len(row)} "
+                                 "(prompt + completion - 1)")
+        forced = pad_routing(routing, width)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     for b, r in enumerate(rows):
         ids[b, :len(r)] = torch.tensor(r, dtype=torch.long)
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), replay_routing(model, forced) if forced is not None else nullcontext():
             logits = _logits(model(ids.to(device)))
     finally:
         model.train(was_training)
@@ -141,10 +176,13 @@ def trainer_logprobs(model: nn.Module, sequences: Sequence[tuple[Sequence[int], 
     return out
 
 
-def measure_logprob_gap(model: nn.Module, rollouts: Sequence[Any], pad_id: int = 0) -> LogprobGap:
-    """The gap between `model`'s logprobs of the rollout tokens and the rollout's (module docstring)."""
+def measure_logprob_gap(model: nn.Module, rollouts: Sequence[Any], pad_id: int = 0,
+                        replay: bool = False) -> LogprobGap:
+    """The gap between `model`'s logprobs of the rollout tokens and the rollout's (module docstring);
+    replay: with the model's MoE routers forced to the rollout's routing."""
     items = completions(rollouts)
-    trainer = trainer_logprobs(model, [(p, c) for p, c, _ in items], pad_id)
+    routing = completion_routing(rollouts) if replay else None
+    trainer = trainer_logprobs(model, [(p, c) for p, c, _ in items], pad_id, routing)
     return gap_of(trainer, [r for _, _, r in items])
 
 

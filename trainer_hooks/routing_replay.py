@@ -6,18 +6,18 @@ tokens are those of another computation. Replay forces the rollout's experts; ea
 still the trainer's (softmax of its router logits at the forced experts, renormalised as the family
 does), so gradients reach the router as in a free forward.
 
-Routing is a compact array, the same in both directions: uint8 (int16 beyond 256 experts) of shape
-[tokens, moe layers, k] per sequence (batched: [batch, tokens, moe layers, k]), expert ids in the
-router's order; docs/moe.md. `record_routing(model)` captures it from a forward; `replay_routing(model,
-routing)` forces it for the forwards in its block. Both hook the routers of transformers' MoE models
-(Qwen3-MoE, Mixtral: a module with `top_k`, `num_experts` and a [num_experts, hidden] `weight` whose
-forward returns (logits, weights, ids)) with forward hooks removed on exit: no global is patched.
-Imports torch only (tests/test_import_layers.py).
+Routing is one array in both directions (docs/moe.md): uint8 (int16 beyond 256 experts) expert ids
+[tokens, moe layers, k] in the router's order, batched [batch, tokens, moe layers, k]. The engine
+returns it per completion (CompletionOutput.routing, numpy) for prompt + completion[:-1], the tokens a
+trainer forwards to score the completion. `record_routing` captures it from a forward, `replay_routing`
+forces it, `pad_routing` lays several out for a right-padded batch. They hook the routers of
+transformers' MoE models (a module with `top_k`, `num_experts` and a [num_experts, hidden] `weight`
+whose forward returns (logits, weights, ids)), the hooks removed on exit. Imports torch only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from inference.core import InvalidRequestError
+from inference.core import routing_dtype as routing_dtype_name
 
 
 def moe_routers(model: nn.Module) -> list[nn.Module]:
@@ -36,7 +37,29 @@ def moe_routers(model: nn.Module) -> list[nn.Module]:
 
 
 def routing_dtype(num_experts: int) -> torch.dtype:
-    return torch.uint8 if num_experts <= 256 else torch.int16
+    """The engine's rule (inference.core.routing_dtype) as a torch dtype."""
+    dtype: torch.dtype = getattr(torch, routing_dtype_name(num_experts))
+    return dtype
+
+
+def pad_routing(routings: Sequence[Any], width: int) -> torch.Tensor:
+    """[batch, width, moe layers, k]: routing b (a [tokens_b, moe layers, k] numpy array or tensor, as a
+    completion carries it) in row b, for a right-padded batch of `width` positions. Padding positions
+    route to experts 0..k-1: they are never attended to and their logits are not read."""
+    if not routings:
+        raise InvalidRequestError("routing", "no routing to pad")
+    arrays = [torch.as_tensor(r) for r in routings]
+    first = arrays[0]
+    if first.dim() != 3:
+        raise InvalidRequestError("routing", f"routing 0 has shape {list(first.shape)}; expected [tokens, "
+                                             "moe layers, k]")
+    out = torch.arange(first.shape[2], dtype=first.dtype).expand(len(arrays), width, *first.shape[1:]).clone()
+    for b, r in enumerate(arrays):
+        if r.dim() != 3 or r.shape[1:] != first.shape[1:] or r.shape[0] > width:
+            raise InvalidRequestError("routing", f"routing {b} has shape {list(r.shape)}; expected [at most "
+                                                 f"{width} tokens, {first.shape[1]} moe layers, {first.shape[2]}]")
+        out[b, : r.shape[0]] = r
+    return out
 
 
 @contextmanager
@@ -63,11 +86,13 @@ def record_routing(model: nn.Module) -> Iterator[list[torch.Tensor]]:
 
 
 @contextmanager
-def replay_routing(model: nn.Module, routing: torch.Tensor) -> Iterator[None]:
+def replay_routing(model: nn.Module, routing: Any) -> Iterator[None]:
     """Inside: the forwards of `model` route each token to the experts `routing` names ([tokens, moe
-    layers, k], or [batch, tokens, moe layers, k] for a batched forward of that shape). A forward of
-    another token count, or routing of another layer count or k, is an InvalidRequestError naming it."""
+    layers, k], or [batch, tokens, moe layers, k] for a batched forward of that shape; a tensor or a
+    numpy array, as the engine returns it). A forward of another token count, or routing of another layer
+    count or k, is an InvalidRequestError naming it."""
     routers = moe_routers(model)
+    routing = torch.as_tensor(routing)
     forced = routing.reshape(-1, *routing.shape[-2:]) if routing.dim() >= 3 else routing
     if forced.dim() != 3 or forced.shape[1] != len(routers):
         raise InvalidRequestError("routing", f"shape {list(routing.shape)}: expected [..., tokens, "

@@ -11,6 +11,9 @@ commits step i: step i + 1 stays in flight when step() returns. Everything that 
 step (sleep, a weight update) first settles the step in flight (`_settle`; inference/engine/async_step.py).
 A weight sync goes live between two steps; each request's SyncPolicy (on_sync, max_staleness) then
 says whether it keeps its KV, recomputes it or restarts from its prompt (Scheduler.on_weights_live).
+A request with return_routing (an MoE model) gets, per completion, the experts chosen for each token it
+computed: the runner stores them in the sequence by position, the prefix cache keeps them with the
+blocks they describe, and the output reads them back as an array (docs/moe.md).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from inference import envs
 from inference.config import EngineConfig, build_engine_config
 from inference.core import (
@@ -34,6 +39,7 @@ from inference.core import (
     SamplingParams,
     StateError,
     SyncPolicy,
+    routing_dtype,
 )
 from inference.engine.async_step import StepOverlap
 from inference.engine.step_stats import StepLog
@@ -43,6 +49,7 @@ from inference.memory.sleep import TransitionStats
 from inference.models.hub_cache import resolve_model_dir
 from inference.parallel import TPInfo
 from inference.sched.block_manager import BlockManager
+from inference.sched.routing_rows import RoutingRows
 from inference.sched.scheduler import ScheduledBatch, Scheduler, StepResult
 from inference.sched.sequence import Sequence
 from inference.speculative.decoder import SpecDecodeStats
@@ -138,6 +145,7 @@ class LLM:
         self._overlap = (StepOverlap(self.scheduler, self.worker, self._apply_results)
                          if config.scheduler.overlaps_steps(self.worker.device.type) else None)
         self._num_with_stops = 0  # live requests with stop strings (their steps run the detokenizer)
+        self._num_with_routing = 0  # live requests with return_routing (their blocks keep routing)
         weights = self.worker.weights  # however a sync reaches it (this API or a rank server), the engine hears
         weights.before_write, weights.on_live = self._before_weight_write, self._on_weights_live
         # compile what rollouts run now rather than in the first batch (on CPU nothing compiles)
@@ -186,6 +194,12 @@ class LLM:
             req.stops = StopStrings(params.stop)  # linear in their characters (the HTTP intake bounds them)
             req.detoks = {s.index: StopDetector(self.tokenizer, ids, req.stops) for s in seqs}
             self._num_with_stops += 1
+        if params.return_routing:
+            runner = self.worker.runner
+            assert runner is not None and runner.routing is not None, "return_routing checked on a dense model"
+            for s in seqs:
+                s.routing = RoutingRows(runner.routing.row_bytes)
+            self._num_with_routing += 1
         self._requests[request_id] = req
         for s in seqs:
             self.scheduler.add(s)
@@ -205,6 +219,10 @@ class LLM:
         vocab = self.model_config.vocab_size
         check_token_ids(ids, vocab)
         params.check_limits(vocab, self.max_model_len, len(ids))  # the one policy: inference/core.py
+        if params.return_routing and not self.model_config.num_moe_layers:
+            raise InvalidRequestError("sampling_params.return_routing", f"{self.model_config.family} is a dense "
+                                      "model: it has no experts to route (return_routing needs an MoE model: "
+                                      "qwen3_moe, mixtral)")
         if params.has_penalties and self.worker.num_speculative_tokens:
             name = next(n for n, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                                          ("repetition_penalty", 1.0)) if getattr(params, n) != off)
@@ -217,6 +235,7 @@ class LLM:
         req = self._requests.pop(request_id, None)
         if req is not None:
             self._num_with_stops -= bool(req.detoks)
+            self._num_with_routing -= req.seqs[0].params.return_routing
 
     def live_sequences(self, request_id: str) -> list[Sequence]:
         """The samples of a request not returned yet ([] otherwise): what a streaming caller reads. Their
@@ -273,7 +292,13 @@ class LLM:
     def _apply_results(self, batch: ScheduledBatch, results: list[StepResult],
                        commit: Callable[[ScheduledBatch, list[StepResult]], list[Sequence]]) -> list[Sequence]:
         """Commit a step's results (scheduler.commit, or commit_pending for a step with placeholders),
-        then its stop strings; return the sequences that finished."""
+        then its stop strings; return the sequences that finished. Routing rows the step brought go to
+        the blocks already registered first (async scheduling registers them at launch), before a
+        commit that finishes a sequence frees them."""
+        if self._num_with_routing:
+            for seq in batch.seqs:
+                if seq.routing is not None:
+                    self.block_manager.keep_routing(seq)
         self._record_versions(batch.seqs, results)
         stops = self._num_with_stops > 0
         before = [s.num_tokens - s.num_pending for s in batch.seqs] if stops else []
@@ -331,6 +356,7 @@ class LLM:
         for r in done:
             del self._requests[r.request_id]
             self._num_with_stops -= bool(r.detoks)
+            self._num_with_routing -= r.seqs[0].params.return_routing
         return [self._output(r) for r in done]
 
     def _output(self, req: _Request) -> RequestOutput:
@@ -346,7 +372,8 @@ class LLM:
                 finish_reason=s.finish_reason, text=text,
                 top_logprobs=list(s.top_logprobs) if s.top_logprobs is not None else None,
                 stop_reason=s.stop_reason, weight_version_spans=list(s.version_spans),
-                draft_version_spans=list(s.draft_version_spans), restarts=s.restarts))
+                draft_version_spans=list(s.draft_version_spans), restarts=s.restarts,
+                routing=self._routing_array(s)))
         versions = [v for s in req.seqs for _, v in s.version_spans]
         metrics = {"latency_s": time.monotonic() - req.arrival}
         proposed = sum(s.spec_proposed for s in req.seqs)
@@ -357,6 +384,17 @@ class LLM:
             weight_version=min(versions, default=self.weight_version), prompt=req.prompt,
             num_cached_tokens=sum(s.num_cached_tokens for s in req.seqs),
             metrics=metrics)
+
+    def _routing_array(self, seq: Sequence) -> np.ndarray | None:
+        """seq's routing [tokens, moe layers, k] (CompletionOutput.routing): the rows of every token
+        computed, i.e. all but the last (or, aborted, those written so far); None unless it asked."""
+        rows = seq.routing
+        if rows is None:
+            return None
+        mc = self.model_config
+        n = min(rows.length, seq.num_tokens - 1)
+        shape = (n, mc.num_moe_layers, mc.num_experts_per_tok)
+        return np.frombuffer(rows.read(0, n), dtype=routing_dtype(mc.num_experts)).reshape(shape).copy()
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,

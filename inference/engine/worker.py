@@ -133,7 +133,8 @@ class Worker:
         if self.config.draft_model:
             self._load("draft", self.config.draft_model)
         self.runner = ModelRunner(model, self.model_config, self.tp, self.device, self.dtype, self.config.seed,
-                                  batch_invariant=self.config.batch_invariant)
+                                  batch_invariant=self.config.batch_invariant,
+                                  max_step_tokens=self.config.scheduler.max_num_batched_tokens)
         if "draft" in self.models and self._speculates():
             self.spec = SpecDecoder(self.runner, self.models["draft"], self.config.num_speculative_tokens)
         log.debug("rank %s loaded %s (%s, %s)", self.rank_key, self.config.model, self.dtype, self.device)

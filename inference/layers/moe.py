@@ -10,6 +10,8 @@ Experts: on CUDA (or in Triton's interpreter) two grouped GEMM launches over the
 (moe_kernels.py; no host sync, so CUDA graphs capture it); elsewhere a loop over the experts present.
 A token's k expert outputs are summed in slot order (never atomics), so in the batch-invariant mode,
 where the kernels' tiles are fixed, a token's output does not depend on the rest of the batch.
+Routing record (`routing_out`, bound by the model): each forward writes its tokens' expert ids into the
+first rows of that static buffer, inside the forward, so a CUDA graph captures the write.
 """
 
 from __future__ import annotations
@@ -163,10 +165,14 @@ class MoEBlock(nn.Module):
         self.gate.weight = new_param((c.num_experts, c.hidden_size), dtype, device, replicated_loader)
         self.experts = MoEExperts(c.num_experts, c.hidden_size, c.moe_intermediate_size, tp, dtype, device)
         self.act_fn = get_activation(c.hidden_act, invariant)
+        # [rows, k] view of the model's routing buffer (DecoderForCausalLM.bind_routing); None: not recorded
+        self.routing_out: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         product = invariant_linear if self.invariant else F.linear
         weights, ids = route(product(x, self.gate.weight), self.top_k, self.renormalize)
+        if self.routing_out is not None:
+            self.routing_out[: ids.shape[0]].copy_(ids)
         return self.reduce(self.run_experts(x, ids, weights))
 
     def run_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

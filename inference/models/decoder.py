@@ -193,6 +193,19 @@ class DecoderForCausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
+    def moe_blocks(self) -> list[MoEBlock]:
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoEBlock)]
+
+    def bind_routing(self, buffer: torch.Tensor | None) -> None:
+        """Every forward writes token t's expert ids of the j-th MoE layer into buffer[t, j]
+        ([rows, moe layers, k], rows at least any forward's tokens); None: no record."""
+        blocks = self.moe_blocks()
+        want = (len(blocks), self.config.num_experts_per_tok)
+        assert buffer is None or (buffer.dim() == 3 and tuple(buffer.shape[1:]) == want), (
+            f"routing buffer {None if buffer is None else tuple(buffer.shape)}: expected [rows, *{want}]")
+        for j, block in enumerate(blocks):
+            block.routing_out = None if buffer is None else buffer[:, j]
+
     def kv_cache_spec(self) -> KVCacheSpec:
         attn = self.attention_layers()[0]
         return KVCacheSpec(len(self.model.layers), attn.num_kv_heads, attn.head_dim)

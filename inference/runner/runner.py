@@ -1,7 +1,9 @@
 """The model runner: a scheduled batch -> tensors -> model -> sampled tokens.
 
 It owns the model, the KV cache tensor and the sampling generator of one rank. It knows nothing
-about requests beyond the Sequence fields it reads (tokens, computed count, block table, params).
+about requests beyond the Sequence fields it reads (tokens, computed count, block table, params), and
+the one it writes: an MoE model's routing rows of the sequences that asked (seq.routing), stored when
+the step is read back (inference/runner/routing_capture.py).
 `batch_invariant` (EngineConfig.batch_invariant): the sampling batches and graphs it builds reduce each
 row alone (SamplingBatch.invariant); the model's layers were built for the mode by the worker.
 """
@@ -25,6 +27,7 @@ from inference.parallel import TPInfo
 from inference.runner.cuda_graphs import CUDAGraphRunner, GreedyGraphs, SamplingGraphs
 from inference.runner.inputs import BlockTables, build_step_rows, decode_rows
 from inference.runner.pending_tokens import resolve_pending
+from inference.runner.routing_capture import RoutingCapture, StepRouting
 from inference.sample.batch import SamplingBatch, unseeded_seed
 from inference.sample.penalties import apply_penalties, penalized_rows
 from inference.sample.sampler import sample, sample_pairs
@@ -57,7 +60,10 @@ class Follower(Protocol):
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, tp: TPInfo,
-                 device: torch.device, dtype: torch.dtype, seed: int = 0, batch_invariant: bool = False) -> None:
+                 device: torch.device, dtype: torch.dtype, seed: int = 0, batch_invariant: bool = False,
+                 max_step_tokens: int = 8192) -> None:
+        """max_step_tokens: the most tokens one eager forward computes (the scheduler's budget); an MoE
+        model's routing buffer holds that many rows (and the largest graph's, once captured)."""
         self.model = model
         self.batch_invariant = batch_invariant
         self.model_config = model_config
@@ -87,6 +93,8 @@ class ModelRunner:
         # placeholder input ids are read on the device (inference/runner/pending_tokens.py)
         self._pending_pairs: torch.Tensor | None = None
         self._follow: Callable[[], None] | None = None  # a Follower's part of the step being launched
+        self.routing = (RoutingCapture(model, model_config, max_step_tokens, device)
+                        if model_config.num_moe_layers else None)
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -126,10 +134,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[SampleResult | None]:
         """Run one step; returns per scheduled sequence its sampled result, or None (mid-prefill)."""
-        sampled, sample_rows, seqs = self._run(batch, None)
-        if sampled is None:
-            return [None] * len(batch.seqs)
-        return _by_row(len(batch.seqs), sample_rows, self._to_host(sampled, seqs))
+        sampled, sample_rows, seqs, routing = self._run(batch, None)
+        results = (_by_row(len(batch.seqs), sample_rows, self._to_host(sampled, seqs)) if sampled is not None
+                   else [None] * len(batch.seqs))
+        if routing is not None:
+            routing.store()
+        return results
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, follower: Follower | None = None) -> InFlightStep:
@@ -140,17 +150,19 @@ class ModelRunner:
         memory behind its sampling, before the next step can overwrite a sampling graph's output;
         `InFlightStep.results()` then waits for this step alone. A `follower` (the draft) computes the
         step's tokens' KV after that copy is queued, so reading the results back never waits for it."""
-        sampled, sample_rows, seqs = self._run(batch, self._pending_pairs, follower)
+        sampled, sample_rows, seqs, routing = self._run(batch, self._pending_pairs, follower)
         self._pending_pairs = sampled.pairs if sampled is not None else None
         host, ready = _copy_to_host(sampled) if sampled is not None else (None, None)
         follow, self._follow = self._follow, None
         if follow is not None:
             follow()
-        return InFlightStep(len(batch.seqs), sample_rows, seqs, host, ready, self.collect)
+        return InFlightStep(len(batch.seqs), sample_rows, seqs, host, ready, self.collect, routing)
 
     def collect(self, step: InFlightStep) -> list[SampleResult | None]:
         """Per scheduled sequence of a launched step, its sampled result or None: the step's one
-        host sync (it waits for that step's copy only)."""
+        host sync (it waits for that step's copy only); the routing rows it recorded are stored."""
+        if step.routing is not None:
+            step.routing.store()
         if step.sampled is None:
             return [None] * step.num_rows
         if step.ready is not None:
@@ -158,10 +170,11 @@ class ModelRunner:
         return _by_row(step.num_rows, step.sample_rows, self._to_host(step.sampled, step.seqs))
 
     def _run(self, batch: ScheduledBatch, pending: torch.Tensor | None, follower: Follower | None = None
-             ) -> tuple[_Sampled | None, list[int], list[Sequence]]:
+             ) -> tuple[_Sampled | None, list[int], list[Sequence], StepRouting | None]:
         """Launch a step's forward and sampling: (the sampled pairs on the device, None when no row
-        samples; the batch rows that sample; their sequences). `pending`: see `prepare`. A follower's
-        part is left in self._follow (launch runs it), its inputs resolved now, while `pending` holds."""
+        samples; the batch rows that sample; their sequences; the routing rows of the sequences that
+        asked, queued to the host). `pending`: see `prepare`. A follower's part is left in self._follow
+        (launch runs it), its inputs resolved now, while `pending` holds."""
         assert self.kv_cache is not None, "bind_kv_cache first"
         logits = self._graph_decode(batch, pending, follower) if self.graphs is not None else None
         graphed = logits is not None
@@ -177,14 +190,25 @@ class ModelRunner:
             sample_rows = inp.sample_rows
             if not sample_rows:
                 self.model(inp.input_ids, inp.positions, inp.meta)
-                return None, [], []
+                return None, [], [], self._routing(batch)
             logits = self._forward(inp)
             seqs = batch.seqs if len(sample_rows) == len(batch.seqs) else [batch.seqs[r] for r in sample_rows]
+        routing = self._routing(batch)
         sb = self._sampling_batch(seqs)
         if self._sb_penalized:  # rows with a penalty: their logits change in place (graph buffer included)
             resolve = None if pending is None else partial(resolve_pending, pairs=pending)
             apply_penalties(logits, self._sb_penalized, seqs, resolve)
-        return self._sample(logits, sb, graphed), sample_rows, seqs
+        return self._sample(logits, sb, graphed), sample_rows, seqs, routing
+
+    def _routing(self, batch: ScheduledBatch) -> StepRouting | None:
+        return self.step_routing(batch.seqs, batch.num_new_tokens)
+
+    def step_routing(self, seqs: list[Sequence], counts: list[int]) -> StepRouting | None:
+        """The routing rows of the target forward just launched over seqs (counts[i] rows each, in
+        order), for the sequences that asked: RoutingCapture.step; None for a dense model."""
+        if self.routing is None or not any(map(_ROUTING, seqs)):
+            return None
+        return self.routing.step(seqs, counts)
 
     def _forward(self, inp: StepInputs) -> torch.Tensor:
         hidden = self.model(inp.input_ids, inp.positions, inp.meta).index_select(0, inp.last_token_index)
@@ -258,6 +282,9 @@ class ModelRunner:
         sequence (inference/speculative/decoder.py). Apart, so a plain step's attention compiles the multi-row
         check out and a verify's takes more KV splits (inference/layers/triton_attention.py)."""
         max_blocks = -(-max_model_len // self.block_size)
+        if self.routing is not None:  # the graphs write their rows (padding rows too) into it
+            self.routing.reserve(max(max_batch, verify_rows))
+            self.routing.freeze()
         self.graphs = CUDAGraphRunner(self.model, max_batch, max_blocks, self.block_size, self.device, self.dtype,
                                       rows_per_seq=1)
         self.graphs.capture()
@@ -315,6 +342,7 @@ class InFlightStep:
     sampled: _Sampled | None  # host copies of the sampled tensors, complete once `ready` is; None: none sampled
     ready: torch.cuda.Event | None  # recorded after the copies (CUDA); None: already complete
     collect: Callable[[InFlightStep], list[SampleResult | None]]  # ModelRunner.collect
+    routing: StepRouting | None = None  # the routing rows of its sequences that asked (MoE models)
 
     def results(self) -> list[SampleResult | None]:
         """Per scheduled sequence its sampled result or None; waits for this step's copy only."""
@@ -351,6 +379,7 @@ def _copy_to_host(sampled: _Sampled) -> tuple[_Sampled, torch.cuda.Event | None]
 
 _TOKEN_IDS = operator.attrgetter("token_ids")
 _NUM_PROMPT = operator.attrgetter("num_prompt_tokens")
+_ROUTING = operator.attrgetter("routing")
 
 
 def top_dicts(ids: torch.Tensor | None, lps: torch.Tensor | None, wanted: list[int]) -> list:

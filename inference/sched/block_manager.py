@@ -12,6 +12,8 @@ consecutive tokens of one or more sequences (shared prefixes: ref_count > 1). Pr
   reuse) and registered ones behind them in the order they were freed, so an allocation evicts the
   least recently freed; a block reused for other content loses its entry. A sequence's blocks are
   freed tail first, so its prefix outlives its tail.
+- A registered block may keep its tokens' MoE routing from the computation that wrote its KV
+  (`keep_routing`; dropped with the entry); a sequence returning routing hits only such blocks.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ class _Block:
     key: int | None = None  # unique id of this registration
     parent_key: int | None = None  # key of the entry before it (None for a root block)
     token_ids: tuple[int, ...] = ()
+    # the routing rows of its tokens (registered blocks only), from the computation that wrote its KV
+    routing: bytes | None = None
 
 
 class BlockManager:
@@ -108,9 +112,11 @@ class BlockManager:
         """Block ids of the longest verified cached prefix of seq.token_ids. No side effects.
 
         Never covers every token: the last token must be computed to produce the next token's logits.
+        A sequence that returns routing stops at the first block that kept none.
         """
         if not self.enable_prefix_caching:
             return []
+        routing = seq.routing is not None
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hashes = self._hashes(seq, max_blocks)
         hit: list[int] = []
@@ -122,6 +128,8 @@ class BlockManager:
             block = self._blocks[block_id]
             if block.parent_key != parent_key or block.token_ids != self._block_tokens(seq, i):
                 break  # a hash collision: a miss, never wrong KV
+            if routing and block.routing is None:
+                break
             hit.append(block_id)
             parent_key = block.key
         return hit
@@ -135,7 +143,8 @@ class BlockManager:
         """Claim the cached prefix of a waiting sequence; return the number of hit tokens.
 
         `hit` is match_prefix(seq), passed when the caller already computed it. Sets block_table and
-        num_computed_tokens to the hit and adds the hit to seq.num_cached_tokens and the stats.
+        num_computed_tokens to the hit and adds the hit to seq.num_cached_tokens and the stats; a sequence
+        that returns routing gets the hit blocks' rows.
         """
         assert not seq.block_table and seq.num_computed_tokens == 0, f"{seq} already holds blocks"
         if hit is None:
@@ -146,6 +155,12 @@ class BlockManager:
         seq.num_computed_tokens = hit_tokens
         seq.num_draft_computed = hit_tokens  # registered blocks hold valid draft KV too (see commit)
         seq.num_cached_tokens += hit_tokens
+        if seq.routing is not None:
+            for i, block_id in enumerate(hit):
+                rows = self._blocks[block_id].routing
+                assert rows is not None, f"block {block_id} hit without routing"
+                seq.routing.write(i * self.block_size, rows)
+            seq.routing.admitted(hit_tokens, len(hit))
         if self.enable_prefix_caching:
             self.stats.queried_blocks += (seq.num_tokens - 1) // self.block_size
             self.stats.hit_blocks += len(hit)
@@ -210,6 +225,23 @@ class BlockManager:
             block.hash, block.key, block.parent_key, block.token_ids = hashes[i], key, parent_key, tokens
             self._table[hashes[i]] = block.block_id
             seq.cache_keys.append(key)
+        if seq.routing is not None:
+            self.keep_routing(seq)
+
+    def keep_routing(self, seq: Sequence) -> None:
+        """Hand the registered blocks of seq the routing rows it wrote for them since admission (those
+        of the computation that wrote their KV). A block whose entry is another block's (the same
+        content registered first) is skipped. Called when blocks register and when rows arrive."""
+        rows = seq.routing
+        if rows is None or not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        full = min(len(seq.cache_keys), rows.fresh // bs)
+        for i in range(rows.published, full):
+            block = self._blocks[seq.block_table[i]]
+            if block.key == seq.cache_keys[i] and block.routing is None:
+                block.routing = rows.read(i * bs, (i + 1) * bs)
+        rows.published = max(rows.published, full)
 
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks (tail first), clear its table and reset num_computed_tokens to 0."""
@@ -225,6 +257,8 @@ class BlockManager:
         seq.cache_keys = []
         seq.num_computed_tokens = 0
         seq.num_draft_computed = 0
+        if seq.routing is not None:
+            seq.routing.released()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached entry (call when the weights change: the cached KV is stale).
@@ -274,5 +308,6 @@ class BlockManager:
         del self._table[block.hash]
         block.hash = block.key = block.parent_key = None
         block.token_ids = ()
+        block.routing = None
         if block.block_id in self._free:
             self._free.move_to_end(block.block_id, last=False)  # nothing cached any more: reuse first

@@ -138,7 +138,8 @@ class Scheduler:
     this step (possibly itself) is preempted by recompute: its blocks are freed, num_computed_tokens
     goes to 0 and it goes to the FRONT of the waiting queue, keeping its generated tokens and logprobs.
     A step that preempted admits nothing (it would only thrash). Samples 1..n-1 of a request wait until
-    sample 0's prompt is computed, so they hit its full prompt blocks in the prefix cache.
+    sample 0's prompt is computed, so they hit its full prompt blocks in the prefix cache (returning
+    routing: until its prompt's routing is read back too, as they hit only blocks that kept theirs).
 
     Speculative decoding (num_speculative_tokens = k > 0): a running decode also gets a lookahead of up
     to k draft tokens (fewer near max_tokens, max_model_len, the token budget or the free blocks; never
@@ -543,6 +544,8 @@ class Scheduler:
             return False
         if (leader.num_prompt_tokens - 1) // self.block_manager.block_size == 0:
             return False  # no full prompt block to share
+        if seq.routing is not None and leader.routing is not None and leader.routing.fresh < leader.num_prompt_tokens:
+            return True  # its blocks are hit only with their routing, which reaches the host after the step
         return leader.num_computed_tokens < leader.num_prompt_tokens
 
     def _preempt(self, seq: Sequence) -> None:

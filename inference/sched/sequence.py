@@ -25,6 +25,7 @@ import itertools
 import xxhash
 
 from inference.core import INT64_MAX, FinishReason, SamplingParams
+from inference.sched.routing_rows import RoutingRows
 
 # One counter for ids and arrival order: creation order is FCFS order, and every TP rank that creates
 # the same requests in the same order gets the same ids (the SPMD engine relies on that).
@@ -114,6 +115,9 @@ class Sequence:
         self.on_sync = "recompute"
         self.max_staleness: int | None = None
         self.restarts = 0  # times a sync sent it back to its prompt
+        # the experts chosen for its tokens, by position (params.return_routing; the engine sets it, as it
+        # knows the model's row size): inference/sched/routing_rows.py
+        self.routing: RoutingRows | None = None
 
     @classmethod
     def group(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[Sequence]:
@@ -215,6 +219,8 @@ class Sequence:
         self.version_spans, self.span_version = [], None
         self.draft_version_spans, self.draft_span_version = [], None
         self.block_hashes.clear()  # a memo of the dropped tokens too; rebuilt on demand
+        if self.routing is not None:
+            self.routing.clear()
         self.restarts += 1
 
     def truncate(self, num_tokens: int) -> None:

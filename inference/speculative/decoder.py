@@ -11,7 +11,8 @@ lookahead run through the target's ModelRunner as usual, and the draft mirrors t
 Invariants: the draft and the target share block ids and tables (one BlockManager); the draft's KV
 lives in a tensor of its own shape, bound once. seq.token_ids never holds a proposal. Every uniform
 and noise comes from the sampler's counter-based generator (inference/sample/noise.py), so a seeded
-completion does not depend on the rest of the batch. Reported logprobs are the target's.
+completion does not depend on the rest of the batch. Reported logprobs are the target's, and so is the
+routing of an MoE target: a run keeps the verify rows of the positions it accepted.
 """
 
 from __future__ import annotations
@@ -172,7 +173,13 @@ class SpecDecoder:
             for i, res in zip(plain, self.runner.execute(sub)):
                 results[i] = res
         if spec:
-            runs = self._speculate([seqs[i] for i in spec], [batch.num_lookahead[i] for i in spec], first_logits)
+            spec_seqs, ks = [seqs[i] for i in spec], [batch.num_lookahead[i] for i in spec]
+            runs = self._speculate(spec_seqs, ks, first_logits)
+            # the verify forward was the target's last: its routing rows are still in the buffer; a run
+            # keeps the rows of the positions it accepted (the rest are computed again next step)
+            routing = self.runner.step_routing(spec_seqs, [k + 1 for k in ks])
+            if routing is not None:
+                routing.store([len(run) for run in runs])
             for i, run in zip(spec, runs):
                 results[i] = run
         return results

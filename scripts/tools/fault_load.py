@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -86,15 +87,21 @@ def launch(cfg: LoadConfig, mode: str) -> tuple[subprocess.Popen, str]:
 
 
 def rss_bytes(pid: int) -> int:
+    """The process's resident bytes; 0 once it is gone."""
     try:
         import psutil
-
-        return int(psutil.Process(pid).memory_info().rss)
     except ImportError:
+        psutil = None
+    if psutil is not None:
+        try:
+            return int(psutil.Process(pid).memory_info().rss)
+        except psutil.NoSuchProcess:
+            return 0
+    with contextlib.suppress(OSError):
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
-        return 0
+    return 0
 
 
 def children(pid: int) -> list[int]:
@@ -110,9 +117,12 @@ def children(pid: int) -> list[int]:
 
 
 def sample_rss(pid: int, tally: Tally, t0: float) -> None:
+    """One memory sample; none once the sidecar is gone (run() reports its exit)."""
     ranks = sum(rss_bytes(p) for p in children(pid))
-    with tally.lock:
-        tally.rss.append((time.monotonic() - t0, rss_bytes(pid), ranks))
+    rss = rss_bytes(pid)
+    if rss:
+        with tally.lock:
+            tally.rss.append((time.monotonic() - t0, rss, ranks))
 
 
 # ---- clients and the abuser -------------------------------------------------------------------------
@@ -543,7 +553,12 @@ def run(cfg: LoadConfig, mode: str, seconds: float) -> tuple[Tally, float, int |
     trainer = threading.Thread(target=Trainer(url, tally, t0).run, args=(deadline, cfg.sync_every), name="trainer")
     try:
         trainer.start()
-        asyncio.run(drive_http(url, tally, cfg, deadline, final_s, trainer))
+        try:
+            asyncio.run(drive_http(url, tally, cfg, deadline, final_s, trainer))
+        except Exception as e:  # the load failed: a dead sidecar is the finding, not this traceback
+            if proc.poll() is None:
+                raise
+            tally.add("unexpected", f"the load stopped: {type(e).__name__}: {e}")
         trainer.join()
         done.set()
         sample_rss(proc.pid, tally, t0)

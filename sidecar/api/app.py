@@ -35,6 +35,7 @@ from inference.core import (
     SamplingParams,
     StateError,
     SyncPolicy,
+    encode_routing,
 )
 from sidecar.api.common import ApiError, ServerState, await_future, error_response, rank_error_to_api
 from sidecar.api.control import WeightsUpdateGate, add_control_routes
@@ -46,6 +47,7 @@ from sidecar.api.models import (
     GenerateRequest,
     GenerateResponse,
     PromptOut,
+    RoutingOut,
     WeightsUpdateRequest,
 )
 from sidecar.api.openai import add_openai_routes
@@ -281,5 +283,6 @@ def _prompt_out(o: RequestOutput) -> PromptOut:
             stop_reason=c.stop_reason,
             top_logprobs=[{str(k): v for k, v in d.items()} for d in c.top_logprobs] if c.top_logprobs else None,
             weight_version_spans=[tuple(s) for s in c.weight_version_spans],
-            draft_version_spans=[tuple(s) for s in c.draft_version_spans], restarts=c.restarts)
+            draft_version_spans=[tuple(s) for s in c.draft_version_spans], restarts=c.restarts,
+            routing=RoutingOut(**encode_routing(c.routing)) if c.routing is not None else None)
             for c in o.outputs])

@@ -40,6 +40,7 @@ class Intake:
     max_response_tokens: int = 1 << 27
     max_chat_messages: int = 4096
     pool: TextPool | None = None  # the tokenizer threads (None: asyncio's default executor)
+    routing_row_bytes: int = 0  # one token's routing (RankPlan.routing_row_bytes); 0: a dense model
 
     async def run_text(self, size: int, fn: Any, *args: Any) -> Any:
         """fn(*args) on a tokenizer thread; `size` (characters or token ids) orders the queue."""
@@ -61,12 +62,20 @@ class Intake:
             raise InvalidRequestError("sampling_params.stop", f"has {chars} characters; at most "
                                       f"{self.max_stop_chars} are accepted (the sidecar's --max-stop-chars)")
         self.check_response([params], "sampling_params.max_tokens")
+        if params.return_routing and not self.routing_row_bytes:
+            raise InvalidRequestError("sampling_params.return_routing", "the served model is dense: it has no "
+                                      "experts to route (return_routing needs an MoE model: qwen3_moe, mixtral)")
 
-    def check_response(self, params: Sequence[SamplingParams], name: str) -> None:
-        """What a call may ask back: the sum of n x max_tokens x (1 + logprobs) over its prompts
-        (InvalidRequestError naming `name`), refused before any work: a 105-byte request could ask for a
-        70 MB answer."""
+    def check_response(self, params: Sequence[SamplingParams], name: str,
+                       prompt_lens: Sequence[int] | None = None) -> None:
+        """What a call may ask back: the sum of n x max_tokens x (1 + logprobs) over its prompts, plus with
+        return_routing (once `prompt_lens` are known) n x (prompt + max_tokens) x the routing row's size in
+        8-byte words (InvalidRequestError naming `name`), refused before any work: a 105-byte request
+        could ask for a 70 MB answer."""
         total = sum(p.n * p.max_tokens * (1 + p.logprobs) for p in params)
+        if prompt_lens is not None:
+            words = -(-self.routing_row_bytes // 8)
+            total += sum(p.n * (n + p.max_tokens) * words for p, n in zip(params, prompt_lens) if p.return_routing)
         if total > self.max_response_tokens:
             raise InvalidRequestError(name, f"asks back up to {total} tokens and logprobs (n x max_tokens x "
                                       f"(1 + logprobs), summed over the prompts); one call may ask for at most "
@@ -101,6 +110,11 @@ class Intake:
             _at(i, check_token_ids, ids, self.vocab_size)
             _at(i, sp.check_limits, self.vocab_size, self.max_model_len, len(ids))
             out.append(TokenizedPrompt(text, ids))
+        if any(p.return_routing for p in params):
+            try:
+                self.check_response(params, "sampling_params.return_routing", [len(t.token_ids) for t in out])
+            except InvalidRequestError as e:
+                raise ApiError(400, type(e).__name__, e.message, e.field) from None
         return out
 
     # ---- chat (/v1/chat/completions, sidecar/api/openai.py): the same limits, one rendered prompt ----
@@ -166,4 +180,5 @@ def build_intake(tokenizer: Any, config: Any, plan: RankPlan) -> Intake:
     pool = TextPool(config.text_workers or default_workers(), config.max_text_queue)
     return Intake(GilFreeTokenizer(tokenizer) if tokenizer is not None else None, plan.vocab_size,
                   plan.max_model_len, config.max_prompt_chars, config.max_request_sequences, config.max_stops,
-                  config.max_stop_chars, config.max_response_tokens, config.max_chat_messages, pool)
+                  config.max_stop_chars, config.max_response_tokens, config.max_chat_messages, pool,
+                  plan.routing_row_bytes)

@@ -83,6 +83,17 @@ class GenerateRequest(_Request, SyncFields):
     wait: bool = Field(True, description=WAIT_DOC)
 
 
+class RoutingOut(BaseModel):
+    """One completion's routing (sampling_params.return_routing; docs/moe.md): the expert ids each MoE layer
+    chose for every token the engine computed, as an array [tokens, moe layers, k] in its raw bytes."""
+
+    data: str = Field(description="base64 of the array's bytes: C order (token, then MoE layer, then the k "
+                                  "experts in the router's order), little-endian")
+    shape: list[int] = Field(description="[tokens, moe layers, k]; tokens = prompt + completion - 1 (every "
+                                         "token but the last, which is never computed; fewer when aborted)")
+    dtype: Literal["uint8", "int16"] = Field(description="uint8, or int16 beyond 256 experts")
+
+
 class CompletionOut(BaseModel):
     index: int
     text: str | None
@@ -99,6 +110,8 @@ class CompletionOut(BaseModel):
                                           "was committed); empty without --draft-model")
     restarts: int = Field(0, description="times a weight sync restarted it from the prompt (on_sync abort, or "
                                          "max_staleness); its tokens are all from after the last restart")
+    routing: RoutingOut | None = Field(None, description="with sampling_params.return_routing: the experts of "
+                                       "every computed token (trainer_hooks decodes it); null otherwise")
 
 
 class PromptOut(BaseModel):

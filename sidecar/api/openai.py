@@ -136,6 +136,9 @@ def check_openai_body(state: ServerState, body: Any) -> None:
             raise _unsupported(name, f"{name} is not supported by this server (send null or leave it out)")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "InvalidRequestError", "only allowed with stream: true", "stream_options")
+    if getattr(body, "return_routing", None):
+        raise _unsupported("return_routing", "an OpenAI response has no place for routing: ask /generate or "
+                                             "/rollouts for it")
 
 
 def _unsupported(name: str, message: str) -> ApiError:

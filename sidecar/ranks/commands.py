@@ -91,6 +91,7 @@ class RankPlan:
     has_tokenizer: bool
     num_threads: int
     warm_up_s: float = 0.0  # the start-up pass that compiled what rollouts run (inference/engine/warm_up.py)
+    routing_row_bytes: int = 0  # one token's routing (moe layers x k expert ids; docs/moe.md); 0: a dense model
 
 
 @dataclass

@@ -505,7 +505,8 @@ class RankServer:
             block_size=llm.config.cache.block_size, max_model_len=llm.max_model_len,
             vocab_size=llm.model_config.vocab_size, models=tuple(sorted(worker.models)),
             model=str(llm.config.model), draft_model=llm.config.draft_model,
-            has_tokenizer=llm.tokenizer is not None, num_threads=torch.get_num_threads(), warm_up_s=llm.warm_up_s)
+            has_tokenizer=llm.tokenizer is not None, num_threads=torch.get_num_threads(), warm_up_s=llm.warm_up_s,
+            routing_row_bytes=worker.runner.routing.row_bytes if worker.runner and worker.runner.routing else 0)
 
     @property
     def rank_key(self) -> str:
