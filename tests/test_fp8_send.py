@@ -14,7 +14,7 @@ import torch
 
 from checksum import ChecksumMismatch
 from inference.config import EngineConfig
-from inference.core import InvalidRequestError
+from inference.core import InvalidRequestError, SamplingParams
 from inference.engine.worker import Worker
 from inference.quant.installed import is_fp8_linear
 from inference.transfer.fp8_payload import payload_specs
@@ -23,8 +23,10 @@ from inference.transfer.sender import WeightSender
 from inference.weights.installed import fp8_layers
 from tests.helpers_fault import flipped_on_arrival, skew_installed
 from tests.helpers_weight_update import Q1, RANK, Link, perturbed, tiny_model_dirs
+from trainer_hooks import WeightSyncHook
 from trainer_hooks.client import records_json
 from trainer_hooks.fp8 import installed_report
+from trainer_hooks.toy_policy import ToyPolicy
 
 D0 = "model.layers.0.mlp.down_proj.weight"  # a row-parallel linear (its scales whole on every TP rank)
 
@@ -188,3 +190,105 @@ def test_a_delta_of_the_fp8_payload_installs_what_a_full_sync_installs(dirs: dic
     assert (sync["mode"], sync["fp8"]) == ("delta", True) and sync["wire_bytes"] < sync["full_bytes"] / 4
     assert Link(full_worker).sync(stepped, 1).report.ok
     assert installed_bytes(delta_worker) == installed_bytes(full_worker)
+
+
+# ---- a real sidecar, synced by WeightSyncHook ------------------------------------------------------------
+def trained_policy(model_dir: Path, seed: int) -> ToyPolicy:
+    """The checkpoint's policy after a 'training step': every weight moved by seeded noise."""
+    policy = ToyPolicy.from_dir(model_dir).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=gen))
+    return policy
+
+
+@pytest.mark.slow
+def test_a_hook_sends_fp8_for_the_fp8_target_and_unquantized_for_the_draft(dirs: dict[str, Path]) -> None:
+    """--quantization fp8 --draft-quantization none: the init answers that only the target takes FP8, so
+    the hook's sender quantizes the target's linears and sends the draft as it is; both audits pass, and
+    the trainer's check of the target's installed digests runs and passes."""
+    from tests.helpers_sidecar import launch
+    from trainer_hooks.client import SidecarClient
+
+    target, draft = trained_policy(dirs["target"], 91), trained_policy(dirs["draft"], 92)
+    server = launch("--model", str(dirs["target"]), "--draft-model", str(dirs["draft"]), "--dtype", "float32",
+                    "--quantization", "fp8", "--draft-quantization", "none")
+    try:
+        with SidecarClient(server.url, timeout=60) as client, \
+                WeightSyncHook(client, target, draft_model=draft, send_fp8=True, log_path=server.log_path) as hook:
+            with hook.training():
+                pass
+            assert hook.stats["audit"] == "ok" and hook.stats["installed_checked"] > 0
+            assert client.weights.fp8_models == {"target"}
+            received = {m: {r["name"] for man in client.checksums(m, "received") for r in man["tensors"]}
+                        for m in ("target", "draft")}
+            assert Q1 + ":fp8" in received["target"] and Q1 not in received["target"]
+            assert not any(":" in name for name in received["draft"])
+            out = hook.rollouts([[5, 17, 33], [100, 3]], SamplingParams(temperature=0.0, max_tokens=6))
+            assert all(o.weight_version == hook.version for o in out)
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fp8_sent_by_a_hook_generates_what_the_offline_quantized_engine_does(tmp_path: Path, tp: int) -> None:
+    """At TP=2 each rank installs its rows or columns of the payload, and the trainer's check cuts the
+    same shares out of the rule's output: it passes on both ranks."""
+    from safetensors.torch import save_file
+
+    from inference.engine.llm import LLM
+    from inference.models.tiny import default_model_dir
+    from tests.helpers_sidecar import launch
+    from tests.test_fp8_engine import dequantized_copy
+    from trainer_hooks import collect_weights
+    from trainer_hooks.client import SidecarClient
+
+    model_dir = default_model_dir()
+    policy = trained_policy(model_dir, 93)
+    trained = tmp_path / "trained"
+    trained.mkdir()
+    for f in Path(model_dir).iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            (trained / f.name).write_bytes(f.read_bytes())
+    save_file({n: t.detach().contiguous() for n, t in collect_weights(policy)}, str(trained / "model.safetensors"))
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [[11, 12, 13, 14, 15], [40, 2, 7]]
+    offline = LLM(dequantized_copy(trained, tmp_path / "deq"), device="cpu", dtype="float32")
+    want = [o.outputs[0].token_ids for o in offline.generate(prompts, greedy)]
+
+    server = launch("--quantization", "fp8", "--tp", str(tp))
+    try:
+        with SidecarClient(server.url, timeout=60) as client, \
+                WeightSyncHook(client, policy, send_fp8=True, log_path=server.log_path) as hook:
+            with hook.training():
+                pass
+            linears = sum(is_fp8_linear(n) for n, _ in collect_weights(policy))
+            assert hook.stats["audit"] == "ok" and hook.stats["installed_checked"] == 2 * linears * tp
+            assert hook._sender is not None and hook._sender.last_sync["fp8"]
+            assert [o.outputs[0].token_ids for o in hook.rollouts(prompts, greedy)] == want
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_a_rank_that_installs_other_bytes_fails_the_hooks_audit_naming_tensor_and_rank() -> None:
+    """The rank quantizes one tensor from a skewed copy (tests/fault_injection): its own audits pass, the
+    trainer's check of its installed digests does not, and the hook raises AuditError naming both."""
+    from inference.models.tiny import default_model_dir
+    from tests.helpers_fault import skew_env
+    from tests.helpers_sidecar import launch
+    from trainer_hooks.client import SidecarClient
+    from trainer_hooks.hook import AuditError
+
+    policy = trained_policy(default_model_dir(), 94)
+    server = launch("--quantization", "fp8", env=skew_env(D0))
+    try:
+        with SidecarClient(server.url, timeout=60) as client, \
+                WeightSyncHook(client, policy, log_path=server.log_path) as hook:
+            with pytest.raises(AuditError) as err, hook.training():
+                pass
+            assert D0 in str(err.value) and RANK in str(err.value) and "installed FP8" in str(err.value)
+    finally:
+        server.stop()
