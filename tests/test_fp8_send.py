@@ -227,6 +227,13 @@ def test_a_hook_sends_fp8_for_the_fp8_target_and_unquantized_for_the_draft(dirs:
             assert not any(":" in name for name in received["draft"])
             out = hook.rollouts([[5, 17, 33], [100, 3]], SamplingParams(temperature=0.0, max_tokens=6))
             assert all(o.weight_version == hook.version for o in out)
+            synced = hook.version
+        # a trainer that comes back attaches without a sync: what the target received was the FP8 payload
+        # of these weights, and the new hook's check says so
+        with SidecarClient(server.url, timeout=60) as client, \
+                WeightSyncHook(client, target, sync_on_attach=False, send_fp8=True) as hook:
+            assert hook.rollouts([[5, 17, 33]], SamplingParams(temperature=0.0, max_tokens=2))
+            assert hook.version == synced and hook.syncs == 0
     finally:
         server.stop()
 

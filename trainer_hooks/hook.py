@@ -33,7 +33,9 @@ from torch import nn
 
 from checksum import Manifest, compare, digest_tensors
 from inference.core import SamplingParams, SidecarError, StateError
+from inference.quant.installed import installed_part
 from inference.transfer.backends import check_backend, default_backend
+from inference.transfer.fp8_payload import payload_tensors
 from inference.transfer.sender import WeightSender
 from trainer_hooks.client_errors import SidecarChecksumError, SidecarConnectionError, SidecarUnavailableError
 from trainer_hooks.fleet import Fleet
@@ -355,6 +357,8 @@ class WeightSyncHook:
         except SidecarError as e:
             raise AttachError(f"the sidecar at {_where(self.client)} serves target v{live}, whose digests cannot "
                               f"be read to compare with the trainer's ({e}): {fix}") from e
+        if any(installed_part(r.name) is not None for r in received[0].records):
+            named = payload_tensors(named)  # it was synced with FP8 on send: it received the FP8 payload
         mine = Manifest("target", int(live), received[0].rank, tuple(digest_tensors(
             [(n, t.detach()) for n, t in named], algorithm=received[0].algorithm)), received[0].algorithm)
         for theirs in received:
