@@ -164,14 +164,19 @@ def test_fp8_on_send_is_negotiated_at_init(dirs: dict[str, Path]) -> None:
     assert err.value.field.endswith(":fp8") and "send_fp8=True" in str(err.value)
 
 
-def test_a_manifest_with_half_a_payload_is_refused_naming_the_missing_half(dirs: dict[str, Path]) -> None:
+def test_a_manifest_with_half_a_payload_or_a_misshapen_one_is_refused_naming_the_tensor(dirs: dict[str, Path]) -> None:
     worker = worker_of(dirs)
     Link(worker, send_fp8=True)
-    specs = [s for s in payload_specs([TensorSpec.of(n, t) for n, t in perturbed(dirs["target"], 88).items()])
-             if s.name != Q1 + ":scale"]
+    specs = payload_specs([TensorSpec.of(n, t) for n, t in perturbed(dirs["target"], 88).items()])
+    half = [s for s in specs if s.name != Q1 + ":scale"]
     with pytest.raises(InvalidRequestError) as err:
-        worker.weights.start("target", 1, {"version": 1, "tensors": [s.to_dict() for s in specs]})
+        worker.weights.start("target", 1, {"version": 1, "tensors": [s.to_dict() for s in half]})
     assert err.value.field == Q1 + ":scale" and "missing" in str(err.value)
+    fp16_scales = [TensorSpec(s.name, "float16", s.shape) if s.name == Q1 + ":scale" else s for s in specs]
+    with pytest.raises(InvalidRequestError) as err:
+        worker.weights.start("target", 1, {"version": 1, "tensors": [s.to_dict() for s in fp16_scales]})
+    assert err.value.field == Q1 + ":scale" and "float32" in str(err.value) and RANK in str(err.value)
+    assert not worker.weights.torn["target"]
 
 
 def test_a_delta_of_the_fp8_payload_installs_what_a_full_sync_installs(dirs: dict[str, Path]) -> None:

@@ -366,7 +366,8 @@ class UpdateTarget:
         return [records[r.spec.name] for r in self.routes]
 
     def installed_report(self) -> Report:
-        """The FP8 weights as held against the rule's bytes of what was received (empty without FP8)."""
+        """The FP8 weights as held against the bytes installed into them: the rule's output on what was
+        received, or this rank's share of a payload quantized on send (empty without FP8)."""
         return self.installed.report() if self.installed is not None else Report.build((), [self.rank], 0)
 
     def installed_records(self, received: Sequence[TensorRecord]) -> list[TensorRecord]:
