@@ -48,10 +48,10 @@ def worker_of(dirs: dict[str, Path], dtype: str = "float32", quantization: str =
 def installed_bytes(worker: Worker, which: str = "target") -> dict[str, bytes]:
     """Every tensor the model computes with, FP8 weights and their scales included, as raw bytes."""
     model = worker.models[which]
-    out = {name: p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    out = {name: p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
            for name, p in model.named_parameters()}
     for name, layer in fp8_layers(model).items():
-        out[name + "_scale"] = layer.weight_scale.contiguous().view(torch.uint8).numpy().tobytes()
+        out[name + "_scale"] = layer.weight_scale.cpu().contiguous().view(torch.uint8).numpy().tobytes()
     return out
 
 
