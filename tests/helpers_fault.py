@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-FLIP_VARIABLE = "TEST_FLIP_ON_ARRIVAL"  # these three are read only by tests/fault_injection/sitecustomize.py
+FLIP_VARIABLE = "TEST_FLIP_ON_ARRIVAL"  # these four are read only by tests/fault_injection/sitecustomize.py
 FLIP_RANK_VARIABLE = "TEST_FLIP_RANK"
 FLIP_TIMES_VARIABLE = "TEST_FLIP_TIMES"
+SKEW_VARIABLE = "TEST_SKEW_INSTALLED"
 _SITE = Path(__file__).resolve().parent / "fault_injection"
 
 
@@ -75,6 +76,32 @@ def flip_env(name: str, rank: str | None = None, times: int | None = None) -> di
     path = os.pathsep.join(p for p in (str(_SITE), str(_SITE.parent.parent), os.environ.get("PYTHONPATH", "")) if p)
     return {"PYTHONPATH": path, FLIP_VARIABLE: name, FLIP_RANK_VARIABLE: rank or "",
             FLIP_TIMES_VARIABLE: "" if times is None else str(times)}
+
+
+def skew_installed(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """An FP8 rank quantizes HF tensor `name` from a copy whose first element is doubled: it installs bytes
+    the rule does not give for what it received, and stays consistent with itself (its received digest is
+    of the true bytes, its installed audit compares with what it quantized), so only a check against the
+    rule applied elsewhere (the trainer's) tells."""
+    from inference.weights.installed import InstalledAudit
+
+    put = InstalledAudit.put
+
+    def skewed(tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.clone()
+        out.view(-1)[:1].mul_(2)
+        return out
+
+    def skewed_put(self: InstalledAudit, items: Sequence[tuple]) -> None:
+        put(self, [(spec, param, shard, skewed(t) if spec.name == name else t) for spec, param, shard, t in items])
+
+    monkeypatch.setattr(InstalledAudit, "put", skewed_put)
+
+
+def skew_env(name: str) -> dict[str, str]:
+    """The environment of a subprocess whose FP8 ranks install tensor `name` skewed (skew_installed)."""
+    path = os.pathsep.join(p for p in (str(_SITE), str(_SITE.parent.parent), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, SKEW_VARIABLE: name}
 
 
 def flip_held_after_landing(monkeypatch: pytest.MonkeyPatch, weights: object, param: torch.Tensor) -> None:

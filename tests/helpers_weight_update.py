@@ -63,10 +63,10 @@ class Link:
     """A sender on this process, connected to `worker` (the sender's calls run on a thread)."""
 
     def __init__(self, worker: Worker, bucket_bytes: int = BUCKET, timeout_s: float = 20.0,
-                 digest_algorithm: str | None = None, delta: bool = False) -> None:
+                 digest_algorithm: str | None = None, delta: bool = False, send_fp8: bool = False) -> None:
         self.worker = worker
         self.sender = WeightSender("gloo", bucket_bytes=bucket_bytes, timeout_s=timeout_s,
-                                   digest_algorithm=digest_algorithm, delta=delta)
+                                   digest_algorithm=digest_algorithm, delta=delta, send_fp8=send_fp8)
         info = self.sender.init_info()
         with ThreadPoolExecutor(1) as pool:
             connecting = pool.submit(self.sender.connect)
@@ -75,8 +75,8 @@ class Link:
 
     def sync(self, state: dict[str, torch.Tensor], version: int, which: str = "target",
              allow_cast: bool = False, sent: dict[str, torch.Tensor] | None = None,
-             held_manifest: bool = False) -> UpdateResult:
-        manifest = self.sender.manifest(state, version)
+             held_manifest: bool = False, fp8: bool | None = None) -> UpdateResult:
+        manifest = self.sender.manifest(state, version, fp8=fp8)
         self.worker.weights.start(which, version, manifest, allow_cast=allow_cast)
         digests = self.transfer(sent if sent is not None else state)
         return self.worker.weights.finish(digests, held_manifest=held_manifest)

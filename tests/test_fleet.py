@@ -143,7 +143,7 @@ class FakeSender:
     def connect(self) -> None:
         self.connected = True
 
-    def manifest(self, named: Any, version: int) -> dict[str, Any]:
+    def manifest(self, named: Any, version: int, fp8: bool = False) -> dict[str, Any]:
         return {"version": version, "tensors": [], "algorithm": "x"}
 
     def send(self, named: Any, deliver_digests: bool = False, owner: str | None = None) -> list[Any]:

@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from sidecar.api.app import ServerState, create_app
 from sidecar.api.metrics import Metrics
 from sidecar.config import LaunchConfig
-from sidecar.ranks.commands import ErrorInfo, RankPlan, SyncResult, UpdateReply
+from sidecar.ranks.commands import ErrorInfo, RankPlan, SyncResult, TransferJoined, UpdateReply
 from sidecar.ranks.driver import RankError
 from trainer_hooks.sync import SYNC_PROTOCOL
 
@@ -52,6 +52,8 @@ class StubDriver:
         elif type(cmd).__name__ == "UpdateWeights":
             result = SyncResult("target", 3, RANK, True, "ok", 7, "xxh3_64_seg64k", 0.0015)
             fut.set_result([UpdateReply(0.001, result)])
+        elif type(cmd).__name__ == "InitWeightTransfer":
+            fut.set_result([TransferJoined()])  # the rank joined; it holds no model in FP8
         else:
             fut.set_result([False])  # AbortWeightUpdate: no session was open
         return fut

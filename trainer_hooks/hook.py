@@ -12,9 +12,10 @@ Versions: the first sync uses the live target version + 1; each passing sync adv
 (a retried sync uses a fresh number). The draft is synced after the target under the same version.
 
 Failure rules: an audit mismatch raises AuditError carrying the report table (or, with
-retry_on_mismatch, re-sends once first). A sidecar that cannot be reached or whose ranks died
-raises SidecarGoneError, with the tail of its log when the hook knows the log path. Every client
-call has a timeout (the client's), so nothing hangs forever.
+retry_on_mismatch, re-sends once first); on an FP8 sidecar that includes the installed FP8 digests each
+rank reports against the rule applied to the trainer's copy (trainer_hooks/fp8.py, docs/fp8.md). A
+sidecar that cannot be reached or whose ranks died raises SidecarGoneError, with the tail of its log when
+the hook knows the log path. Every client call has a timeout (the client's), so nothing hangs forever.
 """
 
 from __future__ import annotations
@@ -32,10 +33,13 @@ from torch import nn
 
 from checksum import Manifest, compare, digest_tensors
 from inference.core import SamplingParams, SidecarError, StateError
+from inference.quant.installed import installed_part
 from inference.transfer.backends import check_backend, default_backend
+from inference.transfer.fp8_payload import payload_tensors
 from inference.transfer.sender import WeightSender
 from trainer_hooks.client_errors import SidecarChecksumError, SidecarConnectionError, SidecarUnavailableError
 from trainer_hooks.fleet import Fleet
+from trainer_hooks.fp8 import installed_report
 from trainer_hooks.logprob_gap import REPLAY_STATS_PREFIX, measure_logprob_gap
 from trainer_hooks.rollout_pool import DEFAULT_POOL, RolloutTake, staleness, sync_fields
 from trainer_hooks.sources import collect_weights, peft_adapter_weights, peft_base_weights
@@ -81,7 +85,8 @@ class WeightSyncHook:
                  sender_rank: int = 0, allow_cast: bool = False, log_path: str | Path | None = None,
                  transfer_timeout_s: float = 120.0, logprob_gap: bool = False,
                  trainer_host: str | None = None, rollout_pool: str = DEFAULT_POOL,
-                 sync_on_attach: bool = True, delta: bool = False, adapter_only: bool = False) -> None:
+                 sync_on_attach: bool = True, delta: bool = False, adapter_only: bool = False,
+                 send_fp8: bool = False) -> None:
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level!r}")
         if sync_every < 1 or grad_accum_steps < 1:
@@ -100,6 +105,8 @@ class WeightSyncHook:
         self.logprob_gap = logprob_gap  # measure the trainer-vs-rollout gap after each rollouts() call
         self.rollout_pool = rollout_pool  # the sidecar's pool of partial rollouts (rollouts(min_groups=...))
         self.delta = delta  # senders it builds send only what changed after a full sync (docs/sync-modes.md)
+        # senders it builds quantize the linears on send for the models the sidecar holds in FP8 (docs/fp8.md)
+        self.send_fp8 = send_fp8
         # `model` (and `draft_model`) are PEFT LoRA models served unmerged (sidecar launch --lora, --draft-lora):
         # each sync sends their adapter tensors alone, and the base beside them only after the sidecar's
         # weights were dropped (level 2) or a sync failed
@@ -355,6 +362,8 @@ class WeightSyncHook:
         except SidecarError as e:
             raise AttachError(f"the sidecar at {_where(self.client)} serves target v{live}, whose digests cannot "
                               f"be read to compare with the trainer's ({e}): {fix}") from e
+        if any(installed_part(r.name) is not None for r in received[0].records):
+            named = payload_tensors(named)  # it was synced with FP8 on send: it received the FP8 payload
         mine = Manifest("target", int(live), received[0].rank, tuple(digest_tensors(
             [(n, t.detach()) for n, t in named], algorithm=received[0].algorithm)), received[0].algorithm)
         for theirs in received:
@@ -428,6 +437,8 @@ class WeightSyncHook:
         attempts = 2 if self.retry_on_mismatch else 1
         for attempt in range(attempts):
             report = self._send_once(model, named, version)
+            if report.get("ok") and self.audit and report.get("installed"):
+                report = self._check_installed(model, named, report)
             if report.get("ok") or not self.audit:
                 if not report.get("ok"):
                     log.warning("audit of %s v%d failed (audit=False): %s", model, version, report.get("summary"))
@@ -441,6 +452,19 @@ class WeightSyncHook:
                     peft = self.model if model == "target" else self.draft_model
                     named = [*peft_base_weights(peft), *peft_adapter_weights(peft)]
         raise AuditError(model, version, report)
+
+    def _check_installed(self, model: str, named: list[tuple[str, torch.Tensor]],
+                         report: dict[str, Any]) -> dict[str, Any]:
+        """The FP8 ranks' installed digests against the rule applied to the trainer's own tensors: the report
+        as given when they match, else a failed one naming each tensor and rank (that version is live on
+        the sidecar already: its own audits passed on bytes other than the trainer's rule gives)."""
+        t0 = time.perf_counter()
+        checked = installed_report(named, report["installed"], str(report.get("algorithm")), model)
+        self.stats.update(installed_audit_ms=_ms(t0), installed_checked=checked.tensors_checked)
+        if checked.ok:
+            return report
+        return {"ok": False, "summary": "the installed FP8 weights differ from the trainer's rule: "
+                + checked.summary(), "table": checked.table(max_rows=50)}
 
     def _send_once(self, model: str, named: list[tuple[str, torch.Tensor]], version: int) -> dict[str, Any]:
         sender = self._get_sender()  # a Fleet takes the maker too
@@ -483,7 +507,8 @@ class WeightSyncHook:
         urls = [r.url for r in self.client.replicas] if isinstance(self.client, Fleet) else [
             str(getattr(self.client, "url", ""))]
         kwargs: dict[str, Any] = {"num_receivers": num_receivers, "timeout_s": self.transfer_timeout_s,
-                                  "master_host": self.trainer_host or trainer_host(urls), "delta": self.delta}
+                                  "master_host": self.trainer_host or trainer_host(urls), "delta": self.delta,
+                                  "send_fp8": self.send_fp8}
         if transfer.get("bucket_bytes"):
             kwargs["bucket_bytes"] = int(transfer["bucket_bytes"])
         if check_backend(backend).cuda:

@@ -17,6 +17,9 @@ by `Fleet` (every rank of every replica in one transfer group); sidecar/api/cont
   (restarted) answers 400 on `manifest.layout`, and the round runs again with the tensors.
 - Delta syncs are the sender's (WeightSender(delta=True), negotiated in its init_info): each sync is still
   this one round; the ranks and the sender decide delta or full over the group (inference/transfer/delta.py).
+- FP8 on send is the sender's too (WeightSender(send_fp8=True), in its init_info): each init answers the
+  models every rank holds in FP8, and a sync sends the FP8 payload only for a model that every sidecar of
+  the group holds in FP8 (else the tensors as given, which an FP8 rank quantizes on receive).
 - A fleet's group: the sender is rank 0; rank k of member j is 1 + (the ranks of the members before j) + k,
   given to each member as InitInfo.ranks; the group is reused while its members (and their pids) stay.
 """
@@ -54,6 +57,7 @@ class SyncPeer:
         self.wire, self.timeout = wire, timeout
         self.layouts: set[str] = set()
         self.session: dict[str, str] | None = None  # what the last init answered: every update carries it
+        self.fp8_models: frozenset[str] = frozenset()  # the models every rank holds in FP8 (the last init's)
 
     def init(self, init_info: Mapping[str, Any], nonce: str | None = None) -> dict[str, Any]:
         """POST /weights/init: join the sender's group, speaking SYNC_PROTOCOL (module docstring). `nonce`:
@@ -72,6 +76,7 @@ class SyncPeer:
             raise SidecarProtocolError(409, PROTOCOL_MISMATCH, f"the sidecar speaks weight-sync protocol {theirs}, "
                                        f"this client protocol {SYNC_PROTOCOL}", "protocol")
         self.session = answer.get("session")
+        self.fp8_models = frozenset(answer.get("fp8_models") or ())
         return answer
 
     def update(self, start: Mapping[str, Any], update_info: Any = None, *, bind_sender: bool = False) -> Pending:
@@ -127,7 +132,8 @@ def sync_round(sender: Any, peers: Mapping[Hashable, SyncPeer], named: list[tupl
                model: str, allow_cast: bool) -> tuple[dict[Hashable, Any], BaseException | None]:
     """Start, send, answer on every peer of the sender's group (module docstring). Returns each peer's
     answer (its audit in "audit") or error, and send()'s error."""
-    manifest = sender.manifest(named, version)
+    fp8 = bool(getattr(sender, "send_fp8", False)) and all(model in p.fp8_models for p in peers.values())
+    manifest = sender.manifest(named, version, fp8=fp8)
     owner = next((p.session["nonce"] for p in peers.values() if p.session), None)
     for short in (True, False):
         starts = {k: p.start_body(version, manifest, model, allow_cast, short=short) for k, p in peers.items()}
@@ -139,7 +145,7 @@ def sync_round(sender: Any, peers: Mapping[Hashable, SyncPeer], named: list[tupl
         if stale and error is not None:
             for k in stale:  # e.g. a restarted sidecar: send the tensors
                 peers[k].layouts.discard(manifest["layout"])
-            manifest = sender.manifest(named, version)  # arm the sender again for the second send()
+            manifest = sender.manifest(named, version, fp8=fp8)  # arm the sender again for the second send()
             continue
         layout = manifest_layout(manifest)
         for k, a in answers.items():

@@ -85,6 +85,11 @@ class _Fp8Weight(nn.Module):
         (check: quant.fp8.row_scales)."""
         raise NotImplementedError
 
+    def shard_quantized(self, full: torch.Tensor, part: str, shard_id: ShardId) -> torch.Tensor:
+        """This rank's share, on the weight's device, of a FULL tensor quantized by the rule elsewhere (on
+        send): `part` "fp8" (the HF tensor's values [N, K]) or "scale" (its row scales [N])."""
+        raise NotImplementedError
+
     def install(self, loaded: torch.Tensor, shard_id: ShardId, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize the FULL HF tensor's part and write it into its region; returns what was written."""
         q, scale = self.quantize_part(loaded, shard_id, check)
@@ -146,6 +151,9 @@ class ColumnParallelLinear(_Fp8Weight):
                       check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self._row_shard(loaded, self._part(shard_id)[1])  # a row's bytes are its own: shard first
         return quantize_rows(rows.to(self.weight.device), "weight", check)
+
+    def shard_quantized(self, full: torch.Tensor, part: str, shard_id: ShardId) -> torch.Tensor:
+        return self._row_shard(full, self._part(shard_id)[1]).to(self.weight.device)  # values and scales by rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.product(x, self.bias, self.invariant)
@@ -228,6 +236,11 @@ class RowParallelLinear(_Fp8Weight):
         q, scale = quantize_rows(loaded.to(self.weight.device), "weight", check)
         n = self.in_features_local
         return q.narrow(1, self.tp.rank * n, n).contiguous(), scale
+
+    def shard_quantized(self, full: torch.Tensor, part: str, shard_id: ShardId) -> torch.Tensor:
+        assert shard_id is None, shard_id
+        n = self.in_features_local  # the values split by columns; every rank holds all of the row scales
+        return (full.narrow(1, self.tp.rank * n, n) if part == "fp8" else full).to(self.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

@@ -75,6 +75,9 @@ class InitInfo:
     ranks: dict[str, int] | None = None
     auth: str | None = None
     delta: bool = False  # every sync of the session starts with the delta offer (inference/transfer/delta.py)
+    # the sender may send FP8 payloads, quantized on send (inference/transfer/fp8_payload.py); every rank
+    # refuses the init when it holds no model in FP8, and answers which of its models take them
+    send_fp8: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -89,7 +92,7 @@ class InitInfo:
         unknown = sorted(set(d) - known)
         if unknown:
             raise InvalidRequestError(f"init_info.{unknown[0]}", f"unknown field (known: {sorted(known)})")
-        missing = sorted(known - {"ranks", "auth", "delta"} - set(d))
+        missing = sorted(known - {"ranks", "auth", "delta", "send_fp8"} - set(d))
         if missing:
             raise InvalidRequestError(f"init_info.{missing[0]}", "missing field")
         info = cls(**d)
@@ -119,8 +122,9 @@ class InitInfo:
             raise bad("timeout_s", f"must be a positive number, got {self.timeout_s!r}")
         if not isinstance(self.session_id, str) or not self.session_id:
             raise bad("session_id", "must be a non-empty string")
-        if not isinstance(self.delta, bool):
-            raise bad("delta", f"must be true or false, got {self.delta!r}")
+        for name in ("delta", "send_fp8"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, f"must be true or false, got {getattr(self, name)!r}")
         if self.auth is not None and (not isinstance(self.auth, str) or len(self.auth) < 16):
             raise bad("auth", "must be the session's secret, a string of 16 or more characters")
 

@@ -14,7 +14,10 @@ How the bytes move is the backend's (inference/transfer/backends/): the sender b
 the registry by name and keeps it across sessions. gloo and nccl pack bucket k+1 while bucket k is on
 the wire; ipc lets the ranks copy straight from the trainer's GPU memory (inference/transfer/ipc.py).
 With `delta=True` (negotiated in init_info) a sync moves only what changed since the copy every rank
-holds, or the full tensors when some rank does not hold it (inference/transfer/delta.py).
+holds, or the full tensors when some rank does not hold it (inference/transfer/delta.py). With
+`send_fp8=True` (negotiated likewise) a sync into a model the ranks hold in FP8 sends each linear weight
+quantized by the FP8 rule, values and row scales (inference/transfer/fp8_payload.py): digests, a delta and
+the byte counters are then of that payload.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from inference.transfer.backends.base import TransferBackend, backend_class
 from inference.transfer.delivery import PLAN_SUFFIX, send_digests
 from inference.transfer.delta import CODES, DeltaLayout, KeptCopy, offer_agreed, offer_values
 from inference.transfer.digests import PendingRecords, RecordDigests, check_algorithm
+from inference.transfer.fp8_payload import payload_specs, payload_tensors
 from inference.transfer.groups import (
     InitInfo,
     TransferError,
@@ -58,10 +62,12 @@ class WeightSender:
     def __init__(self, backend: str = "gloo", *, num_receivers: int = 1, master_host: str = "127.0.0.1",
                  master_port: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 120.0,
                  device: torch.device | str | None = None, ipc_mode: str = "auto",
-                 digest_algorithm: str | None = None, delta: bool = False) -> None:
+                 digest_algorithm: str | None = None, delta: bool = False, send_fp8: bool = False) -> None:
         """`digest_algorithm`: the digest rule of every sync (None: picked per sync from the tensors).
         `delta`: after a full sync, send only the elements that changed (module docstring); the sender
-        then keeps a copy of what it sent, where the tensors live (one model's bytes)."""
+        then keeps a copy of what it sent, where the tensors live (one model's bytes).
+        `send_fp8`: quantize the linear weights here and send FP8 values and scales (module docstring);
+        each sync's manifest() says whether it does (its `fp8`)."""
         spec = check_backend(backend, "backend")
         if ipc_mode not in IPC_MODES:
             raise InvalidRequestError("ipc_mode", f"must be one of {list(IPC_MODES)}, got {ipc_mode!r}")
@@ -80,9 +86,11 @@ class WeightSender:
         self._next_info: InitInfo | None = None  # handed out by init_info(), consumed by connect()
         self._group: TransferGroup | None = None
         self.digest_algorithm = digest_algorithm
-        self._pending: tuple[int, ParsedManifest, str] | None = None  # (version, specs, algorithm) of manifest()
+        # (version, wire specs, algorithm, whether the payload is FP8) of manifest()
+        self._pending: tuple[int, ParsedManifest, str, bool] | None = None
         self._last_specs: ParsedManifest | None = None  # reused while the layout repeats (memoized plan)
         self._last_meta: list[tuple[str, torch.dtype, torch.Size, torch.device]] = []  # _last_specs' source
+        self._last_fp8 = False  # whether _last_specs are the FP8 payload's
         self._picked = ""  # pick_algorithm over the tensors _last_meta describes (their devices)
         self._algorithm: str | None = None  # of the last manifest()
         self._end: TransferBackend = backend_class(spec)(spec, self.device, "sender", bucket_bytes, ipc_mode)
@@ -90,8 +98,11 @@ class WeightSender:
         self._digest_streams: dict[torch.device, Any] = {}
         self._warmed = False  # the digest kernel is compiled for self.device (connect())
         self.delta = bool(delta)
+        self.send_fp8 = bool(send_fp8)
         self.kept = KeptCopy()  # the base of the next delta (used only with delta=True)
-        self.last_sync: dict[str, Any] = {}  # how the last send() went: mode, wire bytes, encodings
+        # how the last send() went: mode (full or delta), fp8 (the payload was quantized here), wire_bytes
+        # (moved), full_bytes (a full sync of the wire form), source_bytes (the tensors as given), encodings
+        self.last_sync: dict[str, Any] = {}
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def init_info(self) -> dict[str, Any]:
@@ -105,7 +116,7 @@ class WeightSender:
         if self._next_info is None:
             self._next_info = InitInfo(self.backend, self._host, self._store.port, self.num_receivers + 1,
                                        self.bucket_bytes, float(self.timeout_s), new_session_id(),
-                                       auth=new_session_secret(), delta=self.delta)
+                                       auth=new_session_secret(), delta=self.delta, send_fp8=self.send_fp8)
         return self._next_info.to_dict()
 
     def connect(self) -> None:
@@ -153,24 +164,33 @@ class WeightSender:
         return self._group is not None and self._group.broken is None
 
     # ---- one sync -----------------------------------------------------------------------------
-    def manifest(self, named_tensors: NamedTensors, version: int) -> dict[str, Any]:
+    def manifest(self, named_tensors: NamedTensors, version: int, *, fp8: bool | None = None) -> dict[str, Any]:
         """What the sidecar's start_weight_update takes: {"version", "tensors": [spec dicts in send order],
         "algorithm": the digest rule of this sync, "layout": the key that may stand for "tensors" once the
         receivers parsed them (inference/transfer/plan.py ManifestCache)}. The dicts are fresh each call.
         The rule (inference/transfer/digests.py): the device rule for CUDA tensors, the host rule for CPU
-        tensors, unless `digest_algorithm` fixes one; every receiver knows it at start."""
+        tensors, unless `digest_algorithm` fixes one; every receiver knows it at start.
+        `fp8`: this sync sends the FP8 payload (None: `send_fp8`); only for a model every rank holds in FP8
+        (the sidecar's init answers which: trainer_hooks/sync.py), a rank refuses it otherwise."""
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise InvalidRequestError("version", f"must be an integer >= 0, got {version!r}")
+        fp8 = self.send_fp8 if fp8 is None else bool(fp8)
+        if fp8 and not self.send_fp8:
+            raise InvalidRequestError("fp8", "this sender was made without send_fp8=True, so its session did not "
+                                      "negotiate FP8 payloads and the ranks refuse them")
         items = _items(named_tensors)
         meta = [(name, t.dtype, t.shape, t.device) for name, t in items]
-        if self._last_specs is None or meta != self._last_meta:  # parse a layout once, not every sync
+        if self._last_specs is None or meta != self._last_meta or fp8 != self._last_fp8:  # parse a layout once
             specs = tuple(TensorSpec.of(name, t) for name, t in items)
+            if fp8:
+                specs = tuple(payload_specs(specs))
             if self._last_specs is None or self._last_specs.specs != specs:
                 self._last_specs = ParsedManifest(specs)
-            self._last_meta, self._picked = meta, pick_algorithm(t for _, t in items)
+            self._last_meta, self._last_fp8 = meta, fp8
+            self._picked = pick_algorithm(t for _, t in items)
         fixed = self.digest_algorithm
         algorithm = check_algorithm(fixed, "digest_algorithm") if fixed is not None else self._picked
-        self._pending, self._algorithm = (version, self._last_specs, algorithm), algorithm
+        self._pending, self._algorithm = (version, self._last_specs, algorithm, fp8), algorithm
         return {"version": version, "tensors": [s.to_dict() for s in self._last_specs],
                 "algorithm": algorithm, "layout": self._last_specs.layout_key}
 
@@ -202,10 +222,17 @@ class WeightSender:
             raise StateError("send() before manifest(): the receivers need the manifest to start")
         if deliver_digests and not digest:
             raise InvalidRequestError("deliver_digests", "needs digest=True: there is nothing to deliver")
-        version, specs, algorithm = self._pending
+        version, specs, algorithm, fp8 = self._pending
         items = _items(named_tensors)
+        source_bytes = sum(t.numel() * t.element_size() for _, t in items)
+        problem: InvalidRequestError | None = None
+        if fp8:  # quantized here, on the tensors' device: a refused tensor stops the sync at the agreement
+            try:
+                items = payload_tensors(items)
+            except InvalidRequestError as e:
+                problem = e
         tensors = [t for _, t in items]  # every reader (packer, exporter, digests) detaches on its own
-        problem = _mismatch(specs, items)
+        problem = problem or _mismatch(specs, items)
         # Started before the agreement: the receivers are still on their way to it (their start and update
         # requests), so the launch's host work and the kernel cost them nothing, and the kernel is done
         # before their copies compete for the GPU. A failure to start is raised after the status step,
@@ -273,8 +300,9 @@ class WeightSender:
             self.kept.forget()
             raise failure
         self._pending = None
-        self.last_sync = {"mode": "delta" if delta is not None else "full",
-                          "wire_bytes": sum(s.nbytes for s in wire_specs), "full_bytes": sum(s.nbytes for s in specs)}
+        self.last_sync = {"mode": "delta" if delta is not None else "full", "fp8": fp8,
+                          "wire_bytes": sum(s.nbytes for s in wire_specs), "full_bytes": sum(s.nbytes for s in specs),
+                          "source_bytes": source_bytes}
         if delta is not None:
             self.last_sync["encodings"] = delta[0].counts()
         if self.delta:  # every rank wrote it (the status step passed): the base of the next delta

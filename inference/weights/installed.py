@@ -1,16 +1,18 @@
-"""The second audit of an FP8 rank: the weights it computes with, as installed, against the rule.
+"""The second audit of an FP8 rank: the weights it computes with, as installed, against what it was sent.
 
-A synced tensor bound for an FP8 linear (inference/layers/linear.py, `fp8`) arrives in the sender's dtype
-(bf16 as trainers hold it), and its received digest is audited as every tensor's is. `InstalledAudit.put`
-quantizes it on the parameter's device as it lands (the layer's `install`: the rule of
-inference/quant/fp8.py over each FULL row, this rank's slice written; one host read per call checks
-every tensor's scales are finite, and names a tensor that was not) and digests what the rule gave
-(`name:fp8`, `name:scale`: inference/quant/installed.py). At finish, `report` digests the regions the
-parameters hold and names every tensor and the rank where they differ: a byte flipped or torn between
-the install and the audit fails the sync, as a flipped received byte does. The expected bytes are the
-rule's output on the audited received bytes, so they are the bytes the trainer computes from its own
-copy (`installed_records`; the rule is bit-exact across devices); the check costs one quantization and
-two digests of the FP8 bytes (half of bf16's) per sync.
+A synced tensor bound for an FP8 linear (inference/layers/linear.py, `fp8`) arrives in one of two forms.
+In the sender's dtype (bf16 as trainers hold it): `InstalledAudit.put` quantizes it on the parameter's
+device as it lands (the layer's `install`: the rule of inference/quant/fp8.py over each FULL row, this
+rank's slice written; one host read per call checks every tensor's scales are finite, and names a tensor
+that was not) and digests what the rule gave (`name:fp8`, `name:scale`: inference/quant/installed.py).
+Or quantized on send (inference/transfer/fp8_payload.py): `name:fp8` and `name:scale` as the sender's
+rule gave them; a TP=1 rank copies each straight into its region (its received digest is taken there),
+and `place` writes this rank's slice of each on any other rank and digests that slice.
+Either way the received digests are audited as every tensor's are, and at finish `report` digests the
+regions the parameters hold and names every tensor and the rank where they differ from what was written:
+a byte flipped or torn between the install and the audit fails the sync, as a flipped received byte does.
+`held` keeps those digests: the rank reports them, and the trainer, which applies the same rule to its own
+copy, checks them too (trainer_hooks/fp8.py).
 """
 
 from __future__ import annotations
@@ -35,12 +37,13 @@ def fp8_layers(model: nn.Module) -> dict[str, nn.Module]:
 
 
 class InstalledAudit:
-    """One session's FP8 installs: what the rule gave per tensor, and the check of what is held at finish."""
+    """One session's FP8 installs: what was written per tensor, and the check of what is held at finish."""
 
     def __init__(self, layers: dict[str, nn.Module], which: str, rank: str, algorithm: str) -> None:
         self.layers, self.which, self.rank, self.algorithm = layers, which, rank, algorithm
         self._expected: dict[str, TensorRecord] = {}
-        self._regions: list[tuple[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        self._regions: list[tuple[str, torch.Tensor]] = []  # (record name, the region it is held in)
+        self.held: list[TensorRecord] = []  # the digests `report` took of the regions
 
     def covers(self, param: str | None) -> bool:
         return param is not None and param in self.layers
@@ -55,7 +58,7 @@ class InstalledAudit:
                 q, scale = layer.install(tensor, shard_id, check=False)  # one host read per call, below
                 finite.append(torch.isfinite(scale).all())
                 produced += installed_items(spec.name, q, scale)
-                self._regions.append((spec.name, layer.installed_region(shard_id)))
+                self._regions += installed_items(spec.name, *layer.installed_region(shard_id))
             if finite and not bool(torch.stack(finite).all()):  # a non-finite row has a non-finite scale
                 for (spec, _, _, tensor), ok in zip(items, finite):
                     if not ok:
@@ -63,17 +66,33 @@ class InstalledAudit:
                             check_finite(tensor, spec.name)
                         except InvalidRequestError as e:
                             raise InvalidRequestError(spec.name, f"rank {self.rank}: {e.message}") from e
-        for record in digest_tensors(produced, algorithm=self.algorithm):
+        self._expect(produced)
+
+    def place(self, items: Sequence[tuple[TensorSpec, str, ShardId, str, torch.Tensor]]) -> None:
+        """Write this rank's slice of each (spec, parameter, shard_id, part, full payload tensor) quantized
+        on send into its region, and digest the slice."""
+        written: list[tuple[str, torch.Tensor]] = []
+        with torch.no_grad():
+            for spec, param, shard_id, part, tensor in items:
+                layer = self.layers[param]
+                piece = layer.shard_quantized(tensor, part, shard_id)
+                region = layer.installed_region(shard_id)[0 if part == "fp8" else 1]
+                region.copy_(piece)
+                written.append((spec.name, piece))
+                self._regions.append((spec.name, region))
+        self._expect(written)
+
+    def _expect(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        for record in digest_tensors(items, algorithm=self.algorithm):
             self._expected[record.name] = record
 
     def records(self) -> list[TensorRecord]:
         """The digests of what the parameters hold now, for every tensor installed in this session."""
-        items = [item for name, (q, scale) in self._regions for item in installed_items(name, q, scale)]
-        return digest_tensors(items, algorithm=self.algorithm)
+        return digest_tensors(self._regions, algorithm=self.algorithm)
 
     def report(self) -> Report:
-        """Every installed region against the rule's bytes of the received tensor, naming tensor and rank."""
-        held = self.records()
+        """Every installed region against the bytes written into it, naming tensor and rank."""
+        self.held = held = self.records()
         mismatches = [Mismatch("digest", self.rank, self.which, r.name, self._expected[r.name].digest, r.digest)
                       for r in held if r.digest != self._expected[r.name].digest]
         return Report.build(mismatches, [self.rank], len(held))

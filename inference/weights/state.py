@@ -64,7 +64,8 @@ class Session:
 
 @dataclass(frozen=True)
 class UpdateResult:
-    """A passed audit: the received digests (trainer names) and, if asked, the held ones (engine names)."""
+    """A passed audit: the received digests (trainer names), if asked the held ones (engine names), and on an
+    FP8 model the installed ones (`name:fp8`, `name:scale`, as this rank holds them: inference/weights/installed.py)."""
 
     model: str
     version: int
@@ -72,6 +73,7 @@ class UpdateResult:
     report: Report
     received: Manifest
     held: Manifest | None = None
+    installed: tuple[TensorRecord, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "version": self.version, "rank": self.rank, "ok": self.report.ok,

@@ -19,6 +19,9 @@ reused.
 
 An FP8 linear's tensors (EngineConfig.quantization) are received in the model dtype and go through
 weights/installed.py: quantized on the device as they land, installed, and audited a second time as held.
+A sender that quantizes on send (inference/transfer/fp8_payload.py) sends `name:fp8` and `name:scale`
+instead: each is routed to its FP8 layer's region, written as received (TP=1: a direct copy, digested
+where held) or as this rank's slice of it; a model not in FP8 refuses them, naming the tensor.
 A model served with a LoRA adapter (inference/models/lora_adapter.py) also takes its adapter tensors
 (`<module>.lora_A.weight`, `<module>.lora_B.weight`): a manifest holds the base, the adapter, or both,
 each whole. Each rank takes its slice of a full adapter tensor as of a base tensor (an AdapterTensor
@@ -50,6 +53,8 @@ from inference.models.naming import (
     lora_base_name,
     param_to_hf,
 )
+from inference.quant.installed import FP8_SUFFIX, SCALE_SUFFIX, installed_part, is_fp8_linear
+from inference.transfer.fp8_payload import FP8_NAME, SCALE_DTYPE
 from inference.transfer.ipc import copy_pairs
 from inference.transfer.plan import TensorSpec
 from inference.weights.installed import InstalledAudit, fp8_layers
@@ -66,6 +71,7 @@ class Route:
     shard_id: ShardId
     held: torch.Tensor | None  # the exact region it fills when held whole in the sent dtype, else None
     sink: AdapterTensor | None = None  # an adapter tensor's place on this rank (its slice, cast if allowed)
+    part: str | None = None  # an FP8 payload tensor (quantized on send): "fp8" (values) or "scale"
 
     @property
     def adapter(self) -> bool:
@@ -86,30 +92,47 @@ class Routing:
 def route_manifest(specs: Sequence[TensorSpec], model: nn.Module, config: ModelConfig, *, which: str,
                    rank: str, tp_size: int, allow_cast: bool) -> Routing:
     """validate_manifest, packaged for reuse across sessions (see Routing)."""
-    params = dict(model.named_parameters())
+    params, layers = dict(model.named_parameters()), fp8_layers(model)
     routes = tuple(validate_manifest(specs, model, config, which=which, rank=rank, tp_size=tp_size,
-                                     allow_cast=allow_cast, params=params))
-    return Routing(routes, params, tuple(r.held for r in routes), fp8_layers(model))
+                                     allow_cast=allow_cast, params=params, layers=layers))
+    return Routing(routes, params, tuple(r.held for r in routes), layers)
 
 
 def validate_manifest(specs: Sequence[TensorSpec], model: nn.Module, config: ModelConfig, *, which: str,
                       rank: str, tp_size: int, allow_cast: bool,
-                      params: dict[str, nn.Parameter] | None = None) -> list[Route]:
+                      params: dict[str, nn.Parameter] | None = None,
+                      layers: dict[str, nn.Module] | None = None) -> list[Route]:
     """Routes for every spec, or InvalidRequestError naming the first bad tensor and this rank."""
     params = dict(model.named_parameters()) if params is None else params
-    expected = expected_wire_tensors(config, [s.name for s in specs])
+    layers = fp8_layers(model) if layers is None else layers
+    parts = {s.name: installed_part(s.name) for s in specs}
+    expected = expected_wire_tensors(config, [p[0] if p else name for name, p in parts.items()])
     adapter = adapter_regions(model)
     seen: set[str] = set()
+    payload: dict[str, set[str]] = {}  # HF name -> the parts of its FP8 payload in the manifest
     routes = []
     for spec in specs:
-        if spec.name in seen:
-            raise InvalidRequestError(spec.name, f"rank {rank}: sent twice in the {which} manifest")
+        part = parts[spec.name]
+        if spec.name in seen or (part is None and spec.name in payload) or (part is not None and part[0] in seen):
+            raise InvalidRequestError(spec.name, f"rank {rank}: sent twice in the {which} manifest (whole or as "
+                                      "an FP8 payload)")
         seen.add(spec.name)
+        if part is not None:
+            routes.append(_payload_route(spec, *part, params, layers, config, expected, which=which, rank=rank,
+                                         tp_size=tp_size))
+            payload.setdefault(part[0], set()).add(part[1])
+            continue
         if lora_base_name(spec.name) is not None:
             routes.append(_adapter_route(spec, adapter, which=which, rank=rank, allow_cast=allow_cast))
             continue
         routes.append(_route(spec, params, config, expected, which=which, rank=rank, tp_size=tp_size,
                              allow_cast=allow_cast))
+    for name, got in payload.items():  # a payload is its values and its scales
+        if got != {"fp8", "scale"}:
+            lacking = name + (SCALE_SUFFIX if "fp8" in got else FP8_SUFFIX)
+            raise InvalidRequestError(lacking, f"rank {rank}: missing from the {which} manifest, which holds "
+                                      f"the other half of {name}'s FP8 payload; nothing was written")
+        seen.add(name)
     # the base and the adapter each come whole or not at all (an adapter-only sync leaves the base as held)
     wanted = [*(expected if len(routes) > sum(r.adapter for r in routes) else ()),
               *(adapter if any(r.adapter for r in routes) else ())]
@@ -144,6 +167,35 @@ def _adapter_route(spec: TensorSpec, adapter: dict[str, AdapterTensor], *, which
                   f"{held_dtype}, or pass allow_cast=True")
     held = region.held if region.whole and spec.dtype == held_dtype else None
     return Route(spec, spec.name, None, held, region)
+
+
+def _payload_route(spec: TensorSpec, name: str, part: str, params: dict[str, nn.Parameter],
+                   layers: dict[str, nn.Module], config: ModelConfig, expected: dict[str, tuple[int, ...]], *,
+                   which: str, rank: str, tp_size: int) -> Route:
+    """The route of one half of an FP8 payload (`part` of the HF tensor `name`) into its FP8 layer."""
+    def bad(msg: str) -> InvalidRequestError:
+        return InvalidRequestError(spec.name, f"rank {rank}: {msg}; nothing was written")
+
+    if name not in expected:
+        raise bad(f"an FP8 payload of {name}, which is not a tensor of the {which} model ({config.family})")
+    if not is_fp8_linear(name):
+        raise bad(f"an FP8 payload of {name}, which FP8 mode never quantizes (only the linears' weights)")
+    param_name, shard_id = hf_to_param(name, config)
+    layer = layers.get(param_name)
+    if layer is None or param_name not in params:
+        flag = "--draft-quantization fp8" if which == "draft" else "--quantization fp8"
+        raise bad(f"an FP8 payload (quantized on send), but the {which} model is not in fp8 mode: launch it "
+                  f"with {flag}, or send this model unquantized (WeightSender.manifest(..., fp8=False))")
+    rows, cols = expected[name]
+    dtype, shape = (FP8_NAME, (rows, cols)) if part == "fp8" else (SCALE_DTYPE, (rows,))
+    if (spec.dtype, spec.shape) != (dtype, shape):
+        raise bad(f"an FP8 payload's {part} must be {dtype} of shape {list(shape)}, got {spec.dtype} of "
+                  f"shape {list(spec.shape)}")
+    held = None
+    if tp_size == 1:  # the rank holds it whole: a direct copy, digested where it is held
+        region = layer.installed_region(shard_id)[0 if part == "fp8" else 1]
+        held = region if tuple(region.shape) == shape and region.is_contiguous() else None
+    return Route(spec, param_name, shard_id, held, part=part)
 
 
 def _route(spec: TensorSpec, params: dict[str, nn.Parameter], config: ModelConfig,
@@ -240,13 +292,16 @@ class UpdateTarget:
         A tensor with a direct destination is copied straight into it (batched: the region is exactly
         what its weight_loader would write); the rest go through the loader and are digested here.
         """
-        same_device, to_digest, to_install = [], [], []
+        same_device, to_digest, to_install, to_place = [], [], [], []
         with torch.no_grad():
             for index, tensor in items:
                 route = self.routes[index]
                 assert index not in self._written, f"{route.spec.name} received twice"
                 dst = self._destinations[index]
-                if self.installed is not None and self.installed.covers(route.param):
+                if route.part is not None and dst is None:  # an FP8 payload this rank holds a slice of
+                    to_place.append((route.spec, route.param, route.shard_id, route.part, tensor))
+                    to_digest.append((route.spec.name, tensor))
+                elif route.part is None and self.installed is not None and self.installed.covers(route.param):
                     to_install.append((route.spec, route.param, route.shard_id, tensor))
                     to_digest.append((route.spec.name, tensor))
                 elif dst is not None and dst.device == tensor.device:
@@ -263,6 +318,8 @@ class UpdateTarget:
             copy_pairs(same_device)
         if to_install:
             self.installed.put(to_install)  # type: ignore[union-attr]
+        if to_place:
+            self.installed.place(to_place)  # type: ignore[union-attr]
         for record in digest_tensors(to_digest, algorithm=self.algorithm):
             self._records[record.name] = record
 
@@ -313,8 +370,18 @@ class UpdateTarget:
         return [records[r.spec.name] for r in self.routes]
 
     def installed_report(self) -> Report:
-        """The FP8 weights as held against the rule's bytes of what was received (empty without FP8)."""
+        """The FP8 weights as held against the bytes installed into them: the rule's output on what was
+        received, or this rank's share of a payload quantized on send (empty without FP8)."""
         return self.installed.report() if self.installed is not None else Report.build((), [self.rank], 0)
+
+    def installed_records(self, received: Sequence[TensorRecord]) -> list[TensorRecord]:
+        """The digests of every FP8 tensor this session installed (`name:fp8`, `name:scale`), as held on
+        this rank, once installed_report ran: the ones it quantized or sliced, and the payload tensors
+        copied whole into their regions (their received digests were taken there). Empty without FP8."""
+        if self.installed is None:
+            return []
+        direct = {r.spec.name for r in self.routes if r.part is not None and r.held is not None}
+        return [*self.installed.held, *(r for r in received if r.name in direct)]
 
     def tied_report(self, received: Manifest) -> Report:
         """A tied lm_head that was sent must carry the embedding's bytes (it is the same tensor)."""

@@ -55,6 +55,7 @@ from inference.transfer.groups import InitInfo
 from inference.transfer.plan import ManifestCache, ParsedManifest
 from inference.transfer.receiver import WeightReceiver
 from inference.weights.audit import HeldDigests, agree_on_audit, audit_report, early_expected
+from inference.weights.installed import fp8_layers
 from inference.weights.state import (
     ModelWeightState,
     RouteCache,
@@ -193,13 +194,20 @@ class WeightUpdater:
         set_arena_valid(self._host.memory, ARENA_OF[which], valid)
 
     # ---- the group ----------------------------------------------------------------------------------
-    def init_transfer(self, init_info: Any) -> None:
+    def init_transfer(self, init_info: Any) -> tuple[str, ...]:
         """Join the sender's group (blocks until every rank joined). Replaces any previous group; an
-        open session on the old group is abandoned (its model stays torn if bytes had moved)."""
+        open session on the old group is abandoned (its model stays torn if bytes had moved). Returns the
+        models this rank holds in FP8 (they take FP8 payloads when the sender quantizes on send; a sender
+        that offers to, `send_fp8`, is refused when there is none)."""
         host = self._host
         info = InitInfo.from_dict(init_info)
         if host.device is None:
             raise StateError(f"rank {host.rank_key}: init_device before init_weight_transfer_engine")
+        fp8_models = tuple(w for w, m in host.models.items() if fp8_layers(m))
+        if info.send_fp8 and not fp8_models:
+            raise InvalidRequestError("init_info.send_fp8", f"rank {host.rank_key}: the sender quantizes on send, but "
+                                      "no model here is in fp8 mode (sidecar launch --quantization fp8): send "
+                                      "unquantized weights (send_fp8=False)")
         rank = info.receiver_rank(host.rank_key, host.tp.rank)
         if self._session is not None:
             self._end_session(f"abandoned by a new init_weight_transfer_engine ({info.session_id})")
@@ -207,6 +215,7 @@ class WeightUpdater:
         self.receiver = WeightReceiver(info, rank, host.device, host.rank_key)
         log.info("rank %s joined weight transfer session %s as group rank %d (%s)", host.rank_key,
                  info.session_id, rank, info.backend)
+        return fp8_models
 
     def close_transfer(self) -> None:
         if self.receiver is not None:
@@ -241,6 +250,11 @@ class WeightUpdater:
                                       f"{version}")
         algorithm = manifest_algorithm(manifest)
         routing = self._routing(which, specs, allow_cast)
+        payload = next((r.spec.name for r in routing.routes if r.part is not None), None)
+        if payload is not None and not self.receiver.info.send_fp8:
+            raise InvalidRequestError(payload, f"rank {rank}: an FP8 payload (quantized on send), but this transfer "
+                                      "session was not initialized to carry them: make the sender with "
+                                      "send_fp8=True; nothing was written")
         if all(r.adapter for r in routing.routes) and self._intact_version(which) < 0:
             raise InvalidRequestError("manifest", f"rank {rank}: an adapter-only sync, but the {which} model's base "
                                       "weights are not intact (torn by a failed sync, reset, or dropped at a "
@@ -379,7 +393,8 @@ class WeightUpdater:
         if not report.ok:
             raise ChecksumMismatch(report)
         held = self._held(session.which, session.version, session.algorithm) if held_manifest else None
-        return UpdateResult(session.which, session.version, rank, report, received, held)
+        installed = tuple(session.target.installed_records(records))
+        return UpdateResult(session.which, session.version, rank, report, received, held, installed)
 
     def abort(self, reason: str = "aborted by the caller") -> None:
         """End the open session (if any); its model stays torn if any byte may have been written."""

@@ -23,10 +23,12 @@ bf16 tensors). Timed on the receiver, after a warm-up, median of --iters:
 Prints one JSON line per (shape, backend), with the receiver's median per phase (start, update,
 finish) of the audited syncs of each rule, and finer timers of them (`LAPS`, as audit_<lap>_ms).
 Smoke test: --shape tiny --backend gloo --device cpu.
---quantization bf16,fp8: the receiver also as an FP8 rank (docs/fp8.md: each tensor quantized on the device
-as it lands, and the installed FP8 bytes audited beside the received ones), one line per quantization;
-the FP8 line skips the peers (they copy bf16 into the parameters) and gives `fp8_over_bf16` for the
-audited sync of the same run.
+--quantization bf16,fp8,fp8-send: the receiver also as an FP8 rank (docs/fp8.md: each tensor quantized on
+the device as it lands, and the installed FP8 bytes audited beside the received ones), and as an FP8 rank
+whose trainer quantizes on send (WeightSender(send_fp8=True): the linears' FP8 values and row scales on the
+wire, the sender's quantization inside its send()), one line per quantization with its `wire_bytes`;
+the FP8 lines skip the peers (they copy bf16 into the parameters) and give `fp8_over_bf16` (and
+`fp8_send_over_fp8`) for the audited sync of the same run.
 --profile DIR writes cProfile stats of the audited syncs of the picked rule: DIR/receiver-<shape>.prof
 (this process) and DIR/sender-<shape>.prof (the trainer's manifest() and send() calls); read them with
 pstats.
@@ -62,6 +64,8 @@ from inference.models.hf_config import model_config_from_hf
 from inference.models.naming import expected_hf_tensors
 from inference.models.tiny import TinyModelSpec, hf_config
 from inference.parallel import TPInfo
+from inference.transfer.fp8_payload import payload_specs
+from inference.transfer.plan import TensorSpec
 from inference.transfer.sender import WeightSender
 from inference.weights.updater import WeightUpdater
 from scripts.bench.sync_peers import (
@@ -94,6 +98,7 @@ SHAPES = {
 # (from update's end); held_wait: collecting the receiver's digest in finish; compare: the rest of
 # finish (building the manifests, comparing). held_launch runs inside receive when the backend calls
 # the sink's landed() before its status step (ipc direct, gloo, nccl).
+QUANTIZATIONS = ("bf16", "fp8", "fp8-send")
 LAPS = ("receive", "held_launch", "sender_send", "sender_digest_launch", "sender_digest_wait",
         "sender_digests_get", "held_wait", "compare")
 
@@ -142,7 +147,8 @@ def trainer(args: argparse.Namespace, to_parent: Any, from_parent: Any, digests_
     device = setup_device(args.sender_device)
     config = model_config(args.shape)
     named = trainer_tensors(config, device)
-    sender = WeightSender(args.backend, bucket_bytes=args.bucket_mb << 20, timeout_s=300, device=device)
+    sender = WeightSender(args.backend, bucket_bytes=args.bucket_mb << 20, timeout_s=300, device=device,
+                          send_fp8=args.quantization == "fp8-send")
     to_parent.put(sender.init_info())
     sender.connect()
     group = sender._group  # the peers below reuse our group's control and data planes
@@ -174,7 +180,7 @@ def trainer(args: argparse.Namespace, to_parent: Any, from_parent: Any, digests_
         sender.send(named, deliver_digests=True)
     if profiler is not None:
         profiler.dump_stats(Path(args.profile) / f"sender-{args.shape}.prof")
-    for peer in (ceiling_send, per_param_send, bucket_send) if args.quantization != "fp8" else ():
+    for peer in (ceiling_send, per_param_send, bucket_send) if args.quantization == "bf16" else ():
         for _ in range(args.iters + 1):
             group.all_max([0], "barrier")
             peer(args, group, named, device)
@@ -272,12 +278,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     child = ctx.Process(target=trainer, args=(args, from_child, to_child, digests_out))
     child.start()
     config = model_config(args.shape)
-    fp8 = args.quantization == "fp8"
+    fp8 = args.quantization != "bf16"
     receiver = BenchReceiver(config, device, "fp8" if fp8 else "none")
     receiver.weights.init_transfer(from_child.get(timeout=600))
-    manifest = {"version": 1, "tensors": [{"name": n, "dtype": "bfloat16", "shape": list(s)}
-                                          for n, s in expected_hf_tensors(config).items()]}
-    total = sum(torch.Size(t["shape"]).numel() * 2 for t in manifest["tensors"])
+    specs = [TensorSpec(n, "bfloat16", tuple(s)) for n, s in expected_hf_tensors(config).items()]
+    total = sum(s.nbytes for s in specs)
+    if args.quantization == "fp8-send":  # what the trainer's manifest() names: the FP8 payload
+        specs = payload_specs(specs)
+    manifest = {"version": 1, "tensors": [s.to_dict() for s in specs]}
 
     profiler = cProfile.Profile() if args.profile else None
     phases: dict[str, dict[str, list[float]]] = {rule: {"start": [], "update": [], "finish": []}
@@ -367,7 +375,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                       **{f"audit_{k}_ms": round(statistics.median(v[1:]), 3) for k, v in phases[rule].items()}}
                for rule in rules(args)}
     return {"bench": "sync", "shape": args.shape, "backend": args.backend, "bytes": total,
-            "quantization": args.quantization,
+            "quantization": args.quantization, "wire_bytes": sum(s.nbytes for s in specs),
             "sync_ms": round(results[None], 3), "algorithm": picked, **by_rule[picked],
             "sync_audit_delivered_ms": round(delivered, 3),
             "gbps": round(total / results[None] / 1e6, 2), "ceiling_ms": round(peers["ceiling"], 3),
@@ -389,11 +397,13 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=int, default=512)
     parser.add_argument("--profile", default=None, metavar="DIR", help="write cProfile stats of both ends here")
     parser.add_argument("--trace", default=None, metavar="DIR", help="write torch.profiler traces of both ends here")
-    parser.add_argument("--quantization", default="bf16", help="comma list of bf16 and fp8 (the receiving rank's)")
+    parser.add_argument("--quantization", default="bf16",
+                        help="comma list of bf16, fp8 (the rank quantizes on receive) and fp8-send (the trainer "
+                             "quantizes on send)")
     args = parser.parse_args()
     quantizations = [q for q in args.quantization.split(",") if q]
-    if any(q not in ("bf16", "fp8") for q in quantizations):
-        parser.error("--quantization: a comma list of bf16 and fp8")
+    if any(q not in QUANTIZATIONS for q in quantizations):
+        parser.error(f"--quantization: a comma list of {', '.join(QUANTIZATIONS)}")
     for directory in (args.profile, args.trace):
         if directory:
             Path(directory).mkdir(parents=True, exist_ok=True)
@@ -405,8 +415,10 @@ def main() -> None:
         rows: dict[str, dict[str, Any]] = {}
         for quant in quantizations:
             row = run(argparse.Namespace(**{**vars(args), "shape": shape, "quantization": quant}))
-            if quant == "fp8" and "bf16" in rows:
+            if quant != "bf16" and "bf16" in rows:
                 row["fp8_over_bf16"] = round(row["sync_audit_ms"] / rows["bf16"]["sync_audit_ms"], 3)
+            if quant == "fp8-send" and "fp8" in rows:
+                row["fp8_send_over_fp8"] = round(row["sync_audit_ms"] / rows["fp8"]["sync_audit_ms"], 3)
             rows[quant] = row
             print(json.dumps(row), flush=True)
 

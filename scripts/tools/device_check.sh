@@ -51,7 +51,7 @@ run_bench() {
             rl_step_7b) bench 420 rl_step --shape qwen2.5-7b --steps 3 ;;
             first_batch) bench 120 first_batch ;;
             fp8) bench 200 rollout --shapes qwen2-0.5b,qwen2.5-7b --modes seeded --quantization bf16,fp8
-                 bench 120 sync --shape qwen2.5-7b --backend ipc --quantization bf16,fp8
+                 bench 150 sync --shape qwen2.5-7b --backend ipc --quantization bf16,fp8,fp8-send
                  bench 120 fp8 ;;
             lora) bench 150 rollout --shapes qwen2-0.5b --lora-rank 16
                   bench 120 delta --skip-changed --skip-delta --lr 1e-6 --lora-rank 16 --device cuda --backend ipc ;;

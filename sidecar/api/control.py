@@ -45,6 +45,7 @@ from sidecar.ranks.commands import (
     InitWeightTransfer,
     Sleep,
     SyncResult,
+    TransferJoined,
     UpdateReply,
     UpdateWeights,
     WakeUp,
@@ -260,10 +261,13 @@ def _add_weight_routes(router: APIRouter, state: ServerState) -> None:
         _check_init_info(state, body.init_info)
         # From now on no update of the group being replaced is let through; the ranks run commands in order.
         state.weight_session = None
-        ranks = await _weight_call(state, InitWeightTransfer(body.init_info), JOIN_TIMEOUTS)
+        joined: list[TransferJoined] = await _weight_call(state, InitWeightTransfer(body.init_info), JOIN_TIMEOUTS)
         session = {"session_id": str(body.init_info.get("session_id")), "nonce": body.nonce or new_session_secret()}
         state.weight_session = (session["session_id"], session["nonce"])
-        return {"ranks": ranks, "protocol": SYNC_PROTOCOL, "session": session}
+        # the models every rank holds in FP8: the ones a sender that quantizes on send may send FP8 payloads
+        fp8 = sorted(set.intersection(*(set(j.fp8_models) for j in joined))) if joined else []
+        return {"ranks": [{"fp8_models": list(j.fp8_models)} for j in joined], "protocol": SYNC_PROTOCOL,
+                "session": session, "fp8_models": fp8}
 
     @router.post("/weights/abort", summary="End the open update session now; generation resumes")
     async def weights_abort() -> dict[str, Any]:
@@ -380,11 +384,16 @@ def _finished(state: ServerState, model: str, results: list[SyncResult], finish_
     # ranks agree with each other: that IS POST /audit's verdict for source=received with these digests
     # expected, sent back here instead of in a second round trip.
     audit = Report.build([], [r.rank for r in results], sum(r.tensors_checked for r in results))
+    # an FP8 model's installed digests per rank, which the trainer checks against the rule applied to its
+    # own copy (trainer_hooks/fp8.py)
+    installed = {r.rank: [{"name": x.name, "dtype": x.dtype, "shape": list(x.shape), "digest": x.digest}
+                          for x in r.installed] for r in results if r.installed}
     return {"model": results[0].model, "version": results[0].version, "ok": all(r.ok for r in results),
             "algorithm": results[0].algorithm,
             "ranks": [{"rank": r.rank, "ok": r.ok, "summary": r.summary} for r in results],
             "audit": {**report_dict(audit, results[0].model, "received"), "algorithm": results[0].algorithm,
-                      "audit_ms": round(max(r.audit_s for r in results) * 1e3, 3)}}
+                      "audit_ms": round(max(r.audit_s for r in results) * 1e3, 3),
+                      **({"installed": installed} if installed else {})}}
 
 
 def _log_event(event: str, message: str, t0: float, **values: Any) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from checksum import Manifest
+from checksum import Manifest, TensorRecord
 from inference.config import EngineConfig
 from inference.core import DEFAULT_SYNC_POLICY, RequestOutput, SamplingParams, SidecarError, SyncPolicy
 from inference.memory.sleep import TransitionStats
@@ -183,9 +183,17 @@ class Heartbeat:
 
 # ---- replies --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
+class TransferJoined:
+    """A rank's answer to InitWeightTransfer: the models it holds in FP8 (they take a sender's FP8 payloads)."""
+
+    fp8_models: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class SyncResult:
     """A passed audit at the end of one weight sync on one rank (a failed one raises instead): the
-    tensors it compared, the digest rule, and the seconds the rank spent in finish (the audit)."""
+    tensors it compared, the digest rule, the seconds the rank spent in finish (the audit), and on an FP8
+    model the digests of what it installed (`name:fp8`, `name:scale`, as this rank holds them)."""
 
     model: str
     version: int
@@ -195,6 +203,7 @@ class SyncResult:
     tensors_checked: int = 0
     algorithm: str = ""
     audit_s: float = 0.0
+    installed: tuple[TensorRecord, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -282,6 +291,7 @@ class InitWeightTransfer(Command):
     """Join the sender's transfer group (blocks until every receiver joined)."""
 
     info: dict[str, Any]
+    reply: ClassVar[type] = TransferJoined
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ from sidecar.ranks.commands import (
     StreamDelta,
     SyncResult,
     TokenizedPrompt,
+    TransferJoined,
     UnknownCommandError,
     UpdateReply,
     UpdateWeights,
@@ -432,8 +433,8 @@ class RankServer:
     def _wake_up(self, cmd: WakeUp) -> TransitionStats:
         return self.llm.wake_up(list(cmd.tags) if cmd.tags is not None else None)
 
-    def _init_weight_transfer(self, cmd: InitWeightTransfer) -> None:
-        self.weights.init_transfer(cmd.info)
+    def _init_weight_transfer(self, cmd: InitWeightTransfer) -> TransferJoined:
+        return TransferJoined(self.weights.init_transfer(cmd.info))
 
     def _update_weights(self, cmd: UpdateWeights) -> UpdateReply:
         begin = time.perf_counter()
@@ -465,7 +466,7 @@ class RankServer:
         audit_s = time.perf_counter() - t0
         report = result.report
         return SyncResult(result.model, result.version, result.rank, report.ok, report.summary(),
-                          report.tensors_checked, result.received.algorithm, audit_s)
+                          report.tensors_checked, result.received.algorithm, audit_s, result.installed)
 
     def _abort_weight_update(self, cmd: AbortWeightUpdate) -> bool:
         weights = self.weights

@@ -1,6 +1,7 @@
 """Loaded at the start of every Python process that has this folder on PYTHONPATH (tests/helpers_fault.py's
 flip_env): the tensor named by TEST_FLIP_ON_ARRIVAL arrives with a flipped byte at this process's ranks
-(of rank key TEST_FLIP_RANK only, if set), in their first TEST_FLIP_TIMES syncs (every sync if unset)."""
+(of rank key TEST_FLIP_RANK only, if set), in their first TEST_FLIP_TIMES syncs (every sync if unset).
+skew_env: the FP8 ranks install the tensor named by TEST_SKEW_INSTALLED quantized from a skewed copy."""
 
 import os
 
@@ -12,3 +13,10 @@ if os.environ.get("TEST_FLIP_ON_ARRIVAL"):
     times = os.environ.get(FLIP_TIMES_VARIABLE)
     patch_sink(pytest.MonkeyPatch(), os.environ[FLIP_VARIABLE], os.environ.get(FLIP_RANK_VARIABLE) or None,
                int(times) if times else None)
+
+if os.environ.get("TEST_SKEW_INSTALLED"):
+    import pytest
+
+    from tests.helpers_fault import SKEW_VARIABLE, skew_installed
+
+    skew_installed(pytest.MonkeyPatch(), os.environ[SKEW_VARIABLE])
