@@ -304,6 +304,15 @@ def test_adapter_only_sync_into_an_fp8_sidecar_launch(dirs: dict[str, Path], tmp
         with SidecarClient(server.url, timeout=120) as client, \
                 WeightSyncHook(client, model, adapter_only=True, log_path=server.log_path) as hook:
             before = [o.outputs[0].token_ids for o in client.generate(PROMPTS, GREEDY)]
+            with_base: list[bool] = []  # per sync: whether the base went with the adapter
+            real_sync = client.sync_weights
+
+            def recording(sender: Any, named: Any, version: int, **kw: Any) -> Any:
+                named = list(named)
+                with_base.append(any(".lora_" not in name for name, _ in named))
+                return real_sync(sender, named, version, **kw)
+
+            client.sync_weights = recording  # type: ignore[method-assign]
             with pytest.raises(AuditError) as failed:
                 hook.sync()
             assert f"'{bad}' on rank {bad_rank}" in str(failed.value), failed.value
@@ -320,10 +329,11 @@ def test_adapter_only_sync_into_an_fp8_sidecar_launch(dirs: dict[str, Path], tmp
                     model.eval()
                     hook.after_optimizer_step()
                 assert hook.stats["audit"] == "ok"
+                hook.wake()  # as rollouts() does: the next step's sleep is a real one, at its level
+            assert with_base == [False, True, False, True]  # flipped, torn + base, level 1, level 2 + base
             out = hook.rollouts(PROMPTS, GREEDY)
             served = [o.outputs[0].token_ids for o in out]
             assert all(o.weight_version == hook.version for o in out)
-            assert client.state()["weight_versions"]["target"] == hook.version
     finally:
         assert server.stop() == 0, server.log
     model.save_pretrained(str(tmp_path / "trained"))
