@@ -186,6 +186,28 @@ def test_adapter_only_sync_into_an_fp8_rank_is_audited_and_a_flipped_byte_names_
     assert torch.equal(held_q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(held_scale, scale)
 
 
+def test_a_delta_session_moves_adapter_deltas_and_full_fp8_bases(dirs: dict[str, Path]) -> None:
+    """The adapter is held whole in the sent dtype, so an adapter-only sync after the first moves a delta;
+    an FP8 base has no region a delta applies into (it is quantized on receive), so a sync with it is full."""
+    from inference.models.loader import iter_hf_tensors
+    from inference.models.lora_adapter import adapter_regions
+    from trainer_hooks.sources import peft_adapter_weights
+
+    worker = _fp8_worker(dirs)
+    link = Link(worker, delta=True)
+    named = dict(peft_adapter_weights(peft_model(dirs["target"])))
+    modes = []
+    for version in (1, 2):
+        with torch.no_grad():
+            named = {n: t + 0.01 * version for n, t in named.items()}
+        assert link.sync(named, version).report.ok
+        modes.append(link.sender.last_sync["mode"])
+    assert link.sync({**dict(iter_hf_tensors(dirs["target"])), **named}, 3).report.ok
+    assert [*modes, link.sender.last_sync["mode"]] == ["full", "delta", "full"]
+    held = adapter_regions(worker.models["target"])
+    assert all(torch.equal(held[n].held, t) for n, t in named.items())
+
+
 def test_a_bf16_fp8_rank_takes_its_adapter_in_bf16(dirs: dict[str, Path]) -> None:
     """The adapter's dtype on the wire is the model's (bf16), not the FP8 weights': a bf16 adapter is held
     as sent and audited from where it is held; an fp32 one is refused naming bfloat16 unless cast."""

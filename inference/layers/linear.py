@@ -78,7 +78,7 @@ class _Fp8Weight(nn.Module):
     def compute_dtype(self) -> torch.dtype:
         """The dtype the layer computes in (its input's, its output's, a LoRA adapter's): the model dtype,
         never FP8 (an FP8 weight remembers the dtype it was quantized from)."""
-        return self.weight.quantized_from if self.fp8 else self.weight.dtype  # type: ignore[no-any-return]
+        return self.weight.quantized_from if self.fp8 else self.weight.dtype  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         raise NotImplementedError
