@@ -18,7 +18,9 @@ in the buffer `weight_scale` (inference/quant/fp8.py; a buffer, so parameter nam
 the loader quantizes each FULL row on the parameter's device before slicing (a RowParallel shard keeps
 the whole row's scale), and the product is fp8_linear.fp8_linear. Biases stay in the model dtype.
 `lora` (None, or a LoRASlot from inference/layers/lora.py): an adapter served unmerged, its term added
-to the layer's own output (a RowParallelLinear's: to its partial, before the all-reduce).
+to the layer's own output (a RowParallelLinear's: to its partial, before the all-reduce); it is held in
+`compute_dtype` (the model dtype) whatever the weight's dtype, so over an FP8 weight the base product runs
+as fp8_linear and the adapter's term is added as over a bf16 one.
 """
 
 from __future__ import annotations
@@ -71,6 +73,12 @@ class _Fp8Weight(nn.Module):
             self.weight.quantized_from = dtype  # type: ignore[attr-defined]  # the dtype a sync sends
         scale = torch.ones(shape[0], dtype=torch.float32, device=device) if fp8 else None
         self.register_buffer("weight_scale", scale, persistent=False)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the layer computes in (its input's, its output's, a LoRA adapter's): the model dtype,
+        never FP8 (an FP8 weight remembers the dtype it was quantized from)."""
+        return self.weight.quantized_from if self.fp8 else self.weight.dtype  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         raise NotImplementedError

@@ -4,7 +4,8 @@
 output: x A^T with A of every adapted part stacked [parts * r, in] (one GEMM for a fused qkv or gate_up),
 then per part one addmm of (x A_i^T) B_i^T into its output columns (s, lora_alpha / r or / sqrt(r) with
 rsLoRA, as addmm's alpha). Adapted parts only: a qkv with only q and v adapted has no k rows.
-A and B are buffers outside the weight arenas: resident at every sleep level, at fixed addresses (CUDA
+A and B are in the model dtype, also over an FP8 weight (its product is fp8_linear's; the term is added
+after), in buffers outside the weight arenas: resident at every sleep level, at fixed addresses (CUDA
 graphs capture them; a sync writes `regions()` in place), unseen by the base's loader and held manifest.
 Tensor parallelism shards them as W: a column-parallel layer holds A whole and, of each part's B, that
 part's rows of this rank; a row-parallel layer holds A's columns of its input slice and B whole, and its

@@ -84,7 +84,8 @@ def _targeted(module: str, targets: tuple[str, ...] | str) -> bool:
 
 def attach_adapter(model: nn.Module, config: ModelConfig, spec: AdapterSpec, *, invariant: bool = False) -> None:
     """Hang a zeroed LoRASlot on every linear the spec targets (refusing what cannot be adapted), sharded
-    by the layer's own tensor-parallel rank and size."""
+    by the layer's own tensor-parallel rank and size, in the layer's compute dtype (the model dtype, also
+    over an FP8 weight)."""
     expected = expected_hf_tensors(config)
     modules = dict(model.named_modules())
     matched: set[str] = set()
@@ -114,8 +115,10 @@ def attach_adapter(model: nn.Module, config: ModelConfig, spec: AdapterSpec, *, 
                 parts.append(LoRAPart(hf_name, offset, rows))
             offset += rows
         if parts:
-            w, in_features = layer.weight, expected[parts[0].hf_name][1]  # the full layer's, as A's shape
-            layer.lora = LoRASlot(parts, spec.rank, in_features, spec.scaling, w.dtype, w.device, invariant,
+            in_features = expected[parts[0].hf_name][1]  # the full layer's, as A's shape
+            # the model dtype, never an FP8 weight's: the adapter computes as over a bf16 base
+            layer.lora = LoRASlot(parts, spec.rank, in_features, spec.scaling, layer.compute_dtype,
+                                  layer.weight.device, invariant,
                                   tp_rank=layer.tp.rank, tp_size=layer.tp.size,
                                   row_parallel=isinstance(layer, RowParallelLinear))
 
