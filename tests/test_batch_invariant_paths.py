@@ -4,7 +4,7 @@ For each feature (FP8 weights, a LoRA adapter served unmerged, the two MoE famil
 strings and stop token ids, n samples with a max_tokens each), greedy and seeded rows give the same
 tokens, logprobs, top logprobs and finish reasons, bit for bit, alone and: in one batch and in calls of
 other sizes, shuffled, after a prefix-cache hit, preempted with chunked prefill, and beside a draft
-model (penalties refuse a draft). tests/helpers_invariance.py holds the cases; syncs in flight and TP=2
+model (penalties refuse a draft, by name). tests/helpers_invariance.py holds the cases; syncs in flight and TP=2
 have their own files (test_batch_invariant_sync.py, test_batch_invariant_tp.py).
 """
 
@@ -20,9 +20,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from inference.core import SamplingParams
+from inference.core import FinishReason, InvalidRequestError, SamplingParams
 from inference.engine.llm import LLM
 from inference.models.tiny import first_layers, make_tiny_model
+from inference.text.tokenizer import Tokenizer
 from tests.helpers_invariance import (
     CPU,
     MODES,
@@ -33,8 +34,8 @@ from tests.helpers_invariance import (
     batched,
     drafted,
     make_prompts,
-    prefix_cached,
     preempted,
+    prefix_cached,
     shuffled,
     tight_options,
 )
@@ -129,18 +130,23 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def stops(dirs: dict[str, Path], prompts: list[list[int]]) -> dict[str, list[dict[str, Any]]]:
-    """Per mode and prompt: a stop string cut from the middle of the prompt's completion without stops
-    (so it fires), a stop token id from it, both, or none."""
+def plain(dirs: dict[str, Path], prompts: list[list[int]]) -> dict[str, dict[int, Result]]:
+    """Per mode, each prompt alone on the qwen2 model with no feature on."""
     llm = LLM(dirs["qwen2"], batch_invariant=True, **CPU)
+    return {mode: alone(llm, prompts, base_params, mode) for mode in MODES}
+
+
+@pytest.fixture(scope="module")
+def stops(dirs: dict[str, Path], plain: dict[str, dict[int, Result]]) -> dict[str, list[dict[str, Any]]]:
+    """Per mode and prompt: a stop string cut from the middle of the prompt's plain completion (so it
+    fires), a stop token id from it, both, or none."""
+    tokenizer = Tokenizer.from_dir(str(dirs["qwen2"]))
+    assert tokenizer is not None
     out: dict[str, list[dict[str, Any]]] = {}
-    for mode in MODES:
-        free = alone(llm, prompts, lambda m, i: base_params(m, i), mode)
+    for mode, results in plain.items():
         out[mode] = []
-        for i in range(len(prompts)):
-            tokens = free[i][0][0]
-            text = llm.tokenizer.decode(tokens[4:6])
-            kind = i % 4
+        for i, ((tokens, *_),) in sorted(results.items()):
+            text, kind = tokenizer.decode(tokens[4:6]), i % 4
             out[mode].append({"stop": [text] if kind in (0, 2) and text.strip() else [],
                               "stop_token_ids": [tokens[8]] if kind in (1, 2) else []})
     return out
@@ -181,6 +187,21 @@ def subject(request: pytest.FixtureRequest, dirs: dict[str, Path], prompts: list
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_the_feature_is_on(subject: Subject, plain: dict[str, dict[int, Result]], mode: str) -> None:
+    """What each feature does shows in the alone results, so the cases below hold something."""
+    got, base, name = subject.alone(mode), plain[mode], subject.feature.name
+    if name in ("fp8", "lora"):
+        assert all(got[i] != base[i] for i in got)
+    elif name == "penalties":  # rows without a penalty are never touched
+        assert [got[i] != base[i] for i in got] == [i % 3 != 2 for i in got]
+    elif name == "stop_strings":
+        reasons = [(c[3], type(c[4])) for r in got.values() for c in r]
+        assert {(FinishReason.STOP, str), (FinishReason.STOP, int)} <= set(reasons), reasons
+    elif name == "sample_max_tokens":
+        assert all([len(c[0]) for c in got[i]] == list(subject.params(mode, i).sample_max_tokens) for i in got)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_batches_of_every_size_change_no_bit(subject: Subject, mode: str) -> None:
     for got in batched(subject.engine(), subject.prompts, subject.params, mode):
         assert got == subject.alone(mode)
@@ -204,6 +225,8 @@ def test_preemption_and_chunked_prefill_change_no_bit(subject: Subject, mode: st
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_draft_model_changes_no_bit(subject: Subject, mode: str) -> None:
-    if not subject.feature.draft:
-        pytest.skip(f"{subject.feature.name} refuses a draft model")
+    if not subject.feature.draft:  # refused before anything is queued, naming the field
+        with pytest.raises(InvalidRequestError, match="draft model"):
+            subject.engine("spec").generate(subject.prompts[0], subject.params(mode, 0))
+        return
     assert drafted(subject.engine("spec"), subject.prompts, subject.params, mode) == subject.alone(mode)

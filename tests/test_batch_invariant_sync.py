@@ -186,7 +186,7 @@ def test_calls_of_other_sizes_and_a_shuffled_order_across_a_sync_change_no_bit(
 def test_prefix_cache_hits_before_a_sync_change_no_bit(main: Engine, ref: Alone, prompts: list[list[int]],
                                                        mode: str) -> None:
     sharing = range(0, len(prompts), 2)
-    warm = lambda llm: llm.generate([prompts[0][:PREFIX]], SamplingParams(temperature=0.0, max_tokens=1))  # noqa: E731
+    warm = lambda llm: llm.generate([prompts[0][:PREFIX]], SamplingParams(temperature=0.0, max_tokens=1))
     ref.check(rollout(main, prompts, mode, sharing, SPLIT, warm=warm), mode)
 
 

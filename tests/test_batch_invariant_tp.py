@@ -31,8 +31,8 @@ from tests.helpers_invariance import (
     batched,
     drafted,
     make_prompts,
-    prefix_cached,
     preempted,
+    prefix_cached,
     shuffled,
     tight_options,
 )
