@@ -155,9 +155,10 @@ def stops(dirs: dict[str, Path], plain: dict[str, dict[int, Result]]) -> dict[st
 class Subject:
     """A feature's engines (main, tight, beside a draft), built when first asked for, and its alone results."""
 
-    def __init__(self, feature: Feature, dirs: dict[str, Path], prompts: list[list[int]], stops: dict) -> None:
+    def __init__(self, feature: Feature, dirs: dict[str, Path], prompts: list[list[int]], stops: dict,
+                 where: dict[str, Any] = CPU) -> None:
         self.feature, self.dirs, self.prompts, self.stops = feature, dirs, prompts, stops
-        self.options = {**CPU, **feature.options(dirs)}
+        self.options = {**where, **feature.options(dirs)}
         self._engines: dict[str, LLM] = {}
         self._alone: dict[str, dict[int, Result]] = {}
 
@@ -230,3 +231,23 @@ def test_a_draft_model_changes_no_bit(subject: Subject, mode: str) -> None:
             subject.engine("spec").generate(subject.prompts[0], subject.params(mode, 0))
         return
     assert drafted(subject.engine("spec"), subject.prompts, subject.params, mode) == subject.alone(mode)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("feature", FEATURES, ids=lambda f: f.name)
+def test_on_the_gpu_every_feature_keeps_a_prompts_bits(feature: Feature, dirs: dict[str, Path],
+                                                      prompts: list[list[int]], stops: dict, mode: str) -> None:
+    """The mode's GPU paths (Triton GEMM, attention and grouped GEMMs, CUDA graphs, async scheduling, bf16)
+    with each feature on: calls of every size, shuffled, prefix-cache hits, preemption and a draft."""
+    subject = Subject(feature, dirs, prompts, stops, where={**CPU, "device": "cuda", "dtype": "bfloat16",
+                                                            "kv_cache_bytes": 64 << 20})
+    lone = subject.alone(mode)
+    for got in batched(subject.engine(), prompts, subject.params, mode):
+        assert got == lone
+    assert shuffled(subject.engine(), prompts, subject.params, mode) == lone
+    hits = prefix_cached(subject.engine(), prompts, subject.params, mode)
+    assert hits == {i: lone[i] for i in hits}
+    assert preempted(subject.engine("tight"), prompts, subject.params, mode) == lone
+    if feature.draft:
+        assert drafted(subject.engine("spec"), prompts, subject.params, mode) == lone
