@@ -1,18 +1,21 @@
 """The batch-invariant mode on every path that ships (docs/invariance.md, "What the mode covers"), on CPU.
 
-For each feature (FP8 weights, a LoRA adapter served unmerged, the two MoE families, penalties, stop
-strings and stop token ids, n samples with a max_tokens each), greedy and seeded rows give the same
-tokens, logprobs, top logprobs and finish reasons, bit for bit, alone and: in one batch and in calls of
-other sizes, shuffled, after a prefix-cache hit, preempted with chunked prefill, and beside a draft
-model (penalties refuse a draft, by name). tests/helpers_invariance.py holds the cases; syncs in flight and TP=2
-have their own files (test_batch_invariant_sync.py, test_batch_invariant_tp.py).
+For each feature (the dense families beside qwen2: llama, qwen3's q/k norms, mistral's sliding window; FP8
+weights; a LoRA adapter served unmerged, on the draft too; the two MoE families; penalties; stop strings,
+stop token ids and end-of-sequence; n samples with a max_tokens each; min-p and processed logprobs),
+greedy and seeded rows give the same tokens, logprobs, top logprobs and finish reasons, bit for bit,
+alone and: in one batch and in calls of other sizes, shuffled, after a prefix-cache hit, preempted with
+chunked prefill, with async scheduling, and beside a draft model (penalties refuse a draft, by name).
+tests/helpers_invariance.py holds the cases; syncs in flight and TP 2 have their own files
+(test_batch_invariant_sync.py, test_batch_invariant_tp.py). A `cuda` test runs every feature's cases on
+the GPU paths.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,7 @@ from tests.helpers_invariance import (
     make_prompts,
     preempted,
     prefix_cached,
+    run,
     shuffled,
     tight_options,
 )
@@ -51,7 +55,7 @@ def _one_thread(one_thread: None) -> None:
 
 
 def write_adapter(model_dir: Path, out: Path, rank: int = 4) -> Path:
-    """A PEFT LoRA adapter directory for the tiny qwen2 model at model_dir, with B nonzero (PEFT starts it
+    """A PEFT LoRA adapter directory for the tiny model at model_dir, with B nonzero (PEFT starts it
     at zero, which would make the adapter a no-op)."""
     cfg = json.loads((model_dir / "config.json").read_text())
     hidden, inter, heads, kv, hd = (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"],
@@ -75,16 +79,17 @@ def write_adapter(model_dir: Path, out: Path, rank: int = 4) -> Path:
 
 @dataclass(frozen=True)
 class Feature:
-    """One path of the engine: the model family it runs on, its engine options, what it adds to each
-    prompt's params (`extra(mode, i)`, given the module's stop strings), and whether a draft may join."""
+    """One path of the engine: the model family it runs on, its engine options (`draft_options` too
+    where a draft joins), what it adds to each prompt's params (`extra(mode, i, stops)`), and whether a
+    draft may join at all."""
 
     name: str
     family: str = "qwen2"
     options: Callable[[dict[str, Path]], dict[str, Any]] = lambda dirs: {}
+    draft_options: Callable[[dict[str, Path]], dict[str, Any]] = lambda dirs: {}
     extra: Callable[[str, int, dict], dict[str, Any]] = lambda mode, i, stops: {}
     samples: int = 1
     draft: bool = True
-    notes: dict[str, Any] = field(default_factory=dict)
 
 
 def _penalties(mode: str, i: int, stops: dict) -> dict[str, Any]:
@@ -94,7 +99,8 @@ def _penalties(mode: str, i: int, stops: dict) -> dict[str, Any]:
 
 
 def _stops(mode: str, i: int, stops: dict) -> dict[str, Any]:
-    return stops[mode][i]
+    """The module's stop strings and stop token ids, with the end-of-sequence tokens live too."""
+    return {**stops[mode][i], "ignore_eos": False}
 
 
 def _samples(mode: str, i: int, stops: dict) -> dict[str, Any]:
@@ -102,25 +108,40 @@ def _samples(mode: str, i: int, stops: dict) -> dict[str, Any]:
     return {"n": 3, "sample_max_tokens": [(NEW, 5, 9), (4, NEW, 1), (7, 7, NEW)][i % 3]}
 
 
+def _filters(mode: str, i: int, stops: dict) -> dict[str, Any]:
+    """min-p on the sampled rows, and the logprobs of the distribution sampled from."""
+    return {"logprobs_mode": "processed", **({"min_p": 0.05} if mode == "seeded" else {})}
+
+
 FEATURES = [
-    Feature("fp8", options=lambda dirs: {"quantization": "fp8"}),
-    Feature("lora", options=lambda dirs: {"lora": str(dirs["adapter"])}),
+    Feature("llama", family="llama"),
+    Feature("qwen3", family="qwen3"),  # q/k norms
+    Feature("mistral_window", family="mistral"),  # a sliding window shorter than the prompts
+    Feature("fp8", options=lambda dirs: {"quantization": "fp8"}),  # the draft follows: fp8 too
+    Feature("lora", options=lambda dirs: {"lora": str(dirs["adapter"])},
+            draft_options=lambda dirs: {"draft_lora": str(dirs["draft-adapter"])}),
     Feature("qwen3_moe", family="qwen3_moe"),
     Feature("mixtral", family="mixtral"),
     Feature("penalties", extra=_penalties, draft=False),
     Feature("stop_strings", extra=_stops),
     Feature("sample_max_tokens", extra=_samples, samples=3),
+    Feature("filters", extra=_filters),
 ]
+WINDOW = 8
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("invariant-paths")
     out = {}
-    for family in ("qwen2", "qwen3_moe", "mixtral"):
+    for family in ("qwen2", "llama", "qwen3", "mistral", "qwen3_moe", "mixtral"):
         target = make_tiny_model(root / family, family=family, seed=3, **DIMS)
+        if family == "mistral":
+            cfg = json.loads((target / "config.json").read_text())
+            (target / "config.json").write_text(json.dumps({**cfg, "sliding_window": WINDOW}))
         out[family], out[f"{family}-draft"] = target, first_layers(target, root / f"{family}-draft", 1)
     out["adapter"] = write_adapter(out["qwen2"], root / "adapter")
+    out["draft-adapter"] = write_adapter(out["qwen2-draft"], root / "draft-adapter")
     return out
 
 
@@ -171,7 +192,10 @@ class Subject:
             if kind == "tight":
                 options.update(tight_options(self.engine(), self.prompts, self.feature.samples))
             elif kind == "spec":
-                options.update(draft_model=str(self.dirs[f"{self.feature.family}-draft"]), num_speculative_tokens=3)
+                options.update(draft_model=str(self.dirs[f"{self.feature.family}-draft"]), num_speculative_tokens=3,
+                               **self.feature.draft_options(self.dirs))
+            elif kind == "async":
+                options.update(async_scheduling=True)
             self._engines[kind] = LLM(self.dirs[self.feature.family], batch_invariant=True, **options)
         return self._engines[kind]
 
@@ -191,13 +215,15 @@ def subject(request: pytest.FixtureRequest, dirs: dict[str, Path], prompts: list
 def test_the_feature_is_on(subject: Subject, plain: dict[str, dict[int, Result]], mode: str) -> None:
     """What each feature does shows in the alone results, so the cases below hold something."""
     got, base, name = subject.alone(mode), plain[mode], subject.feature.name
-    if name in ("fp8", "lora"):
+    if name in ("fp8", "lora") or (name, mode) == ("filters", "seeded"):  # other weights; processed logprobs
         assert all(got[i] != base[i] for i in got)
     elif name == "penalties":  # rows without a penalty are never touched
         assert [got[i] != base[i] for i in got] == [i % 3 != 2 for i in got]
     elif name == "stop_strings":
         reasons = [(c[3], type(c[4])) for r in got.values() for c in r]
         assert {(FinishReason.STOP, str), (FinishReason.STOP, int)} <= set(reasons), reasons
+    elif name == "mistral_window":
+        assert subject.engine().model_config.sliding_window == WINDOW < max(map(len, subject.prompts))
     elif name == "sample_max_tokens":
         assert all([len(c[0]) for c in got[i]] == list(subject.params(mode, i).sample_max_tokens) for i in got)
 
@@ -222,6 +248,13 @@ def test_prefix_cache_hits_change_no_bit(subject: Subject, mode: str) -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_preemption_and_chunked_prefill_change_no_bit(subject: Subject, mode: str) -> None:
     assert preempted(subject.engine("tight"), subject.prompts, subject.params, mode) == subject.alone(mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_async_scheduling_changes_no_bit(subject: Subject, mode: str) -> None:
+    """The GPU's default: admissions and the batch's shrinking come a step later."""
+    got = run(subject.engine("async"), subject.prompts, subject.params, mode, [list(range(len(subject.prompts)))])
+    assert got == subject.alone(mode)
 
 
 @pytest.mark.parametrize("mode", MODES)
