@@ -6,7 +6,7 @@ params and the token index at which the new weights went live: a batch, calls of
 order, prefix-cache hits, preemption with chunked prefill, a draft model, async scheduling and a
 sleep that holds the requests (the rollout pool's way) each give a request the bits it gets alone with
 the sync at the same index. Under recompute a greedy continuation is also exactly a fresh request's of
-the prompt plus the tokens before the sync ("keep" and "abort" are held to the batch case).
+the prompt plus the tokens before the sync ("keep", "abort" and max_staleness are held to the batch case).
 """
 
 from __future__ import annotations
@@ -89,6 +89,11 @@ def switch_index(out: RequestOutput, new_version: int) -> int | None:
     return starts[0] if starts else None
 
 
+def policy(on_sync: str) -> dict[str, object]:
+    """add_request's sync options for a policy name; "stale" is keep with max_staleness 0 (restarted)."""
+    return {"on_sync": "keep", "max_staleness": 0} if on_sync == "stale" else {"on_sync": on_sync}
+
+
 def rollout(engine: Engine, prompts: Sequence[list[int]], mode: str, group: Sequence[int], split: int,
             on_sync: str = "recompute", warm: Callable[[LLM], None] | None = None,
             across_sleep: bool = False) -> dict[int, Synced]:
@@ -99,7 +104,7 @@ def rollout(engine: Engine, prompts: Sequence[list[int]], mode: str, group: Sequ
     llm.block_manager.reset_prefix_cache()
     if warm is not None:
         warm(llm)
-    ids = {llm.add_request(prompts[i], params(mode, i), on_sync=on_sync): i for i in group}  # type: ignore[arg-type]
+    ids = {llm.add_request(prompts[i], params(mode, i), **policy(on_sync)): i for i in group}  # type: ignore[arg-type]
     outs = {}
     while any(n < split for n in engine.live_tokens(list(ids))):
         outs.update((o.request_id, o) for o in llm.step())
@@ -147,11 +152,12 @@ def ref(main: Engine, prompts: list[list[int]]) -> Alone:
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("on_sync", ["recompute", "keep", "abort"])
+@pytest.mark.parametrize("on_sync", ["recompute", "keep", "abort", "stale"])
 def test_a_batch_across_a_sync_changes_no_bit(main: Engine, ref: Alone, prompts: list[list[int]], mode: str,
                                               on_sync: str) -> None:
+    """Each policy; "stale": keep with max_staleness 0, which the sync restarts from the prompt."""
     got = rollout(main, prompts, mode, range(len(prompts)), SPLIT, on_sync)
-    expect_split = 0 if on_sync == "abort" else SPLIT
+    expect_split = 0 if on_sync in ("abort", "stale") else SPLIT
     assert {split for _, split in got.values()} == {expect_split}
     ref.check(got, mode, on_sync)
     old = {i: ref(mode, i, None)[0] for i in got}
