@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 import socket
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,9 +25,13 @@ from inference.core import SamplingParams
 from inference.layers import gemv as gemv_mod
 from inference.layers.attention import ReferenceAttention
 from inference.layers.attention_invariant import TiledReferenceAttention, batch_invariant_backend, tiled_attention
+from inference.layers.fp8_linear import fp8_linear
 from inference.layers.invariant import row_sum, silu_and_mul_invariant, tiled_linear
+from inference.layers.kernel_device import interpreted_on_cpu
 from inference.layers.linear import RowParallelLinear
+from inference.layers.lora import LoRAPart, LoRASlot
 from inference.parallel import TPInfo
+from inference.quant.fp8 import quantize_rows
 from inference.sample.sampler import SamplingBatch, row_chunks, row_stats_triton, sample
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -179,6 +185,42 @@ def test_sampler_rows_in_the_mode_do_not_depend_on_the_batch() -> None:
     for j in range(rows):
         t, lp = draw(j, j + 1)
         assert torch.equal(t, tokens[j:j + 1]) and torch.equal(lp, logprobs[j:j + 1]), j
+
+
+# ---- the linears' variants: FP8 weights, a LoRA adapter -------------------------------------------
+def _kernels(where: str) -> Any:
+    """torch: the CPU twins; triton: the invariant GEMM in Triton's interpreter (fp16 there)."""
+    if where == "triton" and gemv_mod.triton is None:
+        pytest.skip("triton is not installed")
+    return interpreted_on_cpu() if where == "triton" else nullcontext()
+
+
+@pytest.mark.parametrize("where", ["torch", "triton"])
+def test_fp8_linear_in_the_mode_gives_a_row_the_same_bits_alone_or_batched(where: str) -> None:
+    """FP8 weights dequantize into the invariant product: a row's bits follow the weight, not the batch."""
+    dtype = torch.float16 if where == "triton" else torch.float32
+    g = torch.Generator().manual_seed(3)
+    q, scale = quantize_rows(torch.randn(72, 96, generator=g) / 96 ** 0.5, "w")
+    x, b = torch.randn(40, 96, generator=g).to(dtype), torch.randn(72, generator=g).to(dtype)
+    with _kernels(where):
+        alone_equals_batched(lambda t: fp8_linear(t, q, scale, b, invariant=True), x)
+
+
+@pytest.mark.parametrize("where", ["torch", "triton"])
+def test_a_lora_adapter_in_the_mode_gives_a_row_the_same_bits_alone_or_batched(where: str) -> None:
+    """Both adapter products (x A^T for the stacked parts, then each part's (x A^T)_i B_i^T read through a
+    strided view) run in the invariant product, and the add into the layer's output is elementwise."""
+    dtype = torch.float16 if where == "triton" else torch.float32
+    parts = [LoRAPart("q", 0, 48), LoRAPart("v", 64, 24)]
+    slot = LoRASlot(parts, rank=8, in_features=96, scaling=2.0, dtype=dtype, device="cpu", invariant=True)
+    g = torch.Generator().manual_seed(4)
+    for t in slot.buffers():
+        t.copy_(torch.randn(t.shape, generator=g) / t.shape[-1] ** 0.5)
+    x, y = torch.randn(40, 96, generator=g).to(dtype), torch.randn(40, 96, generator=g).to(dtype)
+    with _kernels(where):
+        alone_equals_batched(lambda rows: slot(rows, y[:0].new_zeros(rows.shape[0], 96)), x)
+        out = slot(x, y.clone())
+    assert torch.equal(out[:, 48:64], y[:, 48:64]) and not torch.equal(out[:, :48], y[:, :48])  # parts only
 
 
 # ---- tensor parallelism: the ordered all-reduce ------------------------------------------------------

@@ -47,19 +47,6 @@ def test_unmerged_adapter_equals_merged_weights(dirs: dict[str, Path], tmp_path:
     assert served != _greedy(dirs["target"])  # the adapter changes the outputs: the test can fail
 
 
-@pytest.mark.slow
-def test_unmerged_adapter_stays_batch_invariant(dirs: dict[str, Path], tmp_path: Path) -> None:
-    """In the batch-invariant mode a prompt's tokens do not depend on what runs beside it."""
-    peft_model(dirs["target"]).save_pretrained(str(tmp_path / "adapter"))
-    options = dict(lora=str(tmp_path / "adapter"), batch_invariant=True)
-    together = _greedy(dirs["target"], **options)
-    from inference.engine.llm import LLM
-
-    llm = LLM(str(dirs["target"]), device="cpu", dtype="float32", **options)
-    alone = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
-    assert alone == together
-
-
 @pytest.mark.parametrize(("option", "value"), [("use_dora", True), ("bias", "all"), ("modules_to_save", ["lm_head"]),
                                                ("rank_pattern", {"q_proj": 8}), ("fan_in_fan_out", True)])
 def test_unsupported_peft_option_is_refused_by_name(tmp_path: Path, option: str, value: Any) -> None:

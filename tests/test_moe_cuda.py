@@ -1,5 +1,6 @@
 """The MoE layer and models on CUDA: the grouped Triton GEMMs equal the per-expert loop at the Qwen3-30B-A3B
-layer shape (bf16) and give a token the same bits alone or batched with the mode's tiles; fp32 greedy equals
+layer shape (bf16) and give a token the same bits alone or batched with the mode's tiles, whatever number of
+pairs its expert got; fp32 greedy equals
 transformers; CUDA graphs equal eager; a level-1 sleep changes no bit; the batch-invariant mode's GPU path
 (graphs, Triton) gives a prompt the same bits alone and batched."""
 
@@ -49,6 +50,22 @@ def test_grouped_gemms_give_a_token_the_same_bits_alone_and_batched() -> None:
     for rows in (slice(0, 1), slice(150, 151), slice(10, 74)):
         alone = moe.experts_grouped(x[rows], gate_up, down, ids[rows], w[rows], moe.INVARIANT_BLOCK_M)
         assert torch.equal(alone, full[rows]), rows
+
+
+def test_the_modes_grouped_gemms_give_a_pair_the_same_bits_whatever_its_expert_got() -> None:
+    """Expert 0 gets 1, 15, 16, 17 or 300 of the pairs (the other slots spread as routed): every token's
+    output, the k slots' sum included, equals its output alone."""
+    x, gate_up, down, ids, w = a3b_layer(300)
+    for count in (1, 15, 16, 17, 300):
+        forced = ids.clone()
+        forced[:count, 0] = 0
+        forced[count:, 0] = torch.where(forced[count:, 0] == 0, 1, forced[count:, 0])
+        forced[:, 1:] = torch.where(forced[:, 1:] == 0, 2, forced[:, 1:])  # expert 0 once per token at most
+        full = moe.experts_grouped(x, gate_up, down, forced, w, moe.INVARIANT_BLOCK_M)
+        for j in (0, count - 1, 299):
+            alone = moe.experts_grouped(x[j:j + 1], gate_up, down, forced[j:j + 1], w[j:j + 1],
+                                        moe.INVARIANT_BLOCK_M)
+            assert torch.equal(alone[0], full[j]), (count, j)
 
 
 def test_the_layer_captures_in_a_cuda_graph_and_replays_equal() -> None:

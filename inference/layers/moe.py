@@ -8,8 +8,9 @@ Routing (`route`): softmax over all experts in fp32, the k largest, renormalised
 sort), so routing is a function of the token's logits alone.
 Experts: on CUDA (or in Triton's interpreter) two grouped GEMM launches over the pairs sorted by expert
 (moe_kernels.py; no host sync, so CUDA graphs capture it); elsewhere a loop over the experts present.
-A token's k expert outputs are summed in slot order (never atomics), so in the batch-invariant mode,
-where the kernels' tiles are fixed, a token's output does not depend on the rest of the batch.
+A token's k expert outputs are summed by one reduction over the k slots (never atomics; its order follows
+k and the hidden size only), so in the batch-invariant mode, where the kernels' tiles are fixed, a token's
+output does not depend on the rest of the batch.
 Routing record (`routing_out`, bound by the model): each forward writes its tokens' expert ids into the
 first rows of that static buffer, inside the forward, so a CUDA graph captures the write.
 """

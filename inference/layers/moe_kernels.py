@@ -6,8 +6,11 @@ pad value is the pair count), and `block_expert[b]`, the expert of row block b (
 which returns before reading any weight, so a decode step reads only the chosen experts' weights).
 A program computes BLOCK_M pairs x BLOCK_N output columns of one expert, walking K in BLOCK_K steps in
 order with fp32 accumulation: a pair's bits depend on the tile sizes and the weights only, never on how
-many pairs its expert got or which other pairs share its block. PRECISION: "ieee" for fp32 inputs (no
-TF32, so an fp32 model computes what the torch loop does), None (the default) for bf16/fp16.
+many pairs its expert got or which other pairs share its block (a row of a tl.dot depends on its own row
+of the operand only). The pair count is not specialized on (one binary for every batch, as the invariant
+GEMM is not specialized on M): it only masks loads of gathered rows, where a divisibility hint buys nothing.
+PRECISION: "ieee" for fp32 inputs (no TF32, so an fp32 model computes what the torch loop does), None (the
+default) for bf16/fp16.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs, top_k, hidden, inter,
                         stride_xt, stride_we, stride_wn, stride_op,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -51,7 +54,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_
              act.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < inter))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_down_kernel(a_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr, num_pairs, hidden, inter,
                      stride_ap, stride_we, stride_wn, stride_op,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

@@ -8,6 +8,8 @@ Greedy, ignore_eos, random bf16 weights (the HF model's own random init, copied 
 `--quantization bf16,fp8`: our engine also in FP8 (docs/fp8.md; the same weights quantized as they load),
 one row per quantization with its own roofline (FP8: the linears' bytes halved, plus their scales), the
 FP8 row's `fp8_over_bf16` tok/s and the share of prompts whose first 8 greedy tokens equal bf16's.
+`--batch-invariant` / `--no-batch-invariant`: our engine in the batch-invariant mode or not (unset: the
+engine's default); every row says which (`batch_invariant`).
 """
 
 from __future__ import annotations
@@ -154,7 +156,10 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--quantization", default="bf16", help="comma list of bf16 and fp8 (our engine's weights)")
     ap.add_argument("--layers", type=int, default=None, help="fewer decoder layers than the shape has")
+    ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                    help="the batch-invariant mode on or off (docs/invariance.md); unset: the engine's default")
     args = ap.parse_args()
+    mode = {} if args.batch_invariant is None else {"batch_invariant": args.batch_invariant}
     quantizations = [q for q in args.quantization.split(",") if q]
     if any(q not in QUANTIZATIONS for q in quantizations):
         ap.error(f"--quantization: a comma list of {', '.join(QUANTIZATIONS)}")
@@ -167,11 +172,11 @@ def main() -> None:
     peers: dict[tuple[int, str], tuple[float | None, float | None]] = {}  # (batch, peer) -> (seconds, match)
     base: dict[int, tuple[float, list[list[int]]]] = {}  # batch -> the first quantization's (tok/s, tokens)
     for quant in quantizations:
-        llm = our_llm(hf, max(args.batch), max_len, args.enforce_eager, quantization=QUANTIZATIONS[quant])
+        llm = our_llm(hf, max(args.batch), max_len, args.enforce_eager, quantization=QUANTIZATIONS[quant], **mode)
         weight_bytes = weight_bytes_of(llm)
         for batch in args.batch:
             row = run_batch(llm, hf, args, batch, prompts[batch], weight_bytes, bw, peers)
-            row["quantization"] = quant
+            row.update(quantization=quant, batch_invariant=llm.config.batch_invariant)
             if quant == quantizations[0]:
                 base[batch] = (row["ours_tok_s"], row.pop("_tokens"))
             else:

@@ -34,6 +34,8 @@ gap: over each sample's prefix where both runs chose the same tokens (the same c
 --lora-rank R: each shape runs twice in the same process, merged (the plain model: merged weights cost what
 the base costs) and LoRA-served (a random rank-R "all-linear" PEFT adapter, `LLM(..., lora=DIR)`), rows
 tagged `lora_rank`, then one "rollout_lora" line per mode: lora_over_merged = merged tok/s / LoRA tok/s.
+--batch-invariant / --no-batch-invariant: the engine in the batch-invariant mode or not (unset: the
+engine's default); every row says which (`batch_invariant`).
 
     python3 -m scripts.bench.rollout                      # both shapes x 3 modes (H200, ~4 min)
     python3 scripts/bench/rollout.py --dry-run            # the default workload, described
@@ -209,6 +211,8 @@ def build_llm(shape: str, args: argparse.Namespace, max_len: int, quantization: 
         kw["kv_cache_bytes"] = int(args.kv_gib * 2**30)
     if getattr(args, "lora_dir", None):
         kw["lora"] = args.lora_dir
+    if args.batch_invariant is not None:
+        kw["batch_invariant"] = args.batch_invariant
     if shape == "tiny":
         if not args.draft_layers:
             return LLM(None, device=args.device, **kw)
@@ -314,7 +318,8 @@ def run_shape(shape: str, args: argparse.Namespace, rates: tuple[float, float], 
                                       "samples": args.samples, "draft_layers": args.draft_layers,
                                       "tail_scale": args.tail_scale if args.draft_layers else None,
                                       "spec_max_batch": args.spec_max_batch if args.draft_layers else None,
-                                      "async_scheduling": llm._overlap is not None, "quantization": quantization}
+                                      "async_scheduling": llm._overlap is not None, "quantization": quantization,
+                                      "batch_invariant": llm.config.batch_invariant}
             probe = (StepProbe(args.profile, f"{shape}_{mode}", args.profile_steps, args.profile_length)
                      if args.profile else None)
             keep = greedy if mode == "greedy" else None
@@ -414,6 +419,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="overlap each step's host work with the device (auto: the engine's default)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                    help="the batch-invariant mode on or off (docs/invariance.md); unset: the engine's default")
     ap.add_argument("--gc-freeze", choices=["on", "off"], default="on",
                     help="freeze the warm heap before each timed run, as the sidecar's rank does (off: A/B)")
     ap.add_argument("--profile", default="", help="write kernel tables of a few step windows to this folder")

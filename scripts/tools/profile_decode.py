@@ -79,13 +79,14 @@ def main() -> None:
     ap.add_argument("--graph", action="store_true", help="profile the captured decode graph's replays")
     ap.add_argument("--trace", default="", help="write a chrome trace here")
     ap.add_argument("--pdl", action="store_true", help="keep programmatic dependent launch on")
-    ap.add_argument("--batch-invariant", action="store_true", help="the engine in the batch-invariant mode")
+    ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                    help="the engine in the batch-invariant mode or not; unset: the engine's default")
     args = ap.parse_args()
     if not args.pdl:
         os.environ["SIDECAR_PDL"] = "0"  # read at each launch (inference/layers/pdl.py)
     max_len = max(512, args.context + 2 * args.steps + 16)
-    llm = our_llm(hf_model(args.shape, max_len), args.batch, max_len, enforce_eager=not args.graph,
-                  batch_invariant=args.batch_invariant)
+    mode = {} if args.batch_invariant is None else {"batch_invariant": args.batch_invariant}
+    llm = our_llm(hf_model(args.shape, max_len), args.batch, max_len, enforce_eager=not args.graph, **mode)
     prompts = [[1 + i] * args.context for i in range(args.batch)]
     params = SamplingParams(temperature=0.0, max_tokens=1 + 2 * args.steps, ignore_eos=True)
     ids = [llm.add_request(p, params) for p in prompts]
