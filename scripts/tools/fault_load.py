@@ -162,7 +162,8 @@ async def client_loop(http: Any, tally: Tally, cfg: LoadConfig, i: int, deadline
             tally.add("expected", "generate 409 while asleep or torn")  # the default mode's answer: retry
             await asyncio.sleep(0.1)
         else:
-            tally.add("unexpected", f"generate {resp.status_code} {_error(resp).get('type')}")
+            error = _error(resp)
+            tally.add("unexpected", f"generate {resp.status_code} {error.get('type')} field {error.get('field')}")
 
 
 def _refused_for_state(resp: Any) -> bool:

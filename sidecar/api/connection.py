@@ -15,6 +15,9 @@
   the client saw "connection reset" instead of the 413).
 Both parsers get these bounds (h11 serves where the server extra is not installed). The body's progress
 timeout is the app's (sidecar/api/guard.py): it sees the receive calls.
+Every timeout here judges the client, not the server: a timer that fires more than LATE_SHARE of its
+delay late means the event loop was busy (a blocked step, a loaded host), and the client's bytes may be
+waiting in the socket behind it, so it waits once more (at most LATE_GRACES times) before it refuses.
 """
 
 from __future__ import annotations
@@ -28,6 +31,38 @@ from typing import Any
 import h11  # uvicorn's own dependency: its pure-Python parser
 
 log = logging.getLogger(__name__)
+
+
+LATE_SHARE = 0.5  # a timer this much of its delay late fired on a busy loop, not on a slow client
+LATE_GRACES = 2  # at most this many more periods for a timer that keeps firing late
+
+
+def overdue(started: float, now: float, delay_s: float) -> bool:
+    """Whether a wait of delay_s begun at `started` ended late enough (now) to blame the loop."""
+    return now - started > (1 + LATE_SHARE) * delay_s
+
+
+class PatientTimer:
+    """loop.call_later(delay_s, callback), except that a firing overdue (module docstring) arms it again,
+    at most LATE_GRACES times. cancel() as a TimerHandle's (uvicorn cancels its keep-alive task so)."""
+
+    def __init__(self, loop: Any, delay_s: float, callback: Any) -> None:
+        self._loop, self._delay, self._callback, self._graces = loop, delay_s, callback, LATE_GRACES
+        self._arm()
+
+    def _arm(self) -> None:
+        self._started = self._loop.time()
+        self._handle = self._loop.call_later(self._delay, self._fire)
+
+    def _fire(self) -> None:
+        if self._graces and overdue(self._started, self._loop.time(), self._delay):
+            self._graces -= 1
+            self._arm()
+            return
+        self._callback()
+
+    def cancel(self) -> None:
+        self._handle.cancel()
 
 
 @dataclass(frozen=True)
@@ -94,7 +129,7 @@ class _Bounded:
     def _go_idle(self, timeout_s: float) -> None:
         self.idle[self] = None
         self._unset_keepalive_if_required()
-        self.timeout_keep_alive_task = self.loop.call_later(timeout_s, self.close_now)
+        self.timeout_keep_alive_task = PatientTimer(self.loop, timeout_s, self.close_now)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.idle.pop(self, None)
@@ -108,7 +143,7 @@ class _Bounded:
         self.idle.pop(self, None)
         if self._in_head:
             if self._head_bytes == 0 and self._head_timer is None:
-                self._head_timer = self.loop.call_later(limits.header_timeout_s, self._head_too_slow)
+                self._head_timer = PatientTimer(self.loop, limits.header_timeout_s, self._head_too_slow)
             self._head_bytes += len(data)
         super().data_received(data)  # type: ignore[misc]
         if self._in_head and self._head_bytes > limits.max_header_bytes and not self._lingering:

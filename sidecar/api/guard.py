@@ -27,6 +27,7 @@ from typing import Any
 from starlette.exceptions import HTTPException
 
 from sidecar.api.common import ApiError, error_response
+from sidecar.api.connection import LATE_GRACES, overdue
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,20 @@ class BodyTooSlow(HTTPException):
                          headers={"Connection": "close"})
 
 
+async def _receive_within(receive: Receive, timeout_s: float) -> Message:
+    """The next message, or BodyTooSlow after timeout_s without one; a wait that ended overdue (the loop
+    was busy: the body may be waiting behind the timer) waits again, as connection.PatientTimer does."""
+    loop, graces = asyncio.get_running_loop(), LATE_GRACES
+    while True:
+        started = loop.time()
+        try:
+            return await asyncio.wait_for(receive(), timeout_s)
+        except TimeoutError:
+            if not graces or not overdue(started, loop.time(), timeout_s):
+                raise BodyTooSlow(timeout_s) from None
+            graces -= 1
+
+
 class RequestGuard:
     """ASGI middleware: the body limit, the body's progress timeout and the last-resort JSON 500 (module
     docstring). `on_error(status)` counts the error responses it writes itself."""
@@ -85,10 +100,7 @@ class RequestGuard:
             if body_done or timeout_s is None:  # afterwards a receive waits for a disconnect: no bound
                 message = await receive()
             else:
-                try:
-                    message = await asyncio.wait_for(receive(), timeout_s)
-                except TimeoutError:
-                    raise BodyTooSlow(timeout_s) from None
+                message = await _receive_within(receive, timeout_s)
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
