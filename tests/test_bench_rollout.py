@@ -70,7 +70,7 @@ def test_the_roofline_counts_the_tiny_model(smoke_rows: list[dict]) -> None:
             "weight_bytes": params - embed, "kv_bytes_per_token": 2 * mc.num_layers * kv * d * 4,  # float32 on CPU
             "matmul_params": mc.num_layers * per_layer, "head_params": mc.vocab_size * h,
             "attn_flops_per_pair": 4 * mc.num_heads * d * mc.num_layers, "expert_bytes": 0,
-            "expert_params_per_token": 0}
+            "expert_params_per_token": 0, "experts_per_token": 0}
     finally:
         llm.worker.shutdown()
 
@@ -158,6 +158,10 @@ def test_an_moe_shape_times_the_rollout_with_routing_against_without() -> None:
         cost = row["model_cost"]
         assert cost["expert_bytes"] == expert
         assert cost["expert_params_per_token"] == m["k"] * m["layers"] * expert // 2
+        assert cost["experts_per_token"] == m["k"] * m["layers"]
+        # the batch-1 floor: the dense weights and k experts a layer
+        one_token = cost["weight_bytes"] + m["k"] * m["layers"] * expert
+        assert row["weight_roofline_ms"] == pytest.approx(one_token / (row["hbm_gbps"] * 1e6), rel=2e-2)
         # a step's tokens reach at least k of a layer's experts and at most all of them
         assert m["k"] <= row["experts_touched_mean"] <= m["experts"]
         assert row["roofline_s"] > 0 and row["time_over_roofline"] > 0

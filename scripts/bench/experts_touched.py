@@ -55,7 +55,7 @@ class SpanLog(StepLog):
         pending = super().begin(batch)
         # m = n + k positions from c on, as count_batch counts them (the sequences have not advanced yet)
         self.spans.append(StepSpans(tuple(batch.seqs), list(map(_COMPUTED, batch.seqs)),
-                                    [n + k for n, k in zip(batch.num_new_tokens, batch.num_lookahead)]))
+                                    list(map(operator.add, batch.num_new_tokens, batch.num_lookahead))))
         return pending
 
 

@@ -35,10 +35,21 @@ gap: over each sample's prefix where both runs chose the same tokens (the same c
 the base costs) and LoRA-served (a random rank-R "all-linear" PEFT adapter, `LLM(..., lora=DIR)`), rows
 tagged `lora_rank`, then one "rollout_lora" line per mode: lora_over_merged = merged tok/s / LoRA tok/s.
 
+MoE shapes (`qwen3-30b-a3b`; `qwen3-moe-tiny`, the CPU smoke): the roofline is the active-weight one, each
+step charged the (MoE layer, expert) pairs its tokens went to (scripts/bench/experts_touched.py), and each
+mode is timed without routing and with every request asking for it (SamplingParams.return_routing), A B
+(A B B A with --routing-repeats 2), after one warm-up: a row per run (`return_routing`,
+`experts_touched_mean`: per MoE layer and step) and a "rollout_routing" line, routing_over_plain = the
+routing runs' wall time over the plain ones'. The experts of a plain run's steps are counted on the first
+routing run's rows at the same samples and positions. `--layers N` builds a Qwen shape with N decoder
+layers (48 A3B layers are 61 GB in bf16: on an 80 GB GPU the KV cache would hold a fraction of the batch);
+the roofline counts the layers built.
+
     python3 -m scripts.bench.rollout                      # both shapes x 3 modes (H200, ~4 min)
     python3 scripts/bench/rollout.py --dry-run            # the default workload, described
     python3 -m scripts.bench.rollout --shapes tiny --prompts 4 --samples 2 --len-cap 32   # CPU smoke
     python3 -m scripts.bench.rollout --quantization bf16,fp8 --modes greedy,seeded   # the FP8 column
+    python3 -m scripts.bench.rollout --shapes qwen3-30b-a3b --layers 8 --modes seeded --routing-repeats 2
 """
 
 from __future__ import annotations
@@ -283,11 +294,10 @@ def run_case(llm: LLM, mode: str, work: Workload, warm: Workload | None, probe: 
     runner = llm.worker.runner
     eager_before = Counter(runner.eager_steps) if runner is not None else Counter()
     log = llm.step_log = SpanLog() if spans else StepLog()
-    outputs: list[CompletionOutput] = [] if keep is None else keep
     sync(device)
     t0 = time.perf_counter()
     with GCPauses() as pauses:
-        rids = run(llm, work, mode, probe, outputs, routing)
+        rids = run(llm, work, mode, probe, keep, routing)
         sync(device)
     t1 = time.perf_counter()
     records, llm.step_log = log.records, None
@@ -314,7 +324,7 @@ def run_case(llm: LLM, mode: str, work: Workload, warm: Workload | None, probe: 
     order = {rid: i for i, rid in enumerate(rids)}
     first = [0, *accumulate(map(len, work.lengths))]
     sample_of = {(rid, j): first[order[rid]] + j for rid in rids for j in range(len(work.lengths[order[rid]]))}
-    return TimedRun(row, records, t0, log.spans if isinstance(log, SpanLog) else [], sample_of, outputs)
+    return TimedRun(row, records, t0, log.spans if isinstance(log, SpanLog) else [], sample_of, keep or [])
 
 
 def finish_row(timed: TimedRun, cost: ModelCost, rates: tuple[float, float],
@@ -325,7 +335,7 @@ def finish_row(timed: TimedRun, cost: ModelCost, rates: tuple[float, float],
     row.update(roof)
     row.update(roofline_ms_per_step=1e3 * roof["roofline_s"] / max(1, len(records)),
                time_over_roofline=row["wall_s"] / roof["roofline_s"], hbm_gbps=rates[0] / 1e9,  # type: ignore[operator]
-               weight_roofline_ms=1e3 * cost.weight_bytes / rates[0], matmul_tflops=rates[1] / 1e12,
+               weight_roofline_ms=1e3 * cost.one_token_bytes / rates[0], matmul_tflops=rates[1] / 1e12,
                by_batch=by_batch(records, cost, rates, timed.t0, touched))
     row.update(model_cost=asdict(cost))
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
@@ -341,8 +351,10 @@ def routing_runs(llm: LLM, mode: str, work: Workload, warm: Workload, cost: Mode
     (without shape and device): B's wall time over A's."""
     mc = llm.model_config
     order = [i % 4 in (1, 2) for i in range(2 * args.routing_repeats)]  # False: A, True: B
-    timed = [run_case(llm, mode, work, warm if i == 0 else None, gc_freeze=args.gc_freeze == "on",
-                      keep=[] if routing else None, routing=routing, spans=True) for i, routing in enumerate(order)]
+    llm.block_manager.reset_prefix_cache()
+    run(llm, warm, mode, routing=True)  # the warm-up: a routing request's path covers a plain one's
+    timed = [run_case(llm, mode, work, None, gc_freeze=args.gc_freeze == "on", keep=[] if routing else None,
+                      routing=routing, spans=True) for routing in order]
     source = [o.routing for o in timed[order.index(True)].outputs]
     rows: list[dict[str, object]] = []
     walls = {False: 0.0, True: 0.0}

@@ -172,6 +172,12 @@ class ModelCost:
     attn_flops_per_pair: int  # 4 x heads x head_dim x layers: QK^T and PV for one (query, key) pair
     expert_bytes: int = 0  # one expert of one MoE layer (gate, up and down), read once by a step that touches it
     expert_params_per_token: int = 0  # the routed experts' weights one token multiplies (k of them per MoE layer)
+    experts_per_token: int = 0  # the (MoE layer, expert) pairs one token reaches: k x MoE layers
+
+    @property
+    def one_token_bytes(self) -> int:
+        """The weight bytes a step of one token reads: the batch-1 floor."""
+        return self.weight_bytes + self.expert_bytes * self.experts_per_token
 
     @classmethod
     def of(cls, llm: LLM) -> ModelCost:
@@ -191,7 +197,8 @@ class ModelCost:
         return cls(total - gathered - expert_total, llm.worker.runner.kv_bytes_per_block(1), layers,
                    mc.vocab_size * mc.hidden_size, 4 * mc.num_heads * mc.head_dim * mc.num_layers,
                    expert_total // pairs if pairs else 0,
-                   mc.num_experts_per_tok * sum(p.numel() for p in experts) // mc.num_experts if pairs else 0)
+                   mc.num_experts_per_tok * sum(p.numel() for p in experts) // mc.num_experts if pairs else 0,
+                   mc.num_experts_per_tok * mc.num_moe_layers)
 
     def step_bytes_flops(self, r: StepRecord, experts_touched: int = 0) -> tuple[int, int]:
         """(bytes, FLOPs) of a step; experts_touched: the (MoE layer, expert) pairs it read."""
