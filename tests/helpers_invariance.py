@@ -29,7 +29,7 @@ MODES = ("greedy", "seeded")
 SIZES = ([3, 5], [2, 2, 4], [1, 7])  # calls of other sizes than the whole batch
 CPU = {"device": "cpu", "dtype": "float32", "kv_cache_bytes": 4 << 20, "block_size": BLOCK}
 
-Sample = tuple[list[int], bytes, object, object, object]
+Sample = tuple[list[int], bytes, object, object, object, bytes | None]
 Result = tuple[Sample, ...]
 ParamsFor = Callable[[str, int], SamplingParams]  # (sampling mode, prompt index) -> that prompt's params
 
@@ -51,9 +51,10 @@ def base_params(mode: str, i: int, **extra: Any) -> SamplingParams:
 
 
 def result(out: RequestOutput) -> Result:
-    """Every sample's tokens, logprobs as their float64 bytes, top logprobs, finish and stop reason: two
-    results are equal only when every bit is."""
-    return tuple((c.token_ids, array("d", c.logprobs).tobytes(), c.top_logprobs, c.finish_reason, c.stop_reason)
+    """Every sample's tokens, logprobs as their float64 bytes, top logprobs, finish and stop reason, and
+    the MoE routing it carries (its shape and bytes): two results are equal only when every bit is."""
+    return tuple((c.token_ids, array("d", c.logprobs).tobytes(), c.top_logprobs, c.finish_reason, c.stop_reason,
+                  None if c.routing is None else repr(c.routing.shape).encode() + c.routing.tobytes())
                  for c in out.outputs)
 
 
@@ -100,7 +101,10 @@ def prefix_cached(llm: LLM, prompts: Sequence[list[int]], params: ParamsFor, mod
     of them hits it."""
     sharing = list(range(0, len(prompts), 2))
     llm.block_manager.reset_prefix_cache()
-    llm.generate([prompts[0][:PREFIX]], SamplingParams(temperature=0.0, max_tokens=1))
+    # the warming request asks for routing as the case does: only blocks that kept routing serve a hit
+    # to a request that asks for it (docs/moe.md)
+    routing = params(mode, 0).return_routing
+    llm.generate([prompts[0][:PREFIX]], SamplingParams(temperature=0.0, max_tokens=1, return_routing=routing))
     outs = llm.generate([prompts[i] for i in sharing], [params(mode, i) for i in sharing])
     assert all(o.num_cached_tokens >= PREFIX * len(o.outputs) for o in outs), [o.num_cached_tokens for o in outs]
     return {i: result(o) for i, o in zip(sharing, outs)}

@@ -122,6 +122,7 @@ FEATURES = [
             draft_options=lambda dirs: {"draft_lora": str(dirs["draft-adapter"])}),
     Feature("qwen3_moe", family="qwen3_moe"),
     Feature("mixtral", family="mixtral"),
+    Feature("moe_routing", family="qwen3_moe", extra=lambda mode, i, stops: {"return_routing": True}),
     Feature("penalties", extra=_penalties, draft=False),
     Feature("stop_strings", extra=_stops),
     Feature("sample_max_tokens", extra=_samples, samples=3),
@@ -224,6 +225,9 @@ def test_the_feature_is_on(subject: Subject, plain: dict[str, dict[int, Result]]
         assert {(FinishReason.STOP, str), (FinishReason.STOP, int)} <= set(reasons), reasons
     elif name == "mistral_window":
         assert subject.engine().model_config.sliding_window == WINDOW < max(map(len, subject.prompts))
+    elif name == "moe_routing":  # a row per computed token (prompt and completion but the last), 2 layers, k=2
+        assert all(c[5] is not None and c[5].startswith(repr((len(subject.prompts[i]) + len(c[0]) - 1, 2, 2)).encode())
+                   for i in got for c in got[i]), [c[5][:16] for i in got for c in got[i] if c[5]]
     elif name == "sample_max_tokens":
         assert all([len(c[0]) for c in got[i]] == list(subject.params(mode, i).sample_max_tokens) for i in got)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from inference.engine.llm import LLM
-from tests.helpers_bench import bench_lines
+from tests.helpers_bench import bench_lines, refused
 
 BENCH = "scripts.bench.rollout"
 SMOKE = ["--shapes", "tiny", "--prompts", "4", "--samples", "2", "--prompt-min", "8", "--prompt-max", "24",
@@ -69,7 +69,8 @@ def test_the_roofline_counts_the_tiny_model(smoke_rows: list[dict]) -> None:
         assert smoke_rows[0]["model_cost"] == {
             "weight_bytes": params - embed, "kv_bytes_per_token": 2 * mc.num_layers * kv * d * 4,  # float32 on CPU
             "matmul_params": mc.num_layers * per_layer, "head_params": mc.vocab_size * h,
-            "attn_flops_per_pair": 4 * mc.num_heads * d * mc.num_layers}
+            "attn_flops_per_pair": 4 * mc.num_heads * d * mc.num_layers, "expert_bytes": 0,
+            "expert_params_per_token": 0, "experts_per_token": 0}
     finally:
         llm.worker.shutdown()
 
@@ -133,3 +134,60 @@ def test_lora_rank_runs_the_shape_merged_and_lora_served_in_one_run() -> None:
     assert merged["generated_tokens"] == lora["generated_tokens"]
     assert line["bench"] == "rollout_lora" and line["lora_rank"] == 4 and line["lora_over_merged"] > 0
     assert line["lora_over_merged"] == round(merged["tok_s"] / lora["tok_s"], 4)
+
+
+# the A3B's structure at a tiny size (scripts/bench/generate.py SHAPES): 2 MoE layers of 8 experts, 2 per token
+MOE = ["--shapes", "qwen3-moe-tiny", "--prompts", "4", "--samples", "2", "--prompt-min", "8", "--prompt-max", "24",
+       "--len-median", "6", "--len-cap", "16"]
+TINY_MOE = {"layers": 2, "experts": 8, "k": 2, "hidden": 64, "inter": 32}
+
+
+@pytest.mark.slow
+def test_an_moe_shape_times_the_rollout_with_routing_against_without() -> None:
+    """An MoE shape's mode: a row without routing, a row with it (every request returns its routing), the
+    same workload generated exactly by both; their rooflines charge each step only the experts it touched;
+    the rollout_routing line is the routing run's wall time over the plain one's. Async scheduling, as on a
+    GPU: the steps' positions are read at launch, and each must lie in its sample's routing."""
+    plain, routed, line = bench_lines(BENCH, *MOE, "--modes", "seeded", "--async-scheduling", "on")
+    assert (plain["return_routing"], routed["return_routing"]) == (False, True)
+    assert plain["generated_tokens"] == routed["generated_tokens"] == 54 and plain["async_scheduling"]
+    m = TINY_MOE
+    expert = 3 * m["inter"] * m["hidden"] * 2  # gate, up and down of one expert, bf16
+    for row in (plain, routed):
+        assert row["shape"] == "qwen3-moe-tiny" and row["layers"] == m["layers"] and row["preempted"] == 0
+        cost = row["model_cost"]
+        assert cost["expert_bytes"] == expert
+        assert cost["expert_params_per_token"] == m["k"] * m["layers"] * expert // 2
+        assert cost["experts_per_token"] == m["k"] * m["layers"]
+        # the batch-1 floor: the dense weights and k experts a layer
+        one_token = cost["weight_bytes"] + m["k"] * m["layers"] * expert
+        assert row["weight_roofline_ms"] == pytest.approx(one_token / (row["hbm_gbps"] * 1e6), rel=2e-2)
+        # a step's tokens reach at least k of a layer's experts and at most all of them
+        assert m["k"] <= row["experts_touched_mean"] <= m["experts"]
+        assert row["roofline_s"] > 0 and row["time_over_roofline"] > 0
+    assert line["bench"] == "rollout_routing" and line["runs"] == "AB" and line["mode"] == "seeded"
+    assert line["routing_over_plain"] == pytest.approx(routed["wall_s"] / plain["wall_s"], rel=2e-3)
+    assert line["plain_tok_s"] == pytest.approx(plain["tok_s"], rel=2e-3)
+    # uint8 ids of every token the engine computed (prompt + completion - 1 per sample), per layer and slot
+    rows_computed = 2 * plain["prompt_tokens"] + plain["generated_tokens"] - plain["sequences"]
+    assert line["routing_bytes"] == rows_computed * m["layers"] * m["k"]
+
+
+@pytest.mark.slow
+def test_routing_repeats_alternate_the_runs_and_a_lone_decode_reads_k_experts_a_layer() -> None:
+    """--routing-repeats 2 runs A B B A. One sample of 12 tokens: one prefill step (its prompt reaches at
+    most all 8 experts of a layer), then 11 decode steps of one token, each reading exactly k = 2."""
+    *rows, line = bench_lines(BENCH, "--shapes", "qwen3-moe-tiny", "--prompts", "1", "--samples", "1",
+                              "--prompt-min", "16", "--prompt-max", "16", "--len-median", "12", "--len-sigma", "0",
+                              "--len-cap", "12", "--modes", "greedy", "--routing-repeats", "2")
+    assert [r["return_routing"] for r in rows] == [False, True, True, False] and line["runs"] == "ABBA"
+    for r in rows:
+        assert r["steps"] == 12 and r["prefill_steps"] == 1
+        assert 2 < r["experts_touched_mean"] <= (8 + 11 * 2) / 12
+    assert line["plain_wall_s"] == pytest.approx(rows[0]["wall_s"] + rows[3]["wall_s"], abs=2e-4)
+
+
+def test_an_moe_shape_refuses_what_its_rows_do_not_measure() -> None:
+    err = refused(BENCH, "--shapes", "qwen3-moe-tiny", "--draft-layers", "1")
+    assert "qwen3-moe-tiny" in err and "--draft-layers" in err
+    assert "--layers" in refused(BENCH, "--shapes", "tiny", "--layers", "2")

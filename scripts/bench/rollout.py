@@ -37,10 +37,21 @@ tagged `lora_rank`, then one "rollout_lora" line per mode: lora_over_merged = me
 --batch-invariant / --no-batch-invariant: the engine in the batch-invariant mode or not (unset: the
 engine's default); every row says which (`batch_invariant`).
 
+MoE shapes (`qwen3-30b-a3b`; `qwen3-moe-tiny`, the CPU smoke): the roofline is the active-weight one, each
+step charged the (MoE layer, expert) pairs its tokens went to (scripts/bench/experts_touched.py), and each
+mode is timed without routing and with every request asking for it (SamplingParams.return_routing), A B
+(A B B A with --routing-repeats 2), after one warm-up: a row per run (`return_routing`,
+`experts_touched_mean`: per MoE layer and step) and a "rollout_routing" line, routing_over_plain = the
+routing runs' wall time over the plain ones'. The experts of a plain run's steps are counted on the first
+routing run's rows at the same samples and positions. `--layers N` builds a Qwen shape with N decoder
+layers (48 A3B layers are 61 GB in bf16: on an 80 GB GPU the KV cache would hold a fraction of the batch);
+the roofline counts the layers built.
+
     python3 -m scripts.bench.rollout                      # both shapes x 3 modes (H200, ~4 min)
     python3 scripts/bench/rollout.py --dry-run            # the default workload, described
     python3 -m scripts.bench.rollout --shapes tiny --prompts 4 --samples 2 --len-cap 32   # CPU smoke
     python3 -m scripts.bench.rollout --quantization bf16,fp8 --modes greedy,seeded   # the FP8 column
+    python3 -m scripts.bench.rollout --shapes qwen3-30b-a3b --layers 8 --modes seeded --routing-repeats 2
 """
 
 from __future__ import annotations
@@ -50,21 +61,25 @@ import gc
 import json
 import math
 import random
+import shutil
 import sys
 import tempfile
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
+from itertools import accumulate
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file from a checkout too
 
-from inference.core import SamplingParams
+from inference.core import CompletionOutput, SamplingParams
 from inference.engine.llm import LLM
-from inference.engine.step_stats import StepLog
+from inference.engine.step_stats import StepLog, StepRecord
 from inference.memory.host_heap import freeze_startup_heap
+from scripts.bench.experts_touched import SpanLog, StepSpans, touched_per_step
 from scripts.bench.rollout_cost import (
     GCPauses,
     ModelCost,
@@ -79,7 +94,8 @@ from scripts.bench.rollout_cost import (
 
 MODES = ("greedy", "sampled", "seeded")  # temperature 0; temperature 1 unseeded; temperature 1 seeded
 QWEN_SHAPES = ("qwen2-0.5b", "qwen2.5-7b")  # scripts.bench.generate.SHAPES
-SHAPE_NAMES = (*QWEN_SHAPES, "tiny")
+MOE_SHAPES = ("qwen3-30b-a3b", "qwen3-moe-tiny")  # the same; qwen3-moe-tiny: the MoE smoke (CPU too)
+SHAPE_NAMES = (*QWEN_SHAPES, *MOE_SHAPES, "tiny")
 QUANTIZATIONS = {"bf16": "none", "fp8": "fp8"}  # --quantization label -> EngineConfig.quantization
 
 
@@ -113,21 +129,21 @@ def draw_workload(args: argparse.Namespace, vocab: int, seed: int) -> Workload:
     return Workload(prompts, lengths)
 
 
-def sampling_params(mode: str, n: int, max_tokens: int, seed: int) -> SamplingParams:
+def sampling_params(mode: str, n: int, max_tokens: int, seed: int, routing: bool = False) -> SamplingParams:
     if mode == "greedy":
-        return SamplingParams(n=n, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        return SamplingParams(n=n, temperature=0.0, max_tokens=max_tokens, ignore_eos=True, return_routing=routing)
     return SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True,
-                          seed=seed if mode == "seeded" else None)
+                          seed=seed if mode == "seeded" else None, return_routing=routing)
 
 
-def submit(llm: LLM, work: Workload, mode: str) -> list[str]:
+def submit(llm: LLM, work: Workload, mode: str, routing: bool = False) -> list[str]:
     """One request of n samples per prompt (the samples share the prompt's prefix blocks, as in GRPO);
     each sample then gets its own max_tokens: the request asks for the longest, and the bench lowers
     the others' on their sequences before the first step (standing in for EOS). Returns the request ids
-    in the workload's order."""
+    in the workload's order. `routing`: every request asks for its routing (SamplingParams.return_routing)."""
     wanted: dict[str, list[int]] = {}
     for i, (prompt, lens) in enumerate(zip(work.prompts, work.lengths)):
-        rid = llm.add_request(prompt, sampling_params(mode, len(lens), max(lens), seed=1000 + i))
+        rid = llm.add_request(prompt, sampling_params(mode, len(lens), max(lens), seed=1000 + i, routing=routing))
         wanted[rid] = lens
     for seq in llm.scheduler.waiting:
         if seq.request_id in wanted:
@@ -136,11 +152,11 @@ def submit(llm: LLM, work: Workload, mode: str) -> list[str]:
 
 
 def run(llm: LLM, work: Workload, mode: str, probe: StepProbe | None = None,
-        keep: list | None = None) -> int:
-    """Generate the workload; returns the generated tokens. Every sample must generate exactly its drawn
-    length (a figure over another schedule would not compare with the others). `keep`: filled with every
-    sample's (token ids, logprobs), in the workload's order."""
-    rids = submit(llm, work, mode)
+        keep: list[CompletionOutput] | None = None, routing: bool = False) -> list[str]:
+    """Generate the workload; returns the request ids in the workload's order. Every sample must generate
+    exactly its drawn length (a figure over another schedule would not compare with the others). `keep`:
+    filled with every sample's output, in the workload's order."""
+    rids = submit(llm, work, mode, routing)
     got: dict[str, list[int]] = {}
     kept: dict[str, list] = {}
     step = 0
@@ -150,7 +166,7 @@ def run(llm: LLM, work: Workload, mode: str, probe: StepProbe | None = None,
         for out in llm.step():
             got[out.request_id] = [len(c.token_ids) for c in out.outputs]
             if keep is not None:
-                kept[out.request_id] = [(c.token_ids, c.logprobs) for c in out.outputs]
+                kept[out.request_id] = out.outputs
         step += 1
     if keep is not None:
         keep.extend(sample for rid in rids for sample in kept[rid])
@@ -159,7 +175,7 @@ def run(llm: LLM, work: Workload, mode: str, probe: StepProbe | None = None,
     lengths = [got.get(rid) for rid in rids]
     if lengths != work.lengths:
         raise RuntimeError(f"generated lengths {lengths} differ from the workload's {work.lengths}")
-    return work.num_tokens
+    return rids
 
 
 @torch.no_grad()
@@ -199,6 +215,13 @@ def write_adapter(model_dir: Path, rank: int, out: Path) -> Path:
     return out
 
 
+def shape_layers(shape: str, args: argparse.Namespace) -> int:
+    """The decoder layers a Qwen shape is built with: --layers, else the shape's own."""
+    from scripts.bench.generate import SHAPES
+
+    return int(getattr(args, "layers", 0) or SHAPES[shape]["num_hidden_layers"])
+
+
 def build_llm(shape: str, args: argparse.Namespace, max_len: int, quantization: str = "bf16") -> LLM:
     """The engine for a shape: the tiny model as shipped, or a Qwen shape with random bf16 weights
     (and, with --draft-layers, a draft made of the target's first layers: scripts/bench/spec.py), its
@@ -225,31 +248,48 @@ def build_llm(shape: str, args: argparse.Namespace, max_len: int, quantization: 
             llm = LLM(None, device=args.device, **kw)
         damp_tail(llm.worker.models["target"], args.draft_layers, args.tail_scale)
         return llm
-    from scripts.bench.generate import SHAPES
     from scripts.bench.spec import config_dir, tie_draft
 
-    target = config_dir(shape, SHAPES[shape]["num_hidden_layers"], max_len)
+    dirs = [config_dir(shape, shape_layers(shape, args), max_len)]
     if args.draft_layers:
-        kw.update(draft_model=str(config_dir(shape, args.draft_layers, max_len)), num_speculative_tokens=args.k,
-                  spec_max_batch=args.spec_max_batch)
-    llm = LLM(target, device=args.device, dtype="bfloat16", load_format="dummy",
-              gpu_memory_utilization=args.gpu_memory_utilization, **kw)
+        dirs.append(config_dir(shape, args.draft_layers, max_len))
+        kw.update(draft_model=str(dirs[1]), num_speculative_tokens=args.k, spec_max_batch=args.spec_max_batch)
+    try:
+        llm = LLM(dirs[0], device=args.device, dtype="bfloat16", load_format="dummy",
+                  gpu_memory_utilization=args.gpu_memory_utilization, **kw)
+    finally:  # config.json only, read at construction
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
     if args.draft_layers:
         tie_draft(llm, args.draft_layers)
         damp_tail(llm.worker.models["target"], args.draft_layers, args.tail_scale)
     return llm
 
 
-def run_case(llm: LLM, mode: str, work: Workload, warm: Workload, cost: ModelCost,
-             rates: tuple[float, float], probe: StepProbe | None = None, gc_freeze: bool = True,
-             keep: list | None = None) -> dict[str, object]:
-    """Warm up (this mode's sampling kernels compile at the batch sizes a drain passes), then time the
-    workload with a StepLog attached; no prompt block of an earlier run is in the prefix cache. With
-    `gc_freeze` the heap alive after the warm-up is frozen first, as the sidecar's rank freezes it."""
+@dataclass
+class TimedRun:
+    """One timed run of a workload: its row but the roofline, and what the roofline is computed from."""
+
+    row: dict[str, object]
+    records: list[StepRecord]
+    t0: float
+    spans: list[StepSpans]  # per step, the positions it computed (a SpanLog's; empty without one)
+    sample_of: dict[tuple[str, int], int]  # (request id, sample index) -> the sample's place in the workload
+    outputs: list[CompletionOutput]  # every sample's, in the workload's order (when kept)
+
+
+def run_case(llm: LLM, mode: str, work: Workload, warm: Workload | None, probe: StepProbe | None = None,
+             gc_freeze: bool = True, keep: list | None = None, routing: bool = False,
+             spans: bool = False) -> TimedRun:
+    """Warm up (this mode's sampling kernels compile at the batch sizes a drain passes; `warm` None: not
+    again), then time the workload with a StepLog attached (a SpanLog with `spans`); no prompt block of an
+    earlier run is in the prefix cache. With `gc_freeze` the heap alive after the warm-up is frozen first,
+    as the sidecar's rank freezes it. `routing`: the requests ask for their routing (the warm-up's too)."""
     device = llm.worker.device
     assert device is not None
-    llm.block_manager.reset_prefix_cache()
-    run(llm, warm, mode)
+    if warm is not None:
+        llm.block_manager.reset_prefix_cache()
+        run(llm, warm, mode, routing=routing)
     llm.block_manager.reset_prefix_cache()
     # as the sidecar's rank does once its engine is warm (inference/memory/host_heap.py); run_shape unfreezes
     full_collect_s = freeze_startup_heap().seconds if gc_freeze else None
@@ -257,45 +297,91 @@ def run_case(llm: LLM, mode: str, work: Workload, warm: Workload, cost: ModelCos
     spec_before = (llm.spec_stats.proposed, llm.spec_stats.accepted, llm.spec_stats.steps)
     runner = llm.worker.runner
     eager_before = Counter(runner.eager_steps) if runner is not None else Counter()
-    llm.step_log = StepLog()
+    log = llm.step_log = SpanLog() if spans else StepLog()
     sync(device)
     t0 = time.perf_counter()
     with GCPauses() as pauses:
-        generated = run(llm, work, mode, probe, keep)
+        rids = run(llm, work, mode, probe, keep, routing)
         sync(device)
     t1 = time.perf_counter()
-    records, llm.step_log = llm.step_log.records, None
+    records, llm.step_log = log.records, None
     wall, steps = t1 - t0, len(records)
-    roof = roofline(records, cost, *rates)
     proposed = llm.spec_stats.proposed - spec_before[0]
     graphs = llm.worker.runner.graphs if llm.worker.runner is not None else None
+    generated = work.num_tokens
     row: dict[str, object] = {
         "sequences": work.num_samples, "prompt_tokens": sum(map(len, work.prompts)), "generated_tokens": generated,
         "mean_len": generated / work.num_samples, "longest": max(map(max, work.lengths)),
         "max_num_seqs": llm.worker.max_num_seqs, "graph_max_batch": graphs.sizes[-1] if graphs else 0,
         "wall_s": wall, "tok_s": generated / wall, "steps": steps, "ms_per_step": 1e3 * wall / max(1, steps)}
     row.update(schedule_stats(records, t0, t1, work.num_samples))
-    row.update(roof)
-    row.update(roofline_ms_per_step=1e3 * roof["roofline_s"] / max(1, steps),
-               time_over_roofline=wall / roof["roofline_s"], hbm_gbps=rates[0] / 1e9,
-               weight_roofline_ms=1e3 * cost.weight_bytes / rates[0],
-               matmul_tflops=rates[1] / 1e12, preempted=llm.scheduler.preempted - preempted,
+    row.update(preempted=llm.scheduler.preempted - preempted,
                spec_acceptance=(llm.spec_stats.accepted - spec_before[1]) / proposed if proposed else None,
                spec_steps=llm.spec_stats.steps - spec_before[2],  # steps that carried draft tokens
-               by_batch=by_batch(records, cost, rates, t0), profiled=probe is not None,
+               profiled=probe is not None,
                # steps per range that ran the eager forward beside captured graphs (prefill, or past them)
                eager_by_batch=steps_by_range(runner.eager_steps - eager_before) if runner is not None else {},
                prefill_steps_by_batch=steps_by_range(Counter(r.num_seqs for r in records if r.prefill_tokens)),
                gc_pauses=pauses.summary(), gc_frozen=gc_freeze,
                # one full collection of the warm process, before the freeze: what each would cost unfrozen
                gc_full_collect_ms=None if full_collect_s is None else 1e3 * full_collect_s)
+    order = {rid: i for i, rid in enumerate(rids)}
+    first = [0, *accumulate(map(len, work.lengths))]
+    sample_of = {(rid, j): first[order[rid]] + j for rid in rids for j in range(len(work.lengths[order[rid]]))}
+    return TimedRun(row, records, t0, log.spans if isinstance(log, SpanLog) else [], sample_of, keep or [])
+
+
+def finish_row(timed: TimedRun, cost: ModelCost, rates: tuple[float, float],
+               touched: np.ndarray | None = None) -> dict[str, object]:
+    """The timed run's row with its roofline (touched[i]: the expert pairs step i read, an MoE model's)."""
+    records, row = timed.records, dict(timed.row)
+    roof = roofline(records, cost, *rates, touched)
+    row.update(roof)
+    row.update(roofline_ms_per_step=1e3 * roof["roofline_s"] / max(1, len(records)),
+               time_over_roofline=row["wall_s"] / roof["roofline_s"], hbm_gbps=rates[0] / 1e9,  # type: ignore[operator]
+               weight_roofline_ms=1e3 * cost.one_token_bytes / rates[0], matmul_tflops=rates[1] / 1e12,
+               by_batch=by_batch(records, cost, rates, timed.t0, touched))
     row.update(model_cost=asdict(cost))
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
 
 
+def routing_runs(llm: LLM, mode: str, work: Workload, warm: Workload, cost: ModelCost, rates: tuple[float, float],
+                 args: argparse.Namespace) -> list[dict[str, object]]:
+    """An MoE shape's mode: the workload timed without routing (A) and with every request asking for it
+    (B, SamplingParams.return_routing), in the order A B (A B B A with --routing-repeats 2, and so on:
+    alternated, so that a drift between runs cancels), after one warm-up with routing. Every run's
+    roofline charges each step the experts it touched, counted on the first B run's routing (an A run's
+    steps at the same samples and positions). Returns one row per run, then the "rollout_routing" line
+    (without shape and device): B's wall time over A's."""
+    mc = llm.model_config
+    order = [i % 4 in (1, 2) for i in range(2 * args.routing_repeats)]  # False: A, True: B
+    llm.block_manager.reset_prefix_cache()
+    run(llm, warm, mode, routing=True)  # the warm-up: a routing request's path covers a plain one's
+    timed = [run_case(llm, mode, work, None, gc_freeze=args.gc_freeze == "on", keep=[] if routing else None,
+                      routing=routing, spans=True) for routing in order]
+    source = [o.routing for o in timed[order.index(True)].outputs]
+    rows: list[dict[str, object]] = []
+    walls = {False: 0.0, True: 0.0}
+    for t, routing in zip(timed, order):
+        own = [o.routing for o in t.outputs] if routing else source
+        touched = touched_per_step(t.spans, t.sample_of, own, mc.num_experts)
+        row = finish_row(t, cost, rates, touched)
+        row.update(return_routing=routing, experts_touched_mean=round(float(touched.mean()) / mc.num_moe_layers, 2))
+        walls[routing] += float(row["wall_s"])  # type: ignore[arg-type]
+        rows.append(row)
+    tokens = work.num_tokens * args.routing_repeats
+    rows.append({"bench": "rollout_routing", "mode": mode, "runs": "".join("AB"[o] for o in order),
+                 "plain_wall_s": round(walls[False], 4), "routing_wall_s": round(walls[True], 4),
+                 "plain_tok_s": round(tokens / walls[False], 1), "routing_tok_s": round(tokens / walls[True], 1),
+                 "routing_over_plain": round(walls[True] / walls[False], 4),
+                 "routing_bytes": sum(r.nbytes for r in source)})  # one run's arrays, as returned
+    return rows
+
+
 def run_shape(shape: str, args: argparse.Namespace, rates: tuple[float, float], quantization: str = "bf16",
               greedy: list | None = None) -> list[dict[str, object]]:
-    """Every mode of one shape in one quantization; `greedy` gets the greedy mode's samples (see run)."""
+    """Every mode of one shape in one quantization; `greedy` gets the greedy mode's samples (see run).
+    An MoE shape's modes run with and without routing (routing_runs)."""
     start = time.perf_counter()
     llm = build_llm(shape, args, args.prompt_max + args.len_cap, quantization)
     setup_s = time.perf_counter() - start
@@ -313,17 +399,28 @@ def run_shape(shape: str, args: argparse.Namespace, rates: tuple[float, float], 
         device = llm.worker.device
         name = torch.cuda.get_device_name(device) if device is not None and device.type == "cuda" else "cpu"
         for mode in args.modes:
-            row: dict[str, object] = {"bench": "rollout", "shape": shape, "mode": mode, "prompts": args.prompts,
+            row: dict[str, object] = {"bench": "rollout", "shape": shape, "layers": llm.model_config.num_layers,
+                                      "mode": mode, "prompts": args.prompts,
                                       "lora_rank": args.lora_rank if getattr(args, "lora_dir", None) else 0,
                                       "samples": args.samples, "draft_layers": args.draft_layers,
                                       "tail_scale": args.tail_scale if args.draft_layers else None,
                                       "spec_max_batch": args.spec_max_batch if args.draft_layers else None,
                                       "async_scheduling": llm._overlap is not None, "quantization": quantization,
                                       "batch_invariant": llm.config.batch_invariant}
+            if cost.expert_bytes:
+                *runs, line = routing_runs(llm, mode, work, warm, cost, rates, args)
+                lines = [{**row, **r} for r in runs]
+                lines.append({"bench": line.pop("bench"), "shape": shape, "layers": row["layers"], **line})
+                for out in lines:
+                    out.update(setup_s=round(setup_s, 2), device=name)
+                    print(json.dumps(out), flush=True)
+                rows += lines
+                continue
             probe = (StepProbe(args.profile, f"{shape}_{mode}", args.profile_steps, args.profile_length)
                      if args.profile else None)
             keep = greedy if mode == "greedy" else None
-            row.update(run_case(llm, mode, work, warm, cost, rates, probe, args.gc_freeze == "on", keep))
+            timed = run_case(llm, mode, work, warm, probe, args.gc_freeze == "on", keep)
+            row.update(finish_row(timed, cost, rates))
             row.update(setup_s=round(setup_s, 2), device=name)
             print(json.dumps(row), flush=True)
             rows.append(row)
@@ -337,13 +434,14 @@ def run_shape(shape: str, args: argparse.Namespace, rates: tuple[float, float], 
     return rows
 
 
-def greedy_gap(base: list, other: list) -> dict[str, float]:
+def greedy_gap(base: list[CompletionOutput], other: list[CompletionOutput]) -> dict[str, float]:
     """Two greedy runs of one workload: over each sample's common prefix (same tokens, so the same context)
     the mean |logprob difference| of its tokens, and the share of positions with that context whose choice
     differs (one per sample that diverges); the share of samples identical throughout."""
     diffs: list[float] = []
     positions = diverged = identical = 0
-    for (ids_a, lps_a), (ids_b, lps_b) in zip(base, other, strict=True):
+    for a_out, b_out in zip(base, other, strict=True):
+        ids_a, lps_a, ids_b, lps_b = a_out.token_ids, a_out.logprobs, b_out.token_ids, b_out.logprobs
         same = next((i for i, (a, b) in enumerate(zip(ids_a, ids_b)) if a != b), len(ids_a))
         diffs += [abs(a - b) for a, b in zip(lps_a[:same], lps_b[:same])]
         positions += same + (same < len(ids_a))
@@ -431,6 +529,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="comma list of bf16 (unquantized: the model dtype) and fp8; both: a rollout_fp8 line too")
     ap.add_argument("--lora-rank", type=int, default=0,
                     help="also run each shape LoRA-served with a random adapter of this rank (0: not)")
+    ap.add_argument("--layers", type=int, default=0,
+                    help="build a Qwen shape with this many decoder layers (0: the shape's own; not tiny)")
+    ap.add_argument("--routing-repeats", type=int, default=1,
+                    help="an MoE shape: timed runs without and with routing per mode, alternated (1: A B; 2: A B B A)")
     args = ap.parse_args(argv)
     args.quantization = [q for q in args.quantization.split(",") if q]
     for q in args.quantization:
@@ -447,6 +549,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"--modes: unknown mode {m!r}")
     if not 1 <= args.prompt_min <= args.prompt_max:
         ap.error("--prompt-min must be in [1, --prompt-max]")
+    if args.layers < 0 or args.routing_repeats < 1:
+        ap.error("--layers must be >= 0 and --routing-repeats >= 1")
+    if args.layers and "tiny" in args.shapes:
+        ap.error("--layers: the tiny shape is the embedded checkpoint, built whole")
+    moe = [s for s in args.shapes if s in MOE_SHAPES]
+    if moe and (args.draft_layers or args.lora_rank or args.quantization != ["bf16"] or args.profile):
+        ap.error(f"--shapes {moe[0]}: an MoE shape runs without --draft-layers, --lora-rank, --profile and "
+                 "with --quantization bf16 (its rows time routing against none instead)")
     return args
 
 
@@ -488,10 +598,9 @@ def lora_against_merged(shape: str, args: argparse.Namespace, rates: tuple[float
         if shape == "tiny":
             model_dir = default_model_dir()
         else:
-            from scripts.bench.generate import SHAPES
             from scripts.bench.spec import config_dir
 
-            model_dir = config_dir(shape, SHAPES[shape]["num_hidden_layers"], args.prompt_max + args.len_cap)
+            model_dir = config_dir(shape, shape_layers(shape, args), args.prompt_max + args.len_cap)
         lora = run_shape(shape, replace_ns(args, lora_dir=str(write_adapter(Path(model_dir), args.lora_rank,
                                                                              Path(tmp) / "adapter"))), rates)
     rows = merged + lora

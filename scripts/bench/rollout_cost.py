@@ -1,6 +1,7 @@
 """What scripts/bench/rollout.py measures a run against: the device's rates, the roofline of the schedule the
-engine ran (per StepRecord: weights + context KV bytes over the HBM rate, FLOPs over the matmul peak),
-the schedule's tail and batch statistics, the wall time by running batch, and --profile's kernel tables."""
+engine ran (per StepRecord: weights (of an MoE model's experts those the step touched) + context KV bytes
+over the HBM rate, FLOPs over the matmul peak), the schedule's tail and batch statistics, the wall time by
+running batch, and --profile's kernel tables."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import gc
 import math
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -98,16 +100,16 @@ def steps_by_range(counts: dict[int, int]) -> dict[str, int]:
     return out
 
 
-def by_batch(records: list[StepRecord], cost: ModelCost, rates: tuple[float, float], t0: float
-             ) -> dict[str, list[float]]:
+def by_batch(records: list[StepRecord], cost: ModelCost, rates: tuple[float, float], t0: float,
+             touched: Sequence[int] | None = None) -> dict[str, list[float]]:
     """Where the wall time goes by running batch: {"lo-hi": [steps, ms per step, roofline ms per step]};
     a step's time is the gap between its commit and the previous one's (the throughput period, which
     async scheduling overlaps)."""
     out: dict[str, list[float]] = {}
     prev = t0
-    for r in records:
+    for i, r in enumerate(records):
         key = batch_range(r.num_seqs)
-        nbytes, flops = cost.step_bytes_flops(r)
+        nbytes, flops = cost.step_bytes_flops(r, int(touched[i]) if touched is not None else 0)
         cell = out.setdefault(key, [0, 0.0, 0.0])
         cell[0] += 1
         cell[1] += r.end_s - prev
@@ -159,13 +161,23 @@ def measure_rates(device: torch.device) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class ModelCost:
-    """What one step of the target reads and computes, per unit of the StepRecord counts (TP 1)."""
+    """What one step of the target reads and computes, per unit of the StepRecord counts (TP 1). An MoE
+    model's experts are charged per step by the (MoE layer, expert) pairs the step touched
+    (scripts/bench/experts_touched.py), each read once; a dense model has no experts (both fields 0)."""
 
-    weight_bytes: int  # read once per step (an untied embedding is gathered by row: not counted)
+    weight_bytes: int  # read once per step (an untied embedding is gathered by row: not counted; nor experts)
     kv_bytes_per_token: int  # K and V of one position across layers
     matmul_params: int  # 2-D weights of the decoder layers (each query token multiplies them once)
     head_params: int  # LM head (once per sampled row)
     attn_flops_per_pair: int  # 4 x heads x head_dim x layers: QK^T and PV for one (query, key) pair
+    expert_bytes: int = 0  # one expert of one MoE layer (gate, up and down), read once by a step that touches it
+    expert_params_per_token: int = 0  # the routed experts' weights one token multiplies (k of them per MoE layer)
+    experts_per_token: int = 0  # the (MoE layer, expert) pairs one token reaches: k x MoE layers
+
+    @property
+    def one_token_bytes(self) -> int:
+        """The weight bytes a step of one token reads: the batch-1 floor."""
+        return self.weight_bytes + self.expert_bytes * self.experts_per_token
 
     @classmethod
     def of(cls, llm: LLM) -> ModelCost:
@@ -177,22 +189,35 @@ class ModelCost:
         embed = params["model.embed_tokens.weight"]
         gathered = 0 if mc.tie_word_embeddings else embed.numel() * embed.element_size()
         layers = sum(p.numel() for name, p in params.items() if name.startswith("model.layers.") and p.dim() == 2)
+        experts = [p for name, p in params.items() if ".experts." in name]  # [E, ...] per layer and projection
+        expert_total = sum(p.numel() * p.element_size() for p in experts)
+        pairs = mc.num_experts * mc.num_moe_layers  # (layer, expert) pairs
+        assert expert_total % max(1, pairs) == 0, "every MoE layer's experts have one size"
         assert llm.worker.runner is not None
-        return cls(total - gathered, llm.worker.runner.kv_bytes_per_block(1), layers,
-                   mc.vocab_size * mc.hidden_size, 4 * mc.num_heads * mc.head_dim * mc.num_layers)
+        return cls(total - gathered - expert_total, llm.worker.runner.kv_bytes_per_block(1), layers,
+                   mc.vocab_size * mc.hidden_size, 4 * mc.num_heads * mc.head_dim * mc.num_layers,
+                   expert_total // pairs if pairs else 0,
+                   mc.num_experts_per_tok * sum(p.numel() for p in experts) // mc.num_experts if pairs else 0,
+                   mc.num_experts_per_tok * mc.num_moe_layers)
 
-    def step_bytes_flops(self, r: StepRecord) -> tuple[int, int]:
-        bytes_read = self.weight_bytes + self.kv_bytes_per_token * r.context_tokens
-        flops = (2 * self.matmul_params * (r.decode_tokens + r.prefill_tokens) + 2 * self.head_params * r.num_sampled
-                 + self.attn_flops_per_pair * r.attended_pairs)
+    def step_bytes_flops(self, r: StepRecord, experts_touched: int = 0) -> tuple[int, int]:
+        """(bytes, FLOPs) of a step; experts_touched: the (MoE layer, expert) pairs it read."""
+        assert experts_touched or not self.expert_bytes or not (r.decode_tokens + r.prefill_tokens), \
+            "an MoE step's roofline needs the experts it touched"
+        bytes_read = (self.weight_bytes + self.expert_bytes * experts_touched
+                      + self.kv_bytes_per_token * r.context_tokens)
+        flops = (2 * (self.matmul_params + self.expert_params_per_token) * (r.decode_tokens + r.prefill_tokens)
+                 + 2 * self.head_params * r.num_sampled + self.attn_flops_per_pair * r.attended_pairs)
         return bytes_read, flops
 
 
-def roofline(records: list[StepRecord], cost: ModelCost, hbm: float, peak: float) -> dict[str, float]:
-    """Seconds of the schedule at the rates: per step the slower of its bytes and its FLOPs."""
+def roofline(records: list[StepRecord], cost: ModelCost, hbm: float, peak: float,
+             touched: Sequence[int] | None = None) -> dict[str, float]:
+    """Seconds of the schedule at the rates: per step the slower of its bytes and its FLOPs (touched[i]:
+    the expert pairs step i read, for an MoE model)."""
     total = bytes_bound = flops_bound = 0.0
-    for r in records:
-        nbytes, flops = cost.step_bytes_flops(r)
+    for i, r in enumerate(records):
+        nbytes, flops = cost.step_bytes_flops(r, int(touched[i]) if touched is not None else 0)
         t_bytes, t_flops = nbytes / hbm, flops / peak
         total += max(t_bytes, t_flops)
         bytes_bound += t_bytes

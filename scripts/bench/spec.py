@@ -30,17 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file fr
 
 from inference.core import SamplingParams
 from inference.engine.llm import LLM
-from scripts.bench.generate import SHAPES
+from scripts.bench.generate import SHAPES, hf_config
 
 DAMPED = ("o_proj.weight", "down_proj.weight")
 
 
 def config_dir(shape: str, layers: int, max_len: int) -> Path:
-    import transformers
-
-    cfg = transformers.Qwen2Config(**{**SHAPES[shape], "num_hidden_layers": layers},
-                                   max_position_embeddings=max_len, rms_norm_eps=1e-6)
-    cfg.rope_parameters = {"rope_type": "default", "rope_theta": 1000000.0}
+    cfg = hf_config(shape, layers, max_len)
     d = Path(tempfile.mkdtemp(prefix=f"bench-spec-{layers}l-"))
     cfg.save_pretrained(d)  # config.json only: load_format="dummy" makes the weights
     return d

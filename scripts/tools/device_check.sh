@@ -10,6 +10,15 @@
 #        OUTDIR/bench.jsonl, stderr into OUTDIR/bench.log. The default set fits one 10-minute call; name the others
 #        (generate, rl_step, rl_step_7b, first_batch, fp8, lora, delta, moe; sync_nccl on 2+ GPUs) in a call of
 #        their own. Exit status 1 if any step failed.
+# moe: every GPU figure of the MoE work (docs/moe.md "Benchmarks"): moe_layer (one A3B layer against its
+#      active-weight roofline), moe_generate (the A3B shape cut to 16 layers, batch 1 and 64, against
+#      transformers' generate and the decode step's active-weight roofline), moe_rollout (the GRPO batch on 8
+#      A3B layers against its active-weight roofline, timed without and with return_routing, A B B A). With
+#      its cuda tests it fits one call (~8 min on an H100, docs/dev/status.md):
+#        TEST_TIMEOUT=200 scripts/tools/device_check.sh $OUT tests tests/test_moe_cuda.py tests/test_routing_cuda.py
+#        scripts/tools/device_check.sh $OUT bench moe
+#      moe_generate_static (transformers' static cache + torch.compile as the peer) compiles the MoE model:
+#      a call of its own.
 set -uo pipefail
 out="${1:-${OUT:-./check-out}}"; what="${2:-}"
 cd "$(dirname "$0")/../.."
@@ -37,34 +46,39 @@ bench() {  # seconds, module, args...: one benchmark, its JSON lines appended to
     [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; echo "$module${*:+ $*}: failed (bench.log)" >&2; }
 }
 
+bench_named() {  # one name of the list: its benchmarks
+    case "$1" in
+        sampler) bench 60 sampler ;;
+        sync) bench 100 sync --shape all --backend ipc ;;
+        client_sync) bench 60 client_sync --model qwen2-0.5b --backend ipc --device cuda ;;
+        rollout) bench 170 rollout --shapes qwen2-0.5b ;;
+        rollout_7b) bench 110 rollout --shapes qwen2.5-7b --modes seeded ;;
+        generate) bench 150 generate --batch 1 128 --peers ;;
+        rl_step) bench 300 rl_step --shape qwen2-0.5b --steps 4 ;;
+        rl_step_7b) bench 420 rl_step --shape qwen2.5-7b --steps 3 ;;
+        first_batch) bench 120 first_batch ;;
+        fp8) bench 200 rollout --shapes qwen2-0.5b,qwen2.5-7b --modes seeded --quantization bf16,fp8
+             bench 150 sync --shape qwen2.5-7b --backend ipc --quantization bf16,fp8,fp8-send
+             bench 120 fp8 ;;
+        lora) bench 150 rollout --shapes qwen2-0.5b --lora-rank 16
+              bench 120 delta --skip-changed --skip-delta --lr 1e-6 --lora-rank 16 --device cuda --backend ipc ;;
+        delta) bench 200 delta --device cuda --backend ipc --iters 3
+               bench 200 delta --device cuda --backend gloo --iters 3 --skip-changed ;;
+        moe) local part; for part in moe_layer moe_generate moe_rollout; do bench_named "$part"; done ;;
+        moe_layer) bench 90 moe ;;
+        moe_generate) bench 180 generate --shape qwen3-30b-a3b --layers 16 --batch 1 64 --peers plain ;;
+        moe_generate_static) bench 540 generate --shape qwen3-30b-a3b --layers 16 --batch 1 64 --peers static ;;
+        moe_rollout) bench 240 rollout --shapes qwen3-30b-a3b --layers 8 --modes seeded --routing-repeats 2 ;;
+        sync_nccl) for shape in qwen2-0.5b qwen2.5-7b; do  # trainer on GPU 0, receiver on GPU 1
+                       bench 280 sync --backend nccl --device cuda:1 --sender-device cuda:0 --shape "$shape" --iters 5
+                   done ;;
+        *) echo "device_check.sh: unknown benchmark '$1'" >&2; status=2 ;;
+    esac
+}
+
 run_bench() {
     : >"$out/bench.jsonl"
-    for name in "$@"; do
-        case "$name" in
-            sampler) bench 60 sampler ;;
-            sync) bench 100 sync --shape all --backend ipc ;;
-            client_sync) bench 60 client_sync --model qwen2-0.5b --backend ipc --device cuda ;;
-            rollout) bench 170 rollout --shapes qwen2-0.5b ;;
-            rollout_7b) bench 110 rollout --shapes qwen2.5-7b --modes seeded ;;
-            generate) bench 150 generate --batch 1 128 --peers ;;
-            rl_step) bench 300 rl_step --shape qwen2-0.5b --steps 4 ;;
-            rl_step_7b) bench 420 rl_step --shape qwen2.5-7b --steps 3 ;;
-            first_batch) bench 120 first_batch ;;
-            fp8) bench 200 rollout --shapes qwen2-0.5b,qwen2.5-7b --modes seeded --quantization bf16,fp8
-                 bench 150 sync --shape qwen2.5-7b --backend ipc --quantization bf16,fp8,fp8-send
-                 bench 120 fp8 ;;
-            lora) bench 150 rollout --shapes qwen2-0.5b --lora-rank 16
-                  bench 120 delta --skip-changed --skip-delta --lr 1e-6 --lora-rank 16 --device cuda --backend ipc ;;
-            delta) bench 200 delta --device cuda --backend ipc --iters 3
-                   bench 200 delta --device cuda --backend gloo --iters 3 --skip-changed ;;
-            moe) bench 120 moe
-                 bench 150 generate --shape qwen3-30b-a3b --layers 16 --batch 1 64 ;;
-            sync_nccl) for shape in qwen2-0.5b qwen2.5-7b; do  # trainer on GPU 0, receiver on GPU 1
-                           bench 280 sync --backend nccl --device cuda:1 --sender-device cuda:0 --shape "$shape" --iters 5
-                       done ;;
-            *) echo "device_check.sh: unknown benchmark '$name'" >&2; status=2 ;;
-        esac
-    done
+    for name in "$@"; do bench_named "$name"; done
 }
 
 case "$what" in
