@@ -151,6 +151,20 @@ def test_a_slowloris_body_is_cut_off_once_it_stalls(server: Sidecar) -> None:
     _healthy(server)
 
 
+def test_a_body_that_never_stalls_but_trickles_is_cut_off_at_its_whole_deadline(server: Sidecar) -> None:
+    """A byte every few ms never trips the stall timeout: the whole body must come within --body-timeout-s
+    plus its length at guard.MIN_BODY_RATE (1 s + 8000 B at 16 KiB/s here), or 408 naming the body."""
+    with _connect(server) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 8000\r\n\r\n")
+        t0 = time.monotonic()
+        _trickle(server, sock, b'{"prompts": ["' + b"x" * 7980 + b'"]}', then_wait=False)
+        status, error = _answer(_read_all(sock))
+    assert status == 408 and error["field"] == "body" and "sends too slowly" in error["message"], error
+    assert time.monotonic() - t0 < 30  # cut off near 1.5 s, not after the 8000 bytes (minutes at this pace)
+    _healthy(server)
+
+
 def test_an_oversized_body_is_answered_413_not_reset(server: Sidecar) -> None:
     body = b'{"prompts": ["' + b"x" * (4 << 20) + b'"]}'  # 4 MiB over --max-body-mb 1
     for _ in range(3):

@@ -4,7 +4,9 @@ every route, whatever its handler does.
 - A body larger than --max-body-mb is refused with 413 before it is read: at once when Content-Length
   says so, else as soon as the bytes received pass the limit (a chunked body). Nothing of it is parsed
   or kept, so one client cannot make the process hold gigabytes. A body that makes no progress for
-  --body-timeout-s (a stalled client, a Content-Length larger than the body) is answered 408.
+  --body-timeout-s (a stalled client, a Content-Length larger than the body) is answered 408, and so is
+  one that trickles: the whole body must arrive within --body-timeout-s plus its length (declared, else
+  the limit) at MIN_BODY_RATE, so a byte every few seconds cannot hold a connection for hours.
 - Every answer the app writes carries `Server-Timing: app;dur=MS` (the app's time on the request; the
   weight calls add `handler;dur=MS`, and /weights/update `ranks;dur=MS`, the slowest rank's own time), so
   a client can split its own time into the wire's, the framework's, the sidecar's hops and the ranks'.
@@ -48,19 +50,27 @@ class BodyTooLarge(HTTPException):
                          headers={"Connection": "close"})
 
 
+MIN_BODY_RATE = 16 * 1024  # bytes per second a body averages at least, beyond --body-timeout-s of slack
+
+
 class BodyTooSlow(HTTPException):
     """408, raised while the body is read: no new byte of it came for body_timeout_s (a client that
-    stalled, or a Content-Length larger than the body it sent)."""
+    stalled, or a Content-Length larger than the body it sent), or the whole body did not come within
+    `whole_s` (a trickle)."""
 
-    def __init__(self, timeout_s: float) -> None:
-        super().__init__(408, f"no byte of the request body arrived for {timeout_s} s (the sidecar's "
-                              "--body-timeout-s): is its Content-Length larger than the body?",
-                         headers={"Connection": "close"})
+    def __init__(self, timeout_s: float, whole_s: float | None = None) -> None:
+        if whole_s is None:
+            message = (f"no byte of the request body arrived for {timeout_s} s (the sidecar's --body-timeout-s): "
+                       "is its Content-Length larger than the body?")
+        else:
+            message = (f"the request body did not arrive within {whole_s:.0f} s (the sidecar's --body-timeout-s "
+                       f"plus its length at {MIN_BODY_RATE // 1024} KiB/s): the client sends too slowly")
+        super().__init__(408, message, headers={"Connection": "close"})
 
 
-async def _receive_within(receive: Receive, timeout_s: float) -> Message:
-    """The next message, or BodyTooSlow after timeout_s without one; a wait that ended overdue (the loop
-    was busy: the body may be waiting behind the timer) waits again, as connection.PatientTimer does."""
+async def _receive_within(receive: Receive, timeout_s: float) -> Message | None:
+    """The next message, or None after timeout_s without one; a wait that ended overdue (the loop was
+    busy: the body may be waiting behind the timer) waits again, as connection.PatientTimer does."""
     loop, graces = asyncio.get_running_loop(), LATE_GRACES
     while True:
         started = loop.time()
@@ -68,7 +78,7 @@ async def _receive_within(receive: Receive, timeout_s: float) -> Message:
             return await asyncio.wait_for(receive(), timeout_s)
         except TimeoutError:
             if not graces or not overdue(started, loop.time(), timeout_s):
-                raise BodyTooSlow(timeout_s) from None
+                return None
             graces -= 1
 
 
@@ -94,13 +104,20 @@ class RequestGuard:
             await self._answer(scope, receive, send, 413, "PayloadTooLarge", str(error.detail), error.headers)
             return
         seen, body_done, timeout_s = 0, False, self.body_timeout_s
+        loop = asyncio.get_running_loop()
+        whole_s = None if timeout_s is None else timeout_s + (limit if declared is None else declared) / MIN_BODY_RATE
+        due = None if whole_s is None else loop.time() + whole_s
 
         async def limited_receive() -> Message:
             nonlocal seen, body_done
-            if body_done or timeout_s is None:  # afterwards a receive waits for a disconnect: no bound
+            if body_done or timeout_s is None or due is None:  # afterwards a receive waits for a disconnect
                 message = await receive()
             else:
-                message = await _receive_within(receive, timeout_s)
+                left = due - loop.time()
+                got = await _receive_within(receive, min(timeout_s, left)) if left > 0 else None
+                if got is None:
+                    raise BodyTooSlow(timeout_s, whole_s if left < timeout_s else None)
+                message = got
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
