@@ -11,13 +11,14 @@ and `place` writes this rank's slice of each on any other rank and digests that 
 Either way the received digests are audited as every tensor's are, and at finish `report` digests the
 regions the parameters hold and names every tensor and the rank where they differ from what was written:
 a byte flipped or torn between the install and the audit fails the sync, as a flipped received byte does.
-`held` keeps those digests: the rank reports them, and the trainer, which applies the same rule to its own
-copy, checks them too (trainer_hooks/fp8.py).
+`held` keeps those digests, and `sender_report` compares them with the ones the sender expects this rank to
+hold (the rule applied to its own copy, delivered in the sync: inference/transfer/installed_digests.py),
+so a rank that installed other bytes than the rule gives fails its audit before it goes live.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -96,3 +97,16 @@ class InstalledAudit:
         mismatches = [Mismatch("digest", self.rank, self.which, r.name, self._expected[r.name].digest, r.digest)
                       for r in held if r.digest != self._expected[r.name].digest]
         return Report.build(mismatches, [self.rank], len(held))
+
+
+def sender_report(installed: Sequence[TensorRecord], expected: Mapping[str, str], which: str, rank: str) -> Report:
+    """What this rank installed (`name:fp8`, `name:scale` records) against the digests the sender expects it
+    to hold: each difference names the tensor and the rank; a tensor on one side only is missing or extra."""
+    got = {r.name: r.digest for r in installed}
+    mismatches = [Mismatch("missing", rank, which, name, "installed by the sender's rule", "-")
+                  for name in expected if name not in got]
+    mismatches += [Mismatch("digest", rank, which, name, digest, got[name])
+                   for name, digest in expected.items() if name in got and got[name] != digest]
+    mismatches += [Mismatch("extra", rank, which, name, "-", "installed, not expected by the sender")
+                   for name in got if name not in expected]
+    return Report.build(mismatches, [rank], len(expected))
