@@ -1,6 +1,7 @@
 """A real `sidecar launch --quantization fp8` on the tiny model: a trainer's hook syncs bf16-side weights
-into it (each rank quantizing as they land, both audits passing) and it generates what an engine loaded
-from the same weights quantized offline generates."""
+into it (each rank quantizing as they land, its audits passing, its installed bytes checked against the
+trainer's own application of the rule before it goes live) and it generates what an engine loaded from
+the same weights quantized offline generates."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from safetensors.torch import save_file
 from inference.core import SamplingParams
 from inference.engine.llm import LLM
 from inference.models.tiny import TinyModelSpec, default_model_dir, random_weights
+from inference.quant.installed import is_fp8_linear
 from tests.test_fp8_engine import dequantized_copy
 from trainer_hooks import WeightSyncHook, collect_weights
 from trainer_hooks.toy_policy import ToyPolicy
@@ -24,8 +26,9 @@ PROMPTS = [[11, 12, 13, 14, 15], [40, 2, 7]]
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_fp8_sidecar_syncs_from_a_hook_and_generates(tmp_path: Path, tp: int) -> None:
-    """At TP=2 each rank quantizes the full rows and installs its slice: both ranks' audits pass and the
-    tokens are TP=1's (fp32 on CPU: only the reduction order differs)."""
+    """At TP=2 each rank quantizes the full rows and installs its slice: both ranks' audits pass, each
+    checks its share against the trainer's, and the tokens are TP=1's (fp32 on CPU: only the reduction
+    order differs)."""
     from tests.helpers_sidecar import launch
     from trainer_hooks.client import SidecarClient
 
@@ -50,7 +53,8 @@ def test_fp8_sidecar_syncs_from_a_hook_and_generates(tmp_path: Path, tp: int) ->
                 WeightSyncHook(client, policy, log_path=server.log_path) as hook:
             with hook.training():
                 pass  # the "training" already happened: the new weights above
-            assert hook.stats["audit"] == "ok"
+            linears = sum(is_fp8_linear(n) for n, _ in collect_weights(policy))
+            assert hook.stats["audit"] == "ok" and hook.stats["installed_checked"] == 2 * linears * tp
             # the linears are held in FP8: a quarter of the fp32 bytes the CPU rank holds otherwise
             unquantized = sum(t.numel() * 4 for _, t in collect_weights(policy))
             ranks = client.state()["ranks"]
