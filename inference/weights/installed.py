@@ -37,6 +37,23 @@ def fp8_layers(model: nn.Module) -> dict[str, nn.Module]:
     return {f"{name}.weight": m for name, m in model.named_modules() if getattr(m, "fp8", False)}
 
 
+def scale_name(weight: str) -> str:
+    """The name of an FP8 weight's row scales (the layer's `weight_scale` buffer) in held manifests."""
+    return weight.rpartition(".")[0] + ".weight_scale"
+
+
+def held_items(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor `model` computes with, by its engine name: each parameter, and right after each FP8
+    weight its row scales (`scale_name`): what a held manifest digests."""
+    layers = fp8_layers(model)
+    items: list[tuple[str, torch.Tensor]] = []
+    for name, p in model.named_parameters():
+        items.append((name, p.detach()))
+        if name in layers:
+            items.append((scale_name(name), layers[name].weight_scale))
+    return items
+
+
 class InstalledAudit:
     """One session's FP8 installs: what was written per tensor, and the check of what is held at finish."""
 
