@@ -347,7 +347,10 @@ class WeightUpdater:
 
         `sender_digests`: see inference/transfer/digests.py `expected_manifest`. Raises ChecksumMismatch
         (naming the first tensor and this rank) on a mismatch, a missing or an extra tensor, or digests
-        of another rule; the model is then torn. `held_manifest` adds the digests of the parameters
+        of another rule; the model is then torn. An FP8 model's installed bytes are audited too: against
+        the bytes written, and against the sender's expected installed digests when update() took them
+        from the sync (inference/transfer/installed_digests.py), so a rank that installed other bytes
+        than the rule gives never goes live. `held_manifest` adds the digests of the parameters
         this rank holds (engine names, a second pass over every byte), for comparing replicas.
         With TP > 1 every rank of the engine calls finish at the same boundary (with or without a
         session), and the ranks agree on the verdict first (audit.py `agree_on_audit`): the version
