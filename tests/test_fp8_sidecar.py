@@ -64,3 +64,32 @@ def test_fp8_sidecar_syncs_from_a_hook_and_generates(tmp_path: Path, tp: int) ->
             assert out[0].weight_version == hook.version
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_a_fleet_of_tp2_and_tp1_fp8_replicas_checks_every_rank_and_leaves_out_a_skewed_one() -> None:
+    """One sync into FP8 replicas of TP 2 and TP 1: the sender's one section of expected installed digests
+    covers both TP sizes, and every rank checks its share before going live. The TP=2 replica's second rank
+    installs other bytes (tests/fault_injection): that replica fails alone (neither of its ranks goes live)
+    and is left out of rotation; the TP=1 replica passes its check and serves."""
+    from tests.helpers_fault import skew_env
+    from tests.helpers_sidecar import launch
+    from trainer_hooks import Fleet
+
+    policy = ToyPolicy.from_dir(default_model_dir()).eval()
+    linears = sum(is_fp8_linear(n) for n, _ in collect_weights(policy))
+    skewed = "model.layers.2.self_attn.v_proj.weight"
+    servers = [launch("--quantization", "fp8", "--tp", "2", "--dp-rank", "0", env=skew_env(skewed, "dp0:pp0:tp1")),
+               launch("--quantization", "fp8", "--dp-rank", "1")]
+    try:
+        with Fleet([s.url for s in servers], timeout=60) as fleet, WeightSyncHook(fleet, policy) as hook:
+            with hook.training():
+                pass
+            assert hook.stats["installed_checked"] == 2 * linears  # the TP=1 replica's, which passed
+            out = hook.stats["out_of_rotation"]
+            assert list(out) == [fleet.replicas[0].name]
+            assert skewed in out[fleet.replicas[0].name] and "dp0:pp0:tp1" in out[fleet.replicas[0].name]
+            assert all(o.weight_version == hook.version for o in hook.rollouts(PROMPTS, GREEDY))
+    finally:
+        for s in servers:
+            s.stop()
