@@ -145,6 +145,33 @@ def test_a_rank_that_installs_other_bytes_never_goes_live(dirs: dict[str, Path],
     assert llm.generate([[5, 17, 33]], greedy)[0].weight_version == 3
 
 
+def test_a_sender_that_cannot_compute_the_expected_digests_leaves_the_rank_torn(
+        dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sender's computation fails (here: injected): its section says so, the rank that asked for it
+    fails its audit naming itself and goes live with nothing, and send() raises the sender's error."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    worker = worker_of(dirs)
+    link = Link(worker)
+    state = perturbed(dirs["target"], 98)
+
+    def boom(*args: object) -> bytes:
+        raise RuntimeError("quantization failed on the trainer")
+
+    monkeypatch.setattr(link.sender._expected, "_section", boom)
+    worker.weights.start("target", 1, link.sender.manifest(state, 1))
+    with ThreadPoolExecutor(1) as pool:
+        sending = pool.submit(link.sender.send, state, deliver_digests=True)
+        delivered = worker.weights.update(digests_follow=True)
+        with pytest.raises(RuntimeError, match="quantization failed on the trainer"):
+            sending.result(timeout=60)
+    with pytest.raises(StateError, match=f"rank {RANK}: the sender could not compute the installed FP8 digests"):
+        worker.weights.finish(delivered)
+    assert worker.weights.torn["target"] and worker.weights.versions["target"] == 0
+    monkeypatch.undo()
+    assert link.sync(state, 2, deliver=True).installed_checked > 0  # the group is still usable
+
+
 def test_a_payload_into_a_model_not_in_fp8_is_refused_naming_the_tensor(dirs: dict[str, Path]) -> None:
     """Target in FP8, draft in the model dtype: the draft refuses a payload before any byte moves and takes
     its tensors unquantized; the target takes the payload. And the other way round."""

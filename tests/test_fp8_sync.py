@@ -197,11 +197,13 @@ def test_the_section_gives_every_rank_of_every_tp_size_its_own_share(dirs: dict[
     from inference.transfer.plan import TensorSpec
 
     state = perturbed(dirs["target"], 77)
-    names = fp8_linears([TensorSpec.of(n, t) for n, t in state.items()])
+    specs = [TensorSpec.of(n, t) for n, t in state.items()]
+    names = fp8_linears(specs)
     asked = [max(v) for v in zip(receiver_values(1), receiver_values(2), receiver_values(None), sender_values(True))]
-    layout = SharesLayout.agreed(names, asked)
+    layout = SharesLayout.agreed(specs, asked)
     assert layout.sizes == (1, 2) and len(names) == 14 and layout.size == 1 + 16 * 2 * 14 * 3
-    assert SharesLayout.agreed(names, [max(v) for v in zip(receiver_values(2), sender_values(False))]).size == 0
+    assert SharesLayout.agreed(specs, [max(v) for v in zip(receiver_values(2), sender_values(False))]).size == 0
+    assert SharesLayout.agreed(specs, [max(v) for v in zip(receiver_values(None), sender_values(True))]).size == 0
     shares = ExpectedShares()
     try:
         for items in (list(state.items()), payload_tensors(list(state.items()))):

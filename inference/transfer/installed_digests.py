@@ -58,7 +58,7 @@ def receiver_values(tp_size: int | None) -> list[int]:
 
 
 def sender_values(delivers: bool) -> list[int]:
-    """The sender's values of step 1: the last set when it delivers the section."""
+    """The sender's values of step 1: the last set when it delivers the section (to the ranks that ask)."""
     return [0] * TP_SLOTS + [int(delivers)]
 
 
@@ -70,12 +70,15 @@ class SharesLayout:
     sizes: tuple[int, ...] = ()
 
     @classmethod
-    def agreed(cls, names: tuple[str, ...], maxima: Sequence[int]) -> SharesLayout:
-        """From step 1's maxima of the values above (empty when the sender delivers nothing)."""
+    def agreed(cls, specs: Sequence[TensorSpec], maxima: Sequence[int]) -> SharesLayout:
+        """From the sync's manifest (as sent: before a delta) and step 1's maxima of the values above;
+        empty when the sender delivers nothing or no rank asked (the manifest is read only otherwise)."""
         assert len(maxima) == TP_SLOTS + 1, len(maxima)
-        if not maxima[TP_SLOTS] or not names:
+        sizes = tuple(t + 1 for t in range(TP_SLOTS) if maxima[t])
+        if not maxima[TP_SLOTS] or not sizes:
             return cls()
-        return cls(names, tuple(t + 1 for t in range(TP_SLOTS) if maxima[t]))
+        names = fp8_linears(specs)
+        return cls(names, sizes) if names else cls()
 
     @property
     def size(self) -> int:
@@ -107,14 +110,15 @@ def failed_section(layout: SharesLayout) -> bytes:
 
 
 def rank_expectation(section: bytes, layout: SharesLayout, tp_size: int, tp_rank: int) -> RankExpectation:
-    """Rank `tp_rank` (of `tp_size`)'s expected installed digests out of step 4's section."""
+    """Rank `tp_rank` (of `tp_size`)'s expected installed digests out of step 4's section, for a rank that
+    installs FP8 weights in a sync whose sender delivers them."""
     assert len(section) == layout.size, (len(section), layout.size)
-    if not section or section[0] != _FOLLOW:
-        return RankExpectation(missing="the sender could not compute the installed FP8 digests it expects (the "
-                               "trainer raises its error)")
     if tp_size not in layout.sizes:
         return RankExpectation(missing=f"the sender delivered no installed FP8 digests for TP size {tp_size} "
                                f"(it can deliver them for TP sizes up to {TP_SLOTS})")
+    if section[0] != _FOLLOW:
+        return RankExpectation(missing="the sender could not compute the installed FP8 digests it expects (the "
+                               "trainer raises its error)")
     out = {}
     for i, name in enumerate(layout.names):
         for part in PARTS:

@@ -30,7 +30,6 @@ from inference.transfer.groups import InitInfo, TransferError, TransferGroup, ow
 from inference.transfer.installed_digests import (
     RankExpectation,
     SharesLayout,
-    fp8_linears,
     rank_expectation,
     receiver_values,
 )
@@ -53,7 +52,8 @@ class WeightReceiver:
         self.backend.check_device()
         self.group = TransferGroup(info, rank, device, label=label, data_plane=self.backend.data_plane)
         self._owed: Callable[[], bytes] | None = None  # a posted step 4 not taken yet (sender_digests)
-        # what that step 4 carries: the manifest's tensor count, the installed section, this rank's share
+        # what that step 4 carries: the manifest's tensor count, the installed section, and this rank's share
+        # of it when it asked and the sender delivers (else None)
         self._owed_layout: tuple[int, SharesLayout, Share | None] = (0, SharesLayout(), None)
         self.last_delta: DeltaSink | None = None  # the last sync's delta sink (None: it was full)
 
@@ -112,9 +112,9 @@ class WeightReceiver:
             on_agreed()
         self.backend.receive(self.group, plan, parsed, sink, same[2:], maxima)
         if digests_follow:
-            layout = SharesLayout.agreed(fp8_linears(whole) if agreed[-1] else (), agreed)
+            layout = SharesLayout.agreed(whole, agreed)
             self._owed = post_digests(self.group, len(whole), layout.size)
-            self._owed_layout = (len(whole), layout, installed)
+            self._owed_layout = (len(whole), layout, installed if agreed[-1] else None)
 
     def sender_digests(self, algorithm: str) -> tuple[dict[str, Any], RankExpectation | None]:
         """Step 4 of a sync received with digests_follow (posted when receive returned): the sender's digests
@@ -127,7 +127,7 @@ class WeightReceiver:
         message = owed()
         size = delivery_size(n)
         digests = read_digests(message[:size], algorithm, self.rank_key)
-        if share is None or not layout.size:
+        if share is None:
             return digests, None
         return digests, rank_expectation(message[size:], layout, *share)
 

@@ -52,7 +52,6 @@ from inference.transfer.installed_digests import (
     ExpectedShares,
     SharesLayout,
     failed_section,
-    fp8_linears,
     sender_values,
 )
 from inference.transfer.plan import (
@@ -282,11 +281,11 @@ class WeightSender:
             torch.cuda.current_stream(self.device).synchronize()  # the trainer's writes have landed
         plan_id = self._end.plan_id() + (PLAN_SUFFIX if deliver_digests else "")
         fingerprint = wire_specs.fingerprint(version, self.bucket_bytes, plan_id)
-        linears = fp8_linears(specs) if deliver_digests and self.check_installed and problem is None else ()
+        delivers = deliver_digests and self.check_installed and problem is None
         # one all-reduce (inference/transfer/receiver.py); 0 never matches: on a problem the receivers stop cleanly
         try:
             same, maxima = group.agree_many([0 if problem else fingerprint, owner_key(owner), *keys],
-                                            [*values, *sender_values(bool(linears))])
+                                            [*values, *sender_values(delivers)])
         except BaseException:
             _settle(digests)
             self.kept.forget()
@@ -305,7 +304,7 @@ class WeightSender:
                                 "another trainer's init replaced this one's); nothing was written")
         # the ranks that install FP8 weights asked for their shares of the installed digests: computed beside
         # the wire, from the tensors as sent (quantized here on receive's behalf, the payload on send)
-        layout = SharesLayout.agreed(linears, maxima[len(values):])
+        layout = SharesLayout.agreed(specs, maxima[len(values):])
         expected = self._expected.start(layout, items, algorithm) if layout.size and digests is not None else None
         records: list[TensorRecord] | None = None
         if digests is not None and self._end.sends_by_waiting():
@@ -319,9 +318,10 @@ class WeightSender:
         finally:
             if records is None and digests is not None:
                 records, failure = _collect(digests, failure)
-            section, failure = _section(expected, layout, failure)
+            section, unexpected = _section(expected, layout)
         if deliver_digests:  # every receiver waits for this message once the status step passed
             send_digests(group, records if failure is None else None, len(specs), section)
+        failure = failure or unexpected  # only the ranks that asked for the section failed on it
         if failure is not None:
             self.kept.forget()
             raise failure
@@ -384,18 +384,17 @@ def _collect(digests: PendingRecords, failure: BaseException | None) -> tuple[li
         return [], failure or e
 
 
-def _section(expected: Future[bytes] | None, layout: SharesLayout,
-             failure: BaseException | None) -> tuple[bytes, BaseException | None]:
+def _section(expected: Future[bytes] | None, layout: SharesLayout) -> tuple[bytes, BaseException | None]:
     """The installed section of step 4, once its computation ended (it reads the caller's tensors), or a
-    failed one and the first failure (raised by send() after step 4)."""
+    failed one and the computation's error (raised by send() after step 4)."""
     if not layout.size:
-        return b"", failure
+        return b"", None
     if expected is None:  # the sender's digests failed to start: the ranks fail on them already
-        return failed_section(layout), failure
+        return failed_section(layout), None
     try:
-        return expected.result(), failure
+        return expected.result(), None
     except Exception as e:
-        return failed_section(layout), failure or e
+        return failed_section(layout), e
 
 
 def _settle(digests: PendingRecords | None) -> None:
