@@ -10,7 +10,7 @@ same bytes for the same row), in fp32, by exactly-rounded steps only, so CPU and
 A non-finite weight is refused (InvalidRequestError naming the tensor): e4m3fn has no inf, and a NaN
 would silently poison its row's scale. `RULE` names this rule wherever its bytes are digested.
 On the CPU a weight goes through these steps in blocks of rows that stay in cache (each step is per
-element or per row, so the bits are the same; 3-4x faster there than whole-tensor passes).
+element or per row, so the bits are the same; about 2-3.5x faster there than whole-tensor passes).
 The trainer's side imports this module (it computes the expected installed digest): torch only.
 """
 
