@@ -1,12 +1,7 @@
-"""The expected installed digests a sync delivers, so that an FP8 rank checks the bytes it will compute with
-against the sender's own application of the rule BEFORE its version goes live.
-
-A rank holding the synced model in FP8 installs each linear weight as the rule's values and row scales
-(`name:fp8`, `name:scale`: inference/quant/installed.py), or its TP share of them, whether it quantized them
-on receive or the sender did. The sender applies the same rule (bit-exact across devices) to its own
-tensors, digests every TP rank's share and delivers them after its digests; each rank compares what it
-installed with its share in its audit, so a rank that installed other bytes is torn, never served. In a
-sync that delivers its digests (inference/transfer/delivery.py):
+"""The expected installed digests a sync delivers: an FP8 rank checks the bytes it will compute with (the
+rule's values and row scales, `name:fp8` / `name:scale`, or its TP share of them) against the sender's own
+application of the rule (bit-exact across devices) BEFORE its version goes live, so a rank that installed
+other bytes is torn, never served. In a sync that delivers its digests (inference/transfer/delivery.py):
 - step 1 (the plan agreement): a receiver that installs FP8 weights in this sync puts a 1 at slot T-1 of
   TP_SLOTS values (T: its TP size); the sender puts a 1 in one more value when it delivers them (its
   `check_installed`). The maxima tell every end the TP sizes asked for and whether the section follows.

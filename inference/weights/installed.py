@@ -13,7 +13,8 @@ regions the parameters hold and names every tensor and the rank where they diffe
 a byte flipped or torn between the install and the audit fails the sync, as a flipped received byte does.
 `held` keeps those digests, and `sender_report` compares them with the ones the sender expects this rank to
 hold (the rule applied to its own copy, delivered in the sync: inference/transfer/installed_digests.py),
-so a rank that installed other bytes than the rule gives fails its audit before it goes live.
+so a rank that installed other bytes than the rule gives fails its audit before it goes live. A held
+manifest lists each FP8 weight with its row scales after it (`held_items`, `scale_name`).
 """
 
 from __future__ import annotations
