@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-FLIP_VARIABLE = "TEST_FLIP_ON_ARRIVAL"  # these four are read only by tests/fault_injection/sitecustomize.py
+FLIP_VARIABLE = "TEST_FLIP_ON_ARRIVAL"  # these five are read only by tests/fault_injection/sitecustomize.py
 FLIP_RANK_VARIABLE = "TEST_FLIP_RANK"
 FLIP_TIMES_VARIABLE = "TEST_FLIP_TIMES"
 SKEW_VARIABLE = "TEST_SKEW_INSTALLED"
+SKEW_RANK_VARIABLE = "TEST_SKEW_RANK"
 _SITE = Path(__file__).resolve().parent / "fault_injection"
 
 
@@ -78,30 +79,35 @@ def flip_env(name: str, rank: str | None = None, times: int | None = None) -> di
             FLIP_TIMES_VARIABLE: "" if times is None else str(times)}
 
 
-def skew_installed(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
-    """An FP8 rank quantizes HF tensor `name` from a copy whose first element is doubled: it installs bytes
-    the rule does not give for what it received, and stays consistent with itself (its received digest is
-    of the true bytes, its installed audit compares with what it quantized), so only a check against the
-    rule applied elsewhere (the trainer's) tells."""
+def skew_installed(monkeypatch: pytest.MonkeyPatch, name: str, rank: str | None = None) -> None:
+    """An FP8 rank (of rank key `rank` only, if given) quantizes HF tensor `name` from a copy whose last
+    element is negated (it lies in the last TP rank's share, whichever dimension the ranks split): it
+    installs bytes the rule does not give for what it received (that value's sign bit), and stays
+    consistent with itself (its received digest is of the true bytes, its installed audit compares with
+    what it quantized), so only a check against the rule applied elsewhere (the sender's) tells."""
     from inference.weights.installed import InstalledAudit
 
     put = InstalledAudit.put
 
     def skewed(tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.clone()
-        out.view(-1)[:1].mul_(2)
+        out.view(-1)[-1:].neg_()
         return out
 
     def skewed_put(self: InstalledAudit, items: Sequence[tuple]) -> None:
+        if rank is not None and self.rank != rank:
+            put(self, items)
+            return
         put(self, [(spec, param, shard, skewed(t) if spec.name == name else t) for spec, param, shard, t in items])
 
     monkeypatch.setattr(InstalledAudit, "put", skewed_put)
 
 
-def skew_env(name: str) -> dict[str, str]:
-    """The environment of a subprocess whose FP8 ranks install tensor `name` skewed (skew_installed)."""
+def skew_env(name: str, rank: str | None = None) -> dict[str, str]:
+    """The environment of a subprocess whose FP8 ranks (of rank key `rank` only, if given) install tensor
+    `name` skewed (skew_installed)."""
     path = os.pathsep.join(p for p in (str(_SITE), str(_SITE.parent.parent), os.environ.get("PYTHONPATH", "")) if p)
-    return {"PYTHONPATH": path, SKEW_VARIABLE: name}
+    return {"PYTHONPATH": path, SKEW_VARIABLE: name, SKEW_RANK_VARIABLE: rank or ""}
 
 
 def flip_held_after_landing(monkeypatch: pytest.MonkeyPatch, weights: object, param: torch.Tensor) -> None:

@@ -195,12 +195,12 @@ def first_digest_wrong(monkeypatch: Any, kept: list[Any] | None = None) -> None:
 
     real = sender_module.send_digests
 
-    def wrong(group: Any, records: Any, n: int) -> None:
+    def wrong(group: Any, records: Any, n: int, section: bytes = b"") -> None:
         if kept is not None:
             kept.extend(records or [])
         if records:
             records = [dataclasses.replace(records[0], digest="0" * len(records[0].digest)), *records[1:]]
-        real(group, records, n)
+        real(group, records, n, section)
 
     monkeypatch.setattr(sender_module, "send_digests", wrong)
 

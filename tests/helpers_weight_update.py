@@ -63,10 +63,12 @@ class Link:
     """A sender on this process, connected to `worker` (the sender's calls run on a thread)."""
 
     def __init__(self, worker: Worker, bucket_bytes: int = BUCKET, timeout_s: float = 20.0,
-                 digest_algorithm: str | None = None, delta: bool = False, send_fp8: bool = False) -> None:
+                 digest_algorithm: str | None = None, delta: bool = False, send_fp8: bool = False,
+                 check_installed: bool = True) -> None:
         self.worker = worker
         self.sender = WeightSender("gloo", bucket_bytes=bucket_bytes, timeout_s=timeout_s,
-                                   digest_algorithm=digest_algorithm, delta=delta, send_fp8=send_fp8)
+                                   digest_algorithm=digest_algorithm, delta=delta, send_fp8=send_fp8,
+                                   check_installed=check_installed)
         info = self.sender.init_info()
         with ThreadPoolExecutor(1) as pool:
             connecting = pool.submit(self.sender.connect)
@@ -75,23 +77,27 @@ class Link:
 
     def sync(self, state: dict[str, torch.Tensor], version: int, which: str = "target",
              allow_cast: bool = False, sent: dict[str, torch.Tensor] | None = None,
-             held_manifest: bool = False, fp8: bool | None = None) -> UpdateResult:
+             held_manifest: bool = False, fp8: bool | None = None, deliver: bool = False) -> UpdateResult:
+        """start, send beside update, finish. `deliver`: the sync's digests (and an FP8 rank's expected
+        installed digests) travel in the sync, as the sidecar's one protocol has it; else finish takes the
+        records send() returned (the two-call way)."""
         manifest = self.sender.manifest(state, version, fp8=fp8)
         self.worker.weights.start(which, version, manifest, allow_cast=allow_cast)
-        digests = self.transfer(sent if sent is not None else state)
+        digests = self.transfer(sent if sent is not None else state, deliver=deliver)
         return self.worker.weights.finish(digests, held_manifest=held_manifest)
 
-    def transfer(self, state: dict[str, torch.Tensor]) -> Any:
-        """send() beside update_weights(); the receiver's error wins, then the sender's."""
+    def transfer(self, state: dict[str, torch.Tensor], deliver: bool = False) -> Any:
+        """send() beside update_weights(); the receiver's error wins, then the sender's. Returns the sender's
+        records, or with `deliver` what update returned (the delivered digests)."""
         with ThreadPoolExecutor(1) as pool:
-            sending = pool.submit(self.sender.send, state)
+            sending = pool.submit(self.sender.send, state, deliver_digests=deliver)
             try:
-                self.worker.weights.update()
+                delivered = self.worker.weights.update(digests_follow=deliver)
             finally:
                 sender_error = sending.exception(timeout=60)
         if sender_error is not None:
             raise sender_error
-        return sending.result()
+        return delivered if deliver else sending.result()
 
 
 def held(worker: Worker, which: str = "target") -> dict[str, str]:

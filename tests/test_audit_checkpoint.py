@@ -1,7 +1,7 @@
 """`sidecar audit --url URL --checkpoint DIR` against a real `sidecar launch --model DIR` (CPU): the
 documented way to check that a sidecar holds a checkpoint, with no false mismatches from the fused
-qkv_proj / gate_up_proj, TP shards, a padded vocabulary or the served dtype; and `--url` with nothing
-to compare says so (exit 2) instead of "OK"."""
+qkv_proj / gate_up_proj, TP shards, a padded vocabulary or the served dtype; an FP8 sidecar's held values
+and row scales checked by the rule; and `--url` with nothing to compare says so (exit 2) instead of "OK"."""
 
 from __future__ import annotations
 
@@ -13,12 +13,21 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
-from checksum import manifest_from_tensors
-from inference.models.loader import iter_hf_tensors
+from checksum import ALGORITHM, Manifest, audit, manifest_from_tensors
+from inference.models import build_model
+from inference.models.hf_config import read_model_config
+from inference.models.loader import iter_hf_tensors, load_weights
 from inference.models.tiny import make_tiny_model
+from inference.parallel import TPInfo
+from inference.weights.audit import HeldDigests
+from sidecar.audit.checkpoint import checkpoint_manifests
 from sidecar.cli.main import main
 from tests.helpers_sidecar import REPO, Sidecar, launch
+
+DOWN = "model.layers.1.mlp.down_proj.weight"  # row-parallel: the last rank holds the last columns
+QKV_SCALE = "model.layers.0.self_attn.qkv_proj.weight_scale"  # column-parallel: the last rank holds v's last rows
 
 
 @pytest.fixture(scope="module")
@@ -124,5 +133,55 @@ def test_tp2_shards_a_padded_vocabulary_and_the_served_dtype(tmp_path: Path,
         assert capsys.readouterr().out.startswith("OK: 42 tensors on 2 ranks match")  # 21 a rank
         assert main(["audit", "--url", server.url]) == 2  # two shards, no replica of either
         assert "ranks: dp0:pp0:tp0, dp0:pp0:tp1" in capsys.readouterr().err
+    finally:
+        assert server.stop() == 0, server.log
+
+
+def fp8_rank_manifests(model_dir: Path, tp: int) -> tuple[list[torch.nn.Module], list[Manifest]]:
+    """What `sidecar launch --model DIR --quantization fp8 --tp TP` holds: each rank's model, loaded as the
+    rank loads it, and its held manifest (GET /checksums), built in this process."""
+    config = read_model_config(model_dir)
+    models, held = [], []
+    digests = HeldDigests()
+    for rank in range(tp):
+        model = build_model(config, TPInfo(rank, tp, group=object()) if tp > 1 else TPInfo(), torch.float32, "cpu",
+                            quantization="fp8")
+        load_weights(model, model_dir)  # never runs: the placeholder group is never used
+        models.append(model)
+        held.append(digests.manifest(model, "target", 0, f"dp0:pp0:tp{rank}", ALGORITHM))
+    digests.close()
+    return models, held
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_an_fp8_ranks_values_and_scales_match_the_checkpoint_and_a_flipped_byte_is_named(model_dir: Path,
+                                                                                          tp: int) -> None:
+    """An FP8 rank holds the rule's values (its TP share, stacked as its fused parameter stacks them) and
+    their row scales (held manifests carry them after each weight): --checkpoint quantizes the checkpoint's
+    linears by the same rule, so a correct rank passes, and a flipped byte of a value or of a scale fails
+    naming the tensor and the rank."""
+    models, held = fp8_rank_manifests(model_dir, tp)
+    report = audit(checkpoint_manifests(model_dir, held), held)
+    assert report.ok and report.tensors_checked == sum(len(m.records) for m in held), report.table()
+    names = {r.name: r.dtype for r in held[0].records}
+    assert names[DOWN] == "float8_e4m3fn" and names[QKV_SCALE] == "float32"
+    last = models[-1]
+    for tensor in (last.get_parameter(DOWN), last.get_buffer(QKV_SCALE)):
+        tensor.detach().view(-1)[-1:].view(torch.uint8)[:1].bitwise_xor_(1)
+    digests = HeldDigests()
+    held[-1] = digests.manifest(last, "target", 0, f"dp0:pp0:tp{tp - 1}", ALGORITHM)
+    digests.close()
+    report = audit(checkpoint_manifests(model_dir, held), held)
+    assert {(m.kind, m.rank, m.tensor) for m in report.mismatches} == {
+        ("digest", f"dp0:pp0:tp{tp - 1}", DOWN), ("digest", f"dp0:pp0:tp{tp - 1}", QKV_SCALE)}
+
+
+@pytest.mark.slow
+def test_an_fp8_sidecar_at_tp2_matches_its_checkpoint(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    server = launch("--model", str(model_dir), "--quantization", "fp8", "--tp", "2")
+    try:
+        assert main(["audit", "--url", server.url, "--checkpoint", str(model_dir)]) == 0
+        # 23 parameters and 12 FP8 scales (4 FP8 linears in each of 3 layers) a rank
+        assert capsys.readouterr().out.startswith("OK: 70 tensors on 2 ranks match")
     finally:
         assert server.stop() == 0, server.log

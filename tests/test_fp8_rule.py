@@ -85,6 +85,21 @@ def test_rows_are_independent_of_their_neighbours() -> None:
     assert torch.equal(q2.view(torch.uint8), q[4:12].view(torch.uint8)) and torch.equal(scale2, scale[4:12])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_weight_of_many_cpu_blocks_is_each_rows_rule_and_is_left_unchanged(dtype: torch.dtype) -> None:
+    """On the CPU the rule runs over blocks of rows (1030 rows of 300 here: two blocks): each row still gets
+    the bytes it gets alone (the reference's, at the block boundary too), and the weight is not written."""
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(1030, 300, generator=g) * torch.logspace(-3, 2, 1030)[:, None]).to(dtype)
+    before = w.clone()
+    q, scale = quantize_rows(w, "blocks")
+    assert torch.equal(w.view(torch.uint8), before.view(torch.uint8))
+    for n in (0, 872, 873, 874, 1029):
+        codes, scales = _reference(w[n : n + 1])
+        assert np.array_equal(q[n : n + 1].view(torch.uint8).numpy(), codes), n
+        assert np.array_equal(scale[n : n + 1].numpy().view(np.uint32), scales.view(np.uint32)), n
+
+
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
 def test_non_finite_weights_are_refused_naming_the_tensor(bad: float) -> None:
     w = torch.ones(3, 4, dtype=torch.bfloat16)

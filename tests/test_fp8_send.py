@@ -1,9 +1,10 @@
 """FP8 on send (WeightSender(send_fp8=True)): the trainer quantizes the linears and sends values and row
 scales. A rank installs exactly the bytes a rank that quantizes on receive installs; the linears take about
 half of bf16's bytes on the wire; a flipped payload byte fails the audit naming tensor and rank; a model
-not in FP8 refuses a payload; a delta of the payload composes. The trainer's own check of what each rank
-installed (trainer_hooks/fp8.py) passes on a good rank and names the tensor and rank of one whose installed
-bytes are not the rule's, even when the rank's own audits pass."""
+not in FP8 refuses a payload; a delta of the payload composes. In a sync that delivers its digests the
+sender also delivers what every FP8 rank must have installed (the rule applied to its own tensors, on
+send and on receive alike): a good rank checks every installed tensor before it goes live, and a rank
+whose installed bytes are not the rule's never goes live, even though its own audits pass."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from checksum import ChecksumMismatch
 from inference.config import EngineConfig
-from inference.core import InvalidRequestError, SamplingParams
+from inference.core import InvalidRequestError, SamplingParams, StateError
 from inference.engine.worker import Worker
 from inference.quant.installed import is_fp8_linear
 from inference.transfer.fp8_payload import payload_specs
@@ -24,8 +25,6 @@ from inference.weights.installed import fp8_layers
 from tests.helpers_fault import flipped_on_arrival, skew_installed
 from tests.helpers_weight_update import Q1, RANK, Link, perturbed, tiny_model_dirs
 from trainer_hooks import WeightSyncHook
-from trainer_hooks.client import records_json
-from trainer_hooks.fp8 import installed_report
 from trainer_hooks.toy_policy import ToyPolicy
 
 D0 = "model.layers.0.mlp.down_proj.weight"  # a row-parallel linear (its scales whole on every TP rank)
@@ -100,27 +99,77 @@ def test_a_flipped_payload_byte_on_the_wire_fails_the_audit_naming_tensor_and_ra
 
 
 @pytest.mark.parametrize("send_fp8", [False, True])
-def test_the_trainers_check_of_installed_bytes_names_a_rank_that_quantized_otherwise(
-        dirs: dict[str, Path], send_fp8: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A good rank's installed digests equal the rule applied to the trainer's copy. A rank that installs
-    other bytes (here: it quantizes a skewed copy of D0) passes its own audits, since it received the true
-    bytes and holds what it computed, and only the trainer's check names the tensor and the rank. On send
-    the rank installs the sender's bytes, so that skew cannot happen there; the good case is checked."""
+def test_every_fp8_rank_checks_its_installed_bytes_against_the_senders_rule_before_going_live(
+        dirs: dict[str, Path], send_fp8: bool) -> None:
+    """The sender applies the rule to its own tensors (quantizing them once more on receive's behalf, or
+    taking its payload) and delivers the rank's expected installed digests in the sync: every installed
+    tensor is checked before the version goes live. A sender made with check_installed=False delivers
+    none: the rank then goes live on its own two audits."""
     state = perturbed(dirs["target"], 84)
-    link = Link(worker_of(dirs), send_fp8=send_fp8)
-    good = link.sync(state, 1)
-    report = installed_report(state.items(), {RANK: records_json(good.installed)}, good.received.algorithm)
-    assert report.ok and report.tensors_checked == len(good.installed) > 0
-    if send_fp8:
-        return
+    worker = worker_of(dirs)
+    link = Link(worker, send_fp8=send_fp8)
+    linears = [n for n in state if is_fp8_linear(n)]
+    for version in (1, 2):  # the second sync reuses the parsed manifest and the routing
+        result = link.sync(state, version, deliver=True)
+        assert result.report.ok and result.installed_checked == 2 * len(linears) == len(result.installed)
+    assert link.sync(state, 3).installed_checked == 0  # the two-call way: finish takes the records alone
+    link.sender.close()
+    opted_out = Link(worker, send_fp8=send_fp8, check_installed=False).sync(state, 4, deliver=True)
+    assert opted_out.report.ok and opted_out.installed_checked == 0
+
+
+def test_a_rank_that_installs_other_bytes_never_goes_live(dirs: dict[str, Path],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rank quantizes D0 from a skewed copy: its own audits pass (it received the true bytes and holds
+    what it computed), the sender's expected installed digests do not. The sync fails naming the tensor and
+    the rank, the model is torn from then on (no rollout is served from it), and a good sync heals it."""
+    from inference.engine.llm import LLM
+
+    llm = LLM(dirs["target"], quantization="fp8", device="cpu", dtype="float32", block_size=4, kv_cache_bytes=2 << 20)
+    link = Link(llm.worker)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert link.sync(perturbed(dirs["target"], 95), 1, deliver=True).report.ok
+    assert llm.generate([[5, 17, 33]], greedy)[0].weight_version == 1
     skew_installed(monkeypatch, D0)
-    skewed = link.sync(state, 2)
-    assert skewed.report.ok  # the rank's own audits cannot tell
-    report = installed_report(state.items(), {RANK: records_json(skewed.installed)}, skewed.received.algorithm)
-    assert not report.ok
-    first = report.first_tensor
+    with pytest.raises(ChecksumMismatch) as err:
+        link.sync(perturbed(dirs["target"], 96), 2, deliver=True)
+    first = err.value.report.first_tensor
     assert (first.kind, first.rank) == ("digest", RANK) and first.tensor in (D0 + ":fp8", D0 + ":scale")
-    assert D0 in report.summary() and RANK in report.summary()
+    assert D0 in str(err.value) and RANK in str(err.value)
+    weights = llm.worker.weights
+    assert weights.torn["target"] and weights.versions["target"] == 1 and not weights.is_servable("target")
+    with pytest.raises(StateError, match="sync the weights first"):
+        llm.generate([[5, 17, 33]], greedy)
+    monkeypatch.undo()
+    assert link.sync(perturbed(dirs["target"], 97), 3, deliver=True).installed_checked > 0
+    assert llm.generate([[5, 17, 33]], greedy)[0].weight_version == 3
+
+
+def test_a_sender_that_cannot_compute_the_expected_digests_leaves_the_rank_torn(
+        dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sender's computation fails (here: injected): its section says so, the rank that asked for it
+    fails its audit naming itself and goes live with nothing, and send() raises the sender's error."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    worker = worker_of(dirs)
+    link = Link(worker)
+    state = perturbed(dirs["target"], 98)
+
+    def boom(*args: object) -> bytes:
+        raise RuntimeError("quantization failed on the trainer")
+
+    monkeypatch.setattr(link.sender._expected, "_section", boom)
+    worker.weights.start("target", 1, link.sender.manifest(state, 1))
+    with ThreadPoolExecutor(1) as pool:
+        sending = pool.submit(link.sender.send, state, deliver_digests=True)
+        delivered = worker.weights.update(digests_follow=True)
+        with pytest.raises(RuntimeError, match="quantization failed on the trainer"):
+            sending.result(timeout=60)
+    with pytest.raises(StateError, match=f"rank {RANK}: the sender could not compute the installed FP8 digests"):
+        worker.weights.finish(delivered)
+    assert worker.weights.torn["target"] and worker.weights.versions["target"] == 0
+    monkeypatch.undo()
+    assert link.sync(state, 2, deliver=True).installed_checked > 0  # the group is still usable
 
 
 def test_a_payload_into_a_model_not_in_fp8_is_refused_naming_the_tensor(dirs: dict[str, Path]) -> None:
@@ -137,8 +186,8 @@ def test_a_payload_into_a_model_not_in_fp8_is_refused_naming_the_tensor(dirs: di
         assert err.value.field == first_linear + ":fp8"
         assert RANK in str(err.value) and f"the {other} model is not in fp8 mode" in str(err.value)
         assert not worker.weights.torn[other] and worker.weights.versions[other] == 0  # nothing written
-        assert link.sync(state, 1, which=other, fp8=False).report.ok
-        assert link.sync(perturbed(dirs[fp8_model], 86), 1, which=fp8_model).report.ok
+        assert link.sync(state, 1, which=other, fp8=False, deliver=True).installed_checked == 0  # none installed
+        assert link.sync(perturbed(dirs[fp8_model], 86), 1, which=fp8_model, deliver=True).installed_checked > 0
 
 
 def test_fp8_on_send_is_negotiated_at_init(dirs: dict[str, Path]) -> None:
@@ -189,8 +238,8 @@ def test_a_delta_of_the_fp8_payload_installs_what_a_full_sync_installs(dirs: dic
                for n, t in state.items()}
     delta_worker, full_worker = worker_of(dirs), worker_of(dirs)
     link = Link(delta_worker, send_fp8=True, delta=True)
-    assert link.sync(state, 1).report.ok and link.sender.last_sync["mode"] == "full"
-    assert link.sync(stepped, 2).report.ok
+    assert link.sync(state, 1, deliver=True).report.ok and link.sender.last_sync["mode"] == "full"
+    assert link.sync(stepped, 2, deliver=True).installed_checked > 0  # the full payload's expected digests
     sync = link.sender.last_sync
     assert (sync["mode"], sync["fp8"]) == ("delta", True) and sync["wire_bytes"] < sync["full_bytes"] / 4
     assert Link(full_worker).sync(stepped, 1).report.ok
@@ -212,7 +261,7 @@ def trained_policy(model_dir: Path, seed: int) -> ToyPolicy:
 def test_a_hook_sends_fp8_for_the_fp8_target_and_unquantized_for_the_draft(dirs: dict[str, Path]) -> None:
     """--quantization fp8 --draft-quantization none: the init answers that only the target takes FP8, so
     the hook's sender quantizes the target's linears and sends the draft as it is; both audits pass, and
-    the trainer's check of the target's installed digests runs and passes."""
+    the rank checks the target's installed digests against the sender's before going live."""
     from tests.helpers_sidecar import launch
     from trainer_hooks.client import SidecarClient
 
@@ -246,8 +295,8 @@ def test_a_hook_sends_fp8_for_the_fp8_target_and_unquantized_for_the_draft(dirs:
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_fp8_sent_by_a_hook_generates_what_the_offline_quantized_engine_does(tmp_path: Path, tp: int) -> None:
-    """At TP=2 each rank installs its rows or columns of the payload, and the trainer's check cuts the
-    same shares out of the rule's output: it passes on both ranks."""
+    """At TP=2 each rank installs its rows or columns of the payload and checks them, before going live,
+    against the sender's shares of the rule's output: both pass."""
     from safetensors.torch import save_file
 
     from inference.engine.llm import LLM
@@ -285,22 +334,31 @@ def test_fp8_sent_by_a_hook_generates_what_the_offline_quantized_engine_does(tmp
 
 
 @pytest.mark.slow
-def test_a_rank_that_installs_other_bytes_fails_the_hooks_audit_naming_tensor_and_rank() -> None:
-    """The rank quantizes one tensor from a skewed copy (tests/fault_injection): its own audits pass, the
-    trainer's check of its installed digests does not, and the hook raises AuditError naming both."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_sidecar_rank_that_installs_other_bytes_never_serves_them(tp: int) -> None:
+    """The last rank quantizes one tensor from a skewed copy (tests/fault_injection): its own audits pass,
+    the sender's expected installed digests do not, so it never goes live, and with it no TP rank: the hook
+    raises AuditError naming the tensor and that rank, every rank is torn, and no rollout is served."""
+    from inference.core import SidecarError
     from inference.models.tiny import default_model_dir
     from tests.helpers_fault import skew_env
     from tests.helpers_sidecar import launch
     from trainer_hooks.client import SidecarClient
     from trainer_hooks.hook import AuditError
 
+    skewed = f"dp0:pp0:tp{tp - 1}"
     policy = trained_policy(default_model_dir(), 94)
-    server = launch("--quantization", "fp8", env=skew_env(D0))
+    server = launch("--quantization", "fp8", "--tp", str(tp), env=skew_env(D0, skewed))
     try:
         with SidecarClient(server.url, timeout=60) as client, \
                 WeightSyncHook(client, policy, log_path=server.log_path) as hook:
             with pytest.raises(AuditError) as err, hook.training():
                 pass
-            assert D0 in str(err.value) and RANK in str(err.value) and "installed FP8" in str(err.value)
+            assert D0 in str(err.value) and skewed in str(err.value)
+            ranks = client.state()["ranks"]
+            assert len(ranks) == tp and all(r["torn"]["target"] and r["weight_versions"]["target"] == 0 for r in ranks)
+            client.wake_up()
+            with pytest.raises(SidecarError, match="sync the weights first"):
+                client.generate([[5, 17, 33]], SamplingParams(temperature=0.0, max_tokens=2))
     finally:
         server.stop()

@@ -1,8 +1,9 @@
-"""FP8 on send on a GPU: a trainer process quantizes its CUDA tensors and sends the payload over ipc (direct
-and packed) to an FP8 rank on the same GPU, which installs exactly the bytes a rank quantizing the same
-bf16 tensors on receive (on its GPU, from host tensors over gloo) installs; and the trainer's check of the
-installed digests, computed on the CPU, passes on them (the rule is bit-exact across devices). Skipped
-without a GPU. On the CPU: tests/test_fp8_send.py."""
+"""FP8 syncs on a GPU: a trainer process sends its CUDA tensors over ipc (direct and packed) to an FP8 rank on
+the same GPU, quantized on send (the payload) or on receive; either way the rank installs exactly the bytes
+a rank quantizing the same bf16 tensors on receive (on its GPU, from host tensors over gloo, the sender a
+CPU trainer) installs, and both ranks check every installed tensor, before going live, against the
+expected installed digests the sender computed on its own device (the rule is bit-exact across devices).
+Skipped without a GPU. On the CPU: tests/test_fp8_send.py."""
 
 from __future__ import annotations
 
@@ -15,10 +16,8 @@ import torch.multiprocessing as mp
 
 from inference.config import EngineConfig
 from inference.engine.worker import Worker
-from tests.helpers_weight_update import DIMS, RANK, Link, perturbed
+from tests.helpers_weight_update import DIMS, Link, perturbed
 from tests.test_fp8_send import installed_bytes
-from trainer_hooks.client import records_json
-from trainer_hooks.fp8 import installed_report
 
 pytestmark = pytest.mark.cuda
 
@@ -37,11 +36,12 @@ def _fp8_worker(model_dir: Path) -> Worker:
     return worker
 
 
-def _ipc_fp8_sender(out: Any, inbox: Any, model_dir: str, mode: str) -> None:
+def _ipc_fp8_sender(out: Any, inbox: Any, model_dir: str, mode: str, send_fp8: bool) -> None:
     from inference.transfer.sender import WeightSender
 
     torch.cuda.set_device(0)
-    sender = WeightSender("ipc", bucket_bytes=1 << 20, timeout_s=60, device="cuda:0", ipc_mode=mode, send_fp8=True)
+    sender = WeightSender("ipc", bucket_bytes=1 << 20, timeout_s=60, device="cuda:0", ipc_mode=mode,
+                          send_fp8=send_fp8)
     out.put(sender.init_info())
     sender.connect()
     state = {n: t.to("cuda:0") for n, t in perturbed(Path(model_dir), 1, torch.bfloat16).items()}
@@ -52,28 +52,29 @@ def _ipc_fp8_sender(out: Any, inbox: Any, model_dir: str, mode: str) -> None:
     sender.close()
 
 
+@pytest.mark.parametrize("send_fp8", [True, False])
 @pytest.mark.parametrize("mode", ["direct", "packed"])
-def test_a_gpu_trainers_fp8_payload_installs_the_receive_side_bytes(model_dir: Path, mode: str) -> None:
+def test_a_gpu_trainers_fp8_sync_installs_the_receive_side_bytes_checked_before_going_live(
+        model_dir: Path, mode: str, send_fp8: bool) -> None:
     on_send, on_receive = _fp8_worker(model_dir), _fp8_worker(model_dir)
     ctx = mp.get_context("spawn")
     out, inbox = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_ipc_fp8_sender, args=(out, inbox, str(model_dir), mode))
+    proc = ctx.Process(target=_ipc_fp8_sender, args=(out, inbox, str(model_dir), mode, send_fp8))
     proc.start()
     try:
         on_send.weights.init_transfer(out.get(timeout=120))
         on_send.weights.start("target", 1, out.get(timeout=120))
         result = on_send.weights.finish(on_send.weights.update(digests_follow=True))
-        assert result.report.ok and out.get(timeout=120)["fp8"]
+        assert result.report.ok and out.get(timeout=120)["fp8"] == send_fp8
+        assert result.installed_checked == len(result.installed) > 0  # the GPU trainer's rule, checked here
         on_send.weights.close_transfer()
         inbox.put("released")
         proc.join(60)
         assert proc.exitcode == 0
         state = perturbed(model_dir, 1, torch.bfloat16)  # the same tensors, on the host
         link = Link(on_receive)
-        assert link.sync(state, 1).report.ok
+        assert link.sync(state, 1, deliver=True).installed_checked == len(result.installed)  # the CPU's rule
         assert installed_bytes(on_send) == installed_bytes(on_receive)
-        report = installed_report(state.items(), {RANK: records_json(result.installed)}, result.received.algorithm)
-        assert report.ok and report.tensors_checked == len(result.installed) > 0
         link.sender.close()
     finally:
         if proc.is_alive():

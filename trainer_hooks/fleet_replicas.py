@@ -170,13 +170,12 @@ def sync_report(outcome: SyncOutcome, replicas: Sequence[Replica]) -> dict[str, 
     "ranks" every passing rank as dp{i}:pp{j}:tp{k}; per replica its verdict; "out_of_rotation" every
     replica out after this sync with its reason; "table" one line per replica that is not serving."""
     rows, ranks, table = [], [], []
-    installed: dict[str, Any] = {}  # FP8 replicas: each rank's installed digests (trainer_hooks/fp8.py)
-    checked = 0
+    checked = installed = 0  # installed: FP8 tensors the ranks checked against the sender's rule before going live
     for r in replicas:
         if r.index in outcome.passed:
             audit = outcome.passed[r.index]
             keys = [fleet_rank_key(r.index, k) for k in audit.get("ranks", [])]
-            installed.update((fleet_rank_key(r.index, k), v) for k, v in (audit.get("installed") or {}).items())
+            installed += int(audit.get("installed_checked", 0))
             ranks += keys
             checked += int(audit.get("tensors_checked", 0))
             rows.append({"replica": r.name, "url": r.url, "ok": True, "ranks": keys, "summary": audit.get("summary")})
@@ -194,4 +193,4 @@ def sync_report(outcome: SyncOutcome, replicas: Sequence[Replica]) -> dict[str, 
                + (f"; out of rotation: {', '.join(out)}" if out else ""))
     return {"ok": bool(outcome.passed), "model": outcome.model, "version": outcome.version, "algorithm": algorithm,
             "ranks": ranks, "tensors_checked": checked, "replicas": rows, "out_of_rotation": out,
-            "summary": summary, "table": "\n".join(table), **({"installed": installed} if installed else {})}
+            "summary": summary, "table": "\n".join(table), "installed_checked": installed}

@@ -12,8 +12,9 @@ Versions: the first sync uses the live target version + 1; each passing sync adv
 (a retried sync uses a fresh number). The draft is synced after the target under the same version.
 
 Failure rules: an audit mismatch raises AuditError carrying the report table (or, with
-retry_on_mismatch, re-sends once first); on an FP8 sidecar that includes the installed FP8 digests each
-rank reports against the rule applied to the trainer's copy (trainer_hooks/fp8.py, docs/fp8.md). A
+retry_on_mismatch, re-sends once first); on an FP8 sidecar each rank also checks the FP8 bytes it installed
+against the trainer's own application of the rule, delivered in the sync, before it goes live
+(check_installed, the default; docs/fp8.md). A
 sidecar that cannot be reached or whose ranks died raises SidecarGoneError, with the tail of its log when
 the hook knows the log path. Every client call has a timeout (the client's), so nothing hangs forever.
 """
@@ -39,7 +40,6 @@ from inference.transfer.fp8_payload import payload_tensors
 from inference.transfer.sender import WeightSender
 from trainer_hooks.client_errors import SidecarChecksumError, SidecarConnectionError, SidecarUnavailableError
 from trainer_hooks.fleet import Fleet
-from trainer_hooks.fp8 import installed_report
 from trainer_hooks.logprob_gap import REPLAY_STATS_PREFIX, measure_logprob_gap
 from trainer_hooks.rollout_pool import DEFAULT_POOL, RolloutTake, staleness, sync_fields
 from trainer_hooks.sources import collect_weights, peft_adapter_weights, peft_base_weights
@@ -86,7 +86,7 @@ class WeightSyncHook:
                  transfer_timeout_s: float = 120.0, logprob_gap: bool = False,
                  trainer_host: str | None = None, rollout_pool: str = DEFAULT_POOL,
                  sync_on_attach: bool = True, delta: bool = False, adapter_only: bool = False,
-                 send_fp8: bool = False) -> None:
+                 send_fp8: bool = False, check_installed: bool = True) -> None:
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level!r}")
         if sync_every < 1 or grad_accum_steps < 1:
@@ -107,6 +107,9 @@ class WeightSyncHook:
         self.delta = delta  # senders it builds send only what changed after a full sync (docs/sync-modes.md)
         # senders it builds quantize the linears on send for the models the sidecar holds in FP8 (docs/fp8.md)
         self.send_fp8 = send_fp8
+        # senders it builds deliver, in each sync, the installed FP8 digests every FP8 rank checks before it
+        # goes live (on receive: the trainer quantizes its linears once more for them; docs/fp8.md)
+        self.check_installed = check_installed
         # `model` (and `draft_model`) are PEFT LoRA models served unmerged (sidecar launch --lora, --draft-lora):
         # each sync sends their adapter tensors alone, and the base beside them only after the sidecar's
         # weights were dropped (level 2) or a sync failed
@@ -184,10 +187,13 @@ class WeightSyncHook:
         t0 = time.perf_counter()
         self._base_in_doubt = self.adapter_only
         report = self._sync_model("target", target, version)
+        checked = int(report.get("installed_checked") or 0)
         if draft is not None:
-            self._sync_model("draft", draft, self.version if self.version is not None else version)
+            drafted = self._sync_model("draft", draft, self.version if self.version is not None else version)
+            checked += int(drafted.get("installed_checked") or 0)
         self.stats.update(sync_ms=_ms(t0), version=self.version, audit="ok" if report.get("ok") else "mismatch",
-                          algorithm=report.get("algorithm"), audit_ms=report.get("audit_ms"))  # the ranks' part
+                          algorithm=report.get("algorithm"), audit_ms=report.get("audit_ms"),  # the ranks' part
+                          installed_checked=checked)
         self.weights_fresh, self.weights_dropped, self._base_in_doubt = True, False, False
         return report
 
@@ -437,8 +443,6 @@ class WeightSyncHook:
         attempts = 2 if self.retry_on_mismatch else 1
         for attempt in range(attempts):
             report = self._send_once(model, named, version)
-            if report.get("ok") and self.audit and report.get("installed"):
-                report = self._check_installed(model, named, report)
             if report.get("ok") or not self.audit:
                 if not report.get("ok"):
                     log.warning("audit of %s v%d failed (audit=False): %s", model, version, report.get("summary"))
@@ -452,19 +456,6 @@ class WeightSyncHook:
                     peft = self.model if model == "target" else self.draft_model
                     named = [*peft_base_weights(peft), *peft_adapter_weights(peft)]
         raise AuditError(model, version, report)
-
-    def _check_installed(self, model: str, named: list[tuple[str, torch.Tensor]],
-                         report: dict[str, Any]) -> dict[str, Any]:
-        """The FP8 ranks' installed digests against the rule applied to the trainer's own tensors: the report
-        as given when they match, else a failed one naming each tensor and rank (that version is live on
-        the sidecar already: its own audits passed on bytes other than the trainer's rule gives)."""
-        t0 = time.perf_counter()
-        checked = installed_report(named, report["installed"], str(report.get("algorithm")), model)
-        self.stats.update(installed_audit_ms=_ms(t0), installed_checked=checked.tensors_checked)
-        if checked.ok:
-            return report
-        return {"ok": False, "summary": "the installed FP8 weights differ from the trainer's rule: "
-                + checked.summary(), "table": checked.table(max_rows=50)}
 
     def _send_once(self, model: str, named: list[tuple[str, torch.Tensor]], version: int) -> dict[str, Any]:
         sender = self._get_sender()  # a Fleet takes the maker too
@@ -508,7 +499,7 @@ class WeightSyncHook:
             str(getattr(self.client, "url", ""))]
         kwargs: dict[str, Any] = {"num_receivers": num_receivers, "timeout_s": self.transfer_timeout_s,
                                   "master_host": self.trainer_host or trainer_host(urls), "delta": self.delta,
-                                  "send_fp8": self.send_fp8}
+                                  "send_fp8": self.send_fp8, "check_installed": self.check_installed}
         if transfer.get("bucket_bytes"):
             kwargs["bucket_bytes"] = int(transfer["bucket_bytes"])
         if check_backend(backend).cuda:

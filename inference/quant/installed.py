@@ -3,10 +3,12 @@
 An FP8 linear's HF tensor `name` is held as two tensors, digested as two records: `name:fp8` (the rule's
 float8_e4m3fn values) and `name:scale` (its fp32 row scales). `is_fp8_linear` is THE choice of which HF
 tensors are quantized: the engine's FP8 layers (tests/test_fp8_sync.py holds them equal), the sender that
-quantizes on send (inference/transfer/fp8_payload.py) and the trainer's expected digests all ask it.
-`installed_records` computes a TP=1 rank's records from the FULL tensor with the rule
+quantizes on send (inference/transfer/fp8_payload.py) and the sender's expected installed digests all ask
+it. `installed_records` computes a rank's records from the FULL tensor with the rule
 (inference/quant/fp8.py), on whatever device the tensor is on; a TP>1 rank holds row or column slices of
-the same bytes, and `rank_slice` cuts them out by the shape the rank reports.
+the same bytes (a row's bytes are its own), and `tp_share` cuts out TP rank r's: the rows of a
+column-parallel projection (q, k, v, gate, up; values and scales alike), the columns of a row-parallel
+one (o, down; `share_axis`), whose scales every rank holds whole.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from inference.quant.fp8 import quantize_rows
 FP8_SUFFIX, SCALE_SUFFIX = ":fp8", ":scale"
 PARTS = {FP8_SUFFIX: "fp8", SCALE_SUFFIX: "scale"}
 _LINEAR_PARENTS = ("self_attn", "mlp")
+_ROW_PARALLEL = ("o_proj", "down_proj")  # their input dimension is split over the TP ranks
 
 
 def is_fp8_linear(hf_name: str) -> bool:
@@ -46,29 +49,36 @@ def installed_items(name: str, q: torch.Tensor, scale: torch.Tensor) -> list[tup
     return [(name + FP8_SUFFIX, q), (name + SCALE_SUFFIX, scale)]
 
 
-def installed_records(named: Iterable[tuple[str, torch.Tensor]], algorithm: str = ALGORITHM) -> list[TensorRecord]:
-    """The records of what a TP=1 FP8 rank installs for each (HF name, full weight) that is_fp8_linear
-    selects (the others are held as sent), quantized by the rule."""
+def installed_records(named: Iterable[tuple[str, torch.Tensor]], algorithm: str = ALGORITHM, tp_size: int = 1,
+                      tp_rank: int = 0) -> list[TensorRecord]:
+    """The records of what FP8 rank `tp_rank` of `tp_size` installs for each (HF name, full weight) that
+    is_fp8_linear selects (the others are held as sent), quantized by the rule: what a sync's sender
+    expects of that rank (inference/transfer/installed_digests.py computes them beside the wire)."""
     items: list[tuple[str, torch.Tensor]] = []
     for name, w in named:
         if is_fp8_linear(name):
-            items += installed_items(name, *quantize_rows(w.detach(), name))
+            q, scale = quantize_rows(w.detach(), name)
+            items += installed_items(name, tp_share(q, name, "fp8", tp_size, tp_rank),
+                                     tp_share(scale, name, "scale", tp_size, tp_rank))
     return digest_tensors(items, algorithm=algorithm)
 
 
-def rank_slice(full: torch.Tensor, shape: tuple[int, ...], tp_rank: int) -> torch.Tensor | None:
-    """The part of a FULL installed tensor (q [N, K] or scale [N]) that TP rank `tp_rank` holds when it
-    holds `shape` of it: all of it, its rows (a column-parallel layer: q and scale split by rows) or its
-    columns (a row-parallel layer: q split by columns, the scales whole), the rank's share in rank order.
-    None when no such share has that shape. Contiguous, ready to digest."""
-    if tuple(full.shape) == tuple(shape):
+def share_axis(hf_name: str) -> int:
+    """The dimension of an FP8 linear's [N, K] values that its TP ranks split: 1 (columns) for the
+    row-parallel projections (o, down), 0 (rows) for the column-parallel ones (q, k, v, gate, up)."""
+    return 1 if hf_name.split(".")[-2] in _ROW_PARALLEL else 0
+
+
+def tp_share(full: torch.Tensor, hf_name: str, part: str, tp_size: int, tp_rank: int) -> torch.Tensor:
+    """TP rank `tp_rank`'s share (of `tp_size`) of an installed tensor of the FP8 linear `hf_name`, computed
+    whole: `part` "fp8" (q [N, K]) or "scale" ([N]). Rows of a column-parallel layer's values and scales,
+    columns of a row-parallel layer's values, a row-parallel layer's scales whole. Contiguous, ready to
+    digest; ValueError when the dimension does not split over `tp_size`."""
+    assert part in ("fp8", "scale") and 0 <= tp_rank < tp_size, (part, tp_rank, tp_size)
+    axis = share_axis(hf_name)
+    if tp_size == 1 or (part == "scale" and axis == 1):
         return full
-    if len(shape) != full.dim() or not all(shape) or tp_rank < 0:
-        return None
-    for dim in range(full.dim()):
-        others = [d for d in range(full.dim()) if d != dim]
-        n = shape[dim]
-        if all(shape[d] == full.shape[d] for d in others) and full.shape[dim] % n == 0 \
-                and (tp_rank + 1) * n <= full.shape[dim]:
-            return full.narrow(dim, tp_rank * n, n).contiguous()
-    return None
+    if full.shape[axis] % tp_size:
+        raise ValueError(f"{hf_name}: dimension {axis} ({full.shape[axis]}) does not split over {tp_size} TP ranks")
+    n = full.shape[axis] // tp_size
+    return full.narrow(axis, tp_rank * n, n).contiguous()

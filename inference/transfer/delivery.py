@@ -7,8 +7,10 @@ ONE control message on the gloo group, whose length every end derives from the m
   byte 0: 0 (the digests follow) or 1 (the sender could not digest what it sent; it raises its error);
   then 16 bytes per manifest tensor, in manifest order: each digest's canonical form (every rule's digest
   is an xxh3-128, 32 hex digits; checksum/definition.py).
-A receiver turns it into the plain finish form ({"algorithm", "digests": hex strings}) that its finish
-compares in C-level passes (inference/weights/audit.py). Every end runs the step or none does: the
+then, when step 1 agreed on one, the section of expected installed FP8 digests, whose length every end
+derives too (inference/transfer/installed_digests.py).
+A receiver turns the digests into the plain finish form ({"algorithm", "digests": hex strings}) that its
+finish compares in C-level passes (inference/weights/audit.py). Every end runs the step or none does: the
 status all-reduce before it gives every end the same verdict.
 """
 
@@ -27,21 +29,24 @@ _FOLLOW, _NONE = 0, 1
 
 
 def delivery_size(n: int) -> int:
-    """The step's message length for a manifest of `n` tensors (every end computes it alone)."""
+    """The digests' length in the step's message for a manifest of `n` tensors (every end computes it
+    alone); the installed section, if any, follows them."""
     return 1 + DIGEST_BYTES * n
 
 
-def send_digests(group: TransferGroup, records: Sequence[TensorRecord] | None, n: int) -> None:
+def send_digests(group: TransferGroup, records: Sequence[TensorRecord] | None, n: int, section: bytes = b"") -> None:
     """The sender's step 4: `records` (one per manifest tensor, in order), or None when it has none (its
-    digest failed): the receivers then fail their audit instead of waiting for digests."""
-    payload = _payload(records, n)
+    digest failed): the receivers then fail their audit instead of waiting for digests. `section`: the
+    expected installed digests step 1 agreed on (b"" when none)."""
+    payload = _payload(records, n) + section
     group.broadcast_bytes(payload, len(payload))
 
 
-def post_digests(group: TransferGroup, n: int) -> Callable[[], bytes]:
+def post_digests(group: TransferGroup, n: int, section: int = 0) -> Callable[[], bytes]:
     """A receiver's step 4, posted right after the status step (the sender's message then meets a posted
-    receive while this rank collects its own digest); the callable waits for the message."""
-    return group.post_bytes(None, delivery_size(n))
+    receive while this rank collects its own digest); the callable waits for the message (digests, then
+    the `section` bytes of expected installed digests)."""
+    return group.post_bytes(None, delivery_size(n) + section)
 
 
 def read_digests(payload: bytes, algorithm: str, rank: str) -> dict[str, Any]:

@@ -9,7 +9,8 @@ all-reduce in which every receiver reports whether it unpacked everything: the s
 returns only after it, so an ipc sender never overwrites memory a receiver still reads, and a
 receiver's failure is reported to the trainer instead of passing silently; (4) only in a sync whose
 sender delivers its digests (agreed in step 1): one broadcast of them (inference/transfer/delivery.py),
-taken with `sender_digests` once the rank is ready to compare. A session negotiated with delta syncs
+taken with `sender_digests` once the rank is ready to compare, with this rank's expected installed FP8
+digests when step 1 agreed on them (inference/transfer/installed_digests.py). A session negotiated with delta syncs
 (`InitInfo.delta`) puts the offer before (1): one all-max that decides delta or full
 (inference/transfer/delta.py); a delta then walks (1)-(4) as a sync of one uint8 tensor.
 """
@@ -23,10 +24,18 @@ import torch
 
 from inference.transfer.backends import check_backend
 from inference.transfer.backends.base import Sink, TransferBackend, backend_class
-from inference.transfer.delivery import PLAN_SUFFIX, post_digests, read_digests
+from inference.transfer.delivery import PLAN_SUFFIX, delivery_size, post_digests, read_digests
 from inference.transfer.delta import CODES, DeltaLayout, DeltaSink, can_apply, offer_agreed, offer_values
 from inference.transfer.groups import InitInfo, TransferError, TransferGroup, owner_key
+from inference.transfer.installed_digests import (
+    RankExpectation,
+    SharesLayout,
+    rank_expectation,
+    receiver_values,
+)
 from inference.transfer.plan import ParsedManifest, TensorSpec
+
+Share = tuple[int, int]  # (TP size, TP rank) of a rank that installs FP8 weights
 
 
 class WeightReceiver:
@@ -43,6 +52,9 @@ class WeightReceiver:
         self.backend.check_device()
         self.group = TransferGroup(info, rank, device, label=label, data_plane=self.backend.data_plane)
         self._owed: Callable[[], bytes] | None = None  # a posted step 4 not taken yet (sender_digests)
+        # what that step 4 carries: the manifest's tensor count, the installed section, and this rank's share
+        # of it when it asked and the sender delivers (else None)
+        self._owed_layout: tuple[int, SharesLayout, Share | None] = (0, SharesLayout(), None)
         self.last_delta: DeltaSink | None = None  # the last sync's delta sink (None: it was full)
 
     @property
@@ -55,7 +67,7 @@ class WeightReceiver:
 
     def receive(self, version: int, specs: ParsedManifest | Sequence[TensorSpec], sink: Sink,
                 on_agreed: Callable[[], None] | None = None, *, digests_follow: bool = False,
-                held_version: int = -1, owner: str | None = None) -> None:
+                held_version: int = -1, owner: str | None = None, installed: Share | None = None) -> None:
         """Receive one whole sync into `sink`. Raises TransferError (group broken) or the sink's error.
 
         `on_agreed` runs once both ends agreed on the plan, just before the first byte may be written.
@@ -64,12 +76,14 @@ class WeightReceiver:
         `held_version`: in a delta session, the version this rank holds intact (-1: none), offered as
         the base a delta may be applied to; a sink without a held region for every tensor offers -1.
         `owner`: the update's owner (groups.owner_key); a sender that names another is refused.
+        `installed`: (TP size, TP rank) when this rank installs FP8 weights in this sync: it asks the
+        sender for its expected installed digests (sender_digests returns them).
         """
         if self._owed is not None:  # the last sync's step 4 was never taken: let it end before this sync
             owed, self._owed = self._owed, None
             owed()
         parsed = specs if isinstance(specs, ParsedManifest) else ParsedManifest(specs)
-        tensors = len(parsed)  # the sender's digests are of the full tensors, a delta or not
+        whole = parsed  # the sender's digests, and the installed ones, are of the full tensors, a delta or not
         self.last_delta = None
         if self.info.delta:
             base = held_version if can_apply(sink) else -1
@@ -82,7 +96,9 @@ class WeightReceiver:
         fingerprint = parsed.fingerprint(version, self.info.bucket_bytes, plan_id)
         keys, values = self.backend.receiver_agreement()
         assert (len(keys), len(values)) == self.backend.agreement_size, "every end adds the same to step 1"
-        same, maxima = self.group.agree_many([fingerprint, owner_key(owner), *keys], values)
+        asks = receiver_values(installed[0] if installed is not None else None)
+        same, maxima = self.group.agree_many([fingerprint, owner_key(owner), *keys], [*values, *asks])
+        maxima, agreed = maxima[:len(values)], maxima[len(values):]
         if not same[1]:
             raise TransferError(f"rank {self.rank_key}: the sender's bytes are not this update's owner's (the "
                                 "sender names another session's nonce: another trainer's send, or an update "
@@ -96,15 +112,24 @@ class WeightReceiver:
             on_agreed()
         self.backend.receive(self.group, plan, parsed, sink, same[2:], maxima)
         if digests_follow:
-            self._owed = post_digests(self.group, tensors)
+            layout = SharesLayout.agreed(whole, agreed)
+            self._owed = post_digests(self.group, len(whole), layout.size)
+            self._owed_layout = (len(whole), layout, installed if agreed[-1] else None)
 
-    def sender_digests(self, algorithm: str) -> dict[str, Any]:
+    def sender_digests(self, algorithm: str) -> tuple[dict[str, Any], RankExpectation | None]:
         """Step 4 of a sync received with digests_follow (posted when receive returned): the sender's digests
-        as finish takes them ({"algorithm", "digests"}). StateError when the sender had none; TransferError
-        (the group broken) on the wire."""
+        as finish takes them ({"algorithm", "digests"}), and this rank's expected installed digests (None:
+        the sender delivers none, or this rank asked for none). StateError when the sender had no digests;
+        TransferError (the group broken) on the wire."""
         owed, self._owed = self._owed, None
         assert owed is not None, "sender_digests without a sync received with digests_follow"
-        return read_digests(owed(), algorithm, self.rank_key)
+        n, layout, share = self._owed_layout
+        message = owed()
+        size = delivery_size(n)
+        digests = read_digests(message[:size], algorithm, self.rank_key)
+        if share is None:
+            return digests, None
+        return digests, rank_expectation(message[size:], layout, *share)
 
     def refuse(self) -> None:
         """Take part in step (1) of a sync this rank cannot receive, with the fingerprint that never
@@ -114,4 +139,4 @@ class WeightReceiver:
         if self.info.delta:
             self.group.all_max(offer_values(-1), "delta offer")
         keys, values = self.backend.receiver_agreement()
-        self.group.agree_many([0, 0, *keys], values)
+        self.group.agree_many([0, 0, *keys], [*values, *receiver_values(None)])

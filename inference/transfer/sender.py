@@ -17,13 +17,16 @@ With `delta=True` (negotiated in init_info) a sync moves only what changed since
 holds, or the full tensors when some rank does not hold it (inference/transfer/delta.py). With
 `send_fp8=True` (negotiated likewise) a sync into a model the ranks hold in FP8 sends each linear weight
 quantized by the FP8 rule, values and row scales (inference/transfer/fp8_payload.py): digests, a delta and
-the byte counters are then of that payload.
+the byte counters are then of that payload. With `check_installed` (the default) a sync that delivers its
+digests also delivers what every rank that holds the model in FP8 must have installed, computed here by
+the rule while the bytes move, so a rank that installed other bytes never goes live
+(inference/transfer/installed_digests.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -45,6 +48,12 @@ from inference.transfer.groups import (
     new_session_secret,
     owner_key,
 )
+from inference.transfer.installed_digests import (
+    ExpectedShares,
+    SharesLayout,
+    failed_section,
+    sender_values,
+)
 from inference.transfer.plan import (
     DEFAULT_BUCKET_BYTES,
     ParsedManifest,
@@ -62,12 +71,18 @@ class WeightSender:
     def __init__(self, backend: str = "gloo", *, num_receivers: int = 1, master_host: str = "127.0.0.1",
                  master_port: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 120.0,
                  device: torch.device | str | None = None, ipc_mode: str = "auto",
-                 digest_algorithm: str | None = None, delta: bool = False, send_fp8: bool = False) -> None:
+                 digest_algorithm: str | None = None, delta: bool = False, send_fp8: bool = False,
+                 check_installed: bool = True) -> None:
         """`digest_algorithm`: the digest rule of every sync (None: picked per sync from the tensors).
         `delta`: after a full sync, send only the elements that changed (module docstring); the sender
         then keeps a copy of what it sent, where the tensors live (one model's bytes).
         `send_fp8`: quantize the linear weights here and send FP8 values and scales (module docstring);
-        each sync's manifest() says whether it does (its `fp8`)."""
+        each sync's manifest() says whether it does (its `fp8`).
+        `check_installed`: a sync that delivers its digests (send(deliver_digests=True)) also delivers the
+        installed FP8 digests the ranks that hold the model in FP8 ask for, each rank's share, computed here
+        by the rule (on receive: one more quantization of the linears on their device, beside the wire);
+        each such rank checks them before its version goes live. False: those ranks go live on their own
+        audits (docs/fp8.md)."""
         spec = check_backend(backend, "backend")
         if ipc_mode not in IPC_MODES:
             raise InvalidRequestError("ipc_mode", f"must be one of {list(IPC_MODES)}, got {ipc_mode!r}")
@@ -99,6 +114,8 @@ class WeightSender:
         self._warmed = False  # the digest kernel is compiled for self.device (connect())
         self.delta = bool(delta)
         self.send_fp8 = bool(send_fp8)
+        self.check_installed = bool(check_installed)
+        self._expected = ExpectedShares()
         self.kept = KeptCopy()  # the base of the next delta (used only with delta=True)
         # how the last send() went: mode (full or delta), fp8 (the payload was quantized here), wire_bytes
         # (moved), full_bytes (a full sync of the wire form), source_bytes (the tensors as given), encodings
@@ -158,6 +175,7 @@ class WeightSender:
         self._group, self._next_info, self._store = None, None, None
         self._end.close()
         self._digests.close()
+        self._expected.close()
 
     @property
     def connected(self) -> bool:
@@ -263,9 +281,11 @@ class WeightSender:
             torch.cuda.current_stream(self.device).synchronize()  # the trainer's writes have landed
         plan_id = self._end.plan_id() + (PLAN_SUFFIX if deliver_digests else "")
         fingerprint = wire_specs.fingerprint(version, self.bucket_bytes, plan_id)
+        delivers = deliver_digests and self.check_installed and problem is None
         # one all-reduce (inference/transfer/receiver.py); 0 never matches: on a problem the receivers stop cleanly
         try:
-            same, _ = group.agree_many([0 if problem else fingerprint, owner_key(owner), *keys], values)
+            same, maxima = group.agree_many([0 if problem else fingerprint, owner_key(owner), *keys],
+                                            [*values, *sender_values(delivers)])
         except BaseException:
             _settle(digests)
             self.kept.forget()
@@ -282,6 +302,10 @@ class WeightSender:
             _settle(digests)
             raise TransferError("the receivers' update belongs to another owner (the session nonce differs: "
                                 "another trainer's init replaced this one's); nothing was written")
+        # the ranks that install FP8 weights asked for their shares of the installed digests: computed beside
+        # the wire, from the tensors as sent (quantized here on receive's behalf, the payload on send)
+        layout = SharesLayout.agreed(specs, maxima[len(values):])
+        expected = self._expected.start(layout, items, algorithm) if layout.size and digests is not None else None
         records: list[TensorRecord] | None = None
         if digests is not None and self._end.sends_by_waiting():
             # send() only waits while the receivers copy: collect the digests in that wait, not after it
@@ -294,8 +318,10 @@ class WeightSender:
         finally:
             if records is None and digests is not None:
                 records, failure = _collect(digests, failure)
+            section, unexpected = _section(expected, layout)
         if deliver_digests:  # every receiver waits for this message once the status step passed
-            send_digests(group, records if failure is None else None, len(specs))
+            send_digests(group, records if failure is None else None, len(specs), section)
+        failure = failure or unexpected  # only the ranks that asked for the section failed on it
         if failure is not None:
             self.kept.forget()
             raise failure
@@ -356,6 +382,19 @@ def _collect(digests: PendingRecords, failure: BaseException | None) -> tuple[li
         return digests.result(), failure
     except Exception as e:
         return [], failure or e
+
+
+def _section(expected: Future[bytes] | None, layout: SharesLayout) -> tuple[bytes, BaseException | None]:
+    """The installed section of step 4, once its computation ended (it reads the caller's tensors), or a
+    failed one and the computation's error (raised by send() after step 4)."""
+    if not layout.size:
+        return b"", None
+    if expected is None:  # the sender's digests failed to start: the ranks fail on them already
+        return failed_section(layout), None
+    try:
+        return expected.result(), None
+    except Exception as e:
+        return failed_section(layout), e
 
 
 def _settle(digests: PendingRecords | None) -> None:

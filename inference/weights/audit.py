@@ -34,6 +34,7 @@ from inference.transfer.digests import (
     expected_manifest,
     plain_digests,
 )
+from inference.weights.installed import held_items
 from inference.weights.state import Session
 
 log = logging.getLogger(__name__)
@@ -86,9 +87,10 @@ class HeldDigests:
         return None if items is None else self._digests.digest(items, session.algorithm)
 
     def manifest(self, model: nn.Module, which: str, version: int, rank: str, algorithm: str | None) -> Manifest:
-        """Every parameter `model` holds (engine names), by `algorithm` (None: checksum.pick_algorithm
-        over them, the device rule on a GPU)."""
-        params = [(name, p.detach()) for name, p in model.named_parameters()]
+        """Every parameter `model` holds (engine names), an FP8 weight's row scales after it
+        (weights/installed.py `held_items`), by `algorithm` (None: checksum.pick_algorithm over them, the
+        device rule on a GPU)."""
+        params = held_items(model)
         rule = pick_algorithm(t for _, t in params) if algorithm is None else check_algorithm(algorithm)
         records = self._digests.digest(params, rule)
         return Manifest(which, version, rank, tuple(records), rule)

@@ -11,13 +11,15 @@ and `place` writes this rank's slice of each on any other rank and digests that 
 Either way the received digests are audited as every tensor's are, and at finish `report` digests the
 regions the parameters hold and names every tensor and the rank where they differ from what was written:
 a byte flipped or torn between the install and the audit fails the sync, as a flipped received byte does.
-`held` keeps those digests: the rank reports them, and the trainer, which applies the same rule to its own
-copy, checks them too (trainer_hooks/fp8.py).
+`held` keeps those digests, and `sender_report` compares them with the ones the sender expects this rank to
+hold (the rule applied to its own copy, delivered in the sync: inference/transfer/installed_digests.py),
+so a rank that installed other bytes than the rule gives fails its audit before it goes live. A held
+manifest lists each FP8 weight with its row scales after it (`held_items`, `scale_name`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -34,6 +36,23 @@ ShardId = str | int | None
 def fp8_layers(model: nn.Module) -> dict[str, nn.Module]:
     """Weight parameter name -> its FP8 linear layer, for every FP8 linear of `model`."""
     return {f"{name}.weight": m for name, m in model.named_modules() if getattr(m, "fp8", False)}
+
+
+def scale_name(weight: str) -> str:
+    """The name of an FP8 weight's row scales (the layer's `weight_scale` buffer) in held manifests."""
+    return weight.rpartition(".")[0] + ".weight_scale"
+
+
+def held_items(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor `model` computes with, by its engine name: each parameter, and right after each FP8
+    weight its row scales (`scale_name`): what a held manifest digests."""
+    layers = fp8_layers(model)
+    items: list[tuple[str, torch.Tensor]] = []
+    for name, p in model.named_parameters():
+        items.append((name, p.detach()))
+        if name in layers:
+            items.append((scale_name(name), layers[name].weight_scale))
+    return items
 
 
 class InstalledAudit:
@@ -96,3 +115,16 @@ class InstalledAudit:
         mismatches = [Mismatch("digest", self.rank, self.which, r.name, self._expected[r.name].digest, r.digest)
                       for r in held if r.digest != self._expected[r.name].digest]
         return Report.build(mismatches, [self.rank], len(held))
+
+
+def sender_report(installed: Sequence[TensorRecord], expected: Mapping[str, str], which: str, rank: str) -> Report:
+    """What this rank installed (`name:fp8`, `name:scale` records) against the digests the sender expects it
+    to hold: each difference names the tensor and the rank; a tensor on one side only is missing or extra."""
+    got = {r.name: r.digest for r in installed}
+    mismatches = [Mismatch("missing", rank, which, name, "installed by the sender's rule", "-")
+                  for name in expected if name not in got]
+    mismatches += [Mismatch("digest", rank, which, name, digest, got[name])
+                   for name, digest in expected.items() if name in got and got[name] != digest]
+    mismatches += [Mismatch("extra", rank, which, name, "-", "installed, not expected by the sender")
+                   for name in got if name not in expected]
+    return Report.build(mismatches, [rank], len(expected))

@@ -15,6 +15,7 @@ from inference.config import ModelConfig
 from inference.memory.arenas import ArenaState
 from inference.parallel import TPInfo
 from inference.transfer.digests import PendingRecords
+from inference.transfer.installed_digests import RankExpectation
 from inference.transfer.plan import ParsedManifest
 from inference.weights.target import Routing, UpdateTarget
 
@@ -60,12 +61,15 @@ class Session:
     held_digests: PendingRecords | None = None  # started when the last byte landed
     # (records in manifest order, the received Manifest) of held_digests, collected when update ended
     held_received: tuple[list[TensorRecord], Manifest] | None = None
+    # what the sender expects this rank to have installed (FP8), delivered in the sync; None: it checks none
+    expected_installed: RankExpectation | None = None
 
 
 @dataclass(frozen=True)
 class UpdateResult:
     """A passed audit: the received digests (trainer names), if asked the held ones (engine names), and on an
-    FP8 model the installed ones (`name:fp8`, `name:scale`, as this rank holds them: inference/weights/installed.py)."""
+    FP8 model the installed ones (`name:fp8`, `name:scale`, as this rank holds them: inference/weights/installed.py)
+    and how many of them the sender's expected installed digests covered (0: it delivered none)."""
 
     model: str
     version: int
@@ -74,6 +78,7 @@ class UpdateResult:
     received: Manifest
     held: Manifest | None = None
     installed: tuple[TensorRecord, ...] = ()
+    installed_checked: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "version": self.version, "rank": self.rank, "ok": self.report.ok,

@@ -277,6 +277,9 @@ class UpdateTarget:
         self._written: set[int] = set()
         self.on_landed: Callable[[], None] | None = None  # see landed()
         self.installed = InstalledAudit(routing.fp8_layers, which, rank, algorithm) if routing.fp8_layers else None
+        # whether this session installs FP8 weights (a linear quantized on receive, or a payload)
+        self.installs_fp8 = self.installed is not None and any(
+            r.part is not None or self.installed.covers(r.param) for r in self.routes)
 
     def direct_destinations(self) -> Sequence[torch.Tensor | None]:
         """Per manifest index, the region a direct copy may write, or None to go through `put`."""

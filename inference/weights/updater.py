@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from checksum import ChecksumMismatch, Manifest, Report, digest_tensors
+from checksum import ChecksumMismatch, Manifest, Report, TensorRecord, digest_tensors
 from inference.core import INT64_MAX, InvalidRequestError, StateError
 from inference.memory.arenas import WEIGHT_TAGS
 from inference.transfer.digests import manifest_algorithm
@@ -55,7 +55,7 @@ from inference.transfer.groups import InitInfo
 from inference.transfer.plan import ManifestCache, ParsedManifest
 from inference.transfer.receiver import WeightReceiver
 from inference.weights.audit import HeldDigests, agree_on_audit, audit_report, early_expected
-from inference.weights.installed import fp8_layers
+from inference.weights.installed import fp8_layers, sender_report
 from inference.weights.state import (
     ModelWeightState,
     RouteCache,
@@ -309,16 +309,20 @@ class WeightUpdater:
             assert self.receiver is not None
             # queued once the bytes landed, while the ranks report
             session.target.on_landed = lambda: self._launch_held_digest(session)
+            installs = (host.tp.size, host.tp.rank) if session.target.installs_fp8 else None
             self.receiver.receive(session.version, session.specs, session.target,
                                   on_agreed=lambda: self._begin_writes(session), digests_follow=digests_follow,
-                                  held_version=self._intact_version(session.which), owner=owner)
+                                  held_version=self._intact_version(session.which), owner=owner,
+                                  installed=installs)
             session.received = True
+            delivered = None
             try:
                 if session.held_digests is None:  # a backend without landed()
                     self._launch_held_digest(session)
                 self._digests.collect(session)  # while the sender's digests travel: finish only compares
             finally:
-                delivered = self.receiver.sender_digests(session.algorithm) if digests_follow else None
+                if digests_follow:
+                    delivered, session.expected_installed = self.receiver.sender_digests(session.algorithm)
         except BaseException as e:
             if digests_follow and session.bytes_moved:  # the other TP ranks may have passed: they wait in finish
                 agree_on_audit(host.tp, host.device, host.rank_key, e, None,
@@ -343,7 +347,10 @@ class WeightUpdater:
 
         `sender_digests`: see inference/transfer/digests.py `expected_manifest`. Raises ChecksumMismatch
         (naming the first tensor and this rank) on a mismatch, a missing or an extra tensor, or digests
-        of another rule; the model is then torn. `held_manifest` adds the digests of the parameters
+        of another rule; the model is then torn. An FP8 model's installed bytes are audited too: against
+        the bytes written, and against the sender's expected installed digests when update() took them
+        from the sync (inference/transfer/installed_digests.py), so a rank that installed other bytes
+        than the rule gives never goes live. `held_manifest` adds the digests of the parameters
         this rank holds (engine names, a second pass over every byte), for comparing replicas.
         With TP > 1 every rank of the engine calls finish at the same boundary (with or without a
         session), and the ranks agree on the verdict first (audit.py `agree_on_audit`): the version
@@ -389,12 +396,26 @@ class WeightUpdater:
                              "which dropped the received bytes; wake_up and sync again")
         records, received = self._digests.received(session)
         checked = audit_report(sender_digests, expected, session, rank, records, received)
-        report = Report.merge([checked, session.target.tied_report(received), session.target.installed_report()])
+        own = session.target.installed_report()  # before installed_records: it takes the held digests
+        installed = tuple(session.target.installed_records(records))
+        against = self._against_sender(session, installed)
+        report = Report.merge([checked, session.target.tied_report(received), own, against])
         if not report.ok:
             raise ChecksumMismatch(report)
         held = self._held(session.which, session.version, session.algorithm) if held_manifest else None
-        installed = tuple(session.target.installed_records(records))
-        return UpdateResult(session.which, session.version, rank, report, received, held, installed)
+        return UpdateResult(session.which, session.version, rank, report, received, held, installed,
+                            against.tensors_checked)
+
+    def _against_sender(self, session: Session, installed: tuple[TensorRecord, ...]) -> Report:
+        """The installed FP8 digests against the ones the sender expects this rank to hold (delivered in
+        the sync; an empty report when it delivered none). StateError when it meant to and could not."""
+        rank, expected = self._host.rank_key, session.expected_installed
+        if expected is None:
+            return Report.build((), [rank], 0)
+        if expected.missing is not None:
+            raise StateError(f"rank {rank}: {expected.missing}, so the installed FP8 weights of {session.which} "
+                             f"version {session.version} cannot be checked; nothing goes live: sync again")
+        return sender_report(installed, expected.digests, session.which, rank)
 
     def abort(self, reason: str = "aborted by the caller") -> None:
         """End the open session (if any); its model stays torn if any byte may have been written."""

@@ -14,7 +14,11 @@ bf16 tensors). Timed on the receiver, after a warm-up, median of --iters:
   the other (`by_algorithm`); the top-level audit figures are the picked rule's;
 - sync_audit_delivered_ms: the picked rule's audited sync with the sender's digests delivered in the sync
   (WeightSender.send(deliver_digests=True), update_weights(digests_follow=True) returns them to finish):
-  the engine's side of the client's one-request sync;
+  the engine's side of the client's one-request sync; into an FP8 rank it carries the rank's expected
+  installed digests too (check_installed, the default: on receive the trainer quantizes the linears once
+  more for them, beside the wire), which the rank checks before going live;
+  sync_audit_delivered_unchecked_ms the same with check_installed=False, and installed_section_ms the
+  sender's computation of those digests alone (median; it runs on a side thread while the bytes move);
 - ceiling_ms: ipc: one device copy of the same bytes; gloo/nccl: a plain bucket-by-bucket broadcast;
 - peer_per_param_ms: one CUDA IPC handle per parameter opened every sync (OpenRLHF/TRL style), or
   one broadcast per parameter for gloo/nccl; both load tensor by tensor;
@@ -173,11 +177,19 @@ def trainer(args: argparse.Namespace, to_parent: Any, from_parent: Any, digests_
         if rule is not None:  # digests in manifest order, and the sender's laps for the report
             digests_out.send({"algorithm": rule, "digests": [r.digest for r in records], "laps": dict(laps)})
     sender.digest_algorithm = rules(args)[0]
-    for _ in range(args.iters + 1):  # the digests delivered in the sync (the client's one-request path)
-        version += 1
-        sender.manifest(named, version)
-        to_parent.put("ready")
-        sender.send(named, deliver_digests=True)
+    section: dict[str, float] = {}
+    _clock(sender._expected, "_section", section, "ms")
+    section_ms = []
+    for check in (True, False):  # the digests delivered in the sync (the client's one-request path)
+        sender.check_installed = check
+        for _ in range(args.iters + 1):
+            version += 1
+            sender.manifest(named, version)
+            to_parent.put("ready")
+            section.clear()
+            sender.send(named, deliver_digests=True)
+            section_ms.append(section.get("ms", 0.0))
+    digests_out.send({"installed_section_ms": statistics.median(section_ms[1 : args.iters + 1])})
     if profiler is not None:
         profiler.dump_stats(Path(args.profile) / f"sender-{args.shape}.prof")
     for peer in (ceiling_send, per_param_send, bucket_send) if args.quantization == "bf16" else ():
@@ -339,15 +351,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         aborts.append((t3 - t2) * 1e3)
         return (t2 - t0) * 1e3  # the weights are in place; the abort only ends the benchmark's session
 
-    def delivered_sync(rule: str) -> float:
+    def delivered_sync(rule: str, checked: bool) -> float:
         v = next(versions)
         from_child.get(timeout=600)
         time.sleep(0.05)
         t0 = time.perf_counter()
         receiver.weights.start("target", v, {**manifest, "version": v, "algorithm": rule})
         digests = receiver.weights.update(digests_follow=True)
-        assert receiver.weights.finish(digests, held_manifest=False).report.ok
+        result = receiver.weights.finish(digests, held_manifest=False)
         sync_device(device)
+        assert result.report.ok and bool(result.installed_checked) == (fp8 and checked), result.installed_checked
         return (time.perf_counter() - t0) * 1e3
 
     results: dict[str | None, float] = {}
@@ -355,7 +368,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for rule in (None, *rules(args)):
         times = [one_sync(rule) for _ in range(args.iters + 1)]
         results[rule] = statistics.median(times[1:])
-    delivered = statistics.median([delivered_sync(rules(args)[0]) for _ in range(args.iters + 1)][1:])
+    delivered, unchecked = (statistics.median([delivered_sync(rules(args)[0], checked)
+                                               for _ in range(args.iters + 1)][1:]) for checked in (True, False))
+    if not digests_in.poll(600):
+        raise TimeoutError("the trainer sent no installed-section timing within 600 s")
+    section_ms = digests_in.recv()["installed_section_ms"]
     if profiler is not None:
         profiler.dump_stats(Path(args.profile) / f"receiver-{args.shape}.prof")
     group = receiver.weights.receiver.group  # peers reuse our group, as the trainer does
@@ -378,6 +395,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "quantization": args.quantization, "wire_bytes": sum(s.nbytes for s in specs),
             "sync_ms": round(results[None], 3), "algorithm": picked, **by_rule[picked],
             "sync_audit_delivered_ms": round(delivered, 3),
+            "sync_audit_delivered_unchecked_ms": round(unchecked, 3), "installed_section_ms": round(section_ms, 3),
             "gbps": round(total / results[None] / 1e6, 2), "ceiling_ms": round(peers["ceiling"], 3),
             "ratio_to_ceiling": round(results[None] / peers["ceiling"], 3),
             "peer_per_param_ms": round(peers["per_param"], 3), "peer_bucket_ms": round(peers["bucket"], 3),

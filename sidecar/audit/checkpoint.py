@@ -11,8 +11,12 @@ writes. One parameter at a time is materialized on the CPU (the peak is one full
 
 What is checked: every byte each rank holds against the checkpoint's bytes cast to the dtype that rank
 holds, digested by the rule of the rank's own manifest (the dtype itself is taken from the rank, not
-checked). A sidecar whose weights were synced since launch holds the trainer's bytes, and then the
-digests differ, as they should.
+checked). A rank that reports a weight in FP8 (`sidecar launch --quantization fp8`) holds what the loader
+installs: each HF tensor quantized by THE rule (inference/quant/fp8.py) as the checkpoint stores it, this
+rank's share of the values (and of the row scales, held after the weight as `...weight_scale`) stacked as
+the fused parameter stacks its parts; so the expected bytes are computed by that rule and cut by the same
+share rule a sync's sender uses (inference/quant/installed.py `tp_share`). A sidecar whose weights were
+synced since launch holds the trainer's bytes, and then the digests differ, as they should.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from checksum import Manifest, digest_tensors, dtype_from_name, parse_rank_key
+from checksum import Manifest, digest_tensors, dtype_from_name, dtype_name, parse_rank_key
 from inference.config import ModelConfig
 from inference.core import InvalidRequestError
 from inference.models import build_model
@@ -34,6 +38,11 @@ from inference.models.hf_config import read_model_config
 from inference.models.loader import hf_tensor_shapes, safetensors_files, validate_checkpoint
 from inference.models.naming import param_to_hf
 from inference.parallel import TPInfo
+from inference.quant.fp8 import FP8_DTYPE, quantize_rows
+from inference.quant.installed import is_fp8_linear, tp_share
+from inference.weights.installed import fp8_layers, scale_name
+
+FP8_NAME = dtype_name(FP8_DTYPE)
 
 
 def checkpoint_manifests(model_dir: str | Path, held: Sequence[Manifest]) -> list[Manifest]:
@@ -71,17 +80,38 @@ _NO_GROUP = object()
 
 def _rank_manifest(config: ModelConfig, ckpt: _Checkpoint, held: Manifest, tp: TPInfo,
                    dtypes: dict[str, str]) -> Manifest:
-    """The digests of every parameter of one TP rank, filled from the checkpoint by its weight_loader."""
-    default = Counter(dtypes.values()).most_common(1)[0][0] if dtypes else config.dtype
-    model = build_model(config, tp, dtype_from_name(default), "meta")
+    """The digests of every parameter of one TP rank, filled from the checkpoint by its weight_loader (an
+    FP8 weight, and its scales, by the rule: `_installed`)."""
+    fp8 = FP8_NAME in dtypes.values()  # the rank holds this model in FP8: its model is built so
+    plain = Counter(d for d in dtypes.values() if d != FP8_NAME).most_common(1)
+    default = plain[0][0] if plain else config.dtype
+    model = build_model(config, tp, dtype_from_name(default), "meta", quantization="fp8" if fp8 else "none")
+    layers = fp8_layers(model)
     records = []
     for name, meta in model.named_parameters():
+        if name in layers:
+            records += digest_tensors(_installed(config, ckpt, name, tp), algorithm=held.algorithm)
+            continue
         param = torch.empty(meta.shape, dtype=dtype_from_name(dtypes.get(name, default)))
         with torch.no_grad():
             for hf_name, shard_id in param_to_hf(name, config):
                 meta.weight_loader(param, ckpt.tensor(hf_name), shard_id)  # type: ignore[operator]
         records += digest_tensors([(name, param)], algorithm=held.algorithm)
     return Manifest(held.model, held.weight_version, held.rank, tuple(records), held.algorithm)
+
+
+def _installed(config: ModelConfig, ckpt: _Checkpoint, name: str, tp: TPInfo) -> list[tuple[str, torch.Tensor]]:
+    """The FP8 weight `name` of one TP rank and its row scales as the loader installs them: each HF part
+    quantized whole by the rule (as the checkpoint stores it), this rank's share of it, stacked in the
+    parameter's part order."""
+    values, scales = [], []
+    with torch.no_grad():
+        for hf_name, _ in param_to_hf(name, config):
+            assert is_fp8_linear(hf_name), hf_name  # the engine's FP8 layers are exactly these
+            q, scale = quantize_rows(ckpt.tensor(hf_name), hf_name)
+            values.append(tp_share(q, hf_name, "fp8", tp.size, tp.rank))
+            scales.append(tp_share(scale, hf_name, "scale", tp.size, tp.rank))
+    return [(name, torch.cat(values)), (scale_name(name), torch.cat(scales))]
 
 
 class _Checkpoint(contextlib.AbstractContextManager):

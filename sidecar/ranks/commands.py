@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from checksum import Manifest, TensorRecord
+from checksum import Manifest
 from inference.config import EngineConfig
 from inference.core import DEFAULT_SYNC_POLICY, RequestOutput, SamplingParams, SidecarError, SyncPolicy
 from inference.memory.sleep import TransitionStats
@@ -193,7 +193,8 @@ class TransferJoined:
 class SyncResult:
     """A passed audit at the end of one weight sync on one rank (a failed one raises instead): the
     tensors it compared, the digest rule, the seconds the rank spent in finish (the audit), and on an FP8
-    model the digests of what it installed (`name:fp8`, `name:scale`, as this rank holds them)."""
+    model how many installed tensors (`name:fp8`, `name:scale`) it checked against the sender's expected
+    digests before going live (0: the sender delivered none)."""
 
     model: str
     version: int
@@ -203,7 +204,7 @@ class SyncResult:
     tensors_checked: int = 0
     algorithm: str = ""
     audit_s: float = 0.0
-    installed: tuple[TensorRecord, ...] = ()
+    installed_checked: int = 0
 
 
 @dataclass(frozen=True)

@@ -466,7 +466,8 @@ class RankServer:
         audit_s = time.perf_counter() - t0
         report = result.report
         return SyncResult(result.model, result.version, result.rank, report.ok, report.summary(),
-                          report.tensors_checked, result.received.algorithm, audit_s, result.installed)
+                          report.tensors_checked, result.received.algorithm, audit_s,
+                          result.installed_checked)
 
     def _abort_weight_update(self, cmd: AbortWeightUpdate) -> bool:
         weights = self.weights

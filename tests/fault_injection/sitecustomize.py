@@ -1,7 +1,8 @@
 """Loaded at the start of every Python process that has this folder on PYTHONPATH (tests/helpers_fault.py's
 flip_env): the tensor named by TEST_FLIP_ON_ARRIVAL arrives with a flipped byte at this process's ranks
 (of rank key TEST_FLIP_RANK only, if set), in their first TEST_FLIP_TIMES syncs (every sync if unset).
-skew_env: the FP8 ranks install the tensor named by TEST_SKEW_INSTALLED quantized from a skewed copy."""
+skew_env: the FP8 ranks (of rank key TEST_SKEW_RANK only, if set) install the tensor named by
+TEST_SKEW_INSTALLED quantized from a skewed copy."""
 
 import os
 
@@ -17,6 +18,6 @@ if os.environ.get("TEST_FLIP_ON_ARRIVAL"):
 if os.environ.get("TEST_SKEW_INSTALLED"):
     import pytest
 
-    from tests.helpers_fault import SKEW_VARIABLE, skew_installed
+    from tests.helpers_fault import SKEW_RANK_VARIABLE, SKEW_VARIABLE, skew_installed
 
-    skew_installed(pytest.MonkeyPatch(), os.environ[SKEW_VARIABLE])
+    skew_installed(pytest.MonkeyPatch(), os.environ[SKEW_VARIABLE], os.environ.get(SKEW_RANK_VARIABLE) or None)
