@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from checksum.dtypes import dtype_from_name
 from inference.core import InvalidRequestError
 from inference.core import routing_dtype as routing_dtype_name
 
@@ -38,7 +39,7 @@ def moe_routers(model: nn.Module) -> list[nn.Module]:
 
 def routing_dtype(num_experts: int) -> torch.dtype:
     """The engine's rule (inference.core.routing_dtype) as a torch dtype."""
-    dtype: torch.dtype = getattr(torch, routing_dtype_name(num_experts))
+    dtype: torch.dtype = dtype_from_name(routing_dtype_name(num_experts))
     return dtype
 
 

@@ -112,8 +112,8 @@ class LLM:
                 model = default_model_dir()
             overrides.setdefault("tp_size", 1 if tp is None else tp.size)
             config = build_engine_config(str(model), **overrides)
+        check_tp_size(config, tp)  # refused before anything is looked up or loaded
         config = model_dirs(config)
-        check_tp_size(config, tp)
         SyncPolicy(config.on_sync)  # InvalidRequestError naming on_sync for an unknown mode
         envs.use_kernel_cache()  # before the first compile: kernels persist under SIDECAR_HOME when set
         self.config = config

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from checksum.dtypes import dtype_from_name
 from inference.config import ModelConfig
 from inference.core import routing_dtype
 from inference.sched.sequence import Sequence
@@ -56,7 +57,7 @@ class RoutingCapture:
         assert config.num_moe_layers > 0, "a dense model routes nothing"
         self.model = model
         self.device = device
-        self.dtype = getattr(torch, routing_dtype(config.num_experts))
+        self.dtype = dtype_from_name(routing_dtype(config.num_experts))
         self.shape = (config.num_moe_layers, config.num_experts_per_tok)
         self.row_bytes = self.shape[0] * self.shape[1] * self.dtype.itemsize
         self.frozen = False  # graphs captured the buffer's address
