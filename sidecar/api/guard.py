@@ -110,7 +110,7 @@ class RequestGuard:
 
         async def limited_receive() -> Message:
             nonlocal seen, body_done
-            if body_done or timeout_s is None or due is None:  # afterwards a receive waits for a disconnect
+            if body_done or due is None:  # afterwards a receive waits for a disconnect: no bound
                 message = await receive()
             else:
                 left = due - loop.time()
