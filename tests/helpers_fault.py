@@ -121,3 +121,25 @@ def flip_held_after_landing(monkeypatch: pytest.MonkeyPatch, weights: object, pa
         real(session)
 
     monkeypatch.setattr(weights, "_launch_held_digest", flip_then_digest)
+
+
+def flip_delta_values(monkeypatch: pytest.MonkeyPatch, name: str, rank: str | None = None) -> None:
+    """Every delta that reaches a rank's sink (of rank key `rank` only, if given) has one bit of each value
+    of tensor `name` flipped (its indices intact) just before it is applied: a delta corrupted on the wire."""
+    from inference.transfer.delta import DeltaSink
+    from inference.transfer.delta_codec import DENSE, INDEX, UNCHANGED, index_width
+
+    real = DeltaSink.landed
+
+    def flipping_landed(self: DeltaSink) -> None:
+        if not self._applied and (rank is None or self._sink.rank == rank):  # type: ignore[attr-defined]
+            i = [s.name for s in self._specs].index(name)
+            spec, entry = self._specs[i], self.layout.entries[i]
+            if entry.enc != UNCHANGED:
+                heads = {DENSE: 0, INDEX: entry.a}.get(entry.enc, 2 * entry.a) * index_width(spec.numel)
+                count = {DENSE: spec.numel, INDEX: entry.a}.get(entry.enc, entry.b)
+                item, start = spec.torch_dtype.itemsize, entry.offset + (heads + 7) // 8 * 8
+                self._buffer[start:start + count * item:item].bitwise_xor_(1)
+        real(self)
+
+    monkeypatch.setattr(DeltaSink, "landed", flipping_landed)

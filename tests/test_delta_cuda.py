@@ -1,9 +1,13 @@
 """Delta syncs on a GPU: ipc between two processes sharing one GPU (direct and packed), the delta applied
-on the device and audited against the full tensors; gloo from host tensors into a CUDA worker. Skipped
-without a GPU. On the CPU: tests/test_delta_sync.py."""
+on the device and audited against the full tensors; gloo from host tensors into a CUDA worker; the device
+codec gives the host codec's bytes, applies into TP slices, and syncs the host a fixed number of times
+whatever the number of tensors. Skipped without a GPU. On the CPU: tests/test_delta_sync.py,
+tests/test_delta_codec.py."""
 
 from __future__ import annotations
 
+import warnings
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +17,8 @@ import torch.multiprocessing as mp
 
 from inference.config import EngineConfig
 from inference.engine.worker import Worker
+from inference.transfer.delta_codec import DeltaLayout, Slice, apply_delta, bits, encode_all, write_payload
+from inference.transfer.plan import TensorSpec
 from tests.helpers_weight_update import DIMS, Link, perturbed
 
 pytestmark = pytest.mark.cuda
@@ -103,3 +109,81 @@ def test_gloo_delta_from_host_tensors_into_a_cuda_worker(model_dir: Path) -> Non
     finally:
         link.sender.close()
         worker.shutdown()
+
+
+def _changed(n: int, pattern: str, gen: torch.Generator) -> torch.Tensor:
+    return {"scattered": torch.randperm(n, generator=gen)[:n // 35], "blocks": torch.arange(n // 4, n // 2),
+            "none": torch.arange(0), "all": torch.arange(n)}[pattern]
+
+
+def _states(count: int) -> tuple[list[TensorSpec], list[torch.Tensor], list[torch.Tensor]]:
+    """`count` bf16 tensors (CPU) and their next version: scattered changes, a block, none, all."""
+    gen = torch.Generator().manual_seed(count)
+    specs, olds, news = [], [], []
+    for i in range(count):
+        old = torch.randn(1000 + 37 * i, generator=gen).to(torch.bfloat16)
+        new = old.clone()
+        flat = bits(new)
+        idx = _changed(old.numel(), ("scattered", "blocks", "none", "all")[i % 4], gen)
+        flat[idx] = flat[idx] ^ 1
+        specs.append(TensorSpec(f"t{i}", "bfloat16", tuple(old.shape)))
+        olds.append(old)
+        news.append(new)
+    return specs, olds, news
+
+
+def _encoded_payload(specs: list[TensorSpec], olds: list[torch.Tensor],
+                     news: list[torch.Tensor]) -> tuple[DeltaLayout, torch.Tensor]:
+    encoded = encode_all(specs, [bits(n) for n in news], [bits(o) for o in olds])
+    layout = DeltaLayout.from_codes(specs, [v for e in encoded for v in (e.enc, e.a, e.b)])
+    payload = torch.zeros(layout.total, dtype=torch.uint8, device=news[0].device)
+    for spec, enc, new, entry in zip(specs, encoded, news, layout.entries):
+        if entry.nbytes:
+            write_payload(spec, enc, bits(new), payload[entry.offset:entry.offset + entry.nbytes])
+    return layout, payload
+
+
+def test_the_device_codec_gives_the_host_codecs_bytes() -> None:
+    specs, olds, news = _states(12)
+    layout, payload = _encoded_payload(specs, olds, news)
+    on_gpu = [t.cuda() for t in olds], [t.cuda() for t in news]
+    gpu_layout, gpu_payload = _encoded_payload(specs, *on_gpu)
+    assert gpu_layout == layout and torch.equal(gpu_payload.cpu(), payload)
+    held = [t.clone() for t in on_gpu[0]]
+    apply_delta(held, specs, gpu_layout, gpu_payload)
+    assert all(torch.equal(h.cpu(), n) for h, n in zip(held, news))
+    # a TP shard's rows and columns of a 2-D tensor
+    full_old = olds[0][:960].view(24, 40).cuda()
+    full_new = news[0][:960].view(24, 40).cuda()
+    spec = TensorSpec("w", "bfloat16", (24, 40))
+    one_layout, one_payload = _encoded_payload([spec], [full_old], [full_new])
+    for sl in (Slice(0, 12, 12), Slice(1, 20, 20)):
+        region = full_old.narrow(sl.dim, sl.start, sl.length).contiguous()
+        apply_delta([region], [spec], one_layout, one_payload, [sl])
+        assert torch.equal(region, full_new.narrow(sl.dim, sl.start, sl.length))
+
+
+def _host_syncs(fn: Any) -> int:
+    """How many synchronizing CUDA calls `fn` makes (torch's sync debug mode, counted as warnings)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing" in str(w.message) for w in seen)
+
+
+def test_the_device_codec_syncs_the_host_a_fixed_number_of_times_whatever_the_tensor_count() -> None:
+    counts = []
+    for count in (4, 40):
+        specs, olds, news = _states(count)
+        olds, news = [t.cuda() for t in olds], [t.cuda() for t in news]
+        layout, payload = _encoded_payload(specs, olds, news)  # warm: allocator, kernels
+        held = [t.clone() for t in olds]
+        counts.append((_host_syncs(partial(_encoded_payload, specs, olds, news)),
+                       _host_syncs(partial(apply_delta, held, specs, layout, payload))))
+    assert counts[0] == counts[1], counts
+    assert counts[0][0] <= 2 and counts[0][1] <= 1, counts

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from checksum import ChecksumMismatch
-from inference.transfer import delta as delta_module
-from inference.transfer.delta import DENSE, INDEX, RUNS, UNCHANGED, DeltaLayout, apply_delta, bits, encode
+from inference.transfer import delta_codec as delta_module
+from inference.transfer.delta_codec import DENSE, INDEX, RUNS, UNCHANGED, DeltaLayout, apply_delta, bits, encode
 from inference.transfer.plan import TensorSpec
+from tests.helpers_fault import flip_delta_values
 from tests.helpers_weight_update import Link, make_worker, perturbed, tiny_model_dirs
 
 FLIPPED = "model.layers.1.mlp.down_proj.weight"
@@ -34,8 +35,8 @@ def test_each_encoding_round_trips_bit_for_bit(pattern: str, expected: int) -> N
     elif pattern == "all":
         new += 1.0
     spec = TensorSpec("w", "bfloat16", (4096,))
-    enc, sizes = encode(spec, bits(new), bits(old))
-    assert enc.enc == expected, sizes
+    enc = encode(spec, bits(new), bits(old))
+    assert enc.enc == expected, enc.sizes
     layout = DeltaLayout.from_codes([spec], [enc.enc, enc.a, enc.b])
     payload = torch.zeros(layout.total, dtype=torch.uint8)
     if enc.enc != UNCHANGED:
@@ -103,7 +104,7 @@ def test_delta_after_a_full_sync_audits_the_full_tensors_and_falls_back_when_a_r
         worker.shutdown()
 
 
-def test_a_flipped_byte_of_a_delta_fails_the_audit_naming_the_tensor_and_the_next_sync_is_full(
+def test_a_flipped_value_of_a_delta_fails_the_audit_naming_the_tensor_and_the_next_sync_is_full(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     dirs = tiny_model_dirs(tmp_path)
     worker = make_worker(dirs, draft=False)
@@ -111,15 +112,7 @@ def test_a_flipped_byte_of_a_delta_fails_the_audit_naming_the_tensor_and_the_nex
     try:
         state = perturbed(dirs["target"], 1)
         assert link.sync(state, 1).report.ok
-        real = delta_module.write_payload
-
-        def flipping(spec: TensorSpec, enc: delta_module.Encoded, new: torch.Tensor, part: torch.Tensor) -> None:
-            real(spec, enc, new, part)
-            if spec.name == FLIPPED:  # one byte of the first value sent
-                heads = {DENSE: 0, INDEX: enc.a, RUNS: 2 * enc.a}[enc.enc] * delta_module.index_width(spec.numel)
-                part[(heads + 7) // 8 * 8].bitwise_xor_(1)
-
-        monkeypatch.setattr(delta_module, "write_payload", flipping)
+        flip_delta_values(monkeypatch, FLIPPED)
         state = _step(state, 2)
         with pytest.raises(ChecksumMismatch, match=re.escape(FLIPPED)):
             link.sync(state, 2)

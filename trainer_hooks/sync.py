@@ -45,7 +45,7 @@ from trainer_hooks.fleet_replicas import FleetError, Replica, SyncOutcome, fleet
 if TYPE_CHECKING:
     from trainer_hooks.wire import Pending, Wire
 
-SYNC_PROTOCOL = 2  # this choreography's and the sidecar routes' version (2: session owners, pool acks, delta offers)
+SYNC_PROTOCOL = 3  # this choreography's and the sidecar routes' version (3: delta offers name TP slices)
 LAYOUT_FIELD = "manifest.layout"  # the field of the sidecar's 400 for a layout key it does not know
 GONE = (SidecarConnectionError, SidecarUnavailableError)  # a sidecar that went away, not a bad request
 

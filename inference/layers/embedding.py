@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference.layers.gemm_invariant import invariant_linear
-from inference.layers.linear import ShardId, new_param
+from inference.layers.linear import HeldPart, ShardId, new_param
 from inference.parallel import TPInfo
 
 
@@ -47,6 +47,12 @@ class VocabShard:
         param.data[:n_real].copy_(loaded[self.start:self.start + n_real])
         param.data[n_real:].zero_()
 
+    def held_part(self, param: nn.Parameter, shard_id: ShardId = None) -> HeldPart:
+        """Where `load` writes the full tensor's rows (the padding rows after them stay zero)."""
+        assert shard_id is None, shard_id
+        n_real = max(0, min(self.end, self.vocab_size) - self.start)
+        return param.data[:n_real], (0, self.start, n_real)
+
 
 class VocabParallelEmbedding(nn.Module):
     """Each rank looks up the ids in its shard, writes zeros elsewhere; all_reduce sums the shards."""
@@ -56,7 +62,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp = tp
         self.shard = VocabShard.of(vocab_size, tp)
-        self.weight = new_param((self.shard.size, hidden_size), dtype, device, self.shard.load)
+        self.weight = new_param((self.shard.size, hidden_size), dtype, device, self.shard.load, self.shard.held_part)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -89,7 +95,8 @@ class ParallelLMHead(nn.Module):
             assert tied_to.shard == self.shard
             self.weight = tied_to.weight
         else:
-            self.weight = new_param((self.shard.size, hidden_size), dtype, device, self.shard.load)
+            self.weight = new_param((self.shard.size, hidden_size), dtype, device, self.shard.load,
+                                    self.shard.held_part)
 
     def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[N, hidden] -> [N, vocab_size] logits (full vocab, every rank, in the weight's dtype).

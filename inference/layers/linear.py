@@ -9,7 +9,10 @@ Layouts (out_features is dim 0, as in nn.Linear):
 - QKVParallelLinear: [q heads of rank r; k heads of rank r; v heads of rank r]; shard_id "q"/"k"/"v".
 - RowParallelLinear: rank r holds columns [r*n/tp, (r+1)*n/tp); outputs are summed over ranks
   (all_reduce) and the bias is added once, after the sum.
-Parameters are created with torch.empty: the loader (or the weight receiver) fills them.
+Parameters are created with torch.empty: the loader (or the weight receiver) fills them. Beside its
+loader each parameter carries `held_part(param, shard_id)`: the region of the parameter that the loader
+fills from a full tensor and which part of that tensor it holds there (a delta sync applies into it
+and audits it); None where no single region does (an FP8 weight: its bytes are quantized).
 `invariant` (EngineConfig.batch_invariant): the product runs as gemm_invariant.invariant_linear, each row's
 bits independent of the other rows; with TP, RowParallelLinear then sums the ranks' partials in rank order
 (TPInfo.all_reduce_ordered) rather than in the collective's own order.
@@ -40,13 +43,19 @@ from inference.quant.fp8 import FP8_DTYPE, quantize_rows
 
 ShardId = str | int | tuple[int, int] | None
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, ShardId], None]
+# (the region of a parameter, and the part of the full tensor it holds: (dim, start, length) of
+# full.narrow, or None for all of it)
+HeldPart = tuple[torch.Tensor, tuple[int, int, int] | None]
+PartOf = Callable[[nn.Parameter, ShardId], HeldPart | None]
 
 
 def new_param(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str,
-              loader: WeightLoader) -> nn.Parameter:
-    """An uninitialized, non-trainable parameter with its weight_loader attached."""
+              loader: WeightLoader, held_part: PartOf | None = None) -> nn.Parameter:
+    """An uninitialized, non-trainable parameter with its weight_loader and held_part attached (module
+    docstring; None: no region stands for a full tensor's part)."""
     param = nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
     param.weight_loader = loader  # type: ignore[attr-defined]
+    param.held_part = held_part  # type: ignore[attr-defined]
     return param
 
 
@@ -55,6 +64,12 @@ def replicated_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Shard
     assert shard_id is None, shard_id
     assert param.shape == loaded.shape, (tuple(param.shape), tuple(loaded.shape))
     param.data.copy_(loaded)
+
+
+def replicated_part(param: nn.Parameter, shard_id: ShardId = None) -> HeldPart:
+    """replicated_loader's region: the whole parameter holds the whole tensor."""
+    assert shard_id is None, shard_id
+    return param.data, None
 
 
 class _Fp8Weight(nn.Module):
@@ -68,7 +83,7 @@ class _Fp8Weight(nn.Module):
     def _init_weight(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device | str,
                      fp8: bool) -> None:
         self.fp8 = fp8
-        self.weight = new_param(shape, FP8_DTYPE if fp8 else dtype, device, self.weight_loader)
+        self.weight = new_param(shape, FP8_DTYPE if fp8 else dtype, device, self.weight_loader, self.held_part)
         if fp8:
             self.weight.quantized_from = dtype  # type: ignore[attr-defined]  # the dtype a sync sends
         scale = torch.ones(shape[0], dtype=torch.float32, device=device) if fp8 else None
@@ -81,6 +96,10 @@ class _Fp8Weight(nn.Module):
         return self.weight.quantized_from if self.fp8 else self.weight.dtype  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        raise NotImplementedError
+
+    def held_part(self, param: nn.Parameter, shard_id: ShardId = None) -> HeldPart | None:
+        """Where weight_loader writes `shard_id`'s part of a full tensor into `param` (module docstring)."""
         raise NotImplementedError
 
     def installed_region(self, shard_id: ShardId) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,7 +150,7 @@ class ColumnParallelLinear(_Fp8Weight):
         self.in_features = in_features
         self.out_features_local = tp_divide(out_features, tp, "output features")
         self._init_weight((self.out_features_local, in_features), dtype, device, fp8)
-        self.bias = (new_param((self.out_features_local,), dtype, device, self.weight_loader)
+        self.bias = (new_param((self.out_features_local,), dtype, device, self.weight_loader, self.held_part)
                      if bias else None)
         self.lora: LoRASlot | None = None
 
@@ -150,6 +169,12 @@ class ColumnParallelLinear(_Fp8Weight):
             self.install(loaded, shard_id)
         else:
             param.data.narrow(0, offset, n_local).copy_(self._row_shard(loaded, n_local))
+
+    def held_part(self, param: nn.Parameter, shard_id: ShardId = None) -> HeldPart | None:
+        if self.fp8 and param is self.weight:
+            return None
+        offset, n_local = self._part(shard_id)
+        return param.data.narrow(0, offset, n_local), (0, self.tp.rank * n_local, n_local)
 
     def installed_region(self, shard_id: ShardId) -> tuple[torch.Tensor, torch.Tensor]:
         offset, n_local = self._part(shard_id)
@@ -222,7 +247,7 @@ class RowParallelLinear(_Fp8Weight):
         self.out_features = out_features
         self._init_weight((out_features, self.in_features_local), dtype, device, fp8)
         # The bias is replicated and added after the reduction, so it counts once.
-        self.bias = new_param((out_features,), dtype, device, replicated_loader) if bias else None
+        self.bias = new_param((out_features,), dtype, device, replicated_loader, replicated_part) if bias else None
         self.lora: LoRASlot | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
@@ -233,6 +258,11 @@ class RowParallelLinear(_Fp8Weight):
             self.install(loaded, shard_id)
         else:
             param.data.copy_(loaded.narrow(1, self.tp.rank * n, n))
+
+    def held_part(self, param: nn.Parameter, shard_id: ShardId = None) -> HeldPart | None:
+        assert shard_id is None, shard_id
+        n = self.in_features_local
+        return None if self.fp8 else (param.data, (1, self.tp.rank * n, n))
 
     def installed_region(self, shard_id: ShardId) -> tuple[torch.Tensor, torch.Tensor]:
         assert shard_id is None, shard_id

@@ -25,7 +25,7 @@ from inference.config import ModelConfig
 from inference.layers.activation import SiluAndMul, get_activation
 from inference.layers.gemm_invariant import invariant_linear
 from inference.layers.kernel_device import use_triton
-from inference.layers.linear import ShardId, new_param, replicated_loader, tp_divide
+from inference.layers.linear import HeldPart, ShardId, new_param, replicated_loader, replicated_part, tp_divide
 from inference.parallel import TPInfo
 
 try:
@@ -122,8 +122,10 @@ class MoEExperts(nn.Module):
         super().__init__()
         self.tp = tp
         self.inter_local = tp_divide(inter, tp, "moe_intermediate_size")
-        self.gate_up_proj = new_param((num_experts, 2 * self.inter_local, hidden), dtype, device, self.load_gate_up)
-        self.down_proj = new_param((num_experts, hidden, self.inter_local), dtype, device, self.load_down)
+        self.gate_up_proj = new_param((num_experts, 2 * self.inter_local, hidden), dtype, device, self.load_gate_up,
+                                      self.gate_up_part)
+        self.down_proj = new_param((num_experts, hidden, self.inter_local), dtype, device, self.load_down,
+                                   self.down_part)
 
     def load_gate_up(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) -> None:
         """One expert's gate (part 0) or up (part 1) [I, H]: this rank's rows into their half; or, shard id
@@ -151,6 +153,22 @@ class MoEExperts(nn.Module):
         assert loaded.shape[1] == n * self.tp.size, tuple(loaded.shape)
         param.data[shard_id].copy_(loaded.narrow(1, self.tp.rank * n, n))
 
+    def gate_up_part(self, param: nn.Parameter, shard_id: ShardId) -> HeldPart | None:
+        """load_gate_up's region of one expert's gate or up; None for every expert's fused tensor (two parts)."""
+        if not isinstance(shard_id, tuple):
+            return None
+        expert, part = shard_id
+        n = self.inter_local
+        return param.data[expert].narrow(0, part * n, n), (0, self.tp.rank * n, n)
+
+    def down_part(self, param: nn.Parameter, shard_id: ShardId) -> HeldPart:
+        """load_down's region: this rank's columns of one expert's down, or of every expert's."""
+        n = self.inter_local
+        if shard_id is None:
+            return param.data, (2, self.tp.rank * n, n)
+        assert isinstance(shard_id, int), shard_id
+        return param.data[shard_id], (1, self.tp.rank * n, n)
+
 
 class MoEBlock(nn.Module):
     """forward(x [T, H]) -> [T, H]: route, run the chosen experts, sum (all-reduced over TP ranks)."""
@@ -163,7 +181,7 @@ class MoEBlock(nn.Module):
             raise ValueError(f"num_experts_per_tok={c.num_experts_per_tok} must be in 1..num_experts={c.num_experts}")
         self.top_k, self.renormalize, self.invariant, self.tp = c.num_experts_per_tok, c.norm_topk_prob, invariant, tp
         self.gate = nn.Module()
-        self.gate.weight = new_param((c.num_experts, c.hidden_size), dtype, device, replicated_loader)
+        self.gate.weight = new_param((c.num_experts, c.hidden_size), dtype, device, replicated_loader, replicated_part)
         self.experts = MoEExperts(c.num_experts, c.hidden_size, c.moe_intermediate_size, tp, dtype, device)
         self.act_fn = get_activation(c.hidden_act, invariant)
         # [rows, k] view of the model's routing buffer (DecoderForCausalLM.bind_routing); None: not recorded

@@ -7,7 +7,7 @@ from torch import nn
 
 from inference.layers.fused import add_rms_norm
 from inference.layers.gemv import norm_gemv, use_norm_gemv
-from inference.layers.linear import ColumnParallelLinear, new_param, replicated_loader
+from inference.layers.linear import ColumnParallelLinear, new_param, replicated_loader, replicated_part
 
 
 class RMSNorm(nn.Module):
@@ -24,7 +24,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.invariant = invariant
-        self.weight = new_param((size,), dtype, device, replicated_loader)
+        self.weight = new_param((size,), dtype, device, replicated_loader, replicated_part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The order of casts follows HF exactly so that bf16 outputs match bit for bit.

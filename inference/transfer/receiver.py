@@ -25,7 +25,16 @@ import torch
 from inference.transfer.backends import check_backend
 from inference.transfer.backends.base import Sink, TransferBackend, backend_class
 from inference.transfer.delivery import PLAN_SUFFIX, delivery_size, post_digests, read_digests
-from inference.transfer.delta import CODES, DeltaLayout, DeltaSink, can_apply, offer_agreed, offer_values
+from inference.transfer.delta import (
+    DeltaSink,
+    SliceTable,
+    delta_regions,
+    offer_agreed,
+    offer_slices,
+    offer_values,
+    slice_values,
+)
+from inference.transfer.delta_codec import CODES, DeltaLayout
 from inference.transfer.groups import InitInfo, TransferError, TransferGroup, owner_key
 from inference.transfer.installed_digests import (
     RankExpectation,
@@ -56,6 +65,8 @@ class WeightReceiver:
         # of it when it asked and the sender delivers (else None)
         self._owed_layout: tuple[int, SharesLayout, Share | None] = (0, SharesLayout(), None)
         self.last_delta: DeltaSink | None = None  # the last sync's delta sink (None: it was full)
+        self._picks: list[int] | None = None  # a delta into slices: this rank's digests among the delivered
+        self.full_digests: list[str] | None = None  # then: the sender's digests of the full tensors
 
     @property
     def broken(self) -> str | None:
@@ -74,7 +85,8 @@ class WeightReceiver:
         `digests_follow`: the sender delivers its digests after the bytes (step 4): once this returns,
         call `sender_digests` (every end takes part in it, or the group's next collective mismatches).
         `held_version`: in a delta session, the version this rank holds intact (-1: none), offered as
-        the base a delta may be applied to; a sink without a held region for every tensor offers -1.
+        the base a delta may be applied to; a sink without a region for every tensor offers -1, and so
+        does one that holds slices in a sync without `digests_follow` (their digests come only so).
         `owner`: the update's owner (groups.owner_key); a sender that names another is refused.
         `installed`: (TP size, TP rank) when this rank installs FP8 weights in this sync: it asks the
         sender for its expected installed digests (sender_digests returns them).
@@ -83,15 +95,11 @@ class WeightReceiver:
             owed, self._owed = self._owed, None
             owed()
         parsed = specs if isinstance(specs, ParsedManifest) else ParsedManifest(specs)
-        whole = parsed  # the sender's digests, and the installed ones, are of the full tensors, a delta or not
-        self.last_delta = None
+        whole = parsed  # the installed digests are of the full tensors, a delta or not
+        tensors = len(parsed)  # the digests delivered: the full tensors', then those of a delta's slices
+        self.last_delta, self._picks, self.full_digests = None, None, None
         if self.info.delta:
-            base = held_version if can_apply(sink) else -1
-            if offer_agreed(self.group.all_max(offer_values(base), "delta offer")):
-                codes = self.group.all_max([0] * (CODES * len(parsed)), "delta codes")
-                layout = DeltaLayout.from_codes(parsed, codes)
-                sink = self.last_delta = DeltaSink(sink, parsed, layout, self.device)
-                parsed = layout.wire_specs()
+            parsed, sink, tensors = self._delta(parsed, sink, held_version, digests_follow)
         plan_id = self.backend.plan_id() + (PLAN_SUFFIX if digests_follow else "")
         fingerprint = parsed.fingerprint(version, self.info.bucket_bytes, plan_id)
         keys, values = self.backend.receiver_agreement()
@@ -113,23 +121,50 @@ class WeightReceiver:
         self.backend.receive(self.group, plan, parsed, sink, same[2:], maxima)
         if digests_follow:
             layout = SharesLayout.agreed(whole, agreed)
-            self._owed = post_digests(self.group, len(whole), layout.size)
-            self._owed_layout = (len(whole), layout, installed if agreed[-1] else None)
+            self._owed = post_digests(self.group, tensors, layout.size)
+            self._owed_layout = (tensors, layout, installed if agreed[-1] else None)
 
     def sender_digests(self, algorithm: str) -> tuple[dict[str, Any], RankExpectation | None]:
         """Step 4 of a sync received with digests_follow (posted when receive returned): the sender's digests
-        as finish takes them ({"algorithm", "digests"}), and this rank's expected installed digests (None:
-        the sender delivers none, or this rank asked for none). StateError when the sender had no digests;
-        TransferError (the group broken) on the wire."""
+        as finish takes them ({"algorithm", "digests"}: per manifest tensor, of what this rank holds of it), and
+        this rank's expected installed digests (None: the sender delivers none, or this rank asked for none).
+        StateError when the sender had no digests; TransferError (the group broken) on the wire."""
         owed, self._owed = self._owed, None
         assert owed is not None, "sender_digests without a sync received with digests_follow"
         n, layout, share = self._owed_layout
         message = owed()
         size = delivery_size(n)
-        digests = read_digests(message[:size], algorithm, self.rank_key)
+        got = read_digests(message[:size], algorithm, self.rank_key)
+        if self._picks is not None:
+            self.full_digests = got["digests"][:len(self._picks)]
+            got["digests"] = [got["digests"][j] for j in self._picks]
         if share is None:
-            return digests, None
-        return digests, rank_expectation(message[size:], layout, *share)
+            return got, None
+        return got, rank_expectation(message[size:], layout, *share)
+
+    def _delta(self, parsed: ParsedManifest, sink: Sink, held_version: int,
+               digests_follow: bool) -> tuple[ParsedManifest, Sink, int]:
+        """The offer of a delta session (inference/transfer/delta.py): (what this sync moves, where it
+        lands, how many digests the sender delivers): the delta's one tensor into a DeltaSink, or, when
+        some end offered another version, the manifest into `sink`."""
+        n = len(parsed)
+        regions = delta_regions(sink)
+        sliced = regions is not None and any(sl is not None for _, sl in regions)
+        base = held_version if regions is not None and (digests_follow or not sliced) else -1
+        got = self.group.all_max(offer_values(base, sliced), "delta offer")
+        if not offer_agreed(got):
+            return parsed, sink, n
+        assert regions is not None  # this rank offered a version: it has them
+        receivers = self.info.world_size - 1
+        mine = slice_values([sl for _, sl in regions], self.group.rank, receivers) if offer_slices(got) else []
+        values = self.group.all_max([0] * (CODES * n) + mine, "delta codes")
+        layout = DeltaLayout.from_codes(parsed, values[:CODES * n])
+        delivered = n
+        if offer_slices(got):
+            table = SliceTable.from_values(values[CODES * n:], n, receivers)
+            self._picks, delivered = table.digest_indices(self.group.rank), n + len(table.distinct)
+        self.last_delta = DeltaSink(sink, regions, parsed, layout, self.device)  # type: ignore[arg-type]
+        return layout.wire_specs(), self.last_delta, delivered
 
     def refuse(self) -> None:
         """Take part in step (1) of a sync this rank cannot receive, with the fingerprint that never

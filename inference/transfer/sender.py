@@ -25,7 +25,7 @@ the rule while the bytes move, so a rank that installed other bytes never goes l
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -36,7 +36,15 @@ from inference.core import InvalidRequestError, StateError
 from inference.transfer.backends import check_backend
 from inference.transfer.backends.base import TransferBackend, backend_class
 from inference.transfer.delivery import PLAN_SUFFIX, send_digests
-from inference.transfer.delta import CODES, DeltaLayout, KeptCopy, offer_agreed, offer_values
+from inference.transfer.delta import (
+    SLICE_CODES,
+    KeptCopy,
+    SliceTable,
+    offer_agreed,
+    offer_slices,
+    offer_values,
+)
+from inference.transfer.delta_codec import CODES, DeltaLayout
 from inference.transfer.digests import PendingRecords, RecordDigests, check_algorithm
 from inference.transfer.fp8_payload import payload_specs, payload_tensors
 from inference.transfer.groups import (
@@ -176,6 +184,7 @@ class WeightSender:
         self._end.close()
         self._digests.close()
         self._expected.close()
+        self.kept.close()
 
     @property
     def connected(self) -> bool:
@@ -254,21 +263,29 @@ class WeightSender:
         # Started before the agreement: the receivers are still on their way to it (their start and update
         # requests), so the launch's host work and the kernel cost them nothing, and the kernel is done
         # before their copies compete for the GPU. A failure to start is raised after the status step,
-        # so the receivers are never left waiting in it. The digests are always of the FULL tensors.
+        # so the receivers are never left waiting in it. The digests are always of the FULL tensors; the
+        # slices that TP ranks hold of them, known after a delta's offer, follow then.
         digests, failure = None, None
         if digest and problem is None:
             try:
-                digests = self._start_digests(items, algorithm, specs)
+                digests = self._start_digests(items, specs.specs, algorithm)
             except Exception as e:
                 failure = e
         delta: tuple[DeltaLayout, torch.Tensor] | None = None
+        table: SliceTable | None = None
         if self.delta:
             try:
-                delta, problem = self._offer(group, specs, tensors, problem)
+                delta, table, problem = self._offer(group, specs, tensors, problem, deliver_digests)
             except BaseException:
                 _settle(digests)
                 self.kept.forget()
                 raise
+        slice_digests = None
+        if table is not None and table.distinct and digests is not None and problem is None:
+            try:
+                slice_digests = self._start_digests(*table.items(specs, tensors), algorithm)
+            except Exception as e:
+                failure = failure or e
         wire_specs, wire_tensors = (delta[0].wire_specs(), [delta[1]]) if delta is not None else (specs, tensors)
         keys, values = [0] * self._end.agreement_size[0], [0] * self._end.agreement_size[1]
         if problem is None:
@@ -287,19 +304,21 @@ class WeightSender:
             same, maxima = group.agree_many([0 if problem else fingerprint, owner_key(owner), *keys],
                                             [*values, *sender_values(delivers)])
         except BaseException:
-            _settle(digests)
+            _settle(digests, slice_digests)
             self.kept.forget()
             raise
-        if not same[0]:  # nothing was written anywhere: the ranks still hold the kept copy
+        if not same[0]:  # nothing was written anywhere: the ranks hold the base, the copy is past it
             self._end.withdraw()
-            _settle(digests)
+            _settle(digests, slice_digests)
+            self._forget_if(delta)
             raise problem or TransferError(
                 "the receivers' plan differs from the sender's (a different manifest, version or bucket "
                 "size was started on the sidecar, one end delivers the digests in the sync and the other "
                 "does not expect them, or it runs another release of the backend); nothing was written")
         if not same[1]:  # after the plan: a receiver that refused its start passes 0 for both
             self._end.withdraw()
-            _settle(digests)
+            _settle(digests, slice_digests)
+            self._forget_if(delta)
             raise TransferError("the receivers' update belongs to another owner (the session nonce differs: "
                                 "another trainer's init replaced this one's); nothing was written")
         # the ranks that install FP8 weights asked for their shares of the installed digests: computed beside
@@ -318,9 +337,13 @@ class WeightSender:
         finally:
             if records is None and digests is not None:
                 records, failure = _collect(digests, failure)
+            if slice_digests is not None:  # after the full tensors' in the delivered list
+                more, failure = _collect(slice_digests, failure)
+                records = [*(records or []), *more]
             section, unexpected = _section(expected, layout)
+        delivered = len(specs) + (len(table.distinct) if table is not None else 0)
         if deliver_digests:  # every receiver waits for this message once the status step passed
-            send_digests(group, records if failure is None else None, len(specs), section)
+            send_digests(group, records if failure is None else None, delivered, section)
         failure = failure or unexpected  # only the ranks that asked for the section failed on it
         if failure is not None:
             self.kept.forget()
@@ -333,31 +356,46 @@ class WeightSender:
             self.last_sync["encodings"] = delta[0].counts()
         if self.delta:  # every rank wrote it (the status step passed): the base of the next delta
             self.kept.commit(version, specs, tensors, delta)
-        return records or []
+        return (records or [])[:len(specs)]
 
     def _offer(self, group: TransferGroup, specs: ParsedManifest, tensors: list[torch.Tensor],
-               problem: InvalidRequestError | None) -> tuple[tuple[DeltaLayout, torch.Tensor] | None,
-                                                             InvalidRequestError | None]:
-        """The delta offer (inference/transfer/delta.py): the delta to send, or None (full), and the problem
-        that stops this sync at the plan agreement. Encoded only once every rank holds the base; an encode
-        that fails still sends codes (none changed), so the receivers reach the agreement and stop there."""
+               problem: InvalidRequestError | None, deliver_digests: bool
+               ) -> tuple[tuple[DeltaLayout, torch.Tensor] | None, SliceTable | None, InvalidRequestError | None]:
+        """The delta offer (inference/transfer/delta.py): the delta to send, or None (full), the slices the
+        ranks hold (None: every rank holds every tensor whole), and the problem that stops this sync at the
+        plan agreement. Encoded only once every rank holds the base; an encode that fails still sends codes
+        (none changed), so the receivers reach the agreement and stop there."""
         base = self.kept.base_for(specs) if problem is None else -1
-        if not offer_agreed(group.all_max(offer_values(base), "delta offer")):
-            return None, problem
+        got = group.all_max(offer_values(base), "delta offer")
+        if not offer_agreed(got):
+            return None, None, problem
+        receivers = group.info.world_size - 1
         delta, codes = None, [0] * (CODES * len(specs))
         try:
             with torch.no_grad():
                 delta = self.kept.encode(specs, tensors)
             codes = delta[0].codes
         except Exception as e:
+            self.kept.forget()  # the encode may have written part of the copy
             problem = InvalidRequestError("named_tensors", f"the delta could not be encoded: {e}")
-        group.all_max(codes, "delta codes")
-        return delta, problem
+        rows = [0] * (receivers * SLICE_CODES * len(specs)) if offer_slices(got) else []
+        values = group.all_max(codes + rows, "delta codes")
+        table = SliceTable.from_values(values[len(codes):], len(specs), receivers) if rows else None
+        if table is not None and not deliver_digests:  # the ranks offer no base then: not reached
+            problem = problem or InvalidRequestError("deliver_digests", "a delta into TP slices needs the digests "
+                                                     "delivered in the sync")
+        return delta, table, problem
 
-    def _start_digests(self, items: list[tuple[str, torch.Tensor]], algorithm: str,
-                       specs: ParsedManifest) -> PendingRecords:
-        """The digests of what is sent, started as the bytes move (see the module docstring). `specs`
-        describe `items` (send() checked them), so the records are named from them."""
+    def _forget_if(self, delta: tuple[DeltaLayout, torch.Tensor] | None) -> None:
+        """A sync that encoded a delta (the copy became the tensors) and then moved nothing: the ranks
+        still hold the base, which the copy no longer is, so the next sync is full."""
+        if delta is not None:
+            self.kept.forget()
+
+    def _start_digests(self, items: list[tuple[str, torch.Tensor]], specs: Sequence[TensorSpec],
+                       algorithm: str) -> PendingRecords:
+        """The digests of `items`, started as the bytes move (see the module docstring). `specs` describe
+        `items` (send() checked them), so the records are named from them."""
         stream, after = None, None
         if self.device.type == "cuda":  # the launch uses it when the tensors are on self.device
             stream = self._digest_streams.get(self.device)
@@ -365,7 +403,7 @@ class WeightSender:
                 stream = self._digest_streams[self.device] = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))  # after the trainer's last write
             after = self.device  # the host rule over CUDA tensors: its thread waits for that write too
-        return self._digests.launch(items, algorithm, stream=stream, after=after, specs=specs.specs)
+        return self._digests.launch(items, algorithm, stream=stream, after=after, specs=specs)
 
     def _require_group(self) -> TransferGroup:
         if self._group is None:
@@ -397,10 +435,11 @@ def _section(expected: Future[bytes] | None, layout: SharesLayout) -> tuple[byte
         return failed_section(layout), e
 
 
-def _settle(digests: PendingRecords | None) -> None:
-    """No byte was sent: wait until the digest no longer reads the caller's tensors."""
-    if digests is not None:
-        digests.settle()
+def _settle(*pending: PendingRecords | None) -> None:
+    """No byte was sent: wait until the digests no longer read the caller's tensors."""
+    for digests in pending:
+        if digests is not None:
+            digests.settle()
 
 
 def _items(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:

@@ -49,13 +49,13 @@ class HeldDigests:
     def launch(self, session: Session, device: torch.device | None) -> PendingRecords | None:
         """Start digesting the session's held regions after the work that wrote them; None when some
         tensor never arrived (finish reports it)."""
-        routes = session.target.held_routes()
-        if routes is None:
+        held = session.target.held_parts()
+        if held is None:
             return None
-        items = [(r.spec.name, r.held) for r in routes]
+        items = [(spec.name, region) for spec, region in held]
         # each held region is exactly its spec's dtype and shape (inference/weights/target.py _route); a
         # device launch is ordered behind the writes by its stream, the host path waits for them (`after`)
-        return self._digests.launch(items, session.algorithm, after=device, specs=[r.spec for r in routes])
+        return self._digests.launch(items, session.algorithm, after=device, specs=[spec for spec, _ in held])
 
     def collect(self, session: Session) -> None:
         """Take the session's overlapped device digest and build the received manifest now, when update
@@ -120,7 +120,7 @@ def audit_report(sender_digests: Any, expected: Manifest | None, session: Sessio
     anything else builds the expected Manifest and compares in full (naming each tensor and the rank)."""
     if expected is None:
         plain = plain_digests(sender_digests, session.algorithm, len(session.specs))
-        if plain is not None and digests_match(plain, session.specs, records):
+        if plain is not None and digests_match(plain, session.target.audit_specs(), records):
             return Report.build((), [rank], len(records))
         expected = _expected(sender_digests, session, rank)
     return compare(expected, received)
@@ -128,7 +128,7 @@ def audit_report(sender_digests: Any, expected: Manifest | None, session: Sessio
 
 def _expected(sender_digests: Any, session: Session, rank: str) -> Manifest:
     return expected_manifest(sender_digests, which=session.which, version=session.version, rank=rank,
-                             specs=session.specs, algorithm=session.algorithm)
+                             specs=session.target.audit_specs(), algorithm=session.algorithm)
 
 
 def agree_on_audit(tp: TPInfo, device: torch.device | None, rank: str, failure: BaseException | None,

@@ -15,7 +15,9 @@ no cast), its received digest is computed after the sync from the held parameter
 written to (the q rows of qkv_proj ARE the received q_proj tensor). That digest covers the wire,
 the unpack and the placement at once, and costs no hashing while bytes are in flight. Every other
 tensor (TP shards, casts, skipped names) is digested from the received bytes before its buffer is
-reused.
+reused. A delta sync (inference/transfer/delta.py) writes each tensor's region in place instead
+(`delta_regions`: at TP > 1 the part this rank holds, from the parameter's `held_part`), and its audit
+digests those regions: a TP shard as the slice of the full tensor it is (its shape in the records).
 
 An FP8 linear's tensors (EngineConfig.quantization) are received in the model dtype and go through
 weights/installed.py: quantized on the device as they land, installed, and audited a second time as held.
@@ -54,6 +56,8 @@ from inference.models.naming import (
     param_to_hf,
 )
 from inference.quant.installed import FP8_SUFFIX, SCALE_SUFFIX, installed_part, is_fp8_linear
+from inference.transfer.delta import Regions
+from inference.transfer.delta_codec import Slice
 from inference.transfer.fp8_payload import FP8_NAME, SCALE_DTYPE
 from inference.transfer.ipc import copy_pairs
 from inference.transfer.plan import TensorSpec
@@ -72,6 +76,12 @@ class Route:
     held: torch.Tensor | None  # the exact region it fills when held whole in the sent dtype, else None
     sink: AdapterTensor | None = None  # an adapter tensor's place on this rank (its slice, cast if allowed)
     part: str | None = None  # an FP8 payload tensor (quantized on send): "fp8" (values) or "scale"
+    tp_part: tuple[torch.Tensor, Slice | None] | None = None  # TP > 1: the region this rank holds, which part
+
+    @property
+    def delta_region(self) -> tuple[torch.Tensor, Slice | None] | None:
+        """Where a delta writes this tensor on this rank (the whole held region, or a TP part), or None."""
+        return (self.held, None) if self.held is not None else self.tp_part
 
     @property
     def adapter(self) -> bool:
@@ -222,10 +232,29 @@ def _route(spec: TensorSpec, params: dict[str, nn.Parameter], config: ModelConfi
         raise bad(f"dtype {spec.dtype} differs from the {which} model's {held_dtype}: convert on the way in "
                   "with WeightSyncHook(..., allow_cast=True) (SidecarClient.sync_weights(..., allow_cast=True)), "
                   f"or serve the trainer's dtype: `sidecar launch --dtype {spec.dtype}`")
-    held = None
-    if tp_size == 1 and spec.dtype == dtype_name(param.dtype):  # an FP8 weight is never written directly
-        held = _held_region(param, param_name, shard_id, spec.shape, config)
-    return Route(spec, param_name, shard_id, held)
+    held, tp_part = None, None
+    if spec.dtype == dtype_name(param.dtype):  # an FP8 weight is never written directly
+        if tp_size == 1:
+            held = _held_region(param, param_name, shard_id, spec.shape, config)
+        else:
+            tp_part = _held_part(param, shard_id, spec)
+    return Route(spec, param_name, shard_id, held, tp_part=tp_part)
+
+
+def _held_part(param: nn.Parameter, shard_id: ShardId, spec: TensorSpec) -> tuple[torch.Tensor, Slice | None] | None:
+    """At TP > 1: the region of `param` its loader fills from `spec`'s full tensor, and which part of it
+    (the layer's `held_part`, inference/layers/linear.py); None when it has none or it is not one
+    contiguous region of that part's shape."""
+    part_of = getattr(param, "held_part", None)
+    got = part_of(param, shard_id) if part_of is not None else None
+    if got is None:
+        return None
+    region, where = got
+    sl = Slice(*where) if where is not None else None
+    if sl is not None and not sl.fits(spec.shape):
+        return None
+    shape = sl.shape(spec.shape) if sl is not None else spec.shape
+    return (region, sl) if tuple(region.shape) == shape and region.is_contiguous() else None
 
 
 def _held_region(param: nn.Parameter, param_name: str, shard_id: ShardId, shape: tuple[int, ...],
@@ -275,6 +304,8 @@ class UpdateTarget:
         self._destinations = routing.destinations
         self._records: dict[str, TensorRecord] = {}  # digested from received bytes
         self._written: set[int] = set()
+        self._delta: list[tuple[TensorSpec, torch.Tensor]] | None = None  # a delta's regions, as audited
+        self.audited_parts = False  # the last delta was audited in TP parts (some record names a slice)
         self.on_landed: Callable[[], None] | None = None  # see landed()
         self.installed = InstalledAudit(routing.fp8_layers, which, rank, algorithm) if routing.fp8_layers else None
         # whether this session installs FP8 weights (a linear quantized on receive, or a payload)
@@ -288,6 +319,28 @@ class UpdateTarget:
     def mark_direct(self, indices: Sequence[int]) -> None:
         """Record tensors written by a direct copy (their digests come from the held regions)."""
         self._written.update(indices)
+
+    def delta_regions(self) -> Regions | None:
+        """Per manifest tensor, the region a delta writes on this rank and which part of the tensor it holds
+        (None: all of it); None when some tensor has none (a cast, an FP8 weight, a tied lm_head, an
+        MoE layer's fused experts at TP > 1): that sync is full."""
+        regions = [r.delta_region for r in self.routes]
+        return None if any(r is None for r in regions) else regions  # type: ignore[return-value]
+
+    def mark_delta(self) -> None:
+        """A delta wrote every tensor into its `delta_regions`: the audit digests those regions, a part of a
+        tensor recorded with the part's shape."""
+        regions = self.delta_regions()
+        assert regions is not None
+        self._written.update(range(len(self.routes)))
+        self._delta = [(TensorSpec(r.spec.name, r.spec.dtype, sl.shape(r.spec.shape)) if sl is not None else r.spec,
+                        region) for r, (region, sl) in zip(self.routes, regions)]
+        self.audited_parts = any(sl is not None for _, sl in regions)
+
+    def full_records(self, digests: Sequence[str]) -> list[TensorRecord]:
+        """The full tensors' records with `digests`, the sender's of them (one per manifest tensor)."""
+        assert len(digests) == len(self.routes), (len(digests), len(self.routes))
+        return [TensorRecord(r.spec.name, r.spec.dtype, r.spec.shape, d) for r, d in zip(self.routes, digests)]
 
     def put(self, items: Sequence[tuple[int, torch.Tensor]]) -> None:
         """Load completed tensors; digests of anything not held whole are taken before returning.
@@ -329,17 +382,25 @@ class UpdateTarget:
     def held_items(self) -> list[tuple[str, torch.Tensor]] | None:
         """(name, held region) of every tensor whose digest is taken from the model, or None while
         some tensor has not arrived."""
-        held = self.held_routes()
-        return None if held is None else [(r.spec.name, r.held) for r in held]  # type: ignore[misc]
+        held = self.held_parts()
+        return None if held is None else [(spec.name, region) for spec, region in held]
 
-    def held_routes(self) -> list[Route] | None:
-        """The routes of `held_items()` (their specs name the records), or None likewise."""
+    def held_parts(self) -> list[tuple[TensorSpec, torch.Tensor]] | None:
+        """(the spec its record names, held region) of every tensor whose digest is taken from the model
+        (after a delta: every tensor, TP parts with their part's shape), or None likewise."""
         if len(self._written) != len(self.routes):
             return None
+        if self._delta is not None:
+            return list(self._delta)
         records = self._records
         held = [r for r in self.routes if r.spec.name not in records] if records else list(self.routes)
         assert all(r.held is not None for r in held)
-        return held
+        return [(r.spec, r.held) for r in held]  # type: ignore[misc]
+
+    def audit_specs(self) -> list[TensorSpec]:
+        """Per manifest tensor, what its record must name (dtype, shape): the tensor, or after a delta into
+        TP parts the part this rank holds (the sender's digests for this rank are of the same parts)."""
+        return [spec for spec, _ in self._delta] if self._delta is not None else [r.spec for r in self.routes]
 
     def landed(self) -> None:
         """The backend wrote every byte of the sync (queued on the current stream) and is about to

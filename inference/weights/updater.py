@@ -402,6 +402,10 @@ class WeightUpdater:
         report = Report.merge([checked, session.target.tied_report(received), own, against])
         if not report.ok:
             raise ChecksumMismatch(report)
+        if session.target.audited_parts:  # a delta into TP slices: the full tensors' digests are the sender's
+            assert self.receiver is not None and self.receiver.full_digests is not None
+            received = session.target.manifest_of(session.version, session.target.full_records(
+                self.receiver.full_digests))
         held = self._held(session.which, session.version, session.algorithm) if held_manifest else None
         return UpdateResult(session.which, session.version, rank, report, received, held, installed,
                             against.tensors_checked)

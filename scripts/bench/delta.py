@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 
 from inference.models.lora_adapter import AdapterSpec, attach_adapter
 from inference.models.naming import expected_hf_tensors, lora_name
-from inference.transfer.delta import bits, encode
+from inference.transfer.delta_codec import bits, encode
 from inference.transfer.plan import TensorSpec
 from inference.transfer.sender import WeightSender
 from scripts.bench.sync import BenchReceiver, model_config, setup_device
@@ -83,7 +83,7 @@ def changed_figures(before: dict, after: dict, lr: float) -> dict[str, Any]:
     total = changed = dense = index = runs = chosen = 0
     for name, t in after.items():
         spec = TensorSpec.of(name, t)
-        _, sizes = encode(spec, bits(t), bits(before[name]))
+        sizes = encode(spec, bits(t), bits(before[name])).sizes
         total += t.numel()
         changed += sizes["changed"]
         dense += sizes["dense"]
