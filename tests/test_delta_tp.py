@@ -51,8 +51,8 @@ def test_every_part_a_tp2_rank_holds_is_where_its_loader_writes_it(tmp_path: Pat
         for route in routing.routes:
             if route.param is None:
                 continue
-            assert route.part is not None, f"{route.spec.name}: no part on rank {rank}"
-            region, sl = route.part
+            assert route.tp_part is not None, f"{route.spec.name}: no part on rank {rank}"
+            region, sl = route.tp_part
             want = full[route.spec.name] if sl is None else full[route.spec.name].narrow(sl.dim, sl.start, sl.length)
             assert torch.equal(region, want), f"{route.spec.name} on rank {rank}: {sl}"
 
