@@ -14,6 +14,7 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +23,40 @@ if not torch.cuda.is_available():
     # Triton kernels then run in Triton's interpreter on CPU tensors, where tests ask for it. It must be
     # set before Triton is imported anywhere.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _interpreted_dots_by_row() -> None:
+    """Triton's interpreter computes tl.dot with one numpy matmul of the whole block, and numpy's float32
+    BLAS does not promise a row the same bits at every position in it: OpenBLAS's Haswell/Zen sgemm
+    kernel rounds some rows differently by where they sit (seen on an AMD EPYC box, numpy 2.4), which an
+    MMA instruction on the GPU never does. The batch-invariance tests would then test numpy, not the
+    kernels, and pass or fail by the CI machine's CPU. So the interpreter multiplies each row on its own
+    (one batched matmul of 1-row products: every row by the same code), in the same dtypes."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    import numpy as np
+    import triton.language as tl
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_dot, "by_row", False):
+        return
+
+    def create_dot(self: Any, a: Any, b: Any, d: Any, input_precision: Any, max_num_imprecise_acc: Any) -> Any:
+        a_data, b_data = a.data, b.data
+        if (a.dtype.primitive_bitwidth == 8 and a.dtype.is_floating()) or \
+           (b.dtype.primitive_bitwidth == 8 and b.dtype.is_floating()):  # FP8 operands: as the interpreter does
+            a_data = interpreter._convert_float(a_data, a.dtype, tl.float16, None).view(np.float16)
+            b_data = interpreter._convert_float(b_data, b.dtype, tl.float16, None).view(np.float16)
+        rows = np.matmul(a_data[..., :, None, :], b_data[..., None, :, :], dtype=d.data.dtype)[..., 0, :]
+        return interpreter.TensorHandle(rows + d.data, d.dtype.scalar)
+
+    create_dot.by_row = True  # type: ignore[attr-defined]
+    builder.create_dot = create_dot
+
+
+_interpreted_dots_by_row()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
