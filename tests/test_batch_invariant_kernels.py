@@ -5,15 +5,12 @@ Triton's interpreter on CPU (compiled on a GPU); the ordered TP reduction over g
 from __future__ import annotations
 
 import os
-import socket
 from contextlib import nullcontext
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
@@ -30,9 +27,9 @@ from inference.layers.invariant import row_sum, silu_and_mul_invariant, tiled_li
 from inference.layers.kernel_device import interpreted_on_cpu
 from inference.layers.linear import RowParallelLinear
 from inference.layers.lora import LoRAPart, LoRASlot
-from inference.parallel import TPInfo
 from inference.quant.fp8 import quantize_rows
 from inference.sample.sampler import SamplingBatch, row_chunks, row_stats_triton, sample
+from tests.helpers_tp import free_port, gloo_tp
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(gemv_mod.triton is None, reason="triton is not installed")
@@ -224,17 +221,8 @@ def test_a_lora_adapter_in_the_mode_gives_a_row_the_same_bits_alone_or_batched(w
 
 
 # ---- tensor parallelism: the ordered all-reduce ------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tp_worker(rank: int, port: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
-    try:
-        tp = TPInfo(rank=rank, size=2, group=dist.new_group([0, 1]))
+    with gloo_tp(rank, 2, port) as tp:
         layer = RowParallelLinear(96, 40, True, tp, torch.float32, "cpu", invariant=True)
         g = torch.Generator().manual_seed(0)
         layer.weight.weight_loader(layer.weight, torch.randn(40, 96, generator=g))
@@ -243,14 +231,11 @@ def _tp_worker(rank: int, port: int, out: str) -> None:
         full = layer(x.contiguous())
         alone = torch.cat([layer(x[j:j + 1].contiguous()) for j in range(21)])
         torch.save({"full": full, "alone": alone}, Path(out) / f"rank{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
 def test_row_parallel_sums_ranks_in_a_fixed_order(tmp_path: Path) -> None:
-    mp.spawn(_tp_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_tp_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for got in ranks:
         assert torch.equal(got["alone"], got["full"])  # a row alone = the row in the batch

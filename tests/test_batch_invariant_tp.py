@@ -10,14 +10,11 @@ hits, preemption with chunked prefill, and a draft model (sharded as the target 
 from __future__ import annotations
 
 import pickle
-import socket
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from inference.engine.llm import LLM
@@ -36,17 +33,12 @@ from tests.helpers_invariance import (
     shuffled,
     tight_options,
 )
+from tests.helpers_tp import free_port, gloo_tp
 
 pytestmark = pytest.mark.slow  # two processes, a dozen engines each
 TP = 2
 FAMILIES = ("qwen2", "qwen3_moe")
 DIMS = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cases(root: Path, family: str, tp: TPInfo) -> dict[str, Any]:
@@ -70,22 +62,16 @@ def _cases(root: Path, family: str, tp: TPInfo) -> dict[str, Any]:
 
 def _rank(rank: int, port: int, root: str) -> None:
     torch.set_num_threads(1)  # the mode's promise is per thread count; one keeps two ranks off each other
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP,
-                            timeout=timedelta(seconds=120))
-    try:
-        tp = TPInfo(rank=rank, size=TP, group=dist.new_group(list(range(TP))))
+    with gloo_tp(rank, TP, port, timeout_s=120) as tp:
         got = {family: _cases(Path(root), family, tp) for family in FAMILIES}
         (Path(root) / f"cases.rank{rank}.pkl").write_bytes(pickle.dumps(got))
-        dist.barrier()  # leave together: a rank exiting alone can abort in gloo's teardown
-    finally:
-        dist.destroy_process_group()
 
 
 def test_every_case_holds_bit_for_bit_at_tp2(tmp_path: Path) -> None:
     for family in FAMILIES:
         target = make_tiny_model(tmp_path / family, family=family, seed=3, **DIMS)
         first_layers(target, tmp_path / f"{family}-draft", 1)
-    mp.spawn(_rank, args=(_free_port(), str(tmp_path)), nprocs=TP, join=True)
+    mp.spawn(_rank, args=(free_port(), str(tmp_path)), nprocs=TP, join=True)
     ranks = [pickle.loads((tmp_path / f"cases.rank{r}.pkl").read_bytes()) for r in range(TP)]
     assert ranks[0] == ranks[1], "the ranks disagree"
     for family in FAMILIES:

@@ -7,7 +7,6 @@ full. In one process: tests/test_delta_sync.py."""
 
 from __future__ import annotations
 
-import socket
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -30,6 +29,7 @@ from inference.transfer.sender import WeightSender
 from inference.weights.target import route_manifest
 from tests.helpers_fault import flip_delta_values
 from tests.helpers_models import make_hf_checkpoint
+from tests.helpers_tp import free_port
 from tests.helpers_weight_update import BUCKET, Q1, loader_digests, perturbed, tiny_model_dirs
 
 DOWN0 = "model.layers.0.mlp.down_proj.weight"  # row-parallel: each rank holds columns (a strided slice)
@@ -55,12 +55,6 @@ def test_every_part_a_tp2_rank_holds_is_where_its_loader_writes_it(tmp_path: Pat
             region, sl = route.tp_part
             want = full[route.spec.name] if sl is None else full[route.spec.name].narrow(sl.dim, sl.start, sl.length)
             assert torch.equal(region, want), f"{route.spec.name} on rank {rank}: {sl}"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _step(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
@@ -119,7 +113,7 @@ def test_tp2_ranks_take_deltas_into_their_shards_and_audit_them(tmp_path: Path) 
     info = sender.init_info()
     ctx = mp.get_context("spawn")
     inboxes, out = [ctx.Queue(), ctx.Queue()], ctx.Queue()
-    port = _free_port()  # the ranks' own TP group
+    port = free_port()  # the ranks' own TP group
     procs = [ctx.Process(target=_tp_rank, args=(r, port, info, str(dirs["target"]), inboxes[r], out))
              for r in range(2)]
     for p in procs:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 
 from inference.models.tiny import make_tiny_model
 from tests.helpers_sidecar import REPO, launch
+from tests.helpers_tp import free_port
 
 
 def _env() -> dict[str, str]:
@@ -70,19 +70,13 @@ def test_grpo_tutorial_example_syncs_after_every_step(tmp_path: Path) -> None:
     assert f"rollouts from version {synced[0]}," in lines[1], proc.stdout
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.cuda
 def test_deepspeed_example_trains_with_zero3_on_one_gpu(tmp_path: Path) -> None:
     pytest.importorskip("deepspeed")
     model = make_tiny_model(tmp_path / "model", dtype="bfloat16")
     server = launch("--model", str(model), "--device", "cuda")
     env = {**_env(), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     try:
         proc = subprocess.run([sys.executable, "examples/deepspeed_grpo.py", "--url", server.url, "--model",
                                str(model), "--steps", "2", "--samples", "2", "--sender", "ipc"], cwd=REPO, env=env,

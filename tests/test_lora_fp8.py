@@ -10,20 +10,18 @@ Llama draft."""
 
 from __future__ import annotations
 
-import socket
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from checksum import ChecksumMismatch
 from inference.core import InvalidRequestError, SamplingParams
 from inference.parallel import TPInfo
 from tests.helpers_lora import TARGETS, peft_model
+from tests.helpers_tp import free_port, gloo_tp
 from tests.helpers_weight_update import DIMS, RANK, Link
 from tests.test_fp8_engine import dequantized_copy
 
@@ -266,19 +264,10 @@ def test_the_draft_serves_its_own_adapter_over_its_own_quantization(dirs: dict[s
     assert [t for t, _ in _greedy(llm)] == [t for t, _ in want]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank(rank: int, port: int, root: str) -> None:
     from inference.engine.llm import LLM
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP,
-                            timeout=timedelta(seconds=60))
-    try:
-        tp = TPInfo(rank=rank, size=TP, group=dist.new_group(list(range(TP))))
+    with gloo_tp(rank, TP, port) as tp:
         kw = dict(device="cpu", dtype="float32", tp=tp, quantization="fp8", lora=str(Path(root) / "adapter"),
                   block_size=4, kv_cache_bytes=4 << 20)
         base = str(Path(root) / "target")
@@ -287,9 +276,6 @@ def _rank(rank: int, port: int, root: str) -> None:
         out["together"] = _greedy(llm)
         out["alone"] = [_greedy(llm, [p])[0] for p in PROMPTS]
         torch.save(out, Path(root) / f"lora-fp8.rank{rank}.pt")
-        dist.barrier()  # leave together: a rank exiting alone can abort in gloo's teardown
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
@@ -297,7 +283,7 @@ def test_tp2_fp8_engine_with_adapter_serves_tp1s_tokens(dirs: dict[str, Path]) -
     """Each rank quantizes the full rows and holds its slices, the adapter sharded as W; fp32 on CPU: only the
     reduction order differs from TP=1, and the invariant mode keeps a prompt's bits alone and in a batch."""
     want = [t for t, _ in _greedy(_llm(dirs["target"], quantization="fp8", lora=str(dirs["adapter"])))]
-    mp.spawn(_rank, args=(_free_port(), str(dirs["root"])), nprocs=TP, join=True)
+    mp.spawn(_rank, args=(free_port(), str(dirs["root"])), nprocs=TP, join=True)
     for rank in range(TP):
         got = torch.load(dirs["root"] / f"lora-fp8.rank{rank}.pt")
         assert [t for t, _ in got["plain"]] == want, f"rank {rank}"

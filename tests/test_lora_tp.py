@@ -6,19 +6,17 @@ byte fails the audit naming the tensor and the rank. Tiny fp32 Qwen2 (tied, qkv 
 
 from __future__ import annotations
 
-import socket
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from inference.core import SamplingParams
 from inference.parallel import TPInfo
 from tests.helpers_lora import merged_dir, peft_model
+from tests.helpers_tp import free_port, gloo_tp
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -95,12 +93,6 @@ def test_tp2_layer_terms_sum_to_the_tp1_layer(dirs: dict[str, Path]) -> None:
         assert not torch.allclose(one.get_submodule(down)(h), one.get_submodule(down).product(h, None, False))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _greedy(base: Path, tp: TPInfo | None = None, **options: Any) -> list[list[int]]:
     from inference.engine.llm import LLM
 
@@ -111,19 +103,13 @@ def _greedy(base: Path, tp: TPInfo | None = None, **options: Any) -> list[list[i
 def _rank(rank: int, port: int, root: str) -> None:
     from inference.engine.llm import LLM
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP,
-                            timeout=timedelta(seconds=60))
-    try:
-        tp = TPInfo(rank=rank, size=TP, group=dist.new_group(list(range(TP))))
+    with gloo_tp(rank, TP, port) as tp:
         base, adapter = Path(root) / "target", str(Path(root) / "adapter")
         out: dict[str, Any] = {"plain": _greedy(base, tp, lora=adapter)}
         llm = LLM(str(base), device="cpu", dtype="float32", tp=tp, lora=adapter, batch_invariant=True)
         out["together"] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
         out["alone"] = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
         torch.save(out, Path(root) / f"lora.rank{rank}.pt")
-        dist.barrier()  # leave together: a rank exiting alone can abort in gloo's teardown
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
@@ -131,7 +117,7 @@ def test_tp2_engine_with_adapter_equals_tp1_and_the_merged_model(dirs: dict[str,
     served = _greedy(dirs["base"], lora=str(dirs["adapter"]))
     assert served == _greedy(dirs["merged"])
     assert served != _greedy(dirs["base"])  # the adapter changes the outputs: the test can fail
-    mp.spawn(_rank, args=(_free_port(), str(dirs["root"])), nprocs=TP, join=True)
+    mp.spawn(_rank, args=(free_port(), str(dirs["root"])), nprocs=TP, join=True)
     for rank in range(TP):
         got = torch.load(dirs["root"] / f"lora.rank{rank}.pt")
         assert got["plain"] == served, f"rank {rank}"

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import socket
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from inference.core import SamplingParams
 from inference.engine.llm import LLM
 from inference.parallel import TPInfo
 from tests.helpers_models import make_hf_checkpoint, random_prompts
+from tests.helpers_tp import free_port, gloo_tp
 
 pytestmark = pytest.mark.slow  # every test here starts real processes or runs for seconds
 
@@ -22,12 +20,6 @@ TP = 2
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
           SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=20, ignore_eos=True),
           SamplingParams(n=2, temperature=1.0, max_tokens=12, ignore_eos=True)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _generate(path: Path, tp: TPInfo | None) -> list[tuple[list[int], list[float]]]:
@@ -38,21 +30,15 @@ def _generate(path: Path, tp: TPInfo | None) -> list[tuple[list[int], list[float
 
 
 def _rank(rank: int, port: int, path: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP,
-                            timeout=timedelta(seconds=60))
-    try:
-        tp = TPInfo(rank=rank, size=TP, group=dist.new_group(list(range(TP))))
+    with gloo_tp(rank, TP, port) as tp:
         torch.save(_generate(Path(path), tp), Path(path) / f"out.rank{rank}.pt")
-        dist.barrier()  # leave together: a rank exiting alone can abort in gloo's teardown
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("case", ["llama", "qwen2"])
 def test_tp2_engine_equals_tp1(tmp_path: Path, case: str) -> None:
     make_hf_checkpoint(case, tmp_path, seed=4, initializer_range=0.2, vocab_size=301 if case == "qwen2" else 300)
     expected = _generate(tmp_path, None)
-    mp.spawn(_rank, args=(_free_port(), str(tmp_path)), nprocs=TP, join=True)
+    mp.spawn(_rank, args=(free_port(), str(tmp_path)), nprocs=TP, join=True)
     for rank in range(TP):
         got = torch.load(tmp_path / f"out.rank{rank}.pt")
         assert [g[0] for g in got] == [e[0] for e in expected], f"rank {rank} tokens differ"

@@ -4,29 +4,21 @@ MoE families (experts split over the intermediate dimension)."""
 
 from __future__ import annotations
 
-import socket
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from inference.parallel import TPInfo
 from tests.helpers_models import ToyPager, load_ours, make_hf_checkpoint, our_logits, random_prompts
+from tests.helpers_tp import free_port, gloo_tp
 
 pytestmark = pytest.mark.slow  # every test here starts real processes or runs for seconds
 
 # The MoE families split every expert's intermediate dimension over the ranks.
 CASES = {"llama": {}, "qwen2": {"vocab_size": 301}, "qwen3_moe": {}, "mixtral": {}}
 TP = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run_steps(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -40,16 +32,10 @@ def _run_steps(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def _worker(rank: int, port: int, root: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP,
-                            timeout=timedelta(seconds=60))
-    try:
-        tp = TPInfo(rank=rank, size=TP, group=dist.new_group(list(range(TP))))
+    with gloo_tp(rank, TP, port) as tp:
         for case in CASES:
             model = load_ours(Path(root) / case, tp=tp, num_blocks=32)
             torch.save(_run_steps(model), Path(root) / f"{case}.rank{rank}.pt")
-        dist.barrier()  # leave together: a rank exiting alone can abort in gloo's teardown
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +43,7 @@ def tp_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("tp")
     for case, overrides in CASES.items():
         make_hf_checkpoint(case, root / case, seed=3, **overrides)
-    mp.spawn(_worker, args=(_free_port(), str(root)), nprocs=TP, join=True)
+    mp.spawn(_worker, args=(free_port(), str(root)), nprocs=TP, join=True)
     return root
 
 

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from torch import nn
 from checksum import Manifest, manifest_from_tensors
 from inference.core import SamplingParams, SidecarError
 from inference.models.tiny import TinyModelSpec, default_model_dir, random_weights
+from tests.helpers_tp import free_port
 from trainer_hooks import AuditError, SidecarGoneError, WeightSyncHook, collect_weights, normalize_name
 from trainer_hooks.toy_policy import ToyPolicy
 
@@ -91,7 +91,7 @@ def test_fsdp2_source_matches_the_plain_module(model_dir: Path, tmp_path: Path) 
     if not hasattr(fsdp, "fully_shard"):
         pytest.skip("torch.distributed.fsdp.fully_shard (FSDP2) is not in this torch")
     out = tmp_path / "fsdp2.json"
-    torch.multiprocessing.spawn(_fsdp2_worker, args=(_free_port(), str(model_dir), str(out)), nprocs=2)
+    torch.multiprocessing.spawn(_fsdp2_worker, args=(free_port(), str(model_dir), str(out)), nprocs=2)
     assert Manifest.load(out) == _manifest(collect_weights(ToyPolicy.from_dir(model_dir)))
 
 
@@ -99,19 +99,13 @@ def test_deepspeed_zero3_source_matches_the_plain_module(model_dir: Path) -> Non
     deepspeed = pytest.importorskip("deepspeed")
     policy = ToyPolicy.from_dir(model_dir)
     want = _manifest(collect_weights(policy))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
                       WORLD_SIZE="1")
     config = {"train_batch_size": 1, "zero_optimization": {"stage": 3},
               # torch_adam: no fused op to JIT-compile (the wheel is built without ops)
               "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}}
     engine, *_ = deepspeed.initialize(model=policy, model_parameters=policy.parameters(), config=config)
     assert _manifest(collect_weights(engine, group_bytes=100_000)) == want
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---- the hook with a fake client ---------------------------------------------------------------------

@@ -5,7 +5,6 @@ flipped byte on one rank tears both ranks and names that rank on each."""
 from __future__ import annotations
 
 import os
-import socket
 import time
 import traceback
 from contextlib import nullcontext
@@ -26,6 +25,7 @@ from inference.transfer.groups import TransferError
 from inference.transfer.sender import WeightSender
 from tests.helpers_fault import flipped_on_arrival
 from tests.helpers_sidecar import on_bucket_message
+from tests.helpers_tp import free_port
 from tests.helpers_weight_update import (
     BUCKET,
     Q1,
@@ -44,12 +44,6 @@ pytestmark = pytest.mark.slow  # every test here starts real processes or runs f
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return tiny_model_dirs(tmp_path_factory.mktemp("wu"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _dying_sender(out: Any, model_dir: str, how: str) -> None:
@@ -138,7 +132,7 @@ def test_tp2_receivers_each_hold_their_shard_and_a_flip_on_one_rank_tears_both(
     info = sender.init_info()
     ctx = mp.get_context("spawn")
     inboxes, out = [ctx.Queue(), ctx.Queue()], ctx.Queue()
-    port = _free_port()  # for the receivers' own TP group
+    port = free_port()  # for the receivers' own TP group
     paths = {k: str(v) for k, v in dirs.items()}
     procs = [ctx.Process(target=_tp_receiver, args=(r, port, info, paths, which, inboxes[r], out, deliver))
              for r in range(2)]
@@ -208,7 +202,7 @@ def test_tp2_a_rank_that_dies_before_its_audit_leaves_the_other_torn_not_hung(di
     info = sender.init_info()
     ctx = mp.get_context("spawn")
     inboxes, out = [ctx.Queue(), ctx.Queue()], ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_tp_receiver_one_dies, args=(r, port, info, str(dirs["target"]), inboxes[r], out))
              for r in range(2)]
     for p in procs:
