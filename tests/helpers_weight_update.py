@@ -102,3 +102,16 @@ class Link:
 
 def held(worker: Worker, which: str = "target") -> dict[str, str]:
     return worker.weights.checksums(which)
+
+
+def sparse_step(state: dict[str, torch.Tensor], seed: int, least: int = 1) -> dict[str, torch.Tensor]:
+    """A few elements of every tensor changed (2%, at least `least`): what a small optimizer step does to
+    low-precision weights, the shape of step a delta sync is for."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in state.items():
+        t = t.clone()
+        flat = t.view(-1)
+        flat[torch.randperm(flat.numel(), generator=gen)[:max(least, flat.numel() // 50)]] += 0.5
+        out[name] = t
+    return out

@@ -16,7 +16,7 @@ from inference.transfer import delta_codec as delta_module
 from inference.transfer.delta_codec import DENSE, INDEX, RUNS, UNCHANGED, DeltaLayout, apply_delta, bits, encode
 from inference.transfer.plan import TensorSpec
 from tests.helpers_fault import flip_delta_values
-from tests.helpers_weight_update import Link, make_worker, perturbed, tiny_model_dirs
+from tests.helpers_weight_update import Link, make_worker, perturbed, sparse_step, tiny_model_dirs
 
 FLIPPED = "model.layers.1.mlp.down_proj.weight"
 
@@ -55,18 +55,6 @@ def test_a_delta_index_out_of_bounds_names_the_tensor() -> None:
         apply_delta([torch.zeros(8, dtype=torch.bfloat16)], [spec], layout, payload)
 
 
-def _step(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    """Change a few elements of every tensor (what a small optimizer step does to low-precision weights)."""
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, t in state.items():
-        t = t.clone()
-        flat = t.view(-1)
-        flat[torch.randperm(flat.numel(), generator=gen)[:max(1, flat.numel() // 50)]] += 0.5
-        out[name] = t
-    return out
-
-
 def test_delta_after_a_full_sync_audits_the_full_tensors_and_falls_back_when_a_rank_lost_its_base(
         tmp_path: Path) -> None:
     dirs = tiny_model_dirs(tmp_path)
@@ -77,7 +65,7 @@ def test_delta_after_a_full_sync_audits_the_full_tensors_and_falls_back_when_a_r
         assert link.sync(state, 1).report.ok
         assert link.sender.last_sync["mode"] == "full"
         for version in (2, 3):
-            state = _step(state, version)
+            state = sparse_step(state, version)
             assert link.sync(state, version).report.ok  # the audit digests the FULL held tensors
             assert link.sender.last_sync["mode"] == "delta"
             assert link.sender.last_sync["wire_bytes"] < link.sender.last_sync["full_bytes"] / 5
@@ -87,16 +75,16 @@ def test_delta_after_a_full_sync_audits_the_full_tensors_and_falls_back_when_a_r
 
         worker.sleep(2)  # the weights are dropped: the next sync must be full
         worker.wake_up()
-        state = _step(state, 4)
+        state = sparse_step(state, 4)
         assert link.sync(state, 4).report.ok
         assert link.sender.last_sync["mode"] == "full"
 
-        state = _step(state, 5)
+        state = sparse_step(state, 5)
         # the sender's base is not what the rank holds (the rank missed a version, or the trainer did)
         link.sender.kept.set_version(link.sender._last_specs, 3)
         assert link.sync(state, 5).report.ok
         assert link.sender.last_sync["mode"] == "full"
-        state = _step(state, 6)
+        state = sparse_step(state, 6)
         assert link.sync(state, 6).report.ok
         assert link.sender.last_sync["mode"] == "delta"
     finally:
@@ -113,12 +101,12 @@ def test_a_flipped_value_of_a_delta_fails_the_audit_naming_the_tensor_and_the_ne
         state = perturbed(dirs["target"], 1)
         assert link.sync(state, 1).report.ok
         flip_delta_values(monkeypatch, FLIPPED)
-        state = _step(state, 2)
+        state = sparse_step(state, 2)
         with pytest.raises(ChecksumMismatch, match=re.escape(FLIPPED)):
             link.sync(state, 2)
         assert link.sender.last_sync.get("mode") != "full" and worker.weights.torn["target"]
         monkeypatch.undo()
-        state = _step(state, 3)
+        state = sparse_step(state, 3)
         assert link.sync(state, 3).report.ok
         assert link.sender.last_sync["mode"] == "full" and not worker.weights.torn["target"]
     finally:

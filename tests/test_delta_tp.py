@@ -30,7 +30,7 @@ from inference.weights.target import route_manifest
 from tests.helpers_fault import flip_delta_values
 from tests.helpers_models import make_hf_checkpoint
 from tests.helpers_tp import free_port
-from tests.helpers_weight_update import BUCKET, Q1, loader_digests, perturbed, tiny_model_dirs
+from tests.helpers_weight_update import BUCKET, Q1, loader_digests, perturbed, sparse_step, tiny_model_dirs
 
 DOWN0 = "model.layers.0.mlp.down_proj.weight"  # row-parallel: each rank holds columns (a strided slice)
 
@@ -55,18 +55,6 @@ def test_every_part_a_tp2_rank_holds_is_where_its_loader_writes_it(tmp_path: Pat
             region, sl = route.tp_part
             want = full[route.spec.name] if sl is None else full[route.spec.name].narrow(sl.dim, sl.start, sl.length)
             assert torch.equal(region, want), f"{route.spec.name} on rank {rank}: {sl}"
-
-
-def _step(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    """A few elements of every tensor change (a small optimizer step on low-precision weights)."""
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, t in state.items():
-        t = t.clone()
-        flat = t.view(-1)
-        flat[torch.randperm(flat.numel(), generator=gen)[:max(2, flat.numel() // 50)]] += 0.5
-        out[name] = t
-    return out
 
 
 # version -> (the rank whose delta arrives with flipped values, the tensor)
@@ -124,7 +112,7 @@ def test_tp2_ranks_take_deltas_into_their_shards_and_audit_them(tmp_path: Path) 
         state = perturbed(dirs["target"], 1)
         for version in range(1, 9):
             if version > 1:
-                state = _step(state, version)
+                state = sparse_step(state, version, least=2)
             states[version] = state
             manifest = sender.manifest(state, version)
             if version == 7:  # the sender's base is not what the ranks hold (one of them missed a version)
