@@ -8,7 +8,7 @@
 # tests: pytest -m cuda, its whole output in OUTDIR/pytest.log, the summary and failures printed (TEST_TIMEOUT,
 #        default 520 s). bench: each named benchmark under its own time limit, one JSON line per case into
 #        OUTDIR/bench.jsonl, stderr into OUTDIR/bench.log. The default set fits one 10-minute call; name the others
-#        (generate, rl_step, rl_step_7b, first_batch, fp8, lora, delta, moe; sync_nccl on 2+ GPUs) in a call of
+#        (generate, rl_step, rl_step_7b, rl_step_7b_recompute, rl_step_oversample, first_batch, fp8, lora, delta, moe; sync_nccl on 2+ GPUs) in a call of
 #        their own. Exit status 1 if any step failed.
 # moe: every GPU figure of the MoE work (docs/moe.md "Benchmarks"): moe_layer (one A3B layer against its
 #      active-weight roofline), moe_generate (the A3B shape cut to 16 layers, batch 1 and 64, against
@@ -55,7 +55,10 @@ bench_named() {  # one name of the list: its benchmarks
         rollout_7b) bench 110 rollout --shapes qwen2.5-7b --modes seeded ;;
         generate) bench 150 generate --batch 1 128 --peers ;;
         rl_step) bench 300 rl_step --shape qwen2-0.5b --steps 4 ;;
-        rl_step_7b) bench 420 rl_step --shape qwen2.5-7b --steps 3 ;;
+        rl_step_7b) bench 560 rl_step --shape qwen2.5-7b --steps 2 --modes sync,partial_keep,disagg_keep ;;
+        rl_step_7b_recompute) bench 420 rl_step --shape qwen2.5-7b --steps 2 --modes sync,partial_recompute ;;
+        rl_step_oversample) for over in 2 3; do bench 200 rl_step --shape qwen2-0.5b --steps 2 \
+                                --modes sync,partial_recompute --oversample "$over"; done ;;
         first_batch) bench 120 first_batch ;;
         fp8) bench 200 rollout --shapes qwen2-0.5b,qwen2.5-7b --modes seeded --quantization bf16,fp8
              bench 150 sync --shape qwen2.5-7b --backend ipc --quantization bf16,fp8,fp8-send
