@@ -1,5 +1,6 @@
-"""Tensor parallelism on CPU for tests: a free local port for a rendezvous, and the gloo group that a
-spawned rank function runs its TP work in (every rank calls `gloo_tp` with the same port)."""
+"""Tensor parallelism on CPU for tests: a free local port (for a rendezvous, or as a port nothing listens
+on), and the gloo group that a spawned rank function runs its TP work in (every rank calls `gloo_tp` with
+the same port)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,6 @@ the typed errors, and when httpx carries the calls instead (https, a proxy)."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -14,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from tests.helpers_tp import free_port
 from trainer_hooks.client import SidecarClient, SidecarConnectionError, SidecarStateError
 from trainer_hooks.wire import lean_wire_applies
 
@@ -112,9 +112,7 @@ def test_error_answers_and_a_dead_port_raise_typed_errors(server: _Server) -> No
             c._post("/conflict", {})
         assert (e.value.status, e.value.field, e.value.rank) == (409, "model", "tp0")
         assert c._post("/after", {})["path"] == "/after", "the connection stays usable after an error answer"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # nobody listens on it once closed
+    port = free_port()  # nobody listens on it once closed
     with SidecarClient(f"http://127.0.0.1:{port}", timeout=2, retries=1, backoff_s=0.0) as c:
         with pytest.raises(SidecarConnectionError, match=r"GET .*/health"):
             c.health()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import queue
 import signal
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ from sidecar.ranks.commands import Heartbeat, Reply, Sleep
 from sidecar.ranks.driver import Driver, RankError
 from sidecar.ranks.pool import RankFailure
 from tests.helpers_sidecar import Sidecar, launch
+from tests.helpers_tp import free_port
 
 STEP_TIMEOUT_S = 1.5
 RPC_TIMEOUT_S = 2.0
@@ -63,15 +63,9 @@ def test_a_step_longer_than_the_step_timeout_is_waited_for(server: Sidecar) -> N
         assert "past --step-timeout-s" in server.log and "still answers its heartbeat" in server.log
 
 
-def _dead_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.slow
 def test_an_init_to_a_dead_port_is_a_502_not_a_dead_pool(server: Sidecar) -> None:
-    info = {"backend": "gloo", "master_host": "127.0.0.1", "master_port": _dead_port(), "world_size": 2,
+    info = {"backend": "gloo", "master_host": "127.0.0.1", "master_port": free_port(), "world_size": 2,
             "bucket_bytes": 1 << 20, "timeout_s": MAX_WIRE_TIMEOUT_S, "session_id": "nobody-listens"}
     with SidecarClient(server.url, timeout=120) as c:
         t0 = time.monotonic()

@@ -13,6 +13,7 @@ import torch
 
 from inference.models.tiny import default_model_dir
 from tests.helpers_sidecar import REPO, Sidecar, launch
+from tests.helpers_tp import free_port
 from trainer_hooks import WeightSyncHook
 from trainer_hooks.client import SidecarAuthError, SidecarClient, SidecarRequestError
 from trainer_hooks.toy_policy import ToyPolicy
@@ -56,11 +57,7 @@ def test_a_wrong_api_key_names_where_the_key_goes(server: Sidecar) -> None:
 
 
 def test_status_against_a_dead_port_is_one_clear_line() -> None:
-    import socket
-
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    url = f"http://127.0.0.1:{free_port()}"  # a port nothing listens on
     done = _cli("status", url)
     assert done.returncode != 0 and done.stdout == ""
     lines = done.stderr.strip().splitlines()
