@@ -43,6 +43,13 @@ from trainer_hooks.rollout_pool import staleness
 MODES = ("sync", "partial_keep", "partial_recompute", "disagg_keep")
 ON_SYNC = {"sync": None, "partial_keep": "keep", "partial_recompute": "recompute", "disagg_keep": "keep"}
 SHAPE_NAMES = ("tiny", "qwen2-0.5b", "qwen2.5-7b")
+_T0 = time.perf_counter()
+
+
+def progress(what: str) -> None:
+    """One stderr line per phase, with the seconds since start: a run cut by its time limit still says where
+    its time went (building the policy, the sidecar's start and warm-up, the first sync, each step)."""
+    print(f"[rl_step +{time.perf_counter() - _T0:.1f} s] {what}", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -225,6 +232,8 @@ class Loop:
                 self.train_s = args.train_frac * (t1 - t0)  # half the synchronous rollout: the issue's default
             self._train(mode, args.train_frac * (t1 - t0) if self.train_s is None else self.train_s)
             t2 = time.perf_counter()
+            progress(f"{mode} step {step + 1}/{args.warmup_steps + args.steps}{'' if timed else ' (warm-up)'}: "
+                     f"rollouts {t1 - t0:.2f} s, {len(batch)} groups, step {t2 - t0:.2f} s")
             if timed:
                 out.step_s.append(t2 - t0)
                 out.rollout_s.append(t1 - t0)
@@ -412,16 +421,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         return [line]
     device = args.device if args.device == "cpu" else "cuda:0"
     args.device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    progress(f"building the {args.shape} policy on {device}")
     policy, model_dir, extra = build_policy(args.shape, device)
     from scripts.bench.rollout import vocab_size
 
     vocab = vocab_size(args.shape)
     assert vocab == policy.lm_head.weight.shape[0], "the policy's vocabulary is the shape's"
+    progress("starting the sidecar (its engine warms up before it serves)")
     sidecar = Sidecar(launch_argv(args, model_dir, extra))
+    progress(f"sidecar serving at {sidecar.url}; the first sync")
     rows: list[dict[str, Any]] = []
     loop = Loop(args, sidecar.url, policy, vocab)
     try:
         loop.hook.sync()  # the trainer's weights in the sidecar (version 1), the transfer group joined
+        progress("first sync done")
         base = None
         for mode in args.modes:
             run = loop.run(mode)
