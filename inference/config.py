@@ -123,6 +123,11 @@ class EngineConfig:
     # Off by default: it costs more than 5% of the default's time at batch 1 (docs/invariance.md, "Cost";
     # scripts/bench/invariance.py measures it).
     batch_invariant: bool = False
+    # The mode's own draft (inference/speculative/self_draft.py): without a draft_model, the target on the
+    # default mode's kernels proposes num_speculative_tokens tokens and the mode's forward verifies them
+    # by exact match, so small decode batches pay the mode's kernels once per k + 1 tokens. None: on CUDA
+    # in the mode; True / False: on / off (True needs batch_invariant and no draft_model).
+    self_draft: bool | None = None
     # What a request in flight does when a weight sync goes live, unless it says (core.SyncPolicy):
     # "recompute" (its KV recomputed under the new weights), "keep" (its KV kept) or "abort" (restarted
     # from its prompt). docs/dev/design.md, "Syncs during generation".
@@ -134,6 +139,11 @@ class EngineConfig:
     draft_quantization: str | None = None
 
     def __post_init__(self) -> None:
+        if self.self_draft and not self.batch_invariant:
+            raise InvalidRequestError("self_draft", "needs batch_invariant: outside the mode the target's own "
+                                                    "kernels would only propose what the target computes")
+        if self.self_draft and self.draft_model:
+            raise InvalidRequestError("self_draft", f"a draft_model ({self.draft_model}) drafts already")
         for name in ("quantization", "draft_quantization"):
             value = getattr(self, name)
             if value not in QUANTIZATIONS and not (value is None and name == "draft_quantization"):

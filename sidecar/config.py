@@ -60,7 +60,8 @@ class LaunchConfig:
                                    metavar="DIR")
     draft_model: str | None = option(None, "draft model directory: speculative decoding", engine="draft_model",
                                      metavar="DIR")
-    num_speculative_tokens: int | None = option(None, "draft tokens proposed per step with --draft-model",
+    num_speculative_tokens: int | None = option(None, "draft tokens proposed per step with --draft-model "
+                                                      "(or --self-draft)",
                                                 engine="num_speculative_tokens", min=0)
     lora: str | None = option(None, "PEFT LoRA adapter directory, served unmerged on the model (sharded as its "
                                     "weights at any --tp; synced adapter-only: docs/sync-modes.md)", engine="lora",
@@ -126,6 +127,10 @@ class LaunchConfig:
     batch_invariant: bool | None = option(None, "batch-invariant mode: a request's tokens and logprobs are the "
                                                 "same bits whatever runs beside it (docs/invariance.md)",
                                           engine="batch_invariant")
+    self_draft: bool | None = option(None, "in the batch-invariant mode without --draft-model: the model on the "
+                                           "default kernels drafts --num-speculative-tokens tokens and the mode's "
+                                           "forward verifies them (the same bits, fewer invariant steps); unset: "
+                                           "on for CUDA", engine="self_draft")
     on_sync: str | None = option(None, "what a request in flight does when a weight sync goes live, unless its "
                                        "call says (on_sync): recompute (its KV recomputed under the new weights), "
                                        "keep (its KV kept) or abort (restarted from its prompt); unset: the "

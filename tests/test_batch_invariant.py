@@ -22,6 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from inference.core import SamplingParams
 from inference.engine.llm import LLM
@@ -30,6 +31,7 @@ from tests.helpers_invariance import (
     CPU,
     MODES,
     NEW,
+    SELF_DRAFT,
     Result,
     base_params,
     batched,
@@ -40,6 +42,7 @@ from tests.helpers_invariance import (
     prefix_cached,
     result,
     run,
+    self_drafted,
     shuffled,
     tight_options,
 )
@@ -127,6 +130,66 @@ def test_speculation_switching_on_as_the_batch_drains_changes_no_bit(main: LLM, 
     assert drafted(spec, prompts, varied, mode) == lone
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_the_modes_own_draft_changes_no_bit(models: dict[str, Path], prompts: list[list[int]], alone: dict,
+                                            mode: str) -> None:
+    """The target on the default kernels proposes, the mode's forward verifies by exact match: one batch,
+    calls of other sizes, and with async scheduling, speculating only once the batch drains to three."""
+    own = engine(models, **SELF_DRAFT)
+    assert own.worker.spec is not None and own.worker.spec.shares_kv
+    assert self_drafted(own, prompts, base_params, mode) == alone[mode]
+    for got in batched(own, prompts, base_params, mode):
+        assert got == alone[mode]
+    draining = engine(models, **SELF_DRAFT, async_scheduling=True, spec_max_batch=3)
+
+    def varied(m: str, i: int) -> SamplingParams:
+        return base_params(m, i, max_tokens=2 + 2 * i)
+
+    lone = run(engine(models), prompts, varied, mode, [[i] for i in range(len(prompts))])
+    assert self_drafted(draining, prompts, varied, mode) == lone
+
+
+def test_the_modes_own_draft_is_the_target_on_the_default_kernels(models: dict[str, Path],
+                                                                  prompts: list[list[int]]) -> None:
+    """SelfDraft's forward gives the default mode's bits over the same weights (on this CPU a batch's
+    rows differ from the mode's: a GEMM by row count, not fixed tiles), holds no KV cache of its own, and
+    leaves the target in the mode afterwards."""
+    from inference.batch import AttentionMetadata
+
+    own, default, mode = engine(models, **SELF_DRAFT), engine(models, invariant=False), engine(models)
+    draft, target = own.worker.spec.draft, own.worker.runner.model
+    assert own.worker.kv_bytes_per_block(4) == mode.worker.kv_bytes_per_block(4)
+    ids = [t for p in prompts[:4] for t in p]
+    lens = [len(p) for p in prompts[:4]]
+    tables = [list(range(sum(-(-n // 4) for n in lens[:i]), sum(-(-n // 4) for n in lens[:i + 1])))
+              for i in range(len(lens))]
+    slots = [t[j // 4] * 4 + j % 4 for t, n in zip(tables, lens) for j in range(n)]
+
+    def logits(model: object) -> torch.Tensor:
+        meta = AttentionMetadata.build(lens, lens, slots, tables, 4, torch.device("cpu"))
+        positions = torch.tensor([j for n in lens for j in range(n)])
+        with torch.inference_mode():
+            return model.compute_logits(model(torch.tensor(ids), positions, meta))
+
+    fast = logits(draft)
+    assert torch.equal(fast, logits(default.worker.runner.model))
+    assert not torch.equal(fast, logits(mode.worker.runner.model))
+    assert torch.equal(logits(target), logits(mode.worker.runner.model))  # the target is back in the mode
+    assert all(m.invariant for m in target.modules() if hasattr(m, "invariant"))
+
+
+def test_the_modes_own_draft_is_asked_for_where_it_makes_sense(models: dict[str, Path]) -> None:
+    """On by default only on CUDA in the mode; asking for it outside the mode or beside a draft model is
+    refused naming self_draft."""
+    from inference.config import EngineConfig
+    from inference.core import InvalidRequestError
+
+    assert engine(models, self_draft=None).worker.spec is None  # CPU: off unless asked
+    for bad in ({"batch_invariant": False}, {"batch_invariant": True, "draft_model": str(models["draft"])}):
+        with pytest.raises(InvalidRequestError, match="self_draft"):
+            EngineConfig(model=str(models["target"]), self_draft=True, **bad)
+
+
 def test_requests_held_across_sleep_are_recomputed_to_the_same_bits(main: LLM, prompts: list[list[int]],
                                                                     alone: dict) -> None:
     main.block_manager.reset_prefix_cache()
@@ -179,6 +242,10 @@ def test_on_the_gpu_graphs_triton_and_a_draft_change_no_bit(models: dict[str, Pa
     assert run(llm, prompts, base_params, mode, [[5, 2, 7], [0], [1, 3, 4, 6]]) == lone
     spec = engine(models, draft_model=str(models["draft"]), num_speculative_tokens=3, **gpu)
     assert run(spec, prompts, base_params, mode, [list(range(len(prompts)))]) == lone
+    own = engine(models, **{**gpu, "self_draft": None})  # CUDA's default in the mode: its own draft, on graphs
+    assert own.worker.spec is not None and own.worker.spec.shares_kv and own.worker.spec.graphs is not None
+    assert self_drafted(own, prompts, base_params, mode) == lone
+    assert run(own, prompts, base_params, mode, [[5, 2, 7], [0], [1, 3, 4, 6]]) == lone
 
 
 @pytest.mark.cuda

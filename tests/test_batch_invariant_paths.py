@@ -5,7 +5,8 @@ weights; a LoRA adapter served unmerged, on the draft too; the two MoE families;
 stop token ids and end-of-sequence; n samples with a max_tokens each; min-p and processed logprobs),
 greedy and seeded rows give the same tokens, logprobs, top logprobs and finish reasons, bit for bit,
 alone and: in one batch and in calls of other sizes, shuffled, after a prefix-cache hit, preempted with
-chunked prefill, with async scheduling, and beside a draft model (penalties refuse a draft, by name).
+chunked prefill, with async scheduling, beside a draft model (a row with penalties decodes a token a step
+while the others speculate), and with the mode's own draft (the target on the default kernels).
 tests/helpers_invariance.py holds the cases; syncs in flight and TP 2 have their own files
 (test_batch_invariant_sync.py, test_batch_invariant_tp.py). A `cuda` test runs every feature's cases on
 the GPU paths.
@@ -23,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from inference.core import FinishReason, InvalidRequestError, SamplingParams
+from inference.core import FinishReason, SamplingParams
 from inference.engine.llm import LLM
 from inference.models.tiny import first_layers, make_tiny_model
 from inference.text.tokenizer import Tokenizer
@@ -31,6 +32,7 @@ from tests.helpers_invariance import (
     CPU,
     MODES,
     NEW,
+    SELF_DRAFT,
     Result,
     alone,
     base_params,
@@ -40,6 +42,7 @@ from tests.helpers_invariance import (
     preempted,
     prefix_cached,
     run,
+    self_drafted,
     shuffled,
     tight_options,
 )
@@ -80,8 +83,7 @@ def write_adapter(model_dir: Path, out: Path, rank: int = 4) -> Path:
 @dataclass(frozen=True)
 class Feature:
     """One path of the engine: the model family it runs on, its engine options (`draft_options` too
-    where a draft joins), what it adds to each prompt's params (`extra(mode, i, stops)`), and whether a
-    draft may join at all."""
+    where a draft joins), what it adds to each prompt's params (`extra(mode, i, stops)`)."""
 
     name: str
     family: str = "qwen2"
@@ -89,7 +91,8 @@ class Feature:
     draft_options: Callable[[dict[str, Path]], dict[str, Any]] = lambda dirs: {}
     extra: Callable[[str, int, dict], dict[str, Any]] = lambda mode, i, stops: {}
     samples: int = 1
-    draft: bool = True
+    # a draft model's proposals are kept in some rows (False: too few rows speculate to count on one)
+    draft_kept: bool = True
 
 
 def _penalties(mode: str, i: int, stops: dict) -> dict[str, Any]:
@@ -123,7 +126,8 @@ FEATURES = [
     Feature("qwen3_moe", family="qwen3_moe"),
     Feature("mixtral", family="mixtral"),
     Feature("moe_routing", family="qwen3_moe", extra=lambda mode, i, stops: {"return_routing": True}),
-    Feature("penalties", extra=_penalties, draft=False),
+    # rows with penalties decode one token a step: 2 of 8 speculate, and the 1-layer draft may miss them all
+    Feature("penalties", extra=_penalties, draft_kept=False),
     Feature("stop_strings", extra=_stops),
     Feature("sample_max_tokens", extra=_samples, samples=3),
     Feature("filters", extra=_filters),
@@ -197,6 +201,8 @@ class Subject:
                                **self.feature.draft_options(self.dirs))
             elif kind == "async":
                 options.update(async_scheduling=True)
+            elif kind == "self":
+                options.update(SELF_DRAFT)
             self._engines[kind] = LLM(self.dirs[self.feature.family], batch_invariant=True, **options)
         return self._engines[kind]
 
@@ -263,11 +269,14 @@ def test_async_scheduling_changes_no_bit(subject: Subject, mode: str) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_draft_model_changes_no_bit(subject: Subject, mode: str) -> None:
-    if not subject.feature.draft:  # refused before anything is queued, naming the field
-        with pytest.raises(InvalidRequestError, match="draft model"):
-            subject.engine("spec").generate(subject.prompts[0], subject.params(mode, 0))
-        return
-    assert drafted(subject.engine("spec"), subject.prompts, subject.params, mode) == subject.alone(mode)
+    got = drafted(subject.engine("spec"), subject.prompts, subject.params, mode, subject.feature.draft_kept)
+    assert got == subject.alone(mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_modes_own_draft_changes_no_bit(subject: Subject, mode: str) -> None:
+    """The target on the default kernels proposes, the mode's forward verifies: the mode's bits."""
+    assert self_drafted(subject.engine("self"), subject.prompts, subject.params, mode) == subject.alone(mode)
 
 
 @pytest.mark.cuda
@@ -276,7 +285,8 @@ def test_a_draft_model_changes_no_bit(subject: Subject, mode: str) -> None:
 def test_on_the_gpu_every_feature_keeps_a_prompts_bits(feature: Feature, dirs: dict[str, Path],
                                                       prompts: list[list[int]], stops: dict, mode: str) -> None:
     """The mode's GPU paths (Triton GEMM, attention and grouped GEMMs, CUDA graphs, async scheduling, bf16)
-    with each feature on: calls of every size, shuffled, prefix-cache hits, preemption and a draft."""
+    with each feature on: calls of every size, shuffled, prefix-cache hits, preemption, a draft model and the
+    mode's own draft."""
     subject = Subject(feature, dirs, prompts, stops, where={**CPU, "device": "cuda", "dtype": "bfloat16",
                                                             "kv_cache_bytes": 64 << 20})
     lone = subject.alone(mode)
@@ -286,5 +296,5 @@ def test_on_the_gpu_every_feature_keeps_a_prompts_bits(feature: Feature, dirs: d
     hits = prefix_cached(subject.engine(), prompts, subject.params, mode)
     assert hits == {i: lone[i] for i in hits}
     assert preempted(subject.engine("tight"), prompts, subject.params, mode) == lone
-    if feature.draft:
-        assert drafted(subject.engine("spec"), prompts, subject.params, mode) == lone
+    assert drafted(subject.engine("spec"), prompts, subject.params, mode, feature.draft_kept) == lone
+    assert self_drafted(subject.engine("self"), prompts, subject.params, mode) == lone

@@ -26,6 +26,7 @@ from tests.helpers_invariance import (
     MODES,
     NEW,
     PREFIX,
+    SELF_DRAFT,
     Result,
     base_params,
     logprobs_of,
@@ -213,6 +214,15 @@ def test_a_draft_model_across_a_sync_changes_no_bit(dirs: dict[str, Path], ref: 
     got = rollout(spec, prompts, mode, range(len(prompts)), SPLIT)
     assert 0 < spec.llm.spec_stats.accepted < spec.llm.spec_stats.proposed
     ref.check(got, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_modes_own_draft_across_a_sync_and_a_held_sleep_changes_no_bit(
+        dirs: dict[str, Path], ref: Alone, prompts: list[list[int]], mode: str) -> None:
+    """The draft is the target's modules on other kernels: it proposes with the weights just synced."""
+    own = Engine(dirs, **SELF_DRAFT)
+    ref.check(rollout(own, prompts, mode, range(len(prompts)), SPLIT, across_sleep=True), mode)
+    assert 0 < own.llm.spec_stats.accepted <= own.llm.spec_stats.proposed
 
 
 @pytest.mark.parametrize("mode", MODES)

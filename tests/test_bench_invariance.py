@@ -16,7 +16,7 @@ from tests.helpers_bench import bench_lines, refused
 pytestmark = pytest.mark.slow  # every test here starts real processes or runs for seconds
 
 BENCH = "scripts.bench.invariance"
-ENGINES = ("invariant", "default")
+ENGINES = ("invariant", "invariant_self", "default")
 MODES = ("greedy", "seeded")
 CASES = ("alone", "batch", "shuffled", "prefix_cached", "preempted", "draft")
 
@@ -35,7 +35,9 @@ def lines(all_lines: list[dict]) -> dict[tuple[str, str, str], dict]:
 
 
 def test_every_case_and_mode_is_measured(lines: dict[tuple[str, str, str], dict]) -> None:
-    assert set(lines) == {(e, m, c) for e in ENGINES for m in MODES for c in CASES}
+    # the mode's own draft gives way to a draft model: its draft case is the invariant engine's
+    assert set(lines) == {(e, m, c) for e in ENGINES for m in MODES for c in CASES
+                          if (e, c) != ("invariant_self", "draft")}
     for (_engine, _mode, case), d in lines.items():
         assert d["shape"] == "tiny" and d["tokens_per_s"] > 0, d
         assert d["requests"] == (3 if case == "prefix_cached" else 6), d
@@ -54,9 +56,11 @@ def test_every_case_and_mode_is_measured(lines: dict[tuple[str, str, str], dict]
 
 def test_the_batch_invariant_mode_is_bitwise_equal_in_every_case(lines: dict[tuple[str, str, str], dict]) -> None:
     for (engine, _mode, _case), d in lines.items():
-        if engine == "invariant":
+        if engine in ("invariant", "invariant_self"):
             assert d["tokens_equal"] == d["logprobs_equal"] == 1.0 and d["logprob_max_abs_diff"] == 0.0, d
     assert lines["invariant", "greedy", "draft"]["draft_acceptance"] > 0  # the draft really proposed
+    for case in ("alone", "batch"):  # its own draft proposed too, and the mode's forward gave the same bits
+        assert lines["invariant_self", "greedy", case]["draft_acceptance"] > 0
 
 
 @pytest.mark.parametrize("mode,cases", [("greedy", ("batch", "shuffled", "prefix_cached", "preempted", "draft")),
@@ -73,8 +77,9 @@ def test_the_speed_lines_time_both_modes(all_lines: list[dict]) -> None:
     speed = {(d["engine"], d["batch"]): d for d in all_lines if d["bench"] == "invariance_speed"}
     assert set(speed) == {(e, b) for e in ENGINES for b in (1, 8)}
     assert all(d["tokens_per_s"] > 0 and d["prompt_len"] == 16 for d in speed.values())
-    costs = {d["batch"]: d for d in all_lines if d["bench"] == "invariance_cost"}
-    assert set(costs) == {1, 8} and all(d["mode_over_default"] > 0 for d in costs.values())
+    costs = {(d["engine"], d["batch"]): d for d in all_lines if d["bench"] == "invariance_cost"}
+    assert set(costs) == {(e, b) for e in ENGINES[:2] for b in (1, 8)}
+    assert all(d["mode_over_default"] > 0 for d in costs.values())
 
 
 def test_fp32_error_lines_cover_both_engines(all_lines: list[dict]) -> None:

@@ -33,7 +33,8 @@ def _other_value(f: Any, tmp_path: Path) -> Any:
     special = {"device": "cpu", "devices": "0", "host": "0.0.0.0", "port": 9000, "log_level": "debug",
                "log_format": "json",
                "transfer": "ipc", "gpu_memory_utilization": 0.5, "load_format": "dummy",
-               "on_sync": "keep", "quantization": "fp8", "draft_quantization": "fp8"}
+               "on_sync": "keep", "quantization": "fp8", "draft_quantization": "fp8",
+               "self_draft": False}  # True needs batch_invariant
     if f.name == "api_key_file":
         path = tmp_path / "key"
         path.write_text("secret-from-file\n")

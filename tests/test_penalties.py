@@ -14,6 +14,7 @@ import torch
 import inference.runner.runner as runner_module
 from inference.core import InvalidRequestError, SamplingParams
 from inference.engine.llm import LLM
+from inference.models.tiny import first_layers
 from inference.runner.pending_tokens import resolve_pending
 from inference.sample.penalties import apply_penalties, penalized_rows
 from inference.sched.sequence import placeholder
@@ -110,13 +111,16 @@ PENALTIES = [dict(repetition_penalty=1.8), dict(frequency_penalty=1.5), dict(pre
              dict(repetition_penalty=1.3, frequency_penalty=0.7, presence_penalty=0.4)]
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("async_scheduling,draft", [(False, False), (True, False), (False, True)])
 @pytest.mark.slow
 def test_engine_greedy_with_penalties_equals_a_plain_torch_loop(model: tuple[Path, torch.nn.Module],
-                                                                async_scheduling: bool) -> None:
+                                                                async_scheduling: bool, draft: bool,
+                                                                tmp_path: Path) -> None:
+    """Also beside a draft model: the penalized rows decode a token a step while the others speculate."""
     path, hf = model
+    spec = {"draft_model": str(first_layers(path, tmp_path / "draft", 1)), "num_speculative_tokens": 3} if draft else {}
     llm = LLM(path, device="cpu", dtype="float32", block_size=4, kv_cache_bytes=4 << 20,
-              async_scheduling=async_scheduling)
+              async_scheduling=async_scheduling, **spec)
     prompts = random_prompts([7, 12], llm.model_config.vocab_size, seed=3)
     plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     unpenalized = [o.outputs[0].token_ids for o in llm.generate(prompts, plain)]
@@ -128,6 +132,8 @@ def test_engine_greedy_with_penalties_equals_a_plain_torch_loop(model: tuple[Pat
             assert out.outputs[0].token_ids == torch_greedy(hf, prompt, 24, params), kw
         assert [o.outputs[0].token_ids for o in outs[:2]] != unpenalized, kw  # the penalty did something
         assert [o.outputs[0].token_ids for o in outs[2:]] == unpenalized
+    if draft:
+        assert llm.spec_stats.proposed > 0  # the unpenalized rows speculated
 
 
 def test_penalties_keep_async_scheduling_on_with_the_same_outputs(model: tuple[Path, torch.nn.Module],

@@ -135,7 +135,8 @@ class LLM:
         # the scheduler gets max_num_seqs as resolved at KV sizing (the worker owns that value)
         self.scheduler = Scheduler(replace(config.scheduler, max_num_seqs=self.worker.max_num_seqs),
                                    self.block_manager, self.max_model_len, self.eos_token_ids,
-                                   self.worker.num_speculative_tokens)
+                                   self.worker.num_speculative_tokens,
+                                   self.worker.spec is not None and self.worker.spec.shares_kv)
         self.spec_stats = SpecDecodeStats()  # draft tokens proposed / accepted (speculative decoding)
         self.step_log: StepLog | None = None  # assign a StepLog to keep one record per step (benchmarks)
         self._requests: dict[str, _Request] = {}
@@ -223,11 +224,6 @@ class LLM:
             raise InvalidRequestError("sampling_params.return_routing", f"{self.model_config.family} is a dense "
                                       "model: it has no experts to route (return_routing needs an MoE model: "
                                       "qwen3_moe, mixtral)")
-        if params.has_penalties and self.worker.num_speculative_tokens:
-            name = next(n for n, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                                         ("repetition_penalty", 1.0)) if getattr(params, n) != off)
-            raise InvalidRequestError(f"sampling_params.{name}", "penalties are not supported with a draft "
-                                                                 "model (speculative decoding)")
         self.scheduler.validate(len(ids), params)  # and what the KV cache can ever hold
 
     def abort(self, request_id: str) -> None:
@@ -333,22 +329,30 @@ class LLM:
         return them.
 
         A speculative step appends several tokens: they are checked one at a time and the tokens
-        after the one that completes the stop string are dropped."""
+        after the one that completes the stop string are dropped. A run that the token rules finished
+        (a stop token, EOS, max_tokens) is checked up to its last token too: a stop string completed
+        earlier in the run wins, as it would have one token a step (on the same token the token rule
+        does, as there)."""
         finished = []
         for seq, res, start_len in zip(seqs, results, before):
-            if res is None or seq.is_finished:
+            if res is None:
                 continue
             req = self._requests.get(seq.request_id)
             if req is None or not req.detoks:
                 continue
+            done = seq.is_finished  # by a token rule in this step (or aborted: then nothing was appended)
             detector = req.detoks[seq.index]
-            for end in range(start_len + 1, seq.num_tokens + 1):
+            for end in range(start_len + 1, seq.num_tokens + (0 if done else 1)):
                 hit = detector.add(seq.token_ids[end - 1:end])
-                if hit is not None:
+                if hit is None:
+                    continue
+                if done:
+                    seq.finish_reason, seq.stop_reason = FinishReason.STOP, hit[1]
+                else:
                     self.scheduler.finish(seq, FinishReason.STOP, hit[1])
-                    seq.truncate(end)
                     finished.append(seq)
-                    break
+                seq.truncate(end)
+                break
         return finished
 
     def _collect_finished(self) -> list[RequestOutput]:

@@ -19,7 +19,7 @@ import torch
 from checksum.dtypes import UnknownDtypeError, dtype_from_name
 from inference.config import EngineConfig, ModelConfig
 from inference.core import InvalidRequestError, StateError
-from inference.layers.attention import get_attention_backend
+from inference.layers.attention import AttentionBackend, get_attention_backend
 from inference.layers.attention_invariant import batch_invariant_backend
 from inference.memory.arenas import DEFAULT_ALIGN, KV_TAG, round_up
 from inference.memory.sleep import MemoryManager, TransitionStats
@@ -31,6 +31,7 @@ from inference.parallel import TPInfo, resolve_device
 from inference.runner.runner import InFlightStep, ModelRunner
 from inference.sched.scheduler import ScheduledBatch, StepResult
 from inference.speculative.decoder import SpecDecoder
+from inference.speculative.self_draft import SelfDraft
 from inference.weights.updater import WeightUpdater
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ class Worker:
         self.dtype: torch.dtype | None = None
         self.model_config: ModelConfig | None = None
         self.runner: ModelRunner | None = None
-        self.spec: SpecDecoder | None = None  # with a draft model and num_speculative_tokens > 0
+        self.spec: SpecDecoder | None = None  # num_speculative_tokens > 0 with a draft model or a SelfDraft
         self.num_blocks = 0
         self.max_num_seqs = 0  # config.scheduler.max_num_seqs resolved at initialize_kv_cache
         # "target" and, with config.draft_model, "draft": the models a weight sync can address
@@ -135,13 +136,29 @@ class Worker:
         self.runner = ModelRunner(model, self.model_config, self.tp, self.device, self.dtype, self.config.seed,
                                   batch_invariant=self.config.batch_invariant,
                                   max_step_tokens=self.config.scheduler.max_num_batched_tokens)
-        if "draft" in self.models and self._speculates():
-            self.spec = SpecDecoder(self.runner, self.models["draft"], self.config.num_speculative_tokens)
+        if self._speculates():
+            draft = self.models["draft"] if "draft" in self.models else SelfDraft(model, self._default_backend())
+            self.spec = SpecDecoder(self.runner, draft, self.config.num_speculative_tokens)
         log.debug("rank %s loaded %s (%s, %s)", self.rank_key, self.config.model, self.dtype, self.device)
 
     def _speculates(self) -> bool:
-        """Whether this rank runs speculative decoding (a draft model and k > 0)."""
-        return bool(self.config.draft_model) and self.config.num_speculative_tokens > 0
+        """Whether this rank runs speculative decoding: k > 0 and a draft model, or the batch-invariant
+        mode's SelfDraft."""
+        return self.config.num_speculative_tokens > 0 and (bool(self.config.draft_model) or self._self_drafts())
+
+    def _self_drafts(self) -> bool:
+        """EngineConfig.self_draft resolved: the mode without a draft model, on CUDA unless told."""
+        c = self.config
+        if not c.batch_invariant or c.draft_model:
+            return False
+        assert self.device is not None, "init_device first"
+        return c.self_draft if c.self_draft is not None else self.device.type == "cuda"
+
+    def _default_backend(self) -> AttentionBackend:
+        """The attention backend of the default mode, for SelfDraft: its launches hold one row of a
+        sequence (a proposal step, or the last token before one)."""
+        backend = get_attention_backend(self.attention_backend)
+        return backend.for_decode_rows(1) if hasattr(backend, "for_decode_rows") else backend
 
     def _pick_attention_backend(self) -> str:
         name = self.config.attention_backend
@@ -241,7 +258,7 @@ class Worker:
         uses the same block ids, so every block has both)."""
         assert self.runner is not None and self.dtype is not None
         total = round_up(self.runner.kv_bytes_per_block(block_size), DEFAULT_ALIGN)
-        if self.spec is not None:
+        if self.spec is not None and not self.spec.shares_kv:
             total += round_up(self.models["draft"].kv_cache_spec().bytes_per_block(block_size, self.dtype),
                               DEFAULT_ALIGN)
         return total
@@ -259,7 +276,9 @@ class Worker:
                                                  self.max_model_len)
         arena = self.memory.create_arena(KV_TAG, num_blocks * self.kv_bytes_per_block(bs))
         self.runner.bind_kv_cache(arena.alloc(self.runner.kv_shape(num_blocks, bs), self.dtype), bs)
-        if self.spec is not None:
+        if self.spec is not None and self.spec.shares_kv:
+            self.spec.bind_draft_kv(None, bs)
+        elif self.spec is not None:
             draft_shape = self.models["draft"].kv_cache_spec().shape(num_blocks, bs)
             self.spec.bind_draft_kv(arena.alloc(draft_shape, self.dtype), bs)
         self.num_blocks = num_blocks
@@ -284,7 +303,8 @@ class Worker:
         # (the rows of a speculating step: the target's verify ladder, and the draft's sizes with logits)
         verify_rows = self.spec.verify_rows(max_batch, self.config.scheduler.spec_max_batch)
         self.runner.capture_graphs(max_batch, self.max_model_len, verify_rows, self.spec.k + 1)
-        follows = self.config.scheduler.overlaps_steps(self.device.type)  # plain steps followed on graphs
+        # plain steps followed on graphs (a draft sharing the target's KV follows nothing)
+        follows = self.config.scheduler.overlaps_steps(self.device.type) and not self.spec.shares_kv
         sizes = self.spec.draft_sizes(max_batch, verify_rows, follows)
         self.spec.capture_graphs(sizes, self.max_model_len, logits_max=verify_rows,
                                  follow_batch=max_batch if follows else 0)
@@ -307,7 +327,7 @@ class Worker:
         self.memory.check_ready()  # never touch a released arena: that is an illegal address on CUDA
         if overlap:
             assert not any(batch.num_lookahead), "speculative steps run synchronously"
-            return self.runner.launch(batch, self.spec)
+            return self.runner.launch(batch, None if self.spec is None or self.spec.shares_kv else self.spec)
         if self.spec is not None:
             return self.spec.execute(batch)
         assert not any(batch.num_lookahead), "lookahead scheduled without a draft model"

@@ -142,12 +142,14 @@ class Scheduler:
     routing: until its prompt's routing is read back too, as they hit only blocks that kept theirs).
 
     Speculative decoding (num_speculative_tokens = k > 0): a running decode also gets a lookahead of up
-    to k draft tokens (fewer near max_tokens, max_model_len, the token budget or the free blocks; never
-    a preemption for lookahead). Its blocks cover the k + 1 positions the target verifies; the budget is
-    charged k + 1 tokens. Its result is a run of 1..k+1 tokens; tokens after a stop are dropped. A step
-    whose running decodes outnumber SchedulerConfig.spec_max_batch schedules them without lookahead (the
-    draft mirrors their tokens): the draft works on the tail of a rollout, where steps are bound by
-    weight reads, not on a full batch.
+    to k draft tokens (fewer near max_tokens, max_model_len, the token budget or the free blocks; none
+    for a row with penalties; never a preemption for lookahead). Its blocks cover the k + 1 positions
+    the target verifies; the budget is charged k + 1 tokens. Its result is a run of 1..k+1 tokens;
+    tokens after a stop are dropped. A step whose running decodes outnumber
+    SchedulerConfig.spec_max_batch schedules them without lookahead (the draft mirrors their tokens):
+    the draft works on the tail of a rollout, where steps are bound by weight reads, not on a full
+    batch. `draft_shares_kv` (the batch-invariant mode's SelfDraft): the draft writes the target's own
+    cache, so every position the verify computed is final, and the draft needs no catch-up.
 
     Async scheduling: after `advance`, the next schedule() counts a pending token as if it were known,
     except that a sequence whose pending token is its last by length is not scheduled again, and
@@ -164,6 +166,7 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
         num_speculative_tokens: int = 0,
+        draft_shares_kv: bool = False,
     ) -> None:
         if config.max_num_seqs < 1:
             raise InvalidRequestError("scheduler.max_num_seqs", f"must be >= 1, got {config.max_num_seqs}")
@@ -181,6 +184,8 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         assert num_speculative_tokens >= 0
         self.num_speculative_tokens = num_speculative_tokens
+        # the draft writes the target's own cache (SelfDraft): a position the verify computed is final in it
+        self.draft_shares_kv = draft_shares_kv
         self.in_flight = 0  # steps `advance` accounted whose tokens commit_pending has not applied yet
         self.waiting = WaitQueue()
         self.running: list[Sequence] = []
@@ -313,7 +318,8 @@ class Scheduler:
         """Apply a speculative row: 1 + (accepted draft tokens) tokens, cut at the first stop. Each
         appended token makes one more position's KV final. The draft wrote positions up to
         start + lookahead - 1, so a fully accepted run leaves one draft position for the next step
-        to fill; only the prefix final in both caches is registered. Returns True if it finished."""
+        to fill; only the prefix final in both caches is registered (a draft sharing the target's cache:
+        every position the verify computed). Returns True if it finished."""
         start = seq.num_computed_tokens
         assert start + 1 == seq.num_tokens and 1 <= len(run) <= lookahead + 1, (seq, len(run), lookahead)
         seq.spec_proposed += lookahead
@@ -323,7 +329,8 @@ class Scheduler:
             seq.num_computed_tokens += 1
             if self._stops(seq, token_id):
                 return True
-        seq.num_draft_computed = min(seq.num_computed_tokens, start + lookahead)
+        seq.num_draft_computed = (seq.num_computed_tokens if self.draft_shares_kv
+                                  else min(seq.num_computed_tokens, start + lookahead))
         self.block_manager.commit(seq, seq.num_draft_computed)
         return False
 
@@ -495,7 +502,10 @@ class Scheduler:
 
     def _lookahead(self, seq: Sequence, room: int) -> int:
         """Draft tokens worth proposing: the run (lookahead + 1 tokens) must fit max_tokens,
-        max_model_len and the budget left."""
+        max_model_len and the budget left. A row with penalties decodes one token a step (its logits
+        change with every token it takes, which the verify rows do not model), the draft following it."""
+        if seq.params.has_penalties:
+            return 0
         left = min(seq.params.max_tokens - seq.num_generated, self.max_model_len - seq.num_tokens)
         return max(0, min(self.num_speculative_tokens, left - 1, room))
 

@@ -85,6 +85,9 @@ class SpecDecoder:
             _check_decode_rows(model, num_speculative_tokens)
         self.runner = runner
         self.draft = draft
+        # the batch-invariant mode's SelfDraft (self_draft.py): the target on the default kernels, over
+        # the target's own KV cache (nothing to bind, follow or catch up)
+        self.shares_kv = bool(getattr(draft, "shares_target_kv", False))
         self.k = num_speculative_tokens
         self.vocab_size = vocab
         self.block_size = 0
@@ -93,8 +96,11 @@ class SpecDecoder:
         # the batch-invariant mode verifies by exact match, so a draft never changes a token or logprob
         self.exact = ExactSpeculation(self) if runner.batch_invariant else None
 
-    def bind_draft_kv(self, kv: torch.Tensor, block_size: int) -> None:
-        self.draft.bind_kv_cache(kv)
+    def bind_draft_kv(self, kv: torch.Tensor | None, block_size: int) -> None:
+        """The draft's KV cache (None for a draft that shares the target's)."""
+        assert (kv is None) == self.shares_kv, "a SelfDraft binds no KV cache; any other draft does"
+        if kv is not None:
+            self.draft.bind_kv_cache(kv)
         self.block_size = block_size
 
     def graph_rows(self, max_batch: int) -> int:
@@ -105,7 +111,9 @@ class SpecDecoder:
         """The sizes of the draft's graphs (capture_graphs; with logits up to verify_rows). With async
         scheduling a plain step's draft pass runs on follow_graphs, so only a speculating step's rows
         are needed; synchronous steps also replay sizes up to graph_rows, without LM head, for a plain
-        batch's catch-up."""
+        batch's catch-up. A draft sharing the target's KV steps one row per speculating sequence only."""
+        if self.shares_kv:
+            return batch_ladder(max(1, verify_rows // (self.k + 1)))
         if follows_async:
             return batch_ladder(verify_rows)
         return extended_ladder(max_batch, self.graph_rows(max_batch))
@@ -187,13 +195,20 @@ class SpecDecoder:
     def _draft_first_pass(self, batch: ScheduledBatch, spec: list[int]) -> torch.Tensor | None:
         """One draft forward over every row: each row's chunk runs from what the draft has computed to
         what the target computes this step (spec rows: through their last token). Returns the draft
-        logits at the last token of each spec row."""
+        logits at the last token of each spec row. A draft sharing the target's KV runs the spec rows'
+        last tokens only: the target computes every other row's KV, and the verify rewrites these."""
+        if self.shares_kv:
+            if not spec:
+                return None
+            batch = ScheduledBatch([batch.seqs[i] for i in spec], [1] * len(spec))
+            spec = list(range(len(spec)))
         ids: list[int] = []
         chunks: list[tuple[int, int]] = []
         last: list[int] = []
         spec_set = set(spec)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            start, end = seq.num_draft_computed, seq.num_computed_tokens + n
+            start = seq.num_computed_tokens if self.shares_kv else seq.num_draft_computed
+            end = seq.num_computed_tokens + n
             assert start <= seq.num_computed_tokens < end <= seq.num_tokens, (seq, start, end)
             ids.extend(seq.token_ids[start:end])
             chunks.append((start, end))

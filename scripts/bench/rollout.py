@@ -35,7 +35,8 @@ gap: over each sample's prefix where both runs chose the same tokens (the same c
 the base costs) and LoRA-served (a random rank-R "all-linear" PEFT adapter, `LLM(..., lora=DIR)`), rows
 tagged `lora_rank`, then one "rollout_lora" line per mode: lora_over_merged = merged tok/s / LoRA tok/s.
 --batch-invariant / --no-batch-invariant: the engine in the batch-invariant mode or not (unset: the
-engine's default); every row says which (`batch_invariant`).
+engine's default); every row says which (`batch_invariant`). --self-draft / --no-self-draft: the mode
+with or without its own draft (`self_draft` in every row).
 
 MoE shapes (`qwen3-30b-a3b`; `qwen3-moe-tiny`, the CPU smoke): the roofline is the active-weight one, each
 step charged the (MoE layer, expert) pairs its tokens went to (scripts/bench/experts_touched.py), and each
@@ -236,6 +237,8 @@ def build_llm(shape: str, args: argparse.Namespace, max_len: int, quantization: 
         kw["lora"] = args.lora_dir
     if args.batch_invariant is not None:
         kw["batch_invariant"] = args.batch_invariant
+    if args.self_draft is not None:  # the mode's own draft: its k and batch bound are --k and --spec-max-batch
+        kw.update(self_draft=args.self_draft, num_speculative_tokens=args.k, spec_max_batch=args.spec_max_batch)
     if shape == "tiny":
         if not args.draft_layers:
             return LLM(None, device=args.device, **kw)
@@ -406,7 +409,8 @@ def run_shape(shape: str, args: argparse.Namespace, rates: tuple[float, float], 
                                       "tail_scale": args.tail_scale if args.draft_layers else None,
                                       "spec_max_batch": args.spec_max_batch if args.draft_layers else None,
                                       "async_scheduling": llm._overlap is not None, "quantization": quantization,
-                                      "batch_invariant": llm.config.batch_invariant}
+                                      "batch_invariant": llm.config.batch_invariant,
+                                      "self_draft": llm.worker.spec is not None and llm.worker.spec.shares_kv}
             if cost.expert_bytes:
                 *runs, line = routing_runs(llm, mode, work, warm, cost, rates, args)
                 lines = [{**row, **r} for r in runs]
@@ -517,6 +521,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="overlap each step's host work with the device (auto: the engine's default)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--self-draft", action=argparse.BooleanOptionalAction, default=None,
+                    help="with --batch-invariant: the mode's own draft on or off (--k tokens, --spec-max-batch; "
+                         "docs/invariance.md); unset: the engine's default (on for CUDA)")
     ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                     help="the batch-invariant mode on or off (docs/invariance.md); unset: the engine's default")
     ap.add_argument("--gc-freeze", choices=["on", "off"], default="on",

@@ -8,7 +8,8 @@
 # tests: pytest -m cuda, its whole output in OUTDIR/pytest.log, the summary and failures printed (TEST_TIMEOUT,
 #        default 520 s). bench: each named benchmark under its own time limit, one JSON line per case into
 #        OUTDIR/bench.jsonl, stderr into OUTDIR/bench.log. The default set fits one 10-minute call; name the others
-#        (generate, rl_step, rl_step_7b, rl_step_7b_recompute, rl_step_oversample, first_batch, fp8, lora, delta, moe; sync_nccl on 2+ GPUs) in a call of
+#        (generate, rl_step, rl_step_7b, rl_step_7b_recompute, rl_step_oversample, first_batch, fp8, lora, delta, moe,
+#        invariance, rollout_invariant, rollout_invariant_7b; sync_nccl on 2+ GPUs) in a call of
 #        their own. Exit status 1 if any step failed.
 # moe: every GPU figure of the MoE work (docs/moe.md "Benchmarks"): moe_layer (one A3B layer against its
 #      active-weight roofline), moe_generate (the A3B shape cut to 16 layers, batch 1 and 64, against
@@ -60,6 +61,18 @@ bench_named() {  # one name of the list: its benchmarks
         rl_step_oversample) for over in 2 3; do bench 200 rl_step --shape qwen2-0.5b --steps 2 \
                                 --modes sync,partial_recompute --oversample "$over"; done ;;
         first_batch) bench 120 first_batch ;;
+        invariance) bench 300 invariance --shape qwen2-0.5b --cases alone,batch,shuffled --speed-batches 1,8,32,128
+                    bench 280 invariance --shape qwen2.5-7b --prompts 16 --cases alone,batch --speed-batches 1,16,64 ;;
+        rollout_invariant) local flags  # the default, the mode one token a step, the mode with its own draft
+            for flags in "--no-batch-invariant" "--batch-invariant --no-self-draft" "--batch-invariant --self-draft"; do
+                # shellcheck disable=SC2086
+                bench 130 rollout --shapes qwen2-0.5b --modes seeded,greedy $flags
+            done ;;
+        rollout_invariant_7b) local flags
+            for flags in "--no-batch-invariant" "--batch-invariant --no-self-draft" "--batch-invariant --self-draft"; do
+                # shellcheck disable=SC2086
+                bench 180 rollout --shapes qwen2.5-7b --modes seeded $flags
+            done ;;
         fp8) bench 200 rollout --shapes qwen2-0.5b,qwen2.5-7b --modes seeded --quantization bf16,fp8
              bench 150 sync --shape qwen2.5-7b --backend ipc --quantization bf16,fp8,fp8-send
              bench 120 fp8 ;;
