@@ -4,7 +4,7 @@ At TP 2 the mode sums the ranks' partial products in rank order (TPInfo.all_redu
 in the collective's own order, which follows the message size and so the batch. TP 2 has its own fixed
 order (it need not agree with TP 1, docs/invariance.md): within it, every case holds bit for bit on
 both ranks, greedy and seeded: alone against one batch and calls of other sizes, shuffled, prefix-cache
-hits, preemption with chunked prefill, and a draft model (sharded as the target is).
+hits, preemption with chunked prefill, a draft model (sharded as the target is) and the mode's own draft.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from inference.parallel import TPInfo
 from tests.helpers_invariance import (
     CPU,
     MODES,
+    SELF_DRAFT,
     alone,
     base_params,
     batched,
@@ -30,6 +31,7 @@ from tests.helpers_invariance import (
     make_prompts,
     preempted,
     prefix_cached,
+    self_drafted,
     shuffled,
     tight_options,
 )
@@ -49,6 +51,7 @@ def _cases(root: Path, family: str, tp: TPInfo) -> dict[str, Any]:
     tight = LLM(root / family, batch_invariant=True, tp=tp, **{**CPU, **tight_options(main, prompts)})
     spec = LLM(root / family, batch_invariant=True, tp=tp, draft_model=str(root / f"{family}-draft"),
                num_speculative_tokens=3, **CPU)
+    own = LLM(root / family, batch_invariant=True, tp=tp, **{**CPU, **SELF_DRAFT})  # its all-reduces: the default's
     out: dict[str, Any] = {}
     for mode in MODES:
         out[mode] = {"alone": alone(main, prompts, params, mode),
@@ -56,7 +59,8 @@ def _cases(root: Path, family: str, tp: TPInfo) -> dict[str, Any]:
                      "shuffled": shuffled(main, prompts, params, mode),
                      "prefix_cached": prefix_cached(main, prompts, params, mode),
                      "preempted": preempted(tight, prompts, params, mode),
-                     "drafted": drafted(spec, prompts, params, mode)}
+                     "drafted": drafted(spec, prompts, params, mode),
+                     "self_drafted": self_drafted(own, prompts, params, mode)}
     return out
 
 

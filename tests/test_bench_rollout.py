@@ -191,3 +191,16 @@ def test_an_moe_shape_refuses_what_its_rows_do_not_measure() -> None:
     err = refused(BENCH, "--shapes", "qwen3-moe-tiny", "--draft-layers", "1")
     assert "qwen3-moe-tiny" in err and "--draft-layers" in err
     assert "--layers" in refused(BENCH, "--shapes", "tiny", "--layers", "2")
+
+
+@pytest.mark.slow
+def test_the_modes_own_draft_runs_where_asked(smoke_workload: dict) -> None:
+    """--batch-invariant --self-draft: the mode's own draft speculates on the tail (--k, --spec-max-batch) and
+    every row says so; without it the mode runs a token a step. The same workload either way."""
+    (own,) = bench_lines(BENCH, *SMOKE, "--modes", "greedy", "--batch-invariant", "--self-draft", "--k", "3",
+                         "--spec-max-batch", "2")
+    (plain,) = bench_lines(BENCH, *SMOKE, "--modes", "greedy", "--batch-invariant", "--no-self-draft")
+    assert own["batch_invariant"] and own["self_draft"] and (own["k"], own["spec_max_batch"]) == (3, 2)
+    assert 0 < own["spec_steps"] < own["steps"] and own["spec_acceptance"] > 0
+    assert plain["batch_invariant"] and not plain["self_draft"] and plain["k"] is None
+    assert own["generated_tokens"] == plain["generated_tokens"] == smoke_workload["generated_tokens"]

@@ -407,7 +407,9 @@ def run_shape(shape: str, args: argparse.Namespace, rates: tuple[float, float], 
                                       "lora_rank": args.lora_rank if getattr(args, "lora_dir", None) else 0,
                                       "samples": args.samples, "draft_layers": args.draft_layers,
                                       "tail_scale": args.tail_scale if args.draft_layers else None,
-                                      "spec_max_batch": args.spec_max_batch if args.draft_layers else None,
+                                      "spec_max_batch": (llm.config.scheduler.spec_max_batch if llm.worker.spec
+                                                         else None),
+                                      "k": llm.worker.num_speculative_tokens or None,
                                       "async_scheduling": llm._overlap is not None, "quantization": quantization,
                                       "batch_invariant": llm.config.batch_invariant,
                                       "self_draft": llm.worker.spec is not None and llm.worker.spec.shares_kv}

@@ -63,10 +63,13 @@ bench_named() {  # one name of the list: its benchmarks
         first_batch) bench 120 first_batch ;;
         invariance) bench 300 invariance --shape qwen2-0.5b --cases alone,batch,shuffled --speed-batches 1,8,32,128
                     bench 280 invariance --shape qwen2.5-7b --prompts 16 --cases alone,batch --speed-batches 1,16,64 ;;
-        rollout_invariant) local flags  # the default, the mode one token a step, the mode with its own draft
-            for flags in "--no-batch-invariant" "--batch-invariant --no-self-draft" "--batch-invariant --self-draft"; do
+        rollout_invariant) local flags  # the default, the mode a token a step, the mode with its own draft (k, bound)
+            for flags in "--no-batch-invariant" "--batch-invariant --no-self-draft" \
+                         "--batch-invariant --self-draft --k 4 --spec-max-batch 16" \
+                         "--batch-invariant --self-draft --k 8 --spec-max-batch 16" \
+                         "--batch-invariant --self-draft --k 4 --spec-max-batch 64"; do
                 # shellcheck disable=SC2086
-                bench 130 rollout --shapes qwen2-0.5b --modes seeded,greedy $flags
+                bench 100 rollout --shapes qwen2-0.5b --modes seeded,greedy $flags
             done ;;
         rollout_invariant_7b) local flags
             for flags in "--no-batch-invariant" "--batch-invariant --no-self-draft" "--batch-invariant --self-draft"; do
