@@ -178,6 +178,28 @@ def test_the_modes_own_draft_is_the_target_on_the_default_kernels(models: dict[s
     assert all(m.invariant for m in target.modules() if hasattr(m, "invariant"))
 
 
+@pytest.mark.slow
+def test_in_tritons_interpreter_the_modes_own_draft_gives_the_modes_bits(models: dict[str, Path],
+                                                                         prompts: list[list[int]]) -> None:
+    """The GPU's kernels on CPU (Triton's interpreter, fp16, the triton attention backend): the draft
+    proposes on the default's one-row GEMVs, fused norms and split-KV decode, the mode's kernels verify.
+    Three prompts, six tokens each, alone on the mode against one batch through its own draft."""
+    from inference.layers.kernel_device import interpreted_on_cpu
+
+    short = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    three = prompts[:3]
+    with interpreted_on_cpu():
+        kernels = {"dtype": "float16", "attention_backend": "triton"}
+        mode, own = engine(models, **kernels), engine(models, **kernels, **SELF_DRAFT)
+        assert own.worker.spec.draft.backend.tiles.decode_max_rows == 1  # the default's one-row decode
+        alone = []
+        for p in three:
+            mode.block_manager.reset_prefix_cache()
+            alone += [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in mode.generate([p], short)]
+        together = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in own.generate(three, short)]
+    assert together == alone and own.spec_stats.accepted > 0
+
+
 def test_the_modes_own_draft_is_asked_for_where_it_makes_sense(models: dict[str, Path]) -> None:
     """On by default only on CUDA in the mode; asking for it outside the mode or beside a draft model is
     refused naming self_draft."""
