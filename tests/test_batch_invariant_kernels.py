@@ -145,14 +145,20 @@ def _attention_paths(backend: object, dtype: torch.dtype) -> dict[str, tuple[tor
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("segment", [0, 1, 2])
 @pytest.mark.slow
-def test_triton_attention_in_the_mode_gives_a_query_the_same_bits_on_every_path(dtype: torch.dtype) -> None:
-    from inference.layers.triton_attention import TritonAttention, TritonAttentionTiles
+def test_triton_attention_in_the_mode_gives_a_query_the_same_bits_on_every_path(dtype: torch.dtype,
+                                                                                segment: int) -> None:
+    """segment: the mode's key segments in tiles of 16 keys (0: the mode's own, 8 tiles: one segment for
+    these 37 keys); 1 and 2 cut them into 3 and 2 segments, so decode runs split-KV over the segments and
+    prefill folds them in one program."""
+    from inference.layers.triton_attention import SEGMENT_TILES, TritonAttention, TritonAttentionTiles
 
-    default = TritonAttention(TritonAttentionTiles(decode_block_n=16))
+    default = TritonAttention(TritonAttentionTiles(decode_block_n=16, segment_tiles=segment))
     backend = batch_invariant_backend(default)
     tiles = backend.tiles
-    assert tiles.num_splits == 1 and tiles.exact_rounding and tiles.prefill_block_n == 16
+    assert tiles.segment_tiles == (segment or SEGMENT_TILES) and tiles.num_splits is None
+    assert tiles.exact_rounding and tiles.prefill_block_n == 16
     for path, (got, want) in _attention_paths(backend, dtype).items():
         assert torch.equal(got, want), path
     # the default tiles (prefill tiles of other shapes, split-KV decode at batch 1) differ somewhere

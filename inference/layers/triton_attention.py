@@ -32,6 +32,8 @@ from inference.layers.pdl import launch_kwargs
 from inference.layers.rotary import Rope
 from inference.layers.triton_attention_kernels import LOG2E, _paged_attention_kernel, _store_kv_kernel
 
+SEGMENT_TILES = 8  # the batch-invariant mode's key segment, in KV tiles (TritonAttentionTiles.segment_tiles)
+
 
 @dataclass(frozen=True)
 class TritonAttentionTiles:
@@ -72,6 +74,12 @@ class TritonAttentionTiles:
     # written, so an in-kernel rotation rounds as rotary_qk does (which launches so) instead of one bf16
     # step apart in a few elements. The batch-invariant mode's tiles set it.
     exact_rounding: bool = False
+    # Fixed key segments (the batch-invariant mode; 0: off): a query's keys are cut every segment_tiles KV
+    # tiles from key 0, each segment summed by its own online softmax and the segments folded in order
+    # (attention_splits._fold). A decode split is one segment, so decode regains split-KV parallelism over
+    # long contexts while prefill, which folds the same segments in one program, gives the same bits.
+    # Not under a sliding window (its first key moves with the query): one split there.
+    segment_tiles: int = 0
 
     def batch_invariant(self) -> TritonAttentionTiles:
         """The tiles of the batch-invariant mode (docs/invariance.md): a query sums its keys in the same
@@ -81,10 +89,12 @@ class TritonAttentionTiles:
         a decode tile holds (its group padded to 16), so both dots run on [max(16, group), head_dim]
         operands; decode rotates q and the new key in the kernel with every launch's FP contraction off
         (exact_rounding), so the rotation rounds as rotary_qk's in prefill and the k cache holds the same
-        bits for a token decoded as for one prefilled."""
+        bits for a token decoded as for one prefilled. Splits: the fixed key segments of segment_tiles
+        (8 tiles: 512 keys at the default 64), never a split count that follows the batch."""
         n = self.decode_block_n
         return replace(self, prefill_block_m=16, fp32_prefill_block_m=16, prefill_block_n=n, fp32_prefill_block_n=n,
-                       num_splits=1, exact_rounding=True, long_decode_block_n=n)
+                       num_splits=None, exact_rounding=True, long_decode_block_n=n,
+                       segment_tiles=self.segment_tiles or SEGMENT_TILES)
 
     def for_decode(self, num_seqs: int) -> TritonAttentionTiles:
         """The tiles a decode launch of num_seqs sequences uses (a static shape: graph-safe)."""
@@ -100,6 +110,7 @@ class TritonAttentionTiles:
         assert self.decode_split_tiles >= 1, self.decode_split_tiles
         assert self.decode_programs_per_sm >= 1 and self.verify_programs_per_sm >= 1, self
         assert self.decode_max_rows >= 1, self.decode_max_rows
+        assert self.segment_tiles >= 0, self.segment_tiles
 
 
 @dataclass(frozen=True)
@@ -133,6 +144,8 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_blocks: int, block_s
     if tiles.num_splits is not None:
         return tiles.num_splits
     max_tiles = triton.cdiv(max_blocks * block_size, tiles.decode_block_n)
+    if tiles.segment_tiles:  # one split per key segment a full block table can hold
+        return triton.next_power_of_2(triton.cdiv(max_tiles, tiles.segment_tiles))
     want = triton.cdiv(tiles.decode_programs_per_sm * num_sms, max(1, num_seqs * num_kv_heads))
     cap = min(tiles.max_splits, max_tiles, want)
     return 1 << (max(1, cap).bit_length() - 1)  # the largest power of two <= cap
@@ -225,7 +238,7 @@ class TritonAttention:
             splits = decode_num_splits(num_seqs, num_kv_heads, meta.block_tables.shape[1], page, tiles, sms)
             # A decode tile is one token: its group's heads are padded to 16 rows for tl.dot.
             return LaunchPlan(num_seqs, _pow2_at_least(group, 16), 1, tiles.decode_block_n, splits, 1,
-                              tiles.decode_split_tiles, tiles.num_warps)
+                              tiles.segment_tiles or tiles.decode_split_tiles, tiles.num_warps)
         fp32 = q.dtype == torch.float32
         block_m = tiles.fp32_prefill_block_m if fp32 else tiles.prefill_block_m
         block_n = tiles.fp32_prefill_block_n if fp32 else tiles.prefill_block_n
@@ -245,6 +258,9 @@ class TritonAttention:
         assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
         assert meta.block_tables.shape[0] == meta.cu_query_lens.shape[0] - 1 and meta.block_tables.stride(1) == 1
         plan = self.plan(q, k_cache, meta)
+        segment = self.tiles.segment_tiles if sliding_window is None else 0
+        if self.tiles.segment_tiles and not segment:  # a window's keys start with the query: one pass
+            plan = replace(plan, splits=1)
         dim_pad = _pow2_at_least(dim, 16)
         if plan.splits > 1:
             part_m = torch.empty((num_tokens, num_heads, plan.splits), dtype=torch.float32, device=q.device)
@@ -269,5 +285,6 @@ class TritonAttention:
             HAS_WINDOW=sliding_window is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             DOT_UPCAST=interpreted and q.dtype == torch.bfloat16, MULTI_ROW=max_rows > 1, ROPE=rope is not None,
+            SEGMENT=segment,
             num_warps=plan.num_warps, num_stages=self.tiles.num_stages, enable_fp_fusion=not self.tiles.exact_rounding,
             **launch_kwargs(q))

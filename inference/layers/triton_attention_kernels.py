@@ -7,10 +7,13 @@ x GROUP_PAD query heads of one kv head (GQA), so each KV tile is loaded once for
 softmax in fp32, base 2. In decode it also stores the new token's k/v (split 0 writes them; every split
 takes key ctx - 1 from k/v, not from the cache), rotates q and the new key with ROPE, and ends in
 attention_splits._finish_splits: a context within one split is normalized by split 0 alone, a longer one
-is merged by the last split to finish. Several rows of one sequence in a launch (spec-decode verify,
-MULTI_ROW): no row reads another row's new key from the cache; for keys ctx - max_rows .. ctx - 2 a
-program finds the launch row that writes each key (the rows of a sequence are consecutive) and takes its
-k and v from the inputs. Every kernel takes PDL: nothing is read or written before wait(PDL).
+is merged by the last split to finish. SEGMENT > 0 (the batch-invariant mode): the keys are cut into fixed
+segments of SEGMENT tiles from key 0; a decode split is one segment, and prefill folds the segments in order
+as the decode merge does (attention_splits, FOLD), so split-KV decode and prefill agree bit for bit. Several
+rows of one sequence in a launch (spec-decode verify, MULTI_ROW): no row reads another row's new key from the
+cache; for keys ctx - max_rows .. ctx - 2 a program finds the launch row that writes each key (the rows of a
+sequence are consecutive) and takes its k and v from the inputs. Every kernel takes PDL: nothing is read or
+written before wait(PDL).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from inference.layers.attention_splits import _finish_splits
+from inference.layers.attention_splits import _finish_splits, _fold
 from inference.layers.pdl import launch_dependents, wait
 
 LOG2E = 1.4426950408889634
@@ -65,7 +68,7 @@ def _paged_attention_kernel(
     PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLIT_TILES: tl.constexpr, IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    MULTI_ROW: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr,
+    MULTI_ROW: tl.constexpr, ROPE: tl.constexpr, SEGMENT: tl.constexpr, PDL: tl.constexpr,
 ):
     launch_dependents(PDL)  # the next kernel (o_proj) waits for this whole grid before it reads `out`
     pid = tl.program_id(0)
@@ -148,12 +151,33 @@ def _paged_attention_kernel(
         t_mid = tl.minimum(tl.maximum(t_near, t_begin), t_end)
     else:
         t_mid = t_end
-    for t in range(t_begin, t_mid):
-        m_i, l_i, acc = _attend_tile(
-            t, lo, hi, ctx, max_rows, num_seqs, seq, kvh, q, q_pos, m_i, l_i, acc, bt_ptr, stride_bt,
-            kc_ptr, vc_ptr, stride_cb, stride_cs, stride_ch, d, d_valid, k_new, v_new, slot_ptr, k_ptr, v_ptr,
-            cs_ptr, stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, window, PAGE, BLOCK_N, IS_DECODE,
-            False, HAS_WINDOW, DOT_PRECISION, DOT_UPCAST, ROPE, HEAD_DIM)
+    if SEGMENT > 0 and not IS_DECODE:
+        # The batch-invariant mode's key segments (attention_splits, FOLD): each SEGMENT tiles from key 0
+        # start a fresh online softmax and are folded in order, as decode's splits are merged.
+        m_run = m_i
+        l_run = l_i
+        acc_run = acc
+        for s0 in range(t_begin, t_mid, SEGMENT):
+            m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+            acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+            for t in range(s0, tl.minimum(s0 + SEGMENT, t_mid)):
+                m_i, l_i, acc = _attend_tile(
+                    t, lo, hi, ctx, max_rows, num_seqs, seq, kvh, q, q_pos, m_i, l_i, acc, bt_ptr, stride_bt,
+                    kc_ptr, vc_ptr, stride_cb, stride_cs, stride_ch, d, d_valid, k_new, v_new, slot_ptr, k_ptr,
+                    v_ptr, cs_ptr, stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, window, PAGE, BLOCK_N,
+                    IS_DECODE, False, HAS_WINDOW, DOT_PRECISION, DOT_UPCAST, ROPE, HEAD_DIM)
+            m_run, l_run, acc_run = _fold(m_run, l_run, acc_run, m_i, l_i, acc)
+        m_i = m_run
+        l_i = l_run
+        acc = acc_run
+    else:
+        for t in range(t_begin, t_mid):
+            m_i, l_i, acc = _attend_tile(
+                t, lo, hi, ctx, max_rows, num_seqs, seq, kvh, q, q_pos, m_i, l_i, acc, bt_ptr, stride_bt,
+                kc_ptr, vc_ptr, stride_cb, stride_cs, stride_ch, d, d_valid, k_new, v_new, slot_ptr, k_ptr, v_ptr,
+                cs_ptr, stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, window, PAGE, BLOCK_N, IS_DECODE,
+                False, HAS_WINDOW, DOT_PRECISION, DOT_UPCAST, ROPE, HEAD_DIM)
     if MULTI_ROW:
         for t in range(t_mid, t_end):
             m_i, l_i, acc = _attend_tile(
@@ -168,7 +192,7 @@ def _paged_attention_kernel(
     part = (tok * (tl.num_programs(1) * GROUP) + head) * NUM_SPLITS
     _finish_splits(out_ptr + out_offs, out_mask, part_m_ptr, part_l_ptr, part_acc_ptr, part, counter_ptr,
                    seq * tl.num_programs(1) + kvh, m_i, l_i, acc, row_valid, d, split, tl.cdiv(n_tiles, per_split),
-                   BLOCK_Q * GROUP_PAD, NUM_SPLITS, HEAD_DIM_PAD)
+                   BLOCK_Q * GROUP_PAD, NUM_SPLITS, HEAD_DIM_PAD, SEGMENT > 0)
 
 
 @triton.jit
