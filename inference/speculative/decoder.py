@@ -440,9 +440,13 @@ class ExactSpeculation:
         rows, kmax = len(seqs), max(ks)
         drafts = torch.zeros(rows, kmax, dtype=torch.int64, device=device)
         active = list(range(rows))
+        # every row's tensors cross to the device once; a step while all rows propose only moves positions
+        first = self._batch(seqs, seeds, [0] * rows)
         for j in range(kmax):
-            act = [seqs[r] for r in active]
-            sb = self._batch(act, [seeds[r] for r in active], [j] * len(act))
+            if len(active) == rows:
+                sb = first if j == 0 or first.positions is None else first.at(first.positions + j)
+            else:
+                sb = self._batch([seqs[r] for r in active], [seeds[r] for r in active], [j] * len(active))
             tokens = sample(logits, sb, spec.generator).token_ids
             sel = slice(None) if len(active) == rows else to_device(active, device)
             drafts[sel, j] = tokens
