@@ -21,13 +21,15 @@ def test_the_kernels_compile_for_sm90_and_report_ptxas_figures() -> None:
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = REPO / "scripts" / "tools" / "compile_check.py"
-    out = subprocess.run([sys.executable, str(script), "--kernels", "verify_rows", "inv_gemm", "--shapes", "qwen2.5-7b",
-                          "--warps", "8", "--rope", "on"],
+    out = subprocess.run([sys.executable, str(script), "--kernels", "verify_rows", "inv_gemm", "mode_verify_rows",
+                          "mode_prefill", "--shapes", "qwen2.5-7b", "--warps", "8", "--rope", "on"],
                          capture_output=True, text=True, timeout=600, env=env, check=True)
     rows = [json.loads(line) for line in out.stdout.splitlines()]
-    # the invariant GEMM at its own tiles and warps, then the verify kernels
+    # the invariant GEMM at its own tiles and warps, then the verify kernels, then the batch-invariant mode's
+    # key-segment kernels (verify split by segment with the fold merge; prefill folding the segments itself)
     assert [(r["kernel"], r["num_warps"], r["target"]) for r in rows] == [
-        ("inv_gemm", 4, "sm_90a"), ("verify_rows", 8, "sm_90a")]
+        ("inv_gemm", 4, "sm_90a"), ("verify_rows", 8, "sm_90a"), ("mode_verify_rows", 8, "sm_90a"),
+        ("mode_prefill", 8, "sm_90a")]
     for r in rows:
         assert 0 < r["registers"] <= 255 and r["shared_bytes"] > 0, r
         assert r["spill_store_bytes"] >= 0 and r["spill_load_bytes"] >= 0, r

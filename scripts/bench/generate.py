@@ -244,7 +244,8 @@ def main() -> None:
         cost = ModelCost.of(llm)
         for batch in args.batch:
             row = run_batch(llm, hf, args, batch, prompts[batch], cost, bw, peers)
-            row.update(quantization=quant, batch_invariant=llm.config.batch_invariant)
+            row.update(quantization=quant, batch_invariant=llm.config.batch_invariant,
+                       self_draft=llm.worker.spec is not None and llm.worker.spec.shares_kv)
             if quant == quantizations[0]:
                 base[batch] = (row["ours_tok_s"], row.pop("_tokens"))
             else:

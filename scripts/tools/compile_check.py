@@ -40,12 +40,18 @@ from inference.layers.triton_attention_kernels import _paged_attention_kernel
 # (q heads per kv head, head_dim) of the two shapes the benchmarks use
 SHAPES = {"qwen2-0.5b": (7, 64), "qwen2.5-7b": (7, 128)}
 _COMMON = {"PAGE": 16, "BLOCK_N": 64, "NUM_SPLITS": 8, "SPLIT_TILES": 2, "HAS_WINDOW": False,
-           "DOT_PRECISION": "tf32", "DOT_UPCAST": False, "PDL": True}
+           "DOT_PRECISION": "tf32", "DOT_UPCAST": False, "PDL": True, "SEGMENT": 0}
+_MODE = {"SPLIT_TILES": 8, "SEGMENT": 8}  # the batch-invariant mode's key segments (TritonAttentionTiles.segment_tiles)
 KERNELS = {  # name: (kernel, its own constexprs besides _COMMON, GROUP and HEAD_DIM)
     "decode": (_paged_attention_kernel, {"GROUP_PAD": 16, "BLOCK_Q": 1, "BLOCK_B": 1,
                                          "IS_DECODE": True, "MULTI_ROW": False}),
     "verify_rows": (_paged_attention_kernel, {"GROUP_PAD": 16, "BLOCK_Q": 1, "BLOCK_B": 1,
                                               "IS_DECODE": True, "MULTI_ROW": True}),
+    # the mode: decode and verify split by segment (the fold merge), prefill folding the segments itself
+    "mode_verify_rows": (_paged_attention_kernel, {"GROUP_PAD": 16, "BLOCK_Q": 1, "BLOCK_B": 1,
+                                                   "IS_DECODE": True, "MULTI_ROW": True, **_MODE}),
+    "mode_prefill": (_paged_attention_kernel, {"GROUP_PAD": 8, "BLOCK_Q": 2, "BLOCK_B": 16, "NUM_SPLITS": 1,
+                                               "IS_DECODE": False, "MULTI_ROW": False, **_MODE}),
 }
 
 

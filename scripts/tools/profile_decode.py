@@ -86,6 +86,8 @@ def main() -> None:
         os.environ["SIDECAR_PDL"] = "0"  # read at each launch (inference/layers/pdl.py)
     max_len = max(512, args.context + 2 * args.steps + 16)
     mode = {} if args.batch_invariant is None else {"batch_invariant": args.batch_invariant}
+    if args.batch_invariant:  # a decode step of the mode's kernels, not its own draft's rounds
+        mode["self_draft"] = False
     llm = our_llm(hf_model(args.shape, max_len), args.batch, max_len, enforce_eager=not args.graph, **mode)
     prompts = [[1 + i] * args.context for i in range(args.batch)]
     params = SamplingParams(temperature=0.0, max_tokens=1 + 2 * args.steps, ignore_eos=True)
