@@ -239,14 +239,6 @@ class LLM:
         req = self._requests.get(request_id)
         return req.seqs if req is not None else []
 
-    def counters(self) -> dict[str, int]:
-        """The engine's counters since construction (sidecar's /metrics): draft tokens proposed and accepted
-        (a draft model or the batch-invariant mode's own draft), sequences preempted for blocks, prompt
-        tokens served from the prefix cache."""
-        return {"draft_tokens_proposed": self.spec_stats.proposed, "draft_tokens_accepted": self.spec_stats.accepted,
-                "preemptions": self.scheduler.preempted,
-                "prefix_cache_hit_tokens": self.block_manager.stats.hit_tokens}
-
     def has_unfinished(self) -> bool:
         """Requests not returned yet, or a step in flight (async scheduling): step() has work."""
         return bool(self._requests) or (self._overlap is not None and self._overlap.in_flight is not None)

@@ -36,18 +36,6 @@ class GenerationSource(Protocol):
 
     def held_weights(self) -> dict[str, dict[str, Any]]: ...
 
-    def engine_counters(self) -> dict[str, int]: ...
-
-
-# The engine's counters (LLM.counters), each a Prometheus counter sidecar_<name>
-ENGINE_COUNTERS = {
-    "draft_tokens_proposed": "Draft tokens proposed (a draft model, or the batch-invariant mode's own draft)",
-    "draft_tokens_accepted": "Draft tokens the target accepted (with the mode's own draft: where the default "
-                             "and the mode's kernels sampled the same token)",
-    "preemptions": "Sequences preempted for KV blocks (recomputed later)",
-    "prefix_cache_hit_tokens": "Prompt tokens served from the prefix cache",
-}
-
 
 class Metrics:
     def __init__(self, source: GenerationSource) -> None:
@@ -90,9 +78,6 @@ class _GenerationCollector(Collector):
                      "bounded by --max-queued-sequences", s.queued_sequences())
         yield _gauge("sidecar_healthy", "1 while every rank process is alive and answering", s.failure is None)
         yield _gauge("sidecar_paused", "1 while generation is paused", s.paused)
-        counters = s.engine_counters() if hasattr(s, "engine_counters") else {}
-        for name, doc in ENGINE_COUNTERS.items():
-            yield CounterMetricFamily(f"sidecar_{name}", doc, value=counters.get(name, 0))
         held = s.held_weights() if hasattr(s, "held_weights") else {}
         version = GaugeMetricFamily("sidecar_weight_version", "The live weight version of each model", labels=["model"])
         stale = GaugeMetricFamily("sidecar_weights_need_sync", "1 while some rank's bytes of the model are not its "

@@ -68,7 +68,6 @@ class RankStatus:
     gc_frozen: int  # objects frozen once at start (inference/memory/host_heap.py)
     # per model, why its bytes are not its live version's (WeightUpdater.needs_sync_reason); None: they are
     needs_sync: dict[str, str | None] = field(default_factory=dict)
-    engine: dict[str, int] = field(default_factory=dict)  # LLM.counters(): the engine's counters since start
 
 
 @dataclass(frozen=True)

@@ -317,12 +317,6 @@ class Driver:
                     view["needs_sync"] = f"rank {st.rank}: {reason}"
         return out
 
-    def engine_counters(self) -> dict[str, int]:
-        """Rank 0's engine counters from its last report (LLM.counters; the ranks of one replica step
-        together, so rank 0's are the replica's); empty before its first report."""
-        first = self.statuses[0] if self.statuses else None
-        return dict(first.engine) if first is not None else {}
-
     def rank_alive(self) -> list[bool]:
         """Whether each rank process is alive now (a dead one's last report is not its state)."""
         alive = getattr(self.pool, "alive", None)

@@ -522,8 +522,7 @@ class RankServer:
             rank=self.rank_key, pid=os.getpid(), ready=worker.is_ready(), sleeping=self.llm.is_sleeping,
             arenas={tag: str(a["state"]) for tag, a in arenas.items()},
             weight_versions=weights.versions, torn=weights.torn, loaded=weights.loaded,
-            unfinished=len(self.request_ids), gc_frozen=self.gc_frozen, needs_sync=weights.needs_sync,
-            engine=self.llm.counters())
+            unfinished=len(self.request_ids), gc_frozen=self.gc_frozen, needs_sync=weights.needs_sync)
 
     def shutdown(self) -> None:
         worker = self.llm.worker
