@@ -85,7 +85,6 @@ def _add_split(part_m_ptr, part_acc_ptr, part, d, j, n_active, row_valid, m_ref,
     return total + a_j * tl.exp2(m_j - m_ref)[:, None]
 
 
-
 @triton.jit
 def _fold(m, total, acc, m_s, total_s, acc_s):
     """(m, total, acc) of the keys so far (running max, softmax sum, accumulator) with the next segment's
@@ -106,11 +105,10 @@ def _fold_partials(part_m_ptr, part_l_ptr, part_acc_ptr, part, d, n_active, row_
     m = tl.full([ROWS], float("-inf"), tl.float32)
     l_sum = tl.zeros([ROWS], tl.float32)
     total = tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32)
-    for j in range(0, n_active):
-        live = row_valid & (part * 0 + j < n_active)
-        m_j = tl.load(part_m_ptr + part + j, mask=live, other=float("-inf"), cache_modifier=".cg")
-        l_j = tl.load(part_l_ptr + part + j, mask=live, other=0.0, cache_modifier=".cg")
-        a_j = tl.load(part_acc_ptr + (part + j)[:, None] * HEAD_DIM_PAD + d[None, :], mask=live[:, None],
+    for j in range(0, n_active):  # every split of the loop is live: only padded rows are masked
+        m_j = tl.load(part_m_ptr + part + j, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
+        l_j = tl.load(part_l_ptr + part + j, mask=row_valid, other=0.0, cache_modifier=".cg")
+        a_j = tl.load(part_acc_ptr + (part + j)[:, None] * HEAD_DIM_PAD + d[None, :], mask=row_valid[:, None],
                       other=0.0, cache_modifier=".cg")
         m, l_sum, total = _fold(m, l_sum, total, m_j, l_j, a_j)
     _store_normalized(out_ptrs, total, l_sum, out_mask)
