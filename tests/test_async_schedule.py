@@ -324,6 +324,9 @@ def test_preemption_under_a_tiny_cache(qwen2: Path, monkeypatch: pytest.MonkeyPa
     probe = Probe(fast, monkeypatch)
     got_sync, got = sync.generate(prompts, params), fast.generate(prompts, params)
     assert fast.scheduler.preempted > 0 and probe.resolved > 0
+    # each request reports its sequences' preemptions (sidecar's /metrics sums them)
+    assert sum(o.metrics.get("preemptions", 0) for o in got) == fast.scheduler.preempted
+    assert not any("preemptions" in o.metrics for o in want)
     assert fast.block_manager.num_free_blocks == fast.block_manager.num_blocks
     for out in (got_sync, got):  # recompute after preemption: same tokens, logprobs up to summation order
         for a, b in zip(completions(out), completions(want)):

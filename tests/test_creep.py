@@ -17,3 +17,19 @@ def test_thirty_cycles_leave_rss_and_descriptors_flat_after_warm_up() -> None:
         assert proc["fds_growth"] == 0, (name, proc)
         assert proc["rss_growth_pct"] is not None and proc["rss_growth_pct"] < 1.0, (name, proc)
     assert line["flat"] and line["gpu_used_mb"]["end"] is None  # no GPU here
+
+
+def _snap(rss_mb: float, fds: int = 9) -> dict:
+    return {"procs": {"launcher": {"pid": 1, "rss": rss_mb * creep.MIB, "fds": fds}}, "gpu_used": None}
+
+
+def test_the_end_point_forgives_a_transient_spike_but_not_a_rise() -> None:
+    args = creep.parse_args(["--cycles", "20", "--warm-up", "5", "--settle", "3"])
+    warm = _snap(100.0)
+    spike = creep.report_line(args, {"start": warm, "warm": warm, "end": creep.settled([_snap(116), _snap(100.2),
+                                                                                         _snap(100.4)])})
+    assert spike["flat"] and spike["procs"]["launcher"]["rss_growth_pct"] == 0.2
+    rise = creep.report_line(args, {"start": warm, "warm": warm, "end": creep.settled([_snap(102), _snap(103),
+                                                                                        _snap(104, fds=10)])})
+    assert not rise["flat"] and rise["procs"]["launcher"]["rss_growth_pct"] == 2.0
+    assert rise["procs"]["launcher"]["fds_growth"] == 1  # descriptors: the last snapshot's, exactly

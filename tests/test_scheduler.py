@@ -159,6 +159,7 @@ def test_preemption_under_a_tiny_cache_completes_everything_with_the_same_output
     seqs = workload(sched)
     run_all(sched, runner)
     assert sched.preempted > 0
+    assert sum(s.preemptions for s in seqs) == sched.preempted  # each preemption charged to its victim
     assert all(s.is_finished and s.finish_reason is FinishReason.LENGTH for s in seqs)
     assert outputs(seqs) == outputs(ref)
 

@@ -200,3 +200,30 @@ def test_state_and_metrics(client: SidecarClient) -> None:
                   if line.startswith("sidecar_generated_tokens_total"))
     assert tokens >= 4
     assert "sidecar_queue_depth" in text and "sidecar_sleep_seconds" in text
+    # the engine's counters (summed over finished requests): a repeated long prompt hits the prefix cache
+    long = "the same long prompt " * 30
+    client.generate([long], SamplingParams(max_tokens=2, ignore_eos=True))
+    client.generate([long], SamplingParams(max_tokens=2, ignore_eos=True))
+    counters = metric_values(client.metrics(), "sidecar_draft_tokens_proposed_total", "sidecar_preemptions_total",
+                             "sidecar_prefix_cache_hit_tokens_total")
+    assert counters["sidecar_prefix_cache_hit_tokens_total"] > 0
+    assert counters["sidecar_draft_tokens_proposed_total"] == counters["sidecar_preemptions_total"] == 0
+
+
+def metric_values(text: str, *names: str) -> dict[str, float]:
+    """The value of each named sample in a /metrics text."""
+    values = {line.split()[0]: float(line.split()[-1]) for line in text.splitlines() if not line.startswith("#")}
+    return {name: values[name] for name in names}
+
+
+def test_the_modes_own_draft_shows_on_metrics() -> None:
+    """--batch-invariant --self-draft on CPU: the draft proposes and the mode's forward keeps proposals."""
+    own = launch("--batch-invariant", "--self-draft", "--num-speculative-tokens", "3")
+    try:
+        with SidecarClient(own.url, timeout=60) as c:
+            c.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0))
+            counters = metric_values(c.metrics(), "sidecar_draft_tokens_proposed_total",
+                                     "sidecar_draft_tokens_accepted_total")
+    finally:
+        assert own.stop() == 0, own.log
+    assert 0 < counters["sidecar_draft_tokens_accepted_total"] <= counters["sidecar_draft_tokens_proposed_total"]

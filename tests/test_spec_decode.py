@@ -217,6 +217,7 @@ def test_sleep_and_wake_drop_and_recompute_the_draft_cache(models: dict[str, Pat
     outs = llm.generate(prompts, GREEDY)  # prefix-cache entries were dropped: no poisoned draft KV hit
     assert token_ids(outs) == ref
     assert [o.metrics["spec_acceptance_rate"] for o in outs] == [1.0] * len(prompts)
+    assert all(o.metrics["draft_tokens_accepted"] == o.metrics["draft_tokens_proposed"] > 0 for o in outs)
 
 
 @pytest.mark.slow

@@ -380,9 +380,13 @@ class LLM:
                 routing=self._routing_array(s)))
         versions = [v for s in req.seqs for _, v in s.version_spans]
         metrics = {"latency_s": time.monotonic() - req.arrival}
-        proposed = sum(s.spec_proposed for s in req.seqs)
+        proposed, accepted = sum(s.spec_proposed for s in req.seqs), sum(s.spec_accepted for s in req.seqs)
         if proposed:
-            metrics["spec_acceptance_rate"] = sum(s.spec_accepted for s in req.seqs) / proposed
+            metrics.update(spec_acceptance_rate=accepted / proposed, draft_tokens_proposed=proposed,
+                           draft_tokens_accepted=accepted)
+        preemptions = sum(s.preemptions for s in req.seqs)
+        if preemptions:
+            metrics["preemptions"] = preemptions
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_ids, outputs=outs,
             weight_version=min(versions, default=self.weight_version), prompt=req.prompt,

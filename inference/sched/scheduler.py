@@ -522,6 +522,7 @@ class Scheduler:
             victim = next(s for s in reversed(self.running) if not plan.has(s))
             self._preempt(victim)
             self.preempted += 1
+            victim.preemptions += 1
             plan.preempted = True
             if victim is seq:
                 return 0

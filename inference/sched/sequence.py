@@ -97,6 +97,7 @@ class Sequence:
         self.num_draft_computed = 0
         self.spec_proposed = 0  # draft tokens proposed for this sequence
         self.spec_accepted = 0  # of which the target accepted
+        self.preemptions = 0  # times the scheduler preempted it for KV blocks (recomputed later)
         self.block_hashes: list[int] = []
         self.cache_keys: list[int] = []
         self.logprobs: list[float] = []

@@ -3,8 +3,9 @@
 Each cycle is what an RL step does to the sidecar, through a real WeightSyncHook: sleep (levels 1 and 2
 alternate), wake and a sync with its audit (the hook's sync wakes the weights; its rollouts wake the
 KV cache), then a rollout batch. Measured at start (after the first cycle), after warm-up (--warm-up
-cycles) and at the end, for the launcher and every rank process: host RSS and open file descriptors,
-and GPU memory in use at the driver level (NVML through cuda-bindings or nvidia-smi; null on CPU).
+cycles) and at the end (the lowest RSS of the last --settle cycles), for the launcher and every rank
+process: host RSS and open file descriptors, and GPU memory in use at the driver level (NVML through
+cuda-bindings or nvidia-smi; null on CPU).
 One JSON line: each figure at the three points and its growth after warm-up in percent; exit status 1
 when a descriptor count changed after warm-up or an RSS grew past --max-rss-growth percent.
 
@@ -102,6 +103,19 @@ def snapshot(root: int) -> dict[str, Any]:
     return {"procs": procs, "gpu_used": gpu_used_bytes()}
 
 
+def settled(tail: list[dict[str, Any]]) -> dict[str, Any]:
+    """The end point from the last cycles' snapshots: each process's lowest RSS among them, its last descriptor
+    count and the last GPU figure. The allocator holds a freed buffer or two for a while (a level-2 sleep frees
+    and re-allocates every weight), so one snapshot's RSS jitters by a few MB; a leak raises every one of the
+    last cycles, so their lowest still shows it."""
+    last = tail[-1]
+    procs = {}
+    for name, p in last["procs"].items():
+        seen = [t["procs"][name]["rss"] for t in tail if name in t["procs"]]
+        procs[name] = {**p, "rss": min(seen)}
+    return {"procs": procs, "gpu_used": last["gpu_used"]}
+
+
 def growth(warm: float | None, end: float | None) -> float | None:
     if warm is None or end is None or warm == 0:
         return None
@@ -119,6 +133,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     proc, url = launch(args)
     points: dict[str, dict[str, Any]] = {}
+    tail: list[dict[str, Any]] = []  # the last --settle cycles' snapshots
     try:
         policy = ToyPolicy.from_dir(args.model or default_model_dir(), device=args.device)
         prompts = [[1 + (7 * i + j) % 50 for j in range(8)] for i in range(args.prompts)]
@@ -137,7 +152,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     points["start"] = snapshot(proc.pid)
                 if cycle + 1 == args.warm_up:
                     points["warm"] = snapshot(proc.pid)
-            points["end"] = snapshot(proc.pid)
+                if cycle >= args.cycles - args.settle:
+                    tail.append(snapshot(proc.pid))
+            points["end"] = settled(tail)
     finally:
         proc.terminate()
         try:
@@ -181,12 +198,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--kv-cache-bytes", type=int, default=16 << 20, help="CPU only")
     ap.add_argument("--max-rss-growth", type=float, default=1.0, help="percent allowed after warm-up")
+    ap.add_argument("--settle", type=int, default=5, help="the end's RSS is the lowest of this many last cycles")
     args = ap.parse_args(argv)
     if args.cycles < 2:
         ap.error("--cycles must be >= 2")
     args.warm_up = args.warm_up or max(1, args.cycles // 10)
     if not 1 <= args.warm_up < args.cycles:
         ap.error("--warm-up must be in [1, cycles)")
+    if not 1 <= args.settle <= args.cycles - args.warm_up:
+        ap.error("--settle must be in [1, cycles - warm-up]")
     return args
 
 

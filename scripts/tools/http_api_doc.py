@@ -2,9 +2,10 @@
 
 The app is built as `sidecar launch` builds it (sidecar/api/app.py create_app), over a driver that is never
 called and a placeholder startup plan: the schema depends only on the routes and their body models, so no
-rank, model or port is needed. The page lists every route (method, path, summary, body fields, answers)
-and then every schema. tests/test_http_api_doc.py fails when the checked-in page differs from what this
-writes, so a changed route or body model comes with its regenerated page.
+rank, model or port is needed. The page lists every route (method, path, summary, body fields, answers),
+every metric family of /metrics, and then every schema. tests/test_http_api_doc.py fails when the
+checked-in page differs from what this writes, so a changed route or body model comes with its regenerated
+page.
 
     python3 -m scripts.tools.http_api_doc            # rewrite docs/http-api.md
     python3 -m scripts.tools.http_api_doc --check    # exit 1 if docs/http-api.md is stale
@@ -29,14 +30,34 @@ OPEN_PATHS = {"/health", "/metrics"}  # sidecar/api/app.py: no key needed
 
 
 class _NoDriver:
-    """Stands where the rank driver would; building the schema never reaches it."""
+    """Stands where the rank driver would; building the schema never reaches it. As the metrics' source it
+    reads as a fresh sidecar (zeros, no model held), so a scrape lists every metric family."""
+
+    tokens_total, failure, paused = 0, None, False
+
+    def __init__(self) -> None:
+        from sidecar.ranks.driver import ENGINE_COUNTERS
+
+        self.engine_counters = dict.fromkeys(ENGINE_COUNTERS, 0)
+
+    def tokens_per_second(self) -> float:
+        return 0.0
+
+    def queue_depth(self) -> int:
+        return 0
+
+    def queued_sequences(self) -> int:
+        return 0
+
+    def held_weights(self) -> dict[str, dict[str, Any]]:
+        return {}
 
     def __getattr__(self, name: str) -> Any:
         raise RuntimeError(f"the schema build reached the driver ({name}); it must not need ranks")
 
 
-def openapi_schema() -> dict[str, Any]:
-    """The schema `sidecar launch` serves at /openapi.json, built without ranks."""
+def _app() -> tuple[Any, Any]:
+    """The app `sidecar launch` serves and its metrics, built without ranks."""
     from sidecar.api.app import ServerState, create_app
     from sidecar.api.metrics import Metrics
     from sidecar.config import LaunchConfig
@@ -47,9 +68,24 @@ def openapi_schema() -> dict[str, Any]:
                     dtype="float32", block_size=16, has_tokenizer=False, num_threads=1)
     driver = _NoDriver()
     state = ServerState(driver, LaunchConfig(), [plan], Metrics(driver))  # type: ignore[arg-type]
+    return create_app(state), state.metrics  # the text pool's threads start on first use: none here
+
+
+def openapi_schema() -> dict[str, Any]:
+    """The schema `sidecar launch` serves at /openapi.json, built without ranks."""
     with warnings.catch_warnings():  # GET and HEAD /health share a function, so FastAPI warns of its operation id
         warnings.filterwarnings("ignore", message="Duplicate Operation ID", category=UserWarning)
-        return create_app(state).openapi()  # the text pool's threads start on first use: none here
+        return _app()[0].openapi()
+
+
+def metric_families() -> list[tuple[str, str, str]]:
+    """(name as scraped, type, help) of every metric family GET /metrics serves, in scrape order."""
+    _, metrics = _app()
+    out = []
+    for family in metrics.registry.collect():
+        name = family.name + ("_total" if family.type == "counter" else "")
+        out.append((name, family.type, family.documentation))
+    return out
 
 
 def _type(s: dict[str, Any]) -> str:
@@ -134,8 +170,8 @@ def _route(path: str, method: str, op: dict[str, Any]) -> list[str]:
     return lines
 
 
-def render(schema: dict[str, Any]) -> str:
-    """The whole page, deterministic for one schema."""
+def render(schema: dict[str, Any], metrics: list[tuple[str, str, str]]) -> str:
+    """The whole page, deterministic for one schema and one list of metric families."""
     info = schema.get("info", {})
     intro = [
         f"Generated from the OpenAPI schema of `sidecar launch` ({info.get('title')} {info.get('version')}) by "
@@ -157,6 +193,11 @@ def render(schema: dict[str, Any]) -> str:
         for method in METHODS:
             if method in item:
                 lines += _route(path, method, item[method])
+    about = ("What `GET /metrics` serves (Prometheus text; counters carry `_total`, histograms `_bucket`, `_sum` "
+             "and `_count`; per-model and per-phase families carry labels):")
+    lines += ["## Metrics", "", *textwrap.wrap(about, 110, break_on_hyphens=False), "",
+              "| metric | type | meaning |", "| --- | --- | --- |"]
+    lines += [f"| `{name}` | {kind} | {_cell(doc)} |" for name, kind, doc in metrics] + [""]
     lines += ["## Schemas", ""]
     for name, model in sorted(schema.get("components", {}).get("schemas", {}).items()):
         lines += [f"### {name}", ""]
@@ -172,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="exit 1 when the page differs from the schema")
     ap.add_argument("--out", type=Path, default=PAGE, help="where the page goes (default: docs/http-api.md)")
     args = ap.parse_args(argv)
-    page = render(openapi_schema())
+    page = render(openapi_schema(), metric_families())
     if args.check:
         current = args.out.read_text() if args.out.exists() else ""
         if current != page:

@@ -36,6 +36,18 @@ class GenerationSource(Protocol):
 
     def held_weights(self) -> dict[str, dict[str, Any]]: ...
 
+    engine_counters: dict[str, int]  # sidecar/ranks/driver.py ENGINE_COUNTERS, over finished requests
+
+
+_ENGINE_DOCS = {
+    "prefix_cache_hit_tokens": "Prompt tokens of finished requests served from the prefix cache",
+    "draft_tokens_proposed": "Draft tokens proposed for finished requests (a draft model, or the batch-invariant "
+                             "mode's own draft)",
+    "draft_tokens_accepted": "Draft tokens the target accepted (with the mode's own draft: where the default and "
+                             "the mode's kernels sampled the same token)",
+    "preemptions": "Times a finished request's sequences were preempted for KV blocks (and recomputed)",
+}
+
 
 class Metrics:
     def __init__(self, source: GenerationSource) -> None:
@@ -78,6 +90,8 @@ class _GenerationCollector(Collector):
                      "bounded by --max-queued-sequences", s.queued_sequences())
         yield _gauge("sidecar_healthy", "1 while every rank process is alive and answering", s.failure is None)
         yield _gauge("sidecar_paused", "1 while generation is paused", s.paused)
+        for name, value in getattr(s, "engine_counters", {}).items():
+            yield CounterMetricFamily(f"sidecar_{name}", _ENGINE_DOCS[name], value=value)
         held = s.held_weights() if hasattr(s, "held_weights") else {}
         version = GaugeMetricFamily("sidecar_weight_version", "The live weight version of each model", labels=["model"])
         stale = GaugeMetricFamily("sidecar_weights_need_sync", "1 while some rank's bytes of the model are not its "

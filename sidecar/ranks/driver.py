@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5  # the longest the driver waits without looking at its queues and clocks
 TOKENS_WINDOW_S = 10.0  # tokens/s is measured over this trailing window
+# the engine's counters on /metrics, summed over finished requests: prefix-cache hits first (num_cached_tokens),
+# then the keys of RequestOutput.metrics (draft tokens of a draft model or the batch-invariant mode's own draft)
+ENGINE_COUNTERS = ("prefix_cache_hit_tokens", "draft_tokens_proposed", "draft_tokens_accepted", "preemptions")
 
 
 class RankError(SidecarError):
@@ -157,6 +160,8 @@ class Driver:
         # each rank's last reported status (its startup report until it sends another)
         self.statuses: list[RankStatus | None] = list(getattr(pool, "startup_statuses", None) or [None] * pool.size)
         self.tokens_total = 0
+        # summed over finished requests (RequestOutput's num_cached_tokens and metrics): nothing extra crosses
+        self.engine_counters = dict.fromkeys(ENGINE_COUNTERS, 0)
         self._token_events: deque[tuple[float, int]] = deque()
         self._thread = threading.Thread(target=self._loop, name="sidecar-driver", daemon=True)
         # Sends run on a thread of their own: a large command must not block the reads (rank 0 may be
@@ -539,6 +544,10 @@ class Driver:
             now = time.monotonic()
             tokens = sum(len(c.token_ids) for out in finished for c in out.outputs)
             self.tokens_total += tokens
+            for out in finished:
+                self.engine_counters["prefix_cache_hit_tokens"] += out.num_cached_tokens
+                for name in ENGINE_COUNTERS[1:]:
+                    self.engine_counters[name] += int(out.metrics.get(name, 0))
             self._token_events.append((now, tokens))
             self._prune_token_events_locked(now)
         for out in finished:
