@@ -312,6 +312,9 @@ class RequestOutput:
     finished: bool = True
     prompt: str | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, over all n samples
+    # latency_s always; with a draft (or the batch-invariant mode's own draft) spec_acceptance_rate,
+    # draft_tokens_proposed and draft_tokens_accepted; preemptions when the scheduler preempted a sample for
+    # KV blocks; a fleet adds replica and retries. Sidecar's /metrics sums the counts over finished requests
     metrics: dict[str, float] = field(default_factory=dict)
 
 
