@@ -39,6 +39,8 @@ def launch(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         cmd += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
     if args.model:
         cmd += ["--model", args.model]
+    if args.dtype:
+        cmd += ["--dtype", args.dtype]
     return start_sidecar(cmd)
 
 
@@ -154,6 +156,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     points["warm"] = snapshot(proc.pid)
                 if cycle >= args.cycles - args.settle:
                     tail.append(snapshot(proc.pid))
+                if args.progress and (cycle + 1) % args.progress == 0:  # a cut-short run still says how far
+                    now = snapshot(proc.pid)
+                    print(f"creep: cycle {cycle + 1}: gpu_used {now['gpu_used']}, " + ", ".join(
+                        f"{name} rss {p['rss'] / MIB:.1f} MiB fds {p['fds']}" for name, p in now["procs"].items()),
+                        file=sys.stderr, flush=True)
             points["end"] = settled(tail)
     finally:
         proc.terminate()
@@ -193,11 +200,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warm-up", type=int, default=0, help="cycles before the warm point (default: a tenth)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--model", default=None, help="an HF directory (default: the embedded tiny model)")
+    ap.add_argument("--dtype", default=None, help="the sidecar's (default: its own; the trainer sends the model's)")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--samples", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--kv-cache-bytes", type=int, default=16 << 20, help="CPU only")
     ap.add_argument("--max-rss-growth", type=float, default=1.0, help="percent allowed after warm-up")
+    ap.add_argument("--progress", type=int, default=0, help="a line on stderr every this many cycles (0: none)")
     ap.add_argument("--settle", type=int, default=5, help="the end's RSS is the lowest of this many last cycles")
     args = ap.parse_args(argv)
     if args.cycles < 2:

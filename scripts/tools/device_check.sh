@@ -8,7 +8,7 @@
 # tests: pytest -m cuda, its whole output in OUTDIR/pytest.log, the summary and failures printed (TEST_TIMEOUT,
 #        default 520 s). bench: each named benchmark under its own time limit, one JSON line per case into
 #        OUTDIR/bench.jsonl, stderr into OUTDIR/bench.log. The default set fits one 10-minute call; name the others
-#        (generate, rl_step, rl_step_7b, rl_step_7b_recompute, rl_step_oversample, first_batch, fp8, lora, delta, moe,
+#        (generate, rl_step, rl_step_7b, rl_step_7b_recompute, rl_step_oversample, first_batch, creep, fp8, lora, delta, moe,
 #        invariance, rollout_invariant, rollout_invariant_7b; sync_nccl on 2+ GPUs) in a call of
 #        their own. Exit status 1 if any step failed.
 # moe: every GPU figure of the MoE work (docs/moe.md "Benchmarks"): moe_layer (one A3B layer against its
@@ -61,6 +61,14 @@ bench_named() {  # one name of the list: its benchmarks
         rl_step_oversample) for over in 2 3; do bench 200 rl_step --shape qwen2-0.5b --steps 2 \
                                 --modes sync,partial_recompute --oversample "$over"; done ;;
         first_batch) bench 120 first_batch ;;
+        creep) # issue 40: 1,000 RL cycles against `sidecar launch` on a random bf16 model of the 0.5B shape
+            python3 -m sidecar.cli.main make-model /tmp/creep-0.5b --overwrite --hidden-size 896 --layers 24 \
+                --heads 14 --kv-heads 2 --intermediate-size 4864 --vocab-size 151936 --dtype bfloat16 >/dev/null
+            echo "== creep" >>"$out/bench.log"
+            timeout "${CREEP_TIMEOUT:-440}" python3 scripts/tools/creep.py --cycles "${CREEP_CYCLES:-1000}" \
+                --device cuda --model /tmp/creep-0.5b --dtype bfloat16 --progress 100 \
+                2>>"$out/bench.log" | tee -a "$out/bench.jsonl"
+            [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; echo "creep: failed or grew (bench.log)" >&2; } ;;
         invariance) bench 300 invariance --shape qwen2-0.5b --cases alone,batch,shuffled --speed-batches 1,8,32,128
                     bench 280 invariance --shape qwen2.5-7b --prompts 16 --cases alone,batch --speed-batches 1,16,64 ;;
         rollout_invariant) local flags  # the default, the mode a token a step, the mode with its own draft (k, bound)
