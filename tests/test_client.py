@@ -16,6 +16,7 @@ from inference.engine.llm import LLM
 from inference.models.tiny import TinyModelSpec, random_weights, write_model_dir
 from inference.transfer.sender import WeightSender
 from sidecar.cli.main import main
+from sidecar.cli.status import format_state
 from tests.helpers_sidecar import KV_BYTES, Sidecar, first_digest_wrong, launch
 from trainer_hooks.client import (
     SidecarChecksumError,
@@ -123,6 +124,16 @@ def test_status_cli(server: Sidecar, capsys: pytest.CaptureFixture[str]) -> None
     out = capsys.readouterr().out
     assert "healthy" in out and RANK in out
     assert main(["status", "http://127.0.0.1:1", "--timeout", "1"]) == 2
+
+
+def test_status_shows_the_engines_counters_once_it_generated() -> None:
+    state = {"healthy": True, "weight_versions": {"target": 2}, "ranks": []}
+    assert not any(line.startswith("engine") for line in format_state("u", state).splitlines())
+    state["engine"] = {"generated_tokens": 900, "prefix_cache_hit_tokens": 64, "draft_tokens_proposed": 400,
+                       "draft_tokens_accepted": 300, "preemptions": 2}
+    (line,) = [line for line in format_state("u", state).splitlines() if line.startswith("engine")]
+    assert line == ("engine     900 tokens generated, 64 prompt tokens from the prefix cache, draft acceptance "
+                    "75.0% of 400 proposed, 2 preemption(s)")
 
 
 # ---- the client alone (mock transport) ----------------------------------------------------------------

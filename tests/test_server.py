@@ -208,6 +208,9 @@ def test_state_and_metrics(client: SidecarClient) -> None:
                              "sidecar_prefix_cache_hit_tokens_total")
     assert counters["sidecar_prefix_cache_hit_tokens_total"] > 0
     assert counters["sidecar_draft_tokens_proposed_total"] == counters["sidecar_preemptions_total"] == 0
+    engine = client.state()["engine"]  # /state carries the same counters
+    assert engine["prefix_cache_hit_tokens"] == counters["sidecar_prefix_cache_hit_tokens_total"]
+    assert engine["generated_tokens"] >= 8 and engine["draft_tokens_proposed"] == engine["preemptions"] == 0
 
 
 def metric_values(text: str, *names: str) -> dict[str, float]:

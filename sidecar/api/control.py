@@ -90,6 +90,9 @@ def state_dict(state: ServerState) -> dict[str, Any]:
         "needs_sync": {m: held.get(m, {}).get("needs_sync") for m in plan.models},
         "queue_depth": d.queue_depth(), "queued_sequences": d.queued_sequences(),
         "engine_unfinished": head.unfinished if head else 0,
+        # since start, over finished requests (the counters of /metrics): tokens generated, prompt tokens from the
+        # prefix cache, draft tokens proposed and accepted, preemptions for KV blocks
+        "engine": {"generated_tokens": d.tokens_total, **getattr(d, "engine_counters", {})},
         "tp": len(state.plans), "ranks": ranks,
         "model": {k: getattr(plan, k) for k in ("model", "draft_model", "models", "dtype", "vocab_size",
                                                 "max_model_len", "block_size")},

@@ -84,6 +84,7 @@ def format_state(url: str, s: dict[str, Any]) -> str:
         f"weights    {versions or '-'}",
         "memory     " + (", ".join(f"{t}: {st}" for t, st in s.get("tags", {}).items()) or "-"),
         f"queue      {s.get('queue_depth', 0)} prompt(s) waiting or running; tp {s.get('tp')}",
+        *_engine_line(s.get("engine") or {}),
         "",
     ]
     tags = sorted({t for r in s.get("ranks", []) for t in r.get("tags", {})})
@@ -98,6 +99,19 @@ def format_state(url: str, s: dict[str, Any]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     return "\n".join(lines)
+
+
+def _engine_line(e: dict[str, Any]) -> list[str]:
+    """The engine's counters since start, in one line (none before the first finished request)."""
+    if not e.get("generated_tokens"):
+        return []
+    parts = [f"{e['generated_tokens']} tokens generated", f"{e.get('prefix_cache_hit_tokens', 0)} prompt tokens "
+             "from the prefix cache"]
+    proposed = e.get("draft_tokens_proposed", 0)
+    if proposed:
+        parts.append(f"draft acceptance {e.get('draft_tokens_accepted', 0) / proposed:.1%} of {proposed} proposed")
+    parts.append(f"{e.get('preemptions', 0)} preemption(s)")
+    return ["engine     " + ", ".join(parts)]
 
 
 def _run_fleet(urls: list[str], key: str | None, args: argparse.Namespace) -> int:
