@@ -22,3 +22,14 @@ def test_first_batch_prints_both_times_and_removes_its_cache(capsys: pytest.Capt
     assert low - 1e-3 <= line["first_over_second"] <= high + 1e-3
     assert not Path(str(line["kernel_cache"]).removeprefix("empty (").rstrip(")")).exists()
     assert capsys.readouterr().out.count("\n") == 1
+    assert line["compiled"] is None and line["compiled_in_first"] is None  # CPU: nothing compiles
+
+
+def test_the_compile_log_names_what_each_phase_compiled() -> None:
+    log = first_batch.CompileLog(True)  # as install() leaves it on CUDA; Triton calls _hook by keyword
+    log._hook(key=1, repr="_paged_attention_kernel[num_warps=4](q: *bf16, BLOCK_B: 512)", fn=None)
+    log._hook(key=2, repr="_paged_attention_kernel[num_warps=4](q: *bf16, BLOCK_B: 1024)", fn=None)
+    log.phase = "second"
+    log._hook(key=3, repr="_sample_kernel[num_warps=8](x: *fp32)", fn=None)
+    assert log.counts() == {"first": 2, "second": 1}
+    assert log.names("first") == {"_paged_attention_kernel": 2} and log.names("second") == {"_sample_kernel": 1}

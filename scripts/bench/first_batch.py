@@ -5,7 +5,10 @@ is built as `inference.LLM(...)` builds it (its start-up warm-up included: infer
 then the batch of scripts/bench/rollout.py (64 prompts x 8 samples of the 0.5B shape, seeded, by
 default) runs twice: the second time with other prompts of the same lengths and the same sample
 lengths (so no prefix-cache hit and the same schedule). One JSON line: construction and warm-up
-seconds, both batch times and tok/s, and first / second (the goal: at most 1.10).
+seconds, both batch times and tok/s, and first / second (the goal: at most 1.10). On CUDA it also counts
+the Triton kernels compiled in each phase (Triton's post-compile hook): `compiled_in_first` names what
+the first batch compiled that the start-up warm-up did not (each specialization in full on stderr), the
+warm-up's gap to close.
 
     python3 -m scripts.bench.first_batch                               # qwen2-0.5b, seeded (GPU)
     python3 -m scripts.bench.first_batch --shape tiny --prompts 2 --samples 2 --len-cap 8   # CPU smoke
@@ -62,21 +65,73 @@ def _measure(args: argparse.Namespace, rest: list[str], cache: str) -> dict[str,
     other = rollout.draw_workload(ropts, vocab, ropts.seed + 7)
     second = rollout.Workload(_same_lengths(other.prompts, first.prompts, vocab), first.lengths)
     times = []
-    for work in (first, second):
+    compiles = CompileLog.install()
+    for phase, work in (("first", first), ("second", second)):
+        compiles.phase = phase
         _sync(torch)
         t = time.perf_counter()
         rollout.run(llm, work, args.mode)
         _sync(torch)
         times.append(time.perf_counter() - t)
+    compiles.uninstall()
     tokens = first.num_tokens
     line = {"bench": "first_batch", "shape": args.shape, "mode": args.mode, "device": str(llm.worker.device),
             "samples": first.num_samples, "tokens": tokens, "kernel_cache": "empty (" + cache + ")",
             "build_s": round(built_s, 2), "warm_up_s": round(llm.warm_up_s, 2),
             "first_s": round(times[0], 4), "second_s": round(times[1], 4),
             "first_tok_s": round(tokens / times[0]), "second_tok_s": round(tokens / times[1]),
-            "first_over_second": round(times[0] / times[1], 3)}
+            "first_over_second": round(times[0] / times[1], 3),
+            "compiled": compiles.counts(), "compiled_in_first": compiles.names("first")}
+    for text in compiles.seen.get("first", []):
+        print(f"first_batch: compiled in the first batch: {text}", file=sys.stderr, flush=True)
     print(json.dumps(line), flush=True)
     return line
+
+
+class CompileLog:
+    """Triton's compiles per phase, through its post-compile hook (a kernel specialization not found in this
+    process's memory: compiled, or loaded from the disk cache, which is empty here). None on CPU."""
+
+    def __init__(self, hooked: bool) -> None:
+        self.hooked = hooked
+        self.phase = "first"
+        self.seen: dict[str, list[str]] = {}
+        self._before = None
+
+    @classmethod
+    def install(cls) -> CompileLog:
+        import torch
+
+        if not torch.cuda.is_available():
+            return cls(False)
+        from triton import knobs
+
+        log = cls(True)
+        log._before = knobs.runtime.jit_post_compile_hook
+        knobs.runtime.jit_post_compile_hook = log._hook
+        return log
+
+    def uninstall(self) -> None:
+        if self.hooked:
+            from triton import knobs
+
+            knobs.runtime.jit_post_compile_hook = self._before
+
+    def _hook(self, **info: object) -> None:  # Triton passes key, repr, fn, compile, ... by keyword
+        self.seen.setdefault(self.phase, []).append(str(info["repr"]))
+
+    def counts(self) -> dict[str, int] | None:
+        return {p: len(self.seen.get(p, [])) for p in ("first", "second")} if self.hooked else None
+
+    def names(self, phase: str) -> dict[str, int] | None:
+        """Kernel name -> specializations compiled in `phase`."""
+        if not self.hooked:
+            return None
+        out: dict[str, int] = {}
+        for text in self.seen.get(phase, []):
+            name = text.split("[", 1)[0]
+            out[name] = out.get(name, 0) + 1
+        return out
 
 
 def _same_lengths(prompts: list[list[int]], like: list[list[int]], vocab: int) -> list[list[int]]:

@@ -37,6 +37,8 @@ def launch(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
            "--device", args.device, "--log-level", "warning", "--max-model-len", "256"]
     if args.device == "cpu":
         cmd += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
+    else:  # the trainer shares the sidecar's GPU: CUDA IPC (NCCL refuses two ranks on one device)
+        cmd += ["--transfer", "ipc", "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     if args.model:
         cmd += ["--model", args.model]
     if args.dtype:
@@ -205,6 +207,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--samples", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--kv-cache-bytes", type=int, default=16 << 20, help="CPU only")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="CUDA only: the sidecar's share "
+                                                                             "(the trainer's model shares the GPU)")
     ap.add_argument("--max-rss-growth", type=float, default=1.0, help="percent allowed after warm-up")
     ap.add_argument("--progress", type=int, default=0, help="a line on stderr every this many cycles (0: none)")
     ap.add_argument("--settle", type=int, default=5, help="the end's RSS is the lowest of this many last cycles")
