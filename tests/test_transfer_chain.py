@@ -207,3 +207,18 @@ def test_a_sender_that_plans_otherwise_is_stopped_before_a_byte_moves(tmp_path: 
     finally:
         link.sender.close()
         worker.weights.close_transfer()
+
+
+def test_a_trainer_on_the_ranks_own_gpu_over_nccl_is_told_to_use_ipc() -> None:
+    """NCCL refuses two ranks on one device; the error says what to launch instead (the message is built
+    by TransferGroup._fail, which every failed collective goes through)."""
+    group = object.__new__(TransferGroup)  # only the fields _fail reads: no process group is needed for it
+    group.label, group.broken, group._data = "rank dp0:pp0:tp0 (group rank 1)", None, None
+    group.info = InitInfo("nccl", "127.0.0.1", 1, 2, BUCKET, TIMEOUT_S, new_session_id())
+    group.timeout = group.info.timeout
+    nccl = RuntimeError("NCCL error: invalid usage. Duplicate GPU detected : rank 1 and rank 0 both on CUDA "
+                        "device 60")
+    err = group._fail("broadcast", nccl)
+    assert isinstance(err, TransferError) and "Duplicate GPU detected" in str(err)
+    assert "sidecar launch --transfer ipc" in str(err) and group.broken is not None
+    assert "--transfer ipc" not in str(group._fail("broadcast", RuntimeError("connection reset")))

@@ -13,6 +13,8 @@ import importlib
 import importlib.util
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -385,3 +387,14 @@ def test_cuda_graph_replay_equals_eager(ta: ModuleType, dtype: torch.dtype) -> N
         torch.testing.assert_close(kc, want_kc, atol=0, rtol=0, equal_nan=True)
         torch.testing.assert_close(vc, want_vc, atol=0, rtol=0, equal_nan=True)
         assert torch.equal(out[6:], torch.zeros_like(out[6:]))
+
+
+def test_the_block_table_width_compiles_no_new_kernel() -> None:
+    """An eager step's block-table width follows its longest context; compiled (outside the interpreter),
+    the attention kernel must not specialize on it, or a rollout's first batch compiles what the start-up
+    warm-up's short prompts never reached (scripts/bench/first_batch.py)."""
+    code = ("from inference.layers.triton_attention_kernels import _paged_attention_kernel as k; "
+            "print(sorted(p.name for p in k.params if p.do_not_specialize))")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["['stride_bt']"]

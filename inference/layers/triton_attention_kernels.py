@@ -58,7 +58,13 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return c
 
 
-@triton.jit
+# stride_bt is the width of an eager step's block table (the longest context's blocks), so it changes with the
+# batch: specialized, Triton would compile the kernel again whenever it moved into or out of its "multiple of
+# 16" class (a longest prompt of 241-256 keys at 16-key pages). The start-up warm-up's short prompts never
+# reach that class, so the first rollout batch would compile it for each of its prefill tiles (the likeliest
+# part of the first batch's 1.76x on the H100, 2026-12-08; scripts/bench/first_batch.py names what it
+# compiles). Only one load per KV tile reads through it: no hint pays for the compiles.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention_kernel(
     q_ptr, kc_ptr, vc_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, counter_ptr,
     k_ptr, v_ptr, slot_ptr, cu_q_ptr, ctx_ptr, bt_ptr, cs_ptr, pos_ptr, num_seqs, qk_scale, window, max_rows,

@@ -392,6 +392,8 @@ class TransferGroup:
     def _fail(self, what: str, e: BaseException) -> TransferError:
         self.broken = f"{what}: {e}"
         self._abort_data()  # a timed-out device kernel (NCCL's) would spin forever: abort the communicator
+        hint = ("; the trainer and this rank share one GPU, which NCCL refuses: sync over CUDA IPC "
+                "(`sidecar launch --transfer ipc`)") if "Duplicate GPU detected" in str(e) else ""
         return TransferError(f"{what} failed on {self.label} (session {self.info.session_id}, "
-                             f"timeout {self.timeout.total_seconds():g} s): {e}")
+                             f"timeout {self.timeout.total_seconds():g} s): {e}{hint}")
 
