@@ -156,10 +156,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     points["start"] = snapshot(proc.pid)
                 if cycle + 1 == args.warm_up:
                     points["warm"] = snapshot(proc.pid)
-                if cycle >= args.cycles - args.settle:
-                    tail.append(snapshot(proc.pid))
-                if args.progress and (cycle + 1) % args.progress == 0:  # a cut-short run still says how far
-                    now = snapshot(proc.pid)
+                in_tail = cycle >= args.cycles - args.settle
+                tell = bool(args.progress) and (cycle + 1) % args.progress == 0  # a cut-short run says how far
+                now = snapshot(proc.pid) if in_tail or tell else None
+                if in_tail:
+                    tail.append(now)
+                if tell:
                     print(f"creep: cycle {cycle + 1}: gpu_used {now['gpu_used']}, " + ", ".join(
                         f"{name} rss {p['rss'] / MIB:.1f} MiB fds {p['fds']}" for name, p in now["procs"].items()),
                         file=sys.stderr, flush=True)

@@ -56,9 +56,10 @@ log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5  # the longest the driver waits without looking at its queues and clocks
 TOKENS_WINDOW_S = 10.0  # tokens/s is measured over this trailing window
-# the engine's counters on /metrics, summed over finished requests: prefix-cache hits first (num_cached_tokens),
-# then the keys of RequestOutput.metrics (draft tokens of a draft model or the batch-invariant mode's own draft)
-ENGINE_COUNTERS = ("prefix_cache_hit_tokens", "draft_tokens_proposed", "draft_tokens_accepted", "preemptions")
+# the engine's counters on /metrics, summed over finished requests: prefix-cache hits (RequestOutput's
+# num_cached_tokens), then these keys of RequestOutput.metrics (a draft model's or the batch-invariant mode's own)
+METRICS_COUNTERS = ("draft_tokens_proposed", "draft_tokens_accepted", "preemptions")
+ENGINE_COUNTERS = ("prefix_cache_hit_tokens", *METRICS_COUNTERS)
 
 
 class RankError(SidecarError):
@@ -546,7 +547,7 @@ class Driver:
             self.tokens_total += tokens
             for out in finished:
                 self.engine_counters["prefix_cache_hit_tokens"] += out.num_cached_tokens
-                for name in ENGINE_COUNTERS[1:]:
+                for name in METRICS_COUNTERS:
                     self.engine_counters[name] += int(out.metrics.get(name, 0))
             self._token_events.append((now, tokens))
             self._prune_token_events_locked(now)
